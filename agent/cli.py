@@ -1,0 +1,162 @@
+"""The `millwright` command line.
+
+Every subcommand's work lives in the module that owns the concept; this file only
+declares the arguments and maps user errors to one clear line on stderr and a non-zero
+exit code. Target modules are imported lazily so that `millwright --version` or
+`config check` never pay for BCC or gRPC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable, Optional
+
+from agent import __version__
+
+DEFAULT_CONFIG = "/etc/millwright/agent.yaml"
+
+
+class UserError(Exception):
+    """An error the user can fix; printed as one line, exit code `code`."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
+
+def _target(spec: str) -> Callable[[argparse.Namespace], int]:
+    module, _, func = spec.partition(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="millwright", description="Millwright edge agent for factory maintenance jobs.")
+    p.add_argument("--version", action="version", version=f"millwright {__version__} (contract v1)")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    def cmd(name: str, target: str, help: str, parent=sub) -> argparse.ArgumentParser:
+        sp = parent.add_parser(name, help=help, description=help)
+        sp.set_defaults(func=target)
+        return sp
+
+    def with_config(sp: argparse.ArgumentParser, required: bool = False) -> None:
+        sp.add_argument("-c", "--config", default=None if required else DEFAULT_CONFIG,
+                        required=required, help=f"agent config (default {DEFAULT_CONFIG})")
+
+    sp = cmd("run", "agent.daemon:cli_run", "run the agent in the foreground")
+    with_config(sp)
+
+    sp = cmd("demo", "agent.demo:cli_demo", "start etcd, mosquitto and 3 agents locally and show the product at work")
+    sp.add_argument("--duration", type=float, default=None, help="seconds to run (default: the whole scenario)")
+    sp.add_argument("--keep", action="store_true", help="keep the temporary directory for inspection")
+
+    sp = cmd("status", "agent.admin:cli_status", "show shards, due jobs and running runs of the local agent")
+    with_config(sp)
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp.add_argument("--socket", help="admin socket (default: admin.socket from the config)")
+
+    sp = cmd("push", "agent.cloud_cli:cli_push", "sign and publish a job document, print its status")
+    with_config(sp)
+    sp.add_argument("file", help="job document (JSON); - for stdin")
+    sp.add_argument("--key-file", required=True, help="keys file with the signing key")
+    sp.add_argument("--kid", required=True, help="key id to sign with")
+    sp.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the accepted/rejected status")
+    sp.add_argument("--no-wait", action="store_true", help="publish without waiting for the status")
+
+    sp = cmd("cancel", "agent.cloud_cli:cli_cancel", "sign and publish a cancel for a job id")
+    with_config(sp)
+    sp.add_argument("id", help="job id")
+    sp.add_argument("--key-file", required=True)
+    sp.add_argument("--kid", required=True)
+    sp.add_argument("--timeout", type=float, default=10.0)
+
+    audit = sub.add_parser("audit", help="verify or read the audit log")
+    asub = audit.add_subparsers(dest="audit_command", metavar="SUBCOMMAND")
+    sp = cmd("verify", "agent.audit:cli_verify", "verify the hash chain, MACs and checkpoints", asub)
+    with_config(sp)
+    sp.add_argument("dir", nargs="?", help="audit directory (default: audit.dir from the config)")
+    sp.add_argument("--key-file", help="audit key file (default: audit.key_file from the config)")
+    sp = cmd("show", "agent.audit:cli_show", "print audit records, filtered", asub)
+    with_config(sp)
+    sp.add_argument("dir", nargs="?", help="audit directory (default: audit.dir from the config)")
+    sp.add_argument("--type", action="append", help="record type (repeatable)")
+    sp.add_argument("--job", help="job id")
+    sp.add_argument("--since", help="RFC3339 time or a duration like 10m, 2h")
+    sp.add_argument("--until", help="RFC3339 time")
+    sp.add_argument("--json", action="store_true", help="raw JSON lines")
+
+    bpf = sub.add_parser("bpf", help="kernel sensor tools")
+    bsub = bpf.add_subparsers(dest="bpf_command", metavar="SUBCOMMAND")
+    sp = cmd("check", "agent.signals.check:cli_check", "check what the BCC sensor needs on this machine", bsub)
+    sp.add_argument("--headers-dir", help="kernel headers directory to check (default /lib/modules/$(uname -r))")
+    sp.add_argument("--tracefs", help="tracefs mount to check (default /sys/kernel/tracing)")
+    sp.add_argument("--json", action="store_true")
+
+    cfg = sub.add_parser("config", help="configuration tools")
+    csub = cfg.add_subparsers(dest="config_command", metavar="SUBCOMMAND")
+    sp = cmd("check", "agent.cli:cli_config_check", "validate a config file; one line per problem, exit 2", csub)
+    sp.add_argument("file", nargs="?", default=DEFAULT_CONFIG)
+    sp = cmd("reference", "agent.cli:cli_config_reference", "print the configuration reference (Markdown)", csub)
+    return p
+
+
+def cli_config_check(args: argparse.Namespace) -> int:
+    from agent.config import load_config
+
+    cfg = load_config(args.file)
+    print(f"{args.file}: ok (cluster {cfg.cluster}, agent {cfg.agent_id}, {cfg.shards} shards, "
+          f"{len(cfg.templates)} templates)")
+    for line in _backend_lines(cfg):
+        print(line)
+    return 0
+
+
+def _backend_lines(cfg) -> list[str]:
+    """What the runtime would choose here (quota backend, BPF); best effort."""
+    lines = []
+    try:
+        from agent.execute.backends import describe_backend  # type: ignore
+
+        lines.append("quota backend: " + describe_backend(cfg.execute.quota_backend))
+    except ImportError:
+        pass
+    except Exception as exc:  # probing must never fail a config check
+        lines.append(f"quota backend: unknown ({exc})")
+    return lines
+
+
+def cli_config_reference(args: argparse.Namespace) -> int:
+    from agent.config import reference_markdown
+
+    sys.stdout.write(reference_markdown())
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    target = getattr(args, "func", None)
+    if target is None:
+        parser.print_help(sys.stderr)
+        return 2
+    from agent.config import ConfigError
+
+    try:
+        return int(_target(target)(args) or 0)
+    except ConfigError as exc:
+        for line in exc.problems:
+            print(f"millwright: config: {line}", file=sys.stderr)
+        return 2
+    except UserError as exc:
+        print(f"millwright: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

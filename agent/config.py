@@ -1,0 +1,441 @@
+"""Typed agent configuration loaded from YAML.
+
+Every section is a dataclass whose fields carry a ``doc`` string, so that the README's
+configuration reference is generated from this file and never drifts. Loading collects
+*every* problem (key path and file) instead of stopping at the first, because an
+operator fixing a gateway's config over a slow link wants the whole list at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import re
+import socket
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def doc(text: str, **kw: Any) -> Any:
+    """A dataclass field with documentation for the generated reference."""
+    return field(metadata={"doc": text}, **kw)
+
+
+class ConfigError(Exception):
+    """Raised with one line per problem; each names the key and the file."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+@dataclass
+class TLSConfig:
+    ca: Optional[str] = doc("CA bundle (PEM) used to verify the server.", default=None)
+    cert: Optional[str] = doc("Client certificate (PEM) for mutual TLS.", default=None)
+    key: Optional[str] = doc("Client private key (PEM) for mutual TLS.", default=None)
+
+
+@dataclass
+class EtcdConfig:
+    endpoints: list[str] = doc(
+        "etcd client URLs; the agent fails over between them in order.",
+        default_factory=lambda: ["http://127.0.0.1:2379"],
+    )
+    lease_ttl_s: int = doc("Session lease TTL: shards are lost this long after the agent dies.", default=10)
+    renew_deadline_s: float = doc(
+        "Self-fence when no renewal succeeded for this long (must be < lease_ttl_s).", default=6.0
+    )
+    retry_period_s: float = doc("Keepalive period (must be < renew_deadline_s).", default=1.0)
+    request_timeout_s: float = doc("Timeout of a single etcd request.", default=2.0)
+    tls: Optional[TLSConfig] = doc("TLS settings; use https:// endpoints with it.", default=None)
+    username: Optional[str] = doc("etcd user (with password).", default=None)
+    password: Optional[str] = doc("etcd password (with username).", default=None)
+
+
+@dataclass
+class MqttConfig:
+    url: str = doc("Broker URL, mqtt://host:port or mqtts://host:port.", default="mqtt://127.0.0.1:1883")
+    client_id: Optional[str] = doc("Stable client id for the persistent session (default: millwright-<cluster>-<agent_id>).", default=None)
+    username: Optional[str] = doc("Broker user.", default=None)
+    password: Optional[str] = doc("Broker password.", default=None)
+    tls: Optional[TLSConfig] = doc("TLS settings for mqtts://.", default=None)
+    keepalive_s: int = doc("MQTT keepalive.", default=30)
+    max_payload_bytes: int = doc("Pushes larger than this are rejected with reason too_large.", default=65536)
+    ingest_grace_s: float = doc("Non-owners ingest a push only if it is not in etcd after this delay.", default=1.5)
+    max_skew_s: float = doc("Largest accepted distance between issued_at and the agent clock.", default=300.0)
+    outbox_max: int = doc("Most status documents held while the broker is unreachable.", default=100000)
+    outbox_full_policy: str = doc(
+        "When the outbox is full: drop_oldest_terminal keeps final states and drops the oldest intermediate ones.",
+        default="drop_oldest_terminal",
+    )
+
+
+@dataclass
+class SigningConfig:
+    keys_file: str = doc("Root-only YAML file mapping key id to key.", default="/etc/millwright/keys.yaml")
+
+
+@dataclass
+class AuditConfig:
+    dir: str = doc("Directory of the hash-chained audit files.", default="/var/log/millwright/audit")
+    key_file: str = doc("Root-only file with the audit HMAC key (created on first start).", default="/etc/millwright/audit.key")
+    fsync_interval_s: float = doc("Batch writes and fsync at most this often (0 = every record).", default=1.0)
+    queue_max: int = doc("Records buffered before drops are counted as a gap.", default=10000)
+    rotate_bytes: int = doc("Rotate the current file at this size.", default=16 * 1024 * 1024)
+    keep_files: int = doc("Closed files kept (oldest removed first; their checkpoints remain).", default=64)
+    node_exec: bool = doc("Record exec events from outside any job (node activity).", default=True)
+
+
+@dataclass
+class MetricsConfig:
+    listen: str = doc("host:port of the Prometheus exporter; empty disables it.", default="127.0.0.1:9810")
+
+
+@dataclass
+class AdminConfig:
+    socket: str = doc("Root-only Unix socket for `millwright status`.", default="/run/millwright/admin.sock")
+
+
+@dataclass
+class BpfConfig:
+    enabled: bool = doc("Load the BCC program; the agent runs degraded without it.", default=True)
+    mode: str = doc("Exec policy: enforce (kill the run) or monitor (record only).", default="enforce")
+    node_activity: bool = doc("Report execs outside any job as node activity.", default=True)
+    perf_pages: int = doc("Perf buffer pages per CPU for exec and state events.", default=64)
+
+
+@dataclass
+class Resources:
+    cpu: Optional[float] = doc("CPU cores (0.5 = half a core).", default=None)
+    memory_mb: Optional[int] = doc("Memory limit in MiB.", default=None)
+    pids: Optional[int] = doc("Most processes and threads.", default=None)
+
+
+@dataclass
+class HealthThresholds:
+    retrans_per_s_degraded: float = doc("Retransmits per second that make a run degraded.", default=1.0)
+    retrans_per_s_stalled: float = doc("Retransmits per second that make a run stalled.", default=3.0)
+    stall_age_s: float = doc("A connection stuck this long makes the run stalled.", default=5.0)
+    failed_connects: int = doc("Failed connects in a window that make a run degraded.", default=3)
+
+
+@dataclass
+class Template:
+    argv: list[str] = doc("Command line with {param} placeholders; never run through a shell.")
+    params: dict[str, str] = doc("Regex each param must match in full.", default_factory=dict)
+    user: str = doc("User the run executes as.", default="millwright-jobs")
+    resources: Resources = doc("Ceilings; a job's own resources are capped by these.", default_factory=Resources)
+    allow_exec: list[str] = doc("Paths and globs a job process may exec.", default_factory=list)
+    health: HealthThresholds = doc("Network health thresholds.", default_factory=HealthThresholds)
+
+
+@dataclass
+class ExecuteConfig:
+    max_concurrent: int = doc("Most runs at once on this node.", default=4)
+    memory_mb: int = doc("Memory budget for all runs together.", default=512)
+    cpu: float = doc("CPU budget for all runs together (cores).", default=1.0)
+    quota_backend: str = doc("auto, cgroup2, cgroup1 or rlimit.", default="auto")
+    output_max_bytes: int = doc("stdout/stderr kept per run (each).", default=1024 * 1024)
+    kill_grace_s: float = doc("Between SIGTERM and SIGKILL on timeout or cancel.", default=5.0)
+
+
+@dataclass
+class Config:
+    cluster: str = doc("Cluster name: etcd prefix and MQTT topic segment.", default="plant-a")
+    agent_id: str = doc("Agent id (default: the host name).", default_factory=socket.gethostname)
+    capacity: float = doc("Weight in shard assignment.", default=1.0)
+    shards: int = doc("Shard count, fixed per cluster.", default=64)
+    state_dir: str = doc("Local state (outbox, run output).", default="/var/lib/millwright")
+    drain_timeout_s: float = doc("On SIGTERM, wait this long for runs before handing shards over.", default=30.0)
+    etcd: EtcdConfig = doc("Coordination store.", default_factory=EtcdConfig)
+    mqtt: MqttConfig = doc("Cloud channel.", default_factory=MqttConfig)
+    signing: SigningConfig = doc("Job signature keys.", default_factory=SigningConfig)
+    audit: AuditConfig = doc("Tamper-evident audit log.", default_factory=AuditConfig)
+    metrics: MetricsConfig = doc("Prometheus exporter.", default_factory=MetricsConfig)
+    admin: AdminConfig = doc("Local admin endpoint.", default_factory=AdminConfig)
+    bpf: BpfConfig = doc("Kernel sensor.", default_factory=BpfConfig)
+    execute: ExecuteConfig = doc("Run execution and node budget.", default_factory=ExecuteConfig)
+    templates: dict[str, Template] = doc("Job templates the cloud may name.", default_factory=dict)
+    source: str = field(default="<defaults>", metadata={"internal": True})
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _type_name(args[0])
+    if origin is list:
+        return "a list"
+    if origin is dict:
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}.get(tp, str(tp))
+
+
+def _convert(value: Any, tp: Any, path: str, problems: list[str], src: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(value, args[0], path, problems, src)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            problems.append(f"{src}: {path}: expected {_type_name(tp)}, got {type(value).__name__}")
+            return tp() if _all_defaulted(tp) else None
+        return _build(tp, value, path, problems, src)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            problems.append(f"{src}: {path}: expected a list, got {type(value).__name__}")
+            return []
+        return [_convert(v, item_tp, f"{path}[{i}]", problems, src) for i, v in enumerate(value)]
+    if origin is dict:
+        _, val_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            problems.append(f"{src}: {path}: expected a mapping, got {type(value).__name__}")
+            return {}
+        return {str(k): _convert(v, val_tp, f"{path}.{k}", problems, src) for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            problems.append(f"{src}: {path}: expected true or false, got {value!r}")
+        return bool(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            problems.append(f"{src}: {path}: expected an integer, got {value!r}")
+            return 0
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            problems.append(f"{src}: {path}: expected a number, got {value!r}")
+            return 0.0
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            problems.append(f"{src}: {path}: expected a string, got {value!r}")
+            return str(value)
+        return value
+    return value
+
+
+def _all_defaulted(cls: Any) -> bool:
+    return all(
+        f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        for f in dataclasses.fields(cls)
+    )
+
+
+def _build(cls: Any, data: dict, path: str, problems: list[str], src: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in known:
+            problems.append(f"{src}: {where}: unknown key (known: {', '.join(sorted(known))})")
+            continue
+        kwargs[key] = _convert(value, hints[key], where, problems, src)
+    for name, f in known.items():
+        if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            where = f"{path}.{name}" if path else name
+            problems.append(f"{src}: {where}: required key is missing")
+            kwargs[name] = _convert([] if typing.get_origin(hints[name]) is list else "", hints[name], where, [], src)
+    return cls(**kwargs)
+
+
+def _endpoint_ok(url: str) -> bool:
+    m = re.match(r"^(https?)://([^/:]+|\[[0-9a-fA-F:]+\]):(\d{1,5})/?$", url)
+    return bool(m) and 0 < int(m.group(3)) < 65536
+
+
+def _validate(cfg: Config, problems: list[str]) -> None:
+    src = cfg.source
+
+    def bad(key: str, msg: str) -> None:
+        problems.append(f"{src}: {key}: {msg}")
+
+    if not NAME_RE.match(cfg.cluster or ""):
+        bad("cluster", "must match [A-Za-z0-9_-]{1,64} (it becomes an etcd prefix and an MQTT topic segment)")
+    if not ID_RE.match(cfg.agent_id or ""):
+        bad("agent_id", "must match [A-Za-z0-9._-]{1,128}")
+    if not cfg.capacity > 0:
+        bad("capacity", "must be greater than 0")
+    if not 1 <= cfg.shards <= 4096:
+        bad("shards", "must be between 1 and 4096")
+    if not cfg.state_dir:
+        bad("state_dir", "must not be empty")
+    e = cfg.etcd
+    if not e.endpoints:
+        bad("etcd.endpoints", "needs at least one endpoint")
+    for i, url in enumerate(e.endpoints):
+        if isinstance(url, str) and not _endpoint_ok(url):
+            bad(f"etcd.endpoints[{i}]", f"{url!r} is not http(s)://host:port")
+    if e.lease_ttl_s < 2:
+        bad("etcd.lease_ttl_s", "must be at least 2 seconds")
+    if not e.renew_deadline_s < e.lease_ttl_s:
+        bad("etcd.renew_deadline_s", f"must be less than etcd.lease_ttl_s ({e.lease_ttl_s}) so the agent fences itself before its lease can expire")
+    if not 0 < e.retry_period_s < e.renew_deadline_s:
+        bad("etcd.retry_period_s", f"must be greater than 0 and less than etcd.renew_deadline_s ({e.renew_deadline_s})")
+    if e.request_timeout_s <= 0:
+        bad("etcd.request_timeout_s", "must be greater than 0")
+    if (e.username is None) != (e.password is None):
+        bad("etcd.username" if e.username is None else "etcd.password", "username and password go together")
+    m = cfg.mqtt
+    if not re.match(r"^mqtts?://[^/:]+(:\d{1,5})?/?$", m.url or ""):
+        bad("mqtt.url", f"{m.url!r} is not mqtt://host:port or mqtts://host:port")
+    if m.max_payload_bytes < 1024:
+        bad("mqtt.max_payload_bytes", "must be at least 1024")
+    if m.outbox_max < 1:
+        bad("mqtt.outbox_max", "must be at least 1")
+    if m.outbox_full_policy not in ("drop_oldest_terminal", "drop_oldest", "reject_new"):
+        bad("mqtt.outbox_full_policy", "must be drop_oldest_terminal, drop_oldest or reject_new")
+    if m.ingest_grace_s < 0:
+        bad("mqtt.ingest_grace_s", "must not be negative")
+    a = cfg.audit
+    if a.fsync_interval_s < 0:
+        bad("audit.fsync_interval_s", "must not be negative")
+    if a.queue_max < 10:
+        bad("audit.queue_max", "must be at least 10")
+    if a.rotate_bytes < 4096:
+        bad("audit.rotate_bytes", "must be at least 4096")
+    if a.keep_files < 1:
+        bad("audit.keep_files", "must be at least 1")
+    if cfg.metrics.listen:
+        host, _, port = cfg.metrics.listen.rpartition(":")
+        if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            bad("metrics.listen", f"{cfg.metrics.listen!r} is not host:port")
+        else:
+            try:
+                ipaddress.ip_address(host.strip("[]"))
+            except ValueError:
+                if not re.match(r"^[A-Za-z0-9.-]+$", host):
+                    bad("metrics.listen", f"{host!r} is not a host name or address")
+    if cfg.bpf.mode not in ("enforce", "monitor"):
+        bad("bpf.mode", "must be enforce or monitor")
+    if cfg.bpf.perf_pages < 1 or cfg.bpf.perf_pages & (cfg.bpf.perf_pages - 1):
+        bad("bpf.perf_pages", "must be a power of two")
+    x = cfg.execute
+    if x.max_concurrent < 1:
+        bad("execute.max_concurrent", "must be at least 1")
+    if x.memory_mb < 1:
+        bad("execute.memory_mb", "must be at least 1")
+    if x.cpu <= 0:
+        bad("execute.cpu", "must be greater than 0")
+    if x.quota_backend not in ("auto", "cgroup2", "cgroup1", "rlimit"):
+        bad("execute.quota_backend", "must be auto, cgroup2, cgroup1 or rlimit")
+    for name, t in cfg.templates.items():
+        where = f"templates.{name}"
+        if not ID_RE.match(name):
+            bad(where, "template names must match [A-Za-z0-9._-]{1,128}")
+        if t is None:
+            continue
+        if not t.argv or not isinstance(t.argv[0], str) or not t.argv[0].startswith("/"):
+            bad(f"{where}.argv", "must be a non-empty list whose first item is an absolute path")
+        placeholders: set[str] = set()
+        for i, arg in enumerate(t.argv or []):
+            if isinstance(arg, str):
+                for ph in re.findall(r"\{([^{}]*)\}", arg):
+                    placeholders.add(ph)
+                    if ph not in t.params:
+                        bad(f"{where}.argv[{i}]", f"placeholder {{{ph}}} has no regex in {where}.params")
+        for pname, rx in t.params.items():
+            try:
+                re.compile(rx)
+            except re.error as exc:
+                bad(f"{where}.params.{pname}", f"invalid regex: {exc}")
+        if not t.user:
+            bad(f"{where}.user", "must not be empty")
+        r = t.resources
+        if r.cpu is not None and r.cpu <= 0:
+            bad(f"{where}.resources.cpu", "must be greater than 0")
+        if r.memory_mb is not None and r.memory_mb < 4:
+            bad(f"{where}.resources.memory_mb", "must be at least 4")
+        if r.pids is not None and r.pids < 1:
+            bad(f"{where}.resources.pids", "must be at least 1")
+        for i, pat in enumerate(t.allow_exec):
+            if not isinstance(pat, str) or not pat.startswith("/"):
+                bad(f"{where}.allow_exec[{i}]", "must be an absolute path or glob")
+
+
+def load_config(path: Optional[str]) -> Config:
+    """Load and validate a config file (None: the built-in defaults)."""
+    if path is None:
+        cfg = Config()
+        problems: list[str] = []
+        _validate(cfg, problems)
+        if problems:
+            raise ConfigError(problems)
+        return cfg
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
+    return parse_config(text, path)
+
+
+def parse_config(text: str, source: str = "<string>") -> Config:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError([f"{source}:{where}: invalid YAML: {problem}"]) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{source}: the top level must be a mapping"])
+    problems: list[str] = []
+    cfg = _build(Config, data, "", problems, source)
+    cfg.source = source
+    _validate(cfg, problems)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def state_path(cfg: Config, *parts: str) -> str:
+    return os.path.join(cfg.state_dir, *parts)
+
+
+def reference_markdown() -> str:
+    """The configuration reference, generated from the dataclasses (README section)."""
+    lines = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+
+    def walk(cls: Any, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("internal"):
+                continue
+            key = f"{prefix}{f.name}"
+            tp = hints[f.name]
+            inner = tp
+            if typing.get_origin(tp) is typing.Union:
+                inner = [a for a in typing.get_args(tp) if a is not type(None)][0]
+            if f.default is not dataclasses.MISSING:
+                default = repr(f.default) if f.default is not None else "—"
+            elif f.default_factory is not dataclasses.MISSING and not dataclasses.is_dataclass(inner):
+                default = "host name" if f.name == "agent_id" else repr(f.default_factory())
+            else:
+                default = "required" if f.default_factory is dataclasses.MISSING else ""
+            lines.append(f"| `{key}` | {_type_name(tp).replace('a ', '').replace('an ', '')} | {default} | {f.metadata.get('doc', '')} |")
+            if dataclasses.is_dataclass(inner):
+                walk(inner, key + ".")
+            elif typing.get_origin(inner) is dict and dataclasses.is_dataclass(typing.get_args(inner)[1]):
+                walk(typing.get_args(inner)[1], key + ".<name>.")
+
+    walk(Config, "")
+    return "\n".join(lines) + "\n"

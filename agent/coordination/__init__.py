@@ -1,0 +1,1 @@
+"""Coordination through etcd: session lease, membership, shard ownership, fencing."""

@@ -1,0 +1,54 @@
+"""The etcd key layout of the v1 contract, in one place.
+
+Any tool can find where a job lives from its id alone: the shard is the first 8 bytes
+of sha256(id), big-endian, modulo the shard count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+
+def shard_of(job_id: str, shards: int) -> int:
+    return int.from_bytes(hashlib.sha256(job_id.encode()).digest()[:8], "big") % shards
+
+
+class Keys:
+    def __init__(self, cluster: str):
+        self.prefix = f"/millwright/{cluster}/"
+
+    @staticmethod
+    def shard_name(shard: int) -> str:
+        return f"{shard:04d}"
+
+    def members_prefix(self) -> str:
+        return self.prefix + "members/"
+
+    def member(self, agent_id: str) -> str:
+        return self.members_prefix() + agent_id
+
+    def shards_prefix(self) -> str:
+        return self.prefix + "shards/"
+
+    def shard(self, shard: int) -> str:
+        return self.shards_prefix() + self.shard_name(shard)
+
+    def shard_number(self, key: str) -> int:
+        return int(key[len(self.shards_prefix()):])
+
+    def jobs_prefix(self, shard: int | None = None) -> str:
+        p = self.prefix + "jobs/"
+        return p if shard is None else p + self.shard_name(shard) + "/"
+
+    def job(self, shard: int, job_id: str) -> str:
+        return self.jobs_prefix(shard) + job_id
+
+    def runs_prefix(self, shard: int | None = None, job_id: str | None = None) -> str:
+        p = self.prefix + "runs/"
+        if shard is None:
+            return p
+        p += self.shard_name(shard) + "/"
+        return p if job_id is None else p + job_id + "/"
+
+    def run(self, shard: int, job_id: str, fire_id: str) -> str:
+        return self.runs_prefix(shard, job_id) + fire_id

@@ -1,0 +1,189 @@
+"""Local etcd and mosquitto as child processes, for the demo and the test fixtures.
+
+Each runs on free loopback ports with a temporary directory; it can be stopped,
+restarted on the same ports and data, and paused with SIGSTOP for fault tests. Only the
+processes started here are ever signalled.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from typing import Optional
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_port(host: str, port: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+class _Child:
+    name = "service"
+
+    def __init__(self, workdir: Optional[str] = None):
+        self.own_dir = workdir is None
+        self.dir = workdir or tempfile.mkdtemp(prefix=f"mw-{self.name}-")
+        self.proc: Optional[subprocess.Popen] = None
+        self.paused = False
+
+    def _argv(self) -> list[str]:
+        raise NotImplementedError
+
+    def _ready(self, timeout: float) -> bool:
+        raise NotImplementedError
+
+    def start(self, timeout: float = 15.0) -> "_Child":
+        exe = self._argv()[0]
+        if shutil.which(exe) is None:
+            raise RuntimeError(f"{exe} not found: run `make setup` (scripts/setup-host.sh) as root")
+        self.logf = open(os.path.join(self.dir, f"{self.name}.log"), "ab")
+        self.proc = subprocess.Popen(self._argv(), stdout=self.logf, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        if not self._ready(timeout):
+            tail = self.log_tail()
+            self.stop()
+            raise RuntimeError(f"{self.name} did not become ready in {timeout}s; log tail:\n{tail}")
+        return self
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            with open(os.path.join(self.dir, f"{self.name}.log"), "rb") as fh:
+                return b"\n".join(fh.read().splitlines()[-n:]).decode(errors="replace")
+        except OSError:
+            return ""
+
+    def pause(self) -> None:
+        assert self.proc
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self) -> None:
+        assert self.proc
+        os.kill(self.proc.pid, signal.SIGCONT)
+        self.paused = False
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+        if self.proc and self.proc.poll() is None:
+            if self.paused:
+                self.resume()
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        if getattr(self, "logf", None):
+            self.logf.close()
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def restart(self, timeout: float = 15.0) -> None:
+        self.stop()
+        self.start(timeout)
+
+    def close(self) -> None:
+        self.stop()
+        if self.own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class EtcdServer(_Child):
+    """A single-member etcd on loopback."""
+
+    name = "etcd"
+
+    def __init__(self, workdir: Optional[str] = None, port: Optional[int] = None):
+        super().__init__(workdir)
+        self.host = "127.0.0.1"
+        self.port = port or free_port()
+        self.peer_port = free_port()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _argv(self) -> list[str]:
+        url = self.endpoint
+        peer = f"http://{self.host}:{self.peer_port}"
+        return ["etcd", "--name", "mw", "--data-dir", os.path.join(self.dir, "data"),
+                "--listen-client-urls", url, "--advertise-client-urls", url,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"mw={peer}", "--initial-cluster-state", "new",
+                "--log-level", "warn", "--logger", "zap",
+                "--quota-backend-bytes", str(2 * 1024 ** 3), "--auto-compaction-retention", "0"]
+
+    def _ready(self, timeout: float) -> bool:
+        import urllib.request
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc and self.proc.poll() is not None:
+                return False
+            try:
+                with urllib.request.urlopen(self.endpoint + "/health", timeout=0.5) as r:
+                    if b'"true"' in r.read():
+                        return True
+            except OSError:
+                pass
+            time.sleep(0.05)
+        return False
+
+
+class MosquittoServer(_Child):
+    """A mosquitto broker on loopback with persistence (sessions survive restarts)."""
+
+    name = "mosquitto"
+
+    def __init__(self, workdir: Optional[str] = None, port: Optional[int] = None, extra_conf: str = ""):
+        super().__init__(workdir)
+        self.host = "127.0.0.1"
+        self.port = port or free_port()
+        self.extra_conf = extra_conf
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://{self.host}:{self.port}"
+
+    def _argv(self) -> list[str]:
+        conf = os.path.join(self.dir, "mosquitto.conf")
+        with open(conf, "w") as fh:
+            fh.write(
+                f"listener {self.port} {self.host}\n"
+                "allow_anonymous true\n"
+                "persistence true\n"
+                f"persistence_location {self.dir}/\n"
+                "autosave_interval 1\n"
+                "max_queued_messages 100000\n"
+                "max_inflight_messages 100\n"
+                "log_dest stdout\n"
+                "log_type error\nlog_type warning\n"
+                + self.extra_conf
+            )
+        return ["mosquitto", "-c", conf]
+
+    def _ready(self, timeout: float) -> bool:
+        return wait_port(self.host, self.port, timeout)

@@ -1,0 +1,102 @@
+"""The daemon's single-threaded event loop.
+
+All agent state is owned by the thread running :meth:`EventLoop.run`. Adapter threads
+(etcd keepalive and watches, paho's network thread, the BPF poller) never touch that
+state: they call :meth:`post`, which is the only thread-safe entry point. Timers are one
+heap on the loop, not a thread per job.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Optional
+
+log = logging.getLogger("millwright.loop")
+
+
+class Timer:
+    """Handle of a scheduled callback; cancel() is O(1) (lazy deletion)."""
+
+    __slots__ = ("when", "fn", "args", "cancelled")
+
+    def __init__(self, when: float, fn: Callable[..., Any], args: tuple):
+        self.when = when
+        self.fn = fn
+        self.args = args
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class EventLoop:
+    """A queue of callbacks plus a monotonic timer heap, run by one thread."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self._queue: "queue.SimpleQueue[tuple[Callable[..., Any], tuple]]" = queue.SimpleQueue()
+        self._heap: list[tuple[float, int, Timer]] = []
+        self._seq = itertools.count()
+        self._stopping = False
+        self._thread: Optional[threading.Thread] = None
+
+    # --- thread-safe -------------------------------------------------------------
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run fn(*args) on the loop thread. Safe from any thread."""
+        self._queue.put((fn, args))
+
+    def stop(self) -> None:
+        self.post(self._set_stopping)
+
+    # --- loop thread only ----------------------------------------------------------
+    def call_at(self, when: float, fn: Callable[..., Any], *args: Any) -> Timer:
+        """Run fn at monotonic time `when`."""
+        t = Timer(when, fn, args)
+        heapq.heappush(self._heap, (when, next(self._seq), t))
+        return t
+
+    def call_later(self, delay: float, fn: Callable[..., Any], *args: Any) -> Timer:
+        return self.call_at(self.clock() + max(0.0, delay), fn, *args)
+
+    def in_loop_thread(self) -> bool:
+        return self._thread is threading.current_thread()
+
+    def _set_stopping(self) -> None:
+        self._stopping = True
+
+    def _run_one(self, fn: Callable[..., Any], args: tuple) -> None:
+        try:
+            fn(*args)
+        except Exception:  # a bug in one handler must not kill the agent
+            log.exception("event handler %s failed", getattr(fn, "__qualname__", fn))
+
+    def run(self) -> None:
+        self._thread = threading.current_thread()
+        while not self._stopping:
+            now = self.clock()
+            while self._heap and (self._heap[0][2].cancelled or self._heap[0][0] <= now):
+                _, _, t = heapq.heappop(self._heap)
+                if not t.cancelled:
+                    self._run_one(t.fn, t.args)
+                if self._stopping:
+                    return
+            timeout = None
+            if self._heap:
+                timeout = max(0.0, self._heap[0][0] - self.clock())
+            try:
+                fn, args = self._queue.get(timeout=timeout if timeout is None or timeout < 3600 else 3600)
+            except queue.Empty:
+                continue
+            self._run_one(fn, args)
+            # drain what is already queued without re-checking timers after each item
+            for _ in range(256):
+                try:
+                    fn, args = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                self._run_one(fn, args)

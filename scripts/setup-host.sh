@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Prepare a Debian 12 / Ubuntu 22.04+ host (as root) for `make test` and `make demo`:
+# distribution packages, the kernel-headers link BCC needs, and a mounted tracefs.
+# Idempotent and fast when everything is already there (a stamp keyed on this file).
+set -euo pipefail
+
+PKGS=(
+  etcd-server etcd-client mosquitto mosquitto-clients
+  python3 python3-etcd3 python3-paho-mqtt python3-psutil python3-prometheus-client
+  python3-yaml python3-croniter python3-bpfcc bpfcc-tools python3-pytest
+  python3-hypothesis python3-cryptography python3-apscheduler python3-tz
+  nftables iproute2 procps psmisc
+)
+
+log() { printf 'setup-host: %s\n' "$*" >&2; }
+
+if [ "$(id -u)" != 0 ]; then
+  log "must run as root (installs packages, mounts tracefs)"; exit 1
+fi
+
+stamp=/var/lib/millwright-dev/setup.stamp
+want=$(sha256sum "$0" | cut -c1-16)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+
+# BCC reads generated headers from build/ and the generic ones from source/ (Debian splits
+# them into linux-headers-*-<arch> and linux-headers-*-common).
+headers_ok() {
+  local m="/lib/modules/$(uname -r)"
+  [ -e "$m/build/include/generated/autoconf.h" ] &&
+    { [ -e "$m/build/include/linux/kconfig.h" ] || [ -e "$m/source/include/linux/kconfig.h" ]; }
+}
+
+if [ ${#missing[@]} -gt 0 ] || ! headers_ok; then
+  export DEBIAN_FRONTEND=noninteractive
+  log "installing: ${missing[*]:-(none)} + kernel headers"
+  apt-get update -qq
+  if [ ${#missing[@]} -gt 0 ]; then
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+  # The distribution's services must not squat the ports tests and demos use.
+  for svc in etcd mosquitto; do
+    systemctl disable --now "$svc" >/dev/null 2>&1 || true
+    pkill -x "$svc" 2>/dev/null || true
+  done
+fi
+
+# BCC needs kernel headers at /lib/modules/$(uname -r)/build. When the running kernel has
+# no matching headers package (this CI kernel), Debian's closest linux-headers-*-amd64 works
+# for tracepoint programs; link it. On a Jetson, L4T's headers package plays that role.
+kver=$(uname -r)
+if ! headers_ok; then
+  arch=$(dpkg --print-architecture)
+  if apt-cache show "linux-headers-$kver" >/dev/null 2>&1; then
+    apt-get install -y -qq "linux-headers-$kver" >/dev/null
+  else
+    meta="linux-headers-$arch"
+    apt-get install -y -qq "$meta" >/dev/null
+    hdr=$(ls -d /usr/src/linux-headers-*-"$arch" 2>/dev/null | sort -V | tail -n1)
+    [ -n "$hdr" ] || { log "no linux-headers-*-$arch found after install"; exit 1; }
+    common=$(sed -n 's/^include \(.*\)\/Makefile$/\1/p' "$hdr/Makefile" | head -n1)
+    [ -d "$common" ] || common=$(ls -d /usr/src/linux-headers-*-common 2>/dev/null | sort -V | tail -n1)
+    mkdir -p "/lib/modules/$kver"
+    ln -sfn "$hdr" "/lib/modules/$kver/build"
+    ln -sfn "$common" "/lib/modules/$kver/source"
+    log "linked /lib/modules/$kver/{build,source} -> $hdr, $common"
+  fi
+fi
+
+if [ ! -e /sys/kernel/tracing/events ]; then
+  mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null || true
+fi
+if [ ! -e /sys/kernel/debug/tracing/events ] && [ -d /sys/kernel/debug ]; then
+  mount -t debugfs debugfs /sys/kernel/debug 2>/dev/null || true
+fi
+
+mkdir -p "$(dirname "$stamp")"; echo "$want" > "$stamp"
+log "ready (kernel $kver, headers $(readlink -f /lib/modules/$kver/build))"
