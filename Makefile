@@ -33,3 +33,11 @@ reference:
 clean:
 	rm -rf build dist .pytest_cache
 	find . -name __pycache__ -prune -exec rm -rf {} +
+
+# --- packaging (packaging/, docs/packaging.md) ---
+.PHONY: test-packaging
+deb: setup
+	@bash packaging/build.sh
+
+test-packaging: setup
+	$(PY) -m pytest -p no:cacheprovider tests/packaging $(PYTEST_ARGS)

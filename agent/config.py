@@ -91,6 +91,9 @@ class AuditConfig:
     queue_max: int = doc("Records buffered before drops are counted as a gap.", default=10000)
     rotate_bytes: int = doc("Rotate the current file at this size.", default=16 * 1024 * 1024)
     keep_files: int = doc("Closed files kept (oldest removed first; their checkpoints remain).", default=64)
+    checkpoint_interval_s: float = doc(
+        "Record the current file's position in checkpoints.jsonl this often (0 = only at stop); "
+        "bounds how much of a truncated tail can go unnoticed.", default=60.0)
     node_exec: bool = doc("Record exec events from outside any job (node activity).", default=True)
 
 
@@ -110,6 +113,8 @@ class BpfConfig:
     mode: str = doc("Exec policy: enforce (kill the run) or monitor (record only).", default="enforce")
     node_activity: bool = doc("Report execs outside any job as node activity.", default=True)
     perf_pages: int = doc("Perf buffer pages per CPU for exec and state events.", default=64)
+    window_s: float = doc("Window of the per-run and per-endpoint retransmit rates.", default=5.0)
+    sample_interval_s: float = doc("How often the kernel's per-run counters are sampled.", default=0.25)
 
 
 @dataclass
@@ -312,6 +317,8 @@ def _validate(cfg: Config, problems: list[str]) -> None:
         bad("audit.rotate_bytes", "must be at least 4096")
     if a.keep_files < 1:
         bad("audit.keep_files", "must be at least 1")
+    if a.checkpoint_interval_s < 0:
+        bad("audit.checkpoint_interval_s", "must not be negative")
     if cfg.metrics.listen:
         host, _, port = cfg.metrics.listen.rpartition(":")
         if not host or not port.isdigit() or not 0 <= int(port) < 65536:

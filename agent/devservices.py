@@ -17,6 +17,18 @@ import time
 from typing import Optional
 
 
+def _die_with_parent() -> None:
+    """preexec_fn: SIGKILL the child when the process that started it dies, so a test run
+    that is itself killed never leaves etcd, brokers or agents behind."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except OSError:
+        pass
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -55,7 +67,8 @@ class _Child:
             raise RuntimeError(f"{exe} not found: run `make setup` (scripts/setup-host.sh) as root")
         self.logf = open(os.path.join(self.dir, f"{self.name}.log"), "ab")
         self.proc = subprocess.Popen(self._argv(), stdout=self.logf, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         if not self._ready(timeout):
             tail = self.log_tail()
             self.stop()
@@ -117,21 +130,29 @@ class EtcdServer(_Child):
 
     name = "etcd"
 
-    def __init__(self, workdir: Optional[str] = None, port: Optional[int] = None):
+    def __init__(self, workdir: Optional[str] = None, port: Optional[int] = None,
+                 extra_hosts: tuple[str, ...] = ("127.0.0.2",)):
         super().__init__(workdir)
         self.host = "127.0.0.1"
         self.port = port or free_port()
         self.peer_port = free_port()
+        # The same server is also reachable on other loopback addresses, so that a test can
+        # cut one agent off (nftables on its address) while the others stay connected.
+        self.extra_hosts = extra_hosts
 
     @property
     def endpoint(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    def endpoint_on(self, host: str) -> str:
+        return f"http://{host}:{self.port}"
+
     def _argv(self) -> list[str]:
         url = self.endpoint
+        listen = ",".join([url] + [self.endpoint_on(h) for h in self.extra_hosts])
         peer = f"http://{self.host}:{self.peer_port}"
         return ["etcd", "--name", "mw", "--data-dir", os.path.join(self.dir, "data"),
-                "--listen-client-urls", url, "--advertise-client-urls", url,
+                "--listen-client-urls", listen, "--advertise-client-urls", url,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", f"mw={peer}", "--initial-cluster-state", "new",
                 "--log-level", "warn", "--logger", "zap",
@@ -187,3 +208,80 @@ class MosquittoServer(_Child):
 
     def _ready(self, timeout: float) -> bool:
         return wait_port(self.host, self.port, timeout)
+
+
+class AgentProcess:
+    """A `millwright run` child process with its own config and state dirs."""
+
+    def __init__(self, agent_id: str, base_dir: str, config: dict, python: Optional[str] = None,
+                 env: Optional[dict] = None):
+        import sys
+
+        import yaml
+
+        self.agent_id = agent_id
+        self.dir = os.path.join(base_dir, agent_id)
+        os.makedirs(self.dir, exist_ok=True)
+        cfg = {"agent_id": agent_id, "state_dir": os.path.join(self.dir, "state"),
+               "admin": {"socket": os.path.join(self.dir, "admin.sock")},
+               "metrics": {"listen": ""},
+               "audit": {"dir": os.path.join(self.dir, "audit"), "key_file": os.path.join(self.dir, "audit.key")}}
+        for k, v in config.items():
+            if isinstance(v, dict) and isinstance(cfg.get(k), dict):
+                cfg[k] = {**cfg[k], **v}
+            else:
+                cfg[k] = v
+        self.config = cfg
+        self.config_path = os.path.join(self.dir, "agent.yaml")
+        with open(self.config_path, "w") as fh:
+            yaml.safe_dump(cfg, fh)
+        self.python = python or sys.executable
+        self.env = env or {}
+        self.proc: Optional[subprocess.Popen] = None
+        self.log_path = os.path.join(self.dir, "agent.log")
+
+    def start(self) -> "AgentProcess":
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               "PYTHONUNBUFFERED": "1", **self.env}
+        self.logf = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([self.python, "-m", "agent", "run", "-c", self.config_path],
+                                     stdout=self.logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        if self.alive():
+            self.signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait()
+
+    def terminate(self, timeout: float = 30.0) -> Optional[int]:
+        if not self.alive():
+            return self.proc.returncode if self.proc else None
+        self.signal(signal.SIGCONT)
+        self.proc.terminate()
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def log_text(self) -> str:
+        try:
+            with open(self.log_path, "rb") as fh:
+                return fh.read().decode(errors="replace")
+        except OSError:
+            return ""

@@ -10,6 +10,9 @@ PKGS=(
   python3-yaml python3-croniter python3-bpfcc bpfcc-tools python3-pytest
   python3-hypothesis python3-cryptography python3-apscheduler python3-tz
   nftables iproute2 procps psmisc
+  # packaging (make deb, tests/packaging): build, lint, chroot install tests, arm64 emulation
+  debhelper dh-python dpkg-dev fakeroot help2man lintian debootstrap qemu-user-static binfmt-support
+  systemd
 )
 
 log() { printf 'setup-host: %s\n' "$*" >&2; }

@@ -1,0 +1,243 @@
+"""One MQTT client adapter for paho-mqtt 1.6 (Debian) and 2.x (PyPI).
+
+What the rest of the cloud package relies on:
+- a persistent session (MQTT 3.1.1, clean_session=False, stable client id): QoS 1 pushes
+  that arrive while the agent is down wait in its session on the broker;
+- manual acknowledgement: a received QoS 1 message is PUBACKed only when :meth:`ack` is
+  called, never when the callback returns. paho 2.x has this built in (``manual_ack=True``,
+  ``Client.ack``). paho 1.6 sends the PUBACK right after ``on_message`` returns; the adapter
+  defers it by replacing the client instance's ``_send_puback`` (a private method that is
+  stable across all 1.x releases) and calling the original from :meth:`ack`. Without that
+  method (an unknown paho) it falls back to synchronous mode: ``deferred_ack`` is False and
+  the caller must finish the durable write inside on_message, as the brief describes;
+- an ack is only sent on the connection the message came from: message ids are per
+  connection, so after a reconnect the broker redelivers instead (``generation``);
+- TLS (CA, client certificate), username/password, a last will, and reconnects with
+  capped exponential backoff (paho's own loop thread).
+
+Callbacks run on paho's network thread; they must not block.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+from urllib.parse import urlparse
+
+import paho.mqtt
+import paho.mqtt.client as paho
+
+from agent.metrics import counter, gauge
+
+log = logging.getLogger("millwright.cloud.mqtt")
+
+PAHO_VERSION = getattr(paho.mqtt, "__version__", "1")
+PAHO_MAJOR = int(PAHO_VERSION.split(".")[0] or 1)
+
+MESSAGES = counter("millwright_mqtt_messages_total", "MQTT messages by direction and topic kind",
+                   ("direction", "topic_kind"))
+CONNECTED = gauge("millwright_mqtt_connected", "1 while connected to the broker")
+CONNECTS = counter("millwright_mqtt_connects_total", "Connection attempts to the broker by result", ("result",))
+
+
+@dataclass(frozen=True)
+class Message:
+    topic: str
+    payload: bytes
+    qos: int
+    mid: int
+    dup: bool
+    generation: int
+    received: float  # time.monotonic() at arrival
+
+
+def _rc(value: Any) -> int:
+    """paho 1.6 passes ints, 2.x ReasonCode objects."""
+    v = getattr(value, "value", value)
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return -1
+
+
+class MqttLink:
+    def __init__(self, cfg, client_id: str, *, clean_session: bool = False,
+                 will: Optional[tuple[str, bytes, int, bool]] = None,
+                 on_connect: Optional[Callable[[int, bool], None]] = None,
+                 on_disconnect: Optional[Callable[[int], None]] = None,
+                 on_message: Optional[Callable[[Message], None]] = None,
+                 on_publish: Optional[Callable[[int], None]] = None,
+                 subscriptions: tuple[tuple[str, int], ...] = (),
+                 topic_kind: Callable[[str], str] = lambda t: "other",
+                 reconnect_min_s: float = 0.5, reconnect_max_s: float = 30.0,
+                 max_inflight: int = 100):
+        self.cfg = cfg
+        self.client_id = client_id
+        self.clean_session = clean_session
+        self.subscriptions = subscriptions
+        self.topic_kind = topic_kind
+        self._on_connect = on_connect
+        self._on_disconnect = on_disconnect
+        self._on_message = on_message
+        self._on_publish = on_publish
+        self._lock = threading.Lock()
+        self.generation = 0
+        self.connected = False
+        self._connected_ev = threading.Event()
+        self._started = False
+        url = urlparse(cfg.url)
+        self.host = url.hostname or "127.0.0.1"
+        self.tls = url.scheme == "mqtts" or cfg.tls is not None
+        self.port = url.port or (8883 if url.scheme == "mqtts" else 1883)
+        self.deferred_ack = True
+
+        if PAHO_MAJOR >= 2:
+            self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id,
+                                      clean_session=clean_session, protocol=paho.MQTTv311, manual_ack=True)
+        else:
+            self.client = paho.Client(client_id=client_id, clean_session=clean_session, protocol=paho.MQTTv311)
+            real = getattr(type(self.client), "_send_puback", None)
+            if real is None:  # pragma: no cover - unknown paho
+                self.deferred_ack = False
+            else:
+                self._real_puback = real
+                self.client._send_puback = lambda mid: paho.MQTT_ERR_SUCCESS  # deferred: see ack()
+        self.client.max_inflight_messages_set(max_inflight)
+        self.client.max_queued_messages_set(0)
+        self.client.reconnect_delay_set(min_delay=max(0.1, reconnect_min_s), max_delay=max(reconnect_min_s, reconnect_max_s))
+        if cfg.username is not None:
+            self.client.username_pw_set(cfg.username, cfg.password)
+        if self.tls:
+            t = cfg.tls
+            self.client.tls_set(ca_certs=getattr(t, "ca", None), certfile=getattr(t, "cert", None),
+                                keyfile=getattr(t, "key", None), cert_reqs=ssl.CERT_REQUIRED,
+                                tls_version=ssl.PROTOCOL_TLS_CLIENT)
+        if will is not None:
+            self.client.will_set(will[0], will[1], qos=will[2], retain=will[3])
+        self.client.on_connect = self._cb_connect
+        self.client.on_disconnect = self._cb_disconnect
+        self.client.on_message = self._cb_message
+        self.client.on_publish = self._cb_publish
+
+    # --- lifecycle ----------------------------------------------------------------
+    def start(self) -> "MqttLink":
+        self.client.connect_async(self.host, self.port, keepalive=self.cfg.keepalive_s)
+        self.client.loop_start()
+        self._started = True
+        return self
+
+    def wait_connected(self, timeout: float) -> bool:
+        return self._connected_ev.wait(timeout)
+
+    def stop(self, timeout: float = 2.0) -> None:
+        if not self._started:
+            return
+        self._started = False
+        try:
+            self.client.disconnect()
+        except Exception:  # pragma: no cover - already gone
+            pass
+        self.client.loop_stop()
+        with self._lock:
+            self.connected = False
+            self._connected_ev.clear()
+        CONNECTED.set(0)
+
+    # --- paho callbacks (network thread) --------------------------------------------
+    def _cb_connect(self, client, userdata, flags, rc, properties=None) -> None:
+        code = _rc(rc)
+        if code != 0:
+            CONNECTS.labels("refused").inc()
+            log.warning("broker refused the connection", extra={"fields": {"rc": code, "host": self.host,
+                                                                          "port": self.port}})
+            return
+        session_present = bool(getattr(flags, "session_present", None) if not isinstance(flags, dict)
+                               else flags.get("session present"))
+        CONNECTS.labels("ok").inc()
+        for topic, qos in self.subscriptions:
+            client.subscribe(topic, qos)
+        with self._lock:
+            self.generation += 1
+            self.connected = True
+            gen = self.generation
+            self._connected_ev.set()
+        CONNECTED.set(1)
+        log.info("connected to the broker", extra={"fields": {"host": self.host, "port": self.port,
+                                                              "client_id": self.client_id,
+                                                              "session_present": session_present,
+                                                              "paho": PAHO_VERSION}})
+        if self._on_connect:
+            try:
+                self._on_connect(gen, session_present)
+            except Exception:
+                log.exception("on_connect handler failed")
+
+    def _cb_disconnect(self, client, userdata, *args) -> None:
+        # 1.6: (rc); 2.x: (disconnect_flags, reason_code, properties)
+        rc = _rc(args[1] if len(args) >= 2 else (args[0] if args else 0))
+        with self._lock:
+            was = self.connected
+            self.connected = False
+            self.generation += 1  # acks of messages from the old connection are never sent
+            self._connected_ev.clear()
+        CONNECTED.set(0)
+        if was:
+            log.warning("disconnected from the broker; reconnecting", extra={"fields": {"rc": rc}})
+        if self._on_disconnect:
+            try:
+                self._on_disconnect(rc)
+            except Exception:
+                log.exception("on_disconnect handler failed")
+
+    def _cb_message(self, client, userdata, msg) -> None:
+        try:
+            MESSAGES.labels("in", self.topic_kind(msg.topic)).inc()
+            m = Message(msg.topic, bytes(msg.payload), msg.qos, msg.mid, bool(getattr(msg, "dup", False)),
+                        self.generation, time.monotonic())
+            if self._on_message:
+                self._on_message(m)
+        except Exception:  # never let a payload kill paho's thread
+            log.exception("message handler failed")
+
+    def _cb_publish(self, client, userdata, mid, *args) -> None:
+        if self._on_publish:
+            try:
+                self._on_publish(mid)
+            except Exception:
+                log.exception("on_publish handler failed")
+
+    # --- calls from any thread -----------------------------------------------------
+    def ack(self, msg: Message) -> bool:
+        """PUBACK a QoS 1 message, if its connection is still the current one."""
+        if msg.qos == 0:
+            return True
+        with self._lock:
+            if msg.generation != self.generation or not self.connected:
+                return False
+            if PAHO_MAJOR >= 2:
+                rc = self.client.ack(msg.mid, msg.qos)
+            elif self.deferred_ack:
+                rc = self._real_puback(self.client, msg.mid)
+            else:
+                return True  # synchronous mode: paho acks when on_message returns
+        return _rc(rc) == 0
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> tuple[int, int]:
+        """(rc, mid). rc != 0 when not connected; QoS 1 messages are still queued by paho."""
+        info = self.client.publish(topic, payload, qos=qos, retain=retain)
+        MESSAGES.labels("out", self.topic_kind(topic)).inc()
+        return _rc(info.rc), info.mid
+
+    def publish_wait(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
+                     timeout: float = 2.0) -> bool:
+        info = self.client.publish(topic, payload, qos=qos, retain=retain)
+        MESSAGES.labels("out", self.topic_kind(topic)).inc()
+        try:
+            info.wait_for_publish(timeout)
+        except (RuntimeError, ValueError):
+            return False
+        return info.is_published()

@@ -1,0 +1,292 @@
+"""The durable status outbox: SQLite in the state dir, published in order, deleted on PUBACK.
+
+Every status document (and every audit checkpoint) is first inserted here, then a publisher
+thread sends the rows in sequence order with QoS 1 and deletes a row only when the broker
+has acknowledged it (paho's on_publish). Rows survive agent restarts (kill -9 included:
+WAL with synchronous=NORMAL makes every commit survive a process crash) and broker outages:
+on reconnect paho retransmits what was in flight (same connection state, clean_session=False)
+and the publisher continues after it, so the order per job is the insertion order.
+
+Each published document carries ``seq`` (this agent's outbox sequence, never reused) so a
+consumer can drop transport duplicates by (agent, seq). A row that had already been handed
+to the broker by an earlier process is sent again with ``"redelivery": true``.
+
+Bounded: at most ``outbox_max`` rows. When full, the configured policy applies:
+- ``drop_oldest_terminal`` (default): keep the answers that matter - final run states
+  (succeeded, failed, timed_out, killed, cancelled, misfired), accepted, rejected and audit
+  checkpoints - and drop the oldest *intermediate* status (scheduled, waiting, running,
+  retrying) first; only when none is left, drop the oldest row of any kind;
+- ``drop_oldest``: drop the oldest row, whatever it is;
+- ``reject_new``: keep the backlog, drop the new document.
+Every drop is counted (millwright_mqtt_outbox_dropped_total) and reported as an audit
+``gap`` record (source mqtt_outbox), aggregated at most once per second.
+
+Also holds the ingest ledger: ids of the jobs this agent has published ``accepted`` for,
+written in the same transaction as that status, so that a redelivered push is answered
+with a status marked as a redelivery, and a push whose status never got written (a crash
+between the etcd write and the outbox) is answered with its first, unmarked status.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+from typing import Callable, Optional
+
+from agent.metrics import counter, gauge
+
+log = logging.getLogger("millwright.cloud.outbox")
+
+DEPTH = gauge("millwright_mqtt_outbox_depth", "Status documents waiting in the outbox")
+DROPPED = counter("millwright_mqtt_outbox_dropped_total", "Outbox documents dropped because it was full",
+                  ("policy",))
+PUBLISHED = counter("millwright_mqtt_outbox_published_total", "Outbox documents acknowledged by the broker")
+
+KEEP_STATES = frozenset({"accepted", "rejected", "succeeded", "failed", "timed_out", "killed", "cancelled",
+                         "misfired"})
+POLICIES = ("drop_oldest_terminal", "drop_oldest", "reject_new")
+LEDGER_KEEP_S = 7 * 86400
+
+
+def keep_state(doc: dict) -> bool:
+    """Rows the default policy keeps longest: final answers (not intermediate states)."""
+    state = doc.get("state")
+    return state is None or state in KEEP_STATES
+
+
+class Outbox:
+    def __init__(self, path: str, max_rows: int, policy: str = "drop_oldest_terminal",
+                 on_drop: Optional[Callable[[int, str], None]] = None):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown outbox policy {policy!r}")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = path
+        self.max_rows = max_rows
+        self.policy = policy
+        self.on_drop = on_drop
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("CREATE TABLE IF NOT EXISTS outbox (seq INTEGER PRIMARY KEY, topic TEXT NOT NULL, "
+                         "payload BLOB NOT NULL, keep INTEGER NOT NULL, sent INTEGER NOT NULL DEFAULT 0, "
+                         "ts REAL NOT NULL)")
+        self._db.execute("CREATE TABLE IF NOT EXISTS ledger (job_id TEXT PRIMARY KEY, ts REAL NOT NULL)")
+        self._db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v INTEGER NOT NULL)")
+        self._db.execute("DELETE FROM ledger WHERE ts < ?", (time.time() - LEDGER_KEEP_S,))
+        row = self._db.execute("SELECT v FROM meta WHERE k='seq'").fetchone()
+        top = self._db.execute("SELECT MAX(seq) FROM outbox").fetchone()[0] or 0
+        self._seq = max(row[0] if row else 0, top)
+        self._depth = self._db.execute("SELECT COUNT(*) FROM outbox").fetchone()[0]
+        self.wake = threading.Event()
+        DEPTH.set(self._depth)
+
+    # --- writers ------------------------------------------------------------------
+    def enqueue(self, topic: str, doc: dict, ledger_job_id: Optional[str] = None) -> Optional[int]:
+        """Insert one document (adds ``seq``); returns its seq, or None if the policy dropped it.
+        With ``ledger_job_id`` the ledger entry is written in the same transaction."""
+        keep = 1 if keep_state(doc) else 0
+        dropped = 0
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                if self._depth >= self.max_rows:
+                    if self.policy == "reject_new":
+                        if ledger_job_id:
+                            self._db.execute("INSERT OR REPLACE INTO ledger VALUES (?, ?)", (ledger_job_id, time.time()))
+                        self._db.execute("COMMIT")
+                        self._dropped(1)
+                        return None
+                    excess = self._depth - self.max_rows + 1
+                    dropped = self._drop_locked(excess)
+                self._seq += 1
+                seq = self._seq
+                body = dict(doc)
+                body["seq"] = seq
+                payload = json.dumps(body, separators=(",", ":"), ensure_ascii=False, default=str).encode()
+                self._db.execute("INSERT INTO outbox (seq, topic, payload, keep, ts) VALUES (?, ?, ?, ?, ?)",
+                                 (seq, topic, payload, keep, time.time()))
+                self._db.execute("INSERT OR REPLACE INTO meta VALUES ('seq', ?)", (seq,))
+                if ledger_job_id:
+                    self._db.execute("INSERT OR REPLACE INTO ledger VALUES (?, ?)", (ledger_job_id, time.time()))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._rollback()
+                raise
+            self._depth += 1 - dropped
+            DEPTH.set(self._depth)
+        if dropped:
+            self._dropped(dropped)
+        self.wake.set()
+        return seq
+
+    def _drop_locked(self, n: int) -> int:
+        victims: list[int] = []
+        if self.policy == "drop_oldest_terminal":
+            victims = [r[0] for r in self._db.execute(
+                "SELECT seq FROM outbox WHERE keep=0 ORDER BY seq LIMIT ?", (n,))]
+        if len(victims) < n:
+            have = set(victims)
+            for (seq,) in self._db.execute("SELECT seq FROM outbox ORDER BY seq LIMIT ?", (n + len(victims),)):
+                if seq not in have and len(victims) < n:
+                    victims.append(seq)
+        self._db.executemany("DELETE FROM outbox WHERE seq=?", [(s,) for s in victims])
+        return len(victims)
+
+    def _dropped(self, n: int) -> None:
+        DROPPED.labels(self.policy).inc(n)
+        if self.on_drop:
+            try:
+                self.on_drop(n, self.policy)
+            except Exception:
+                log.exception("outbox drop callback failed")
+
+    def _rollback(self) -> None:
+        try:
+            self._db.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
+
+    def in_ledger(self, job_id: str) -> bool:
+        with self._lock:
+            return self._db.execute("SELECT 1 FROM ledger WHERE job_id=?", (job_id,)).fetchone() is not None
+
+    # --- publisher side --------------------------------------------------------------
+    def batch(self, after_seq: int, limit: int) -> list[tuple[int, str, bytes, int]]:
+        with self._lock:
+            return list(self._db.execute("SELECT seq, topic, payload, sent FROM outbox WHERE seq > ? "
+                                         "ORDER BY seq LIMIT ?", (after_seq, limit)))
+
+    def mark_sent(self, seqs: list[int]) -> None:
+        if not seqs:
+            return
+        with self._lock:
+            self._db.executemany("UPDATE outbox SET sent=1 WHERE seq=? AND sent=0", [(s,) for s in seqs])
+
+    def delete(self, seqs: list[int]) -> None:
+        if not seqs:
+            return
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                n = 0
+                for s in seqs:
+                    n += self._db.execute("DELETE FROM outbox WHERE seq=?", (s,)).rowcount
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._rollback()
+                raise
+            self._depth -= n
+            DEPTH.set(self._depth)
+        PUBLISHED.inc(n)
+
+    @property
+    def depth(self) -> int:
+        return self._depth
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+class OutboxPublisher:
+    """Sends outbox rows in order over a link (MqttLink), at most ``window`` unacknowledged."""
+
+    def __init__(self, outbox: Outbox, link, window: int = 64, resend_after_s: float = 60.0,
+                 on_tick: Optional[Callable[[], None]] = None):
+        self.outbox = outbox
+        self.link = link
+        self.window = window
+        self.resend_after_s = resend_after_s
+        self.on_tick = on_tick
+        self._lock = threading.Lock()
+        self._inflight: dict[int, tuple[int, float]] = {}  # mid -> (seq, sent_at)
+        self._acked: list[int] = []
+        self._cursor = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> "OutboxPublisher":
+        self._thread = threading.Thread(target=self._run, name="mqtt-outbox", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        self.outbox.wake.set()
+        if self._thread:
+            self._thread.join(timeout)
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until the outbox is empty (for a clean stop); True if it is."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.outbox.depth == 0:
+                return True
+            self.outbox.wake.set()
+            time.sleep(0.02)
+        return self.outbox.depth == 0
+
+    def on_publish(self, mid: int) -> None:  # paho thread
+        with self._lock:
+            entry = self._inflight.pop(mid, None)
+            if entry is not None:
+                self._acked.append(entry[0])
+        if entry is not None:
+            self.outbox.wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.outbox.wake.wait(0.2)
+            self.outbox.wake.clear()
+            try:
+                self._step()
+            except Exception:
+                log.exception("outbox publisher step failed")
+                time.sleep(0.5)
+            if self.on_tick:
+                try:
+                    self.on_tick()
+                except Exception:
+                    log.exception("outbox tick failed")
+
+    def _step(self) -> None:
+        with self._lock:
+            acked, self._acked = self._acked, []
+        self.outbox.delete(acked)
+        if not self.link.connected:
+            return
+        with self._lock:
+            if self._inflight:
+                oldest = min(t for _, t in self._inflight.values())
+                if time.monotonic() - oldest > self.resend_after_s:
+                    # paho lost track of them (should not happen): send again from the table
+                    log.warning("outbox: unacknowledged messages re-sent",
+                                extra={"fields": {"count": len(self._inflight)}})
+                    self._inflight.clear()
+                    self._cursor = 0
+            room = self.window - len(self._inflight)
+        if room <= 0:
+            return
+        rows = self.outbox.batch(self._cursor, room)
+        if not rows:
+            return
+        self.outbox.mark_sent([r[0] for r in rows if not r[3]])
+        for seq, topic, payload, sent in rows:
+            if sent:
+                try:
+                    doc = json.loads(payload)
+                    doc["redelivery"] = True
+                    payload = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+                except ValueError:
+                    pass
+            with self._lock:
+                rc, mid = self.link.publish(topic, payload, qos=1)
+                self._inflight[mid] = (seq, time.monotonic())
+                self._cursor = seq
+        if len(rows) == room:
+            self.outbox.wake.set()

@@ -1,0 +1,258 @@
+"""A small, thread-safe etcd v3 client over python-etcd3's gRPC stubs.
+
+Why not use etcd3.Etcd3Client directly everywhere: it talks to one endpoint, its
+transaction() drops the response header (we need revisions for fencing and for the
+history checker), and its Watcher thread leaks and spins at 100% CPU after a broken
+connection (see watch.py). We keep its generated stubs and request builders, add
+endpoint failover, per-call deadlines, TLS and auth, and turn every transport failure
+into one exception type, :class:`EtcdUnavailable`, that callers retry with backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+from urllib.parse import urlparse
+
+import grpc
+
+import etcd3
+import etcd3.etcdrpc as rpc
+from etcd3 import transactions as tx
+from etcd3 import utils as etcd_utils
+
+from agent.config import EtcdConfig
+from agent.metrics import counter
+
+log = logging.getLogger("millwright.etcd")
+
+REQUESTS = counter("millwright_etcd_requests_total", "etcd requests by operation and result", ("op", "result"))
+FAILOVERS = counter("millwright_etcd_endpoint_failovers_total", "Switches to the next etcd endpoint")
+
+# ops and compares, re-exported so callers need only this module
+Put = tx.Put
+Delete = tx.Delete
+Get = tx.Get
+Create = tx.Create
+Mod = tx.Mod
+Version = tx.Version
+Value = tx.Value
+
+
+class EtcdUnavailable(Exception):
+    """Transport failure (unreachable, timeout, leader lost). Retry with backoff."""
+
+
+class EtcdError(Exception):
+    """etcd answered with an error that retrying will not fix."""
+
+
+@dataclass(frozen=True)
+class KV:
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    lease: int
+
+
+@dataclass(frozen=True)
+class TxnResult:
+    succeeded: bool
+    revision: int
+    responses: list
+
+
+def _kv(kv: Any) -> KV:
+    return KV(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision, kv.version, kv.lease)
+
+
+_TRANSPORT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                    grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+
+
+class EtcdClient:
+    """Endpoint failover in config order; one gRPC channel at a time."""
+
+    def __init__(self, cfg: EtcdConfig):
+        self.cfg = cfg
+        self.timeout = cfg.request_timeout_s
+        self._lock = threading.Lock()
+        self._index = 0
+        self._client: Optional[etcd3.Etcd3Client] = None
+        self._generation = 0
+
+    # --- connection management ------------------------------------------------------
+    @property
+    def endpoint(self) -> str:
+        return self.cfg.endpoints[self._index % len(self.cfg.endpoints)]
+
+    def endpoint_hostport(self) -> tuple[str, int]:
+        u = urlparse(self.endpoint)
+        return u.hostname or "127.0.0.1", u.port or 2379
+
+    def _connect(self) -> etcd3.Etcd3Client:
+        u = urlparse(self.endpoint)
+        tls = self.cfg.tls
+        kwargs: dict[str, Any] = dict(host=u.hostname, port=u.port or 2379, timeout=self.timeout,
+                                      grpc_options=[("grpc.enable_retries", 0),
+                                                    ("grpc.initial_reconnect_backoff_ms", 200),
+                                                    ("grpc.max_reconnect_backoff_ms", 2000)])
+        if u.scheme == "https" or tls is not None:
+            if tls is None or not tls.ca:
+                raise EtcdError(f"{self.endpoint}: https needs etcd.tls.ca")
+            kwargs.update(ca_cert=tls.ca, cert_cert=tls.cert, cert_key=tls.key)
+        if self.cfg.username is not None:
+            kwargs.update(user=self.cfg.username, password=self.cfg.password)
+        try:
+            return etcd3.Etcd3Client(**kwargs)
+        except grpc.RpcError as exc:
+            raise self._translate(exc, "connect") from None
+        except etcd3.exceptions.Etcd3Exception as exc:
+            raise EtcdUnavailable(f"{self.endpoint}: {exc}") from None
+
+    def client(self) -> tuple[etcd3.Etcd3Client, int]:
+        with self._lock:
+            if self._client is None:
+                self._client = self._connect()
+            return self._client, self._generation
+
+    def _failover(self, generation: int) -> None:
+        """Drop the channel and move to the next endpoint (once per failure generation)."""
+        with self._lock:
+            if generation != self._generation:
+                return
+            old, self._client = self._client, None
+            self._generation += 1
+            if len(self.cfg.endpoints) > 1:
+                self._index = (self._index + 1) % len(self.cfg.endpoints)
+                FAILOVERS.inc()
+                log.warning("switching etcd endpoint", extra={"fields": {"endpoint": self.endpoint}})
+        if old is not None:
+            try:
+                old.close()
+            except Exception:
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            c, self._client = self._client, None
+        if c is not None:
+            c.close()
+
+    def _translate(self, exc: grpc.RpcError, op: str) -> Exception:
+        code = exc.code() if hasattr(exc, "code") else None
+        detail = exc.details() if hasattr(exc, "details") else str(exc)
+        REQUESTS.labels(op, "unavailable" if code in _TRANSPORT_CODES else "error").inc()
+        if code in _TRANSPORT_CODES:
+            return EtcdUnavailable(f"{self.endpoint}: {op}: {code.name if code else '?'} {detail or ''}".strip())
+        return EtcdError(f"{self.endpoint}: {op}: {code.name if code else '?'} {detail or ''}".strip())
+
+    def _call(self, op: str, fn, timeout: Optional[float] = None):
+        c, gen = self.client()
+        try:
+            result = fn(c, timeout or self.timeout)
+        except grpc.RpcError as exc:
+            err = self._translate(exc, op)
+            if isinstance(err, EtcdUnavailable):
+                self._failover(gen)
+            raise err from None
+        REQUESTS.labels(op, "ok").inc()
+        return result
+
+    def _md(self, c: etcd3.Etcd3Client) -> dict:
+        return dict(credentials=c.call_credentials, metadata=c.metadata)
+
+    # --- KV --------------------------------------------------------------------------
+    def get(self, key: str, timeout: Optional[float] = None) -> Optional[KV]:
+        def fn(c, t):
+            r = c.kvstub.Range(rpc.RangeRequest(key=key.encode()), t, **self._md(c))
+            return _kv(r.kvs[0]) if r.kvs else None
+        return self._call("get", fn, timeout)
+
+    def get_prefix(self, prefix: str, keys_only: bool = False, revision: int = 0,
+                   timeout: Optional[float] = None) -> tuple[list[KV], int]:
+        """All keys under prefix, and the store revision they were read at."""
+        def fn(c, t):
+            req = rpc.RangeRequest(key=prefix.encode(), range_end=etcd_utils.increment_last_byte(prefix.encode()),
+                                   keys_only=keys_only, revision=revision,
+                                   sort_order=rpc.RangeRequest.ASCEND, sort_target=rpc.RangeRequest.KEY)
+            r = c.kvstub.Range(req, t, **self._md(c))
+            return [_kv(kv) for kv in r.kvs], r.header.revision
+        return self._call("get_prefix", fn, timeout)
+
+    def put(self, key: str, value: bytes | str, lease: int = 0, timeout: Optional[float] = None) -> int:
+        def fn(c, t):
+            req = rpc.PutRequest(key=key.encode(), value=etcd_utils.to_bytes(value), lease=lease)
+            return c.kvstub.Put(req, t, **self._md(c)).header.revision
+        return self._call("put", fn, timeout)
+
+    def delete(self, key: str, timeout: Optional[float] = None) -> int:
+        def fn(c, t):
+            return c.kvstub.DeleteRange(rpc.DeleteRangeRequest(key=key.encode()), t, **self._md(c)).header.revision
+        return self._call("delete", fn, timeout)
+
+    def txn(self, compare: Iterable[Any], success: Iterable[Any] = (), failure: Iterable[Any] = (),
+            timeout: Optional[float] = None) -> TxnResult:
+        def fn(c, t):
+            req = rpc.TxnRequest(compare=[x.build_message() for x in compare],
+                                 success=c._ops_to_requests(list(success)),
+                                 failure=c._ops_to_requests(list(failure)))
+            r = c.kvstub.Txn(req, t, **self._md(c))
+            out = []
+            for resp in r.responses:
+                kind = resp.WhichOneof("response")
+                if kind == "response_range":
+                    out.append([_kv(kv) for kv in resp.response_range.kvs])
+                else:
+                    out.append(getattr(resp, kind))
+            return TxnResult(r.succeeded, r.header.revision, out)
+        return self._call("txn", fn, timeout)
+
+    # --- leases ----------------------------------------------------------------------
+    def lease_grant(self, ttl: int, timeout: Optional[float] = None) -> tuple[int, int]:
+        def fn(c, t):
+            r = c.leasestub.LeaseGrant(rpc.LeaseGrantRequest(TTL=ttl, ID=0), t, **self._md(c))
+            if r.error:
+                raise EtcdError(f"lease grant: {r.error}")
+            return r.ID, r.TTL
+        return self._call("lease_grant", fn, timeout)
+
+    def lease_keepalive(self, lease_id: int, timeout: Optional[float] = None) -> int:
+        """One keepalive round trip; returns the remaining TTL (0: the lease is gone)."""
+        def fn(c, t):
+            stream = c.leasestub.LeaseKeepAlive(iter([rpc.LeaseKeepAliveRequest(ID=lease_id)]), t, **self._md(c))
+            try:
+                for r in stream:
+                    return r.TTL
+                return 0
+            finally:
+                stream.cancel()
+        return self._call("lease_keepalive", fn, timeout)
+
+    def lease_revoke(self, lease_id: int, timeout: Optional[float] = None) -> None:
+        def fn(c, t):
+            try:
+                c.leasestub.LeaseRevoke(rpc.LeaseRevokeRequest(ID=lease_id), t, **self._md(c))
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    return None
+                raise
+        return self._call("lease_revoke", fn, timeout)
+
+    def lease_ttl(self, lease_id: int, timeout: Optional[float] = None) -> int:
+        def fn(c, t):
+            return c.leasestub.LeaseTimeToLive(rpc.LeaseTimeToLiveRequest(ID=lease_id), t, **self._md(c)).TTL
+        return self._call("lease_ttl", fn, timeout)
+
+    # --- watch (used by watch.PrefixWatch) ----------------------------------------------
+    def open_watch(self, request_iter, prefix: str):
+        """Open a raw Watch stream on the current channel; returns (call, generation)."""
+        c, gen = self.client()
+        return rpc.WatchStub(c.channel).Watch(request_iter, **self._md(c)), gen
+
+    def report_stream_failure(self, generation: int) -> None:
+        self._failover(generation)

@@ -1,0 +1,157 @@
+"""The durable job store: jobs/<NNNN>/<job_id> in etcd.
+
+Values are the job document as pushed (signature included), plus reserved keys that
+start with "_": `_accepted` {at, by} written once at creation (the anchor for relative
+schedules, identical on every agent) and `_cancelled` {at, by} once cancelled. A cancel
+that arrives before its push leaves a tombstone, so a later push of that id is refused.
+
+Create is idempotent and needs one round trip: a create-revision==0 transaction that
+reads the existing value in its failure branch. Same id + same canonical content is a
+no-op; different content is a conflict. Thread-safe: the MQTT ingest path calls it from
+paho's thread (the durable write must finish before the PUBACK).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Optional
+
+from agent.coordination.etcd import KV, Create, EtcdClient, Get, Mod, Put
+from agent.coordination.keys import Keys, shard_of
+from agent.metrics import counter
+
+STORE_OPS = counter("millwright_job_store_ops_total", "Job store operations by result", ("op", "result"))
+
+CREATED = "created"
+EXISTS = "exists"
+
+
+class JobConflict(Exception):
+    """Same id, different content."""
+
+
+class JobCancelled(Exception):
+    """The id was cancelled: a replay is refused."""
+
+
+def _now_rfc3339() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def public_doc(stored: dict) -> dict:
+    """The job document without the store's reserved keys."""
+    return {k: v for k, v in stored.items() if not k.startswith("_")}
+
+
+def _canonical(doc: dict) -> bytes:
+    return json.dumps(public_doc(doc), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+@dataclass(frozen=True)
+class StoredJob:
+    shard: int
+    doc: dict            # as stored, reserved keys included
+    revision: int        # mod revision (for compare-and-swap)
+    create_revision: int
+
+    @property
+    def id(self) -> str:
+        return self.doc.get("id", "")
+
+    @property
+    def cancelled(self) -> bool:
+        return "_cancelled" in self.doc
+
+    @property
+    def tombstone(self) -> bool:
+        return self.doc.get("_tombstone", False)
+
+    @property
+    def accepted_at(self) -> Optional[str]:
+        return (self.doc.get("_accepted") or {}).get("at")
+
+
+def _stored(shard: int, kv: KV) -> StoredJob:
+    return StoredJob(shard, json.loads(kv.value), kv.mod_revision, kv.create_revision)
+
+
+class JobStore:
+    def __init__(self, client: EtcdClient, keys: Keys, shards: int, agent_id: str):
+        self.client = client
+        self.keys = keys
+        self.shards = shards
+        self.agent_id = agent_id
+
+    def key(self, job_id: str) -> tuple[int, str]:
+        s = shard_of(job_id, self.shards)
+        return s, self.keys.job(s, job_id)
+
+    def create(self, doc: dict) -> tuple[str, StoredJob]:
+        """Store a validated job document. Returns (CREATED|EXISTS, stored).
+        Raises JobConflict, JobCancelled, EtcdUnavailable."""
+        shard, key = self.key(doc["id"])
+        stored = dict(doc)
+        stored["_accepted"] = {"at": _now_rfc3339(), "by": self.agent_id}
+        value = json.dumps(stored, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        r = self.client.txn([Create(key) == 0], [Put(key, value)], [Get(key)])
+        if r.succeeded:
+            STORE_OPS.labels("create", "created").inc()
+            return CREATED, StoredJob(shard, stored, r.revision, r.revision)
+        kvs = r.responses[0]
+        if not kvs:  # deleted between compare and read: cannot happen in one txn, but be safe
+            return self.create(doc)
+        existing = _stored(shard, kvs[0])
+        if existing.cancelled or existing.tombstone:
+            STORE_OPS.labels("create", "cancelled").inc()
+            raise JobCancelled(f"job {doc['id']} was cancelled at {existing.doc['_cancelled'].get('at')}")
+        if _canonical(existing.doc) != _canonical(doc):
+            STORE_OPS.labels("create", "conflict").inc()
+            raise JobConflict(f"job {doc['id']} exists with different content")
+        STORE_OPS.labels("create", "exists").inc()
+        return EXISTS, existing
+
+    def get(self, job_id: str) -> Optional[StoredJob]:
+        shard, key = self.key(job_id)
+        kv = self.client.get(key)
+        return _stored(shard, kv) if kv else None
+
+    def exists(self, job_id: str) -> bool:
+        return self.get(job_id) is not None
+
+    def cancel(self, job_id: str, reason: str = "cancelled") -> tuple[str, Optional[StoredJob]]:
+        """Mark a job cancelled (or leave a tombstone). Returns (state, stored):
+        'cancelled', 'already_cancelled' or 'tombstone'."""
+        shard, key = self.key(job_id)
+        mark = {"at": _now_rfc3339(), "by": self.agent_id, "reason": reason}
+        for _ in range(5):
+            kv = self.client.get(key)
+            if kv is None:
+                tomb = json.dumps({"id": job_id, "_tombstone": True, "_cancelled": mark}, sort_keys=True)
+                r = self.client.txn([Create(key) == 0], [Put(key, tomb)], [])
+                if r.succeeded:
+                    STORE_OPS.labels("cancel", "tombstone").inc()
+                    return "tombstone", None
+                continue
+            cur = _stored(shard, kv)
+            if cur.cancelled:
+                return "already_cancelled", cur
+            doc = dict(cur.doc)
+            doc["_cancelled"] = mark
+            value = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+            r = self.client.txn([Mod(key) == kv.mod_revision], [Put(key, value)], [])
+            if r.succeeded:
+                STORE_OPS.labels("cancel", "cancelled").inc()
+                return "cancelled", StoredJob(shard, doc, r.revision, cur.create_revision)
+        raise JobConflict(f"job {job_id} changed while cancelling; retry")
+
+    def list_shard(self, shard: int) -> tuple[list[StoredJob], int]:
+        kvs, rev = self.client.get_prefix(self.keys.jobs_prefix(shard))
+        out = []
+        for kv in kvs:
+            try:
+                out.append(_stored(shard, kv))
+            except ValueError:
+                continue
+        return out, rev

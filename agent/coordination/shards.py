@@ -1,0 +1,342 @@
+"""Shard ownership: which shards this agent should hold, claims, releases and losses.
+
+Owned by the loop thread. Inputs are the members/ and shards/ watches, session events
+and results of etcd operations run on worker threads. Desired ownership is weighted
+rendezvous hashing over *available* live members. A shard is claimed with a
+create-revision==0 transaction bound to the session lease; its create revision becomes
+the fencing token. The desired owner of an unowned shard claims it at once; the others
+wait in rank order (a short stagger each) so a slow owner never leaves a shard orphaned.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from agent.coordination import hrw
+from agent.coordination.etcd import Create, Delete, EtcdClient, KV, Put
+from agent.coordination.fencing import Fence, StaleToken, fenced_txn
+from agent.coordination.keys import Keys
+from agent.coordination.watch import WatchEvent
+from agent.coordination.worker import EtcdWorkers
+from agent.metrics import counter, gauge
+
+log = logging.getLogger("millwright.shards")
+
+SHARDS_OWNED = gauge("millwright_shards_owned", "Shards this agent holds")
+SHARD_EVENTS = counter("millwright_shard_events_total", "Shard ownership changes", ("event",))
+MEMBERS = gauge("millwright_members", "Live members seen in etcd")
+
+
+@dataclass(frozen=True)
+class Holder:
+    agent: str
+    token: int  # create revision
+    lease: int
+
+
+@dataclass
+class Member:
+    agent: str
+    capacity: float
+    available: bool
+    lease: int
+
+
+class ShardManager:
+    def __init__(self, agent_id: str, shards: int, keys: Keys, client: EtcdClient, workers: EtcdWorkers,
+                 loop, on_acquired: Callable[[Fence], None], on_lost: Callable[[int, str], None],
+                 busy: Callable[[int], bool] = lambda s: False, claim_stagger_s: float = 0.3,
+                 clock: Callable[[], float] = time.monotonic):
+        self.me = agent_id
+        self.shards = shards
+        self.keys = keys
+        self.client = client
+        self.workers = workers
+        self.loop = loop
+        self.on_acquired = on_acquired
+        self.on_lost = on_lost
+        self.busy = busy
+        self.claim_stagger_s = claim_stagger_s
+        self.clock = clock
+        self.members: dict[str, Member] = {}
+        self.holders: dict[int, Holder] = {}
+        self.mine: dict[int, Fence] = {}
+        self.lease: Optional[int] = None  # current session lease, None while fenced
+        self.registered = False
+        self.draining = False
+        self.unavailable_reason: Optional[str] = None  # voluntary hand-off (health policy)
+        self._claiming: set[int] = set()
+        self._releasing: set[int] = set()
+        self._fallback: dict[int, object] = {}
+        self._reconcile_timer = None
+        self.members_rev = 0
+        self.shards_rev = 0
+        self._plan_key: tuple = ()
+        self._plan_cache: dict[int, str] = {}
+
+    # --- views --------------------------------------------------------------------
+    def available_members(self) -> dict[str, float]:
+        return {m.agent: m.capacity for m in self.members.values() if m.available}
+
+    def desired(self) -> dict[int, str]:
+        return self._plan(self.available_members())
+
+    def _plan(self, members: dict[str, float]) -> dict[int, str]:
+        key = tuple(sorted(members.items()))
+        if key != self._plan_key:
+            self._plan_key, self._plan_cache = key, hrw.assignment(self.shards, members)
+        return self._plan_cache
+
+    def owns(self, shard: int) -> Optional[Fence]:
+        """The fence for shard if this agent may act for it right now."""
+        if self.lease is None or shard in self._releasing:
+            return None
+        return self.mine.get(shard)
+
+    # --- watch input ------------------------------------------------------------------
+    def members_snapshot(self, kvs: list[KV], rev: int) -> None:
+        self.members = {}
+        for kv in kvs:
+            self._member_put(kv)
+        self.members_rev = rev
+        self._changed()
+
+    def members_events(self, events: list[WatchEvent], rev: int) -> None:
+        for ev in events:
+            agent = ev.kv.key[len(self.keys.members_prefix()):]
+            if ev.kind == "put":
+                self._member_put(ev.kv)
+            else:
+                self.members.pop(agent, None)
+                if agent == self.me:
+                    self.registered = False
+        self.members_rev = rev
+        self._changed()
+
+    def _member_put(self, kv: KV) -> None:
+        agent = kv.key[len(self.keys.members_prefix()):]
+        try:
+            info = json.loads(kv.value)
+            cap = float(info.get("capacity", 1.0))
+            available = bool(info.get("available", True))
+        except (ValueError, TypeError, AttributeError):
+            cap, available = 1.0, True
+        self.members[agent] = Member(agent, cap if cap > 0 else 1.0, available, kv.lease)
+        if agent == self.me and kv.lease == self.lease:
+            self.registered = True
+
+    def shards_snapshot(self, kvs: list[KV], rev: int) -> None:
+        old = self.holders
+        self.holders = {}
+        for kv in kvs:
+            s = self.keys.shard_number(kv.key)
+            self.holders[s] = Holder(kv.value.decode(errors="replace"), kv.create_revision, kv.lease)
+        self.shards_rev = rev
+        for s in list(self.mine):
+            h = self.holders.get(s)
+            if h is None or h.token != self.mine[s].token:
+                self._lose(s, "key_gone")
+        del old
+        self._changed()
+
+    def shards_events(self, events: list[WatchEvent], rev: int) -> None:
+        for ev in events:
+            try:
+                s = self.keys.shard_number(ev.kv.key)
+            except ValueError:
+                continue
+            if ev.kind == "put":
+                self.holders[s] = Holder(ev.kv.value.decode(errors="replace"), ev.kv.create_revision, ev.kv.lease)
+                if s in self.mine and self.mine[s].token != ev.kv.create_revision:
+                    self._lose(s, "replaced")
+            else:
+                self.holders.pop(s, None)
+                if s in self.mine:
+                    self._lose(s, "key_gone")
+        self.shards_rev = rev
+        self._changed()
+
+    # --- session input -------------------------------------------------------------------
+    def session_granted(self, lease_id: int, capacity: float, info: dict) -> None:
+        self.lease = lease_id
+        self.registered = False
+        self._register(capacity, info)
+
+    def _register(self, capacity: float, info: dict) -> None:
+        lease = self.lease
+        key = self.keys.member(self.me)
+        value = json.dumps({"v": 1, "agent": self.me, "capacity": capacity,
+                            "available": self.unavailable_reason is None and not self.draining,
+                            "reason": self.unavailable_reason, "lease": f"{lease:x}", **info})
+        self._member_value = (capacity, info)
+
+        def op():
+            # Never overwrite a live registration bound to another lease: that is either our
+            # previous incarnation (it expires within the TTL) or a duplicate agent id.
+            r = self.client.txn([Create(key) == 0], [Put(key, value, lease=lease)], [])
+            if r.succeeded:
+                return "registered"
+            cur = self.client.get(key)
+            if cur is None:
+                return "retry"
+            if cur.lease == lease:
+                self.client.put(key, value, lease=lease)
+                return "registered"
+            return f"busy:{cur.lease:x}"
+
+        def done(result, error):
+            if lease != self.lease:
+                return
+            if error is not None or result == "retry" or (result or "").startswith("busy"):
+                if result and result.startswith("busy"):
+                    log.warning("member key held by another lease (previous incarnation or duplicate agent_id); "
+                                "waiting for it to expire", extra={"fields": {"lease": result[5:]}})
+                elif error is not None:
+                    log.warning("member registration failed; retrying", extra={"fields": {"error": str(error)}})
+                self.loop.call_later(0.5, self._register_again, lease)
+                return
+            self.registered = True
+            log.info("registered as member", extra={"fields": {"lease": f"{lease:x}"}})
+            self._changed()
+
+        self.workers.submit(op, done)
+
+    def _register_again(self, lease: int) -> None:
+        if lease == self.lease and not self.registered:
+            self._register(*self._member_value)
+
+    def update_member(self) -> None:
+        """Re-publish our member record (availability changed)."""
+        if self.lease is not None and self.registered:
+            lease = self.lease
+            cap, info = self._member_value
+            value = json.dumps({"v": 1, "agent": self.me, "capacity": cap,
+                                "available": self.unavailable_reason is None and not self.draining,
+                                "reason": self.unavailable_reason, "lease": f"{lease:x}", **info})
+            self.workers.submit(lambda: self.client.put(self.keys.member(self.me), value, lease=lease),
+                                lambda r, e: None)
+
+    def fence(self, reason: str) -> None:
+        """Stop acting for every shard at once (renew deadline passed or lease lost)."""
+        self.lease = None
+        self.registered = False
+        for s in list(self.mine):
+            self._lose(s, reason)
+        self._claiming.clear()
+        self._releasing.clear()
+        for t in self._fallback.values():
+            t.cancel()
+        self._fallback.clear()
+
+    # --- reconcile ---------------------------------------------------------------------
+    def _changed(self) -> None:
+        if self._reconcile_timer is None:
+            self._reconcile_timer = self.loop.call_later(0.01, self.reconcile)
+
+    def reconcile(self) -> None:
+        self._reconcile_timer = None
+        MEMBERS.set(len(self.members))
+        SHARDS_OWNED.set(len(self.mine))
+        if self.lease is None or not self.registered:
+            return
+        members = self.available_members()
+        plan = self._plan(members)
+        for s in range(self.shards):
+            holder = self.holders.get(s)
+            want = plan.get(s)
+            if holder is None:
+                if self.draining or self.unavailable_reason or s in self._claiming:
+                    continue
+                if want == self.me or want is None:
+                    self._claim(s)
+                elif s not in self._fallback and self.me in members:
+                    rank = hrw.ranking(s, members).index(self.me)
+                    self._fallback[s] = self.loop.call_later(self.claim_stagger_s * rank, self._fallback_claim, s)
+                continue
+            if holder.agent == self.me and holder.lease == self.lease:
+                if s not in self.mine:
+                    self._acquire(s, holder.token)  # our claim's reply was lost; the key is ours
+                if (want != self.me or self.draining) and s not in self._releasing and not self.busy(s):
+                    self._release(s)
+
+    def _fallback_claim(self, s: int) -> None:
+        self._fallback.pop(s, None)
+        if s not in self.holders and s not in self._claiming and self.lease is not None \
+                and not self.draining and not self.unavailable_reason:
+            self._claim(s)
+
+    def _claim(self, s: int) -> None:
+        key, lease = self.keys.shard(s), self.lease
+        self._claiming.add(s)
+        t = self._fallback.pop(s, None)
+        if t is not None:
+            t.cancel()
+
+        def op():
+            return self.client.txn([Create(key) == 0], [Put(key, self.me, lease=lease)], [])
+
+        def done(r, error):
+            self._claiming.discard(s)
+            if lease != self.lease:
+                return
+            if error is not None:
+                log.debug("claim failed", extra={"fields": {"shard": s, "error": str(error)}})
+                self._changed()
+                return
+            if r.succeeded:
+                self._acquire(s, r.revision)
+                self.holders[s] = Holder(self.me, r.revision, lease)
+
+        self.workers.submit(op, done)
+
+    def _acquire(self, s: int, token: int) -> None:
+        if s in self.mine:
+            return
+        fence = Fence(s, self.keys.shard(s), token)
+        self.mine[s] = fence
+        SHARDS_OWNED.set(len(self.mine))
+        SHARD_EVENTS.labels("acquired").inc()
+        log.debug("shard acquired", extra={"fields": {"shard": s, "token": token}})
+        self.on_acquired(fence)
+
+    def _lose(self, s: int, reason: str) -> None:
+        fence = self.mine.pop(s, None)
+        self._releasing.discard(s)
+        if fence is None:
+            return
+        SHARDS_OWNED.set(len(self.mine))
+        SHARD_EVENTS.labels("released" if reason == "released" else "lost").inc()
+        self.on_lost(s, reason)
+
+    def _release(self, s: int) -> None:
+        fence = self.mine[s]
+        self._releasing.add(s)
+
+        def op():
+            return fenced_txn(self.client, fence, success=[Delete(fence.key)])
+
+        def done(r, error):
+            if isinstance(error, StaleToken) or error is None:
+                if self.mine.get(s) == fence:
+                    self._lose(s, "released")
+                return
+            self._releasing.discard(s)
+            self._changed()
+
+        self.workers.submit(op, done)
+
+    def release_idle(self) -> None:
+        """Called when runs end: shards waiting to move may go now."""
+        self._changed()
+
+    def drain(self) -> None:
+        self.draining = True
+        for t in self._fallback.values():
+            t.cancel()
+        self._fallback.clear()
+        self.update_member()
+        self._changed()

@@ -1,0 +1,332 @@
+"""The agent: wires every part together and owns all agent state on one event loop.
+
+Adapter threads (session keepalive, etcd watches and workers, MQTT, the BPF sensor, the
+process reaper) only post events here. This is the one place that knows all parts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from agent import __version__
+from agent.config import Config, load_config
+from agent.coordination.etcd import EtcdClient
+from agent.coordination.fencing import Fence, StaleToken, fenced_txn
+from agent.coordination.etcd import Put
+from agent.coordination.keys import Keys
+from agent.coordination.session import Session
+from agent.coordination.shards import ShardManager
+from agent.coordination.watch import PrefixWatch
+from agent.coordination.worker import EtcdWorkers
+from agent.loop import EventLoop
+from agent.metrics import counter, gauge
+from agent import logs, metrics
+
+log = logging.getLogger("millwright.daemon")
+
+FENCES = counter("millwright_self_fences_total", "Times the agent stopped acting for its shards", ("reason",))
+ETCD_UP = gauge("millwright_etcd_up", "1 while the session lease is valid")
+START_TIME = gauge("millwright_start_time_seconds", "Unix time the agent started")
+
+
+class SdNotify:
+    """systemd notify protocol (READY, WATCHDOG, STATUS) without python3-systemd."""
+
+    def __init__(self) -> None:
+        self.addr = os.environ.get("NOTIFY_SOCKET")
+        usec = os.environ.get("WATCHDOG_USEC")
+        self.watchdog_s = int(usec) / 1e6 if usec and usec.isdigit() else None
+
+    def send(self, msg: str) -> None:
+        if not self.addr:
+            return
+        addr = "\0" + self.addr[1:] if self.addr.startswith("@") else self.addr
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+                s.sendto(msg.encode(), addr)
+        except OSError:
+            pass
+
+
+class Agent:
+    def __init__(self, cfg: Config, extra_components: Optional[list[Callable[["Agent"], Any]]] = None):
+        self.cfg = cfg
+        self.keys = Keys(cfg.cluster)
+        self.loop = EventLoop()
+        self.client = EtcdClient(cfg.etcd)
+        self.workers = EtcdWorkers(self.loop.post, threads=2)
+        self.notify = SdNotify()
+        self.started_at = time.time()
+        self.fenced_reason: Optional[str] = "starting"
+        self.exit_code = 0
+        self._fence_timer = None
+        self._etcd_failures = 0
+        self._stopping = False
+        self.audit = None  # set by the audit component when configured
+        self.shards = ShardManager(cfg.agent_id, cfg.shards, self.keys, self.client, self.workers, self.loop,
+                                   on_acquired=self._shard_acquired, on_lost=self._shard_lost,
+                                   busy=self._shard_busy)
+        self.session = Session(self.client, cfg.etcd.lease_ttl_s, cfg.etcd.renew_deadline_s,
+                               cfg.etcd.retry_period_s, self.loop.post,
+                               on_granted=self._session_granted, on_renewed=self._session_renewed,
+                               on_failed=self._session_failed, on_lost=self._session_lost)
+        self.watches: list[PrefixWatch] = []
+        # hooks other parts register (jobs, cloud, health): called on the loop thread
+        self.shard_listeners: list[Any] = []
+        self.busy_checks: list[Callable[[int], bool]] = []
+        self.status_providers: dict[str, Callable[[], Any]] = {}
+        self.stop_hooks: list[Callable[[], None]] = []
+        self.status_sinks: list[Callable[[dict], None]] = []  # job status documents (cloud)
+        self.checkpoint_sinks: list[Callable[[dict], None]] = []  # audit file checkpoints (cloud)
+        self.owned_shards: frozenset[int] = frozenset()  # snapshot readable from any thread
+        self.drain_hooks: list[Callable[[Callable[[], None]], None]] = []
+        self.components = [make(self) for make in (extra_components or [])]
+        self._probe_interval = float(os.environ.get("MILLWRIGHT_TEST_FENCED_WRITES_S", "0") or 0)
+
+    # --- audit ---------------------------------------------------------------------
+    def record(self, type_: str, **fields: Any) -> None:
+        if self.audit is not None:
+            self.audit.append(type_, **fields)
+
+    # --- session ---------------------------------------------------------------------
+    def _session_granted(self, lease_id: int, ttl: int, valid_until: float) -> None:
+        self._etcd_failures = 0
+        log.info("session lease granted", extra={"fields": {"lease": f"{lease_id:x}", "ttl_s": ttl,
+                                                            "endpoint": self.client.endpoint}})
+        self.record("lease", event="granted", lease=f"{lease_id:x}", ttl_s=ttl, agent=self.cfg.agent_id)
+        self.fenced_reason = None
+        ETCD_UP.set(1)
+        self._arm_fence(valid_until)
+        self.shards.session_granted(lease_id, self.cfg.capacity,
+                                    {"version": __version__, "host": socket.gethostname(),
+                                     "started_at": self.started_at})
+        if not self.watches:
+            self._start_watches()
+
+    def _session_renewed(self, lease_id: int, ttl: int, valid_until: float, latency: float) -> None:
+        if lease_id != self.shards.lease:
+            return
+        if self._etcd_failures:
+            log.info("etcd reachable again", extra={"fields": {"endpoint": self.client.endpoint}})
+        self._etcd_failures = 0
+        self._arm_fence(valid_until)
+
+    def _session_failed(self, error: str) -> None:
+        self._etcd_failures += 1
+        if self._etcd_failures == 1 or self._etcd_failures % 20 == 0:
+            log.warning("etcd unreachable; retrying",
+                        extra={"fields": {"endpoint": self.client.endpoint, "attempts": self._etcd_failures,
+                                          "error": error}})
+
+    def _session_lost(self, lease_id: int) -> None:
+        if lease_id == self.shards.lease:
+            self.self_fence("lease_lost")
+
+    def _arm_fence(self, valid_until: float) -> None:
+        if self._fence_timer is not None:
+            self._fence_timer.cancel()
+        self._fence_timer = self.loop.call_at(valid_until, self._fence_deadline)
+
+    def _fence_deadline(self) -> None:
+        self._fence_timer = None
+        if self.shards.lease is not None and not self.session.is_valid():
+            self.self_fence("renew_deadline")
+
+    def self_fence(self, reason: str) -> None:
+        """Stop acting for all shards now; a new session is opened and shards claimed again."""
+        if self.shards.lease is None:
+            return
+        FENCES.labels(reason).inc()
+        ETCD_UP.set(0)
+        lease = self.shards.lease
+        log.warning("self-fenced: stopped acting for all shards",
+                    extra={"fields": {"reason": reason, "shards": len(self.shards.mine), "lease": f"{lease:x}"}})
+        self.record("lease", event="self_fence", reason=reason, lease=f"{lease:x}", shards=sorted(self.shards.mine))
+        self.fenced_reason = reason
+        self.shards.fence(reason)
+        for w in self.watches:  # a stalled stream may never error: start clean on the new session
+            w.stop(timeout=0.5)
+        self.watches = []
+        if not self._stopping:
+            self.session.abandon()
+
+    # --- watches -----------------------------------------------------------------------
+    def _start_watches(self) -> None:
+        post = self.loop.post
+        m = PrefixWatch(self.client, self.keys.members_prefix(), "members",
+                        on_snapshot=lambda kvs, rev: post(self.shards.members_snapshot, kvs, rev),
+                        on_events=lambda evs, rev: post(self.shards.members_events, evs, rev))
+        s = PrefixWatch(self.client, self.keys.shards_prefix(), "shards",
+                        on_snapshot=lambda kvs, rev: post(self.shards.shards_snapshot, kvs, rev),
+                        on_events=lambda evs, rev: post(self.shards.shards_events, evs, rev))
+        self.watches = [m.start(), s.start()]
+        for c in self.components:
+            start = getattr(c, "start_watches", None)
+            if start:
+                self.watches.extend(start())
+
+    # --- shards ------------------------------------------------------------------------
+    def publish_status(self, doc: dict) -> None:
+        """Hand a job status document to every sink (the MQTT outbox). Loop thread."""
+        for sink in self.status_sinks:
+            sink(doc)
+
+    def _shard_acquired(self, fence: Fence) -> None:
+        self.owned_shards = frozenset(self.shards.mine)
+        self.record("shard", event="acquired", shard=fence.shard, token=fence.token,
+                    lease=f"{self.shards.lease:x}" if self.shards.lease else None)
+        for l in self.shard_listeners:
+            l.shard_acquired(fence)
+        if self._probe_interval:
+            self.loop.call_later(0, self._probe, fence)
+
+    def _shard_lost(self, shard: int, reason: str) -> None:
+        self.owned_shards = frozenset(self.shards.mine)
+        self.record("shard", event="released" if reason == "released" else "lost", shard=shard, reason=reason)
+        for l in self.shard_listeners:
+            l.shard_lost(shard, reason)
+
+    def _shard_busy(self, shard: int) -> bool:
+        return any(check(shard) for check in self.busy_checks)
+
+    def fence_for(self, shard: int) -> Optional[Fence]:
+        """The fence for a shard if this agent may act for it now (session valid)."""
+        if not self.session.is_valid():
+            return None
+        return self.shards.owns(shard)
+
+    def _probe(self, fence: Fence) -> None:
+        """Test knob: periodic fenced writes that the history checker audits."""
+        if self.shards.mine.get(fence.shard) != fence or self._stopping:
+            return
+        if self.fence_for(fence.shard) is not None:
+            key = self.keys.prefix + f"test/probe/{fence.shard:04d}"
+            value = json.dumps({"agent": self.cfg.agent_id, "token": fence.token})
+            self.workers.submit(lambda: fenced_txn(self.client, fence, success=[Put(key, value)]),
+                                lambda r, e: None)
+        self.loop.call_later(self._probe_interval, self._probe, fence)
+
+    # --- status -------------------------------------------------------------------------
+    def status(self) -> dict:
+        owned = sorted(self.shards.mine)
+        doc = {
+            "v": 1, "agent": self.cfg.agent_id, "cluster": self.cfg.cluster, "version": __version__,
+            "uptime_s": round(time.time() - self.started_at, 1),
+            "session": {"lease": f"{self.shards.lease:x}" if self.shards.lease else None,
+                        "valid": self.session.is_valid(), "fenced": self.fenced_reason,
+                        "valid_for_s": round(max(0.0, self.session.valid_until - time.monotonic()), 2),
+                        "endpoint": self.client.endpoint},
+            "members": {m.agent: {"capacity": m.capacity, "available": m.available}
+                        for m in self.shards.members.values()},
+            "shards": {"owned": owned, "count": len(owned), "total": self.cfg.shards,
+                       "draining": self.shards.draining},
+        }
+        for name, provider in self.status_providers.items():
+            try:
+                doc[name] = provider()
+            except Exception as exc:  # status must always answer
+                doc[name] = {"error": str(exc)}
+        return doc
+
+    # --- lifecycle -----------------------------------------------------------------------
+    def request_stop(self, signum: int = signal.SIGTERM) -> None:
+        self.loop.post(self._drain, signal.Signals(signum).name)
+
+    def _drain(self, why: str) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        log.info("draining: handing shards over", extra={"fields": {"signal": why, "shards": len(self.shards.mine)}})
+        self.notify.send("STOPPING=1")
+        self.shards.drain()
+        pending = list(self.drain_hooks)
+        deadline = time.monotonic() + self.cfg.drain_timeout_s
+
+        def finish() -> None:
+            self.loop.stop()
+
+        def wait_hooks() -> None:
+            if any(self._shard_busy(s) for s in self.shards.mine) and time.monotonic() < deadline:
+                self.loop.call_later(0.1, wait_hooks)
+                return
+            finish()
+
+        for hook in pending:
+            hook(lambda: None)
+        wait_hooks()
+
+    def _install_signals(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: self.request_stop(signum))
+
+    def _watchdog(self) -> None:
+        self.notify.send("WATCHDOG=1")
+        if self.notify.watchdog_s:
+            self.loop.call_later(self.notify.watchdog_s / 3, self._watchdog)
+
+    def run(self) -> int:
+        START_TIME.set(self.started_at)
+        log.info("agent starting", extra={"fields": {"agent": self.cfg.agent_id, "cluster": self.cfg.cluster,
+                                                     "version": __version__, "config": self.cfg.source,
+                                                     "endpoints": ",".join(self.cfg.etcd.endpoints)}})
+        for c in self.components:
+            if hasattr(c, "start"):
+                c.start()
+        if self.audit is not None:
+            self.audit.agent_start(version=__version__, agent_id=self.cfg.agent_id, pid=os.getpid(),
+                                   cluster=self.cfg.cluster)
+        self.workers.start()
+        self.session.start()
+        if threading.current_thread() is threading.main_thread():
+            self._install_signals()
+        self.notify.send("READY=1")
+        if self.notify.watchdog_s:
+            self._watchdog()
+        self.loop.run()
+        return self._shutdown()
+
+    def _shutdown(self) -> int:
+        # Delete our shard keys and member key in one step by revoking the lease: peers see
+        # them vanish together and claim at once.
+        for w in self.watches:
+            w.stop(timeout=1.0)
+        self.session.stop(revoke=True)
+        self.workers.stop()
+        for hook in reversed(self.stop_hooks):
+            try:
+                hook()
+            except Exception:
+                log.exception("stop hook failed")
+        if self.audit is not None:
+            self.audit.agent_stop(reason="drained" if self._stopping else "stopped", exit_code=self.exit_code)
+        for c in reversed(self.components):
+            if hasattr(c, "stop"):
+                try:
+                    c.stop()
+                except Exception:
+                    log.exception("component stop failed")
+        self.client.close()
+        log.info("agent stopped", extra={"fields": {"exit_code": self.exit_code}})
+        return self.exit_code
+
+
+def cli_run(args) -> int:
+    cfg = load_config(args.config)
+    logs.setup(cfg.agent_id)
+    try:
+        metrics.serve(cfg.metrics.listen)
+    except OSError as exc:
+        from agent.cli import UserError
+
+        raise UserError(f"metrics.listen {cfg.metrics.listen}: {exc.strerror or exc}") from None
+    from agent.components import default_components
+
+    agent = Agent(cfg, default_components(cfg))
+    return agent.run()

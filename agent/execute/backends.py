@@ -1,0 +1,727 @@
+"""Quota backends: cgroup v2, cgroup v1 and rlimits, behind one interface.
+
+The executor asks a backend for a *slot* per run (a cgroup, or just bookkeeping for
+rlimits), attaches the forked child to it before the child execs, polls it for quota
+events while the run lives, reads its usage when it ends and removes it.
+
+Choice (`probe`): the preferred backend if it is usable, else the next one in the order
+cgroup2 -> cgroup1 -> rlimit; `.why` says what was chosen and why the better ones were
+not. A cgroup backend is usable when its controllers (memory, cpu, pids) are present
+and writable here; rlimit always is (and is the weakest: see docs/execution.md).
+
+All cgroup file access goes through :class:`CgroupFS`, so the cgroup v2 code paths can
+be exercised on a plain directory tree on machines that have no usable cgroup2
+hierarchy (this dev machine is a v1 hybrid whose cgroup2 mount has no controllers).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+import re
+import resource
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+from agent.execute.limits import Limits
+
+log = logging.getLogger("millwright.execute")
+
+NEEDED = ("memory", "cpu", "pids")
+CPU_PERIOD_US = 100_000
+ORDER = ("cgroup2", "cgroup1", "rlimit")
+DEFAULT_ROOT = "millwright"
+
+
+class BackendUnavailable(Exception):
+    """The backend cannot work on this machine; the message says why."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+class CgroupFS:
+    """The few filesystem operations the cgroup backends use (overridable in tests)."""
+
+    def read(self, path: str) -> str:
+        with open(path, "r") as fh:
+            return fh.read()
+
+    def write(self, path: str, data: str) -> None:
+        # one write(2) per call: cgroup files act on each write
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, data.encode())
+        finally:
+            os.close(fd)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def mkdir(self, path: str) -> None:
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            pass
+
+    def rmdir(self, path: str) -> None:
+        os.rmdir(path)
+
+    def listdir(self, path: str) -> list[str]:
+        return os.listdir(path)
+
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def writable(self, path: str) -> bool:
+        return os.access(path, os.W_OK)
+
+
+def _proc_state(pid: int) -> Optional[tuple[str, int]]:
+    """(state letter, pgid) of a process, None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    rest = data[data.rfind(b")") + 2:].split()
+    return rest[0].decode(), int(rest[2])
+
+
+def alive(pid: int) -> bool:
+    st = _proc_state(pid)
+    return st is not None and st[0] not in ("Z", "X")
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a process group, by scanning /proc."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _proc_state(int(name))
+            if st and st[1] == pgid and st[0] not in ("Z", "X"):
+                out.append(int(name))
+    return out
+
+
+def _kv(text: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            try:
+                out[parts[0]] = int(parts[1])
+            except ValueError:
+                pass
+    return out
+
+
+def mountinfo(path: str = "/proc/self/mountinfo") -> list[tuple[str, str, set[str], str]]:
+    """(mount point, fstype, super options, root) of the cgroup mounts."""
+    out = []
+    try:
+        with open(path) as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        pre, _, post = line.partition(" - ")
+        f = pre.split()
+        p = post.split()
+        if len(f) < 5 or len(p) < 3 or p[0] not in ("cgroup", "cgroup2"):
+            continue
+        mnt = f[4].replace("\\040", " ")
+        out.append((mnt, p[0], set(p[2].split(",")), f[3]))
+    return out
+
+
+def self_cgroups(path: str = "/proc/self/cgroup") -> dict[str, str]:
+    """controller (or '' for cgroup2) -> path of this process."""
+    out: dict[str, str] = {}
+    try:
+        with open(path) as fh:
+            for line in fh.read().splitlines():
+                _, ctrls, p = line.split(":", 2)
+                if ctrls == "":
+                    out[""] = p
+                for c in ctrls.split(","):
+                    if c:
+                        out[c] = p
+    except OSError:
+        pass
+    return out
+
+
+def safe_name(key: str) -> str:
+    """A cgroup / directory name for a run key: readable prefix + collision-proof hash."""
+    import hashlib
+
+    prefix = re.sub(r"[^A-Za-z0-9._-]", "_", key)[:80].lstrip(".") or "run"
+    return f"{prefix}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+
+
+# --------------------------------------------------------------------------- interface
+
+
+@dataclass
+class Slot:
+    """One run's quota container."""
+
+    name: str
+    limits: Limits
+    paths: dict[str, str] = field(default_factory=dict)   # hierarchy -> cgroup dir
+    pid: Optional[int] = None
+    pgid: Optional[int] = None
+    peak_rss: int = 0
+    nprocs: int = 0
+    removed: bool = False
+
+
+@dataclass
+class Usage:
+    cpu_s: float = 0.0
+    max_rss_bytes: int = 0
+    oom_kills: int = 0
+    throttled_s: float = 0.0
+    pids_max_events: int = 0
+
+    def to_dict(self) -> dict:
+        return {"cpu_s": round(self.cpu_s, 6), "max_rss_bytes": int(self.max_rss_bytes),
+                "oom_kills": int(self.oom_kills), "throttled_s": round(self.throttled_s, 6)}
+
+
+class QuotaBackend:
+    name = "none"
+    why = ""
+    enforces_cpu_rate = False
+
+    def setup(self) -> None:
+        """Prepare the backend's root (create cgroups, enable controllers)."""
+
+    def create(self, name: str, limits: Limits) -> Slot:
+        return Slot(name, limits)
+
+    def attach(self, slot: Slot, pid: int) -> None:
+        """Put the (not yet exec'ed) child into the slot. Runs in the parent."""
+        slot.pid = slot.pgid = pid
+
+    def child_rlimits(self, limits: Limits, timeout_s: Optional[float]) -> list[tuple[int, int]]:
+        """(resource, value) pairs the child sets on itself before exec."""
+        return []
+
+    def check_all(self, slots: Iterable[Slot]) -> dict[str, str]:
+        """slot name -> quota reason ('oom' or 'pids_limit') for runs that hit a limit."""
+        return {}
+
+    def usage(self, slot: Slot, rusage: Any = None) -> Usage:
+        # ru_maxrss is not used: a forked/vforked child starts with the agent's own
+        # resident set, so its high-water mark says more about the agent than the job.
+        u = Usage(max_rss_bytes=slot.peak_rss)
+        if rusage is not None:
+            u.cpu_s = rusage.ru_utime + rusage.ru_stime
+        return u
+
+    def members(self, slot: Slot) -> list[int]:
+        if not slot.pgid:
+            return []
+        try:
+            os.killpg(slot.pgid, 0)
+        except ProcessLookupError:
+            return []
+        except PermissionError:
+            pass
+        return group_members(slot.pgid)
+
+    def kill_all(self, slot: Slot) -> None:
+        if slot.pgid:
+            try:
+                os.killpg(slot.pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def remove(self, slot: Slot) -> bool:
+        slot.removed = True
+        return True
+
+    def close(self) -> None:
+        """Remove the backend's root (only when empty)."""
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.why})" if self.why else self.name
+
+
+# --------------------------------------------------------------------------- rlimit
+
+
+class RlimitBackend(QuotaBackend):
+    """Last resort: RLIMIT_AS / RLIMIT_CPU / RLIMIT_NPROC set in the child before exec,
+    plus a poll of the process group's RSS and size (psutil) that kills a run over its
+    memory or pids limit. Cannot hold a run to a cpu *rate*; RLIMIT_NPROC counts all
+    processes of the user, not of the run (see docs/execution.md)."""
+
+    name = "rlimit"
+    AS_FACTOR = 2   # virtual address space is always larger than resident memory
+
+    def child_rlimits(self, limits: Limits, timeout_s: Optional[float]) -> list[tuple[int, int]]:
+        out = []
+        if limits.memory_bytes:
+            out.append((resource.RLIMIT_AS, limits.memory_bytes * self.AS_FACTOR))
+        if limits.cpu and timeout_s:
+            out.append((resource.RLIMIT_CPU, int(math.ceil(limits.cpu * timeout_s)) + 1))
+        if limits.pids:
+            out.append((resource.RLIMIT_NPROC, int(limits.pids)))
+        return out
+
+    def check_all(self, slots: Iterable[Slot]) -> dict[str, str]:
+        slots = [s for s in slots if s.pgid]
+        if not slots:
+            return {}
+        import psutil
+
+        by_pgid = {s.pgid: s for s in slots}
+        rss: dict[int, int] = {s.pgid: 0 for s in slots}
+        count: dict[int, int] = {s.pgid: 0 for s in slots}
+        for pid in psutil.pids():
+            try:
+                pg = os.getpgid(pid)
+            except OSError:
+                continue
+            if pg in by_pgid:
+                try:
+                    p = psutil.Process(pid)
+                    rss[pg] += p.memory_info().rss
+                    count[pg] += p.num_threads()
+                except (psutil.Error, OSError):
+                    continue
+        out = {}
+        for pg, s in by_pgid.items():
+            s.peak_rss = max(s.peak_rss, rss[pg])
+            s.nprocs = count[pg]
+            if s.limits.memory_bytes and rss[pg] > s.limits.memory_bytes:
+                out[s.name] = "oom"
+            elif s.limits.pids and count[pg] >= s.limits.pids:
+                out[s.name] = "pids_limit"
+        return out
+
+
+# --------------------------------------------------------------------------- cgroup common
+
+
+class _CgroupBackend(QuotaBackend):
+    enforces_cpu_rate = True
+
+    def __init__(self, root_name: str = DEFAULT_ROOT, fs: Optional[CgroupFS] = None):
+        if not re.match(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$", root_name or ""):
+            raise ValueError(f"bad cgroup root name {root_name!r} (want [A-Za-z0-9._-], not starting with '.')")
+        self.root_name = root_name.strip("/")
+        self.fs = fs or CgroupFS()
+        self.roots: dict[str, str] = {}     # hierarchy -> root cgroup dir
+
+    def _read_int(self, path: str, default: int = 0) -> int:
+        try:
+            return int(self.fs.read(path).split()[0])
+        except (OSError, ValueError, IndexError):
+            return default
+
+    def _read_kv(self, path: str) -> dict[str, int]:
+        try:
+            return _kv(self.fs.read(path))
+        except OSError:
+            return {}
+
+    def attach(self, slot: Slot, pid: int) -> None:
+        slot.pid = slot.pgid = pid
+        for d in slot.paths.values():
+            self.fs.write(os.path.join(d, "cgroup.procs"), str(pid))
+
+    def members(self, slot: Slot) -> list[int]:
+        pids: set[int] = set()
+        for d in slot.paths.values():
+            try:
+                text = self.fs.read(os.path.join(d, "cgroup.procs"))
+            except OSError:
+                continue
+            pids.update(int(x) for x in text.split() if x.isdigit())
+        return [p for p in pids if alive(p)]
+
+    def kill_all(self, slot: Slot) -> None:
+        super().kill_all(slot)
+        for _ in range(20):
+            pids = self.members(slot)
+            if not pids:
+                return
+            for p in pids:
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def remove(self, slot: Slot) -> bool:
+        ok = True
+        for d in list(slot.paths.values()):
+            try:
+                self.fs.rmdir(d)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                ok = False
+                log.debug("cgroup rmdir failed", extra={"fields": {"path": d, "error": exc.strerror}})
+        slot.removed = ok
+        return ok
+
+    def stale_slots(self) -> list[Slot]:
+        """Run cgroups left under our root (an agent that died): for reclaim()."""
+        names: set[str] = set()
+        for root in self.roots.values():
+            try:
+                names.update(n for n in self.fs.listdir(root) if self.fs.isdir(os.path.join(root, n)))
+            except OSError:
+                pass
+        return [Slot(n, Limits(), {h: os.path.join(r, n) for h, r in self.roots.items()}) for n in sorted(names)]
+
+    def reclaim(self) -> int:
+        """Kill processes in stale run cgroups and remove them; returns how many."""
+        n = 0
+        for s in self.stale_slots():
+            if s.name.endswith(".agent"):
+                continue
+            self.kill_all(s)
+            for _ in range(100):    # the killed tasks leave the cgroup asynchronously
+                if self.remove(s):
+                    n += 1
+                    break
+                self.kill_all(s)
+                time.sleep(0.02)
+        if n:
+            log.warning("removed stale run cgroups", extra={"fields": {"count": n, "backend": self.name}})
+        return n
+
+    def close(self) -> None:
+        for h, root in self.roots.items():
+            try:
+                self.fs.rmdir(root)
+            except OSError:
+                pass
+
+
+# --------------------------------------------------------------------------- cgroup v1
+
+
+class Cgroup1Backend(_CgroupBackend):
+    """memory, cpu, pids (and cpuacct for usage) v1 hierarchies, each with
+    <mount>/<root_name>/<run> directories."""
+
+    name = "cgroup1"
+
+    def __init__(self, mounts: Optional[dict[str, str]] = None, root_name: str = DEFAULT_ROOT,
+                 fs: Optional[CgroupFS] = None):
+        super().__init__(root_name, fs)
+        if mounts is None:
+            mounts = {}
+            for mnt, fstype, opts, _root in mountinfo():
+                if fstype == "cgroup":
+                    for c in ("memory", "cpu", "pids", "cpuacct"):
+                        if c in opts:
+                            mounts.setdefault(c, mnt)
+        self.mounts = mounts
+
+    def check_available(self) -> None:
+        missing = [c for c in NEEDED if c not in self.mounts]
+        if missing:
+            raise BackendUnavailable(f"no cgroup v1 hierarchy for {', '.join(missing)}")
+        for c in NEEDED:
+            if not self.fs.writable(self.mounts[c]):
+                raise BackendUnavailable(f"cgroup v1 {c} hierarchy {self.mounts[c]} is not writable (run as root)")
+
+    def _hierarchies(self) -> dict[str, str]:
+        # controller -> mount, de-duplicated by mount (cpu,cpuacct are often co-mounted)
+        out: dict[str, str] = {}
+        for c in ("memory", "cpu", "pids", "cpuacct"):
+            if c in self.mounts and self.mounts[c] not in out.values():
+                out[c] = self.mounts[c]
+        return out
+
+    def setup(self) -> None:
+        self.check_available()
+        for c, mnt in self._hierarchies().items():
+            root = os.path.join(mnt, self.root_name)
+            self.fs.mkdir(root)
+            self.roots[c] = root
+        self.why = self.location()
+
+    def location(self) -> str:
+        return (f"cgroup v1 hierarchies {', '.join(sorted(set(self.mounts[c] for c in NEEDED)))}"
+                f", runs under /{self.root_name}/")
+
+    def _path(self, slot: Slot, ctrl: str) -> Optional[str]:
+        mnt = self.mounts.get(ctrl)
+        for h, d in slot.paths.items():
+            if self.mounts.get(h) == mnt:
+                return d
+        return None
+
+    def create(self, name: str, limits: Limits) -> Slot:
+        slot = Slot(name, limits)
+        try:
+            for h, root in self.roots.items():
+                d = os.path.join(root, name)
+                self.fs.mkdir(d)
+                slot.paths[h] = d
+            mem = self._path(slot, "memory")
+            if limits.memory_bytes:
+                self.fs.write(os.path.join(mem, "memory.limit_in_bytes"), str(limits.memory_bytes))
+                sw = os.path.join(mem, "memory.memsw.limit_in_bytes")
+                if self.fs.exists(sw):   # no swap beyond the limit
+                    try:
+                        self.fs.write(sw, str(limits.memory_bytes))
+                    except OSError:
+                        pass
+            cpu = self._path(slot, "cpu")
+            if limits.cpu:
+                self.fs.write(os.path.join(cpu, "cpu.cfs_period_us"), str(CPU_PERIOD_US))
+                self.fs.write(os.path.join(cpu, "cpu.cfs_quota_us"), str(max(1000, int(limits.cpu * CPU_PERIOD_US))))
+            if limits.pids:
+                self.fs.write(os.path.join(self._path(slot, "pids"), "pids.max"), str(int(limits.pids)))
+        except OSError:
+            self.remove(slot)
+            raise
+        return slot
+
+    def check_all(self, slots: Iterable[Slot]) -> dict[str, str]:
+        out = {}
+        for s in slots:
+            mem = self._path(s, "memory")
+            if mem and self._read_kv(os.path.join(mem, "memory.oom_control")).get("oom_kill", 0) > 0:
+                out[s.name] = "oom"
+                continue
+            pids = self._path(s, "pids")
+            if pids and self._read_kv(os.path.join(pids, "pids.events")).get("max", 0) > 0:
+                out[s.name] = "pids_limit"
+        return out
+
+    def usage(self, slot: Slot, rusage: Any = None) -> Usage:
+        u = super().usage(slot, rusage)
+        acct = self._path(slot, "cpuacct")
+        if acct and self.fs.exists(os.path.join(acct, "cpuacct.usage")):
+            u.cpu_s = self._read_int(os.path.join(acct, "cpuacct.usage")) / 1e9
+        mem = self._path(slot, "memory")
+        if mem:
+            u.max_rss_bytes = max(u.max_rss_bytes, self._read_int(os.path.join(mem, "memory.max_usage_in_bytes")))
+            u.oom_kills = self._read_kv(os.path.join(mem, "memory.oom_control")).get("oom_kill", 0)
+        cpu = self._path(slot, "cpu")
+        if cpu:
+            u.throttled_s = self._read_kv(os.path.join(cpu, "cpu.stat")).get("throttled_time", 0) / 1e9
+        pids = self._path(slot, "pids")
+        if pids:
+            u.pids_max_events = self._read_kv(os.path.join(pids, "pids.events")).get("max", 0)
+        return u
+
+
+# --------------------------------------------------------------------------- cgroup v2
+
+
+class Cgroup2Backend(_CgroupBackend):
+    """A delegated cgroup2 subtree: the agent's own cgroup (systemd Delegate=yes) holds
+    a leaf with the agent itself, and <root_name>/<run> cgroups with memory.max,
+    memory.oom.group=1, cpu.max and pids.max.
+
+    Moving the agent into the leaf first is what makes enabling controllers in its
+    cgroup possible ("no internal processes": EBUSY otherwise). The root cgroup is exempt
+    from that rule, so an agent in "/" creates <root_name> directly.
+    """
+
+    name = "cgroup2"
+
+    def __init__(self, mount: Optional[str] = None, self_path: Optional[str] = None,
+                 root_name: str = DEFAULT_ROOT, fs: Optional[CgroupFS] = None):
+        super().__init__(root_name, fs)
+        if mount is None:
+            for mnt, fstype, _opts, _root in mountinfo():
+                if fstype == "cgroup2":
+                    mount = mnt
+                    break
+        self.mount = mount
+        self.self_path = self_path if self_path is not None else self_cgroups().get("", "/")
+        if os.path.basename(self.self_path) == f"{self.root_name}.agent":   # moved there by an earlier setup
+            self.self_path = os.path.dirname(self.self_path)
+        self.base = os.path.join(mount, self.self_path.lstrip("/")) if mount else None
+        self.root: Optional[str] = None
+
+    def check_available(self) -> None:
+        if not self.mount:
+            raise BackendUnavailable("no cgroup2 mount")
+        try:
+            have = set(self.fs.read(os.path.join(self.base, "cgroup.controllers")).split())
+        except OSError as exc:
+            raise BackendUnavailable(f"cannot read {self.base}/cgroup.controllers: {exc.strerror}")
+        missing = [c for c in NEEDED if c not in have]
+        if missing:
+            raise BackendUnavailable(
+                f"cgroup2 at {self.mount} (cgroup {self.self_path}) lacks controllers {', '.join(missing)}"
+                f" (available: {', '.join(sorted(have)) or 'none'}; hybrid host or not delegated)")
+        if not self.fs.writable(self.base):
+            raise BackendUnavailable(f"cgroup {self.base} is not writable (not delegated; run as root or Delegate=yes)")
+
+    def _enable(self, cg: str) -> None:
+        self.fs.write(os.path.join(cg, "cgroup.subtree_control"), " ".join("+" + c for c in NEEDED))
+
+    def setup(self) -> None:
+        self.check_available()
+        base = self.base
+        enabled = set(self.fs.read(os.path.join(base, "cgroup.subtree_control")).split())
+        if self.self_path.strip("/") and not set(NEEDED) <= enabled:
+            leaf = os.path.join(base, f"{self.root_name}.agent")
+            self.fs.mkdir(leaf)
+            for pid in self.fs.read(os.path.join(base, "cgroup.procs")).split():
+                try:
+                    self.fs.write(os.path.join(leaf, "cgroup.procs"), pid)
+                except ProcessLookupError:
+                    pass
+                except OSError as exc:
+                    if exc.errno != errno.ESRCH:
+                        raise
+            log.info("moved the agent into a leaf cgroup", extra={"fields": {"leaf": leaf}})
+        try:
+            if not set(NEEDED) <= enabled:
+                self._enable(base)
+        except OSError as exc:
+            raise BackendUnavailable(f"enabling {', '.join(NEEDED)} in {base} failed: {exc.strerror}")
+        root = os.path.join(base, self.root_name)
+        self.fs.mkdir(root)
+        self._enable(root)
+        self.root = root
+        self.roots = {"unified": root}
+        self.why = self.location()
+
+    def location(self) -> str:
+        return f"delegated cgroup2 subtree {os.path.join(self.base, self.root_name)}/"
+
+    def create(self, name: str, limits: Limits) -> Slot:
+        d = os.path.join(self.root, name)
+        slot = Slot(name, limits, {"unified": d})
+        try:
+            self.fs.mkdir(d)
+            if limits.memory_bytes:
+                self.fs.write(os.path.join(d, "memory.max"), str(limits.memory_bytes))
+                if self.fs.exists(os.path.join(d, "memory.swap.max")):
+                    try:
+                        self.fs.write(os.path.join(d, "memory.swap.max"), "0")
+                    except OSError:
+                        pass
+            self.fs.write(os.path.join(d, "memory.oom.group"), "1")
+            if limits.cpu:
+                self.fs.write(os.path.join(d, "cpu.max"), f"{max(1000, int(limits.cpu * CPU_PERIOD_US))} {CPU_PERIOD_US}")
+            if limits.pids:
+                self.fs.write(os.path.join(d, "pids.max"), str(int(limits.pids)))
+        except OSError:
+            self.remove(slot)
+            raise
+        return slot
+
+    def check_all(self, slots: Iterable[Slot]) -> dict[str, str]:
+        out = {}
+        for s in slots:
+            d = s.paths["unified"]
+            ev = self._read_kv(os.path.join(d, "memory.events"))
+            if ev.get("oom_kill", 0) > 0 or ev.get("oom_group_kill", 0) > 0:
+                out[s.name] = "oom"
+            elif self._read_kv(os.path.join(d, "pids.events")).get("max", 0) > 0:
+                out[s.name] = "pids_limit"
+            elif not self.fs.exists(os.path.join(d, "memory.peak")):
+                s.peak_rss = max(s.peak_rss, self._read_int(os.path.join(d, "memory.current")))
+        return out
+
+    def usage(self, slot: Slot, rusage: Any = None) -> Usage:
+        u = super().usage(slot, rusage)
+        d = slot.paths["unified"]
+        st = self._read_kv(os.path.join(d, "cpu.stat"))
+        if "usage_usec" in st:
+            u.cpu_s = st["usage_usec"] / 1e6
+        u.throttled_s = st.get("throttled_usec", 0) / 1e6
+        peak = self._read_int(os.path.join(d, "memory.peak"), -1)
+        u.max_rss_bytes = max(u.max_rss_bytes, peak, slot.peak_rss)
+        ev = self._read_kv(os.path.join(d, "memory.events"))
+        u.oom_kills = max(ev.get("oom_kill", 0), ev.get("oom_group_kill", 0))
+        u.pids_max_events = self._read_kv(os.path.join(d, "pids.events")).get("max", 0)
+        return u
+
+    def kill_all(self, slot: Slot) -> None:
+        kill = os.path.join(slot.paths["unified"], "cgroup.kill")
+        if self.fs.exists(kill):
+            try:
+                self.fs.write(kill, "1")
+            except OSError:
+                pass
+        super().kill_all(slot)
+
+
+# --------------------------------------------------------------------------- probing
+
+
+def _make(name: str, root_name: str) -> QuotaBackend:
+    if name == "cgroup2":
+        return Cgroup2Backend(root_name=root_name)
+    if name == "cgroup1":
+        return Cgroup1Backend(root_name=root_name)
+    if name == "rlimit":
+        return RlimitBackend()
+    raise ValueError(f"unknown quota backend {name!r} (auto, cgroup2, cgroup1 or rlimit)")
+
+
+def probe(preferred: str = "auto", root_name: str = DEFAULT_ROOT, setup: bool = True,
+          reclaim: bool = False) -> QuotaBackend:
+    """The best usable backend, starting at `preferred` ('auto' = cgroup2).
+
+    setup=False only checks (nothing is created: for `config check`). reclaim=True kills
+    and removes run cgroups a previous agent left under root_name (the daemon at start).
+    The returned backend has `.name` and `.why`.
+    """
+    if preferred not in ("auto",) + ORDER:
+        raise ValueError(f"unknown quota backend {preferred!r} (auto, cgroup2, cgroup1 or rlimit)")
+    order = ORDER if preferred == "auto" else ORDER[ORDER.index(preferred):]
+    skipped: list[str] = []
+    for name in order:
+        b = _make(name, root_name)
+        try:
+            if isinstance(b, _CgroupBackend):
+                b.check_available()
+                if setup:
+                    b.setup()
+                    if reclaim:
+                        b.reclaim()
+                else:
+                    b.why = b.location()
+            elif not skipped:
+                b.why = "requested" if preferred == "rlimit" else "chosen"
+        except (BackendUnavailable, OSError) as exc:
+            skipped.append(f"{name} unusable: {exc}" if preferred in ("auto", name) else f"{name}: {exc}")
+            continue
+        notes = [f"requested {n}" if n.startswith(preferred + " ") else n for n in skipped]
+        if name == "rlimit":
+            b.why = "last resort: no cpu rate limit, pids counted per user" + (f"; {'; '.join(notes)}" if notes else "")
+        elif notes:
+            b.why = f"{b.why}; {'; '.join(notes)}"
+        m = _backend_metric()
+        if m is not None and setup:
+            m.labels(b.name).set(1)
+        return b
+    raise BackendUnavailable("; ".join(skipped))  # unreachable: rlimit always works
+
+
+def _backend_metric():
+    try:
+        from agent.execute.metrics import BACKEND_INFO
+
+        return BACKEND_INFO
+    except Exception:  # pragma: no cover
+        return None
+
+
+def describe_backend(preferred: str = "auto") -> str:
+    """One line: which backend the agent would use here and why (creates nothing)."""
+    b = probe(preferred, setup=False)
+    return f"{b.name} ({b.why})"

@@ -1,0 +1,580 @@
+"""Job documents (cloud -> edge, contract v1): parsing, validation, templates.
+
+``parse_job`` turns an untrusted push into a :class:`Job` or raises :class:`JobRejected`
+with a stable ``reason`` code and a ``detail`` that names the offending field. It never
+raises anything else for any input (a property test checks this). Validation order:
+
+ 1. size (too_large)             2. JSON (bad_json)           3. v == 1 (unsupported_version)
+ 4. unknown keys, then every field's type and range (bad_field), ids (bad_field)
+ 5. template known (unknown_template)    6. params vs the template (bad_param)
+ 7. signature (unsigned, unknown_kid, bad_signature, unsupported_alg)
+ 8. not_after in the past (expired)      9. issued_at too far from now (skew)
+
+Pure logic: the caller passes the clock (``now``), the templates and the key ring.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Optional, Union
+
+from agent.config import Resources, Template
+from agent.coordination.keys import shard_of
+from agent.schedule import (
+    MISFIRE_POLICIES,
+    OVERLAP_POLICIES,
+    UTC,
+    RetryPolicy,
+    Schedule,
+    ScheduleError,
+    parse_rfc3339,
+)
+from agent.signing import KeyRing, SignatureError, canonical_json
+
+VERSION = 1
+ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+PLACEHOLDER_RE = re.compile(r"\{([^{}]*)\}")
+
+# Reason codes (stable: they are published in `rejected` statuses).
+TOO_LARGE = "too_large"
+BAD_JSON = "bad_json"
+BAD_FIELD = "bad_field"
+UNKNOWN_TEMPLATE = "unknown_template"
+BAD_PARAM = "bad_param"
+UNSIGNED = "unsigned"
+UNKNOWN_KID = "unknown_kid"
+BAD_SIGNATURE = "bad_signature"
+UNSUPPORTED_ALG = "unsupported_alg"
+EXPIRED = "expired"
+SKEW = "skew"
+UNSUPPORTED_VERSION = "unsupported_version"
+REASONS = (
+    TOO_LARGE, BAD_JSON, BAD_FIELD, UNKNOWN_TEMPLATE, BAD_PARAM, UNSIGNED, UNKNOWN_KID,
+    BAD_SIGNATURE, UNSUPPORTED_ALG, EXPIRED, SKEW, UNSUPPORTED_VERSION,
+)
+
+TOP_LEVEL_KEYS = (
+    "v", "id", "template", "params", "schedule", "misfire", "misfire_limit", "overlap", "retry",
+    "timeout_s", "resources", "depends_on", "not_after", "issued_at", "sig",
+)
+CANCEL_KEYS = ("v", "id", "sig")
+
+# Ranges (documented in docs/jobs.md).
+MAX_DEPTH = 16
+MAX_PARAMS = 64
+MAX_PARAM_NAME = 64
+MAX_DEPENDS = 64
+MAX_ATTEMPTS = 100
+MAX_BACKOFF_S = 86400.0
+MAX_TIMEOUT_S = 7 * 86400.0
+DEFAULT_TIMEOUT_S = 3600.0
+DEFAULT_MISFIRE_LIMIT = 10
+MAX_MISFIRE_LIMIT = 1000
+MAX_CPU = 1024.0
+MAX_MEMORY_MB = 1 << 20
+MAX_PIDS = 1 << 22
+
+
+class JobRejected(Exception):
+    """A document was refused. ``reason``: a stable code from REASONS; ``detail``: one
+    human line naming the field; ``field``: the field path ('' when not about one)."""
+
+    def __init__(self, reason: str, detail: str, field: str = ""):
+        self.reason = reason
+        self.detail = detail
+        self.field = field
+        super().__init__(f"{reason}: {detail}")
+
+
+def _bad(path: str, msg: str, reason: str = BAD_FIELD) -> JobRejected:
+    return JobRejected(reason, f"{path}: {msg}", path)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # pragma: no cover - exotic objects
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _clip(text: str, limit: int = 100) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _key(k: Any) -> str:
+    """A user-supplied key, safe to put into a field path (bounded, printable)."""
+    if isinstance(k, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", k):
+        return k
+    return _short(k, 40)
+
+
+def _type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+@dataclass(frozen=True)
+class Job:
+    id: str
+    template: str
+    params: dict
+    schedule: Schedule
+    misfire: str = "run_once"
+    misfire_limit: int = 1
+    overlap: str = "forbid"
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    resources: Resources = field(default_factory=Resources)
+    depends_on: list = field(default_factory=list)
+    not_after: Optional[datetime] = None
+    issued_at: Optional[datetime] = None
+    doc: dict = field(default_factory=dict, repr=False, compare=False)
+    canonical: bytes = field(default=b"", repr=False)  # canonical JSON of the full doc (with sig)
+    content: bytes = field(default=b"", repr=False, compare=False)  # canonical JSON without sig (the signed bytes)
+
+    def shard(self, shards: int) -> int:
+        return shard_of(self.id, shards)
+
+    def same_content(self, other: "Job") -> bool:
+        """Same signed content (ignores which key signed it)."""
+        return self.content == other.content
+
+    @classmethod
+    def from_stored(cls, doc: dict) -> "Job":
+        """Re-parse a document read back from the job store: no signature, expiry, skew,
+        template or size checks (all were done at ingest). Raises JobRejected if the stored
+        copy is not a valid document at all."""
+        return _parse(doc, templates=None, keyring=None, now=None, max_skew_s=None, max_bytes=None,
+                      verify_signature=False)
+
+
+def parse_job(payload: Union[bytes, str, dict], *, templates: dict, keyring: Optional[KeyRing], now: datetime,
+              max_skew_s: float, max_bytes: int, verify_signature: bool = True) -> Job:
+    """Validate an untrusted job document. Raises only JobRejected (see the module doc)."""
+    return _parse(payload, templates=templates, keyring=keyring, now=now, max_skew_s=max_skew_s,
+                  max_bytes=max_bytes, verify_signature=verify_signature)
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _no_duplicates(pairs: list) -> dict:
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {_short(k)}")
+        out[k] = v
+    return out
+
+
+def decode(payload: Union[bytes, bytearray, str, dict], max_bytes: Optional[int]) -> dict:
+    """bytes/str/dict -> a fresh JSON object (dict), enforcing size, strict JSON (no
+    NaN/Infinity, no duplicate keys, valid UTF-8 without unpaired surrogates) and a
+    nesting limit. Raises JobRejected(too_large | bad_json)."""
+    if isinstance(payload, dict):
+        try:
+            raw = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise JobRejected(BAD_JSON, f"document is not representable as JSON: {_clip(str(exc))}") from None
+    elif isinstance(payload, str):
+        try:
+            raw = payload.encode("utf-8")
+        except UnicodeError:
+            raise JobRejected(BAD_JSON, "document is not valid UTF-8 (unpaired surrogate)") from None
+    elif isinstance(payload, (bytes, bytearray, memoryview)):
+        raw = bytes(payload)
+    else:
+        raise JobRejected(BAD_JSON, f"document must be JSON bytes or text, got {type(payload).__name__}")
+    if max_bytes is not None and len(raw) > max_bytes:
+        raise JobRejected(TOO_LARGE, f"document is {len(raw)} bytes; the limit is {max_bytes}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise JobRejected(BAD_JSON, f"document is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        doc = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise JobRejected(BAD_JSON, f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    except (ValueError, RecursionError) as exc:
+        raise JobRejected(BAD_JSON, f"invalid JSON: {_clip(str(exc) or type(exc).__name__)}") from None
+    if not isinstance(doc, dict):
+        raise JobRejected(BAD_JSON, f"document must be a JSON object, got {_type(doc)}")
+    _check_tree(doc, None, 0)
+    return doc
+
+
+def _check_tree(value: Any, path: Any, depth: int) -> None:
+    """Depth limit, finite numbers and encodable text everywhere. ``path`` is built lazily
+    (a tuple of parts) because it is only needed for the error message."""
+    if isinstance(value, str):
+        _check_text(value, path)
+    elif isinstance(value, dict):
+        if depth >= MAX_DEPTH:
+            raise JobRejected(BAD_JSON, f"{_path(path) or 'document'}: nested deeper than {MAX_DEPTH} levels")
+        for k, v in value.items():
+            _check_text(k, path)
+            _check_tree(v, (path, k), depth + 1)
+    elif isinstance(value, list):
+        if depth >= MAX_DEPTH:
+            raise JobRejected(BAD_JSON, f"{_path(path) or 'document'}: nested deeper than {MAX_DEPTH} levels")
+        for i, v in enumerate(value):
+            _check_tree(v, (path, i), depth + 1)
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise _bad(_path(path), "numbers must be finite")
+
+
+def _path(parts: Any) -> str:
+    out: list[str] = []
+    while parts:
+        parts, last = parts
+        out.append(f"[{last}]" if isinstance(last, int) else _key(last))
+    text = ""
+    for piece in reversed(out):
+        text += piece if piece.startswith("[") or not text else "." + piece
+    return text
+
+
+def _check_text(s: str, path: Any) -> None:
+    if s.isascii():
+        return
+    try:
+        s.encode("utf-8")
+    except UnicodeError:
+        raise JobRejected(BAD_JSON, f"{_path(path) or 'document'}: invalid unicode (unpaired surrogate)") from None
+
+
+# --------------------------------------------------------------------------- field checks
+
+
+def _check_id(value: Any, path: str) -> str:
+    if not isinstance(value, str):
+        raise _bad(path, f"must be a string, got {_type(value)}")
+    if not ID_RE.fullmatch(value):
+        if not value:
+            raise _bad(path, "must not be empty")
+        if len(value) > 128:
+            raise _bad(path, f"is {len(value)} characters long; at most 128 are allowed")
+        raise _bad(path, f"{_short(value)} may contain only A-Z a-z 0-9 . _ - (1 to 128 characters)")
+    if value.startswith("."):
+        raise _bad(path, f"{_short(value)} must not start with '.' (ids become etcd key segments)")
+    return value
+
+
+def _number(doc: dict, key: str, path: str, lo: float, hi: float, default: Any, *, integer: bool = False,
+            lo_open: bool = False) -> Any:
+    if key not in doc:
+        return default
+    v = doc[key]
+    kind = "an integer" if integer else "a number"
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
+        raise _bad(path, f"must be {kind}, got {_type(v)} {_short(v)}")
+    if not math.isfinite(v) or v < lo or v > hi or (lo_open and v <= lo):
+        rng = f"greater than {lo:g} and at most {hi:g}" if lo_open else f"between {lo:g} and {hi:g}"
+        raise _bad(path, f"must be {kind} {rng}, got {_short(v)}")
+    return v if integer else float(v)
+
+
+def _object(doc: dict, key: str, path: str, allowed: tuple) -> dict:
+    v = doc.get(key, {})
+    if not isinstance(v, dict):
+        raise _bad(path, f"must be an object, got {_type(v)}")
+    extra = [k for k in v if k not in allowed]
+    if extra:
+        raise _bad(f"{path}.{_key(extra[0])}", f"unknown key (allowed: {', '.join(allowed)})")
+    return v
+
+
+def _timestamp(doc: dict, key: str) -> Optional[datetime]:
+    if key not in doc:
+        return None
+    try:
+        return parse_rfc3339(doc[key])
+    except ValueError as exc:
+        raise _bad(key, f"{exc}, got {_short(doc[key])}") from None
+
+
+def _parse(payload: Any, *, templates: Optional[dict], keyring: Optional[KeyRing], now: Optional[datetime],
+           max_skew_s: Optional[float], max_bytes: Optional[int], verify_signature: bool) -> Job:
+    try:
+        return _parse_inner(payload, templates, keyring, now, max_skew_s, max_bytes, verify_signature)
+    except JobRejected:
+        raise
+    except RecursionError:
+        raise JobRejected(BAD_JSON, "document is nested too deeply") from None
+    except Exception as exc:  # defensive: never a traceback for user input
+        raise JobRejected(BAD_FIELD, f"invalid document ({type(exc).__name__}: {_clip(str(exc))})") from None
+
+
+def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyRing], now: Optional[datetime],
+                 max_skew_s: Optional[float], max_bytes: Optional[int], verify_signature: bool) -> Job:
+    doc = decode(payload, max_bytes)
+
+    # ---- version
+    if "v" not in doc:
+        raise _bad("v", "is required (the contract version, 1)")
+    v = doc["v"]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad("v", f"must be the integer 1, got {_type(v)} {_short(v)}")
+    if v != VERSION:
+        raise JobRejected(UNSUPPORTED_VERSION, f"v: version {_short(v)} is not supported (this agent speaks v1)", "v")
+
+    # ---- shape
+    unknown = [k for k in doc if k not in TOP_LEVEL_KEYS]
+    if unknown:
+        raise _bad(_key(unknown[0]), f"unknown key (allowed: {', '.join(TOP_LEVEL_KEYS)})")
+    for req in ("id", "template"):
+        if req not in doc:
+            raise _bad(req, "is required")
+    job_id = _check_id(doc["id"], "id")
+    tname = doc["template"]
+    if not isinstance(tname, str):
+        raise _bad("template", f"must be a string, got {_type(tname)}")
+    if not ID_RE.fullmatch(tname):
+        raise _bad("template", f"{_short(tname)} is not a template name ([A-Za-z0-9._-]{{1,128}})")
+
+    params = doc.get("params", {})
+    if not isinstance(params, dict):
+        raise _bad("params", f"must be an object of strings, got {_type(params)}")
+    if len(params) > MAX_PARAMS:
+        raise _bad("params", f"has {len(params)} entries; at most {MAX_PARAMS} are allowed")
+    for k, pv in params.items():
+        if not isinstance(k, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", k):
+            raise _bad("params", f"parameter name {_short(k)} must match [A-Za-z_][A-Za-z0-9_]{{0,63}}")
+        if not isinstance(pv, str):
+            raise _bad(f"params.{k}", f"must be a string, got {_type(pv)}")
+
+    try:
+        schedule = Schedule.parse(doc.get("schedule", {}))
+    except ScheduleError as exc:
+        raise _bad(exc.field, exc.message) from None
+
+    misfire = doc.get("misfire", "run_once")
+    if not isinstance(misfire, str) or misfire not in MISFIRE_POLICIES:
+        raise _bad("misfire", f"must be one of {', '.join(MISFIRE_POLICIES)}, got {_short(misfire)}")
+    if "misfire_limit" in doc and misfire != "run_all":
+        raise _bad("misfire_limit", "is only allowed with \"misfire\": \"run_all\"")
+    misfire_limit = _number(doc, "misfire_limit", "misfire_limit", 1, MAX_MISFIRE_LIMIT,
+                            DEFAULT_MISFIRE_LIMIT if misfire == "run_all" else 1, integer=True)
+
+    overlap = doc.get("overlap", "forbid")
+    if not isinstance(overlap, str) or overlap not in OVERLAP_POLICIES:
+        raise _bad("overlap", f"must be one of {', '.join(OVERLAP_POLICIES)}, got {_short(overlap)}")
+
+    r = _object(doc, "retry", "retry", ("max_attempts", "backoff_s", "max_backoff_s", "jitter"))
+    retry = RetryPolicy(
+        max_attempts=_number(r, "max_attempts", "retry.max_attempts", 1, MAX_ATTEMPTS, 1, integer=True),
+        backoff_s=_number(r, "backoff_s", "retry.backoff_s", 0, MAX_BACKOFF_S, 1.0),
+        max_backoff_s=_number(r, "max_backoff_s", "retry.max_backoff_s", 0, MAX_BACKOFF_S, 60.0),
+        jitter=_number(r, "jitter", "retry.jitter", 0, 1, 0.0),
+    )
+    if "max_backoff_s" in r and retry.max_backoff_s < retry.backoff_s:
+        raise _bad("retry.max_backoff_s", f"must be at least retry.backoff_s ({retry.backoff_s:g})")
+    if "max_backoff_s" not in r and retry.max_backoff_s < retry.backoff_s:
+        retry = RetryPolicy(retry.max_attempts, retry.backoff_s, retry.backoff_s, retry.jitter)
+
+    timeout_s = _number(doc, "timeout_s", "timeout_s", 0, MAX_TIMEOUT_S, DEFAULT_TIMEOUT_S, lo_open=True)
+
+    res = _object(doc, "resources", "resources", ("cpu", "memory_mb", "pids"))
+    resources = Resources(
+        cpu=_number(res, "cpu", "resources.cpu", 0, MAX_CPU, None, lo_open=True),
+        memory_mb=_number(res, "memory_mb", "resources.memory_mb", 4, MAX_MEMORY_MB, None, integer=True),
+        pids=_number(res, "pids", "resources.pids", 1, MAX_PIDS, None, integer=True),
+    )
+
+    deps = doc.get("depends_on", [])
+    if not isinstance(deps, list):
+        raise _bad("depends_on", f"must be a list of job ids, got {_type(deps)}")
+    if len(deps) > MAX_DEPENDS:
+        raise _bad("depends_on", f"has {len(deps)} entries; at most {MAX_DEPENDS} are allowed")
+    seen: set = set()
+    for i, dep in enumerate(deps):
+        _check_id(dep, f"depends_on[{i}]")
+        if dep == job_id:
+            raise _bad(f"depends_on[{i}]", "a job cannot depend on itself")
+        if dep in seen:
+            raise _bad(f"depends_on[{i}]", f"{_short(dep)} is listed twice")
+        seen.add(dep)
+
+    not_after = _timestamp(doc, "not_after")
+    issued_at = _timestamp(doc, "issued_at")
+    if not_after is not None and issued_at is not None and not_after <= issued_at:
+        raise _bad("not_after", "must be later than issued_at")
+    if not_after is not None and schedule.kind == "at" and schedule.at >= not_after:
+        raise _bad("schedule.at", "is not before not_after: the job could never run")
+
+    sig = doc.get("sig")
+    if "sig" in doc:
+        if not isinstance(sig, dict):
+            raise _bad("sig", f"must be an object with alg, kid and value, got {_type(sig)}")
+        extra = [k for k in sig if k not in ("alg", "kid", "value")]
+        if extra:
+            raise _bad(f"sig.{_key(extra[0])}", "unknown key (allowed: alg, kid, value)")
+        for name in ("alg", "kid", "value"):
+            if not isinstance(sig.get(name), str) or not sig.get(name):
+                raise _bad(f"sig.{name}", "must be a non-empty string")
+
+    # ---- template and params (skipped for stored documents: templates is None)
+    if templates is not None:
+        template = templates.get(tname)
+        if template is None:
+            known = ", ".join(sorted(templates)) or "none configured"
+            raise JobRejected(UNKNOWN_TEMPLATE, f"template: {_short(tname)} is not a template of this agent (known: {_short(known, 200)})", "template")
+        check_params(params, template, tname)
+
+    # ---- signature
+    if verify_signature:
+        if keyring is None or len(keyring) == 0:
+            if "sig" not in doc:
+                raise JobRejected(UNSIGNED, "sig: the document is not signed", "sig")
+            raise JobRejected(UNKNOWN_KID, "sig.kid: no signing keys are configured on this agent", "sig.kid")
+        try:
+            keyring.verify(doc)
+        except SignatureError as exc:
+            raise JobRejected(exc.reason, f"sig: {exc.detail}", "sig") from None
+
+    # ---- time
+    if now is not None:
+        now_utc = _aware(now)
+        if not_after is not None and not_after <= now_utc:
+            raise JobRejected(EXPIRED, f"not_after: the job expired at {doc['not_after']}", "not_after")
+        if issued_at is not None and max_skew_s is not None:
+            skew = (issued_at - now_utc).total_seconds()
+            if abs(skew) > max_skew_s:
+                side = "ahead of" if skew > 0 else "behind"
+                raise JobRejected(
+                    SKEW, f"issued_at: {doc['issued_at']} is {abs(skew):.0f} s {side} this agent's clock "
+                          f"(allowed: {max_skew_s:g} s)", "issued_at")
+
+    stored = doc  # decode() always returns a fresh object that nothing else references
+    return Job(
+        id=job_id, template=tname, params=dict(params), schedule=schedule, misfire=misfire,
+        misfire_limit=misfire_limit, overlap=overlap, retry=retry, timeout_s=timeout_s, resources=resources,
+        depends_on=list(deps), not_after=not_after, issued_at=issued_at, doc=stored,
+        canonical=canonical_json(stored, with_sig=True), content=canonical_json(stored),
+    )
+
+
+def _aware(now: datetime) -> datetime:
+    if not isinstance(now, datetime) or now.tzinfo is None or now.utcoffset() is None:
+        raise TypeError("now must be a timezone-aware datetime")
+    return now.astimezone(UTC)
+
+
+# --------------------------------------------------------------------------- templates
+
+
+def check_params(params: dict, template: Template, tname: str = "template") -> None:
+    """params must be exactly the template's params, each value matching its regex in
+    full (and free of NUL, which no argv can carry). Raises JobRejected(bad_param)."""
+    for name in template.params:
+        if name not in params:
+            raise _bad(f"params.{name}", f"is required by template {tname}", BAD_PARAM)
+    for name, value in params.items():
+        rx = template.params.get(name)
+        if rx is None:
+            allowed = ", ".join(sorted(template.params)) or "none"
+            raise _bad(f"params.{name}", f"is not a parameter of template {tname} (its params: {allowed})", BAD_PARAM)
+        if not isinstance(value, str):
+            raise _bad(f"params.{name}", f"must be a string, got {_type(value)}", BAD_PARAM)
+        if "\x00" in value:
+            raise _bad(f"params.{name}", "must not contain NUL", BAD_PARAM)
+        try:
+            ok = re.fullmatch(rx, value) is not None
+        except re.error:
+            ok = False
+        if not ok:
+            raise _bad(f"params.{name}", f"{_short(value)} does not match {rx}", BAD_PARAM)
+
+
+def render_argv(job: Job, template: Template) -> list[str]:
+    """The template's argv with each {param} replaced by the job's value, verbatim (one
+    pass: braces inside values are not expanded again; no shell is involved). Re-checks
+    the params against the template, which may have changed since ingest; raises
+    JobRejected(bad_param) when they no longer fit."""
+    check_params(job.params, template, job.template)
+
+    def sub(m: re.Match) -> str:
+        name = m.group(1)
+        if name not in job.params:
+            raise _bad(f"params.{name}", f"template {job.template} uses {{{name}}} but has no such param", BAD_PARAM)
+        return job.params[name]
+
+    return [PLACEHOLDER_RE.sub(sub, arg) for arg in template.argv]
+
+
+def effective_resources(job: Job, template: Template) -> Resources:
+    """The job's resources capped by the template's ceilings; unset values take the
+    template's (None: no limit from either)."""
+    def cap(j: Any, t: Any) -> Any:
+        if j is None:
+            return t
+        return j if t is None else min(j, t)
+
+    t = template.resources or Resources()
+    return Resources(cpu=cap(job.resources.cpu, t.cpu), memory_mb=cap(job.resources.memory_mb, t.memory_mb),
+                     pids=cap(job.resources.pids, t.pids))
+
+
+# --------------------------------------------------------------------------- cancel
+
+
+def parse_cancel(payload: Union[bytes, str, dict], keyring: Optional[KeyRing], max_bytes: int,
+                 verify_signature: bool = True) -> str:
+    """``{"v":1,"id":...,"sig":...}`` -> the job id. Same errors as parse_job."""
+    try:
+        doc = decode(payload, max_bytes)
+        if "v" not in doc:
+            raise _bad("v", "is required (the contract version, 1)")
+        v = doc["v"]
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise _bad("v", f"must be the integer 1, got {_type(v)} {_short(v)}")
+        if v != VERSION:
+            raise JobRejected(UNSUPPORTED_VERSION, f"v: version {_short(v)} is not supported (this agent speaks v1)", "v")
+        unknown = [k for k in doc if k not in CANCEL_KEYS]
+        if unknown:
+            raise _bad(_key(unknown[0]), f"unknown key (a cancel has only: {', '.join(CANCEL_KEYS)})")
+        if "id" not in doc:
+            raise _bad("id", "is required")
+        job_id = _check_id(doc["id"], "id")
+        if verify_signature:
+            if keyring is None or len(keyring) == 0:
+                if "sig" not in doc:
+                    raise JobRejected(UNSIGNED, "sig: the cancel is not signed", "sig")
+                raise JobRejected(UNKNOWN_KID, "sig.kid: no signing keys are configured on this agent", "sig.kid")
+            try:
+                keyring.verify(doc)
+            except SignatureError as exc:
+                raise JobRejected(exc.reason, f"sig: {exc.detail}", "sig") from None
+        return job_id
+    except JobRejected:
+        raise
+    except RecursionError:
+        raise JobRejected(BAD_JSON, "document is nested too deeply") from None
+    except Exception as exc:  # defensive
+        raise JobRejected(BAD_FIELD, f"invalid cancel ({type(exc).__name__}: {_clip(str(exc))})") from None
+
+
+__all__ = [
+    "Job", "JobRejected", "parse_job", "parse_cancel", "render_argv", "check_params", "effective_resources",
+    "decode", "REASONS", "TOP_LEVEL_KEYS", "VERSION",
+]

@@ -1,0 +1,194 @@
+"""Helpers for multi-agent tests: start agents, read ownership, check etcd history."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import time
+from typing import Callable, Optional
+
+from agent.coordination.etcd import EtcdClient
+from agent.config import EtcdConfig
+from agent.coordination.keys import Keys
+from agent.devservices import AgentProcess
+import etcd3.etcdrpc as rpc
+
+
+def wait_for(pred: Callable[[], object], timeout: float, interval: float = 0.02, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+class Cluster:
+    def __init__(self, etcd, base_dir: str, cluster: str = "t", shards: int = 64, ttl: int = 4,
+                 renew_deadline: float = 2.5, retry_period: float = 0.5, extra: Optional[dict] = None,
+                 env: Optional[dict] = None):
+        self.etcd = etcd
+        self.base = base_dir
+        self.cluster = cluster
+        self.keys = Keys(cluster)
+        self.ttl = ttl
+        self.cfg = {"cluster": cluster, "shards": shards,
+                    "etcd": {"endpoints": [etcd.endpoint], "lease_ttl_s": ttl, "renew_deadline_s": renew_deadline,
+                             "retry_period_s": retry_period, "request_timeout_s": 1.0}}
+        for k, v in (extra or {}).items():
+            self.cfg[k] = {**self.cfg.get(k, {}), **v} if isinstance(v, dict) else v
+        self.env = env or {}
+        self.agents: dict[str, AgentProcess] = {}
+        self.client = EtcdClient(EtcdConfig(endpoints=[etcd.endpoint], request_timeout_s=2.0))
+        self.shards = shards
+
+    def start(self, agent_id: str, capacity: float = 1.0, endpoint_host: Optional[str] = None,
+              extra: Optional[dict] = None) -> AgentProcess:
+        cfg = json.loads(json.dumps(self.cfg))
+        cfg["capacity"] = capacity
+        if endpoint_host:
+            cfg["etcd"]["endpoints"] = [self.etcd.endpoint_on(endpoint_host)]
+        for k, v in (extra or {}).items():
+            cfg[k] = {**cfg.get(k, {}), **v} if isinstance(v, dict) else v
+        a = AgentProcess(agent_id, self.base, cfg, env=self.env).start()
+        self.agents[agent_id] = a
+        return a
+
+    def owners(self) -> dict[int, str]:
+        kvs, _ = self.client.get_prefix(self.keys.shards_prefix())
+        return {self.keys.shard_number(kv.key): kv.value.decode() for kv in kvs}
+
+    def counts(self) -> collections.Counter:
+        return collections.Counter(self.owners().values())
+
+    def all_owned_by(self, agents: set[str]) -> bool:
+        o = self.owners()
+        return len(o) == self.shards and set(o.values()) <= agents
+
+    def converged(self, capacities: dict[str, float]) -> bool:
+        """Ownership equals the bounded-load rendezvous plan for these members."""
+        from agent.coordination import hrw
+
+        return self.owners() == hrw.assignment(self.shards, capacities)
+
+    def members(self) -> set[str]:
+        kvs, _ = self.client.get_prefix(self.keys.members_prefix())
+        return {kv.key.rsplit("/", 1)[1] for kv in kvs}
+
+    def close(self) -> None:
+        for a in self.agents.values():
+            a.kill()
+        self.client.close()
+
+
+def etcd_history(client: EtcdClient, prefix: str, quiet_s: float = 1.0) -> list:
+    """Every event under prefix since revision 1, in order (tests never compact).
+
+    Reads the watch until it has delivered everything up to the head revision of the
+    prefix, in a helper thread so a silent stream cannot hang the test."""
+    import queue
+    import threading
+
+    from etcd3 import utils
+
+    kvs, _ = client.get_prefix(prefix, keys_only=True)
+    c, _ = client.client()
+    key = prefix.encode()
+    req = rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
+        key=key, range_end=utils.increment_last_byte(key), start_revision=1, prev_kv=True))
+    stop = threading.Event()
+
+    def reqs():
+        yield req
+        stop.wait(600)
+
+    stream = rpc.WatchStub(c.channel).Watch(reqs())
+    q: queue.Queue = queue.Queue()
+
+    def pump():
+        try:
+            for resp in stream:
+                assert not resp.compact_revision, "history compacted"
+                q.put(list(resp.events))
+        except Exception:
+            pass
+
+    t = threading.Thread(target=pump, daemon=True)
+    t.start()
+    out = []
+    try:
+        while True:
+            try:
+                out.extend(q.get(timeout=quiet_s))
+            except queue.Empty:
+                break
+    finally:
+        stop.set()
+        stream.cancel()
+    return out
+
+
+def check_history(client: EtcdClient, keys: Keys) -> dict:
+    """Replay the whole history: a shard key only ever changes owner through a delete, and
+    every fenced write (probe or run record carrying agent+token) was made by the holder
+    of the shard at that revision with its current token."""
+    events = etcd_history(client, keys.prefix)
+    holder: dict[str, tuple[str, int]] = {}
+    stats = collections.Counter()
+    problems = []
+    sp = keys.shards_prefix()
+    probe = keys.prefix + "test/probe/"
+    for ev in events:
+        k = ev.kv.key.decode()
+        if k.startswith(sp):
+            if ev.type == 1:
+                holder.pop(k, None)
+                stats["releases"] += 1
+            else:
+                if k in holder and holder[k][0] != ev.kv.value.decode():
+                    problems.append(f"rev {ev.kv.mod_revision}: {k} changed owner {holder[k][0]} -> "
+                                    f"{ev.kv.value.decode()} without a delete")
+                if ev.kv.version == 1:
+                    stats["claims"] += 1
+                holder[k] = (ev.kv.value.decode(), ev.kv.create_revision)
+        elif k.startswith(probe) and ev.type == 0:
+            doc = json.loads(ev.kv.value)
+            sk = sp + k[len(probe):]
+            stats["fenced_writes"] += 1
+            if holder.get(sk) != (doc["agent"], doc["token"]):
+                problems.append(f"rev {ev.kv.mod_revision}: write by {doc['agent']} with token {doc['token']} "
+                                f"for {sk} held by {holder.get(sk)}")
+    return {"problems": problems, **stats}
+
+
+class NftBlock:
+    """Drop TCP traffic to and from one loopback address:port, in a table of our own."""
+
+    def __init__(self, addr: str, port: int):
+        self.table = f"mw_test_{os.getpid()}_{port}"
+        self.addr, self.port = addr, port
+        self.active = False
+
+    def __enter__(self):
+        rules = f"""
+table inet {self.table} {{
+  chain out {{ type filter hook output priority -10; policy accept;
+    ip daddr {self.addr} tcp dport {self.port} drop
+    ip saddr {self.addr} tcp sport {self.port} drop
+  }}
+}}"""
+        subprocess.run(["nft", "-f", "-"], input=rules.encode(), check=True)
+        self.active = True
+        return self
+
+    def remove(self):
+        if self.active:
+            subprocess.run(["nft", "delete", "table", "inet", self.table], check=False)
+            self.active = False
+
+    def __exit__(self, *exc):
+        self.remove()

@@ -1,0 +1,78 @@
+"""Backend probing and parsing helpers (no cgroup writes)."""
+
+from __future__ import annotations
+
+import resource
+
+import pytest
+
+from agent.execute import Limits, describe_backend, probe
+from agent.execute.backends import (Cgroup1Backend, Cgroup2Backend, RlimitBackend, _kv, mountinfo, safe_name,
+                                    self_cgroups)
+from agent.execute.executor import RunResult, rfc3339
+
+
+def test_mountinfo_and_self_cgroup_parsing(tmp_path):
+    mi = tmp_path / "mountinfo"
+    mi.write_text(
+        "30 25 0:26 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
+        "31 25 0:27 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
+        "35 25 0:31 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw,nsdelegate\n"
+        "40 1 8:1 / / rw - ext4 /dev/sda1 rw\n")
+    got = mountinfo(str(mi))
+    assert [(m, t) for m, t, _, _ in got] == [("/sys/fs/cgroup/memory", "cgroup"), ("/sys/fs/cgroup/cpu,cpuacct", "cgroup"),
+                                              ("/sys/fs/cgroup/unified", "cgroup2")]
+    assert "cpuacct" in got[1][2]
+    cg = tmp_path / "cgroup"
+    cg.write_text("4:memory:/a/b\n2:cpu,cpuacct:/c\n0::/system.slice/millwright.service\n")
+    assert self_cgroups(str(cg)) == {"memory": "/a/b", "cpu": "/c", "cpuacct": "/c", "": "/system.slice/millwright.service"}
+    assert _kv("max 3\noom_kill 1\nbad line here\n") == {"max": 3, "oom_kill": 1}
+
+
+def test_safe_names_are_unique_and_harmless():
+    a, b = safe_name("job/../x"), safe_name("job/__/x")
+    assert a != b and "/" not in a and not a.startswith(".")
+    assert safe_name("\n") .startswith("_-")
+    assert len(safe_name("x" * 500)) < 100
+
+
+def test_missing_controllers_make_cgroup1_unavailable():
+    b = Cgroup1Backend(mounts={"memory": "/sys/fs/cgroup/memory"}, root_name="t")
+    with pytest.raises(Exception, match="no cgroup v1 hierarchy for cpu, pids"):
+        b.check_available()
+    with pytest.raises(Exception, match="no cgroup2 mount"):
+        Cgroup2Backend(mount="", self_path="/").check_available()
+    with pytest.raises(ValueError):
+        Cgroup1Backend(mounts={}, root_name="../evil")
+
+
+def test_probe_always_finds_a_backend_and_says_why():
+    line = describe_backend("auto")
+    assert line.split()[0] in ("cgroup2", "cgroup1", "rlimit") and "(" in line
+    assert describe_backend("rlimit").startswith("rlimit (last resort")
+    with pytest.raises(ValueError):
+        probe("systemd", setup=False)
+
+
+def test_rlimit_values():
+    rl = dict(RlimitBackend().child_rlimits(Limits(cpu=0.5, memory_mb=64, pids=10), timeout_s=100))
+    assert rl == {resource.RLIMIT_AS: 128 << 20, resource.RLIMIT_CPU: 51, resource.RLIMIT_NPROC: 10}
+    assert RlimitBackend().child_rlimits(Limits(), None) == []
+
+
+def test_result_record_fields():
+    r = RunResult(run_key="k", reason="succeeded", exit_code=0, started_at=0.0, ended_at=1.5, duration_s=1.5)
+    d = r.to_dict()
+    assert d["started_at"] == "1970-01-01T00:00:00.000Z" and d["ended_at"] == "1970-01-01T00:00:01.500Z"
+    assert set(d["usage"]) == {"cpu_s", "max_rss_bytes", "oom_kills", "throttled_s"}
+    assert rfc3339(None) is None
+
+
+def test_config_check_names_the_quota_backend(tmp_path, capsys):
+    from agent.cli import main
+
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text("cluster: t\nexecute: {quota_backend: rlimit}\n")
+    assert main(["config", "check", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "quota backend: rlimit (last resort" in out

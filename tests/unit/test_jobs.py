@@ -1,0 +1,449 @@
+"""Job documents: every invalid field gets its specific reason and names the field;
+hostile ids; signatures; expiry and skew; templates and argv; cancel; stored re-parse."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from agent.config import Resources, Template
+from agent.jobs import Job, JobRejected, effective_resources, parse_cancel, parse_job, render_argv
+from agent.schedule import Schedule
+from agent.signing import KeyRing, sign
+
+UTC = timezone.utc
+NOW = datetime(2026, 12, 2, 11, 0, 30, tzinfo=UTC)
+SECRET = base64.b64encode(bytes(range(32))).decode()
+KEYS = KeyRing.from_mapping({"cloud-1": {"alg": "hmac-sha256", "secret": SECRET}})
+TEMPLATES = {
+    "coolant-flush": Template(
+        argv=["/usr/lib/millwright/jobs/coolant-flush", "--line", "{line}", "--tag=l{line}-{mode}"],
+        params={"line": "^[0-9]{1,2}$", "mode": "fast|slow"},
+        resources=Resources(cpu=1.0, memory_mb=256, pids=32),
+    ),
+    "noargs": Template(argv=["/bin/true"]),
+}
+BASE = {
+    "v": 1,
+    "id": "coolant-flush-line3-20261202",
+    "template": "coolant-flush",
+    "params": {"line": "3", "mode": "fast"},
+    "schedule": {"at": "2026-12-02T12:00:00Z"},
+    "misfire": "run_once",
+    "overlap": "forbid",
+    "retry": {"max_attempts": 3, "backoff_s": 2, "max_backoff_s": 60, "jitter": 0.2},
+    "timeout_s": 300,
+    "resources": {"cpu": 0.5, "memory_mb": 128, "pids": 64},
+    "depends_on": [],
+    "not_after": "2026-12-03T00:00:00Z",
+    "issued_at": "2026-12-02T11:00:00Z",
+}
+
+
+def signed(doc: dict) -> dict:
+    return sign(doc, KEYS, "cloud-1")
+
+
+def parse(payload, **kw) -> Job:
+    args = dict(templates=TEMPLATES, keyring=KEYS, now=NOW, max_skew_s=300, max_bytes=65536)
+    args.update(kw)
+    return parse_job(payload, **args)
+
+
+def rejected(payload, **kw) -> JobRejected:
+    with pytest.raises(JobRejected) as ei:
+        parse(payload, **kw)
+    return ei.value
+
+
+def variant(**changes) -> dict:
+    doc = copy.deepcopy(BASE)
+    for k, v in changes.items():
+        if v is DROP:
+            doc.pop(k, None)
+        else:
+            doc[k] = v
+    return doc
+
+
+DROP = object()
+
+
+# ---------------------------------------------------------------- the happy path
+
+
+def test_valid_document_parses_from_bytes_str_and_dict():
+    doc = signed(BASE)
+    for payload in (json.dumps(doc).encode(), json.dumps(doc), doc):
+        job = parse(payload)
+        assert job.id == BASE["id"] and job.template == "coolant-flush"
+        assert job.params == {"line": "3", "mode": "fast"}
+        assert job.schedule.kind == "at" and job.schedule.at == datetime(2026, 12, 2, 12, tzinfo=UTC)
+        assert job.retry.max_attempts == 3 and job.retry.backoff_s == 2.0 and job.retry.jitter == 0.2
+        assert job.timeout_s == 300.0 and job.resources == Resources(cpu=0.5, memory_mb=128, pids=64)
+        assert job.not_after == datetime(2026, 12, 3, tzinfo=UTC)
+        assert job.issued_at == datetime(2026, 12, 2, 11, tzinfo=UTC)
+        assert job.doc == doc and job.doc is not doc
+        assert job.canonical == json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+        assert b'"sig"' in job.canonical and b'"sig"' not in job.content
+
+
+def test_defaults_for_a_minimal_document():
+    job = parse(signed({"v": 1, "id": "j1", "template": "noargs"}), now=NOW)
+    assert job.schedule == Schedule.now() and job.misfire == "run_once" and job.misfire_limit == 1
+    assert job.overlap == "forbid" and job.retry.max_attempts == 1 and job.timeout_s == 3600.0
+    assert job.resources == Resources() and job.depends_on == [] and job.params == {}
+    assert job.not_after is None and job.issued_at is None
+
+
+def test_canonical_identifies_content_regardless_of_wire_formatting():
+    doc = signed(BASE)
+    a = parse(json.dumps(doc, indent=2))
+    b = parse(json.dumps(dict(reversed(list(doc.items())))))
+    assert a.canonical == b.canonical and a == b
+    other = parse(signed(variant(timeout_s=301)))
+    assert other.canonical != a.canonical and not other.same_content(a)
+
+
+def test_cron_and_misfire_run_all():
+    job = parse(signed(variant(schedule={"cron": "0 */5 * * * *", "tz": "Europe/Berlin"},
+                               misfire="run_all", misfire_limit=5)))
+    assert job.schedule.kind == "cron" and job.schedule.tz == "Europe/Berlin"
+    assert job.misfire == "run_all" and job.misfire_limit == 5
+    job = parse(signed(variant(misfire="run_all")))
+    assert job.misfire_limit == 10
+
+
+# ---------------------------------------------------------------- every invalid field
+
+
+BAD_FIELDS = [
+    # (changes, reason, field named in detail)
+    ({"v": DROP}, "bad_field", "v"),
+    ({"v": "1"}, "bad_field", "v"),
+    ({"v": True}, "bad_field", "v"),
+    ({"v": 1.5}, "bad_field", "v"),
+    ({"v": 2}, "unsupported_version", "v"),
+    ({"v": 0}, "unsupported_version", "v"),
+    ({"id": DROP}, "bad_field", "id"),
+    ({"id": 5}, "bad_field", "id"),
+    ({"template": DROP}, "bad_field", "template"),
+    ({"template": ["x"]}, "bad_field", "template"),
+    ({"template": "../etc"}, "bad_field", "template"),
+    ({"template": "nope"}, "unknown_template", "template"),
+    ({"params": "line=3"}, "bad_field", "params"),
+    ({"params": {"line": 3, "mode": "fast"}}, "bad_field", "params.line"),
+    ({"params": {"line": "3", "mode": "fast", "bad name": "x"}}, "bad_field", "params"),
+    ({"params": {"line": "333", "mode": "fast"}}, "bad_param", "params.line"),
+    ({"params": {"line": "3\n", "mode": "fast"}}, "bad_param", "params.line"),
+    ({"params": {"line": "3", "mode": "fastest"}}, "bad_param", "params.mode"),
+    ({"params": {"line": "3"}}, "bad_param", "params.mode"),
+    ({"params": {"line": "3", "mode": "fast", "extra": "1"}}, "bad_param", "params.extra"),
+    ({"schedule": "now"}, "bad_field", "schedule"),
+    ({"schedule": {"at": "2026-12-02T12:00:00Z", "delay_s": 5}}, "bad_field", "schedule"),
+    ({"schedule": {"when": 5}}, "bad_field", "schedule"),
+    ({"schedule": {"at": "2026-12-02 12:00"}}, "bad_field", "schedule.at"),
+    ({"schedule": {"at": "2026-12-02T12:00:00"}}, "bad_field", "schedule.at"),
+    ({"schedule": {"at": "2026-13-02T12:00:00Z"}}, "bad_field", "schedule.at"),
+    ({"schedule": {"at": 1764676800}}, "bad_field", "schedule.at"),
+    ({"schedule": {"at": "2026-12-04T00:00:00Z"}}, "bad_field", "schedule.at"),  # after not_after
+    ({"schedule": {"delay_s": -1}}, "bad_field", "schedule.delay_s"),
+    ({"schedule": {"delay_s": "5"}}, "bad_field", "schedule.delay_s"),
+    ({"schedule": {"delay_s": 1e12}}, "bad_field", "schedule.delay_s"),
+    ({"schedule": {"delay_s": True}}, "bad_field", "schedule.delay_s"),
+    ({"schedule": {"cron": "* * * *"}}, "bad_field", "schedule.cron"),
+    ({"schedule": {"cron": "* * * * * * *"}}, "bad_field", "schedule.cron"),
+    ({"schedule": {"cron": "61 * * * *"}}, "bad_field", "schedule.cron"),
+    ({"schedule": {"cron": "0 0 30 2 *"}}, "bad_field", "schedule.cron"),
+    ({"schedule": {"cron": "H * * * *"}}, "bad_field", "schedule.cron"),
+    ({"schedule": {"cron": "@daily"}}, "bad_field", "schedule.cron"),
+    ({"schedule": {"cron": "*/0 * * * *"}}, "bad_field", "schedule.cron"),
+    ({"schedule": {"cron": "0 0 * * mon 0"}}, "bad_field", "schedule.cron"),  # croniter order (seconds last) is wrong here
+    ({"schedule": {"cron": 5}}, "bad_field", "schedule.cron"),
+    ({"schedule": {"cron": "0 * * * *", "tz": "Mars/Olympus"}}, "bad_field", "schedule.tz"),
+    ({"schedule": {"cron": "0 * * * *", "tz": "../../etc/passwd"}}, "bad_field", "schedule.tz"),
+    ({"schedule": {"cron": "0 * * * *", "tz": "localtime"}}, "bad_field", "schedule.tz"),
+    ({"schedule": {"cron": "0 * * * *", "tz": 1}}, "bad_field", "schedule.tz"),
+    ({"schedule": {"at": "2026-12-02T12:00:00Z", "tz": "UTC"}}, "bad_field", "schedule.tz"),
+    ({"misfire": "later"}, "bad_field", "misfire"),
+    ({"misfire": {"run_all": 3}}, "bad_field", "misfire"),
+    ({"misfire_limit": 3}, "bad_field", "misfire_limit"),  # only with run_all
+    ({"misfire": "run_all", "misfire_limit": 0}, "bad_field", "misfire_limit"),
+    ({"misfire": "run_all", "misfire_limit": 1001}, "bad_field", "misfire_limit"),
+    ({"misfire": "run_all", "misfire_limit": 2.5}, "bad_field", "misfire_limit"),
+    ({"overlap": "queue"}, "bad_field", "overlap"),
+    ({"overlap": None}, "bad_field", "overlap"),
+    ({"retry": []}, "bad_field", "retry"),
+    ({"retry": {"max_attempts": 0}}, "bad_field", "retry.max_attempts"),
+    ({"retry": {"max_attempts": 101}}, "bad_field", "retry.max_attempts"),
+    ({"retry": {"max_attempts": 2.0}}, "bad_field", "retry.max_attempts"),
+    ({"retry": {"backoff_s": -1}}, "bad_field", "retry.backoff_s"),
+    ({"retry": {"backoff_s": 1e9}}, "bad_field", "retry.backoff_s"),
+    ({"retry": {"backoff_s": 10, "max_backoff_s": 5}}, "bad_field", "retry.max_backoff_s"),
+    ({"retry": {"jitter": 1.5}}, "bad_field", "retry.jitter"),
+    ({"retry": {"jitter": -0.1}}, "bad_field", "retry.jitter"),
+    ({"retry": {"tries": 3}}, "bad_field", "retry.tries"),
+    ({"timeout_s": 0}, "bad_field", "timeout_s"),
+    ({"timeout_s": -5}, "bad_field", "timeout_s"),
+    ({"timeout_s": "300"}, "bad_field", "timeout_s"),
+    ({"timeout_s": 10**9}, "bad_field", "timeout_s"),
+    ({"resources": 1}, "bad_field", "resources"),
+    ({"resources": {"cpu": 0}}, "bad_field", "resources.cpu"),
+    ({"resources": {"cpu": "1"}}, "bad_field", "resources.cpu"),
+    ({"resources": {"memory_mb": 2}}, "bad_field", "resources.memory_mb"),
+    ({"resources": {"memory_mb": 128.5}}, "bad_field", "resources.memory_mb"),
+    ({"resources": {"pids": 0}}, "bad_field", "resources.pids"),
+    ({"resources": {"gpu": 1}}, "bad_field", "resources.gpu"),
+    ({"depends_on": "other"}, "bad_field", "depends_on"),
+    ({"depends_on": ["ok", "../x"]}, "bad_field", "depends_on[1]"),
+    ({"depends_on": ["a", "a"]}, "bad_field", "depends_on[1]"),
+    ({"depends_on": ["coolant-flush-line3-20261202"]}, "bad_field", "depends_on[0]"),
+    ({"depends_on": [str(i) for i in range(65)]}, "bad_field", "depends_on"),
+    ({"not_after": "tomorrow"}, "bad_field", "not_after"),
+    ({"not_after": "2026-12-02T10:00:00Z"}, "bad_field", "not_after"),  # before issued_at
+    ({"issued_at": 5}, "bad_field", "issued_at"),
+    ({"issued_at": "1969-12-31T23:59:59Z"}, "bad_field", "issued_at"),
+    ({"command": "rm -rf /"}, "bad_field", "command"),
+]
+
+
+@pytest.mark.parametrize("changes,reason,field", BAD_FIELDS, ids=[f"{r}:{f}:{i}" for i, (_, r, f) in enumerate(BAD_FIELDS)])
+def test_every_invalid_field_has_its_specific_error(changes, reason, field):
+    err = rejected(signed(variant(**changes)))
+    assert err.reason == reason, err.detail
+    assert err.field == field, err.detail
+    assert err.detail.startswith(field + ":") or field in err.detail
+
+
+def test_sig_field_shape_errors():
+    for sig, field in [("abc", "sig"), ({"alg": "hmac-sha256", "kid": "cloud-1"}, "sig.value"),
+                       ({"alg": "hmac-sha256", "kid": "cloud-1", "value": "AA==", "x": 1}, "sig.x"),
+                       ({"alg": "", "kid": "cloud-1", "value": "AA=="}, "sig.alg")]:
+        err = rejected({**BASE, "sig": sig})
+        assert (err.reason, err.field) == ("bad_field", field)
+
+
+# ---------------------------------------------------------------- size and JSON
+
+
+def test_too_large_is_checked_first():
+    doc = signed(variant(params={"line": "3", "mode": "fast" * 10000}))
+    err = rejected(json.dumps(doc), max_bytes=1024)
+    assert err.reason == "too_large" and "1024" in err.detail
+    assert rejected(b"{" * 5000, max_bytes=1024).reason == "too_large"
+
+
+@pytest.mark.parametrize("payload", [
+    b"", b"not json", b"{", b"[]", b"\"s\"", b"1", b"null", b"\xff\xfe{}",
+    b'{"v":1,"v":1}',  # duplicate keys: parser differentials could bypass the signature
+    b'{"v":NaN}', b'{"v":Infinity}', b'{"id":"\\ud800"}', b"[" * 200 + b"]" * 200,
+    b'{"a":' * 50 + b"1" + b"}" * 50,
+    "{\"id\":\"\ud800\"}",
+])
+def test_bad_json(payload):
+    err = rejected(payload)
+    assert err.reason == "bad_json", err.detail
+
+
+def test_non_json_python_objects_are_bad_json():
+    assert rejected({"v": 1, "x": {1, 2}}).reason == "bad_json"
+    assert rejected({"v": 1, "x": float("nan")}).reason == "bad_json"
+    assert rejected(12345).reason == "bad_json"
+
+
+def test_overflowing_number_is_bad_field():
+    text = json.dumps(signed(variant(timeout_s=DROP)))
+    err = rejected(text[:-1] + ',"timeout_s":1e400}')
+    assert (err.reason, err.field) == ("bad_field", "timeout_s"), err.detail
+
+
+# ---------------------------------------------------------------- hostile ids
+
+
+HOSTILE_IDS = [
+    "", ".", "..", "../x", "../../etc/passwd", "a/b", "/abs", ".hidden", "...", "a\x00b", "\x00",
+    "a" * 129, "jöb", "job\u202e", "x y", "x\n", "x\t", "%2e%2e", "a\\b", "ｊｏｂ", "job;rm", "*", "",
+]
+
+
+@pytest.mark.parametrize("bad_id", HOSTILE_IDS, ids=[repr(i)[:20] for i in HOSTILE_IDS])
+def test_hostile_ids_rejected(bad_id):
+    err = rejected(signed(variant(id=bad_id)))
+    assert (err.reason, err.field) == ("bad_field", "id"), err.detail
+    assert len(err.detail) < 300
+
+
+def test_longest_and_odd_but_valid_ids():
+    for ok in ["a" * 128, "a.b", "a..b", "x.", "-", "_", "A-Z_0.9"]:
+        assert parse(signed(variant(id=ok))).id == ok
+
+
+def test_hostile_id_in_cancel():
+    for bad_id in ["..", "../x", "a/b", "a" * 129, "\x00"]:
+        with pytest.raises(JobRejected) as ei:
+            parse_cancel(sign({"v": 1, "id": bad_id}, KEYS, "cloud-1"), KEYS, 4096)
+        assert ei.value.field == "id"
+
+
+# ---------------------------------------------------------------- signature, expiry, skew
+
+
+def test_unsigned_wrong_key_unknown_kid_tampered():
+    assert rejected(BASE).reason == "unsigned"
+    other = KeyRing.from_mapping({"cloud-1": {"alg": "hmac-sha256", "secret": base64.b64encode(b"k" * 32).decode()}})
+    assert rejected(sign(BASE, other, "cloud-1")).reason == "bad_signature"
+    doc = signed(BASE)
+    doc["sig"]["kid"] = "cloud-7"
+    assert rejected(doc).reason == "unknown_kid"
+    doc = signed(BASE)
+    doc["params"]["line"] = "4"
+    assert rejected(doc).reason == "bad_signature"
+    doc = signed(BASE)
+    doc["sig"]["alg"] = "rsa"
+    assert rejected(doc).reason == "unsupported_alg"
+
+
+def test_no_keys_configured():
+    assert rejected(signed(BASE), keyring=None).reason == "unknown_kid"
+    assert rejected(BASE, keyring=None).reason == "unsigned"
+
+
+def test_verify_signature_false_skips_signature_only():
+    job = parse(BASE, keyring=None, verify_signature=False)
+    assert job.id == BASE["id"] and job.canonical == job.content
+    assert rejected(variant(template="nope"), verify_signature=False).reason == "unknown_template"
+
+
+def test_expired():
+    err = rejected(signed(BASE), now=datetime(2026, 12, 3, tzinfo=UTC))
+    assert (err.reason, err.field) == ("expired", "not_after")
+
+
+def test_skew_both_directions_and_tz_offsets():
+    issued = datetime(2026, 12, 2, 11, tzinfo=UTC)
+    assert rejected(signed(BASE), now=issued + timedelta(seconds=301)).reason == "skew"
+    assert rejected(signed(BASE), now=issued - timedelta(seconds=301)).reason == "skew"
+    assert parse(signed(BASE), now=issued + timedelta(seconds=299)).id
+    assert parse(signed(BASE), now=issued - timedelta(seconds=299)).id
+    # the same instant written with an offset
+    assert parse(signed(variant(issued_at="2026-12-02T12:00:00+01:00"))).issued_at == datetime(2026, 12, 2, 11, tzinfo=UTC)
+
+
+def test_validation_order():
+    # too_large before everything; JSON before version; version before fields; fields
+    # before template; template before params; params before signature; signature
+    # before expiry; expiry before skew.
+    assert rejected(b"x" * 100, max_bytes=10).reason == "too_large"
+    assert rejected({"v": 2, "bogus": 1}).reason == "unsupported_version"
+    assert rejected({**BASE, "template": "nope", "timeout_s": -1}).reason == "bad_field"
+    assert rejected({**BASE, "template": "nope", "params": {"x": "1"}}).reason == "unknown_template"
+    assert rejected({**BASE, "params": {}}).reason == "bad_param"
+    late = NOW + timedelta(days=2)
+    assert rejected(BASE, now=late).reason == "unsigned"
+    assert rejected(signed(BASE), now=late).reason == "expired"
+
+
+def test_naive_now_is_a_programming_error_not_a_user_error():
+    with pytest.raises(JobRejected):
+        parse(signed(BASE), now=datetime(2026, 12, 2, 11))
+
+
+# ---------------------------------------------------------------- templates
+
+
+def test_render_argv_substitutes_verbatim():
+    job = parse(signed(BASE))
+    argv = render_argv(job, TEMPLATES["coolant-flush"])
+    assert argv == ["/usr/lib/millwright/jobs/coolant-flush", "--line", "3", "--tag=l3-fast"]
+
+
+def test_render_argv_does_not_reexpand_braces():
+    t = Template(argv=["/bin/echo", "{a}", "{b}"], params={"a": ".*", "b": ".*"})
+    job = parse(signed({"v": 1, "id": "j", "template": "t", "params": {"a": "{b}", "b": "$(id) {0.__class__}"}}),
+                templates={"t": t})
+    assert render_argv(job, t) == ["/bin/echo", "{b}", "$(id) {0.__class__}"]
+
+
+def test_render_argv_rechecks_a_changed_template():
+    job = parse(signed(BASE))
+    changed = Template(argv=["/bin/x", "{line}"], params={"line": "^[a-z]+$"})
+    with pytest.raises(JobRejected) as ei:
+        render_argv(job, changed)
+    assert ei.value.reason == "bad_param"
+
+
+def test_nul_in_param_rejected_even_if_regex_allows():
+    t = Template(argv=["/bin/echo", "{a}"], params={"a": "(?s).*"})
+    err = rejected(signed({"v": 1, "id": "j", "template": "t", "params": {"a": "x\x00y"}}), templates={"t": t})
+    assert (err.reason, err.field) == ("bad_param", "params.a")
+
+
+def test_effective_resources_capped_by_template():
+    job = parse(signed(variant(resources={"cpu": 4.0, "memory_mb": 64})))
+    r = effective_resources(job, TEMPLATES["coolant-flush"])
+    assert r == Resources(cpu=1.0, memory_mb=64, pids=32)
+
+
+# ---------------------------------------------------------------- stored documents, cancel
+
+
+def test_from_stored_skips_signature_expiry_skew_and_templates():
+    doc = signed(BASE)
+    job = Job.from_stored(doc)
+    assert job == parse(doc) and job.canonical == parse(doc).canonical
+    unsigned_expired = variant(not_after="2020-01-01T00:00:00Z", issued_at="2019-01-01T00:00:00Z", template="gone",
+                               schedule={})
+    assert Job.from_stored(unsigned_expired).template == "gone"
+    with pytest.raises(JobRejected):
+        Job.from_stored({"v": 1, "id": "../x", "template": "t"})
+
+
+def test_job_shard_matches_contract():
+    import hashlib
+
+    job = parse(signed(BASE))
+    expect = int.from_bytes(hashlib.sha256(BASE["id"].encode()).digest()[:8], "big") % 64
+    assert job.shard(64) == expect
+
+
+def test_parse_cancel():
+    doc = sign({"v": 1, "id": "job-1"}, KEYS, "cloud-1")
+    assert parse_cancel(json.dumps(doc).encode(), KEYS, 4096) == "job-1"
+    for payload, reason in [
+        (b"nope", "bad_json"),
+        (json.dumps({"v": 1, "id": "job-1"}), "unsigned"),
+        (json.dumps({**doc, "id": "job-2"}), "bad_signature"),
+        (json.dumps({**doc, "extra": 1}), "bad_field"),
+        (json.dumps({**doc, "v": 3}), "unsupported_version"),
+        (json.dumps({"v": 1, "sig": doc["sig"]}), "bad_field"),
+        (json.dumps(doc) + " " * 5000, "too_large"),
+    ]:
+        with pytest.raises(JobRejected) as ei:
+            parse_cancel(payload, KEYS, 4096)
+        assert ei.value.reason == reason, (payload, ei.value.detail)
+
+
+def test_the_brief_example_with_templates_from_the_config_file():
+    from agent.config import parse_config
+
+    cfg = parse_config(
+        """
+templates:
+  coolant-flush:
+    argv: ["/usr/lib/millwright/jobs/coolant-flush", "--line", "{line}"]
+    params: {line: "^[0-9]{1,2}$"}
+    user: millwright-jobs
+    resources: {cpu: 1.0, memory_mb: 256, pids: 32}
+    allow_exec: ["/usr/lib/millwright/jobs/*", "/usr/bin/python3*"]
+""",
+        "agent.yaml",
+    )
+    doc = {k: v for k, v in BASE.items()}
+    doc["params"] = {"line": "3"}
+    job = parse(signed(doc), templates=cfg.templates)
+    assert render_argv(job, cfg.templates["coolant-flush"]) == ["/usr/lib/millwright/jobs/coolant-flush", "--line", "3"]
+    assert effective_resources(job, cfg.templates["coolant-flush"]) == Resources(cpu=0.5, memory_mb=128, pids=32)
