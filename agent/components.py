@@ -70,5 +70,13 @@ class _JobsComponent:
         self.executor.close()
 
 
+def _sensing(agent) -> Any:
+    from agent.sensing import RunSensing
+
+    return RunSensing(agent)
+
+
 def default_components(cfg: Config) -> list[Callable[[Any], Any]]:
-    return [_AuditComponent, _admin, _JobsComponent]
+    from agent.cloud import cloud_component  # cloud channel (agent/cloud, docs/cloud.md)
+
+    return [_AuditComponent, cloud_component, _admin, _JobsComponent, _sensing]

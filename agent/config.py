@@ -76,6 +76,8 @@ class MqttConfig:
         "When the outbox is full: drop_oldest_terminal keeps final states and drops the oldest intermediate ones.",
         default="drop_oldest_terminal",
     )
+    reconnect_min_s: float = doc("First delay before reconnecting to the broker; doubles per attempt.", default=0.5)
+    reconnect_max_s: float = doc("Longest delay between reconnect attempts.", default=30.0)
 
 
 @dataclass

@@ -88,6 +88,7 @@ class JobEntry:
     next_due: Optional[datetime] = None
     firings: dict[str, Firing] = field(default_factory=dict)
     cancelled: bool = False
+    backlog: list = field(default_factory=list)  # missed firings to run one after another
 
 
 class Scheduler:
@@ -323,8 +324,22 @@ class Scheduler:
             FIRINGS.labels("misfired").inc(rec.skipped)
             self._status(e, None, "misfired", reason=f"misfire policy {job.misfire}: {rec.skipped}"
                          f"{'+' if rec.skipped_capped else ''} firing(s) skipped")
-        for due in rec.run:
-            self._fire(e, due)
+            # one record for the latest skipped firing, so the next owner does not decide again
+            try:
+                latest = sch.missed_firings(job.schedule, e.last_due_done, now, "run_once", 1,
+                                            first_due=sch.first_due(job, accepted_at))
+            except ValueError:
+                latest = []
+            for due in latest:
+                if due not in rec.run:
+                    f = Firing(e, due, sch.fire_id(job.id, due))
+                    e.firings[f.fire_id] = f
+                    if e.last_due_done is None or due > e.last_due_done:
+                        e.last_due_done = due
+                    self._finish_without_run(f, "misfired", f"misfire_{job.misfire}")
+        if rec.run:  # catch-ups of one job run one after another, oldest first
+            e.backlog.extend(rec.run[1:])
+            self._fire(e, rec.run[0])
         if rec.next_due is not None:
             self._arm(e, rec.next_due)
         if not records and job.schedule.kind != "now" and rec.next_due is not None:
@@ -684,6 +699,9 @@ class Scheduler:
         e = f.entry
         if e.firings.get(f.fire_id) is f:
             del e.firings[f.fire_id]
+        if e.backlog and self.entries.get(e.job.id) is e and not e.cancelled \
+                and not any(g.state in ("running", "claiming") for g in e.firings.values()):
+            self.loop.call_later(0, self._fire, e, e.backlog.pop(0))
         # a one-shot job with nothing left to do stays known (cancel may still come)
 
     # --- records and statuses -----------------------------------------------------------------

@@ -1,7 +1,10 @@
 # Shared helpers for the packaging scripts (sourced, not executed).
 #
 # Roots: a pristine Debian 12 (bookworm) root per architecture is debootstrapped once and
-# cached as a tarball in $MW_ROOTS (default packaging/.roots/, gitignored). Every test
+# cached as a tarball in $MW_ROOTS. The default is a machine state dir,
+# /var/cache/millwright-dev/roots, not a folder of the checkout: CI runs in a fresh clone
+# on the same machine, and a cache inside the clone would be empty on every CI run
+# (MW_ROOTS=packaging/.roots, gitignored, keeps it project-local). Every test
 # extracts a fresh copy into its own work directory, so runs never see each other's state
 # and two runs may go in parallel. Downloaded .debs are kept in a per-arch apt cache that
 # is bind-mounted into the roots, so a cached run downloads nothing but the apt lists.
@@ -15,7 +18,7 @@ set -euo pipefail
 
 MW_PKG_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 MW_REPO=$(dirname "$MW_PKG_DIR")
-MW_ROOTS=${MW_ROOTS:-$MW_PKG_DIR/.roots}
+MW_ROOTS=${MW_ROOTS:-/var/cache/millwright-dev/roots}
 MW_OUT=${MW_OUT:-$MW_PKG_DIR/out}
 MW_SUITE=bookworm
 MW_PROG=${MW_PROG:-$(basename "$0" .sh)}
@@ -252,11 +255,59 @@ mw_binfmt() {
     mw_die "$name is registered without the F flag; chroots cannot find the interpreter"
 }
 
-# Extract a fresh root for ARCH into a new work dir; prints the path. The caller must
-# arrange for mw_cleanup on exit.
+# A cached second layer: the pristine root plus the packages a .deb depends on
+# (`apt-get satisfy` on its Depends field, so versions and alternatives resolve exactly as
+# apt would resolve them for the .deb) and EXTRA packages. The arm64 test uses it: under
+# qemu, installing python3 and the dependencies takes minutes, and they are not what the
+# test is about. The key is the base root, the Depends field and EXTRA, so a changed
+# dependency builds a new layer; a layer older than MW_LAYER_MAX_DAYS (7) is rebuilt too.
+# mw_layer ARCH DEPENDS [EXTRA...]; prints the tarball's path.
+mw_layer() {
+  local arch=$1 depends=$2; shift 2
+  local base key tarball
+  base=$(mw_pristine "$arch")
+  key=$(printf '%s\n' "$(basename "$base")" "$depends" "$@" | sha256sum | cut -c1-10)
+  tarball="$MW_ROOTS/$MW_SUITE-$arch-deps-$key.tar"
+  exec 7>"$MW_ROOTS/.lock-$arch-deps"
+  flock 7
+  if [ -f "$tarball" ] && [ -z "$(find "$tarball" -mtime +"${MW_LAYER_MAX_DAYS:-7}")" ]; then
+    exec 7>&-
+    printf '%s\n' "$tarball"; return
+  fi
+  rm -f "$MW_ROOTS/$MW_SUITE-$arch-deps-"*.tar "$MW_ROOTS/$MW_SUITE-$arch-deps-"*.tar.tmp
+  local t0 tmp
+  t0=$(mw_now)
+  mkdir -p "$MW_ROOTS/work"
+  tmp=$(mktemp -d "$MW_ROOTS/work/layer-$arch.XXXXXX")
+  trap 'rm -rf --one-file-system "$tmp"' EXIT
+  tar -C "$tmp" -xf "$base"
+  chmod 0755 "$tmp"
+  cp -L /etc/resolv.conf "$tmp/etc/resolv.conf" 2>/dev/null || true
+  mw_log "building the $arch dependency layer (Depends: $depends${1:+; extra: $*})"
+  mw_in_root "$tmp" "$arch" /bin/bash -euo pipefail -c '
+    apt-get update -qq -o Acquire::Retries=3
+    apt-get satisfy -y -qq --no-install-recommends -o Acquire::Retries=3 "$1" >/tmp/layer.log 2>&1 ||
+      { tail -n 30 /tmp/layer.log; exit 1; }
+    shift
+    if [ $# -gt 0 ]; then
+      apt-get install -y -qq --no-install-recommends -o Acquire::Retries=3 "$@" >>/tmp/layer.log 2>&1 ||
+        { tail -n 30 /tmp/layer.log; exit 1; }
+    fi
+    rm -f /tmp/layer.log' layer "$depends" "$@" || mw_die "building the $arch dependency layer failed"
+  mw_assert_no_mounts "$tmp"
+  tar -C "$tmp" -cf "$tarball.tmp" . && mv "$tarball.tmp" "$tarball"
+  rm -rf --one-file-system "$tmp"
+  trap - EXIT
+  exec 7>&-
+  mw_log "$arch dependency layer cached in $(mw_since "$t0")s ($(du -h "$tarball" | cut -f1))"
+  printf '%s\n' "$tarball"
+}
+
+# Extract a fresh root into a new work dir: the pristine root for ARCH, or TARBALL (a
+# layer from mw_layer). Prints the path; the caller adds it to MW_CLEANUP_DIRS.
 mw_fresh_root() {
-  local arch=$1 tarball dir
-  tarball=$(mw_pristine "$arch")
+  local arch=$1 tarball=${2:-} dir
+  [ -n "$tarball" ] || tarball=$(mw_pristine "$arch")
   mkdir -p "$MW_ROOTS/work"
   # Work roots of runs that were SIGKILLed (no cleanup) are removed after a day.
   find "$MW_ROOTS/work" -mindepth 1 -maxdepth 1 -type d -mmin +1440 \

@@ -6,22 +6,27 @@
 #   directory modes, the conffile, the private module directory (nothing in dist-packages),
 #   byte-compilation, `systemd-analyze verify` of the unit, and purge.
 #
-#   packaging/test-install.sh [--arch amd64|arm64] [--unit-tests] [--deb FILE]
+#   packaging/test-install.sh [--arch amd64|arm64] [--unit-tests] [--deps-layer] [--deb FILE]
 #
 # --arch arm64 runs the same test in an arm64 root under qemu-user-static (binfmt); see
 # test-arm64.sh, which also passes --unit-tests to run tests/unit inside the root against
-# the installed package. Without --deb (or MW_DEB) the package is built from the tree.
+# the installed package, and --deps-layer: start from a cached root that already holds the
+# package's dependencies (lib.sh mw_layer; rebuilt when the Depends field changes), since
+# installing them under qemu takes minutes. Without --deps-layer (the amd64 default) apt
+# resolves and installs every dependency in the clean root on each run.
+# Without --deb (or MW_DEB) the package is built from the tree.
 # Env: MW_FRESH_ROOT=1 re-debootstraps the cached root; MW_KEEP=1 keeps the work root;
 # MW_UNIT_PYTEST_ARGS adds pytest arguments for --unit-tests (e.g. "-k signing").
 set -euo pipefail
-arch="" unit_tests=0
+arch="" unit_tests=0 deps_layer=0
 args=("$@")
 while [ $# -gt 0 ]; do
   case "$1" in
     --arch) arch=$2; shift 2 ;;
     --unit-tests) unit_tests=1; shift ;;
+    --deps-layer) deps_layer=1; shift ;;
     --deb) export MW_DEB=$2; shift 2 ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "test-install: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -40,11 +45,20 @@ deb=$(mw_deb_or_build)
 version=$(dpkg-deb -f "$deb" Version)
 mw_log "testing $(basename "$deb") in a clean $MW_SUITE/$arch root"
 
+# What tests/unit needs in the root besides the package's own dependencies.
+test_pkgs=(python3-pytest python3-hypothesis python3-cryptography)
+
 t0=$(mw_now)
-root=$(mw_fresh_root "$arch")
+layer=""
+if [ "$deps_layer" = 1 ]; then
+  extra=()
+  [ "$unit_tests" = 0 ] || extra=("${test_pkgs[@]}")
+  layer=$(mw_layer "$arch" "$(dpkg-deb -f "$deb" Depends)" "${extra[@]}")
+fi
+root=$(mw_fresh_root "$arch" "$layer")
 MW_CLEANUP_DIRS+=("$root")
 t_root=$(mw_since "$t0")
-mw_log "root ready in ${t_root}s: $root"
+mw_log "root ready in ${t_root}s${layer:+ (with the dependency layer)}: $root"
 
 cp "$deb" "$root/tmp/"
 debname=$(basename "$deb")
@@ -119,21 +133,26 @@ fi
 # --- unit tests of the agent, against the installed package (arm64) --------------------
 t_unit=-
 if [ "$unit_tests" = 1 ]; then
-  if [ -z "$(find "$MW_REPO/tests/unit" -name 'test_*.py' -print -quit 2>/dev/null)" ]; then
-    mw_die "--unit-tests: no tests in tests/unit"
-  fi
   t0=$(mw_now)
-  mw_root_sh "$root" "$arch" 'apt-get install -y -qq --no-install-recommends python3-pytest python3-hypothesis python3-cryptography >/tmp/pytest-install.log 2>&1 ||
-    { tail -n 20 /tmp/pytest-install.log; exit 1; }' || mw_die "cannot install python3-pytest in the root"
+  mw_root_sh "$root" "$arch" "apt-get install -y -qq --no-install-recommends ${test_pkgs[*]} >/tmp/pytest-install.log 2>&1 ||
+    { tail -n 20 /tmp/pytest-install.log; exit 1; }" || mw_die "cannot install python3-pytest in the root"
   mkdir -p "$root/opt/millwright-tests"
-  tar -C "$MW_REPO" --exclude=__pycache__ -cf - tests/__init__.py tests/conftest.py tests/unit pyproject.toml |
-    tar -C "$root/opt/millwright-tests" -xf -
+  # The tests snapshotted when the package was built (build.sh), else the tree's.
+  snapshot="${deb%_all.deb}_tests.tar"
+  if [ -f "$snapshot" ]; then
+    tar -C "$root/opt/millwright-tests" -xf "$snapshot"
+  else
+    tar -C "$MW_REPO" --exclude=__pycache__ -cf - tests/__init__.py tests/conftest.py tests/unit pyproject.toml |
+      tar -C "$root/opt/millwright-tests" -xf -
+  fi
   # The tests import `agent` from the installed private directory, not from the tree.
   mw_log "tests/unit under $arch: pytest ${MW_UNIT_PYTEST_ARGS:-}"
   if ! mw_root_sh "$root" "$arch" "cd /opt/millwright-tests && PYTHONPATH=/usr/lib/millwright PYTHONDONTWRITEBYTECODE=1 \
       python3 -m pytest -p no:cacheprovider -q tests/unit ${MW_UNIT_PYTEST_ARGS:-} 2>&1 | tail -n 25; exit \${PIPESTATUS[0]}"; then
     mw_die "tests/unit failed under $arch"
   fi
+  [ -n "$(find "$root/opt/millwright-tests/tests/unit" -name 'test_*.py' -print -quit)" ] ||
+    mw_die "--unit-tests: no tests in tests/unit"
   t_unit=$(mw_since "$t0")
   mw_log "tests/unit under $arch: passed in ${t_unit}s"
 fi

@@ -44,7 +44,9 @@ deb_n1=$(bash "$MW_PKG_DIR/build.sh" --no-lint --version "$v_n1" --config "$scra
   { cat "$scratch/build.log" >&2; mw_die "building N+1 ($v_n1) failed"; }
 mw_log "built N+1 $(basename "$deb_n1") in $(mw_since "$t0")s"
 
-root=$(mw_fresh_root "$arch")
+# The dependencies come from the cached layer (test-install.sh proves they install from
+# scratch); this test is about what happens to millwright itself between N and N+1.
+root=$(mw_fresh_root "$arch" "$(mw_layer "$arch" "$(dpkg-deb -f "$deb_n" Depends)")")
 MW_CLEANUP_DIRS+=("$root")
 cp "$deb_n" "$deb_n1" "$root/tmp/"
 n=$(basename "$deb_n") n1=$(basename "$deb_n1")

@@ -37,7 +37,7 @@ JOB_EVENTS = frozenset({
 })
 LEASE_EVENTS = frozenset({"granted", "renewed", "lost", "revoked", "fenced", "expired"})
 SHARD_EVENTS = frozenset({"acquired", "released", "lost", "handed_over", "fenced"})
-EXEC_VERDICTS = frozenset({"allowed", "denied", "killed", "node"})
+EXEC_VERDICTS = frozenset({"allowed", "denied", "killed", "violation", "node"})
 
 
 def _clean(fields: dict) -> dict:

@@ -28,14 +28,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 from urllib.parse import urlparse
 
-import paho.mqtt
+import paho.mqtt as paho_pkg
 import paho.mqtt.client as paho
 
 from agent.metrics import counter, gauge
 
 log = logging.getLogger("millwright.cloud.mqtt")
 
-PAHO_VERSION = getattr(paho.mqtt, "__version__", "1")
+PAHO_VERSION = getattr(paho_pkg, "__version__", "1")
 PAHO_MAJOR = int(PAHO_VERSION.split(".")[0] or 1)
 
 MESSAGES = counter("millwright_mqtt_messages_total", "MQTT messages by direction and topic kind",
@@ -89,6 +89,7 @@ class MqttLink:
         self.connected = False
         self._connected_ev = threading.Event()
         self._started = False
+        self._closing = False
         url = urlparse(cfg.url)
         self.host = url.hostname or "127.0.0.1"
         self.tls = url.scheme == "mqtts" or cfg.tls is not None
@@ -137,6 +138,7 @@ class MqttLink:
         if not self._started:
             return
         self._started = False
+        self._closing = True
         try:
             self.client.disconnect()
         except Exception:  # pragma: no cover - already gone
@@ -185,7 +187,7 @@ class MqttLink:
             self.generation += 1  # acks of messages from the old connection are never sent
             self._connected_ev.clear()
         CONNECTED.set(0)
-        if was:
+        if was and not self._closing:
             log.warning("disconnected from the broker; reconnecting", extra={"fields": {"rc": rc}})
         if self._on_disconnect:
             try:

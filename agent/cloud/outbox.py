@@ -74,10 +74,12 @@ class Outbox:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("CREATE TABLE IF NOT EXISTS outbox (seq INTEGER PRIMARY KEY, topic TEXT NOT NULL, "
                          "payload BLOB NOT NULL, keep INTEGER NOT NULL, sent INTEGER NOT NULL DEFAULT 0, "
-                         "ts REAL NOT NULL)")
+                         "ts REAL NOT NULL, held INTEGER NOT NULL DEFAULT 0)")
         self._db.execute("CREATE TABLE IF NOT EXISTS ledger (job_id TEXT PRIMARY KEY, ts REAL NOT NULL)")
         self._db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v INTEGER NOT NULL)")
         self._db.execute("DELETE FROM ledger WHERE ts < ?", (time.time() - LEDGER_KEEP_S,))
+        # a reservation left by a crash: its push was never acknowledged and will be redelivered
+        self._db.execute("DELETE FROM outbox WHERE held=1")
         row = self._db.execute("SELECT v FROM meta WHERE k='seq'").fetchone()
         top = self._db.execute("SELECT MAX(seq) FROM outbox").fetchone()[0] or 0
         self._seq = max(row[0] if row else 0, top)
@@ -86,6 +88,54 @@ class Outbox:
         DEPTH.set(self._depth)
 
     # --- writers ------------------------------------------------------------------
+    def reserve(self, topic: str) -> int:
+        """Hold a place in the sequence for a status that is not decided yet (the answer to a
+        push whose etcd write is in flight): the publisher does not pass a held row, so
+        statuses others produce meanwhile for the same job (e.g. ``scheduled``) stay after it.
+        Settle it with :meth:`fill` or :meth:`release`."""
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                self._seq += 1
+                seq = self._seq
+                self._db.execute("INSERT INTO outbox (seq, topic, payload, keep, ts, held) VALUES (?, ?, ?, 1, ?, 1)",
+                                 (seq, topic, b"", time.time()))
+                self._db.execute("INSERT OR REPLACE INTO meta VALUES ('seq', ?)", (seq,))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._rollback()
+                raise
+            self._depth += 1
+            DEPTH.set(self._depth)
+        return seq
+
+    def fill(self, seq: int, topic: str, doc: dict, ledger_job_id: Optional[str] = None) -> int:
+        """Turn a reservation into a publishable row (ledger entry in the same transaction)."""
+        body = dict(doc)
+        body["seq"] = seq
+        payload = json.dumps(body, separators=(",", ":"), ensure_ascii=False, default=str).encode()
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                self._db.execute("UPDATE outbox SET topic=?, payload=?, keep=?, held=0, ts=? WHERE seq=?",
+                                 (topic, payload, 1 if keep_state(doc) else 0, time.time(), seq))
+                if ledger_job_id:
+                    self._db.execute("INSERT OR REPLACE INTO ledger VALUES (?, ?)", (ledger_job_id, time.time()))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._rollback()
+                raise
+        self.wake.set()
+        return seq
+
+    def release(self, seq: int) -> None:
+        """Give a reservation up (no status after all, or the attempt will be retried)."""
+        with self._lock:
+            n = self._db.execute("DELETE FROM outbox WHERE seq=? AND held=1", (seq,)).rowcount
+            self._depth -= n
+            DEPTH.set(self._depth)
+        self.wake.set()
+
     def enqueue(self, topic: str, doc: dict, ledger_job_id: Optional[str] = None) -> Optional[int]:
         """Insert one document (adds ``seq``); returns its seq, or None if the policy dropped it.
         With ``ledger_job_id`` the ledger entry is written in the same transaction."""
@@ -128,10 +178,11 @@ class Outbox:
         victims: list[int] = []
         if self.policy == "drop_oldest_terminal":
             victims = [r[0] for r in self._db.execute(
-                "SELECT seq FROM outbox WHERE keep=0 ORDER BY seq LIMIT ?", (n,))]
+                "SELECT seq FROM outbox WHERE keep=0 AND held=0 ORDER BY seq LIMIT ?", (n,))]
         if len(victims) < n:
             have = set(victims)
-            for (seq,) in self._db.execute("SELECT seq FROM outbox ORDER BY seq LIMIT ?", (n + len(victims),)):
+            for (seq,) in self._db.execute("SELECT seq FROM outbox WHERE held=0 ORDER BY seq LIMIT ?",
+                                           (n + len(victims),)):
                 if seq not in have and len(victims) < n:
                     victims.append(seq)
         self._db.executemany("DELETE FROM outbox WHERE seq=?", [(s,) for s in victims])
@@ -157,9 +208,16 @@ class Outbox:
 
     # --- publisher side --------------------------------------------------------------
     def batch(self, after_seq: int, limit: int) -> list[tuple[int, str, bytes, int]]:
+        """The next rows in order, stopping before the first held (undecided) row."""
         with self._lock:
-            return list(self._db.execute("SELECT seq, topic, payload, sent FROM outbox WHERE seq > ? "
+            rows = list(self._db.execute("SELECT seq, topic, payload, sent, held FROM outbox WHERE seq > ? "
                                          "ORDER BY seq LIMIT ?", (after_seq, limit)))
+        out = []
+        for seq, topic, payload, sent, held in rows:
+            if held:
+                break
+            out.append((seq, topic, payload, sent))
+        return out
 
     def mark_sent(self, seqs: list[int]) -> None:
         if not seqs:

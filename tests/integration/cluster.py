@@ -38,7 +38,9 @@ class Cluster:
         self.ttl = ttl
         self.cfg = {"cluster": cluster, "shards": shards,
                     "etcd": {"endpoints": [etcd.endpoint], "lease_ttl_s": ttl, "renew_deadline_s": renew_deadline,
-                             "retry_period_s": retry_period, "request_timeout_s": 1.0}}
+                             "retry_period_s": retry_period, "request_timeout_s": 1.0},
+                    # BPF costs ~2 s of CPU per agent start; tests that need it enable it
+                    "bpf": {"enabled": False}}
         for k, v in (extra or {}).items():
             self.cfg[k] = {**self.cfg.get(k, {}), **v} if isinstance(v, dict) else v
         self.env = env or {}
@@ -86,16 +88,15 @@ class Cluster:
 
 
 def etcd_history(client: EtcdClient, prefix: str, quiet_s: float = 1.0) -> list:
-    """Every event under prefix since revision 1, in order (tests never compact).
-
-    Reads the watch until it has delivered everything up to the head revision of the
-    prefix, in a helper thread so a silent stream cannot hang the test."""
+    """Every event under prefix since revision 1 up to the current head, in order (tests
+    never compact; each test has its own etcd, so every revision is under the prefix).
+    Read in a helper thread so a silent stream cannot hang the test."""
     import queue
     import threading
 
     from etcd3 import utils
 
-    kvs, _ = client.get_prefix(prefix, keys_only=True)
+    _, head = client.get_prefix(prefix, keys_only=True)
     c, _ = client.client()
     key = prefix.encode()
     req = rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
@@ -121,7 +122,7 @@ def etcd_history(client: EtcdClient, prefix: str, quiet_s: float = 1.0) -> list:
     t.start()
     out = []
     try:
-        while True:
+        while not out or out[-1].kv.mod_revision < head:
             try:
                 out.extend(q.get(timeout=quiet_s))
             except queue.Empty:

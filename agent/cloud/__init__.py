@@ -1,0 +1,12 @@
+"""The cloud channel over MQTT (docs/cloud.md).
+
+Modules: topics (names), mqtt (paho 1.6/2.x adapter), ingest (push/cancel pipeline and
+dispatcher), outbox (durable status outbox), presence (presence documents), component
+(wiring to the daemon). The daemon's factory is :func:`cloud_component`.
+"""
+
+
+def cloud_component(agent):
+    from .component import CloudComponent
+
+    return CloudComponent(agent)

@@ -1,0 +1,176 @@
+"""The cloud channel as a daemon component: wires MQTT, ingest, outbox and presence to the Agent.
+
+Integration with agent.daemon.Agent (all registered in __init__, nothing else to call):
+- ``agent.status_sinks``      += sink: every status document -> the durable outbox (loop thread;
+                                  one SQLite insert, no network)
+- ``agent.checkpoint_sinks``  += sink: audit checkpoints -> outbox, topic agents/<id>/audit/checkpoint
+- ``agent.drain_hooks``       += publishes presence ``draining``, then calls done()
+- ``agent.status_providers["cloud"]``: connection, outbox depth, pending pushes, paho version
+- ``agent.job_listeners`` (if the daemon provides it): ``job_stored(StoredJob)`` and
+  ``job_cancelled(job_id)`` are posted to the loop after a push is stored / a cancel applied
+- start(): opens the outbox, starts the publisher, the ingest workers, the jobs/ watch and
+  the MQTT link; stop(): presence ``offline``, flushes the outbox briefly, disconnects.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any, Optional
+
+from agent.coordination.jobstore import JobStore
+from agent.coordination.watch import PrefixWatch
+from agent.signing import KeyFileError, KeyRing
+
+from .ingest import Dispatcher, Ingest
+from .mqtt import PAHO_VERSION, MqttLink
+from .outbox import Outbox, OutboxPublisher
+from .presence import presence_doc, will_doc
+from .topics import Topics
+
+log = logging.getLogger("millwright.cloud")
+
+OUTBOX_FILE = "mqtt-outbox.sqlite"
+
+
+def client_id_for(cfg) -> str:
+    return cfg.mqtt.client_id or f"millwright-{cfg.cluster}-{cfg.agent_id}"
+
+
+def load_keyring(path: str, record=None) -> KeyRing:
+    try:
+        return KeyRing.load(path)
+    except KeyFileError as exc:
+        for line in exc.problems:
+            log.error("signing keys unusable: every push will be rejected", extra={"fields": {"problem": line}})
+        if record:
+            record("config", event="signing_keys_unusable", problems=exc.problems)
+        return KeyRing({}, source=path)
+
+
+class CloudComponent:
+    def __init__(self, agent, workers: int = 4):
+        self.agent = agent
+        cfg = agent.cfg
+        self.cfg = cfg
+        m = cfg.mqtt
+        self.topics = Topics(cfg.cluster)
+        self.agent_id = cfg.agent_id
+        self.keyring = load_keyring(cfg.signing.keys_file, agent.record)
+        self.store = JobStore(agent.client, agent.keys, cfg.shards, cfg.agent_id)
+        self.outbox = Outbox(os.path.join(cfg.state_dir, OUTBOX_FILE), m.outbox_max, m.outbox_full_policy,
+                             on_drop=self._dropped)
+        self._gap = 0
+        self._gap_lock = threading.Lock()
+        self.link = MqttLink(m, client_id_for(cfg), clean_session=False,
+                             will=(self.topics.presence(self.agent_id), will_doc(self.agent_id), 1, True),
+                             on_connect=self._connected, on_message=self._message,
+                             on_publish=self._published,
+                             subscriptions=((self.topics.push, 1), (self.topics.cancel, 1)),
+                             topic_kind=self.topics.kind,
+                             reconnect_min_s=getattr(m, "reconnect_min_s", 0.5),
+                             reconnect_max_s=getattr(m, "reconnect_max_s", 30.0))
+        self.publisher = OutboxPublisher(self.outbox, self.link, on_tick=self._flush_gap)
+        self.ingest = Ingest(store=self.store, keyring=self.keyring, templates=cfg.templates, topics=self.topics,
+                             agent_id=self.agent_id, max_bytes=m.max_payload_bytes, max_skew_s=m.max_skew_s,
+                             outbox=self.outbox, record=agent.record, notify=self._notify)
+        self.dispatcher = Dispatcher(self.ingest, self.link, self.topics, lambda: agent.owned_shards,
+                                     m.ingest_grace_s, workers=workers)
+        self.watch: Optional[PrefixWatch] = None
+        self._stopping = threading.Event()
+        self._state = "online"
+        agent.status_sinks.append(self.status_sink)
+        agent.checkpoint_sinks.append(self.checkpoint_sink)
+        agent.drain_hooks.append(self.drain)
+        agent.status_providers["cloud"] = self.status
+
+    # --- sinks ------------------------------------------------------------------------
+    def status_sink(self, doc: dict) -> None:
+        """Loop thread: one SQLite insert; the publisher thread does the network."""
+        self.outbox.enqueue(self.topics.status(doc.get("job_id")), doc)
+
+    def checkpoint_sink(self, doc: dict) -> None:
+        """Audit writer thread: an anchor for the cloud, sent in order via the outbox."""
+        self.outbox.enqueue(self.topics.checkpoint(self.agent_id), {"v": 1, "agent": self.agent_id, **doc})
+
+    def _dropped(self, n: int, policy: str) -> None:
+        with self._gap_lock:
+            self._gap += n
+
+    def _flush_gap(self) -> None:
+        with self._gap_lock:
+            n, self._gap = self._gap, 0
+        if n:
+            log.warning("status outbox full: documents dropped", extra={"fields": {"dropped": n,
+                                                                                   "policy": self.outbox.policy}})
+            self.agent.loop.post(self.agent.record, "gap", source="mqtt_outbox", count=n,
+                                 reason=f"outbox_full:{self.outbox.policy}")
+
+    def _notify(self, kind: str, obj: Any) -> None:
+        for listener in list(getattr(self.agent, "job_listeners", []) or []):
+            fn = getattr(listener, "job_stored" if kind == "stored" else "job_cancelled", None)
+            if fn is not None:
+                self.agent.loop.post(fn, obj)
+
+    # --- link callbacks (paho thread) ---------------------------------------------------
+    def _connected(self, generation: int, session_present: bool) -> None:
+        self.link.publish(self.topics.presence(self.agent_id), presence_doc(self.agent_id, self._state), 1, True)
+        self.outbox.wake.set()
+
+    def _message(self, msg) -> None:
+        self.dispatcher.on_message(msg)
+
+    def _published(self, mid: int) -> None:
+        self.publisher.on_publish(mid)
+
+    # --- lifecycle ------------------------------------------------------------------------
+    def start(self) -> None:
+        self.publisher.start()
+        self.dispatcher.start()
+        threading.Thread(target=self._start_watch, name="mqtt-jobs-watch-start", daemon=True).start()
+        self.link.start()
+
+    def _start_watch(self) -> None:
+        """Watch jobs/ from now on (no snapshot): lets non-owners release pushes at once."""
+        backoff = 0.1
+        while not self._stopping.is_set():
+            try:
+                _, rev = self.agent.client.get_prefix(self.agent.keys.prefix + "cloud-probe/", keys_only=True)
+                break
+            except Exception:
+                self._stopping.wait(backoff)
+                backoff = min(2.0, backoff * 2)
+        else:
+            return
+        self.watch = PrefixWatch(self.agent.client, self.agent.keys.jobs_prefix(), "cloud-jobs",
+                                 on_snapshot=lambda kvs, rev: None, on_events=self.dispatcher.on_job_events,
+                                 start_revision=rev + 1).start()
+
+    def drain(self, done) -> None:
+        self._state = "draining"
+        try:
+            self.link.publish(self.topics.presence(self.agent_id),
+                              presence_doc(self.agent_id, "draining", "sigterm"), 1, True)
+        finally:
+            done()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.publisher.flush(1.0)
+        if self.link.connected:
+            self.link.publish_wait(self.topics.presence(self.agent_id),
+                                   presence_doc(self.agent_id, "offline", "stopped"), 1, True, timeout=2.0)
+        self.dispatcher.stop()
+        if self.watch is not None:
+            self.watch.stop(timeout=1.0)
+        self.link.stop()
+        self.publisher.stop()
+        self.outbox.close()
+
+    def status(self) -> dict:
+        return {"connected": self.link.connected, "broker": f"{self.link.host}:{self.link.port}",
+                "client_id": self.link.client_id, "outbox_depth": self.outbox.depth,
+                "pending_pushes": self.dispatcher.pending, "paho": PAHO_VERSION,
+                "keys": self.keyring.kids}

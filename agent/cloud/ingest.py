@@ -1,0 +1,452 @@
+"""Push and cancel ingest: validate, store durably in etcd, answer with a status.
+
+``Ingest`` is the pipeline for one message (no threads, no MQTT): tests drive it directly
+against a real etcd. It returns an :class:`Outcome`; by the time it returns, everything
+that must be durable before the broker's PUBACK is durable (the job in etcd, the status in
+the outbox). It raises EtcdUnavailable when etcd cannot be reached: then nothing may be
+acknowledged and the caller retries (the broker redelivers if the connection drops).
+
+Per push:
+ 1. size, JSON, fields, template, params, signature, not_after, issued_at skew (parse_job);
+    a push refused only for expiry or skew whose identical job is already stored is a
+    redelivery, not a rejection;
+ 2. JobStore.create (idempotent): created, exists, conflict or cancelled;
+ 3. the status: ``accepted`` (with ``"redelivery": true`` when this agent has answered
+    this job before), or ``rejected`` with reason and detail; exactly one agent answers:
+    the one that created the job (or, for a repeat, the shard's owner).
+
+``Dispatcher`` routes messages from MQTT: the owner of the job's shard ingests at once;
+other agents hold the message unacknowledged and release it as soon as an etcd watch shows
+the job stored (or cancelled), or ingest it themselves after ``ingest_grace_s``.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import heapq
+import itertools
+import json
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable, Optional
+
+from agent import jobs
+from agent.coordination.etcd import EtcdUnavailable, EtcdError
+from agent.coordination.jobstore import CREATED, JobCancelled, JobConflict, JobStore, _canonical
+from agent.coordination.keys import shard_of
+from agent.jobs import JobRejected, parse_cancel, parse_job
+from agent.metrics import counter, histogram
+
+from .topics import ID_RE, Topics
+
+log = logging.getLogger("millwright.cloud.ingest")
+
+REJECTED = counter("millwright_mqtt_rejected_total", "Pushes and cancels refused, by reason", ("reason",))
+INGESTED = counter("millwright_mqtt_ingested_total", "Pushes and cancels handled, by kind and result",
+                   ("kind", "result"))
+INGEST_SECONDS = histogram("millwright_mqtt_ingest_seconds", "Arrival to durable answer of a push",
+                           buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
+ETCD_RETRIES = counter("millwright_mqtt_ingest_etcd_retries_total", "Ingest attempts retried because etcd was unreachable")
+
+CANCELLED = "cancelled"
+CONFLICT = "conflict"
+RETRY_TIME_REASONS = (jobs.EXPIRED, jobs.SKEW)
+
+
+def _now_rfc3339() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def push_digest(payload: bytes) -> str:
+    return hashlib.sha256(payload).hexdigest()[:16]
+
+
+def peek_id(payload: bytes, max_bytes: int) -> Optional[str]:
+    """The document's id if it can be read at all (for routing and the status topic)."""
+    if len(payload) > max_bytes:
+        return None
+    try:
+        doc = json.loads(payload)
+    except (ValueError, RecursionError):
+        return None
+    if isinstance(doc, dict):
+        v = doc.get("id")
+        if isinstance(v, str) and ID_RE.fullmatch(v) and not v.startswith("."):
+            return v
+    return None
+
+
+@dataclass
+class Outcome:
+    kind: str                 # push | cancel
+    result: str               # accepted | redelivery | rejected | cancelled | silent
+    job_id: Optional[str]
+    reason: Optional[str] = None
+    detail: Optional[str] = None
+    status: Optional[dict] = None  # the status document queued, if any
+    stored: Any = None
+
+
+class Ingest:
+    def __init__(self, *, store: JobStore, keyring, templates: dict, topics: Topics, agent_id: str,
+                 max_bytes: int, max_skew_s: float, outbox=None,
+                 record: Callable[..., None] = lambda *a, **k: None,
+                 notify: Callable[[str, Any], None] = lambda kind, obj: None,
+                 has_other_owner: Optional[Callable[[int], bool]] = None):
+        self.store = store
+        self.keyring = keyring
+        self.templates = templates
+        self.topics = topics
+        self.agent_id = agent_id
+        self.max_bytes = max_bytes
+        self.max_skew_s = max_skew_s
+        self.outbox = outbox
+        self.record = record
+        self.notify = notify
+        self.shards = store.shards
+        self.has_other_owner = has_other_owner or self._has_other_owner
+        self._tl = threading.local()  # the outbox reservation of the push this thread is handling
+
+    # --- helpers ----------------------------------------------------------------
+    def _has_other_owner(self, shard: int) -> bool:
+        kv = self.store.client.get(self.store.keys.shard(shard))
+        return kv is not None and kv.value.decode() != self.agent_id
+
+    def _status(self, job_id: Optional[str], state: str, payload: bytes, **extra: Any) -> dict:
+        doc = {"v": 1, "job_id": job_id, "run_id": None, "state": state, "attempt": 0, "agent": self.agent_id,
+               "shard": shard_of(job_id, self.shards) if job_id else None, "ts": _now_rfc3339(),
+               "exit_code": None, "reason": None, "usage": None, "push_sha256": push_digest(payload)}
+        doc.update({k: v for k, v in extra.items() if v is not None})
+        return doc
+
+    def _emit(self, doc: dict, ledger: Optional[str] = None) -> None:
+        if self.outbox is None:
+            return
+        topic = self.topics.status(doc.get("job_id"))
+        seq, self._tl.reserved = getattr(self._tl, "reserved", None), None
+        if seq is not None:
+            self.outbox.fill(seq, topic, doc, ledger_job_id=ledger)
+        else:
+            self.outbox.enqueue(topic, doc, ledger_job_id=ledger)
+
+    def _reject(self, kind: str, payload: bytes, job_id: Optional[str], reason: str, detail: str,
+                as_owner: bool) -> Outcome:
+        shard = shard_of(job_id, self.shards) if job_id else shard_of(push_digest(payload), self.shards)
+        if not as_owner and self.has_other_owner(shard):
+            INGESTED.labels(kind, "left_to_owner").inc()
+            return Outcome(kind, "silent", job_id, reason, detail)
+        REJECTED.labels(reason).inc()
+        INGESTED.labels(kind, "rejected").inc()
+        self.record("job", event="rejected", kind=kind, job_id=job_id, reason=reason, detail=detail,
+                    push_sha256=push_digest(payload), agent=self.agent_id)
+        log.info("push rejected" if kind == "push" else "cancel rejected",
+                 extra={"fields": {"job_id": job_id, "reason": reason, "detail": detail}})
+        doc = self._status(job_id, "rejected", payload, reason=reason, detail=detail,
+                           kind=None if kind == "push" else "cancel")
+        self._emit(doc)
+        return Outcome(kind, "rejected", job_id, reason, detail, doc)
+
+    # --- push -------------------------------------------------------------------
+    def push(self, payload: bytes, as_owner: bool = True) -> Outcome:
+        """Raises EtcdUnavailable (retry; do not acknowledge). Never anything else for any payload."""
+        payload = bytes(payload)
+        job_id = peek_id(payload, self.max_bytes)
+        try:
+            job = parse_job(payload, templates=self.templates, keyring=self.keyring,
+                            now=datetime.now(timezone.utc), max_skew_s=self.max_skew_s, max_bytes=self.max_bytes)
+        except JobRejected as exc:
+            if exc.reason in RETRY_TIME_REASONS and job_id is not None:
+                again = self._stored_twin(payload)
+                if again is not None:
+                    return self._exists(payload, again, as_owner)
+            return self._reject("push", payload, job_id, exc.reason, exc.detail, as_owner)
+        except Exception as exc:  # parse_job promises not to; never crash on a payload anyway
+            log.exception("parse_job raised unexpectedly")
+            return self._reject("push", payload, job_id, jobs.BAD_FIELD, f"invalid document ({type(exc).__name__})",
+                                as_owner)
+        return self._with_reservation(job.id, self._push_store, payload, job, as_owner)
+
+    def _with_reservation(self, job_id, fn, *args):
+        """Reserve the status's place before the etcd write (see Outbox.reserve); a path that
+        ends without a status, or an exception, gives the reservation back."""
+        if self.outbox is None:
+            return fn(*args)
+        self._tl.reserved = self.outbox.reserve(self.topics.status(job_id))
+        try:
+            return fn(*args)
+        finally:
+            seq, self._tl.reserved = self._tl.reserved, None
+            if seq is not None:
+                self.outbox.release(seq)
+
+    def _push_store(self, payload: bytes, job, as_owner: bool) -> Outcome:
+        try:
+            result, stored = self.store.create(job.doc)
+        except JobCancelled:
+            return self._reject("push", payload, job.id, CANCELLED, f"id: job {job.id} was cancelled; "
+                                "a cancelled id cannot be pushed again", as_owner)
+        except JobConflict:
+            return self._reject("push", payload, job.id, CONFLICT, f"id: job {job.id} already exists with "
+                                "different content", as_owner)
+        except (EtcdUnavailable, EtcdError):
+            raise
+        if result == CREATED:
+            doc = self._status(job.id, "accepted", payload, shard=stored.shard)
+            self._emit(doc, ledger=job.id)
+            INGESTED.labels("push", "accepted").inc()
+            self.record("job", event="accepted", job_id=job.id, shard=stored.shard, template=job.template,
+                        push_sha256=push_digest(payload), agent=self.agent_id)
+            self.notify("stored", stored)
+            return Outcome("push", "accepted", job.id, status=doc, stored=stored)
+        return self._exists(payload, stored, as_owner)
+
+    def _stored_twin(self, payload: bytes):
+        """The stored job if this payload is a valid, signed copy of it (ignoring the clock)."""
+        try:
+            job = parse_job(payload, templates=self.templates, keyring=self.keyring, now=None,
+                            max_skew_s=None, max_bytes=self.max_bytes)
+        except JobRejected:
+            return None
+        stored = self.store.get(job.id)
+        if stored is None or stored.cancelled or stored.tombstone:
+            return None
+        return stored if _canonical(stored.doc) == _canonical(job.doc) else None
+
+    def _exists(self, payload: bytes, stored, as_owner: bool) -> Outcome:
+        by = (stored.doc.get("_accepted") or {}).get("by")
+        job_id = stored.id
+        if by == self.agent_id and self.outbox is not None and not self.outbox.in_ledger(job_id):
+            # created by us, but we died before the status was written: this is its first answer
+            doc = self._status(job_id, "accepted", payload, shard=stored.shard)
+            self._emit(doc, ledger=job_id)
+            INGESTED.labels("push", "accepted").inc()
+            self.notify("stored", stored)
+            return Outcome("push", "accepted", job_id, status=doc, stored=stored)
+        if by == self.agent_id or as_owner:
+            doc = self._status(job_id, "accepted", payload, shard=stored.shard, redelivery=True)
+            self._emit(doc)
+            INGESTED.labels("push", "redelivery").inc()
+            return Outcome("push", "redelivery", job_id, status=doc, stored=stored)
+        INGESTED.labels("push", "exists").inc()
+        return Outcome("push", "silent", job_id, stored=stored)
+
+    # --- cancel -----------------------------------------------------------------
+    def cancel(self, payload: bytes, as_owner: bool = True) -> Outcome:
+        payload = bytes(payload)
+        job_id = peek_id(payload, self.max_bytes)
+        try:
+            job_id = parse_cancel(payload, self.keyring, self.max_bytes)
+        except JobRejected as exc:
+            return self._reject("cancel", payload, job_id, exc.reason, exc.detail, as_owner)
+        except Exception as exc:  # pragma: no cover - parse_cancel promises not to
+            return self._reject("cancel", payload, job_id, jobs.BAD_FIELD, f"invalid cancel ({type(exc).__name__})",
+                                as_owner)
+        for attempt in range(5):
+            try:
+                state, stored = self.store.cancel(job_id, reason="cloud")
+                break
+            except JobConflict:
+                time.sleep(0.01 * (attempt + 1))
+        else:
+            raise EtcdUnavailable(f"job {job_id} kept changing while cancelling")
+        ledger_key = "cancel:" + job_id
+        if state == "already_cancelled":
+            mark = (stored.doc.get("_cancelled") or {}) if stored else {}
+            if mark.get("by") == self.agent_id and self.outbox is not None and not self.outbox.in_ledger(ledger_key):
+                pass  # ours, status never written: answer now, unmarked
+            elif as_owner or mark.get("by") == self.agent_id:
+                doc = self._status(job_id, "cancelled", payload, reason="cancelled_by_cloud", redelivery=True)
+                self._emit(doc)
+                INGESTED.labels("cancel", "redelivery").inc()
+                return Outcome("cancel", "redelivery", job_id, status=doc)
+            else:
+                INGESTED.labels("cancel", "exists").inc()
+                return Outcome("cancel", "silent", job_id)
+        detail = "cancelled before the push arrived; a later push of this id is refused" if state == "tombstone" else None
+        doc = self._status(job_id, "cancelled", payload, reason="cancelled_by_cloud", detail=detail)
+        self._emit(doc, ledger=ledger_key)
+        INGESTED.labels("cancel", "cancelled").inc()
+        self.record("job", event="cancelled", job_id=job_id, by="cloud", agent=self.agent_id, state=state)
+        self.notify("cancelled", job_id)
+        return Outcome("cancel", "cancelled", job_id, status=doc)
+
+
+# --------------------------------------------------------------------------- dispatcher
+
+
+@dataclass(order=True)
+class _Pending:
+    due: float
+    n: int
+    kind: str = field(compare=False)
+    msg: Any = field(compare=False)
+    job_id: Optional[str] = field(compare=False)
+    shard: int = field(compare=False)
+    done: bool = field(default=False, compare=False)
+
+
+class Dispatcher:
+    """Threads between paho and Ingest: routing by shard ownership, grace, retries, acks."""
+
+    def __init__(self, ingest: Ingest, link, topics: Topics, owned: Callable[[], frozenset], grace_s: float,
+                 workers: int = 4, recent_max: int = 100000):
+        self.ingest = ingest
+        self.link = link
+        self.topics = topics
+        self.owned = owned
+        self.grace_s = grace_s
+        self.nworkers = workers
+        self._q: "queue.Queue" = queue.Queue()
+        self._lock = threading.Lock()
+        self._heap: list[_Pending] = []
+        self._by_id: dict[tuple[str, str], list[_Pending]] = collections.defaultdict(list)
+        self._recent: "collections.OrderedDict[str, bool]" = collections.OrderedDict()  # job id -> cancelled
+        self._recent_max = recent_max
+        self._n = itertools.count()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.inflight = 0
+
+    def start(self) -> "Dispatcher":
+        for i in range(self.nworkers):
+            t = threading.Thread(target=self._work, name=f"mqtt-ingest-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        t = threading.Thread(target=self._timer, name="mqtt-ingest-grace", daemon=True)
+        t.start()
+        self._threads.append(t)
+        return self
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        for _ in range(self.nworkers):
+            self._q.put(None)
+        for t in self._threads:
+            t.join(timeout)
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return sum(len(v) for v in self._by_id.values())
+
+    # --- paho thread ----------------------------------------------------------------
+    def on_message(self, msg) -> None:
+        kind = self.topics.kind(msg.topic)
+        if kind not in ("push", "cancel"):
+            self.link.ack(msg)
+            return
+        job_id = peek_id(msg.payload, self.ingest.max_bytes)
+        shard = shard_of(job_id if job_id else push_digest(msg.payload), self.ingest.shards)
+        if shard in self.owned() or self.grace_s <= 0:
+            self._q.put((kind, msg, True))
+            return
+        with self._lock:
+            if job_id is not None and job_id in self._recent and (kind == "push" or self._recent[job_id]):
+                done_already = True
+            else:
+                done_already = False
+                p = _Pending(msg.received + self.grace_s, next(self._n), kind, msg, job_id, shard)
+                heapq.heappush(self._heap, p)
+                if job_id is not None:
+                    self._by_id[(kind, job_id)].append(p)
+        if done_already:  # another agent stored it (or cancelled it) already
+            INGESTED.labels(kind, "exists").inc()
+            self.link.ack(msg)
+
+    # --- etcd watch thread -----------------------------------------------------------------
+    def on_job_events(self, events, revision) -> None:
+        release = []
+        with self._lock:
+            for ev in events:
+                if ev.kind != "put":
+                    continue
+                job_id = ev.kv.key.rsplit("/", 1)[-1]
+                cancelled = b'"_cancelled"' in ev.kv.value
+                self._recent[job_id] = cancelled
+                self._recent.move_to_end(job_id)
+                kinds = ("push", "cancel") if cancelled else ("push",)
+                for kind in kinds:
+                    for p in self._by_id.pop((kind, job_id), []):
+                        p.done = True
+                        release.append(p)
+            while len(self._recent) > self._recent_max:
+                self._recent.popitem(last=False)
+        for p in release:
+            INGESTED.labels(p.kind, "exists").inc()
+            self.link.ack(p.msg)
+
+    # --- grace timer ------------------------------------------------------------------
+    def _timer(self) -> None:
+        while not self._stop.wait(0.05):
+            now = time.monotonic()
+            owned = self.owned()
+            due = []
+            with self._lock:
+                while self._heap and (self._heap[0].due <= now or self._heap[0].done):
+                    p = heapq.heappop(self._heap)
+                    if not p.done:
+                        due.append((p, False))
+                if owned:  # a shard that became ours meanwhile (failover): ingest now, as the owner
+                    keep = []
+                    for p in self._heap:
+                        if not p.done and p.shard in owned:
+                            due.append((p, True))
+                        else:
+                            keep.append(p)
+                    if len(keep) != len(self._heap):
+                        heapq.heapify(keep)
+                        self._heap = keep
+                for p, _ in due:
+                    p.done = True
+                    if p.job_id is not None:
+                        lst = self._by_id.get((p.kind, p.job_id))
+                        if lst is not None:
+                            try:
+                                lst.remove(p)
+                            except ValueError:
+                                pass
+                            if not lst:
+                                del self._by_id[(p.kind, p.job_id)]
+            for p, as_owner in due:
+                self._q.put((p.kind, p.msg, as_owner))
+
+    # --- workers ----------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            kind, msg, as_owner = item
+            self.process(kind, msg, as_owner)
+
+    def process(self, kind: str, msg, as_owner: bool) -> Optional[Outcome]:
+        backoff = 0.05
+        while not self._stop.is_set():
+            try:
+                out = self.ingest.push(msg.payload, as_owner) if kind == "push" else \
+                    self.ingest.cancel(msg.payload, as_owner)
+            except (EtcdUnavailable, EtcdError) as exc:
+                # nothing is acknowledged: retry; if the connection drops meanwhile, the broker
+                # redelivers and the ack below is skipped (different connection)
+                ETCD_RETRIES.inc()
+                if backoff >= 0.4:
+                    log.warning("etcd unreachable while ingesting; retrying",
+                                extra={"fields": {"kind": kind, "error": str(exc)[:200]}})
+                self._stop.wait(backoff)
+                backoff = min(2.0, backoff * 2)
+                continue
+            except Exception:
+                # a bug, not a payload problem: do not ack, so the broker redelivers after a
+                # reconnect; never let it kill the worker
+                log.exception("ingest failed unexpectedly")
+                return None
+            if kind == "push" and out.result in ("accepted", "redelivery"):
+                INGEST_SECONDS.observe(time.monotonic() - msg.received)
+            self.link.ack(msg)
+            return out
+        return None

@@ -1,0 +1,114 @@
+"""Helpers for the cloud channel's tests and benchmark (and for operators trying it out):
+signing keys, job documents, a status collector on a real broker.
+
+Not used by the agent itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+from typing import Optional
+
+import yaml
+
+from agent.signing import KeyRing, generate_hmac_secret, sign
+
+KID = "cloud-1"
+
+
+def rfc(dt: datetime) -> str:
+    return dt.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def write_keys(path: str, kid: str = KID, secret: Optional[str] = None) -> KeyRing:
+    """A root-only (0600) hmac keys file; returns its ring."""
+    secret = secret or generate_hmac_secret()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        yaml.safe_dump({kid: {"alg": "hmac-sha256", "secret": secret}}, fh)
+    os.chmod(path, 0o600)
+    return KeyRing.load(path)
+
+
+TEMPLATES = {
+    "flush": {"argv": ["/bin/true", "--line", "{line}"], "params": {"line": "^[0-9]{1,2}$"},
+              "user": "root", "allow_exec": ["/bin/true", "/usr/bin/true"]},
+}
+
+
+def job_doc(job_id: str, line: str = "3", template: str = "flush", at_offset_s: float = 30 * 86400,
+            now: Optional[datetime] = None, **extra) -> dict:
+    """A valid (unsigned) job that is due far in the future, so no run starts during tests."""
+    now = now or datetime.now(timezone.utc)
+    doc = {"v": 1, "id": job_id, "template": template, "params": {"line": line},
+           "schedule": {"at": rfc(now + timedelta(seconds=at_offset_s))},
+           "not_after": rfc(now + timedelta(seconds=at_offset_s + 86400)), "issued_at": rfc(now)}
+    doc.update(extra)
+    return doc
+
+
+def signed(doc: dict, ring: KeyRing, kid: str = KID) -> bytes:
+    return json.dumps(sign(doc, ring, kid), separators=(",", ":")).encode()
+
+
+class StatusCollector:
+    """Subscribes to status/# (and anything else asked) on a real broker and keeps every message."""
+
+    def __init__(self, url: str, cluster: str, extra_filters: tuple[str, ...] = ()):
+        from agent.cloud.mqtt import MqttLink
+        from agent.cloud.topics import Topics
+        from agent.config import MqttConfig
+
+        self.topics = Topics(cluster)
+        self.lock = threading.Lock()
+        self.messages: list[tuple[float, str, dict]] = []
+        self.cond = threading.Condition(self.lock)
+        filters = ((self.topics.status_filter(), 1),) + tuple((f, 1) for f in extra_filters)
+        self.link = MqttLink(MqttConfig(url=url), f"collector-{os.getpid()}-{id(self) % 100000}",
+                             clean_session=False, on_message=self._msg, subscriptions=filters,
+                             topic_kind=self.topics.kind, reconnect_min_s=0.2, reconnect_max_s=1.0)
+
+    def start(self, timeout: float = 10.0) -> "StatusCollector":
+        self.link.start()
+        if not self.link.wait_connected(timeout):
+            raise RuntimeError("status collector could not connect")
+        time.sleep(0.1)
+        return self
+
+    def _msg(self, msg) -> None:
+        try:
+            doc = json.loads(msg.payload)
+        except ValueError:
+            doc = {"_raw": msg.payload.decode(errors="replace")}
+        with self.cond:
+            self.messages.append((time.monotonic(), msg.topic, doc))
+            self.cond.notify_all()
+        self.link.ack(msg)
+
+    def docs(self, state: Optional[str] = None) -> list[dict]:
+        with self.lock:
+            return [d for _, _, d in self.messages if state is None or d.get("state") == state]
+
+    def wait(self, pred, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not pred(self.messages):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.cond.wait(min(left, 0.5))
+            return True
+
+    def by_job(self, state: Optional[str] = None) -> dict:
+        out = collections.defaultdict(list)
+        for d in self.docs(state):
+            out[d.get("job_id")].append(d)
+        return out
+
+    def stop(self) -> None:
+        self.link.stop()

@@ -1,0 +1,148 @@
+"""`millwright push FILE` and `millwright cancel ID`: sign, publish (QoS 1), print the status.
+
+Exit codes: 0 accepted (or cancelled), 1 rejected or no status within --timeout,
+2 usage errors (unreadable file, bad JSON, keys file, unknown kid, broker unreachable).
+The broker URL, TLS, credentials and the cluster come from the agent config (-c).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import sys
+import time
+
+from agent.cli import UserError
+
+
+def _config(args):
+    from agent.config import load_config
+
+    if not os.path.exists(args.config):
+        raise UserError(f"{args.config}: config file not found (use -c FILE)")
+    return load_config(args.config)
+
+
+def _keyring(path: str, kid: str):
+    from agent.signing import KeyFileError, KeyRing
+
+    try:
+        ring = KeyRing.load(path, require_private=False)
+    except KeyFileError as exc:
+        raise UserError(exc.problems[0]) from None
+    key = ring.get(kid)
+    if key is None:
+        raise UserError(f"--kid {kid}: not in {path} (keys: {', '.join(ring.kids) or 'none'})")
+    if not key.can_sign:
+        raise UserError(f"--kid {kid}: {path} has no private key material for it")
+    return ring
+
+
+def _sign(doc: dict, ring, kid: str) -> bytes:
+    from agent.signing import SignatureError, sign
+
+    try:
+        signed = sign(doc, ring, kid)
+        return json.dumps(signed, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    except SignatureError as exc:
+        raise UserError(f"cannot sign: {exc.detail}") from None
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"cannot sign: the document has no canonical JSON form ({exc})") from None
+
+
+def publish_and_wait(cfg, topic: str, payload: bytes, job_id, timeout: float, wait: bool = True,
+                     states=("accepted", "rejected")):
+    """Publish one QoS 1 message and return the first status answering it (matched by the
+    payload's sha256), or None on timeout."""
+    from agent.cloud.ingest import push_digest
+    from agent.cloud.mqtt import MqttLink
+    from agent.cloud.topics import Topics
+
+    topics = Topics(cfg.cluster)
+    digest = push_digest(payload)
+    got: "queue.Queue" = queue.Queue()
+    link = None
+
+    def on_message(msg):
+        link.ack(msg)
+        try:
+            doc = json.loads(msg.payload)
+        except ValueError:
+            return
+        if isinstance(doc, dict) and doc.get("push_sha256") == digest and doc.get("state") in states:
+            got.put(doc)
+
+    status_topic = topics.status(job_id)
+    link = MqttLink(cfg.mqtt, f"millwright-cli-{os.getpid()}-{int(time.time() * 1000) % 100000}",
+                    clean_session=True, on_message=on_message,
+                    subscriptions=((status_topic, 1),) if wait else (), topic_kind=topics.kind,
+                    reconnect_min_s=0.2, reconnect_max_s=1.0)
+    link.start()
+    try:
+        if not link.wait_connected(min(timeout, 10.0)):
+            raise UserError(f"cannot connect to the broker at {cfg.mqtt.url}")
+        time.sleep(0.05)  # let the SUBACK arrive before the push can be answered
+        if not link.publish_wait(topic, payload, qos=1, timeout=min(timeout, 10.0)):
+            raise UserError(f"the broker at {cfg.mqtt.url} did not acknowledge the publish")
+        if not wait:
+            return None
+        try:
+            return got.get(timeout=timeout)
+        except queue.Empty:
+            return None
+    finally:
+        link.stop()
+
+
+def _report(doc, job_id, timeout: float) -> int:
+    if doc is None:
+        print(f"no status for {job_id or 'the document'} within {timeout:g}s (is an agent connected?)",
+              file=sys.stderr)
+        return 1
+    redelivery = " (repeat: already accepted)" if doc.get("redelivery") else ""
+    if doc.get("state") in ("accepted", "cancelled"):
+        print(f"{doc['state']} {doc.get('job_id')}{redelivery} by {doc.get('agent')} (shard {doc.get('shard')})")
+        return 0
+    print(f"rejected {doc.get('job_id') or ''}: {doc.get('reason')}: {doc.get('detail') or ''}".replace("  ", " "))
+    return 1
+
+
+def cli_push(args) -> int:
+    cfg = _config(args)
+    ring = _keyring(args.key_file, args.kid)
+    try:
+        raw = sys.stdin.buffer.read() if args.file == "-" else open(args.file, "rb").read()
+    except OSError as exc:
+        raise UserError(f"{args.file}: {exc.strerror or exc}") from None
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise UserError(f"{args.file}: not valid JSON ({str(exc)[:120]})") from None
+    if not isinstance(doc, dict):
+        raise UserError(f"{args.file}: a job document must be a JSON object")
+    payload = _sign(doc, ring, args.kid)
+    from agent.cloud.ingest import peek_id
+    from agent.cloud.topics import Topics
+
+    job_id = peek_id(payload, len(payload))
+    status = publish_and_wait(cfg, Topics(cfg.cluster).push, payload, job_id, args.timeout,
+                              wait=not getattr(args, "no_wait", False))
+    if getattr(args, "no_wait", False):
+        print(f"published {job_id}")
+        return 0
+    return _report(status, job_id, args.timeout)
+
+
+def cli_cancel(args) -> int:
+    cfg = _config(args)
+    from agent.cloud.topics import ID_RE, Topics
+
+    if not ID_RE.fullmatch(args.id) or args.id.startswith("."):
+        raise UserError(f"{args.id!r} is not a job id ([A-Za-z0-9._-]{{1,128}}, not starting with '.')")
+    ring = _keyring(args.key_file, args.kid)
+    payload = _sign({"v": 1, "id": args.id}, ring, args.kid)
+    status = publish_and_wait(cfg, Topics(cfg.cluster).cancel, payload, args.id, args.timeout,
+                              states=("cancelled", "rejected"))
+    return _report(status, args.id, args.timeout)

@@ -1,0 +1,254 @@
+"""The push/cancel pipeline in-process against a real etcd: every rejection reason,
+redelivery and conflict semantics, and a hypothesis fuzz of >= 10,000 payloads."""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime, timedelta, timezone
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from agent.cloud.ingest import Ingest
+from agent.cloud.outbox import Outbox
+from agent.cloud.testkit import KID, TEMPLATES, job_doc, rfc, signed, write_keys
+from agent.cloud.topics import Topics
+from agent.config import EtcdConfig, parse_config
+from agent.coordination.etcd import EtcdClient, EtcdUnavailable
+from agent.coordination.jobstore import JobStore
+from agent.coordination.keys import Keys
+from agent.jobs import REASONS
+from agent.signing import KeyRing, generate_hmac_secret, sign
+
+SHARDS = 8
+
+
+class Env:
+    def __init__(self, etcd, tmp_path, agent_id="a1", outbox=True):
+        self.client = EtcdClient(EtcdConfig(endpoints=[etcd.endpoint], request_timeout_s=1.0))
+        self.store = JobStore(self.client, Keys("t"), SHARDS, agent_id)
+        self.ring = write_keys(str(tmp_path / f"keys-{agent_id}.yaml"))
+        self.cfg = parse_config(yaml.safe_dump({"cluster": "t", "templates": TEMPLATES}))
+        self.outbox = Outbox(str(tmp_path / f"outbox-{agent_id}.sqlite"), 100000) if outbox else None
+        self.records = []
+        self.notified = []
+        self.ingest = Ingest(store=self.store, keyring=self.ring, templates=self.cfg.templates, topics=Topics("t"),
+                             agent_id=agent_id, max_bytes=4096, max_skew_s=300, outbox=self.outbox,
+                             record=lambda t, **f: self.records.append((t, f)),
+                             notify=lambda k, o: self.notified.append((k, o)),
+                             has_other_owner=lambda shard: False)
+
+    def statuses(self):
+        return [json.loads(p) for _, _, p, _ in self.outbox.batch(0, 10 ** 6)]
+
+
+@pytest.fixture
+def env(etcd_server, tmp_path):
+    e = Env(etcd_server, tmp_path)
+    yield e
+    e.client.close()
+
+
+def test_each_rejection_reason(env):
+    ring = env.ring
+    other = KeyRing.from_mapping({KID: {"alg": "hmac-sha256", "secret": generate_hmac_secret()}})
+    unknown = KeyRing.from_mapping({"cloud-9": {"alg": "hmac-sha256", "secret": generate_hmac_secret()}})
+    now = datetime.now(timezone.utc)
+    assert env.ingest.push(signed(job_doc("to-cancel"), ring)).result == "accepted"
+    assert env.ingest.cancel(signed({"v": 1, "id": "to-cancel"}, ring)).result == "cancelled"
+    assert env.ingest.push(signed(job_doc("twin", line="1"), ring)).result == "accepted"
+    cases = {
+        "bad_json": b'{"v":1,"id":"x",',
+        "bad_field": signed(job_doc("wrong-type", timeout_s="ten"), ring),
+        "unknown_template": signed(job_doc("tpl", template="nope"), ring),
+        "bad_param": signed(job_doc("param", line="3; rm -rf /"), ring),
+        "unsigned": json.dumps(job_doc("unsigned")).encode(),
+        "bad_signature": signed(job_doc("badsig"), other),
+        "unknown_kid": json.dumps(sign(job_doc("kid"), unknown, "cloud-9")).encode(),
+        "expired": signed(job_doc("old", now=now - timedelta(days=40), at_offset_s=1), ring),
+        "skew": signed(job_doc("skew", issued_at=rfc(now - timedelta(hours=2))), ring),
+        "cancelled": signed(job_doc("to-cancel"), ring),
+        "conflict": signed(job_doc("twin", line="2"), ring),
+        "too_large": signed(job_doc("big", depends_on=[f"d{i:05d}" for i in range(60)] * 1), ring) + b" " * 4096,
+    }
+    tampered = json.loads(signed(job_doc("tampered"), ring))
+    tampered["params"]["line"] = "4"
+    cases["bad_signature (tampered)"] = json.dumps(tampered).encode()
+    for want, payload in cases.items():
+        out = env.ingest.push(payload)
+        assert out.result == "rejected", (want, out)
+        assert out.reason == want.split(" ")[0], (want, out.reason, out.detail)
+        assert out.status["state"] == "rejected" and out.status["reason"] == out.reason and out.status["detail"]
+    # each rejection: a status, an audit record, a metric (reason only, never the job id)
+    from agent.metrics import REGISTRY
+    rejected = [s for s in env.statuses() if s["state"] == "rejected"]
+    assert sorted({s["reason"] for s in rejected}) == sorted({w.split(" ")[0] for w in cases})
+    assert len([r for r in env.records if r[1].get("event") == "rejected"]) == len(cases)
+    for reason in ("bad_json", "conflict", "cancelled", "too_large"):
+        assert REGISTRY.get_sample_value("millwright_mqtt_rejected_total", {"reason": reason}) >= 1
+    for metric in REGISTRY.collect():
+        for s in metric.samples:
+            assert "job_id" not in s.labels and "twin" not in s.labels.values()
+    # nothing rejected reached etcd; the twin kept its first content
+    for jid in ("tpl", "param", "unsigned", "badsig", "kid", "old", "skew", "wrong-type", "tampered"):
+        assert env.store.get(jid) is None
+    assert env.store.get("twin").doc["params"] == {"line": "1"}
+
+
+def test_cancel_rejections_and_tombstone(env):
+    ring = env.ring
+    out = env.ingest.cancel(json.dumps({"v": 1, "id": "x"}).encode())
+    assert out.result == "rejected" and out.reason == "unsigned"
+    out = env.ingest.cancel(signed({"v": 1, "id": "x", "extra": 1}, ring))
+    assert out.result == "rejected" and out.reason == "bad_field"
+    # a cancel before its push leaves a tombstone: the push is then refused
+    out = env.ingest.cancel(signed({"v": 1, "id": "early"}, ring))
+    assert out.result == "cancelled" and out.status["state"] == "cancelled"
+    assert ("cancelled", "early") in env.notified
+    assert env.ingest.push(signed(job_doc("early"), ring)).reason == "cancelled"
+    # idempotent: a repeat is marked
+    again = env.ingest.cancel(signed({"v": 1, "id": "early"}, ring))
+    assert again.result == "redelivery" and again.status["redelivery"] is True
+
+
+def test_redelivery_is_recognised_before_time_checks(env):
+    ring = env.ring
+    now = datetime.now(timezone.utc)
+    doc = job_doc("r1", now=now)
+    payload = signed(doc, ring)
+    first = env.ingest.push(payload)
+    assert first.result == "accepted" and "redelivery" not in first.status
+    assert env.notified and env.notified[-1][0] == "stored" and env.notified[-1][1].id == "r1"
+    second = env.ingest.push(payload)
+    assert second.result == "redelivery" and second.status["redelivery"] is True
+    # the same push redelivered after its issued_at left the skew window (it waited on the
+    # broker): still recognised as the stored job, not rejected
+    env.ingest.max_skew_s = 0.0
+    third = env.ingest.push(payload)
+    assert third.result == "redelivery"
+    # a different job with the same stale issued_at is rejected for skew
+    late = env.ingest.push(signed(job_doc("r2", now=now - timedelta(seconds=5)), ring))
+    assert late.reason == "skew"
+    accepted = [s for s in env.statuses() if s["state"] == "accepted" and s["job_id"] == "r1"]
+    assert [bool(s.get("redelivery")) for s in accepted] == [False, True, True]
+
+
+def test_created_but_status_lost_gets_its_first_status(env, etcd_server, tmp_path):
+    """A crash between the etcd write and the outbox: the redelivered push is answered with
+    the first, unmarked accepted status (the ledger does not know the job)."""
+    ring = env.ring
+    payload = signed(job_doc("lost-status"), ring)
+    env.store.create(json.loads(payload))  # as if ingest died right after the write
+    out = env.ingest.push(payload)
+    assert out.result == "accepted" and "redelivery" not in out.status
+    assert env.ingest.push(payload).result == "redelivery"
+
+
+def test_other_agents_job_is_silent_for_non_owner(env, etcd_server, tmp_path):
+    b = Env(etcd_server, tmp_path, agent_id="b1")
+    try:
+        b.ingest.keyring = env.ring
+        payload = signed(job_doc("by-a"), env.ring)
+        assert env.ingest.push(payload).result == "accepted"
+        assert b.ingest.push(payload, as_owner=False).result == "silent"  # a1 answered already
+        assert b.statuses() == []
+        out = b.ingest.push(payload, as_owner=True)  # the owner answers a repeat, marked
+        assert out.result == "redelivery" and out.status["redelivery"] is True
+    finally:
+        b.client.close()
+
+
+def test_etcd_outage_raises_and_leaves_nothing(env, etcd_server):
+    etcd_server.stop()
+    try:
+        with pytest.raises(EtcdUnavailable):
+            env.ingest.push(signed(job_doc("during-outage"), env.ring))
+        assert env.outbox.depth == 0  # the reservation was given back
+    finally:
+        etcd_server.start()
+    assert env.ingest.push(signed(job_doc("during-outage"), env.ring)).result == "accepted"
+
+
+# --------------------------------------------------------------------------- fuzz
+
+json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70),
+                      st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20))
+json_value = st.recursive(json_leaf, lambda c: st.one_of(st.lists(c, max_size=4),
+                                                          st.dictionaries(st.text(max_size=8), c, max_size=4)),
+                          max_leaves=12)
+FIELDS = ["v", "id", "template", "params", "schedule", "misfire", "misfire_limit", "overlap", "retry", "timeout_s",
+          "resources", "depends_on", "not_after", "issued_at", "sig", "zzz"]
+
+
+@st.composite
+def payloads(draw, ring_box):
+    kind = draw(st.sampled_from(["bytes", "json", "mutate", "mutate_resign", "valid"]))
+    ring = ring_box[0]
+    n = draw(st.integers(0, 10 ** 9))
+    if kind == "bytes":
+        return draw(st.binary(max_size=300)), "bytes"
+    if kind == "json":
+        return json.dumps(draw(json_value)).encode(), "json"
+    doc = job_doc(f"fz-{n}", line=str(n % 100))
+    if kind == "valid":
+        return signed(doc, ring), "valid"
+    for _ in range(draw(st.integers(1, 3))):
+        field = draw(st.sampled_from(FIELDS))
+        if draw(st.booleans()):
+            doc.pop(field, None)
+        else:
+            doc[field] = draw(json_value)
+    if kind == "mutate_resign":
+        try:
+            return signed(doc, ring), kind
+        except Exception:
+            return json.dumps(doc, default=str).encode(), kind
+    d = json.loads(signed(job_doc(f"fz-{n}", line=str(n % 100)), ring))
+    d.update({k: v for k, v in doc.items() if k != "sig"})
+    return json.dumps(d).encode(), kind
+
+
+def _valid_by_oracle(payload: bytes, ring: KeyRing, templates) -> bool:
+    """An independent, partial notion of validity that every accepted push must meet."""
+    doc = json.loads(payload)
+    ring.verify(doc)  # raises if not signed by our key
+    t = templates[doc["template"]]
+    assert set(doc.get("params", {})) == set(t.params)
+    for k, rx in t.params.items():
+        assert re.fullmatch(rx, doc["params"][k])
+    if "not_after" in doc:
+        assert doc["not_after"] > rfc(datetime.now(timezone.utc))
+    return True
+
+
+def test_fuzz_ingest_never_crashes_never_accepts_invalid(env):
+    ring_box = [env.ring]
+    env.ingest.outbox = None  # keep the fuzz about the pipeline; the outbox has its own tests
+    counts = {"accepted": 0, "rejected": 0, "valid": 0}
+
+    @settings(max_examples=10000, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(payloads(ring_box))
+    def run(item):
+        payload, kind = item
+        out = env.ingest.push(payload)  # any exception but EtcdUnavailable fails the test
+        assert out.result in ("accepted", "redelivery", "rejected"), out
+        if out.result == "rejected":
+            counts["rejected"] += 1
+            assert out.reason in REASONS + ("cancelled", "conflict"), out.reason
+            assert kind != "valid" or out.reason == "conflict", (kind, out.reason, out.detail)
+        else:
+            counts["accepted"] += 1
+            assert _valid_by_oracle(payload, env.ring, env.cfg.templates)
+            stored = env.store.get(out.job_id)
+            assert stored is not None and stored.doc["sig"] == json.loads(payload)["sig"] or out.result == "redelivery"
+        if kind == "valid":
+            counts["valid"] += 1
+
+    run()
+    assert counts["accepted"] + counts["rejected"] >= 10000
+    assert counts["valid"] > 500 and counts["accepted"] >= counts["valid"] * 0.9
+    # and it keeps ingesting
+    assert env.ingest.push(signed(job_doc("after-fuzz"), env.ring)).result == "accepted"

@@ -1,0 +1,179 @@
+"""Unit tests of the cloud channel's pure parts: topics, outbox (real SQLite), ids, presence."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from agent.cloud.ingest import peek_id, push_digest
+from agent.cloud.outbox import Outbox, OutboxPublisher, keep_state
+from agent.cloud.presence import presence_doc, will_doc
+from agent.cloud.topics import INVALID_ID, Topics
+
+
+def test_topics_and_kinds():
+    t = Topics("plant-a")
+    assert t.push == "millwright/plant-a/jobs/push"
+    assert t.cancel == "millwright/plant-a/jobs/cancel"
+    assert t.status("j-1") == "millwright/plant-a/status/j-1"
+    assert t.status(None).endswith("/" + INVALID_ID)
+    assert t.status("../x").endswith("/" + INVALID_ID)
+    assert t.status(".hidden").endswith("/" + INVALID_ID)
+    assert t.status("a+b").endswith("/" + INVALID_ID)  # a wildcard must never become a topic level
+    assert t.presence("gw-1") == "millwright/plant-a/agents/gw-1/presence"
+    assert t.checkpoint("gw-1") == "millwright/plant-a/agents/gw-1/audit/checkpoint"
+    assert [t.kind(x) for x in (t.push, t.cancel, t.status("j"), t.presence("a"), t.checkpoint("a"), "x/y")] == \
+        ["push", "cancel", "status", "presence", "checkpoint", "other"]
+
+
+def test_peek_id():
+    assert peek_id(b'{"id":"abc"}', 100) == "abc"
+    assert peek_id(b'{"id":".."}', 100) is None
+    assert peek_id(b'{"id":5}', 100) is None
+    assert peek_id(b'[1]', 100) is None
+    assert peek_id(b'\xff', 100) is None
+    assert peek_id(b'{"id":"abc"}', 5) is None  # over the size limit: not even parsed
+    assert len(push_digest(b"x")) == 16
+
+
+def test_presence_docs():
+    d = json.loads(presence_doc("a1", "draining", "sigterm"))
+    assert d["v"] == 1 and d["state"] == "draining" and d["agent"] == "a1" and d["reason"] == "sigterm"
+    w = json.loads(will_doc("a1"))
+    assert w["state"] == "offline" and w["reason"] == "connection_lost"
+
+
+def _rows(ob):
+    return [(seq, topic, json.loads(p), sent) for seq, topic, p, sent in ob.batch(0, 10 ** 6)]
+
+
+def test_outbox_order_seq_and_persistence(tmp_path):
+    path = str(tmp_path / "ob.sqlite")
+    ob = Outbox(path, 100)
+    for i in range(5):
+        ob.enqueue(f"t/{i % 2}", {"job_id": f"j{i % 2}", "state": "running", "i": i})
+    rows = _rows(ob)
+    assert [r[2]["i"] for r in rows] == [0, 1, 2, 3, 4]
+    assert [r[2]["seq"] for r in rows] == [1, 2, 3, 4, 5]
+    ob.mark_sent([1, 2])
+    ob.delete([1])
+    assert ob.depth == 4
+    ob.close()
+    ob = Outbox(path, 100)  # reopened: same rows, sequence continues, never reused
+    assert ob.depth == 4
+    assert [(r[0], r[3]) for r in _rows(ob)] == [(2, 1), (3, 0), (4, 0), (5, 0)]
+    ob.delete([2, 3, 4, 5])
+    assert ob.enqueue("t", {"state": "accepted"}) == 6
+    ob.close()
+    ob = Outbox(path, 100)
+    ob.delete([6])
+    ob.close()
+    ob = Outbox(path, 100)
+    assert ob.depth == 0 and ob.enqueue("t", {}) == 7  # even when empty, seq is not reused
+
+
+def test_outbox_reservation_holds_later_rows(tmp_path):
+    ob = Outbox(str(tmp_path / "ob.sqlite"), 100)
+    ob.enqueue("t", {"i": 0})
+    held = ob.reserve("t")
+    ob.enqueue("t", {"i": 2})
+    assert [r[2]["i"] for r in _rows(ob)] == [0]  # nothing passes the undecided row
+    ob.fill(held, "t2", {"i": 1, "state": "accepted"}, ledger_job_id="jx")
+    assert [r[2]["i"] for r in _rows(ob)] == [0, 1, 2]
+    assert ob.in_ledger("jx") and not ob.in_ledger("jy")
+    h2 = ob.reserve("t")
+    ob.release(h2)
+    assert ob.depth == 3
+    h3 = ob.reserve("t")
+    ob.close()
+    ob = Outbox(str(tmp_path / "ob.sqlite"), 100)  # a crash left a reservation: it is dropped
+    assert ob.depth == 3 and [r[0] for r in _rows(ob)] == [1, 2, 3]
+    assert h3 == 5 and ob.in_ledger("jx")
+
+
+
+
+def _fill(ob, states):
+    for i, st in enumerate(states):
+        ob.enqueue("t", {"state": st, "i": i})
+
+
+def test_outbox_drop_oldest_terminal(tmp_path):
+    drops = []
+    ob = Outbox(str(tmp_path / "ob.sqlite"), 4, "drop_oldest_terminal", on_drop=lambda n, p: drops.append((n, p)))
+    _fill(ob, ["accepted", "running", "succeeded", "running", "failed", "scheduled"])
+    # the two intermediate 'running' rows went first; final answers stayed
+    assert [r[2]["i"] for r in _rows(ob)] == [0, 2, 4, 5]
+    _fill(ob, ["succeeded", "succeeded"])
+    # next the intermediate 'scheduled' (i=5), then the oldest final one (i=0)
+    assert [r[2]["state"] for r in _rows(ob)] == ["succeeded", "failed", "succeeded", "succeeded"]
+    assert sum(n for n, _ in drops) == 4 and ob.depth == 4
+
+
+def test_outbox_drop_oldest_and_reject_new(tmp_path):
+    ob = Outbox(str(tmp_path / "a.sqlite"), 3, "drop_oldest")
+    _fill(ob, ["accepted", "running", "succeeded", "running"])
+    assert [r[2]["i"] for r in _rows(ob)] == [1, 2, 3]
+    drops = []
+    ob = Outbox(str(tmp_path / "b.sqlite"), 3, "reject_new", on_drop=lambda n, p: drops.append(n))
+    _fill(ob, ["accepted", "running", "succeeded", "running"])
+    assert [r[2]["i"] for r in _rows(ob)] == [0, 1, 2] and drops == [1]
+    with pytest.raises(ValueError):
+        Outbox(str(tmp_path / "c.sqlite"), 3, "drop_everything")
+
+
+def test_keep_state():
+    assert keep_state({"state": "accepted"}) and keep_state({"state": "killed"}) and keep_state({"seq": 1})
+    assert not keep_state({"state": "running"}) and not keep_state({"state": "retrying"})
+
+
+class _Link:
+    """A stand-in for MqttLink (our own interface) that records publishes."""
+
+    def __init__(self):
+        self.connected = True
+        self.sent = []
+        self.mid = 0
+
+    def publish(self, topic, payload, qos=1, retain=False):
+        self.mid += 1
+        self.sent.append((self.mid, topic, json.loads(payload)))
+        return 0, self.mid
+
+
+def test_publisher_window_ack_and_redelivery_mark(tmp_path):
+    path = str(tmp_path / "ob.sqlite")
+    ob = Outbox(path, 1000)
+    for i in range(10):
+        ob.enqueue("t", {"i": i})
+    link = _Link()
+    pub = OutboxPublisher(ob, link, window=4)
+    pub._step()
+    assert [d["i"] for _, _, d in link.sent] == [0, 1, 2, 3]
+    pub._step()
+    assert len(link.sent) == 4  # window full until acknowledged
+    for mid, _, _ in link.sent[:2]:
+        pub.on_publish(mid)
+    pub._step()
+    assert [d["i"] for _, _, d in link.sent] == [0, 1, 2, 3, 4, 5] and ob.depth == 8
+    assert not any(d.get("redelivery") for _, _, d in link.sent)
+    ob.close()
+    # a new process: rows handed to the broker before are marked as a redelivery
+    ob = Outbox(path, 1000)
+    link2 = _Link()
+    pub = OutboxPublisher(ob, link2, window=100)
+    pub._step()
+    got = [(d["i"], d.get("redelivery", False)) for _, _, d in link2.sent]
+    assert got == [(2, True), (3, True), (4, True), (5, True), (6, False), (7, False), (8, False), (9, False)]
+
+
+def test_publisher_waits_while_disconnected(tmp_path):
+    ob = Outbox(str(tmp_path / "ob.sqlite"), 10)
+    ob.enqueue("t", {"i": 0})
+    link = _Link()
+    link.connected = False
+    pub = OutboxPublisher(ob, link)
+    pub._step()
+    assert link.sent == [] and ob.depth == 1
