@@ -77,6 +77,7 @@ class Agent:
                                cfg.etcd.retry_period_s, self.loop.post,
                                on_granted=self._session_granted, on_renewed=self._session_renewed,
                                on_failed=self._session_failed, on_lost=self._session_lost)
+        self.shards.own_old_leases = lambda: set(self.session.abandoned)
         self.watches: list[PrefixWatch] = []
         # hooks other parts register (jobs, cloud, health): called on the loop thread
         self.shard_listeners: list[Any] = []

@@ -17,6 +17,7 @@ takeover recomputes exactly the same firings.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -49,6 +50,9 @@ LEAD_S = 0.0  # the claim is on the critical path by design (see module doc)
 DEPENDENCY_RECHECK_S = 1.0
 
 
+_FIRING_SEQ = itertools.count(1)
+
+
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -71,10 +75,13 @@ class Firing:
     wait_reason: Optional[str] = None
     started_mono: float = 0.0
     health: str = "healthy"
+    seq: int = field(default_factory=lambda: next(_FIRING_SEQ))
 
     @property
     def key(self) -> str:
-        return f"{self.entry.job.id}/{self.fire_id}"
+        """Admission key: unique per Firing object, so a firing re-installed after a shard
+        came back never collides with the old one still being stopped."""
+        return f"{self.entry.job.id}/{self.fire_id}#{self.seq}"
 
 
 @dataclass
@@ -191,7 +198,7 @@ class Scheduler:
                 # we may no longer write for this shard: stop the process so the new owner's
                 # policy never overlaps with it
                 f.handle.terminate(reason)
-            elif f.state == "waiting" and f.key in self.waiting:
+            elif f.key in self.waiting:
                 self.waiting.pop(f.key, None)
                 self._admit(self.admission.cancel(f.key))
 
@@ -255,7 +262,7 @@ class Scheduler:
         for f in list(e.firings.values()):
             if f.state == "running" and f.handle is not None:
                 f.handle.terminate("cancelled")
-            elif f.state in ("pending", "waiting", "retrying"):
+            elif f.state in ("pending", "waiting", "retrying", "retrying_admission"):
                 if f.timer:
                     f.timer.cancel()
                 if f.key in self.waiting:
@@ -474,15 +481,23 @@ class Scheduler:
             self._status(f.entry, f, "waiting", reason="quota")
 
     def _admit(self, keys: list[str]) -> None:
-        for k in keys:
+        """Start the runs admission just let in. A key whose firing is gone is released at
+        once, and whatever that release admits is dispatched too (never dropped: a dropped
+        admission would hold node budget forever)."""
+        work = list(keys)
+        while work:
+            k = work.pop(0)
             f = self.waiting.pop(k, None)
             if f is None:
-                self.admission.release(k)
+                work.extend(self.admission.release(k))
                 continue
             if f.state == "retrying_admission":
                 self._start_retry(f)
             else:
                 self._claim(f)
+
+    def _release(self, f: Firing) -> None:
+        self._admit(self.admission.release(f.key))
 
     def _claim(self, f: Firing) -> None:
         e = f.entry
@@ -545,7 +560,7 @@ class Scheduler:
 
     def _abandon(self, f: Firing, why: str) -> None:
         f.state = "done"
-        self.admission.release(f.key)
+        self._release(f)
         self._forget(f)
         log.debug("firing abandoned", extra={"fields": {"job": f.entry.job.id, "fire_id": f.fire_id, "why": why}})
 
@@ -565,7 +580,7 @@ class Scheduler:
         except JobRejected as exc:
             self._run_failed_early(f, f"bad_param: {exc.detail}")
             return
-        spec = RunSpec(run_key=f.key + f"#{f.attempt}", argv=argv, user=tpl.user, limits=self._limits(e),
+        spec = RunSpec(run_key=f"{f.key}.{f.attempt}", argv=argv, user=tpl.user, limits=self._limits(e),
                        timeout_s=e.job.timeout_s, kill_grace_s=self.cfg.execute.kill_grace_s,
                        output_max_bytes=self.cfg.execute.output_max_bytes, job_id=e.job.id,
                        run_id=f.fire_id, attempt=f.attempt)
@@ -594,7 +609,7 @@ class Scheduler:
 
     def _ended(self, f: Firing, result: Any) -> None:
         e = f.entry
-        self.admission_release(f)
+        self._release(f)
         for l in self.run_listeners:
             l.run_ended(f)
         reason = getattr(result, "reason", "failed")
@@ -631,9 +646,6 @@ class Scheduler:
             self._forget(f)
         if not self.busy(e.shard):
             self.agent.shards.release_idle()
-
-    def admission_release(self, f: Firing) -> None:
-        self._admit(self.admission.release(f.key))
 
     def _retry_due(self, f: Firing) -> None:
         f.timer = None
@@ -775,7 +787,8 @@ class Scheduler:
                 "waiting": sum(1 for e in self.entries.values() for f in e.firings.values()
                                if f.state in ("waiting", "retrying_admission")),
                 "due": [{"job_id": j, "due": rfc(d), "in_s": round((d - now).total_seconds(), 3)} for d, j in due[:50]],
-                "loading_shards": sorted(self.loading)}
+                "loading_shards": sorted(self.loading),
+                "admission": {"running": len(self.admission.running), "waiting": len(self.admission)}}
 
     def stop(self) -> None:
         for e in self.entries.values():

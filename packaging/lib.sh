@@ -316,6 +316,8 @@ mw_fresh_root() {
   tar -C "$dir" -xf "$tarball"
   chmod 0755 "$dir"   # the root's /: _apt and the job user must traverse it
   cp -L /etc/resolv.conf "$dir/etc/resolv.conf" 2>/dev/null || true
+  # debootstrap writes no /etc/hosts; every installed system has one (localhost).
+  [ -s "$dir/etc/hosts" ] || printf '127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n' > "$dir/etc/hosts"
   printf '%s\n' "$dir"
 }
 

@@ -27,4 +27,18 @@ while [ $# -gt 0 ]; do
     *) echo "test-arm64: unknown argument $1" >&2; exit 2 ;;
   esac
 done
+# Unit tests that cannot pass under qemu-user emulation, each for a reason that is not the
+# package's nor arm64's (reported to their owners). MW_UNIT_PYTEST_ARGS replaces the list.
+qemu_deselect=(
+  # /proc/<pid>/exe of an emulated process is the qemu interpreter, not the program, so
+  # degraded mode's exec detection sees qemu-aarch64-static instead of "sleep".
+  tests/unit/test_signals_degraded.py::test_degraded_mode_polls_proc_for_processes_and_node_counters
+  # Timing: assumes the audit writer thread cannot dequeue while the test holds its io
+  # lock; 10-20x slower under emulation, the drops split into several gap records.
+  tests/unit/test_audit_writer.py::test_drops_at_shutdown_still_become_a_gap
+)
+if [ -z "${MW_UNIT_PYTEST_ARGS+x}" ]; then
+  MW_UNIT_PYTEST_ARGS=$(printf -- '--deselect %s ' "${qemu_deselect[@]}")
+  export MW_UNIT_PYTEST_ARGS
+fi
 MW_PROG=test-arm64 exec bash "$(dirname "$0")/test-install.sh" --arch arm64 "${unit[@]}" "${layer[@]}" "${pass[@]}"

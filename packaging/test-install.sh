@@ -147,8 +147,9 @@ if [ "$unit_tests" = 1 ]; then
   fi
   # The tests import `agent` from the installed private directory, not from the tree.
   mw_log "tests/unit under $arch: pytest ${MW_UNIT_PYTEST_ARGS:-}"
-  if ! mw_root_sh "$root" "$arch" "cd /opt/millwright-tests && PYTHONPATH=/usr/lib/millwright PYTHONDONTWRITEBYTECODE=1 \
-      python3 -m pytest -p no:cacheprovider -q tests/unit ${MW_UNIT_PYTEST_ARGS:-} 2>&1 | tail -n 25; exit \${PIPESTATUS[0]}"; then
+  if ! mw_root_sh "$root" "$arch" "cd /opt/millwright-tests; set +e; PYTHONPATH=/usr/lib/millwright PYTHONDONTWRITEBYTECODE=1 \
+      python3 -m pytest -p no:cacheprovider -q -rfE --tb=short tests/unit ${MW_UNIT_PYTEST_ARGS:-} >/tmp/pytest.log 2>&1
+      rc=\$?; if [ \$rc != 0 ]; then tail -n 150 /tmp/pytest.log; else tail -n 3 /tmp/pytest.log; fi; exit \$rc"; then
     mw_die "tests/unit failed under $arch"
   fi
   [ -n "$(find "$root/opt/millwright-tests/tests/unit" -name 'test_*.py' -print -quit)" ] ||

@@ -70,6 +70,11 @@ def _kv(kv: Any) -> KV:
     return KV(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision, kv.version, kv.lease)
 
 
+def _closed_channel(exc: ValueError) -> bool:
+    """grpc raises ValueError (not RpcError) for calls on a channel another thread closed."""
+    return "closed" in str(exc).lower() and "channel" in str(exc).lower()
+
+
 _TRANSPORT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                     grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 
@@ -160,6 +165,11 @@ class EtcdClient:
             if isinstance(err, EtcdUnavailable):
                 self._failover(gen)
             raise err from None
+        except ValueError as exc:  # "Cannot invoke RPC on closed channel!": another thread failed over
+            if not _closed_channel(exc):
+                raise
+            REQUESTS.labels(op, "unavailable").inc()
+            raise EtcdUnavailable(f"{self.endpoint}: {op}: channel closed during failover") from None
         REQUESTS.labels(op, "ok").inc()
         return result
 
@@ -252,7 +262,12 @@ class EtcdClient:
     def open_watch(self, request_iter, prefix: str):
         """Open a raw Watch stream on the current channel; returns (call, generation)."""
         c, gen = self.client()
-        return rpc.WatchStub(c.channel).Watch(request_iter, **self._md(c)), gen
+        try:
+            return rpc.WatchStub(c.channel).Watch(request_iter, **self._md(c)), gen
+        except ValueError as exc:
+            if not _closed_channel(exc):
+                raise
+            raise EtcdUnavailable(f"{self.endpoint}: watch: channel closed during failover") from None
 
     def report_stream_failure(self, generation: int) -> None:
         self._failover(generation)

@@ -49,6 +49,7 @@ class Session:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._abandon: Optional[int] = None
+        self.abandoned: set[int] = set()  # our old leases whose revoke has not succeeded yet
         self._thread: Optional[threading.Thread] = None
 
     def is_valid(self) -> bool:
@@ -93,10 +94,15 @@ class Session:
                 old, self._abandon = self._abandon, None
                 if old == self.lease_id:
                     self.lease_id = None
-                    try:  # best effort: frees our keys at once instead of after the TTL
-                        self.client.lease_revoke(old, timeout=min(1.0, self.client.timeout))
-                    except (EtcdUnavailable, EtcdError):
-                        pass
+                    self.abandoned.add(old)
+            # Revoke leases we gave up: frees their member and shard keys at once instead of
+            # after the TTL (which etcd restarts from scratch when it restarts itself).
+            for old in list(self.abandoned):
+                try:
+                    self.client.lease_revoke(old, timeout=min(1.0, self.client.timeout))
+                    self.abandoned.discard(old)
+                except (EtcdUnavailable, EtcdError):
+                    break
             t0 = self.clock()
             try:
                 if self.lease_id is None:

@@ -75,6 +75,8 @@ class ShardManager:
         self._reconcile_timer = None
         self.members_rev = 0
         self.shards_rev = 0
+        self.own_old_leases: Callable[[], set] = set
+        self._last_busy: Optional[str] = None
         self._plan_key: tuple = ()
         self._plan_cache: dict[int, str] = {}
 
@@ -186,19 +188,24 @@ class ShardManager:
             if cur.lease == lease:
                 self.client.put(key, value, lease=lease)
                 return "registered"
+            if cur.lease in self.own_old_leases():
+                self.client.lease_revoke(cur.lease)  # our own previous session: free it now
+                return "retry"
             return f"busy:{cur.lease:x}"
 
         def done(result, error):
             if lease != self.lease:
                 return
             if error is not None or result == "retry" or (result or "").startswith("busy"):
-                if result and result.startswith("busy"):
+                if result and result.startswith("busy") and result != self._last_busy:
+                    self._last_busy = result
                     log.warning("member key held by another lease (previous incarnation or duplicate agent_id); "
                                 "waiting for it to expire", extra={"fields": {"lease": result[5:]}})
                 elif error is not None:
                     log.warning("member registration failed; retrying", extra={"fields": {"error": str(error)}})
-                self.loop.call_later(0.5, self._register_again, lease)
+                self.loop.call_later(0.05 if result == "retry" else 0.5, self._register_again, lease)
                 return
+            self._last_busy = None
             self.registered = True
             log.info("registered as member", extra={"fields": {"lease": f"{lease:x}"}})
             self._changed()

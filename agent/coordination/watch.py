@@ -110,6 +110,8 @@ class PrefixWatch:
                         backoff = 0.1  # the stream was healthy before it broke
                 except (EtcdUnavailable, EtcdError) as exc:
                     log.debug("watch list failed", extra={"fields": {"watch": self.name, "error": str(exc)}})
+                except Exception:  # never let a watch thread die: the agent would go blind
+                    log.exception("watch failed unexpectedly; restarting it", extra={"fields": {"watch": self.name}})
                 if self._stop.is_set():
                     break
                 self.restarts += 1
@@ -153,6 +155,11 @@ class PrefixWatch:
                     last = max(ev.kv.mod_revision for ev in resp.events)
                     self.on_events(events, last)
                     self._next_rev = last + 1
+            return established
+        except ValueError as exc:  # a call on a channel another thread closed
+            if gen is not None:
+                self.client.report_stream_failure(gen)
+            log.debug("watch stream closed", extra={"fields": {"watch": self.name, "error": str(exc)}})
             return established
         except grpc.RpcError as exc:
             if not self._stop.is_set():

@@ -173,39 +173,55 @@ def test_etcd_outage_raises_and_leaves_nothing(env, etcd_server):
 
 # --------------------------------------------------------------------------- fuzz
 
-json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70),
-                      st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20))
-json_value = st.recursive(json_leaf, lambda c: st.one_of(st.lists(c, max_size=4),
-                                                          st.dictionaries(st.text(max_size=8), c, max_size=4)),
-                          max_leaves=12)
 FIELDS = ["v", "id", "template", "params", "schedule", "misfire", "misfire_limit", "overlap", "retry", "timeout_s",
           "resources", "depends_on", "not_after", "issued_at", "sig", "zzz"]
+TRICKY = [None, True, False, 0, -1, 1, 2.0, 1e308, -1e308, 2 ** 64, "", "3", "..", "a" * 200, "\u0000", "\ud800x",
+          "2026-12-02T12:00:00Z", "9999-99-99", "*/5 * * * *", {"line": "3"}, {"at": "x"}, {"cron": "* * *"}, [],
+          ["a"], {"alg": "hmac-sha256", "kid": KID, "value": "AAAA"}, {"max_attempts": 1000}, {"cpu": -1}]
+
+
+def _rand_json(rnd, depth=0):
+    r = rnd.random()
+    if depth > 3 or r < 0.45:
+        return rnd.choice(TRICKY) if rnd.random() < 0.6 else rnd.choice(
+            [rnd.randint(-10 ** 6, 10 ** 6), rnd.random() * 1e6, "".join(chr(rnd.randint(0, 0x2FF)) for _ in range(rnd.randint(0, 8)))])
+    if r < 0.7:
+        return [_rand_json(rnd, depth + 1) for _ in range(rnd.randint(0, 3))]
+    return {rnd.choice(FIELDS + ["line", "at", "x"]): _rand_json(rnd, depth + 1) for _ in range(rnd.randint(0, 3))}
 
 
 @st.composite
 def payloads(draw, ring_box):
-    kind = draw(st.sampled_from(["bytes", "json", "mutate", "mutate_resign", "valid"]))
+    """Cheap draws (a kind, a seed, a few choices) expanded by a seeded RNG: hypothesis
+    explores and shrinks the choices, and 10,000 examples stay fast."""
+    import random
+
+    kind = draw(st.sampled_from(["bytes", "json", "mutate", "mutate_resign", "valid", "truncate"]))
+    seed = draw(st.integers(0, 2 ** 32))
+    rnd = random.Random(seed)
     ring = ring_box[0]
-    n = draw(st.integers(0, 10 ** 9))
+    doc = job_doc(f"fz-{seed}", line=str(seed % 100))
     if kind == "bytes":
-        return draw(st.binary(max_size=300)), "bytes"
+        return bytes(rnd.randrange(256) for _ in range(rnd.randint(0, 200))), kind
     if kind == "json":
-        return json.dumps(draw(json_value)).encode(), "json"
-    doc = job_doc(f"fz-{n}", line=str(n % 100))
+        return json.dumps(_rand_json(rnd)).encode(), kind
     if kind == "valid":
-        return signed(doc, ring), "valid"
+        return signed(doc, ring), kind
+    if kind == "truncate":
+        p = signed(doc, ring)
+        return p[: rnd.randint(0, len(p) - 1)], kind
     for _ in range(draw(st.integers(1, 3))):
         field = draw(st.sampled_from(FIELDS))
-        if draw(st.booleans()):
+        if rnd.random() < 0.3:
             doc.pop(field, None)
         else:
-            doc[field] = draw(json_value)
+            doc[field] = _rand_json(rnd)
     if kind == "mutate_resign":
         try:
             return signed(doc, ring), kind
         except Exception:
             return json.dumps(doc, default=str).encode(), kind
-    d = json.loads(signed(job_doc(f"fz-{n}", line=str(n % 100)), ring))
+    d = json.loads(signed(job_doc(f"fz-{seed}", line=str(seed % 100)), ring))
     d.update({k: v for k, v in doc.items() if k != "sig"})
     return json.dumps(d).encode(), kind
 
@@ -228,11 +244,14 @@ def test_fuzz_ingest_never_crashes_never_accepts_invalid(env):
     env.ingest.outbox = None  # keep the fuzz about the pipeline; the outbox has its own tests
     counts = {"accepted": 0, "rejected": 0, "valid": 0}
 
-    @settings(max_examples=10000, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=2500, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
-    @given(payloads(ring_box))
-    def run(item):
-        payload, kind = item
+    @given(st.lists(payloads(ring_box), min_size=4, max_size=4))
+    def run(items):  # 4 payloads per example: 10,000 payloads, a quarter of the engine overhead
+        for payload, kind in items:
+            check(payload, kind)
+
+    def check(payload, kind):
         out = env.ingest.push(payload)  # any exception but EtcdUnavailable fails the test
         assert out.result in ("accepted", "redelivery", "rejected"), out
         if out.result == "rejected":
@@ -242,8 +261,9 @@ def test_fuzz_ingest_never_crashes_never_accepts_invalid(env):
         else:
             counts["accepted"] += 1
             assert _valid_by_oracle(payload, env.ring, env.cfg.templates)
-            stored = env.store.get(out.job_id)
-            assert stored is not None and stored.doc["sig"] == json.loads(payload)["sig"] or out.result == "redelivery"
+            if out.result == "accepted":
+                stored = env.store.get(out.job_id)
+                assert stored is not None and stored.doc["sig"] == json.loads(payload)["sig"]
         if kind == "valid":
             counts["valid"] += 1
 
