@@ -76,7 +76,13 @@ def _sensing(agent) -> Any:
     return RunSensing(agent)
 
 
+def _supervision(agent) -> Any:
+    from agent.supervision import Supervision
+
+    return Supervision(agent)
+
+
 def default_components(cfg: Config) -> list[Callable[[Any], Any]]:
     from agent.cloud import cloud_component  # cloud channel (agent/cloud, docs/cloud.md)
 
-    return [_AuditComponent, cloud_component, _admin, _JobsComponent, _sensing]
+    return [_AuditComponent, cloud_component, _admin, _JobsComponent, _sensing, _supervision]

@@ -86,6 +86,7 @@ class Agent:
         self.stop_hooks: list[Callable[[], None]] = []
         self.status_sinks: list[Callable[[dict], None]] = []  # job status documents (cloud)
         self.checkpoint_sinks: list[Callable[[dict], None]] = []  # audit file checkpoints (cloud)
+        self.session_listeners: list[Any] = []  # lease policy: session_granted/renewed/failed
         self.owned_shards: frozenset[int] = frozenset()  # snapshot readable from any thread
         self.drain_hooks: list[Callable[[Callable[[], None]], None]] = []
         self.components = [make(self) for make in (extra_components or [])]
@@ -105,6 +106,8 @@ class Agent:
         self.fenced_reason = None
         ETCD_UP.set(1)
         self._arm_fence(valid_until)
+        for l in self.session_listeners:
+            l.session_granted()
         self.shards.session_granted(lease_id, self.cfg.capacity,
                                     {"version": __version__, "host": socket.gethostname(),
                                      "started_at": self.started_at})
@@ -118,8 +121,12 @@ class Agent:
             log.info("etcd reachable again", extra={"fields": {"endpoint": self.client.endpoint}})
         self._etcd_failures = 0
         self._arm_fence(valid_until)
+        for l in self.session_listeners:
+            l.session_renewed(latency)
 
     def _session_failed(self, error: str) -> None:
+        for l in self.session_listeners:
+            l.session_failed(error)
         self._etcd_failures += 1
         if self._etcd_failures == 1 or self._etcd_failures % 20 == 0:
             log.warning("etcd unreachable; retrying",

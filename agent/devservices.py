@@ -52,6 +52,7 @@ class _Child:
     def __init__(self, workdir: Optional[str] = None):
         self.own_dir = workdir is None
         self.dir = workdir or tempfile.mkdtemp(prefix=f"mw-{self.name}-")
+        os.makedirs(self.dir, exist_ok=True)
         self.proc: Optional[subprocess.Popen] = None
         self.paused = False
 

@@ -115,6 +115,8 @@ class Scheduler:
         self._dirty: dict[int, int] = {}          # shard -> newest job revision seen while loading
         self.waiting: dict[str, Firing] = {}      # admission key -> firing
         self.run_listeners: list[Any] = []        # health/sensor: run_started(f), run_ended(f)
+        self.paused: Optional[str] = None         # early fence: no new runs start while set
+        self._held: list[Firing] = []             # firings that fell due while paused
         agent.shard_listeners.append(self)
         agent.busy_checks.append(self.busy)
         agent.status_providers["jobs"] = self.status
@@ -262,7 +264,7 @@ class Scheduler:
         for f in list(e.firings.values()):
             if f.state == "running" and f.handle is not None:
                 f.handle.terminate("cancelled")
-            elif f.state in ("pending", "waiting", "retrying", "retrying_admission"):
+            elif f.state in ("pending", "held", "waiting", "retrying", "retrying_admission"):
                 if f.timer:
                     f.timer.cancel()
                 if f.key in self.waiting:
@@ -467,8 +469,33 @@ class Scheduler:
         return effective_limits(e.job.resources, tpl.resources if tpl else None,
                                 getattr(self.executor, "default_limits", None))
 
+    def pause(self, reason: str) -> None:
+        """Early fence: stop starting runs (shards are kept; firings wait, not misfire)."""
+        if self.paused is None:
+            log.warning("new runs paused", extra={"fields": {"reason": reason}})
+        self.paused = reason or "paused"
+
+    def resume(self) -> None:
+        if self.paused is None:
+            return
+        log.info("new runs resumed", extra={"fields": {"held": len(self._held)}})
+        self.paused = None
+        held, self._held = sorted(self._held, key=lambda f: f.due), []
+        for f in held:
+            if f.state == "held" and self.entries.get(f.entry.job.id) is f.entry:
+                self._request_admission(f)
+
+    def publish_health(self, f: Firing, state: str, rule: Optional[str]) -> None:
+        self._status(f.entry, f, "running", reason=f"health {state}: {rule}" if rule else None,
+                     pid=getattr(f.handle, "pid", None))
+
     def _request_admission(self, f: Firing) -> None:
         from agent.execute.admission import ADMITTED, REJECTED
+
+        if self.paused is not None:
+            f.state = "held"
+            self._held.append(f)
+            return
 
         decision = self.admission.request(f.key, f.due.timestamp(), self._limits(f.entry))
         if decision == ADMITTED:
@@ -614,7 +641,7 @@ class Scheduler:
             l.run_ended(f)
         reason = getattr(result, "reason", "failed")
         state = {"succeeded": "succeeded", "timed_out": "timed_out", "killed": "killed",
-                 "cancelled": "cancelled", "replaced": "killed"}.get(reason, "failed")
+                 "cancelled": "cancelled", "replaced": "killed", "exec_policy": "killed"}.get(reason, "failed")
         if reason in ("shard_lost", "fenced", "released", "deleted"):
             f.state = "done"
             self._forget(f)

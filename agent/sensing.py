@@ -104,7 +104,7 @@ class RunSensing:
             audit.exec(pid=ev.pid, ppid=ev.ppid, uid=ev.uid, filename=ev.filename, argv=ev.argv,
                        job=info["job"] if info else None, run_id=info["run_id"] if info else None,
                        verdict=verdict, gid=ev.gid, attempt=info["attempt"] if info else None,
-                       slot=ev.slot, source=ev.source)
+                       slot=ev.slot, source=ev.source, exec_ts=round(ev.ts, 6))
 
     def _on_gap(self, gap: Any) -> None:
         if self.agent.audit is not None:

@@ -3,7 +3,7 @@
 # (binfmt_misc, registered by lib.sh with the F flag), plus the agent's unit tests
 # (tests/unit, run with the root's python3-pytest against the installed package).
 #
-#   packaging/test-arm64.sh [--deb FILE] [--no-unit-tests] [--full]
+#   packaging/test-arm64.sh [--deb FILE] [--no-unit-tests] [--full] [--prepare-only]
 #
 # By default the root comes from a cached layer holding the package's dependencies and the
 # test tools (built on the first run and whenever the Depends field changes; see
@@ -23,6 +23,7 @@ while [ $# -gt 0 ]; do
     --deb) pass+=(--deb "$2"); shift 2 ;;
     --no-unit-tests) unit=(); shift ;;
     --full) layer=(); shift ;;   # install the dependencies under qemu on this run too
+    --prepare-only) pass+=(--prepare-only); shift ;;   # only build the cached roots
     -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "test-arm64: unknown argument $1" >&2; exit 2 ;;
   esac

@@ -18,13 +18,14 @@
 # Env: MW_FRESH_ROOT=1 re-debootstraps the cached root; MW_KEEP=1 keeps the work root;
 # MW_UNIT_PYTEST_ARGS adds pytest arguments for --unit-tests (e.g. "-k signing").
 set -euo pipefail
-arch="" unit_tests=0 deps_layer=0
+arch="" unit_tests=0 deps_layer=0 prepare_only=0
 args=("$@")
 while [ $# -gt 0 ]; do
   case "$1" in
     --arch) arch=$2; shift 2 ;;
     --unit-tests) unit_tests=1; shift ;;
     --deps-layer) deps_layer=1; shift ;;
+    --prepare-only) prepare_only=1; shift ;;   # build/refresh the cached roots, then stop
     --deb) export MW_DEB=$2; shift 2 ;;
     -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "test-install: unknown argument $1" >&2; exit 2 ;;
@@ -54,6 +55,11 @@ if [ "$deps_layer" = 1 ]; then
   extra=()
   [ "$unit_tests" = 0 ] || extra=("${test_pkgs[@]}")
   layer=$(mw_layer "$arch" "$(dpkg-deb -f "$deb" Depends)" "${extra[@]}")
+fi
+if [ "$prepare_only" = 1 ]; then
+  [ -n "$layer" ] || mw_pristine "$arch" >/dev/null
+  mw_log "cached roots for $arch ready in $(mw_since "$t0")s"
+  exit 0
 fi
 root=$(mw_fresh_root "$arch" "$layer")
 MW_CLEANUP_DIRS+=("$root")

@@ -1,0 +1,185 @@
+"""Applies the health and lease policies to the running agent.
+
+The policies (agent/health.py, agent/leasepolicy.py) are pure; this module feeds them
+the agent's events (keepalive results, kernel signals, exec events, run starts and
+ends, a periodic tick) and carries out what they decide:
+- a stalled run is ended with reason network_stall (its retry policy applies);
+- an exec outside the template's allow-list kills the run (enforce) or is recorded
+  (monitor), audited either way;
+- adaptive renewal changes the keepalive interval; the early fence pauses new runs;
+- a voluntary hand-off publishes this agent as unavailable so peers take its shards.
+Every decision is audited with its evidence and counted in metrics by the policies.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional
+from urllib.parse import urlsplit
+
+from agent.health import ExecPolicy, JobHealth
+from agent.leasepolicy import LeasePolicy, read_memory_pressure
+
+log = logging.getLogger("millwright.supervision")
+
+TICK_S = 0.25
+NODE_EVERY_S = 5.0
+
+
+class Supervision:
+    def __init__(self, agent: Any):
+        self.agent = agent
+        self.cfg = agent.cfg
+        self.clock = time.monotonic
+        self.policy = LeasePolicy.from_config(agent.cfg.etcd)
+        self.exec_policies = {name: ExecPolicy(t.allow_exec, agent.cfg.bpf.mode)
+                              for name, t in agent.cfg.templates.items()}
+        self.etcd_eps = set()
+        for url in agent.cfg.etcd.endpoints:
+            u = urlsplit(url)
+            self.etcd_eps.add((u.hostname, u.port or 2379))
+        self.runs: dict[str, dict] = {}  # run_key -> {"firing", "health", "exec", "slot"}
+        self._last_node = 0.0
+        agent.session_listeners.append(self)
+        agent.status_providers["health"] = self.status
+        self.decisions: list[dict] = []  # recent decisions, for status
+
+    def start(self) -> None:
+        sched = getattr(self.agent, "scheduler", None)
+        if sched is not None:
+            sched.run_listeners.append(self)
+        sensing = getattr(self.agent, "sensing", None)
+        if sensing is not None:
+            sensing.exec_listeners.append(self)
+            sensing.signal_listeners.append(self)
+        self.agent.loop.call_later(TICK_S, self._tick)
+
+    # --- decisions -----------------------------------------------------------------------
+    def apply(self, decisions: list) -> None:
+        for d in decisions or []:
+            rec = d.to_record()
+            self.agent.record("lease", **{"event": "decision", **rec})
+            self.decisions = (self.decisions + [{"decision": d.decision, "reason": d.reason}])[-10:]
+            log.info("lease decision", extra={"fields": {"decision": d.decision, "reason": d.reason}})
+            session = self.agent.session
+            if d.decision in ("renew_fast", "renew_normal"):
+                if d.interval_s:
+                    session.interval_s = d.interval_s
+                if d.decision == "renew_fast":
+                    session.renew_now()
+            elif d.decision == "pause_runs":
+                self.agent.scheduler.pause(d.reason)
+            elif d.decision == "resume_runs":
+                self.agent.scheduler.resume()
+            elif d.decision == "hand_off":
+                self.agent.shards.unavailable_reason = d.reason or "unhealthy"
+                self.agent.shards.update_member()
+                self.agent.shards.release_idle()
+            elif d.decision == "take_back":
+                self.agent.shards.unavailable_reason = None
+                self.agent.shards.update_member()
+                self.agent.shards.release_idle()
+
+    # --- session -------------------------------------------------------------------------
+    def session_granted(self) -> None:
+        self.apply(self.policy.on_granted(self.clock()))
+
+    def session_renewed(self, latency: float) -> None:
+        self.apply(self.policy.on_keepalive(True, latency, self.clock()))
+
+    def session_failed(self, error: str) -> None:
+        self.apply(self.policy.on_keepalive(False, None, self.clock(), error=error))
+
+    # --- runs ------------------------------------------------------------------------------
+    def run_started(self, f: Any) -> None:
+        if f.handle is None:
+            return
+        spec = f.handle.spec
+        tpl = self.cfg.templates.get(f.entry.job.template)
+        sensing = getattr(self.agent, "sensing", None)
+        slot = sensing.slot_of(spec.run_key) if sensing else None
+        ep = self.exec_policies.get(f.entry.job.template)
+        self.runs[spec.run_key] = {
+            "firing": f, "slot": slot,
+            "health": JobHealth(tpl.health, self.clock(), slot=slot) if tpl else None,
+            "exec": ep.for_run(spec.argv[0]) if ep is not None else None,
+        }
+
+    def run_ended(self, f: Any) -> None:
+        if f.handle is None:
+            return
+        r = self.runs.pop(f.handle.spec.run_key, None)
+        if r is None:
+            return
+        if r["health"] is not None:
+            r["health"].close()
+        self.apply(self.policy.on_run_ended(f.health, self.clock()))
+
+    def exec_event(self, info: Optional[dict], ev: Any) -> Optional[str]:
+        """RunSensing asks for a verdict on an exec by a job process."""
+        if not info:
+            return None
+        r = self.runs.get(info["run_key"])
+        if r is None or r["exec"] is None:
+            return None
+        v = r["exec"].check_event(ev)
+        if v is None:
+            return None
+        f = r["firing"]
+        self.agent.record("policy_violation", job=f.entry.job.id, run_id=f.fire_id, attempt=f.attempt,
+                          **v.to_record())
+        log.warning("exec policy violation", extra={"fields": {"job": f.entry.job.id, "path": v.path,
+                                                                "action": v.action}})
+        if v.action == "kill" and f.handle is not None:
+            f.handle.terminate("exec_policy", grace_s=0)
+        self.apply(self.policy.on_exec_violation(self.clock()))
+        return v.verdict
+
+    def signals(self, slots: set, endpoints: set) -> None:
+        sensing = self.agent.sensing
+        now = self.clock()
+        for (h, p) in endpoints:
+            sig = sensing.sensor.endpoint_signals(h, p)
+            if (h, p) in self.etcd_eps:
+                self.apply(self.policy.on_etcd_endpoint(sig, now))
+            else:
+                self.apply(self.policy.on_other_endpoint(sig, now))
+        for r in self.runs.values():
+            if r["slot"] in slots:
+                self._observe(r, now)
+
+    def _observe(self, r: dict, now: float) -> None:
+        if r["health"] is None or r["slot"] is None:
+            return
+        d = r["health"].observe(self.agent.sensing.sensor.slot_signals(r["slot"]), now)
+        if d is None:
+            return
+        f = r["firing"]
+        f.health = d.state
+        self.agent.record("job", event="health", job=f.entry.job.id, run_id=f.fire_id, attempt=f.attempt,
+                          **d.to_record())
+        self.agent.scheduler.publish_health(f, d.state, d.rule)
+        if d.end_run and f.handle is not None:
+            f.handle.terminate("network_stall")
+
+    # --- periodic ----------------------------------------------------------------------------
+    def _tick(self) -> None:
+        now = self.clock()
+        self.apply(self.policy.tick(now))
+        sensing = getattr(self.agent, "sensing", None)
+        if sensing is not None:
+            for r in list(self.runs.values()):
+                self._observe(r, now)
+            if now - self._last_node >= NODE_EVERY_S:
+                self._last_node = now
+                self.apply(self.policy.on_node(sensing.sensor.node_signals(), now))
+                self.apply(self.policy.on_memory(read_memory_pressure(), now))
+        if not self.agent._stopping:
+            self.agent.loop.call_later(TICK_S, self._tick)
+
+    def status(self) -> dict:
+        st = self.policy.status()
+        st["recent_decisions"] = self.decisions
+        st["runs"] = {k: r["firing"].health for k, r in self.runs.items()}
+        return st
