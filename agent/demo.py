@@ -1062,7 +1062,8 @@ class Demo:
         r, text = rec_line(jid)
         health_seen = sorted({d.get("health") for d in self._statuses(jid) if d.get("health")} |
                              ({r.get("health")} if r and r.get("health") else set()))
-        detected = any(h not in ("healthy", None) for h in health_seen)
+        detected = any(h not in ("healthy", None) for h in health_seen) or (
+            r is not None and "network_stall" in str(r.get("reason")))
         row("net stall", f"{'OK ' if detected else 'NOT SHOWN'} {jid} (update server blackholed): {text}")
         bpf = {}
         for s in metrics.values():
@@ -1083,13 +1084,19 @@ class Demo:
                 fences[k] = fences.get(k, 0) + v
         lease_events = collections.Counter(f"{e.get('event')}" for recs_ in audit.values() for e in recs_
                                            if e.get("type") == "lease")
-        row("lease", "self-fences (survivors): " + (", ".join(f"{k} {v:g}" for k, v in fences.items()) or "0") +
-            "; audit lease records: " + ", ".join(f"{k} {n}" for k, n in sorted(lease_events.items())))
-        hm = sorted({n for s in metrics.values() for (n, _) in s if "health" in n})
-        hr = sum(1 for recs_ in audit.values() for e in recs_ if e.get("type") == "health")
-        if not hm and not hr:
-            self.findings.append("lease decisions from kernel signals: no health metric and no audit health "
-                                 "record exist yet (a stall on the etcd path would only show as a self-fence)")
+        row("lease", "survivors' self-fences: " + (", ".join(f"{k} {v:g}" for k, v in fences.items()) or "0") +
+            "; audit lease records: " + ", ".join(f"{k} {n}" for k, n in sorted(lease_events.items())) +
+            " (this scenario stalls a job's network, not an agent's etcd path)")
+        hm = {}
+        for name, label in (("millwright_run_health_changes_total", "state"),
+                            ("millwright_exec_policy_violations_total", "mode")):
+            for s in metrics.values():
+                for k, v in by_label(s, name, label).items():
+                    hm[f"{name[11:]}{{{k}}}"] = hm.get(f"{name[11:]}{{{k}}}", 0) + v
+        if hm:
+            cont("health metrics (survivors): " + ", ".join(f"{k} {v:g}" for k, v in sorted(hm.items())))
+        else:
+            self.findings.append("health metrics (run health changes, exec-policy violations) are not exported")
 
     # ----------------------------------------------------------------- cleanup
     def cleanup(self) -> None:

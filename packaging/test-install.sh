@@ -114,6 +114,9 @@ setpriv --reuid=millwright-jobs --regid=millwright-jobs --clear-groups test -x /
 [ "$(stat -c "%a %U" /etc/millwright/agent.yaml)" = "640 root" ] || fail "agent.yaml mode"
 [ "$(stat -c "%a %U" /etc/millwright/audit.key)" = "600 root" ] || fail "audit.key missing or not root-only"
 grep -Eq "^[0-9a-f]{64}$" /etc/millwright/audit.key || fail "audit.key is not 64 hex characters"
+# The agent accepts the key postinst made (on an empty log it then finds no records).
+set +e; out=$(millwright audit verify /var/log/millwright/audit --key-file /etc/millwright/audit.key 2>&1); set -e
+case "$out" in *"audit key"*|*Traceback*) fail "the agent rejects the audit key made by postinst: $out";; esac
 [ ! -e /etc/millwright/keys.yaml ] || fail "keys.yaml must be the operator'"'"'s"
 dpkg-query -W -f="\${Conffiles}" millwright | grep -q "/etc/millwright/agent.yaml" || fail "agent.yaml is not a conffile"
 [ -e /etc/systemd/system/multi-user.target.wants/millwright.service ] || fail "unit not enabled"

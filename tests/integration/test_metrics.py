@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import urllib.request
 from datetime import datetime, timezone
 
 import pytest
@@ -223,6 +224,7 @@ def sc(tmp_path_factory):
             wait_for(shared, 40, "m1 to take shards from m0 and renew its lease")
         step("D", d_join)
         s.info["a0"] = a0
+        s.info["ports"] = (port0, port1)
         yield s
     finally:
         if collector is not None:
@@ -343,3 +345,27 @@ def test_outbox_depth(sc):
     assert msum(sc.snap["b1"], "millwright_mqtt_outbox_dropped_total") > 0  # outbox_max 4: some dropped
     assert msum(sc.snap["b2"], "millwright_mqtt_outbox_depth") == 0     # broker back: drained
     assert delta(sc, "b1", "b2", "millwright_mqtt_outbox_published_total") > 0
+
+
+# ---------------------------------------------------------------- dashboard
+
+def test_grafana_dashboard_uses_only_exported_metrics(sc):
+    """configs/grafana-dashboard.json must not chart a metric the agent does not export."""
+    import re
+
+    sc.need("D")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "configs", "grafana-dashboard.json")
+    with open(path) as fh:
+        dash = json.load(fh)
+    assert any(v["type"] == "datasource" and v["query"] == "prometheus" for v in dash["templating"]["list"])
+    names = set(re.findall(r"millwright_[a-z0-9_]+", json.dumps(dash["panels"])))
+    # every family the agent declares (# TYPE lines: labelled families without samples too)
+    have = set()
+    for port in sc.info["ports"]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            have |= set(re.findall(r"^# TYPE (millwright_\w+) (\w+)", r.read().decode(), re.M))
+    declared = {n + "_total" if t == "counter" and not n.endswith("_total") else n for n, t in have}
+    declared |= {n + sfx for n, t in have if t == "histogram" for sfx in ("_bucket", "_count", "_sum")}
+    missing = sorted(names - declared)
+    assert not missing, f"charted but not exported by the agent: {missing}"
