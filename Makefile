@@ -28,7 +28,7 @@ bench: setup
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 reference:
-	@$(PY) -m agent config reference
+	@$(PY) scripts/update-reference.py
 
 clean:
 	rm -rf build dist .pytest_cache

@@ -161,6 +161,12 @@ class EtcdClient:
         try:
             result = fn(c, timeout or self.timeout)
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED and "token" in (exc.details() or "") \
+                    and self.cfg.username is not None:
+                # etcd's auth tokens expire (--auth-token-ttl): authenticate again on a new channel
+                self._failover(gen)
+                REQUESTS.labels(op, "reauth").inc()
+                raise EtcdUnavailable(f"{self.endpoint}: {op}: auth token expired; re-authenticating") from None
             err = self._translate(exc, op)
             if isinstance(err, EtcdUnavailable):
                 self._failover(gen)
@@ -174,7 +180,10 @@ class EtcdClient:
         return result
 
     def _md(self, c: etcd3.Etcd3Client) -> dict:
-        return dict(credentials=c.call_credentials, metadata=c.metadata)
+        # gRPC refuses call credentials on a plaintext channel; the auth token also travels
+        # as metadata, which is what etcd reads, so plaintext channels send only that.
+        creds = c.call_credentials if getattr(c, "uses_secure_channel", False) else None
+        return dict(credentials=creds, metadata=c.metadata)
 
     # --- KV --------------------------------------------------------------------------
     def get(self, key: str, timeout: Optional[float] = None) -> Optional[KV]:
