@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     with_config(sp)
 
     sp = cmd("demo", "agent.demo:cli_demo", "start etcd, mosquitto and 3 agents locally and show the product at work")
-    sp.add_argument("--duration", type=float, default=None, help="seconds to run (default: the whole scenario)")
+    sp.add_argument("--duration", type=float, default=None,
+                    help="seconds of the job phase (default 45, at least 24; the whole demo takes ~20 s more)")
     sp.add_argument("--keep", action="store_true", help="keep the temporary directory for inspection")
 
     sp = cmd("status", "agent.admin:cli_status", "show shards, due jobs and running runs of the local agent")

@@ -488,7 +488,10 @@ class Demo:
             self.notes.append("nft not found: the network-stall job is never answered but sees no retransmits")
             return
         table = f"millwright_demo_{os.getpid()}"
-        rules = (f"table inet {table} {{\n  chain out {{ type filter hook output priority -10; policy accept;\n"
+        # input hook: the segment leaves the socket and is lost on the way, so the kernel
+        # really retransmits it (a drop in the output hook fails the transmit instead, and
+        # such a "retransmit" is neither counted nor traced)
+        rules = (f"table inet {table} {{\n  chain blackhole {{ type filter hook input priority -10; policy accept;\n"
                  f"    ip daddr 127.0.0.1 tcp dport {port} meta length > 200 drop\n  }}\n}}\n")
         r = subprocess.run(["nft", "-f", "-"], input=rules.encode(), capture_output=True, timeout=20)
         if r.returncode != 0:
@@ -612,7 +615,12 @@ class Demo:
         if state == "scheduled":
             return
         if state == "running":
-            self._running[(jid, fid, d.get("attempt"))] = d
+            key = (jid, fid, d.get("attempt"))
+            if key in self._running:  # same run again: a health change
+                ev = d.get("health_rule") or d.get("rule") or d.get("reason")
+                self.live.line(who, f"health of {jid}{run}: {d.get('health')}" + (f" ({ev})" if ev else ""))
+                return
+            self._running[key] = d
             if d.get("pid"):
                 self.victim_pids[int(d["pid"])] = who
             if cron:
@@ -873,7 +881,7 @@ class Demo:
             d = (started - due).total_seconds()
             if jid in now_jobs:
                 immediate.append(d)
-            elif kill and kill - timedelta(seconds=1) <= due <= fo_end + timedelta(seconds=1) and d > 0.5:
+            elif kill and kill - timedelta(seconds=1) <= due <= fo_end + timedelta(seconds=3) and d > 0.05:
                 late.append((jid, d))
             else:
                 delays.append(d)
@@ -906,7 +914,12 @@ class Demo:
             if aid == self.victim or a.proc is None:
                 continue
             code = a.terminate(timeout=15)
-            self.live.line(aid, f"stopped (SIGTERM: drained, lease revoked), exit {code}")
+            if code == -signal.SIGKILL:
+                self.live.line(aid, "did not stop within 15 s of SIGTERM: SIGKILLed")
+                self.findings.append(f"{aid} did not stop within 15 s of SIGTERM (drain/shutdown hang)")
+            else:
+                self.live.line(aid, f"stopped (SIGTERM: drained, lease revoked), exit {code}")
+        self._tick(time.monotonic() + 0.5)  # statuses the survivors flushed while stopping
 
     def verify_audit(self) -> dict[str, tuple[bool, str]]:
         env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -965,6 +978,21 @@ class Demo:
         for jid, f, r, aid in res["retried"]:
             cont(f"{jid}: was running on {self.victim} when it died (owner_lost); {aid} resolved it by "
                  f"the retry policy: attempt {r.get('attempt')} {r.get('state')} on {r.get('agent')}")
+        # the cloud's view: a final status for every finished firing
+        finals = {(d.get("job_id"), d.get("run_id")) for d in self.statuses if d.get("state") in TERMINAL}
+        missing = collections.Counter(r.get("agent") for (jid, f), r in recs.items()
+                                      if r.get("state") in TERMINAL and r.get("state") != "misfired"
+                                      and (jid, f) not in finals)
+        got = sum(1 for k, r in recs.items() if k in finals)
+        row("statuses", f"the cloud received a final status for {got} of {len(recs)} run records over MQTT" +
+            ("" if not missing else "; missing from " + ", ".join(f"{a} {n}" for a, n in sorted(missing.items()))))
+        lost_live = {a: n for a, n in missing.items() if a != self.victim}
+        if missing.get(self.victim):
+            cont(f"{self.victim}'s undelivered statuses wait in its outbox on its disk until it runs again")
+        if lost_live:
+            self.findings.append("final statuses of surviving agents never reached the broker: " +
+                                 ", ".join(f"{a} {n}" for a, n in sorted(lost_live.items())) +
+                                 " (status outbox stalled?)")
         # on time
         if res["delays"]:
             d = res["delays"]
@@ -975,7 +1003,7 @@ class Demo:
             cont(f"{len(d)} immediate jobs started {fmt_ms(min(d))} to {fmt_ms(max(d))} after issued_at "
                  "(push, signature check, durable etcd write, ack, claim, spawn)")
         for jid, dl in res["late"]:
-            cont(f"{jid}: due while its shard had no owner, started {dl:.1f} s late on the new owner (misfire policy)")
+            cont(f"{jid}: due during the failover, started {fmt_ms(dl)} late on the new owner")
         # failover
         fo = self.failover
         if fo.get("done_s") is not None:
@@ -1121,7 +1149,7 @@ class Demo:
                 reclaimed += reclaim() if reclaim else 0
                 b.close()
             if reclaimed:
-                self.live.raw(f"killed {reclaimed} run(s) the SIGKILLed agent left behind (its cgroups)")
+                self.live.raw(f"removed {reclaimed} run cgroup(s) the SIGKILLed agent left behind")
         except Exception as exc:
             errors.append(f"run cgroups: {exc}")
         for pid in list(self.victim_pids):

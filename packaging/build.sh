@@ -78,8 +78,7 @@ mv "$build/millwright_${version}_all.deb" "$build/millwright_${version}_"*.build
 
 # The unit tests as they were at build time, for the arm64 test to run against this very
 # package (the tree may have moved on by then).
-tar -C "$MW_REPO" --exclude=__pycache__ -cf "$MW_OUT/millwright_${version}_tests.tar" \
-  tests/__init__.py tests/conftest.py tests/unit pyproject.toml 2>/dev/null || rm -f "$MW_OUT/millwright_${version}_tests.tar"
+mw_tests_tar > "$MW_OUT/millwright_${version}_tests.tar" || rm -f "$MW_OUT/millwright_${version}_tests.tar"
 
 if [ "$lint" = 1 ]; then
   mw_log "lintian"

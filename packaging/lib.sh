@@ -67,6 +67,17 @@ mw_deb_or_build() {
   printf '%s\n' "$deb"
 }
 
+# Write to stdout a tar of what tests/unit needs from the checkout, except agent/ (the
+# tests must import the installed package): the tests, pytest's config, and the files
+# tests read relative to the repo (README.md, docs/, configs/, bpf/).
+mw_tests_tar() {
+  local p paths=()
+  for p in tests/__init__.py tests/conftest.py tests/unit pyproject.toml README.md docs configs bpf; do
+    [ -e "$MW_REPO/$p" ] && paths+=("$p")
+  done
+  tar -C "$MW_REPO" --exclude=__pycache__ --exclude='*.pyc' -cf - "${paths[@]}"
+}
+
 # --- apt sources: the host's Debian mirror, as configured on this machine -------------
 
 # Print "<mirror-uri> <security-uri>" taken from the host's sources (one-line and deb822),

@@ -151,8 +151,7 @@ if [ "$unit_tests" = 1 ]; then
   if [ -f "$snapshot" ]; then
     tar -C "$root/opt/millwright-tests" -xf "$snapshot"
   else
-    tar -C "$MW_REPO" --exclude=__pycache__ -cf - tests/__init__.py tests/conftest.py tests/unit pyproject.toml |
-      tar -C "$root/opt/millwright-tests" -xf -
+    mw_tests_tar | tar -C "$root/opt/millwright-tests" -xf -
   fi
   # The tests import `agent` from the installed private directory, not from the tree.
   mw_log "tests/unit under $arch: pytest ${MW_UNIT_PYTEST_ARGS:-}"

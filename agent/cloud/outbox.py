@@ -29,6 +29,7 @@ between the etcd write and the outbox) is answered with its first, unmarked stat
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -263,7 +264,7 @@ class OutboxPublisher:
         self.on_tick = on_tick
         self._lock = threading.Lock()
         self._inflight: dict[int, tuple[int, float]] = {}  # mid -> (seq, sent_at)
-        self._acked: list[int] = []
+        self._acked_mids: "collections.deque[int]" = collections.deque()
         self._cursor = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -289,13 +290,11 @@ class OutboxPublisher:
             time.sleep(0.02)
         return self.outbox.depth == 0
 
-    def on_publish(self, mid: int) -> None:  # paho thread
-        with self._lock:
-            entry = self._inflight.pop(mid, None)
-            if entry is not None:
-                self._acked.append(entry[0])
-        if entry is not None:
-            self.outbox.wake.set()
+    def on_publish(self, mid: int) -> None:
+        """paho's thread, which holds paho's message lock here: never take a lock that is
+        held around link.publish() (that deadlocks); a deque append is atomic."""
+        self._acked_mids.append(mid)
+        self.outbox.wake.set()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -313,12 +312,15 @@ class OutboxPublisher:
                     log.exception("outbox tick failed")
 
     def _step(self) -> None:
-        with self._lock:
-            acked, self._acked = self._acked, []
+        acked = []
+        while self._acked_mids:
+            entry = self._inflight.pop(self._acked_mids.popleft(), None)
+            if entry is not None:
+                acked.append(entry[0])
         self.outbox.delete(acked)
         if not self.link.connected:
             return
-        with self._lock:
+        if True:
             if self._inflight:
                 oldest = min(t for _, t in self._inflight.values())
                 if time.monotonic() - oldest > self.resend_after_s:
@@ -342,9 +344,8 @@ class OutboxPublisher:
                     payload = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
                 except ValueError:
                     pass
-            with self._lock:
-                rc, mid = self.link.publish(topic, payload, qos=1)
-                self._inflight[mid] = (seq, time.monotonic())
-                self._cursor = seq
+            rc, mid = self.link.publish(topic, payload, qos=1)
+            self._inflight[mid] = (seq, time.monotonic())  # only this thread touches _inflight
+            self._cursor = seq
         if len(rows) == room:
             self.outbox.wake.set()

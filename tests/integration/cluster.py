@@ -167,7 +167,12 @@ def check_history(client: EtcdClient, keys: Keys) -> dict:
 
 
 class NftBlock:
-    """Drop TCP traffic to and from one loopback address:port, in a table of our own."""
+    """Drop TCP traffic to and from one loopback address:port, in a table of our own.
+
+    Dropped in the input hook: the sender's transmit succeeds and the segment is lost
+    on the way in, as on a real broken link, so the kernel retransmits (tcp_retransmit_skb,
+    RetransSegs). Dropping in the output hook fails the transmit locally instead and the
+    kernel counts no retransmit at all."""
 
     def __init__(self, addr: str, port: int):
         self.table = f"mw_test_{os.getpid()}_{port}"
@@ -177,7 +182,7 @@ class NftBlock:
     def __enter__(self):
         rules = f"""
 table inet {self.table} {{
-  chain out {{ type filter hook output priority -10; policy accept;
+  chain inp {{ type filter hook input priority -10; policy accept;
     ip daddr {self.addr} tcp dport {self.port} drop
     ip saddr {self.addr} tcp sport {self.port} drop
   }}

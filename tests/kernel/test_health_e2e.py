@@ -134,3 +134,55 @@ def test_stalled_job_network_is_retried_and_hands_shards_to_a_healthy_peer(etcd_
     finally:
         c.close()
         echo.close()
+
+
+FLAP_S = float(__import__("os").environ.get("MILLWRIGHT_FLAP_TEST_S", "300"))
+
+
+def test_a_flapping_link_causes_at_most_one_hand_off_in_five_minutes(etcd_server, tmp_path, kernel_ready):
+    """Acceptance 4: the agent's links (etcd path and the jobs' target) drop for 200 ms
+    every 3 s for 5 minutes while jobs keep running; hysteresis allows at most one
+    hand-off. Set MILLWRIGHT_FLAP_TEST_S to shorten it locally."""
+    import glob
+    import os
+
+    echo = EchoServer()
+    tpl = {"net": net_template("127.0.0.3", echo.port),
+           "tick": {"argv": ["/bin/true"], "user": "nobody", "allow_exec": ["/bin/true"]}}
+    c = Cluster(etcd_server, str(tmp_path / "agents"), ttl=8, renew_deadline=5, retry_period=0.5,
+                extra={"templates": tpl})
+    try:
+        c.start("steady", extra={"templates": {**tpl, "net": net_template("127.0.0.1", echo.port)}})
+        flappy = c.start("flappy", endpoint_host="127.0.0.2", extra={"bpf": {"enabled": True}})
+        wait_for(lambda: c.converged({"steady": 1, "flappy": 1}), 60, what="plan")
+        store = JobStore(c.client, c.keys, c.shards, "test")
+        for i in range(16):
+            store.create({"v": 1, "id": f"flap-net-{i}", "template": "net", "params": {},
+                          "schedule": {"cron": "*/2 * * * * *"}, "overlap": "forbid",
+                          "retry": {"max_attempts": 2, "backoff_s": 0.5}})
+            store.create({"v": 1, "id": f"flap-tick-{i}", "template": "tick", "params": {},
+                          "schedule": {"cron": "* * * * * *"}})
+        end = time.monotonic() + FLAP_S
+        drops = 0
+        while time.monotonic() < end:
+            with NftBlock("127.0.0.2", etcd_server.port), NftBlock("127.0.0.3", echo.port):
+                time.sleep(0.2)
+            drops += 1
+            time.sleep(2.8)
+        time.sleep(2)
+        handoffs = 0
+        for path in glob.glob(os.path.join(flappy.config["audit"]["dir"], "audit-*.jsonl")):
+            for line in open(path):
+                try:
+                    r = json.loads(line)
+                except ValueError:
+                    continue
+                if r.get("type") == "lease" and r.get("decision") == "hand_off":
+                    handoffs += 1
+        print(f"\n{drops} link drops of 200 ms over {FLAP_S:.0f} s: {handoffs} hand-off(s)")
+        assert drops >= FLAP_S / 3.5
+        assert handoffs <= 1
+        assert flappy.alive()
+    finally:
+        c.close()
+        echo.close()

@@ -98,6 +98,14 @@ class Collector:
         return [self.results[k] for k in keys]
 
 
+def _executor_kind(fd: str) -> bool:
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return False
+    return target.startswith(("pipe:", "anon_inode:[pidfd]", "/sys/fs/cgroup")) or "/runs/" in target
+
+
 def _children_zombies() -> list[int]:
     me = os.getpid()
     out = []

@@ -1,0 +1,311 @@
+"""The cloud channel end to end: real `millwright run` agents, real mosquitto, real etcd.
+
+Acceptance 1 (5,000 pushes through two kill -9 and a broker restart), 2 over MQTT (each
+rejection reason), 3 over MQTT (a smaller fuzz), 5 (an agent gone for good), presence and
+last will, and the `push`/`cancel` CLI. Ingest is checked through etcd contents and
+statuses, not through job runs (jobs are due in 30 days)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from agent.cloud.ingest import push_digest
+from agent.cloud.mqtt import MqttLink
+from agent.cloud.testkit import KID, TEMPLATES, StatusCollector, job_doc, signed, write_keys
+from agent.cloud.topics import Topics
+from agent.config import EtcdConfig, MqttConfig
+from agent.coordination.etcd import EtcdClient
+from agent.coordination.keys import Keys, shard_of
+from tests.integration.cluster import Cluster, wait_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+QUICK = os.environ.get("MILLWRIGHT_CLOUD_QUICK") == "1"
+N_PUSHES = 1000 if QUICK else 5000
+SHARDS = 8
+T = Topics("t")
+
+
+@pytest.fixture
+def world(etcd_server, mosquitto_server, tmp_path):
+    keys = str(tmp_path / "keys.yaml")
+    ring = write_keys(keys)
+    cl = Cluster(etcd_server, str(tmp_path / "agents"), shards=SHARDS, ttl=4, renew_deadline=2.5, retry_period=0.5,
+                 extra={"mqtt": {"url": mosquitto_server.url, "reconnect_min_s": 0.2, "reconnect_max_s": 1.0,
+                                 "ingest_grace_s": 1.5},
+                        "signing": {"keys_file": keys}, "templates": TEMPLATES, "bpf": {"enabled": False}})
+    col = StatusCollector(mosquitto_server.url, "t", extra_filters=("millwright/t/agents/#",)).start()
+    w = type("World", (), {})()
+    w.ring, w.keys_file, w.cluster, w.col, w.mq, w.etcd = ring, keys, cl, col, mosquitto_server, etcd_server
+    yield w
+    col.stop()
+    cl.close()
+
+
+class Pusher:
+    def __init__(self, url: str, client_id: str = "test-pusher"):
+        self.acked = 0
+        self.lock = threading.Lock()
+        self.link = MqttLink(MqttConfig(url=url), client_id, clean_session=False, on_publish=self._pub,
+                             reconnect_min_s=0.2, reconnect_max_s=1.0, max_inflight=100)
+        self.link.start()
+        assert self.link.wait_connected(10)
+
+    def _pub(self, mid):
+        with self.lock:
+            self.acked += 1
+
+    def push(self, payload: bytes, topic: str = T.push) -> None:
+        self.link.publish(topic, payload, qos=1)
+
+    def stop(self):
+        self.link.stop()
+
+
+def _jobs_in_etcd(etcd) -> dict:
+    c = EtcdClient(EtcdConfig(endpoints=[etcd.endpoint], request_timeout_s=5.0))
+    try:
+        kvs, _ = c.get_prefix(Keys("t").jobs_prefix())
+        return {kv.key.rsplit("/", 1)[1]: kv for kv in kvs}
+    finally:
+        c.close()
+
+
+def _accepted(col, ids=None):
+    out = {}
+    for d in col.docs("accepted"):
+        if ids is None or d["job_id"] in ids:
+            out.setdefault(d["job_id"], {})[(d["agent"], d["seq"])] = d
+    return out
+
+
+def _wait_agent_connected(col, agent_id, timeout=30):
+    assert col.wait(lambda msgs: any(t == T.presence(agent_id) and d.get("state") == "online" and
+                                     d.get("pid") for _, t, d in msgs[-50:]), timeout)
+
+
+def test_5000_pushes_survive_two_kill9_and_a_broker_restart(world):
+    a = world.cluster.start("a1")
+    wait_for(lambda: world.cluster.all_owned_by({"a1"}), 30, what="a1 owns all shards")
+    pusher = Pusher(world.mq.url)
+    ids = [f"load-{i:05d}" for i in range(N_PUSHES)]
+    payloads = [signed(job_doc(j, line=str(i % 100)), world.ring) for i, j in enumerate(ids)]
+    events = []
+
+    def n_acc():
+        return len(_accepted(world.col))
+
+    try:
+        marks = {int(N_PUSHES * 0.2): "kill", int(N_PUSHES * 0.5): "broker", int(N_PUSHES * 0.75): "kill"}
+        for i, p in enumerate(payloads):
+            pusher.push(p)
+            action = marks.get(i)
+            if action == "kill":
+                a.kill()  # kill -9 with pushes in flight
+                events.append(("kill", i, n_acc()))
+                time.sleep(0.5)
+                a.start()
+            elif action == "broker":
+                world.mq.stop()
+                events.append(("broker", i, n_acc()))
+                time.sleep(1.0)
+                world.mq.start()
+            if i % 200 == 0:
+                time.sleep(0.05)
+        ok = world.col.wait(lambda msgs: n_acc() >= N_PUSHES, 240)
+        acc = _accepted(world.col)
+        missing = [j for j in ids if j not in acc]
+        assert ok and not missing, (len(missing), missing[:5], events, pusher.acked)
+        jobs = _jobs_in_etcd(world.etcd)
+        assert set(jobs) == set(ids)
+        assert all(kv.version == 1 for kv in jobs.values())  # written once, never rewritten
+        repeats = 0
+        for j in ids:
+            msgs = list(acc[j].values())  # distinct status messages (transport duplicates share a seq)
+            unmarked = [m for m in msgs if not m.get("redelivery")]
+            assert len(unmarked) <= 1, (j, msgs)
+            repeats += len(msgs) - len(unmarked)
+        print(f"\n{N_PUSHES} pushes, events {events}, repeats marked as redelivery: {repeats}")
+        assert a.alive()
+        assert sum(1 for j in ids if not any(not m.get("redelivery") for m in acc[j].values())) <= repeats
+    finally:
+        pusher.stop()
+
+
+def test_each_rejection_reason_over_mqtt(world):
+    from datetime import datetime, timedelta, timezone
+
+    from agent.cloud.testkit import rfc
+    from agent.signing import KeyRing, generate_hmac_secret, sign
+
+    world.cluster.start("a1")
+    wait_for(lambda: world.cluster.all_owned_by({"a1"}), 30, what="a1 owns all shards")
+    _wait_agent_connected(world.col, "a1")
+    ring = world.ring
+    other = KeyRing.from_mapping({KID: {"alg": "hmac-sha256", "secret": generate_hmac_secret()}})
+    unknown = KeyRing.from_mapping({"cloud-9": {"alg": "hmac-sha256", "secret": generate_hmac_secret()}})
+    now = datetime.now(timezone.utc)
+    pusher = Pusher(world.mq.url, "rej-pusher")
+    try:
+        pusher.push(signed(job_doc("c1"), ring))
+        pusher.push(signed(job_doc("twin", line="1"), ring))
+        assert world.col.wait(lambda m: {"c1", "twin"} <= set(_accepted(world.col)), 30)
+        pusher.push(signed({"v": 1, "id": "c1"}, ring), T.cancel)
+        assert world.col.wait(lambda m: any(d.get("state") == "cancelled" and d["job_id"] == "c1"
+                                            for d in world.col.docs()), 30)
+        cases = {
+            "bad_json": b"not json at all",
+            "bad_field": signed(job_doc("wt", timeout_s=[1]), ring),
+            "unknown_template": signed(job_doc("ut", template="rm-rf"), ring),
+            "bad_param": signed(job_doc("bp", line="x"), ring),
+            "unsigned": json.dumps(job_doc("us")).encode(),
+            "bad_signature": signed(job_doc("bs"), other),
+            "unknown_kid": json.dumps(sign(job_doc("uk"), unknown, "cloud-9")).encode(),
+            "expired": signed(job_doc("ex", now=now - timedelta(days=40), at_offset_s=1), ring),
+            "cancelled": signed(job_doc("c1"), ring),
+            "conflict": signed(job_doc("twin", line="2"), ring),
+            "too_large": b'{"v":1,"id":"big","pad":"' + b"x" * 70000 + b'"}',
+        }
+        for p in cases.values():
+            pusher.push(p)
+        digests = {push_digest(p): want for want, p in cases.items()}
+
+        def answered(_):
+            got = {d.get("push_sha256") for d in world.col.docs("rejected")}
+            return set(digests) <= got
+        assert world.col.wait(answered, 30)
+        for d in world.col.docs("rejected"):
+            if d["push_sha256"] in digests:
+                assert d["reason"] == digests[d["push_sha256"]], d
+                assert d["detail"]
+        jobs = _jobs_in_etcd(world.etcd)
+        assert not {"wt", "ut", "bp", "us", "bs", "uk", "ex"} & set(jobs)
+        assert json.loads(jobs["twin"].value)["params"] == {"line": "1"}
+    finally:
+        pusher.stop()
+
+
+def test_fuzz_over_mqtt_keeps_ingesting(world):
+    a = world.cluster.start("a1")
+    wait_for(lambda: world.cluster.all_owned_by({"a1"}), 30, what="a1 owns all shards")
+    _wait_agent_connected(world.col, "a1")
+    rnd = random.Random(7)
+    pusher = Pusher(world.mq.url, "fuzz-pusher")
+    try:
+        base = json.loads(signed(job_doc("fz"), world.ring))
+        sent = []
+        for i in range(300):
+            k = rnd.random()
+            if k < 0.3:
+                p = bytes(rnd.randrange(256) for _ in range(rnd.randint(0, 100)))
+            elif k < 0.7:
+                d = dict(base, id=f"fz-{i}")
+                d[rnd.choice(list(base))] = rnd.choice([None, 1, "x", [], {}, -1e9, "\u0000"])
+                p = json.dumps(d).encode()
+            else:
+                p = signed(job_doc(f"fz-ok-{i}", line=str(i % 100)), world.ring)
+            sent.append(p)
+            pusher.push(p)
+        valid = {f"fz-ok-{i}" for i, p in enumerate(sent) if b'"fz-ok-' in p}
+        assert world.col.wait(lambda m: valid <= set(_accepted(world.col)), 60)
+        pusher.push(signed(job_doc("after-fuzz"), world.ring))
+        assert world.col.wait(lambda m: "after-fuzz" in _accepted(world.col), 30)
+        assert a.alive()
+        # never accepted an invalid one
+        assert set(_accepted(world.col)) == valid | {"after-fuzz"}
+    finally:
+        pusher.stop()
+
+
+def test_push_reaches_etcd_while_an_agent_is_gone_for_good(world):
+    a1 = world.cluster.start("a1")
+    a2 = world.cluster.start("a2")
+    wait_for(lambda: world.cluster.all_owned_by({"a1", "a2"}) and len(set(world.cluster.owners().values())) == 2,
+             40, what="two agents share the shards")
+    _wait_agent_connected(world.col, "a1")
+    _wait_agent_connected(world.col, "a2")
+    owners = world.cluster.owners()
+    jid = next(f"gone-{i}" for i in range(10000) if owners[shard_of(f"gone-{i}", SHARDS)] == "a2")
+    a2.kill()  # gone for good: its persistent session stays on the broker and queues the push
+    pusher = Pusher(world.mq.url, "gone-pusher")
+    try:
+        t0 = time.monotonic()
+        pusher.push(signed(job_doc(jid), world.ring))
+        assert world.col.wait(lambda m: jid in _accepted(world.col), 30)
+        elapsed = time.monotonic() - t0
+        by = {d["agent"] for d in _accepted(world.col)[jid].values()}
+        assert by == {"a1"}
+        assert jid in _jobs_in_etcd(world.etcd)
+        print(f"\ningested by a1 {elapsed:.2f}s after the push (a2 gone, grace 1.5s)")
+        assert elapsed < 5.0  # acceptance 5
+        assert a1.alive()
+    finally:
+        pusher.stop()
+
+
+def test_presence_will_drain_and_offline(world):
+    a = world.cluster.start("a1")
+    _wait_agent_connected(world.col, "a1")
+    pres = lambda: [d for _, t, d in world.col.messages if t == T.presence("a1")]
+    a.kill()
+    assert world.col.wait(lambda m: pres()[-1].get("state") == "offline", 30)
+    assert pres()[-1]["reason"] == "connection_lost"  # the last will
+    a.start()
+    assert world.col.wait(lambda m: pres()[-1].get("state") == "online", 30)
+    a.terminate()
+    assert world.col.wait(lambda m: pres()[-1].get("state") == "offline", 30)
+    states = [d["state"] for d in pres()]
+    assert states[-2:] == ["draining", "offline"] and pres()[-1]["reason"] == "stopped"
+    # retained: a new subscriber sees the last state at once
+    late = StatusCollector(world.mq.url, "t", extra_filters=(T.presence("a1"),)).start()
+    try:
+        assert late.wait(lambda m: any(t == T.presence("a1") for _, t, _ in m), 10)
+        assert [d for _, t, d in late.messages if t == T.presence("a1")][-1]["state"] == "offline"
+    finally:
+        late.stop()
+
+
+def _cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "agent", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=60, env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+
+
+def test_cli_push_and_cancel(world, tmp_path):
+    a = world.cluster.start("a1")
+    wait_for(lambda: world.cluster.all_owned_by({"a1"}), 30, what="a1 owns all shards")
+    _wait_agent_connected(world.col, "a1")
+    cfg = a.config_path
+    f = tmp_path / "job.json"
+    f.write_text(json.dumps(job_doc("cli-1")))
+    r = _cli("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID)
+    assert r.returncode == 0 and r.stdout.startswith("accepted cli-1"), (r.stdout, r.stderr)
+    r = _cli("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID)
+    assert r.returncode == 0 and "repeat" in r.stdout, (r.stdout, r.stderr)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(job_doc("cli-2", line="no")))
+    r = _cli("push", "-c", cfg, str(bad), "--key-file", world.keys_file, "--kid", KID)
+    assert r.returncode == 1 and r.stdout.startswith("rejected cli-2: bad_param"), (r.stdout, r.stderr)
+    r = _cli("cancel", "-c", cfg, "cli-1", "--key-file", world.keys_file, "--kid", KID)
+    assert r.returncode == 0 and r.stdout.startswith("cancelled cli-1"), (r.stdout, r.stderr)
+    r = _cli("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID)
+    assert r.returncode == 1 and "cancelled" in r.stdout
+    for args, needle in [((str(tmp_path / "nope.json"), "--key-file", world.keys_file, "--kid", KID), "nope.json"),
+                         ((str(f), "--key-file", world.keys_file, "--kid", "nokid"), "nokid"),
+                         ((str(f), "--key-file", str(tmp_path / "none.yaml"), "--kid", KID), "none.yaml")]:
+        r = _cli("push", "-c", cfg, *args)
+        assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+    notjson = tmp_path / "nj.json"
+    notjson.write_text("{nope")
+    r = _cli("push", "-c", cfg, str(notjson), "--key-file", world.keys_file, "--kid", KID)
+    assert r.returncode == 2 and "not valid JSON" in r.stderr
+    r = _cli("cancel", "-c", cfg, "../etc", "--key-file", world.keys_file, "--kid", KID)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
