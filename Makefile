@@ -14,6 +14,7 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS)
+	@$(MAKE) --no-print-directory test-cloud-paho2
 
 test-unit:
 	$(PY) -m pytest -p no:cacheprovider tests/unit $(PYTEST_ARGS)
@@ -41,3 +42,17 @@ deb: setup
 
 test-packaging: setup
 	$(PY) -m pytest -p no:cacheprovider tests/packaging $(PYTEST_ARGS)
+
+# --- cloud channel (agent/cloud, docs/cloud.md) ---
+# The .deb uses Debian's paho-mqtt 1.6; the cloud tests run a second time against paho-mqtt
+# 2.x from PyPI, installed into a project-local directory (never into the system).
+PAHO2_DIR ?= .cache/paho2
+.PHONY: paho2 test-cloud-paho2
+paho2:
+	@[ -f $(PAHO2_DIR)/paho/mqtt/client.py ] || $(PY) -m pip install -q --disable-pip-version-check \
+		--no-warn-script-location --target $(PAHO2_DIR) 'paho-mqtt>=2,<3'
+
+test-cloud-paho2: paho2
+	PYTHONPATH=$(PAHO2_DIR) MILLWRIGHT_EXPECT_PAHO=2 MILLWRIGHT_CLOUD_QUICK=1 MILLWRIGHT_CLOUD_OUTAGE_S=10 \
+		$(PY) -m pytest -p no:cacheprovider tests/unit/test_cloud.py tests/integration/test_cloud_agents.py \
+		tests/integration/test_cloud_outbox.py tests/integration/test_cloud_ingest.py -k "not fuzz_ingest" $(PYTEST_ARGS)

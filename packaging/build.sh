@@ -47,6 +47,7 @@ if [ -d "$MW_REPO/bpf" ]; then
   tar -C "$MW_REPO" --exclude='.*' -cf - bpf | tar -C "$src" -xf -
 fi
 cp "$config" "$src/configs/agent.yaml"
+[ ! -d "$MW_REPO/configs/demo" ] || cp -r "$MW_REPO/configs/demo" "$src/configs/demo"
 [ ! -f "$MW_REPO/README.md" ] || cp "$MW_REPO/README.md" "$src/"
 [ ! -f "$MW_REPO/docs/packaging.md" ] || cp "$MW_REPO/docs/packaging.md" "$src/docs/"
 cp -r "$MW_PKG_DIR/debian" "$src/debian"

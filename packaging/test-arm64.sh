@@ -9,7 +9,7 @@
 # test tools (built on the first run and whenever the Depends field changes; see
 # test-install.sh --deps-layer): `apt-get install ./millwright_*.deb` then installs the
 # package itself, running its maintainer scripts under qemu. --full installs every
-# dependency under qemu on this run as well (about 8 minutes more).
+# dependency under qemu on this run as well (about two minutes more).
 #
 # The pristine arm64 root (debootstrap --foreign + second stage under qemu) is the slow
 # part and is cached in packaging/.roots/ like the amd64 one; see docs/packaging.md for

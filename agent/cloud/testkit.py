@@ -65,7 +65,7 @@ class StatusCollector:
         from agent.config import MqttConfig
 
         self.topics = Topics(cluster)
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # predicates passed to wait() may call docs()
         self.messages: list[tuple[float, str, dict]] = []
         self.cond = threading.Condition(self.lock)
         filters = ((self.topics.status_filter(), 1),) + tuple((f, 1) for f in extra_filters)

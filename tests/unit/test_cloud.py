@@ -177,3 +177,15 @@ def test_publisher_waits_while_disconnected(tmp_path):
     pub = OutboxPublisher(ob, link)
     pub._step()
     assert link.sent == [] and ob.depth == 1
+
+
+def test_paho_under_test_is_the_expected_one():
+    """`make test-cloud-paho2` sets MILLWRIGHT_EXPECT_PAHO=2: prove the 2.x run really used 2.x."""
+    from agent.cloud.mqtt import PAHO_MAJOR, MqttLink
+    from agent.config import MqttConfig
+
+    want = os.environ.get("MILLWRIGHT_EXPECT_PAHO")
+    if want:
+        assert PAHO_MAJOR == int(want)
+    link = MqttLink(MqttConfig(url="mqtt://127.0.0.1:1"), "x")
+    assert link.deferred_ack  # manual ack available on this paho

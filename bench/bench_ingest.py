@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""Ingest benchmark: pushes accepted and durable per second, and push -> accepted latency,
+for one agent and for three, with paho-mqtt 1.6 (Debian) and 2.x (.cache/paho2, see
+`make paho2`). Real etcd, real mosquitto, real `millwright run` agents.
+
+    /usr/bin/python3 bench/bench_ingest.py            # BENCH_PUSHES=2000 BENCH_RATE=100
+
+Latency first, on an idle system: BENCH_RATE pushes per second for 5 s (open loop), push
+publish -> accepted status received by a subscriber (p50/p99). Then throughput: a burst of
+BENCH_PUSHES pushes published as fast as the broker takes them; figure = pushes / (last
+accepted - first publish), with the p99 latency inside the burst (mostly queueing).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from agent.cloud.mqtt import MqttLink  # noqa: E402
+from agent.cloud.testkit import TEMPLATES, StatusCollector, job_doc, signed, write_keys  # noqa: E402
+from agent.cloud.topics import Topics  # noqa: E402
+from agent.config import MqttConfig  # noqa: E402
+from agent.devservices import AgentProcess, EtcdServer, MosquittoServer  # noqa: E402
+from tests.integration.cluster import Cluster, wait_for  # noqa: E402
+
+PUSHES = int(os.environ.get("BENCH_PUSHES", "2000"))
+RATE = float(os.environ.get("BENCH_RATE", "100"))
+PAHO2 = os.path.join(ROOT, ".cache", "paho2")
+
+
+def pct(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
+
+
+def run(n_agents: int, paho2: bool) -> dict:
+    base = tempfile.mkdtemp(prefix="mw-bench-ingest-")
+    etcd = EtcdServer(os.path.join(base, "etcd"))
+    mq = MosquittoServer(os.path.join(base, "mq"), extra_conf="user root\n")
+    for s in (etcd, mq):
+        os.makedirs(s.dir, exist_ok=True)
+        s.start()
+    keys = os.path.join(base, "keys.yaml")
+    ring = write_keys(keys)
+    env = {"PYTHONPATH": PAHO2} if paho2 else {}
+    cl = Cluster(etcd, os.path.join(base, "agents"), shards=64, ttl=10, renew_deadline=6, retry_period=1,
+                 extra={"mqtt": {"url": mq.url}, "signing": {"keys_file": keys}, "templates": TEMPLATES,
+                        "bpf": {"enabled": False}}, env=env)
+    topics = Topics("t")
+    col = StatusCollector(mq.url, "t").start()
+    arrived: dict[str, float] = {}
+    lock = threading.Lock()
+    orig = col._msg
+
+    def on_msg(msg):
+        orig(msg)
+        d = col.messages[-1][2]
+        if d.get("state") == "accepted":
+            with lock:
+                arrived.setdefault(d["job_id"], time.monotonic())
+    col.link._on_message = on_msg
+    pusher = MqttLink(MqttConfig(url=mq.url), "bench-pusher", clean_session=True, max_inflight=200)
+    try:
+        names = [f"a{i}" for i in range(n_agents)]
+        for n in names:
+            cl.start(n)
+        wait_for(lambda: cl.all_owned_by(set(names)) and len(set(cl.owners().values())) == n_agents, 60,
+                 what="agents own the shards")
+        time.sleep(1.0)
+        pusher.start()
+        pusher.wait_connected(10)
+        sent: dict[str, float] = {}
+        # paced
+        n = int(RATE * 5)
+        pids = [f"paced-{i}" for i in range(n)]
+        ppay = [signed(job_doc(j, line=str(i % 100)), ring) for i, j in enumerate(pids)]
+        start = time.monotonic()
+        for i, (j, p) in enumerate(zip(pids, ppay)):
+            due = start + i / RATE
+            delay = due - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            sent[j] = time.monotonic()
+            pusher.publish(topics.push, p, qos=1)
+        wait_for(lambda: all(j in arrived for j in pids), 120, interval=0.05, what="paced accepted")
+        lat = [arrived[j] - sent[j] for j in pids]
+        # burst
+        ids = [f"burst-{i}" for i in range(PUSHES)]
+        payloads = [signed(job_doc(j, line=str(i % 100)), ring) for i, j in enumerate(ids)]
+        t0 = time.monotonic()
+        for j, p in zip(ids, payloads):
+            sent[j] = time.monotonic()
+            pusher.publish(topics.push, p, qos=1)
+        wait_for(lambda: all(j in arrived for j in ids), 300, interval=0.05, what="burst accepted")
+        t_last = max(arrived[j] for j in ids)
+        burst_rate = PUSHES / (t_last - t0)
+        burst_lat = [arrived[j] - sent[j] for j in ids]
+        return {"agents": n_agents, "paho": "2.x" if paho2 else "1.6", "burst_per_s": burst_rate,
+                "burst_p99_ms": pct(burst_lat, 99) * 1000, "paced_rate": RATE,
+                "p50_ms": statistics.median(lat) * 1000, "p99_ms": pct(lat, 99) * 1000}
+    finally:
+        pusher.stop()
+        col.stop()
+        cl.close()
+        mq.close()
+        etcd.close()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def main() -> int:
+    have2 = os.path.exists(os.path.join(PAHO2, "paho", "mqtt", "client.py"))
+    if not have2:
+        print("paho-mqtt 2.x not installed in .cache/paho2 (run `make paho2`): measuring 1.6 only")
+    print(f"ingest benchmark: burst of {PUSHES} pushes; latency at {RATE:g} pushes/s for 5 s; "
+          f"cpus={os.cpu_count()} load={os.getloadavg()[0]:.1f}")
+    print(f"{'paho':>5} {'agents':>6} {'burst accepted+durable/s':>25} {'burst p99 ms':>13} "
+          f"{'paced p50 ms':>13} {'paced p99 ms':>13}")
+    for paho2 in ([False, True] if have2 else [False]):
+        for n in (1, 3):
+            r = run(n, paho2)
+            print(f"{r['paho']:>5} {r['agents']:>6} {r['burst_per_s']:>25.0f} {r['burst_p99_ms']:>13.0f} "
+                  f"{r['p50_ms']:>13.1f} {r['p99_ms']:>13.1f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
