@@ -195,7 +195,10 @@ class MosquittoServer(_Child):
         with open(conf, "w") as fh:
             fh.write(
                 f"listener {self.port} {self.host}\n"
-                "allow_anonymous true\n"
+                # started as root, mosquitto would drop to user `mosquitto`, which cannot write
+                # a 0700 temp dir: persistence (and so persistent sessions) would silently fail
+                + ("user root\n" if os.geteuid() == 0 else "")
+                + "allow_anonymous true\n"
                 "persistence true\n"
                 f"persistence_location {self.dir}/\n"
                 "autosave_interval 1\n"

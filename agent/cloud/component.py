@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sqlite3
 import threading
 import time
 from typing import Any, Optional
@@ -60,8 +61,13 @@ class CloudComponent:
         self.agent_id = cfg.agent_id
         self.keyring = load_keyring(cfg.signing.keys_file, agent.record)
         self.store = JobStore(agent.client, agent.keys, cfg.shards, cfg.agent_id)
-        self.outbox = Outbox(os.path.join(cfg.state_dir, OUTBOX_FILE), m.outbox_max, m.outbox_full_policy,
-                             on_drop=self._dropped)
+        path = os.path.join(cfg.state_dir, OUTBOX_FILE)
+        try:
+            self.outbox = Outbox(path, m.outbox_max, m.outbox_full_policy, on_drop=self._dropped)
+        except (OSError, sqlite3.Error) as exc:
+            from agent.cli import UserError
+
+            raise UserError(f"state_dir: cannot open the status outbox {path}: {exc}") from None
         self._gap = 0
         self._gap_lock = threading.Lock()
         self.link = MqttLink(m, client_id_for(cfg), clean_session=False,
@@ -105,8 +111,9 @@ class CloudComponent:
         if n:
             log.warning("status outbox full: documents dropped", extra={"fields": {"dropped": n,
                                                                                    "policy": self.outbox.policy}})
-            self.agent.loop.post(self.agent.record, "gap", source="mqtt_outbox", count=n,
-                                 reason=f"outbox_full:{self.outbox.policy}")
+            reason = f"outbox_full:{self.outbox.policy}"
+            # EventLoop.post takes positional arguments only
+            self.agent.loop.post(lambda: self.agent.record("gap", source="mqtt_outbox", count=n, reason=reason))
 
     def _notify(self, kind: str, obj: Any) -> None:
         for listener in list(getattr(self.agent, "job_listeners", []) or []):
@@ -158,7 +165,8 @@ class CloudComponent:
 
     def stop(self) -> None:
         self._stopping.set()
-        self.publisher.flush(1.0)
+        if self.link.connected:
+            self.publisher.flush(1.0)  # best effort: the rest stays in the outbox for the next start
         if self.link.connected:
             self.link.publish_wait(self.topics.presence(self.agent_id),
                                    presence_doc(self.agent_id, "offline", "stopped"), 1, True, timeout=2.0)

@@ -40,7 +40,7 @@ def broker(tmp_path):
     """Like conftest's mosquitto_server, but able to write its persistence file: mosquitto
     started as root drops to user mosquitto, which cannot write the 0700 pytest temp dir,
     and then persistent sessions do not survive a broker restart."""
-    srv = MosquittoServer(str(tmp_path / "mosquitto"), extra_conf="user root\n")
+    srv = MosquittoServer(str(tmp_path / "mosquitto"))
     os.makedirs(srv.dir, exist_ok=True)
     srv.start()
     yield srv
@@ -336,3 +336,26 @@ def test_cli_push_and_cancel(world, tmp_path):
     assert r.returncode == 2 and "not valid JSON" in r.stderr
     r = _cli("cancel", "-c", cfg, "../etc", "--key-file", world.keys_file, "--kid", KID)
     assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_etcd_outage_never_acknowledges_a_push(world):
+    """A push that arrives while etcd is unreachable is not acknowledged: killing the agent
+    then loses nothing, the broker delivers the push again to the next incarnation."""
+    a = world.cluster.start("a1")
+    wait_for(lambda: world.cluster.all_owned_by({"a1"}), 30, what="a1 owns all shards")
+    _wait_agent_connected(world.col, "a1")
+    pusher = Pusher(world.mq.url, "outage-pusher")
+    try:
+        world.etcd.pause()  # SIGSTOP: requests hang and time out
+        try:
+            pusher.push(signed(job_doc("during-etcd-outage"), world.ring))
+            time.sleep(3.0)
+            assert "during-etcd-outage" not in _accepted(world.col)
+            a.kill()
+        finally:
+            world.etcd.resume()
+        a.start()
+        assert world.col.wait(lambda m: "during-etcd-outage" in _accepted(world.col), 60)
+        assert "during-etcd-outage" in _jobs_in_etcd(world.etcd)
+    finally:
+        pusher.stop()

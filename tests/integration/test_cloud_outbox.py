@@ -21,7 +21,7 @@ from agent.devservices import MosquittoServer
 def broker(tmp_path):
     """mosquitto with a persistence file it can write (see test_cloud_agents.broker): the
     status subscriber's session must survive the restart."""
-    srv = MosquittoServer(str(tmp_path / "mosquitto"), extra_conf="user root\n")
+    srv = MosquittoServer(str(tmp_path / "mosquitto"))
     os.makedirs(srv.dir, exist_ok=True)
     srv.start()
     yield srv
