@@ -519,29 +519,38 @@ class Scheduler:
                 work.extend(self.admission.release(k))
                 continue
             if f.state == "retrying_admission":
-                self._start_retry(f)
+                self._claim(f, retry=True)
             else:
                 self._claim(f)
 
     def _release(self, f: Firing) -> None:
         self._admit(self.admission.release(f.key))
 
-    def _claim(self, f: Firing) -> None:
+    def _claim(self, f: Firing, retry: bool = False) -> None:
+        """Write the run record as `running` under the shard's fence, then start the process.
+
+        The first attempt creates the record (create-revision==0: one record per firing);
+        a retry swaps it in place (its mod revision must be the one we last wrote)."""
         e = f.entry
         fence = self.agent.fence_for(e.shard)
         if fence is None:
             self._abandon(f, "not_owner")
             return
+        if retry:
+            f.attempt += 1
         f.state = "claiming"
-        now = utcnow()
         key = self.keys.run(e.shard, e.job.id, f.fire_id)
-        rec = self._record(f, "running", started_at=rfc(now))
+        rec = self._record(f, "running", started_at=rfc(utcnow()))
+        compare = [Mod(key) == f.record_rev] if retry else [Create(key) == 0]
 
         def op():
-            return fenced_txn(self.client, fence, compare=[Create(key) == 0], success=[Put(key, json.dumps(rec))])
+            return fenced_txn(self.client, fence, compare=compare, success=[Put(key, json.dumps(rec))])
 
         def done(r, error):
             if f.state != "claiming":
+                return
+            if retry and (error is not None or not r.succeeded):
+                self._abandon(f, "retry_claim_failed")
                 return
             if isinstance(error, StaleToken):
                 self._abandon(f, "shard_lost")
@@ -683,38 +692,12 @@ class Scheduler:
 
         decision = self.admission.request(f.key, f.due.timestamp(), self._limits(e))
         if decision == ADMITTED:
-            self._start_retry(f)
+            self._claim(f, retry=True)
         elif decision == REJECTED:
             self._finish_without_run(f, "failed", "quota_never_fits")
         else:
             f.state = "retrying_admission"
             self.waiting[f.key] = f
-
-    def _start_retry(self, f: Firing) -> None:
-        e = f.entry
-        fence = self.agent.fence_for(e.shard)
-        if fence is None:
-            self._abandon(f, "not_owner")
-            return
-        f.attempt += 1
-        f.state = "claiming"
-        key = self.keys.run(e.shard, e.job.id, f.fire_id)
-        rec = self._record(f, "running", started_at=rfc(utcnow()))
-        rev = f.record_rev
-
-        def op():
-            return fenced_txn(self.client, fence, compare=[Mod(key) == rev], success=[Put(key, json.dumps(rec))])
-
-        def done(r, error):
-            if f.state != "claiming":
-                return
-            if error is not None or not r.succeeded:
-                self._abandon(f, "retry_claim_failed")
-                return
-            f.record, f.record_rev = rec, r.revision
-            self._spawn(f)
-
-        self.workers.submit(op, done)
 
     def _finish_without_run(self, f: Firing, state: str, reason: str) -> None:
         """Record a firing that will not run (misfired, cancelled, failed before start)."""
