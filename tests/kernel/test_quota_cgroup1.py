@@ -280,7 +280,10 @@ def test_a_thousand_short_runs_leave_no_cgroups_fds_or_zombies(backend, base_dir
             left = [d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))]
             assert left == [], f"{root}: {left[:5]}"
         assert _children_zombies() == []
-        assert set(os.listdir("/proc/self/fd")) - fds_before == set()
+        # only fds of the kinds the executor opens (pipes, pidfds, cgroup and run files): other
+        # threads of this pytest process (watches, agents' fixtures) may open unrelated fds
+        new = set(os.listdir("/proc/self/fd")) - fds_before
+        assert [fd for fd in new if _executor_kind(fd)] == []
         assert c.threads == {"millwright-reaper"}
     finally:
         ex.close(close_backend=False)
