@@ -304,9 +304,12 @@ class ExecPolicy:
         return Violation(path=normalise(filename), rule=rule, mode=self.mode, action=action, pid=pid,
                          argv=tuple(argv))
 
-    def for_run(self, argv0: str, *, allow_argv0: bool = True) -> "RunExecPolicy":
-        """The checker for one run whose job program is ``argv0`` (the resolved template argv[0])."""
-        return RunExecPolicy(self, argv0, allow_argv0=allow_argv0)
+    def for_run(self, argv0: str, *, allow_argv0: bool = True,
+                job_argv: Optional[list] = None) -> "RunExecPolicy":
+        """The checker for one run whose job program is ``argv0`` (the resolved template argv[0]).
+        With ``job_argv`` the launching phase ends only at an exec carrying the job's own
+        argv: a job whose program is ``/bin/sh`` must not end it at the launcher's sh."""
+        return RunExecPolicy(self, argv0, allow_argv0=allow_argv0, job_argv=job_argv)
 
 
 class RunExecPolicy:
@@ -319,9 +322,11 @@ class RunExecPolicy:
     list it in ``allow_exec``. The exec of ``argv0`` itself is allowed (``allow_argv0``).
     """
 
-    def __init__(self, policy: ExecPolicy, argv0: str, *, allow_argv0: bool = True):
+    def __init__(self, policy: ExecPolicy, argv0: str, *, allow_argv0: bool = True,
+                 job_argv: Optional[list] = None):
         self.policy = policy
         self.argv0 = normalise(argv0)
+        self.job_argv = list(job_argv) if job_argv else None
         self.allow_argv0 = allow_argv0
         self.launching = True
         self.launcher_execs = 0
@@ -330,7 +335,7 @@ class RunExecPolicy:
     def check(self, filename: str, *, pid: Optional[int] = None, argv: Iterable[str] = ()) -> Optional[Violation]:
         path = normalise(filename)
         if self.launching:
-            if path == self.argv0:
+            if path == self.argv0 and self._is_job_argv(list(argv)):
                 self.launching = False
                 if self.allow_argv0:
                     return None
@@ -343,6 +348,14 @@ class RunExecPolicy:
         if v is not None:
             self.violations += 1
         return v
+
+    def _is_job_argv(self, argv: list) -> bool:
+        """The exec carries the job's own argv (the kernel may truncate args: prefixes)."""
+        if self.job_argv is None or not argv:
+            return True
+        if len(argv) > len(self.job_argv):
+            return False
+        return all(j.startswith(a) for a, j in zip(argv[1:], self.job_argv[1:]))
 
     def check_event(self, ev: Any) -> Optional[Violation]:
         """Same for an :class:`~agent.signals.ExecEvent`."""

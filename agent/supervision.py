@@ -103,7 +103,7 @@ class Supervision:
         self.runs[spec.run_key] = {
             "firing": f, "slot": slot,
             "health": JobHealth(tpl.health, self.clock(), slot=slot) if tpl else None,
-            "exec": ep.for_run(spec.argv[0]) if ep is not None else None,
+            "exec": ep.for_run(spec.argv[0], job_argv=spec.argv) if ep is not None else None,
         }
 
     def run_ended(self, f: Any) -> None:

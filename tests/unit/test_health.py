@@ -281,3 +281,21 @@ def test_check_event():
     v = r.check_event(ev)
     assert v.pid == 5 and v.argv == ("wget", "u") and v.action == "record"
     assert r.check_event(ExecEvent(pid=6, ppid=5, uid=0, gid=0, filename="/opt/job", argv=[], slot=3, ts=2.0)) is None
+
+
+def test_launcher_sh_does_not_end_the_launch_phase_of_a_job_whose_program_is_sh():
+    """The executor's shim is /bin/sh too; the phase ends only at the job's own argv
+    (seen once in CI: the shim's sh ended it and the following setpriv was flagged)."""
+    from agent.health import ExecPolicy
+
+    job_argv = ["/bin/sh", "-c", "sleep 0.3; /usr/bin/id -u"]
+    run = ExecPolicy(["/bin/sh", "/bin/sleep"], "enforce").for_run("/bin/sh", job_argv=job_argv)
+    assert run.check("/bin/sh", argv=["/bin/sh", "-c", "exec launcher shim"]) is None
+    assert run.check("/usr/bin/setpriv", argv=["/usr/bin/setpriv", "--reuid=65534", "--", *job_argv]) is None
+    assert run.check("/bin/sh", argv=job_argv) is None
+    assert not run.launching
+    v = run.check("/usr/bin/id", argv=["/usr/bin/id", "-u"])
+    assert v is not None and v.action == "kill"
+    # a truncated argv from the kernel still matches as a prefix
+    run2 = ExecPolicy([], "enforce").for_run("/bin/sh", job_argv=["/bin/sh", "-c", "x" * 300])
+    assert run2.check("/bin/sh", argv=["/bin/sh", "-c", "x" * 127]) is None and not run2.launching
