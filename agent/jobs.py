@@ -325,11 +325,8 @@ def _parse(payload: Any, *, templates: Optional[dict], keyring: Optional[KeyRing
         raise JobRejected(BAD_FIELD, f"invalid document ({type(exc).__name__}: {_clip(str(exc))})") from None
 
 
-def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyRing], now: Optional[datetime],
-                 max_skew_s: Optional[float], max_bytes: Optional[int], verify_signature: bool) -> Job:
-    doc = decode(payload, max_bytes)
-
-    # ---- version
+def _check_version(doc: dict) -> None:
+    """`v` must be the integer 1 (job documents and cancels alike)."""
     if "v" not in doc:
         raise _bad("v", "is required (the contract version, 1)")
     v = doc["v"]
@@ -337,6 +334,14 @@ def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyR
         raise _bad("v", f"must be the integer 1, got {_type(v)} {_short(v)}")
     if v != VERSION:
         raise JobRejected(UNSUPPORTED_VERSION, f"v: version {_short(v)} is not supported (this agent speaks v1)", "v")
+
+
+def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyRing], now: Optional[datetime],
+                 max_skew_s: Optional[float], max_bytes: Optional[int], verify_signature: bool) -> Job:
+    doc = decode(payload, max_bytes)
+
+    # ---- version
+    _check_version(doc)
 
     # ---- shape
     unknown = [k for k in doc if k not in TOP_LEVEL_KEYS]
@@ -543,13 +548,7 @@ def parse_cancel(payload: Union[bytes, str, dict], keyring: Optional[KeyRing], m
     """``{"v":1,"id":...,"sig":...}`` -> the job id. Same errors as parse_job."""
     try:
         doc = decode(payload, max_bytes)
-        if "v" not in doc:
-            raise _bad("v", "is required (the contract version, 1)")
-        v = doc["v"]
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise _bad("v", f"must be the integer 1, got {_type(v)} {_short(v)}")
-        if v != VERSION:
-            raise JobRejected(UNSUPPORTED_VERSION, f"v: version {_short(v)} is not supported (this agent speaks v1)", "v")
+        _check_version(doc)
         unknown = [k for k in doc if k not in CANCEL_KEYS]
         if unknown:
             raise _bad(_key(unknown[0]), f"unknown key (a cancel has only: {', '.join(CANCEL_KEYS)})")
