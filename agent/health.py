@@ -332,10 +332,16 @@ class RunExecPolicy:
         self.launcher_execs = 0
         self.violations = 0
 
-    def check(self, filename: str, *, pid: Optional[int] = None, argv: Iterable[str] = ()) -> Optional[Violation]:
+    def check(self, filename: str, *, pid: Optional[int] = None, argv: Iterable[str] = (),
+              argv_source: str = "kernel") -> Optional[Violation]:
+        """``argv_source`` other than ``kernel`` means the argv was read later from /proc (the
+        exec raced the pid's registration), so it may already show a later exec of the same
+        pid: such an argv never ends the launching phase at a launcher path."""
         path = normalise(filename)
         if self.launching:
-            if path == self.argv0 and self._is_job_argv(list(argv)):
+            argv = list(argv)
+            if path == self.argv0 and (self._is_job_argv(argv) if argv_source == "kernel"
+                                       else path not in self.policy.launcher_paths):
                 self.launching = False
                 if self.allow_argv0:
                     return None
@@ -359,4 +365,4 @@ class RunExecPolicy:
 
     def check_event(self, ev: Any) -> Optional[Violation]:
         """Same for an :class:`~agent.signals.ExecEvent`."""
-        return self.check(ev.filename, pid=ev.pid, argv=ev.argv)
+        return self.check(ev.filename, pid=ev.pid, argv=ev.argv, argv_source=getattr(ev, "argv_source", "kernel"))

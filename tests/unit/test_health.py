@@ -299,3 +299,20 @@ def test_launcher_sh_does_not_end_the_launch_phase_of_a_job_whose_program_is_sh(
     # a truncated argv from the kernel still matches as a prefix
     run2 = ExecPolicy([], "enforce").for_run("/bin/sh", job_argv=["/bin/sh", "-c", "x" * 300])
     assert run2.check("/bin/sh", argv=["/bin/sh", "-c", "x" * 127]) is None and not run2.launching
+
+
+def test_proc_argv_of_a_raced_shim_exec_does_not_end_the_launch_phase():
+    """The shim's exec can race the pid's registration: the kernel then has no argv and the
+    sensor reads /proc/<pid>/cmdline later, which may already show the job's argv (seen in
+    CI: the following setpriv was flagged). Such an argv must not end the launch phase."""
+    job_argv = ["/bin/sh", "-c", "sleep 0.3; /usr/bin/id -u"]
+    run = ExecPolicy(["/bin/sh"], "enforce").for_run("/bin/sh", job_argv=job_argv)
+    assert run.check("/bin/sh", argv=job_argv, argv_source="proc") is None
+    assert run.launching
+    assert run.check("/usr/bin/setpriv", argv=["/usr/bin/setpriv", "--", *job_argv]) is None
+    assert run.check("/bin/sh", argv=job_argv) is None and not run.launching
+    assert run.check("/usr/bin/id", argv=["/usr/bin/id", "-u"]) is not None
+    # a program that is not a launcher path ends the phase whatever the argv source
+    run2 = ExecPolicy([], "enforce").for_run("/opt/job", job_argv=["/opt/job", "a"])
+    ev = ExecEvent(pid=7, ppid=1, uid=0, gid=0, filename="/opt/job", argv=[], slot=1, ts=1.0, argv_source="none")
+    assert run2.check_event(ev) is None and not run2.launching
