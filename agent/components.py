@@ -62,12 +62,16 @@ class _JobsComponent:
         agent.status_providers["quota"] = lambda: {"backend": self.executor.backend.name,
                                                    "why": self.executor.backend.why}
 
+    def start(self) -> None:
+        self.scheduler.workers.start()
+
     def start_watches(self):
         return self.scheduler.start_watches()
 
     def stop(self) -> None:
         self.scheduler.stop()
         self.executor.close()
+        self.scheduler.workers.stop()
 
 
 def _sensing(agent) -> Any:

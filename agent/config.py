@@ -152,6 +152,10 @@ class ExecuteConfig:
     quota_backend: str = doc("auto, cgroup2, cgroup1 or rlimit.", default="auto")
     output_max_bytes: int = doc("stdout/stderr kept per run (each).", default=1024 * 1024)
     kill_grace_s: float = doc("Between SIGTERM and SIGKILL on timeout or cancel.", default=5.0)
+    claim_lead_s: float = doc("Claim a firing's run record and prepare its process (quota container, "
+                              "launcher waiting on its go pipe) this long before the due time, so only "
+                              "a pipe write is left at the due time. 0: claim and spawn at the due time.",
+                              default=0.25)
 
 
 @dataclass
@@ -342,6 +346,8 @@ def _validate(cfg: Config, problems: list[str]) -> None:
         bad("execute.memory_mb", "must be at least 1")
     if x.cpu <= 0:
         bad("execute.cpu", "must be greater than 0")
+    if not 0 <= x.claim_lead_s <= 5:
+        bad("execute.claim_lead_s", "must be between 0 and 5 seconds")
     if x.quota_backend not in ("auto", "cgroup2", "cgroup1", "rlimit"):
         bad("execute.quota_backend", "must be auto, cgroup2, cgroup1 or rlimit")
     for name, t in cfg.templates.items():

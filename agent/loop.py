@@ -31,7 +31,14 @@ class Timer:
         self.cancelled = False
 
     def cancel(self) -> None:
+        """Also drops the callback and its arguments: a timer held by what it refers to
+        (a firing's retry timer, say) must not keep a reference cycle alive."""
         self.cancelled = True
+        self.fn, self.args = _noop, ()
+
+
+def _noop(*_: Any) -> None:
+    pass
 
 
 class EventLoop:
@@ -82,7 +89,9 @@ class EventLoop:
             while self._heap and (self._heap[0][2].cancelled or self._heap[0][0] <= now):
                 _, _, t = heapq.heappop(self._heap)
                 if not t.cancelled:
-                    self._run_one(t.fn, t.args)
+                    fn, args = t.fn, t.args
+                    t.fn, t.args = _noop, ()   # fired: no reference cycle through the handle
+                    self._run_one(fn, args)
                 if self._stopping:
                     return
             timeout = None

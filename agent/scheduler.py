@@ -13,6 +13,14 @@ by a transaction fenced with the shard's token. So:
 - a firing without a record never ran, and the new owner runs it (misfire policy).
 The fire_id is the due time (deterministic on every agent), so recovery after a
 takeover recomputes exactly the same firings.
+
+Precision: a firing is claimed ``execute.claim_lead_s`` before its due time, and its
+process is prepared then (quota container, launcher waiting on its go pipe). At the due
+time the executor's reaper thread only writes one byte to that pipe, so neither the etcd
+claim nor the spawn is on the critical path. A firing whose fate depends on what happens
+until its due time (depends_on, or an earlier run of the job still running: overlap) is
+not claimed early. If the agent dies in between, the launcher exits with the agent (its
+go pipe closes) and the record is resolved like any run of a dead owner.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from agent.coordination.fencing import Fence, StaleToken, fenced_txn
 from agent.coordination.jobstore import JobStore, StoredJob, public_doc
 from agent.coordination.keys import shard_of
 from agent.coordination.watch import PrefixWatch, WatchEvent
+from agent.coordination.worker import EtcdWorkers
+from agent.gcpolicy import GcPolicy
 from agent.jobs import Job, JobRejected, effective_resources, render_argv
 from agent.metrics import counter, gauge, histogram
 from agent import schedule as sch
@@ -46,7 +56,8 @@ JOBS_OWNED = gauge("millwright_jobs_owned", "Jobs in shards this agent holds")
 
 TERMINAL = ("succeeded", "failed", "timed_out", "killed", "cancelled", "misfired")
 RETRYABLE = ("failed", "timed_out")
-LEAD_S = 0.0  # the claim is on the critical path by design (see module doc)
+SPAWN_AHEAD_MIN_S = 0.001  # closer to the due time than this, start at once
+RECORD_WORKERS = 6         # threads writing run records (claims, final states) to etcd
 DEPENDENCY_RECHECK_S = 1.0
 
 
@@ -105,11 +116,15 @@ class Scheduler:
         self.loop = agent.loop
         self.keys = agent.keys
         self.client = agent.client
-        self.workers = agent.workers
+        # its own pool: run records are most of the etcd writes, and a firing's claim must
+        # not queue behind shard hand-overs (or they behind a burst of claims); several
+        # threads let etcd batch concurrent writes into one fsync
+        self.workers = EtcdWorkers(self.loop.post, threads=RECORD_WORKERS, name="runs")
         self.executor = executor
         self.admission = admission
         self.store = JobStore(agent.client, agent.keys, agent.cfg.shards, agent.cfg.agent_id)
         self.entries: dict[str, JobEntry] = {}
+        self.by_shard: dict[int, dict[str, JobEntry]] = {}   # the same entries, by shard
         self.loaded: dict[int, int] = {}          # shard -> revision its jobs were listed at
         self.loading: dict[int, Fence] = {}
         self._dirty: dict[int, int] = {}          # shard -> newest job revision seen while loading
@@ -117,6 +132,7 @@ class Scheduler:
         self.run_listeners: list[Any] = []        # health/sensor: run_started(f), run_ended(f)
         self.paused: Optional[str] = None         # early fence: no new runs start while set
         self._held: list[Firing] = []             # firings that fell due while paused
+        self.gc = GcPolicy(self.loop, self._quiet_for).start()
         agent.shard_listeners.append(self)
         agent.busy_checks.append(self.busy)
         agent.status_providers["jobs"] = self.status
@@ -136,8 +152,18 @@ class Scheduler:
         return [w.start()]
 
     def busy(self, shard: int) -> bool:
-        return any(f.state in ("running", "claiming") for e in self.entries.values() if e.shard == shard
+        return any(f.state in ("running", "claiming") for e in self.by_shard.get(shard, {}).values()
                    for f in e.firings.values())
+
+    def _pop_entry(self, job_id: str) -> Optional[JobEntry]:
+        e = self.entries.pop(job_id, None)
+        if e is not None:
+            in_shard = self.by_shard.get(e.shard)
+            if in_shard is not None and in_shard.get(job_id) is e:
+                del in_shard[job_id]
+                if not in_shard:
+                    del self.by_shard[e.shard]
+        return e
 
     # --- shard lifecycle ------------------------------------------------------------------
     def shard_acquired(self, fence: Fence) -> None:
@@ -185,8 +211,8 @@ class Scheduler:
         self.loading.pop(shard, None)
         self.loaded.pop(shard, None)
         self._dirty.pop(shard, None)
-        for jid in [j for j, e in self.entries.items() if e.shard == shard]:
-            e = self.entries.pop(jid)
+        for jid in list(self.by_shard.get(shard, ())):
+            e = self._pop_entry(jid)
             self._drop_entry(e, reason="shard_lost" if reason != "released" else "released")
         JOBS_OWNED.set(len(self.entries))
 
@@ -222,7 +248,7 @@ class Scheduler:
             if shard not in self.loaded or ev.kv.mod_revision <= self.loaded[shard]:
                 continue
             if ev.kind == "delete":
-                e = self.entries.pop(job_id, None)
+                e = self._pop_entry(job_id)
                 if e:
                     self._drop_entry(e, "deleted")
                 continue
@@ -292,6 +318,7 @@ class Scheduler:
         JOBS_OWNED.set(len(self.entries))
 
     def _install_job(self, stored: StoredJob, records: dict[str, tuple[dict, int]]) -> None:
+        self.gc.settle()  # job entries are long-lived: keep them out of full collections
         try:
             job = Job.from_stored(public_doc(stored.doc))
         except JobRejected as exc:
@@ -302,7 +329,9 @@ class Scheduler:
         except Exception:
             accepted_at = utcnow()
         e = JobEntry(job, stored, stored.shard, accepted_at)
+        self._pop_entry(job.id)
         self.entries[job.id] = e
+        self.by_shard.setdefault(e.shard, {})[job.id] = e
         now = utcnow()
         # 1. what earlier owners left behind
         for fire_id, (rec, rev) in sorted(records.items()):
@@ -377,7 +406,7 @@ class Scheduler:
             e.next_timer.cancel()
         e.next_due = due
         delay = (due - utcnow()).total_seconds()
-        e.next_timer = self.loop.call_later(max(0.0, delay - LEAD_S), self._due, e, due)
+        e.next_timer = self.loop.call_later(max(0.0, delay - self.cfg.execute.claim_lead_s), self._due, e, due)
 
     def _due(self, e: JobEntry, due: datetime) -> None:
         e.next_timer = None
@@ -385,7 +414,7 @@ class Scheduler:
             return
         # wall-clock check: a timer is monotonic; if the clock stepped, re-arm on the new clock
         now = utcnow()
-        early = (due - now).total_seconds()
+        early = (due - now).total_seconds() - self.cfg.execute.claim_lead_s
         if early > 0.05:
             log.warning("clock stepped back; re-arming", extra={"fields": {"job": e.job.id, "early_s": round(early, 3)}})
             self._arm(e, due)
@@ -407,8 +436,14 @@ class Scheduler:
             return
         if e.last_due_done is None or due > e.last_due_done:
             e.last_due_done = due
-        f = Firing(e, due, fid)
         job = e.job
+        ahead = (due - utcnow()).total_seconds()
+        if ahead > SPAWN_AHEAD_MIN_S and (job.depends_on or any(
+                g.state in ("running", "claiming") for g in e.firings.values())):
+            # dependencies and overlap are decided at the due time, not at claim time
+            self.loop.call_later(ahead, self._fire_if_current, e, due)
+            return
+        f = Firing(e, due, fid)
         if sch.is_expired(job, utcnow()):
             e.firings[fid] = f
             self._finish_without_run(f, "misfired", "expired")
@@ -430,6 +465,10 @@ class Scheduler:
             self._check_dependencies(f)
         else:
             self._request_admission(f)
+
+    def _fire_if_current(self, e: JobEntry, due: datetime) -> None:
+        if self.entries.get(e.job.id) is e and not e.cancelled:
+            self._fire(e, due)
 
     def _check_dependencies(self, f: Firing) -> None:
         deps = list(f.entry.job.depends_on)
@@ -540,7 +579,7 @@ class Scheduler:
             f.attempt += 1
         f.state = "claiming"
         key = self.keys.run(e.shard, e.job.id, f.fire_id)
-        rec = self._record(f, "running", started_at=rfc(utcnow()))
+        rec = self._record(f, "running", started_at=rfc(max(utcnow(), f.due)))
         compare = [Mod(key) == f.record_rev] if retry else [Create(key) == 0]
 
         def op():
@@ -621,17 +660,40 @@ class Scheduler:
                        output_max_bytes=self.cfg.execute.output_max_bytes, job_id=e.job.id,
                        run_id=f.fire_id, attempt=f.attempt)
         f.state = "running"
+        on_exit = lambda h, r: self.loop.post(self._ended, f, r)  # noqa: E731
+        ahead = (f.due - utcnow()).total_seconds()
+        prepare = getattr(self.executor, "prepare", None)
+        if ahead > SPAWN_AHEAD_MIN_S and prepare is not None:
+            f.handle = prepare(spec, on_exit, release_at=time.monotonic() + ahead,
+                               on_release=lambda h, ok: self.loop.post(self._released, f, h, ok, argv, tpl.user))
+            # listeners (exec policy, sensor attribution) know the run before it can exec
+            for l in self.run_listeners:
+                l.run_started(f)
+            return
+        if f.attempt == 1 and self.cfg.execute.claim_lead_s > 0:
+            # the claim took longer than execute.claim_lead_s: the spawn is on the due time's path
+            FIRINGS.labels("claimed_late").inc()
+        f.handle = self.executor.start(spec, on_exit)
+        for l in self.run_listeners:
+            l.run_started(f)
+        self._released(f, f.handle, True, argv, tpl.user)
+
+    def _released(self, f: Firing, handle: Any, ok: bool, argv: list, user: Optional[str]) -> None:
+        """The job process was let go (exec'ing now): metrics, audit and the running status.
+        Not ok: it could not start; its on_exit (spawn_error) follows."""
+        if not ok or f.handle is not handle:
+            return
+        e = f.entry
         f.started_mono = time.monotonic()
-        f.handle = self.executor.start(spec, lambda h, r: self.loop.post(self._ended, f, r))
-        delay = (utcnow() - f.due).total_seconds()
+        started = getattr(handle, "started_at", None) or time.time()
+        delay = started - f.due.timestamp()
         if f.attempt == 1:
             TRIGGER_DELAY.observe(max(0.0, delay))
         FIRINGS.labels("started").inc()
         self.agent.record("job", event="run_start", job=e.job.id, fire_id=f.fire_id, attempt=f.attempt,
-                          shard=e.shard, pid=getattr(f.handle, "pid", None), argv=argv, user=tpl.user)
-        self._status(e, f, "running", pid=getattr(f.handle, "pid", None))
-        for l in self.run_listeners:
-            l.run_started(f)
+                          shard=e.shard, pid=getattr(handle, "pid", None), argv=argv, user=user)
+        if f.state == "running":
+            self._status(e, f, "running", pid=getattr(handle, "pid", None))
 
     def _run_failed_early(self, f: Firing, reason: str) -> None:
         f.state = "running"
@@ -786,7 +848,7 @@ class Scheduler:
         running, due = [], []
         for e in self.entries.values():
             for f in e.firings.values():
-                if f.state == "running":
+                if f.state == "running" and f.started_mono:
                     running.append({"job_id": e.job.id, "fire_id": f.fire_id, "attempt": f.attempt,
                                     "pid": getattr(f.handle, "pid", None), "health": f.health,
                                     "age_s": round(time.monotonic() - f.started_mono, 1)})
@@ -801,10 +863,25 @@ class Scheduler:
                 "admission": {"running": len(self.admission.running), "waiting": len(self.admission)}}
 
     def stop(self) -> None:
+        self.gc.stop()
         for e in self.entries.values():
             for f in e.firings.values():
                 if f.state == "running" and f.handle is not None:
                     f.handle.terminate("agent_stopped")
+
+    def _quiet_for(self) -> Optional[float]:
+        """Seconds until a process is due to be released: the next armed due time, or a
+        prepared run waiting for its due time (for GcPolicy's full collections)."""
+        soonest = None
+        for e in self.entries.values():
+            if e.next_due is not None and (soonest is None or e.next_due < soonest):
+                soonest = e.next_due
+            for f in e.firings.values():
+                if f.state in ("claiming", "running") and not f.started_mono and (soonest is None or f.due < soonest):
+                    soonest = f.due
+        if soonest is None:
+            return None
+        return (soonest - utcnow()).total_seconds() - self.cfg.execute.claim_lead_s
 
 
 def _parse_or(text: Optional[str], default: datetime) -> datetime:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 from agent.metrics import gauge
 
 log = logging.getLogger("millwright.worker")
-QUEUE_DEPTH = gauge("millwright_etcd_worker_queue_depth", "etcd operations waiting for a worker thread")
+QUEUE_DEPTH = gauge("millwright_etcd_worker_queue_depth", "etcd operations waiting for a worker thread", ("pool",))
 
 
 class EtcdWorkers:
@@ -25,6 +25,7 @@ class EtcdWorkers:
         self._threads = [threading.Thread(target=self._run, name=f"{name}-worker-{i}", daemon=True)
                          for i in range(threads)]
         self.pending = 0  # touched only from the loop thread (submit) and via posted decrements
+        self._depth = QUEUE_DEPTH.labels(name)
 
     def start(self) -> None:
         for t in self._threads:
@@ -38,12 +39,12 @@ class EtcdWorkers:
 
     def submit(self, fn: Callable[[], Any], callback: Callable[[Any, Optional[BaseException]], None]) -> None:
         self.pending += 1
-        QUEUE_DEPTH.set(self.pending)
+        self._depth.set(self.pending)
         self._q.put((fn, callback))
 
     def _done(self, callback, result, error) -> None:
         self.pending -= 1
-        QUEUE_DEPTH.set(self.pending)
+        self._depth.set(self.pending)
         callback(result, error)
 
     def _run(self) -> None:

@@ -141,7 +141,11 @@ class RunHandle:
     def terminate(self, reason: str = "killed", grace_s: Optional[float] = None) -> None:
         """SIGTERM to the process group; SIGKILL to the group and its cgroup after the
         grace period (the run's kill_grace_s by default). The run ends with `reason`
-        (e.g. "killed" for a cancel, "timed_out"). No-op once the run ended."""
+        (e.g. "killed" for a cancel, "timed_out"). No-op once the run ended. A prepared
+        run that was never released is discarded: its launcher exits without exec'ing the
+        job, and the run ends with `reason`."""
+        if self._executor._discard_held(self, reason):
+            return
         self._executor._reaper.post(self._executor._terminate, self, reason, grace_s)
 
     def wait(self, timeout: Optional[float] = None) -> Optional[RunResult]:
@@ -206,6 +210,8 @@ class _Run:
         self.drain_started = 0.0
         self.work_dir_created: Optional[str] = None
         self.grace = 5.0
+        self.go: Optional[tuple] = None  # (go_w, err_r, path, cwd) while prepared, not released
+        self.on_release: Optional[Callable[[RunHandle, bool], Any]] = None
 
 
 class _Timer:
@@ -216,6 +222,37 @@ class _Timer:
 
     def cancel(self) -> None:
         self.cancelled = True
+        self.fn, self.args = _noop, ()   # no reference cycle run -> timers -> timer -> run
+
+
+def _noop(*_: Any) -> None:
+    pass
+
+
+USER_CACHE_S = 10.0
+_users: dict[str, tuple[float, Any]] = {}
+_users_lock = threading.Lock()
+
+
+def _lookup_user(name: str) -> Optional[tuple[Any, tuple[int, ...]]]:
+    """(passwd entry, groups) of a run-as user, or None. Cached for USER_CACHE_S: NSS
+    reads /etc/passwd and /etc/group on every call (a quarter of a millisecond per spawn
+    on a busy gateway), and the few templates' users hardly ever change."""
+    now = time.monotonic()
+    with _users_lock:
+        hit = _users.get(name)
+        if hit is not None and now - hit[0] < USER_CACHE_S:
+            return hit[1]
+    try:
+        pw = pwd.getpwnam(name)
+        value = (pw, tuple(os.getgrouplist(pw.pw_name, pw.pw_gid)))
+    except KeyError:
+        value = None
+    with _users_lock:
+        if len(_users) > 256:
+            _users.clear()
+        _users[name] = (now, value)
+    return value
 
 
 class SpawnError(Exception):
@@ -310,6 +347,7 @@ class Executor:
             _set_child_subreaper()
         self._reaper = _Reaper(self)
         self._reaper.start()
+        self._releaser = _Releaser(self)
 
     @classmethod
     def from_config(cls, execute_config: Any, base_dir: str, root_name: str = "millwright",
@@ -329,6 +367,63 @@ class Executor:
     def start(self, spec: RunSpec, on_exit: Callable[[RunHandle, RunResult], Any]) -> RunHandle:
         """Start a run; always returns a handle, on_exit(handle, result) follows exactly
         once on the reaper thread. Raises ValueError only for a run_key already live."""
+        return self._start(spec, on_exit, hold=False)
+
+    def prepare(self, spec: RunSpec, on_exit: Callable[[RunHandle, RunResult], Any], *,
+                release_at: Optional[float] = None,
+                on_release: Optional[Callable[[RunHandle, bool], Any]] = None) -> RunHandle:
+        """Everything start() does except letting the job exec: the launcher waits in its
+        quota container (pid known, poststart hooks done) until release(). This takes the
+        costly part (cgroup, fork, user lookup) off the due time. With ``release_at``
+        (time.monotonic()) the reaper thread releases it then, off the caller's busy loop,
+        and calls ``on_release(handle, ok)`` there. terminate() before the release discards
+        it; on_exit follows exactly once either way."""
+        handle = self._start(spec, on_exit, hold=True)
+        if release_at is not None:
+            with self._lock:
+                run = self._live.get(handle.run_key)
+                held = run is not None and run.handle is handle and run.go is not None
+            if held:
+                run.on_release = on_release
+                self._releaser.at(release_at, run)
+        return handle
+
+    def release(self, handle: RunHandle) -> bool:
+        """Let a prepared run exec its job (microseconds: one pipe write). False if it was
+        not prepared, already released, discarded or could not be confined."""
+        with self._lock:
+            run = self._live.get(handle.run_key)
+            if run is None or run.handle is not handle or run.go is None:
+                return False
+        self._go(run)
+        self._reaper.post(self._register, run)
+        return run.error is None
+
+    def _timed_release(self, run: _Run) -> None:
+        ok = self.release(run.handle)
+        if run.on_release is not None:
+            try:
+                run.on_release(run.handle, ok)
+            except Exception:
+                log.exception("on_release callback failed", extra={"fields": {"run": run.handle.run_key}})
+
+    def _discard_held(self, handle: RunHandle, reason: str) -> bool:
+        with self._lock:
+            run = self._live.get(handle.run_key)
+            if run is None or run.handle is not handle or run.go is None:
+                return False
+            go_w, err_r, _, _ = run.go
+            run.go = None
+        run.kill_reason = reason
+        for fd in (go_w, err_r):
+            if fd >= 0:
+                os.close(fd)   # the launcher's read of the go pipe fails: it exits without exec
+        if handle.pid:
+            _kill(handle.pid)
+        self._reaper.post(self._register, run)
+        return True
+
+    def _start(self, spec: RunSpec, on_exit: Callable[[RunHandle, RunResult], Any], hold: bool) -> RunHandle:
         t0 = time.perf_counter()
         handle = RunHandle(self, spec)
         run = _Run(handle, on_exit)
@@ -338,7 +433,7 @@ class Executor:
                 raise ValueError(f"run {spec.run_key!r} is already live")
             self._live[spec.run_key] = run
         try:
-            self._spawn(run)
+            self._spawn(run, hold)
         except SpawnError as exc:   # before fork: no process
             run.error = str(exc)
             m.SPAWN_ERRORS.labels(exc.stage).inc()
@@ -354,9 +449,17 @@ class Executor:
                 self._reaper.post(self._finalize, run)
                 return handle
             _kill(handle.pid)       # a process exists: let the reaper reap it
+            with self._lock:
+                go, run.go = run.go, None
+            for fd in (go or ())[:2]:
+                if fd >= 0:
+                    os.close(fd)
         m.SPAWN_SECONDS.labels(self.backend.name).observe(time.perf_counter() - t0)
         m.RUNS_RUNNING.inc()
-        self._reaper.post(self._register, run)
+        with self._lock:
+            held = run.go is not None
+        if not held:
+            self._reaper.post(self._register, run)
         return handle
 
     def usage(self, handle: RunHandle) -> Usage:
@@ -378,6 +481,7 @@ class Executor:
         deadline = time.monotonic() + timeout
         for h in self.live():
             h.wait(max(0.0, deadline - time.monotonic()))
+        self._releaser.stop()
         self._reaper.stop()
         self._reaper.join(timeout=5)
         for _ in range(50):   # run cgroups the kernel did not let go of at once
@@ -397,14 +501,14 @@ class Executor:
         home = None
         name = None
         if spec.user is not None:
-            try:
-                pw = pwd.getpwnam(spec.user)
-            except KeyError:
-                raise SpawnError("user", f"user {spec.user!r} does not exist on this node") from None
+            looked_up = _lookup_user(spec.user)
+            if looked_up is None:
+                raise SpawnError("user", f"user {spec.user!r} does not exist on this node")
+            pw, groups = looked_up
             if os.geteuid() != 0 and pw.pw_uid != os.geteuid():
                 raise SpawnError("user", f"cannot run as {spec.user!r}: the agent is not root")
             if pw.pw_uid != os.geteuid() or pw.pw_gid != os.getegid() or os.geteuid() == 0:
-                ids = (pw.pw_uid, pw.pw_gid, os.getgrouplist(pw.pw_name, pw.pw_gid))
+                ids = (pw.pw_uid, pw.pw_gid, list(groups))
             home, name = pw.pw_dir, pw.pw_name
         else:
             try:
@@ -446,7 +550,7 @@ class Executor:
                     "MILLWRIGHT_ATTEMPT": str(spec.attempt)})
         return ids, path, env, cwd, out, err
 
-    def _spawn(self, run: _Run) -> None:
+    def _spawn(self, run: _Run, hold: bool = False) -> None:
         spec = run.handle.spec
         ids, path, env, cwd, out_path, err_path = self._prepare(run)
         if self.spawn_mode == "shim":
@@ -515,29 +619,48 @@ class Executor:
             run.pidfd = os.pidfd_open(pid)
         except (AttributeError, OSError):
             run.pidfd = None   # kernel < 5.3: the reaper polls waitpid instead
-        released = False
         try:
-            try:
-                self.backend.attach(run.slot, pid)
-                for res, val in rlimits:
-                    resource.prlimit(pid, res, (val, val))
-            except OSError as exc:
-                raise SpawnError("cgroup", f"cannot confine the run: {exc.strerror or exc}") from None
+            self.backend.attach(run.slot, pid)
+            for res, val in rlimits:
+                resource.prlimit(pid, res, (val, val))
             for hook in list(self.poststart):
                 try:
                     hook(run.handle)
                 except Exception as exc:
                     raise SpawnError("poststart", f"poststart hook {getattr(hook, '__qualname__', hook)} failed: {exc}") from None
-            os.write(go_w, b"g\n")
-            released = True
-        except BrokenPipeError:
-            pass   # the child died during setup: its reason is in the err pipe
-        except SpawnError as exc:  # never exec a run we could not confine or track
+        except (OSError, SpawnError) as exc:  # never exec a run we could not confine or track
+            if not isinstance(exc, SpawnError):
+                exc = SpawnError("cgroup", f"cannot confine the run: {exc.strerror or exc}")
             _kill(pid)
             run.error = str(exc)
             m.SPAWN_ERRORS.labels(exc.stage).inc()
-        finally:
             os.close(go_w)
+            go_w = -1
+        with self._lock:
+            run.go = (go_w, err_r, path, cwd)
+        if not hold or run.error:
+            self._go(run)
+
+    def _go(self, run: _Run) -> None:
+        """Release the launcher (one byte on the go pipe), then collect a fork-mode child's
+        exec error. Caller's thread."""
+        with self._lock:
+            go, run.go = run.go, None
+        if go is None:
+            return
+        go_w, err_r, path, cwd = go
+        spec = run.handle.spec
+        released = False
+        if go_w >= 0:
+            run.handle.started_at = time.time()
+            run.t0 = time.monotonic()
+            try:
+                os.write(go_w, b"g\n")
+                released = True
+            except BrokenPipeError:
+                pass   # the child died during setup: its reason is in the err pipe
+            finally:
+                os.close(go_w)
         msg = b""
         while err_r >= 0:
             try:
@@ -687,6 +810,8 @@ class Executor:
         r = self._reaper
         for t in run.timers:
             t.cancel()
+        run.timers.clear()
+        run.on_release = None
         r.running.discard(run)
         r.polled.discard(run)
         if run.pidfd is not None:
@@ -758,6 +883,51 @@ class Executor:
 
 
 # --------------------------------------------------------------------------- reaper
+
+
+class _Releaser:
+    """Releases prepared runs at their time. Its own thread, started on first use: a
+    condition wait wakes within microseconds, where the reaper's poll() counts whole
+    milliseconds, and nothing else runs on it (a release is one pipe write)."""
+
+    def __init__(self, ex: "Executor"):
+        self.ex = ex
+        self.cv = threading.Condition()
+        self.heap: list = []
+        self.seq = itertools.count()
+        self.thread: Optional[threading.Thread] = None
+        self.stopping = False
+
+    def at(self, when: float, run: _Run) -> None:
+        with self.cv:
+            if self.stopping:
+                return
+            heapq.heappush(self.heap, (when, next(self.seq), run))
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="millwright-release", daemon=True)
+                self.thread.start()
+            self.cv.notify()
+
+    def stop(self) -> None:
+        with self.cv:
+            self.stopping = True
+            self.heap.clear()
+            self.cv.notify()
+        if self.thread is not None:
+            self.thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                while not self.stopping and (not self.heap or self.heap[0][0] > time.monotonic()):
+                    self.cv.wait(None if not self.heap else self.heap[0][0] - time.monotonic())
+                if self.stopping:
+                    return
+                _, _, run = heapq.heappop(self.heap)
+            try:
+                self.ex._timed_release(run)
+            except Exception:
+                log.exception("releasing a prepared run failed", extra={"fields": {"run": run.handle.run_key}})
 
 
 class _Reaper(threading.Thread):
@@ -834,7 +1004,9 @@ class _Reaper(threading.Thread):
             while self.timers and (self.timers[0][2].cancelled or self.timers[0][0] <= now):
                 _, _, t = heapq.heappop(self.timers)
                 if not t.cancelled:
-                    self._safe(t.fn, *t.args)
+                    fn, args = t.fn, t.args
+                    t.fn, t.args = _noop, ()
+                    self._safe(fn, *args)
             if (self.running or self.polled or self.orphan_slots) and now >= next_watch:
                 self._safe(ex._watch)
                 next_watch = now + (0.02 if self.polled else ex.watch_interval_s)

@@ -274,3 +274,43 @@ def test_cancel_stops_future_firings(env):
     n = len([k for k in records(c) if k[0] == "to-cancel"])
     time.sleep(2.5)
     assert len([k for k in records(c) if k[0] == "to-cancel"]) == n
+
+
+def test_firing_is_claimed_ahead_and_released_at_its_due_time_and_a_cancel_in_between_runs_nothing(
+        etcd_server, tmp_path):
+    """execute.claim_lead_s: the run record is written and the process prepared ahead of the
+    due time; the job execs at the due time, not before. A cancel between the claim and the
+    due time discards the prepared process: the job never runs."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    os.chmod(out_dir, 0o777)
+    stamp = {"early": str(out_dir / "early"), "dropped": str(out_dir / "dropped")}
+    tpl = {name: {"argv": ["/bin/sh", "-c", 'date +%s.%N > "$0"', path], "user": "root",
+                  "allow_exec": ["/bin/*", "/usr/bin/*"]} for name, path in stamp.items()}
+    c = Cluster(etcd_server, str(tmp_path / "agents"), ttl=4, renew_deadline=2.5, retry_period=0.5,
+                extra={"templates": tpl, "execute": {"claim_lead_s": 1.5}})
+    try:
+        store = JobStore(c.client, c.keys, c.shards, "test")
+        c.start("a0")
+        wait_for(lambda: c.converged({"a0": 1}), 15, what="shards")
+        due = now() + timedelta(seconds=4)
+        for name in stamp:
+            store.create({"v": 1, "id": name, "template": name, "params": {}, "schedule": {"at": format_rfc3339(due)}})
+        wait_records(c, lambda rs: {k[0] for k in rs} == set(stamp), 10, "both firings claimed")
+        assert now() < due, "claimed ahead of the due time"
+        assert {r["state"] for r in records(c).values()} == {"running"}
+        assert not any(os.path.exists(p) for p in stamp.values()), "nothing ran before the due time"
+        store.cancel("dropped")
+        wait_records(c, lambda rs: {r["job_id"]: r["state"] for r in rs.values()} ==
+                     {"early": "succeeded", "dropped": "cancelled"}, 15, "the run and the cancel")
+        ran_at = float(open(stamp["early"]).read())
+        assert ran_at >= due.timestamp() - 0.01, (ran_at, due.timestamp())
+        time.sleep(0.5)
+        assert not os.path.exists(stamp["dropped"])
+        audit = []
+        for path in sorted((tmp_path / "agents").rglob("audit-*.jsonl")):
+            audit += [json.loads(l) for l in open(path) if l.strip()]
+        starts = [r["job"] for r in audit if r.get("type") == "job" and r.get("event") == "run_start"]
+        assert starts == ["early"]   # the discarded one never started
+    finally:
+        c.close()

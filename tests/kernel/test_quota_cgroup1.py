@@ -404,6 +404,38 @@ def test_fork_spawn_mode_same_behaviour(backend, base_dir, job_user):
         ex.close(close_backend=False)
 
 
+@pytest.mark.parametrize("mode", ["shim", "fork"])
+def test_prepared_run_execs_only_when_released_and_a_discarded_one_never(backend, base_dir, job_user, mode):
+    """prepare() does the costly part ahead of the due time: the launcher waits in its
+    cgroup until release(). terminate() before release() discards it: the job never
+    execs and the run ends once, with the given reason, leaving nothing behind."""
+    ex = Executor(backend, base_dir, spawn_mode=mode, kill_grace_s=0.5, watch_interval_s=0.05)
+    try:
+        c = Collector()
+        marker = os.path.join(base_dir, f"released-{mode}")
+        never = os.path.join(base_dir, f"discarded-{mode}")
+        os.chmod(base_dir, 0o777)
+        h = ex.prepare(RunSpec(f"rel-{mode}", ["/usr/bin/touch", marker], user=job_user, limits=Limits(0.5, 64, 8)), c)
+        d = ex.prepare(RunSpec(f"dis-{mode}", ["/usr/bin/touch", never], user=job_user), c)
+        time.sleep(0.3)
+        assert h.pid and alive(h.pid) and not os.path.exists(marker)   # held, not exec'ed
+        with open(f"/proc/{h.pid}/cgroup") as fh:
+            assert f"/{ROOT_NAME}/" in fh.read()   # already confined
+        assert f"rel-{mode}" not in c.results
+        d.terminate("shard_lost")
+        assert ex.release(d) is False                # a discarded run cannot be released
+        assert ex.release(h) is True
+        assert ex.release(h) is False                # once only
+        rel, dis = c.wait([f"rel-{mode}", f"dis-{mode}"])
+        assert rel.reason == "succeeded" and os.path.exists(marker)
+        assert dis.reason == "shard_lost" and not os.path.exists(never)
+        assert {h.run_key, d.run_key}.isdisjoint(k.run_key for k in ex.live())
+        assert _children_zombies() == []
+    finally:
+        os.chmod(base_dir, 0o711)
+        ex.close(close_backend=False)
+
+
 def test_effective_limits_reach_the_cgroup(executor):
     from agent.config import Resources
 
