@@ -297,6 +297,7 @@ class Agent:
         self.notify.send("READY=1")
         if self.notify.watchdog_s:
             self._watchdog()
+        self.loop.watch_stalls(2.0)
         self.loop.run()
         return self._shutdown()
 

@@ -12,11 +12,17 @@ import heapq
 import itertools
 import logging
 import queue
+import sys
 import threading
 import time
+import traceback
 from typing import Any, Callable, Optional
 
+from agent.metrics import counter
+
 log = logging.getLogger("millwright.loop")
+
+STALLS = counter("millwright_loop_stalls_total", "Loop handlers that ran longer than the stall threshold")
 
 
 class Timer:
@@ -51,6 +57,7 @@ class EventLoop:
         self._seq = itertools.count()
         self._stopping = False
         self._thread: Optional[threading.Thread] = None
+        self._busy: Optional[tuple[float, Callable[..., Any]]] = None   # (since, handler) while one runs
 
     # --- thread-safe -------------------------------------------------------------
     def post(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -77,10 +84,38 @@ class EventLoop:
         self._stopping = True
 
     def _run_one(self, fn: Callable[..., Any], args: tuple) -> None:
+        self._busy = (time.monotonic(), fn)
         try:
             fn(*args)
         except Exception:  # a bug in one handler must not kill the agent
             log.exception("event handler %s failed", getattr(fn, "__qualname__", fn))
+        finally:
+            self._busy = None
+
+    def watch_stalls(self, threshold_s: float = 2.0) -> threading.Thread:
+        """Start a monitor thread: a handler that holds the loop longer than
+        ``threshold_s`` (everything else waits meanwhile: timers, statuses, renewals) is
+        logged once, with the loop thread's stack, and counted. Diagnosis, not control."""
+        def monitor() -> None:
+            reported = None
+            while not self._stopping:
+                time.sleep(min(0.5, threshold_s / 2))
+                busy, thread = self._busy, self._thread
+                if busy is None or busy is reported or thread is None:
+                    continue
+                held = time.monotonic() - busy[0]
+                if held < threshold_s:
+                    continue
+                reported = busy
+                STALLS.inc()
+                frame = sys._current_frames().get(thread.ident)
+                stack = "".join(traceback.format_stack(frame)[-12:]) if frame is not None else "?"
+                log.warning("event loop stalled", extra={"fields": {
+                    "handler": getattr(busy[1], "__qualname__", repr(busy[1])), "held_s": round(held, 2),
+                    "stack": stack}})
+        t = threading.Thread(target=monitor, name="loop-stall-monitor", daemon=True)
+        t.start()
+        return t
 
     def run(self) -> None:
         self._thread = threading.current_thread()
@@ -102,8 +137,11 @@ class EventLoop:
             except queue.Empty:
                 continue
             self._run_one(fn, args)
-            # drain what is already queued without re-checking timers after each item
+            # drain what is already queued, but let a timer that fell due meanwhile go first:
+            # a burst of callbacks must not hold back due firings
             for _ in range(256):
+                if self._heap and self._heap[0][0] <= self.clock():
+                    break
                 try:
                     fn, args = self._queue.get_nowait()
                 except queue.Empty:

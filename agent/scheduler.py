@@ -664,8 +664,13 @@ class Scheduler:
         ahead = (f.due - utcnow()).total_seconds()
         prepare = getattr(self.executor, "prepare", None)
         if ahead > SPAWN_AHEAD_MIN_S and prepare is not None:
+            session = self.agent.session
+            lease = session.lease_id
+            # checked by the releasing thread itself: even with this loop busy, nothing is
+            # released once the lease the claim was made under may have run out
             f.handle = prepare(spec, on_exit, release_at=time.monotonic() + ahead,
-                               on_release=lambda h, ok: self.loop.post(self._released, f, h, ok, argv, tpl.user))
+                               on_release=lambda h, ok: self.loop.post(self._released, f, h, ok, argv, tpl.user),
+                               guard=lambda: session.is_valid() and session.lease_id == lease)
             # listeners (exec policy, sensor attribution) know the run before it can exec
             for l in self.run_listeners:
                 l.run_started(f)

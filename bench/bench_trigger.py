@@ -104,9 +104,10 @@ templates:
     print(f"run records: {len(kvs)} ({2 * len(kvs) / over:.0f} fenced run-record writes/s sustained over {over:.0f} s)")
     from agent.scheduler import FIRINGS
 
-    late = FIRINGS.labels("claimed_late")._value.get()
-    print(f"claimed and prepared ahead of the due time: {n - late:.0f} of {n}; claimed late "
-          f"(spawned on the due time's path): {late:.0f}")
+    if lead > 0:
+        late = FIRINGS.labels("claimed_late")._value.get()
+        print(f"claimed and prepared ahead of the due time: {n - late:.0f} of {n}; claimed late "
+              f"(spawned on the due time's path): {late:.0f}")
     agent.request_stop()
     t.join(30)
     etcd.close()

@@ -212,6 +212,7 @@ class _Run:
         self.grace = 5.0
         self.go: Optional[tuple] = None  # (go_w, err_r, path, cwd) while prepared, not released
         self.on_release: Optional[Callable[[RunHandle, bool], Any]] = None
+        self.guard: Optional[Callable[[], bool]] = None
 
 
 class _Timer:
@@ -371,13 +372,15 @@ class Executor:
 
     def prepare(self, spec: RunSpec, on_exit: Callable[[RunHandle, RunResult], Any], *,
                 release_at: Optional[float] = None,
-                on_release: Optional[Callable[[RunHandle, bool], Any]] = None) -> RunHandle:
+                on_release: Optional[Callable[[RunHandle, bool], Any]] = None,
+                guard: Optional[Callable[[], bool]] = None) -> RunHandle:
         """Everything start() does except letting the job exec: the launcher waits in its
         quota container (pid known, poststart hooks done) until release(). This takes the
         costly part (cgroup, fork, user lookup) off the due time. With ``release_at``
         (time.monotonic()) the reaper thread releases it then, off the caller's busy loop,
-        and calls ``on_release(handle, ok)`` there. terminate() before the release discards
-        it; on_exit follows exactly once either way."""
+        and calls ``on_release(handle, ok)`` there; if ``guard()`` (thread-safe) is false at
+        that moment the run is discarded with reason ``fenced`` instead. terminate() before
+        the release discards it; on_exit follows exactly once either way."""
         handle = self._start(spec, on_exit, hold=True)
         if release_at is not None:
             with self._lock:
@@ -385,6 +388,7 @@ class Executor:
                 held = run is not None and run.handle is handle and run.go is not None
             if held:
                 run.on_release = on_release
+                run.guard = guard
                 self._releaser.at(release_at, run)
         return handle
 
@@ -400,7 +404,11 @@ class Executor:
         return run.error is None
 
     def _timed_release(self, run: _Run) -> None:
-        ok = self.release(run.handle)
+        if run.guard is not None and not run.guard():
+            ok = False
+            self._discard_held(run.handle, "fenced")
+        else:
+            ok = self.release(run.handle)
         if run.on_release is not None:
             try:
                 run.on_release(run.handle, ok)
@@ -811,7 +819,7 @@ class Executor:
         for t in run.timers:
             t.cancel()
         run.timers.clear()
-        run.on_release = None
+        run.on_release = run.guard = None
         r.running.discard(run)
         r.polled.discard(run)
         if run.pidfd is not None:

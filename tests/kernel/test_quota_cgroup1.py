@@ -436,6 +436,28 @@ def test_prepared_run_execs_only_when_released_and_a_discarded_one_never(backend
         ex.close(close_backend=False)
 
 
+def test_timed_release_happens_at_its_time_unless_the_guard_says_fenced(executor, base_dir):
+    """release_at: the executor's own thread lets the job exec at that time; a guard that
+    is false by then (the lease the claim was made under ran out) discards the run."""
+    c = Collector()
+    released = []
+    marker, never = os.path.join(base_dir, "timed"), os.path.join(base_dir, "fenced")
+    at = time.monotonic() + 0.5
+    h = executor.prepare(RunSpec("timed", ["/bin/sh", "-c", 'date +%s.%N > "$0"', marker]), c,
+                         release_at=at, on_release=lambda hh, ok: released.append((hh.run_key, ok, time.monotonic())),
+                         guard=lambda: True)
+    executor.prepare(RunSpec("fenced", ["/usr/bin/touch", never]), c, release_at=at,
+                     on_release=lambda hh, ok: released.append((hh.run_key, ok, time.monotonic())),
+                     guard=lambda: False)
+    wall_at = time.time() + (at - time.monotonic())
+    timed, fenced = c.wait(["timed", "fenced"])
+    assert timed.reason == "succeeded" and float(open(marker).read()) >= wall_at - 0.005
+    assert fenced.reason == "fenced" and not os.path.exists(never)
+    assert sorted((k, ok) for k, ok, _ in released) == [("fenced", False), ("timed", True)]
+    assert all(t >= at for _, _, t in released)
+    assert h.started_at >= wall_at - 0.005
+
+
 def test_effective_limits_reach_the_cgroup(executor):
     from agent.config import Resources
 

@@ -1,0 +1,66 @@
+"""The event loop: timers drop their callbacks once fired or cancelled (no reference
+cycles through a firing's timer), and a handler that holds the loop is reported."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+import weakref
+
+from agent.loop import STALLS, EventLoop
+
+
+class Holder:
+    pass
+
+
+def run_loop(loop: EventLoop) -> threading.Thread:
+    t = threading.Thread(target=loop.run, daemon=True)
+    t.start()
+    return t
+
+
+def test_fired_and_cancelled_timers_release_what_they_refer_to():
+    gc.disable()   # only reference counting may free them
+    try:
+        _timers_release(EventLoop())
+    finally:
+        gc.enable()
+
+
+def _timers_release(loop: EventLoop) -> None:
+    fired, cancelled = Holder(), Holder()
+    fired.timer = loop.call_later(0.01, lambda h: None, fired)       # a cycle while armed
+    cancelled.timer = loop.call_later(60, lambda h: None, cancelled)
+    refs = weakref.ref(fired), weakref.ref(cancelled)
+    cancelled.timer.cancel()
+    t = run_loop(loop)
+    time.sleep(0.1)
+    loop.stop()
+    t.join(2)
+    del fired, cancelled
+    assert [r() for r in refs] == [None, None]   # freed by reference counting, no GC needed
+
+
+def test_a_handler_holding_the_loop_is_logged_with_its_stack(caplog):
+    loop = EventLoop()
+    before = STALLS._value.get()
+
+    def slow_handler():
+        time.sleep(0.8)
+
+    with caplog.at_level(logging.WARNING, logger="millwright.loop"):
+        loop.watch_stalls(0.3)
+        t = run_loop(loop)
+        loop.post(slow_handler)
+        loop.post(lambda: None)
+        time.sleep(1.2)
+        loop.stop()
+        t.join(2)
+    stalls = [r for r in caplog.records if r.getMessage() == "event loop stalled"]
+    assert len(stalls) == 1 and STALLS._value.get() == before + 1
+    fields = stalls[0].fields
+    assert "slow_handler" in fields["handler"] and fields["held_s"] >= 0.3
+    assert "slow_handler" in fields["stack"]
