@@ -152,10 +152,11 @@ class ExecuteConfig:
     quota_backend: str = doc("auto, cgroup2, cgroup1 or rlimit.", default="auto")
     output_max_bytes: int = doc("stdout/stderr kept per run (each).", default=1024 * 1024)
     kill_grace_s: float = doc("Between SIGTERM and SIGKILL on timeout or cancel.", default=5.0)
-    claim_lead_s: float = doc("Claim a firing's run record and prepare its process (quota container, "
-                              "launcher waiting on its go pipe) this long before the due time, so only "
-                              "a pipe write is left at the due time. 0: claim and spawn at the due time.",
-                              default=0.25)
+    claim_lead_s: float = doc("At most this long before its due time a firing's run record is claimed "
+                              "and its process prepared (quota container, launcher waiting on its go "
+                              "pipe), so only a pipe write is left at the due time. The agent uses twice "
+                              "its recent claim latency, within [0.02 s, this]. 0: claim and spawn at "
+                              "the due time.", default=0.25)
 
 
 @dataclass

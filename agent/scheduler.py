@@ -14,8 +14,8 @@ by a transaction fenced with the shard's token. So:
 The fire_id is the due time (deterministic on every agent), so recovery after a
 takeover recomputes exactly the same firings.
 
-Precision: a firing is claimed ``execute.claim_lead_s`` before its due time, and its
-process is prepared then (quota container, launcher waiting on its go pipe). At the due
+Precision: a firing is claimed shortly before its due time (agent/claimlead.py: twice
+the recent claim latency, at most ``execute.claim_lead_s``), and its process is prepared then (quota container, launcher waiting on its go pipe). At the due
 time the executor's reaper thread only writes one byte to that pipe, so neither the etcd
 claim nor the spawn is on the critical path. A firing whose fate depends on what happens
 until its due time (depends_on, or an earlier run of the job still running: overlap) is
@@ -39,6 +39,7 @@ from agent.coordination.jobstore import JobStore, StoredJob, public_doc
 from agent.coordination.keys import shard_of
 from agent.coordination.watch import PrefixWatch, WatchEvent
 from agent.coordination.worker import EtcdWorkers
+from agent.claimlead import ClaimLead
 from agent.gcpolicy import GcPolicy
 from agent.jobs import Job, JobRejected, effective_resources, render_argv
 from agent.metrics import counter, gauge, histogram
@@ -86,6 +87,7 @@ class Firing:
     wait_reason: Optional[str] = None
     started_mono: float = 0.0
     health: str = "healthy"
+    lead: float = 0.0        # how far ahead of `due` its claim was planned (0: at or after due)
     seq: int = field(default_factory=lambda: next(_FIRING_SEQ))
 
     @property
@@ -133,6 +135,7 @@ class Scheduler:
         self.paused: Optional[str] = None         # early fence: no new runs start while set
         self._held: list[Firing] = []             # firings that fell due while paused
         self.gc = GcPolicy(self.loop, self._quiet_for).start()
+        self.claim_lead = ClaimLead(self.cfg.execute.claim_lead_s)
         agent.shard_listeners.append(self)
         agent.busy_checks.append(self.busy)
         agent.status_providers["jobs"] = self.status
@@ -406,15 +409,16 @@ class Scheduler:
             e.next_timer.cancel()
         e.next_due = due
         delay = (due - utcnow()).total_seconds()
-        e.next_timer = self.loop.call_later(max(0.0, delay - self.cfg.execute.claim_lead_s), self._due, e, due)
+        lead = self.claim_lead.lead()
+        e.next_timer = self.loop.call_later(max(0.0, delay - lead), self._due, e, due, min(lead, max(0.0, delay)))
 
-    def _due(self, e: JobEntry, due: datetime) -> None:
+    def _due(self, e: JobEntry, due: datetime, lead: float = 0.0) -> None:
         e.next_timer = None
         if self.entries.get(e.job.id) is not e or e.cancelled:
             return
         # wall-clock check: a timer is monotonic; if the clock stepped, re-arm on the new clock
         now = utcnow()
-        early = (due - now).total_seconds() - self.cfg.execute.claim_lead_s
+        early = (due - now).total_seconds() - lead
         if early > 0.05:
             log.warning("clock stepped back; re-arming", extra={"fields": {"job": e.job.id, "early_s": round(early, 3)}})
             self._arm(e, due)
@@ -427,10 +431,10 @@ class Scheduler:
             self._arm(e, nxt)
         else:
             e.next_due = None
-        self._fire(e, due)
+        self._fire(e, due, lead)
 
     # --- firing ---------------------------------------------------------------------------
-    def _fire(self, e: JobEntry, due: datetime) -> None:
+    def _fire(self, e: JobEntry, due: datetime, lead: float = 0.0) -> None:
         fid = sch.fire_id(e.job.id, due)
         if fid in e.firings:
             return
@@ -443,7 +447,7 @@ class Scheduler:
             # dependencies and overlap are decided at the due time, not at claim time
             self.loop.call_later(ahead, self._fire_if_current, e, due)
             return
-        f = Firing(e, due, fid)
+        f = Firing(e, due, fid, lead=lead)
         if sch.is_expired(job, utcnow()):
             e.firings[fid] = f
             self._finish_without_run(f, "misfired", "expired")
@@ -662,6 +666,8 @@ class Scheduler:
         f.state = "running"
         on_exit = lambda h, r: self.loop.post(self._ended, f, r)  # noqa: E731
         ahead = (f.due - utcnow()).total_seconds()
+        if f.lead > 0 and f.attempt == 1:
+            self.claim_lead.observe(f.lead - ahead)
         prepare = getattr(self.executor, "prepare", None)
         if ahead > SPAWN_AHEAD_MIN_S and prepare is not None:
             session = self.agent.session
@@ -675,8 +681,8 @@ class Scheduler:
             for l in self.run_listeners:
                 l.run_started(f)
             return
-        if f.attempt == 1 and self.cfg.execute.claim_lead_s > 0:
-            # the claim took longer than execute.claim_lead_s: the spawn is on the due time's path
+        if f.lead > 0 and f.attempt == 1:
+            # the claim took longer than its lead: the spawn is on the due time's path
             FIRINGS.labels("claimed_late").inc()
         f.handle = self.executor.start(spec, on_exit)
         for l in self.run_listeners:
@@ -731,6 +737,9 @@ class Scheduler:
         detail = getattr(result, "error", None)
         fields = dict(exit_code=getattr(result, "exit_code", None), reason=reason if detail is None else f"{reason}: {detail}",
                       usage=usage_doc, ended_at=rfc(now), health=f.health)
+        released = getattr(result, "started_at", None)
+        # the claim wrote the planned start; the record keeps the real one (None: never released)
+        fields["started_at"] = rfc(datetime.fromtimestamp(released, timezone.utc)) if released else None
         nxt = None
         if state in RETRYABLE and not e.cancelled:
             nxt = sch.next_retry_at(e.job, f.fire_id, f.attempt, now)

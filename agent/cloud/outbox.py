@@ -30,13 +30,14 @@ between the etcd write and the outbox) is answered with its first, unmarked stat
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
 import sqlite3
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from agent.metrics import counter, gauge
 
@@ -95,17 +96,12 @@ class Outbox:
         statuses others produce meanwhile for the same job (e.g. ``scheduled``) stay after it.
         Settle it with :meth:`fill` or :meth:`release`."""
         with self._lock:
-            try:
-                self._db.execute("BEGIN IMMEDIATE")
+            with self._transaction():
                 self._seq += 1
                 seq = self._seq
                 self._db.execute("INSERT INTO outbox (seq, topic, payload, keep, ts, held) VALUES (?, ?, ?, 1, ?, 1)",
                                  (seq, topic, b"", time.time()))
                 self._db.execute("INSERT OR REPLACE INTO meta VALUES ('seq', ?)", (seq,))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._rollback()
-                raise
             self._depth += 1
             DEPTH.set(self._depth)
         return seq
@@ -115,17 +111,10 @@ class Outbox:
         body = dict(doc)
         body["seq"] = seq
         payload = json.dumps(body, separators=(",", ":"), ensure_ascii=False, default=str).encode()
-        with self._lock:
-            try:
-                self._db.execute("BEGIN IMMEDIATE")
-                self._db.execute("UPDATE outbox SET topic=?, payload=?, keep=?, held=0, ts=? WHERE seq=?",
-                                 (topic, payload, 1 if keep_state(doc) else 0, time.time(), seq))
-                if ledger_job_id:
-                    self._db.execute("INSERT OR REPLACE INTO ledger VALUES (?, ?)", (ledger_job_id, time.time()))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._rollback()
-                raise
+        with self._lock, self._transaction():
+            self._db.execute("UPDATE outbox SET topic=?, payload=?, keep=?, held=0, ts=? WHERE seq=?",
+                             (topic, payload, 1 if keep_state(doc) else 0, time.time(), seq))
+            self._ledger(ledger_job_id)
         self.wake.set()
         return seq
 
@@ -143,17 +132,14 @@ class Outbox:
         keep = 1 if keep_state(doc) else 0
         dropped = 0
         with self._lock:
-            try:
-                self._db.execute("BEGIN IMMEDIATE")
+            if self._depth >= self.max_rows and self.policy == "reject_new":
+                with self._transaction():
+                    self._ledger(ledger_job_id)   # the push was answered; only its status is lost
+                self._dropped(1)
+                return None
+            with self._transaction():
                 if self._depth >= self.max_rows:
-                    if self.policy == "reject_new":
-                        if ledger_job_id:
-                            self._db.execute("INSERT OR REPLACE INTO ledger VALUES (?, ?)", (ledger_job_id, time.time()))
-                        self._db.execute("COMMIT")
-                        self._dropped(1)
-                        return None
-                    excess = self._depth - self.max_rows + 1
-                    dropped = self._drop_locked(excess)
+                    dropped = self._drop_locked(self._depth - self.max_rows + 1)
                 self._seq += 1
                 seq = self._seq
                 body = dict(doc)
@@ -162,12 +148,7 @@ class Outbox:
                 self._db.execute("INSERT INTO outbox (seq, topic, payload, keep, ts) VALUES (?, ?, ?, ?, ?)",
                                  (seq, topic, payload, keep, time.time()))
                 self._db.execute("INSERT OR REPLACE INTO meta VALUES ('seq', ?)", (seq,))
-                if ledger_job_id:
-                    self._db.execute("INSERT OR REPLACE INTO ledger VALUES (?, ?)", (ledger_job_id, time.time()))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._rollback()
-                raise
+                self._ledger(ledger_job_id)
             self._depth += 1 - dropped
             DEPTH.set(self._depth)
         if dropped:
@@ -197,11 +178,23 @@ class Outbox:
             except Exception:
                 log.exception("outbox drop callback failed")
 
-    def _rollback(self) -> None:
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One write transaction (caller holds _lock): committed, or rolled back on any error."""
+        self._db.execute("BEGIN IMMEDIATE")
         try:
-            self._db.execute("ROLLBACK")
-        except sqlite3.Error:
-            pass
+            yield
+            self._db.execute("COMMIT")
+        except BaseException:
+            try:
+                self._db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            raise
+
+    def _ledger(self, job_id: Optional[str]) -> None:
+        if job_id:
+            self._db.execute("INSERT OR REPLACE INTO ledger VALUES (?, ?)", (job_id, time.time()))
 
     def in_ledger(self, job_id: str) -> bool:
         with self._lock:
@@ -230,15 +223,10 @@ class Outbox:
         if not seqs:
             return
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
+            with self._transaction():
                 n = 0
                 for s in seqs:
                     n += self._db.execute("DELETE FROM outbox WHERE seq=?", (s,)).rowcount
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._rollback()
-                raise
             self._depth -= n
             DEPTH.set(self._depth)
         PUBLISHED.inc(n)

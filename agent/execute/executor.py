@@ -586,8 +586,7 @@ class Executor:
             for fd in fds:
                 os.close(fd)
             raise SpawnError("pipes", f"cannot create pipes: {exc.strerror}") from None
-        run.handle.started_at = time.time()
-        run.t0 = time.monotonic()
+        run.t0 = time.monotonic()   # started_at and t0 are set again at the release (_go)
         if self.spawn_mode == "shim":
             os.close(err_r)
             os.close(err_w)

@@ -305,6 +305,12 @@ def test_firing_is_claimed_ahead_and_released_at_its_due_time_and_a_cancel_in_be
                      {"early": "succeeded", "dropped": "cancelled"}, 15, "the run and the cancel")
         ran_at = float(open(stamp["early"]).read())
         assert ran_at >= due.timestamp() - 0.01, (ran_at, due.timestamp())
+        from agent.schedule import parse_rfc3339
+
+        final = {r["job_id"]: r for r in records(c).values()}
+        started = parse_rfc3339(final["early"]["started_at"]).timestamp()
+        assert due.timestamp() - 0.01 <= started <= ran_at   # the real release, not the claim's plan
+        assert final["dropped"]["started_at"] is None         # never released
         time.sleep(0.5)
         assert not os.path.exists(stamp["dropped"])
         audit = []
