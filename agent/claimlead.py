@@ -3,7 +3,7 @@
 Claiming ahead takes the etcd write and the spawn off the due time (see agent/scheduler.py),
 but it has a price: a firing claimed ahead whose agent dies before the due time leaves a
 `running` record that its new owner must treat as "may have run" (retry policy, or
-`owner_lost`). So the lead is as short as the agent can afford: twice the recent worst
+`owner_lost`). So the lead is as short as the agent can afford: three times the recent worst
 time from the claim timer's planned moment to the prepared process, at least ``floor_s``
 and at most ``execute.claim_lead_s``. The worst case decays with a half-life, so one slow
 moment (an etcd fsync stall, a burst of cron firings) widens the lead for a while, not
@@ -17,11 +17,12 @@ from typing import Callable
 
 from agent.metrics import gauge
 
+MARGIN = 3.0   # lead = MARGIN x the recent worst claim latency
 LEAD = gauge("millwright_claim_lead_seconds", "How far ahead of due times firings are claimed now")
 
 
 class ClaimLead:
-    def __init__(self, ceiling_s: float, *, floor_s: float = 0.02, half_life_s: float = 30.0,
+    def __init__(self, ceiling_s: float, *, floor_s: float = 0.05, half_life_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic):
         self.ceiling_s = ceiling_s
         self.floor_s = min(floor_s, ceiling_s)
@@ -39,7 +40,7 @@ class ClaimLead:
         """Seconds ahead to claim now (0 when claiming ahead is off)."""
         if self.ceiling_s <= 0:
             return 0.0
-        return min(self.ceiling_s, max(self.floor_s, 2.0 * self._decayed()))
+        return min(self.ceiling_s, max(self.floor_s, MARGIN * self._decayed()))
 
     def observe(self, took_s: float) -> None:
         """A claim timer's planned moment to its prepared process took ``took_s``."""

@@ -154,8 +154,8 @@ class ExecuteConfig:
     kill_grace_s: float = doc("Between SIGTERM and SIGKILL on timeout or cancel.", default=5.0)
     claim_lead_s: float = doc("At most this long before its due time a firing's run record is claimed "
                               "and its process prepared (quota container, launcher waiting on its go "
-                              "pipe), so only a pipe write is left at the due time. The agent uses twice "
-                              "its recent claim latency, within [0.02 s, this]. 0: claim and spawn at "
+                              "pipe), so only a pipe write is left at the due time. The agent uses three times "
+                              "its recent claim latency, within [0.05 s, this]. 0: claim and spawn at "
                               "the due time.", default=0.25)
 
 

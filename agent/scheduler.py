@@ -14,9 +14,10 @@ by a transaction fenced with the shard's token. So:
 The fire_id is the due time (deterministic on every agent), so recovery after a
 takeover recomputes exactly the same firings.
 
-Precision: a firing is claimed shortly before its due time (agent/claimlead.py: twice
-the recent claim latency, at most ``execute.claim_lead_s``), and its process is prepared then (quota container, launcher waiting on its go pipe). At the due
-time the executor's reaper thread only writes one byte to that pipe, so neither the etcd
+Precision: a firing is claimed shortly before its due time (agent/claimlead.py: three
+times the recent claim latency, at most ``execute.claim_lead_s``), and its process is
+prepared then (quota container, launcher waiting on its go pipe). At the due
+time the executor's release thread writes one byte to that pipe, so neither the etcd
 claim nor the spawn is on the critical path. A firing whose fate depends on what happens
 until its due time (depends_on, or an earlier run of the job still running: overlap) is
 not claimed early. If the agent dies in between, the launcher exits with the agent (its

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -105,12 +106,16 @@ templates:
     from agent.scheduler import FIRINGS
 
     if lead > 0:
+        from agent.claimlead import LEAD
+
+        print(f"claim lead at the end: {LEAD._value.get() * 1000:.0f} ms (adaptive, at most {lead * 1000:.0f} ms)")
         late = FIRINGS.labels("claimed_late")._value.get()
         print(f"claimed and prepared ahead of the due time: {n - late:.0f} of {n}; claimed late "
               f"(spawned on the due time's path): {late:.0f}")
     agent.request_stop()
     t.join(30)
     etcd.close()
+    shutil.rmtree(tmp, ignore_errors=True)
     return delays
 
 
