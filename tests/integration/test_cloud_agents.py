@@ -25,7 +25,6 @@ from agent.cloud.topics import Topics
 from agent.config import EtcdConfig, MqttConfig
 from agent.coordination.etcd import EtcdClient
 from agent.coordination.keys import Keys, shard_of
-from agent.devservices import MosquittoServer
 from tests.integration.cluster import Cluster, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,20 +35,9 @@ T = Topics("t")
 
 
 @pytest.fixture
-def broker(tmp_path):
-    """Like conftest's mosquitto_server, but able to write its persistence file: mosquitto
-    started as root drops to user mosquitto, which cannot write the 0700 pytest temp dir,
-    and then persistent sessions do not survive a broker restart."""
-    srv = MosquittoServer(str(tmp_path / "mosquitto"))
-    os.makedirs(srv.dir, exist_ok=True)
-    srv.start()
-    yield srv
-    srv.close()
-
-
-@pytest.fixture
-def world(etcd_server, broker, tmp_path):
-    mosquitto_server = broker
+def world(etcd_server, mosquitto_server, tmp_path):
+    """The shared mosquitto fixture keeps a writable persistence file, so persistent
+    sessions survive the broker restart below."""
     keys = str(tmp_path / "keys.yaml")
     ring = write_keys(keys)
     cl = Cluster(etcd_server, str(tmp_path / "agents"), shards=SHARDS, ttl=4, renew_deadline=2.5, retry_period=0.5,

@@ -8,32 +8,19 @@ import os
 import threading
 import time
 
-import pytest
-
 from agent.cloud.mqtt import MqttLink
 from agent.cloud.outbox import Outbox, OutboxPublisher
 from agent.cloud.testkit import StatusCollector
 from agent.cloud.topics import Topics
 from agent.config import MqttConfig
-from agent.devservices import MosquittoServer
-
-@pytest.fixture
-def broker(tmp_path):
-    """mosquitto with a persistence file it can write (see test_cloud_agents.broker): the
-    status subscriber's session must survive the restart."""
-    srv = MosquittoServer(str(tmp_path / "mosquitto"))
-    os.makedirs(srv.dir, exist_ok=True)
-    srv.start()
-    yield srv
-    srv.close()
 
 
 OUTAGE_S = float(os.environ.get("MILLWRIGHT_CLOUD_OUTAGE_S", "60"))
 STATES = ["scheduled", "running", "retrying", "running", "succeeded"]
 
 
-def test_broker_outage_statuses_arrive_in_order(broker, tmp_path):
-    mosquitto_server = broker
+def test_broker_outage_statuses_arrive_in_order(mosquitto_server, tmp_path):
+    # the shared fixture's broker persists sessions: the subscriber's survives the restart
     topics = Topics("t")
     collector = StatusCollector(mosquitto_server.url, "t").start()
     ob = Outbox(str(tmp_path / "outbox.sqlite"), 100000)
