@@ -442,18 +442,18 @@ class Scheduler:
         if e.last_due_done is None or due > e.last_due_done:
             e.last_due_done = due
         job = e.job
-        ahead = (due - utcnow()).total_seconds()
-        if ahead > SPAWN_AHEAD_MIN_S and (job.depends_on or any(
-                g.state in ("running", "claiming") for g in e.firings.values())):
+        now = utcnow()
+        running = [g for g in e.firings.values() if g.state in ("running", "claiming")]
+        ahead = (due - now).total_seconds()
+        if ahead > SPAWN_AHEAD_MIN_S and (job.depends_on or running):
             # dependencies and overlap are decided at the due time, not at claim time
             self.loop.call_later(ahead, self._fire_if_current, e, due)
             return
         f = Firing(e, due, fid, lead=lead)
-        if sch.is_expired(job, utcnow()):
+        if sch.is_expired(job, now):
             e.firings[fid] = f
             self._finish_without_run(f, "misfired", "expired")
             return
-        running = [g for g in e.firings.values() if g.state in ("running", "claiming")]
         if running and job.schedule.kind == "cron":
             action = sch.overlap_action(job.overlap, True)
             if action == "skip":
