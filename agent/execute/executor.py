@@ -404,14 +404,17 @@ class Executor:
         return run.error is None
 
     def _timed_release(self, run: _Run) -> None:
-        if run.guard is not None and not run.guard():
+        # read both first: a discarded run may be finalised (fields cleared) by the reaper
+        # before this thread gets to the callback
+        guard, on_release = run.guard, run.on_release
+        if guard is not None and not guard():
             ok = False
             self._discard_held(run.handle, "fenced")
         else:
             ok = self.release(run.handle)
-        if run.on_release is not None:
+        if on_release is not None:
             try:
-                run.on_release(run.handle, ok)
+                on_release(run.handle, ok)
             except Exception:
                 log.exception("on_release callback failed", extra={"fields": {"run": run.handle.run_key}})
 
