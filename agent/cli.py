@@ -45,20 +45,20 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("-c", "--config", default=None if required else DEFAULT_CONFIG,
                         required=required, help=f"agent config (default {DEFAULT_CONFIG})")
 
-    sp = cmd("run", "agent.daemon:cli_run", "run the agent in the foreground")
+    sp = cmd("run", "agent.runtime.daemon:cli_run", "run the agent in the foreground")
     with_config(sp)
 
-    sp = cmd("demo", "agent.demo:cli_demo", "start etcd, mosquitto and 3 agents locally and show the product at work")
+    sp = cmd("demo", "agent.demo.scenario:cli_demo", "start etcd, mosquitto and 3 agents locally and show the product at work")
     sp.add_argument("--duration", type=float, default=None,
                     help="seconds of the job phase (default 45, at least 24; the whole demo takes ~20 s more)")
     sp.add_argument("--keep", action="store_true", help="keep the temporary directory for inspection")
 
-    sp = cmd("status", "agent.admin:cli_status", "show shards, due jobs and running runs of the local agent")
+    sp = cmd("status", "agent.runtime.admin:cli_status", "show shards, due jobs and running runs of the local agent")
     with_config(sp)
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.add_argument("--socket", help="admin socket (default: admin.socket from the config)")
 
-    sp = cmd("push", "agent.cloud_cli:cli_push", "sign and publish a job document, print its status")
+    sp = cmd("push", "agent.cloud.cli:cli_push", "sign and publish a job document, print its status")
     with_config(sp)
     sp.add_argument("file", help="job document (JSON); - for stdin")
     sp.add_argument("--key-file", required=True, help="keys file with the signing key")
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the accepted/rejected status")
     sp.add_argument("--no-wait", action="store_true", help="publish without waiting for the status")
 
-    sp = cmd("cancel", "agent.cloud_cli:cli_cancel", "sign and publish a cancel for a job id")
+    sp = cmd("cancel", "agent.cloud.cli:cli_cancel", "sign and publish a cancel for a job id")
     with_config(sp)
     sp.add_argument("id", help="job id")
     sp.add_argument("--key-file", required=True)

@@ -110,7 +110,7 @@ AGENT_PROBE = r"""
 import json, os, sys, time
 sys.path.insert(0, %(root)r)
 import etcd3, paho.mqtt.client, psutil, prometheus_client  # what the agent imports anyway
-import agent.config, agent.loop, agent.metrics
+import agent.config, agent.runtime.loop, agent.runtime.metrics
 def rss():
     with open("/proc/self/status") as f:
         for line in f:

@@ -24,7 +24,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from agent.coordination import hrw  # noqa: E402
-from agent.devservices import EtcdServer  # noqa: E402
+from agent.demo.services import EtcdServer  # noqa: E402
 from tests.integration.cluster import Cluster, NftBlock, wait_for  # noqa: E402
 
 
@@ -64,7 +64,7 @@ def failover(trials: int, ttl: int) -> None:
 
 
 def fence_lead(trials: int, ttl: int) -> None:
-    from agent.admin import query
+    from agent.runtime.admin import query
 
     leads = []
     with tempfile.TemporaryDirectory() as tmp, EtcdServer(os.path.join(tmp, "etcd")) as etcd:

@@ -31,8 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from agent.config import parse_config  # noqa: E402
 from agent.coordination.jobstore import JobStore  # noqa: E402
-from agent.devservices import EtcdServer  # noqa: E402
-from agent.schedule import format_rfc3339  # noqa: E402
+from agent.demo.services import EtcdServer  # noqa: E402
+from agent.jobs.schedule import format_rfc3339  # noqa: E402
 
 
 def pct(xs, p):
@@ -47,8 +47,8 @@ def summary(name, xs):
 
 
 def ours(n: int, over: float, backend: str, lead: float) -> list[float]:
-    from agent.components import _JobsComponent
-    from agent.daemon import Agent
+    from agent.runtime.components import _JobsComponent
+    from agent.runtime.daemon import Agent
 
     tmp = tempfile.mkdtemp(prefix="mw-bench-")
     etcd = EtcdServer(os.path.join(tmp, "etcd")).start()
@@ -80,7 +80,7 @@ templates:
             if f.attempt == 1 and f.handle is not None and f.handle.started_at:
                 delays.append(f.handle.started_at - f.due.timestamp())
 
-    agent.scheduler.run_listeners.append(Probe())
+    agent.jobs.scheduler.run_listeners.append(Probe())
     t = threading.Thread(target=agent.run, daemon=True)
     t.start()
     while len(agent.shards.mine) < 64:
@@ -103,10 +103,10 @@ templates:
     # run-record writes: every run writes its record twice (running, then final)
     kvs, _ = agent.client.get_prefix(agent.keys.runs_prefix(), keys_only=True)
     print(f"run records: {len(kvs)} ({2 * len(kvs) / over:.0f} fenced run-record writes/s sustained over {over:.0f} s)")
-    from agent.scheduler import FIRINGS
+    from agent.jobs.scheduler import FIRINGS
 
     if lead > 0:
-        from agent.claimlead import LEAD
+        from agent.jobs.claimlead import LEAD
 
         print(f"claim lead at the end: {LEAD._value.get() * 1000:.0f} ms (adaptive, at most {lead * 1000:.0f} ms)")
         late = FIRINGS.labels("claimed_late")._value.get()

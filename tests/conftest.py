@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from agent.devservices import EtcdServer, MosquittoServer  # noqa: E402
+from agent.demo.services import EtcdServer, MosquittoServer  # noqa: E402
 
 REQUIRE_KERNEL = os.environ.get("MILLWRIGHT_REQUIRE_KERNEL") == "1"
 

@@ -39,7 +39,7 @@ from agent.audit.keyfile import KeyFileError, load_key
 from agent.audit.record import (
     FORMAT_VERSION, GENESIS, RESERVED, TYPE_RE, BadRecord, line_hash, open_record, rfc3339, seal,
 )
-from agent.metrics import counter, gauge, histogram
+from agent.runtime.metrics import counter, gauge, histogram
 
 log = logging.getLogger("millwright.audit")
 

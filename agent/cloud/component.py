@@ -1,6 +1,6 @@
 """The cloud channel as a daemon component: wires MQTT, ingest, outbox and presence to the Agent.
 
-Integration with agent.daemon.Agent (all registered in __init__, nothing else to call):
+Integration with agent.runtime.daemon.Agent (all registered in __init__, nothing else to call):
 - ``agent.status_sinks``      += sink: every status document -> the durable outbox (loop thread;
                                   one SQLite insert, no network)
 - ``agent.checkpoint_sinks``  += sink: audit checkpoints -> outbox, topic agents/<id>/audit/checkpoint
@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from agent.coordination.jobstore import JobStore
 from agent.coordination.watch import PrefixWatch
-from agent.signing import KeyFileError, KeyRing
+from agent.jobs.signing import KeyFileError, KeyRing
 
 from .ingest import Dispatcher, Ingest
 from .mqtt import PAHO_VERSION, MqttLink
@@ -113,13 +113,13 @@ class CloudComponent:
                                                                                    "policy": self.outbox.policy}})
             reason = f"outbox_full:{self.outbox.policy}"
             # EventLoop.post takes positional arguments only
-            self.agent.loop.post(lambda: self.agent.record("gap", source="mqtt_outbox", count=n, reason=reason))
+            self.agent.runtime.loop.post(lambda: self.agent.record("gap", source="mqtt_outbox", count=n, reason=reason))
 
     def _notify(self, kind: str, obj: Any) -> None:
         for listener in list(getattr(self.agent, "job_listeners", []) or []):
             fn = getattr(listener, "job_stored" if kind == "stored" else "job_cancelled", None)
             if fn is not None:
-                self.agent.loop.post(fn, obj)
+                self.agent.runtime.loop.post(fn, obj)
 
     # --- link callbacks (paho thread) ---------------------------------------------------
     def _connected(self, generation: int, session_present: bool) -> None:

@@ -31,7 +31,7 @@ from urllib.parse import urlparse
 import paho.mqtt as paho_pkg
 import paho.mqtt.client as paho
 
-from agent.metrics import counter, gauge
+from agent.runtime.metrics import counter, gauge
 
 log = logging.getLogger("millwright.cloud.mqtt")
 

@@ -39,7 +39,7 @@ import threading
 import time
 from typing import Callable, Iterator, Optional
 
-from agent.metrics import counter, gauge
+from agent.runtime.metrics import counter, gauge
 
 log = logging.getLogger("millwright.cloud.outbox")
 

@@ -16,7 +16,7 @@ from typing import Optional
 
 import yaml
 
-from agent.signing import KeyRing, generate_hmac_secret, sign
+from agent.jobs.signing import KeyRing, generate_hmac_secret, sign
 
 KID = "cloud-1"
 

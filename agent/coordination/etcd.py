@@ -24,7 +24,7 @@ from etcd3 import transactions as tx
 from etcd3 import utils as etcd_utils
 
 from agent.config import EtcdConfig
-from agent.metrics import counter
+from agent.runtime.metrics import counter
 
 log = logging.getLogger("millwright.etcd")
 

@@ -13,7 +13,7 @@ from typing import Any, Iterable
 
 from agent.coordination.etcd import Create, EtcdClient, TxnResult
 from agent.coordination.keys import Keys
-from agent.metrics import counter
+from agent.runtime.metrics import counter
 
 FENCED = counter("millwright_fenced_writes_total", "Shard-guarded transactions by result", ("result",))
 

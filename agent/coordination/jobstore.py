@@ -20,7 +20,7 @@ from typing import Optional
 
 from agent.coordination.etcd import KV, Create, EtcdClient, Get, Mod, Put
 from agent.coordination.keys import Keys, shard_of
-from agent.metrics import counter
+from agent.runtime.metrics import counter
 
 STORE_OPS = counter("millwright_job_store_ops_total", "Job store operations by result", ("op", "result"))
 

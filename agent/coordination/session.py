@@ -15,7 +15,7 @@ import time
 from typing import Callable, Optional
 
 from agent.coordination.etcd import EtcdClient, EtcdError, EtcdUnavailable
-from agent.metrics import counter, gauge, histogram
+from agent.runtime.metrics import counter, gauge, histogram
 
 log = logging.getLogger("millwright.session")
 

@@ -22,7 +22,7 @@ from agent.coordination.fencing import Fence, StaleToken, fenced_txn
 from agent.coordination.keys import Keys
 from agent.coordination.watch import WatchEvent
 from agent.coordination.worker import EtcdWorkers
-from agent.metrics import counter, gauge
+from agent.runtime.metrics import counter, gauge
 
 log = logging.getLogger("millwright.shards")
 

@@ -24,7 +24,7 @@ import etcd3.etcdrpc as rpc
 from etcd3 import utils as etcd_utils
 
 from agent.coordination.etcd import KV, EtcdClient, EtcdError, EtcdUnavailable, _kv
-from agent.metrics import counter, gauge
+from agent.runtime.metrics import counter, gauge
 
 log = logging.getLogger("millwright.watch")
 

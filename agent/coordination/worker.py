@@ -12,7 +12,7 @@ import queue
 import threading
 from typing import Any, Callable, Optional
 
-from agent.metrics import gauge
+from agent.runtime.metrics import gauge
 
 log = logging.getLogger("millwright.worker")
 QUEUE_DEPTH = gauge("millwright_etcd_worker_queue_depth", "etcd operations waiting for a worker thread", ("pool",))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agent.metrics import counter, gauge, histogram
+from agent.runtime.metrics import counter, gauge, histogram
 
 QUOTA_KILLS = counter("millwright_quota_kills_total",
                       "Runs ended because they hit a quota (oom, pids_limit).", ("reason",))

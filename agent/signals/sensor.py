@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator, Optional
 
-from agent import metrics
+from agent.runtime import metrics
 from agent.signals import abi, check, procfs
 from agent.signals.model import ConnEvent, EndpointSignals, ExecEvent, Gap, NodeSignals, SlotSignals
 

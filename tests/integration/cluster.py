@@ -12,7 +12,7 @@ from typing import Callable, Optional
 from agent.coordination.etcd import EtcdClient
 from agent.config import EtcdConfig
 from agent.coordination.keys import Keys
-from agent.devservices import AgentProcess
+from agent.demo.services import AgentProcess
 import etcd3.etcdrpc as rpc
 
 

@@ -104,7 +104,7 @@ DISK_FULL = r"""
 import os, resource, signal, sys, json
 sys.path.insert(0, sys.argv[1])
 from agent.audit import AuditLog
-from agent.metrics import sample
+from agent.runtime.metrics import sample
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 log = AuditLog(sys.argv[2], sys.argv[3], fsync_interval_s=0.0, rotate_bytes=1 << 30, checkpoint_interval_s=0)
 for i in range(5):

@@ -158,7 +158,7 @@ def test_each_rejection_reason_over_mqtt(world):
     from datetime import datetime, timedelta, timezone
 
     from agent.cloud.testkit import rfc
-    from agent.signing import KeyRing, generate_hmac_secret, sign
+    from agent.jobs.signing import KeyRing, generate_hmac_secret, sign
 
     world.cluster.start("a1")
     wait_for(lambda: world.cluster.all_owned_by({"a1"}), 30, what="a1 owns all shards")

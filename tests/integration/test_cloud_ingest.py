@@ -19,8 +19,8 @@ from agent.config import EtcdConfig, parse_config
 from agent.coordination.etcd import EtcdClient, EtcdUnavailable
 from agent.coordination.jobstore import JobStore
 from agent.coordination.keys import Keys
-from agent.jobs import REASONS
-from agent.signing import KeyRing, generate_hmac_secret, sign
+from agent.jobs.document import REASONS
+from agent.jobs.signing import KeyRing, generate_hmac_secret, sign
 
 SHARDS = 8
 
@@ -82,7 +82,7 @@ def test_each_rejection_reason(env):
         assert out.reason == want.split(" ")[0], (want, out.reason, out.detail)
         assert out.status["state"] == "rejected" and out.status["reason"] == out.reason and out.status["detail"]
     # each rejection: a status, an audit record, a metric (reason only, never the job id)
-    from agent.metrics import REGISTRY
+    from agent.runtime.metrics import REGISTRY
     rejected = [s for s in env.statuses() if s["state"] == "rejected"]
     assert sorted({s["reason"] for s in rejected}) == sorted({w.split(" ")[0] for w in cases})
     assert len([r for r in env.records if r[1].get("event") == "rejected"]) == len(cases)

@@ -88,7 +88,7 @@ def test_sigterm_hands_over_within_one_second_and_exits_zero(cluster):
 
 
 def _status(agent) -> dict:
-    from agent.admin import query
+    from agent.runtime.admin import query
 
     return query(agent.config["admin"]["socket"])
 

@@ -17,7 +17,7 @@ import pytest
 from agent.config import EtcdConfig
 from agent.coordination.etcd import EtcdClient, EtcdUnavailable
 from agent.coordination.watch import PrefixWatch
-from agent.devservices import AgentProcess, free_port
+from agent.demo.services import AgentProcess, free_port
 from tests.integration.cluster import wait_for
 
 

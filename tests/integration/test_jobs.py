@@ -15,7 +15,7 @@ import pytest
 
 from agent.coordination.jobstore import JobStore
 from agent.coordination.keys import shard_of
-from agent.schedule import fire_id, format_rfc3339
+from agent.jobs.schedule import fire_id, format_rfc3339
 from tests.integration.cluster import Cluster, wait_for
 
 RECORD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jobs", "record.sh")
@@ -134,7 +134,7 @@ def test_exactly_once_2000_jobs_with_agent_kills_and_an_etcd_restart(env, etcd_s
         detail = {s: (n, owners.get(s)) for s, n in sorted(by_shard.items())}
         print("\nMISSING by shard (count, owner now):", detail)
         print("expected per agent:", collections.Counter(owners.get(shard_of(j, c.shards)) for j, _ in expected))
-        from agent.admin import query
+        from agent.runtime.admin import query
         for a in c.agents.values():
             st = query(a.config["admin"]["socket"])
             print(a.agent_id, {k: v for k, v in st["jobs"].items() if k != "due"}, st["session"])
@@ -246,7 +246,7 @@ def test_misfire_policies_for_firings_missed_while_no_agent_owned_the_shard(env)
     time.sleep(3)
     recs = records(c)
 
-    from agent.schedule import parse_rfc3339
+    from agent.jobs.schedule import parse_rfc3339
 
     # the agent installed the shards at its first run start: firings due before then were missed
     t_install = min(parse_rfc3339(r["started_at"]) for r in recs.values() if r.get("started_at"))
@@ -305,7 +305,7 @@ def test_firing_is_claimed_ahead_and_released_at_its_due_time_and_a_cancel_in_be
                      {"early": "succeeded", "dropped": "cancelled"}, 15, "the run and the cancel")
         ran_at = float(open(stamp["early"]).read())
         assert ran_at >= due.timestamp() - 0.01, (ran_at, due.timestamp())
-        from agent.schedule import parse_rfc3339
+        from agent.jobs.schedule import parse_rfc3339
 
         final = {r["job_id"]: r for r in records(c).values()}
         started = parse_rfc3339(final["early"]["started_at"]).timestamp()

@@ -32,8 +32,8 @@ from agent.config import EtcdConfig
 from agent.coordination.etcd import EtcdClient
 from agent.coordination.jobstore import JobStore
 from agent.coordination.keys import Keys
-from agent.demo import msum, scrape
-from agent.devservices import AgentProcess, EtcdServer, MosquittoServer, free_port
+from agent.demo.scenario import msum, scrape
+from agent.demo.services import AgentProcess, EtcdServer, MosquittoServer, free_port
 from tests.conftest import require_kernel
 
 RECORD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jobs", "record.sh")

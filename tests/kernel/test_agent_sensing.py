@@ -117,7 +117,7 @@ def test_exec_outside_allow_list_is_killed_in_enforce_mode(cluster):
     ex = [r for r in audit if r.get("type") == "exec" and r.get("job") == "bad-exec" and r.get("filename") == "/usr/bin/id"]
     assert ex and ex[0]["verdict"] == "killed"
     # latency from the exec to the end of the run (figure for the notes)
-    from agent.schedule import parse_rfc3339
+    from agent.jobs.schedule import parse_rfc3339
 
     latency = parse_rfc3339(rec["ended_at"]).timestamp() - ex[0]["exec_ts"]
     print(f"\nexec-policy kill latency (exec to run end): {latency:.3f} s")

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from agent.admin import query
+from agent.runtime.admin import query
 from agent.coordination.jobstore import JobStore
 from tests.conftest import require_kernel
 from tests.integration.cluster import Cluster, NftBlock, etcd_history, wait_for

@@ -18,7 +18,7 @@ import pytest
 
 from agent.execute import Admission, Budget, Executor, Limits, RunSpec, effective_limits
 from agent.execute.backends import BackendUnavailable, Cgroup1Backend, alive
-from agent.loop import EventLoop
+from agent.runtime.loop import EventLoop
 from tests.conftest import require_kernel
 
 PY = sys.executable if sys.executable.startswith("/usr/bin/") else "/usr/bin/python3"
@@ -127,7 +127,7 @@ def _children_zombies() -> list[int]:
 
 
 def test_memory_hog_is_killed_with_reason_oom_and_neighbour_is_unaffected(executor):
-    from agent.metrics import sample
+    from agent.runtime.metrics import sample
 
     kills = sample("millwright_quota_kills_total", {"reason": "oom"}) or 0.0
     c = Collector()

@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import require_kernel
 
-from agent import metrics
+from agent.runtime import metrics
 from agent.signals import ConnEvent, ExecEvent, Gap, Sensor, check
 
 PY = "/usr/bin/python3"

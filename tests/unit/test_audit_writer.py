@@ -14,8 +14,8 @@ from agent.audit.files import CHECKPOINTS, file_name, list_files
 from agent.audit.keyfile import KeyFileError, load_key
 from agent.audit.record import GENESIS, line_hash, parse_time, rfc3339
 from agent.audit.verify import verify
-from agent.loop import EventLoop
-from agent.metrics import sample
+from agent.runtime.loop import EventLoop
+from agent.runtime.metrics import sample
 
 KEY = b"k" * 32
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.claimlead import LEAD, MARGIN, ClaimLead
+from agent.jobs.claimlead import LEAD, MARGIN, ClaimLead
 
 
 class Clock:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from agent.config import ExecuteConfig, Resources
 from agent.execute import ADMITTED, REJECTED, WAITING, Admission, Budget, Demand, Limits, default_limits, effective_limits
 from agent.execute.admission import AdmissionError
-from agent.metrics import sample
+from agent.runtime.metrics import sample
 
 
 def test_runs_that_fit_are_admitted_and_others_wait_in_due_order():

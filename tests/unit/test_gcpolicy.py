@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 
-from agent.gcpolicy import FULL, GcPolicy
+from agent.runtime.gcpolicy import FULL, GcPolicy
 
 
 class ManualLoop:

@@ -1,12 +1,12 @@
-"""Job health policy and exec policy (agent/health.py): pure logic with a fake clock."""
+"""Job health policy and exec policy (agent/supervision/health.py): pure logic with a fake clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from agent import metrics
+from agent.runtime import metrics
 from agent.config import HealthThresholds, Template
-from agent.health import (CLEAR_S, CONFIRM_S, DEGRADED, HEALTHY, LAUNCHER_MAX_EXECS, STALLED, ExecPolicy,
+from agent.supervision.health import (CLEAR_S, CONFIRM_S, DEGRADED, HEALTHY, LAUNCHER_MAX_EXECS, STALLED, ExecPolicy,
                           JobHealth, classify, normalise)
 from agent.signals import ExecEvent, SlotSignals
 
@@ -286,7 +286,7 @@ def test_check_event():
 def test_launcher_sh_does_not_end_the_launch_phase_of_a_job_whose_program_is_sh():
     """The executor's shim is /bin/sh too; the phase ends only at the job's own argv
     (seen once in CI: the shim's sh ended it and the following setpriv was flagged)."""
-    from agent.health import ExecPolicy
+    from agent.supervision.health import ExecPolicy
 
     job_argv = ["/bin/sh", "-c", "sleep 0.3; /usr/bin/id -u"]
     run = ExecPolicy(["/bin/sh", "/bin/sleep"], "enforce").for_run("/bin/sh", job_argv=job_argv)

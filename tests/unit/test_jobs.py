@@ -11,9 +11,9 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from agent.config import Resources, Template
-from agent.jobs import Job, JobRejected, effective_resources, parse_cancel, parse_job, render_argv
-from agent.schedule import Schedule
-from agent.signing import KeyRing, sign
+from agent.jobs.document import Job, JobRejected, effective_resources, parse_cancel, parse_job, render_argv
+from agent.jobs.schedule import Schedule
+from agent.jobs.signing import KeyRing, sign
 
 UTC = timezone.utc
 NOW = datetime(2026, 12, 2, 11, 0, 30, tzinfo=UTC)

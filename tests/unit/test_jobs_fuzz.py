@@ -10,8 +10,8 @@ from datetime import datetime, timezone
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from agent.config import Template
-from agent.jobs import ID_RE, REASONS, JobRejected, parse_cancel, parse_job
-from agent.signing import KeyRing, sign
+from agent.jobs.document import ID_RE, REASONS, JobRejected, parse_cancel, parse_job
+from agent.jobs.signing import KeyRing, sign
 
 UTC = timezone.utc
 NOW = datetime(2026, 12, 2, 11, 0, 30, tzinfo=UTC)

@@ -1,12 +1,12 @@
-"""Lease policy (agent/leasepolicy.py): adaptive renewal, early fence, hand-off, memory reader."""
+"""Lease policy (agent/supervision/leasepolicy.py): adaptive renewal, early fence, hand-off, memory reader."""
 
 from __future__ import annotations
 
 import pytest
 
-from agent import metrics
+from agent.runtime import metrics
 from agent.config import EtcdConfig
-from agent.leasepolicy import (DECISIONS, HAND_OFF, PAUSE_RUNS, RENEW_FAST, RENEW_NORMAL, RESUME_RUNS, TAKE_BACK,
+from agent.supervision.leasepolicy import (DECISIONS, HAND_OFF, PAUSE_RUNS, RENEW_FAST, RENEW_NORMAL, RESUME_RUNS, TAKE_BACK,
                                AdaptiveRenewal, EarlyFence, HandOff, LeaseDecision, LeasePolicy, MemoryPressure,
                                memory_under_pressure, read_memory_pressure)
 from agent.signals import EndpointSignals, NodeSignals

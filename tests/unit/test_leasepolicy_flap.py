@@ -17,8 +17,8 @@ from typing import Optional
 import pytest
 
 from agent.config import HealthThresholds
-from agent.health import JobHealth
-from agent.leasepolicy import HAND_OFF, PAUSE_RUNS, RESUME_RUNS, TAKE_BACK, LeasePolicy
+from agent.supervision.health import JobHealth
+from agent.supervision.leasepolicy import HAND_OFF, PAUSE_RUNS, RESUME_RUNS, TAKE_BACK, LeasePolicy
 from agent.signals import EndpointSignals, SlotSignals
 
 DT = 0.05          # simulation step

@@ -9,7 +9,7 @@ import threading
 import time
 import weakref
 
-from agent.loop import STALLS, EventLoop
+from agent.runtime.loop import STALLS, EventLoop
 
 
 class Holder:

@@ -11,7 +11,7 @@ from zoneinfo import ZoneInfo
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from agent.schedule import (
+from agent.jobs.schedule import (
     RetryPolicy,
     Schedule,
     ScheduleError,
@@ -469,7 +469,7 @@ def test_cron_dst_rules_against_a_brute_force_oracle(expr, tz, start):
 
 
 def test_next_firing_for_timers():
-    from agent.schedule import next_firing
+    from agent.jobs.schedule import next_firing
 
     issued = u(2026, 1, 1, 12, 0, 30)
     cron = SimpleNamespace(schedule=Schedule.cron_expr("* * * * *"), issued_at=issued, not_after=u(2026, 1, 1, 12, 3))

@@ -7,7 +7,7 @@ import queue
 import subprocess
 import time
 
-from agent import metrics
+from agent.runtime import metrics
 from agent.signals import Sensor
 
 

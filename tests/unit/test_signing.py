@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from agent import signing
-from agent.signing import KeyFileError, KeyRing, SignatureError, canonical_json, sign
+from agent.jobs import signing
+from agent.jobs.signing import KeyFileError, KeyRing, SignatureError, canonical_json, sign
 
 SECRET = base64.b64encode(bytes(range(32))).decode()
 OTHER_SECRET = base64.b64encode(bytes(range(1, 33))).decode()

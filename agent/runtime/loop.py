@@ -18,7 +18,7 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
-from agent.metrics import counter
+from agent.runtime.metrics import counter
 
 log = logging.getLogger("millwright.loop")
 

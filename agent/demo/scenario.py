@@ -77,7 +77,7 @@ def rfc(dt: datetime) -> str:
 def parse_rfc(text: Optional[str]) -> Optional[datetime]:
     if not text:
         return None
-    from agent.schedule import parse_rfc3339
+    from agent.jobs.schedule import parse_rfc3339
 
     try:
         return parse_rfc3339(text)
@@ -306,7 +306,7 @@ def by_label(samples: dict, name: str, label: str) -> dict[str, float]:
 
 
 def cgroup_root_name(agent_id: str) -> str:
-    """The per-agent cgroup root the daemon uses (agent/components.py)."""
+    """The per-agent cgroup root the daemon uses (agent/runtime/components.py)."""
     return "millwright-" + re.sub(r"[^A-Za-z0-9._-]", "_", agent_id)[:50]
 
 
@@ -413,7 +413,7 @@ class Demo:
         from agent.config import EtcdConfig
         from agent.coordination.etcd import EtcdClient
         from agent.coordination.keys import Keys
-        from agent.devservices import AgentProcess, EtcdServer, MosquittoServer, free_port
+        from agent.demo.services import AgentProcess, EtcdServer, MosquittoServer, free_port
 
         live = self.live
         live.raw(f"Millwright demo: 3 agents, one etcd, one MQTT broker on this machine; the job phase lasts "
@@ -750,7 +750,7 @@ class Demo:
 
     def _show_status(self) -> None:
         """`millwright status` of one survivor, read from its admin socket."""
-        from agent.admin import query, render
+        from agent.runtime.admin import query, render
 
         survivor = sorted(a for a in self.agents if a != self.victim)[0]
         try:
@@ -779,7 +779,7 @@ class Demo:
         return out
 
     def _unsettled(self, recs: dict) -> list[str]:
-        from agent.schedule import fire_id
+        from agent.jobs.schedule import fire_id
 
         left = []
         for j in self.jobs:
@@ -827,7 +827,7 @@ class Demo:
             return []
 
     def collect(self) -> dict:
-        from agent.schedule import fire_id
+        from agent.jobs.schedule import fire_id
 
         self.live.phase("6/6 check the results against etcd, the side effects, the audit logs and the metrics")
         self._pump()

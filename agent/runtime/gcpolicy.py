@@ -25,7 +25,7 @@ import logging
 import time
 from typing import Any, Callable, Optional
 
-from agent.metrics import counter, histogram
+from agent.runtime.metrics import counter, histogram
 
 log = logging.getLogger("millwright.gc")
 

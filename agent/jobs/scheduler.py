@@ -14,7 +14,7 @@ by a transaction fenced with the shard's token. So:
 The fire_id is the due time (deterministic on every agent), so recovery after a
 takeover recomputes exactly the same firings.
 
-Precision: a firing is claimed shortly before its due time (agent/claimlead.py: three
+Precision: a firing is claimed shortly before its due time (agent/jobs/claimlead.py: three
 times the recent claim latency, at most ``execute.claim_lead_s``), and its process is
 prepared then (quota container, launcher waiting on its go pipe). At the due
 time the executor's release thread writes one byte to that pipe, so neither the etcd
@@ -40,11 +40,11 @@ from agent.coordination.jobstore import JobStore, StoredJob, public_doc
 from agent.coordination.keys import shard_of
 from agent.coordination.watch import PrefixWatch, WatchEvent
 from agent.coordination.worker import EtcdWorkers
-from agent.claimlead import ClaimLead
-from agent.gcpolicy import GcPolicy
-from agent.jobs import Job, JobRejected, effective_resources, render_argv
-from agent.metrics import counter, gauge, histogram
-from agent import schedule as sch
+from agent.jobs.claimlead import ClaimLead
+from agent.runtime.gcpolicy import GcPolicy
+from agent.jobs.document import Job, JobRejected, effective_resources, render_argv
+from agent.runtime.metrics import counter, gauge, histogram
+from agent.jobs import schedule as sch
 
 log = logging.getLogger("millwright.scheduler")
 
@@ -116,7 +116,7 @@ class Scheduler:
     def __init__(self, agent: Any, executor: Any, admission: Any):
         self.agent = agent
         self.cfg = agent.cfg
-        self.loop = agent.loop
+        self.loop = agent.runtime.loop
         self.keys = agent.keys
         self.client = agent.client
         # its own pool: run records are most of the etcd writes, and a firing's claim must

@@ -9,7 +9,7 @@ from agent.config import Config
 
 
 def _admin(agent) -> Any:
-    from agent.admin import AdminServer
+    from agent.runtime.admin import AdminServer
 
     return AdminServer(agent, agent.cfg.admin.socket)
 
@@ -48,7 +48,7 @@ class _JobsComponent:
 
         from agent.execute.admission import Admission, Budget
         from agent.execute.executor import Executor
-        from agent.scheduler import Scheduler
+        from agent.jobs.scheduler import Scheduler
 
         # one cgroup root per agent id, so that several agents on one host (tests, demo)
         # never reclaim each other's runs
@@ -57,7 +57,7 @@ class _JobsComponent:
                                              root_name=root, reclaim=True)
         self.admission = Admission(Budget.from_config(agent.cfg.execute))
         self.scheduler = Scheduler(agent, self.executor, self.admission)
-        agent.scheduler = self.scheduler
+        agent.jobs.scheduler = self.scheduler
         agent.executor = self.executor
         agent.status_providers["quota"] = lambda: {"backend": self.executor.backend.name,
                                                    "why": self.executor.backend.why}
@@ -75,13 +75,13 @@ class _JobsComponent:
 
 
 def _sensing(agent) -> Any:
-    from agent.sensing import RunSensing
+    from agent.supervision.sensing import RunSensing
 
     return RunSensing(agent)
 
 
 def _supervision(agent) -> Any:
-    from agent.supervision import Supervision
+    from agent.supervision.component import Supervision
 
     return Supervision(agent)
 

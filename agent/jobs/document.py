@@ -24,7 +24,7 @@ from typing import Any, Optional, Union
 
 from agent.config import Resources, Template
 from agent.coordination.keys import shard_of
-from agent.schedule import (
+from agent.jobs.schedule import (
     MISFIRE_POLICIES,
     OVERLAP_POLICIES,
     UTC,
@@ -33,7 +33,7 @@ from agent.schedule import (
     ScheduleError,
     parse_rfc3339,
 )
-from agent.signing import KeyRing, SignatureError, canonical_json
+from agent.jobs.signing import KeyRing, SignatureError, canonical_json
 
 VERSION = 1
 ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")

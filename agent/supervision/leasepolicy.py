@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from agent.metrics import counter, gauge
+from agent.runtime.metrics import counter, gauge
 
 # decision labels (bounded: these and nothing else)
 RENEW_FAST, RENEW_NORMAL = "renew_fast", "renew_normal"

@@ -1,6 +1,6 @@
 """How far ahead of a due time a firing is claimed.
 
-Claiming ahead takes the etcd write and the spawn off the due time (see agent/scheduler.py),
+Claiming ahead takes the etcd write and the spawn off the due time (see agent/jobs/scheduler.py),
 but it has a price: a firing claimed ahead whose agent dies before the due time leaves a
 `running` record that its new owner must treat as "may have run" (retry policy, or
 `owner_lost`). So the lead is as short as the agent can afford: three times the recent worst
@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from agent.metrics import gauge
+from agent.runtime.metrics import gauge
 
 MARGIN = 3.0   # lead = MARGIN x the recent worst claim latency
 LEAD = gauge("millwright_claim_lead_seconds", "How far ahead of due times firings are claimed now")

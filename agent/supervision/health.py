@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-from agent.metrics import counter, gauge
+from agent.runtime.metrics import counter, gauge
 
 HEALTHY, DEGRADED, STALLED = "healthy", "degraded", "stalled"
 STATES = (HEALTHY, DEGRADED, STALLED)

@@ -25,9 +25,10 @@ from agent.coordination.session import Session
 from agent.coordination.shards import ShardManager
 from agent.coordination.watch import PrefixWatch
 from agent.coordination.worker import EtcdWorkers
-from agent.loop import EventLoop
-from agent.metrics import counter, gauge
-from agent import logs, metrics
+from agent.runtime.loop import EventLoop
+from agent.runtime.metrics import counter, gauge
+from agent.runtime import logs
+from agent.runtime import metrics
 
 log = logging.getLogger("millwright.daemon")
 
@@ -335,7 +336,7 @@ def cli_run(args) -> int:
         from agent.cli import UserError
 
         raise UserError(f"metrics.listen {cfg.metrics.listen}: {exc.strerror or exc}") from None
-    from agent.components import default_components
+    from agent.runtime.components import default_components
 
     agent = Agent(cfg, default_components(cfg))
     return agent.run()

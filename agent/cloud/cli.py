@@ -26,7 +26,7 @@ def _config(args):
 
 
 def _keyring(path: str, kid: str):
-    from agent.signing import KeyFileError, KeyRing
+    from agent.jobs.signing import KeyFileError, KeyRing
 
     try:
         ring = KeyRing.load(path, require_private=False)
@@ -41,7 +41,7 @@ def _keyring(path: str, kid: str):
 
 
 def _sign(doc: dict, ring, kid: str) -> bytes:
-    from agent.signing import SignatureError, sign
+    from agent.jobs.signing import SignatureError, sign
 
     try:
         signed = sign(doc, ring, kid)

@@ -1,0 +1,10 @@
+"""Jobs: what the cloud asks for and when it runs.
+
+Modules: document (job document parsing, validation, templates, canonical form),
+signing (key ring, HMAC and Ed25519 signatures), schedule (due times, misfire, retry
+backoff, fire ids), scheduler (due firings -> fenced run records -> processes),
+claimlead (how far ahead of a due time a firing is claimed).
+
+May import: ``config``, ``coordination``, ``execute``, ``runtime.loop``/``metrics``.
+Never imports ``cloud``, ``supervision`` or the daemon.
+"""
