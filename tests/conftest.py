@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from agent.demo.services import EtcdServer, MosquittoServer  # noqa: E402
+from agent.demo.services import EtcdCluster, EtcdServer, MosquittoServer  # noqa: E402
 
 REQUIRE_KERNEL = os.environ.get("MILLWRIGHT_REQUIRE_KERNEL") == "1"
 
@@ -34,6 +34,16 @@ def etcd_server(tmp_path):
     srv.start()
     yield srv
     srv.close()
+
+
+@pytest.fixture
+def etcd_cluster(tmp_path):
+    """A real 3-member etcd cluster on loopback; members can be killed, paused and restarted
+    (``cluster.leader()``, ``member.kill()``, ``member.start()``, ``cluster.wait_healthy()``)."""
+    cluster = EtcdCluster(3, str(tmp_path / "etcd-cluster"))
+    cluster.start()
+    yield cluster
+    cluster.close()
 
 
 @pytest.fixture

@@ -175,6 +175,153 @@ class EtcdServer(_Child):
         return False
 
 
+class EtcdMember(_Child):
+    """One member of a multi-member etcd cluster on loopback (see :class:`EtcdCluster`)."""
+
+    name = "etcd"
+
+    def __init__(self, cluster: "EtcdCluster", index: int):
+        super().__init__(os.path.join(cluster.dir, f"m{index}"))
+        self.own_dir = False
+        self.cluster = cluster
+        self.index = index
+        self.member_name = f"mw{index}"
+        self.host = "127.0.0.1"
+        self.port = free_port()
+        self.peer_port = free_port()
+        self.started_once = False
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
+
+    def _argv(self) -> list[str]:
+        extra = ",".join(f"http://{h}:{self.port}" for h in self.cluster.extra_hosts)
+        listen = self.endpoint + ("," + extra if extra else "")
+        # a restarted member rejoins with its data dir; "new" is only for the first start
+        state = "existing" if self.started_once else "new"
+        return ["etcd", "--name", self.member_name, "--data-dir", os.path.join(self.dir, "data"),
+                "--listen-client-urls", listen, "--advertise-client-urls", self.endpoint,
+                "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
+                "--initial-cluster", self.cluster.initial_cluster,
+                "--initial-cluster-token", self.cluster.token,
+                "--initial-cluster-state", state,
+                "--heartbeat-interval", "100", "--election-timeout", "1000",
+                "--log-level", "warn", "--logger", "zap",
+                "--quota-backend-bytes", str(2 * 1024 ** 3), "--auto-compaction-retention", "0"]
+
+    def start(self, timeout: float = 20.0) -> "EtcdMember":
+        super().start(timeout)
+        self.started_once = True
+        return self
+
+    def _ready(self, timeout: float) -> bool:
+        # a member alone cannot become healthy (no quorum): ready means it serves its
+        # client port; EtcdCluster.wait_healthy waits for a leader
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc and self.proc.poll() is not None:
+                return False
+            if wait_port(self.host, self.port, 0.2):
+                return True
+        return False
+
+    def status(self, timeout: float = 1.0) -> Optional[dict]:
+        """The member's /v3/maintenance/status, or None when it does not answer."""
+        import json
+        import urllib.request
+        req = urllib.request.Request(self.endpoint + "/v3/maintenance/status", data=b"{}", method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read())
+        except (OSError, ValueError):
+            return None
+
+
+class EtcdCluster:
+    """A real multi-member etcd cluster on loopback (three processes by default), for tests
+    that kill, pause and restart members, the leader included. Only its own processes are
+    ever signalled."""
+
+    def __init__(self, size: int = 3, workdir: Optional[str] = None,
+                 extra_hosts: tuple[str, ...] = ("127.0.0.2",)):
+        self.own_dir = workdir is None
+        self.dir = workdir or tempfile.mkdtemp(prefix="mw-etcd-cluster-")
+        self.extra_hosts = extra_hosts
+        self.token = f"mw-{os.getpid()}-{int(time.time() * 1000)}"
+        self.members = [EtcdMember(self, i) for i in range(size)]
+        self.initial_cluster = ",".join(f"{m.member_name}={m.peer_url}" for m in self.members)
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.endpoint for m in self.members]
+
+    def endpoints_on(self, host: str) -> list[str]:
+        return [f"http://{host}:{m.port}" for m in self.members]
+
+    def start(self, timeout: float = 30.0) -> "EtcdCluster":
+        for m in self.members:  # members wait for each other: start all, then wait
+            exe = m._argv()[0]
+            if shutil.which(exe) is None:
+                raise RuntimeError(f"{exe} not found: run `make setup` (scripts/setup-host.sh) as root")
+            m.logf = open(os.path.join(m.dir, f"{m.name}.log"), "ab")
+            m.proc = subprocess.Popen(m._argv(), stdout=m.logf, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, start_new_session=True,
+                                      preexec_fn=_die_with_parent)
+            m.started_once = True
+        self.wait_healthy(timeout)
+        return self
+
+    def leader(self, timeout: float = 10.0) -> EtcdMember:
+        """The current leader (asked of every running member until one names it)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            by_id = {}
+            leader_id = None
+            for m in self.members:
+                if m.proc is None or m.paused:
+                    continue
+                st = m.status(0.5)
+                if st:
+                    by_id[st["header"]["member_id"]] = m
+                    if st.get("leader") and st["leader"] != "0":
+                        leader_id = st["leader"]
+            if leader_id in by_id:
+                return by_id[leader_id]
+            if time.monotonic() > deadline:
+                raise RuntimeError("etcd cluster has no leader")
+            time.sleep(0.05)
+
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        """Wait until every running member answers and they agree on one leader."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            up = [m for m in self.members if m.proc is not None and not m.paused]
+            sts = [m.status(0.5) for m in up]
+            leaders = {st.get("leader") for st in sts if st}
+            if sts and all(sts) and len(leaders) == 1 and "0" not in leaders:
+                return
+            time.sleep(0.1)
+        tails = "\n".join(f"--- member {m.index}:\n{m.log_tail(10)}" for m in self.members)
+        raise RuntimeError(f"etcd cluster not healthy in {timeout}s\n{tails}")
+
+    def close(self) -> None:
+        for m in self.members:
+            m.stop()
+        if self.own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 class MosquittoServer(_Child):
     """A mosquitto broker on loopback with persistence (sessions survive restarts)."""
 
