@@ -31,7 +31,7 @@ from .outbox import Outbox, OutboxPublisher
 from .presence import presence_doc, will_doc
 from .topics import Topics
 
-log = logging.getLogger("millwright.cloud")
+log = logging.getLogger(__name__)
 
 OUTBOX_FILE = "mqtt-outbox.sqlite"
 

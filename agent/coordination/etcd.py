@@ -26,7 +26,7 @@ from etcd3 import utils as etcd_utils
 from agent.config import EtcdConfig
 from agent.runtime.metrics import counter
 
-log = logging.getLogger("millwright.etcd")
+log = logging.getLogger(__name__)
 
 REQUESTS = counter("millwright_etcd_requests_total", "etcd requests by operation and result", ("op", "result"))
 FAILOVERS = counter("millwright_etcd_endpoint_failovers_total", "Switches to the next etcd endpoint")

@@ -24,7 +24,7 @@ from agent.coordination.watch import WatchEvent
 from agent.coordination.worker import EtcdWorkers
 from agent.runtime.metrics import counter, gauge
 
-log = logging.getLogger("millwright.shards")
+log = logging.getLogger(__name__)
 
 SHARDS_OWNED = gauge("millwright_shards_owned", "Shards this agent holds")
 SHARD_EVENTS = counter("millwright_shard_events_total", "Shard ownership changes", ("event",))

@@ -327,8 +327,8 @@ class Demo:
         import logging
 
         # product modules used in-process (cleanup's cgroup reclaim) log through
-        # millwright.*; the demo prints its own lines instead
-        logging.getLogger("millwright").addHandler(logging.NullHandler())
+        # agent.*; the demo prints its own lines instead
+        logging.getLogger("agent").addHandler(logging.NullHandler())
         self.duration = float(duration)
         self.kill_at = max(10.0, round(self.duration * 0.4, 1))
         self.keep = keep

@@ -29,7 +29,7 @@ from typing import Any, Iterable, Optional
 
 from agent.execute.limits import Limits
 
-log = logging.getLogger("millwright.execute")
+log = logging.getLogger(__name__)
 
 NEEDED = ("memory", "cpu", "pids")
 CPU_PERIOD_US = 100_000

@@ -34,6 +34,7 @@ from agent.jobs.schedule import (
     parse_rfc3339,
 )
 from agent.jobs.signing import KeyRing, SignatureError, canonical_json
+from agent.runtime.text import short as _short
 
 VERSION = 1
 ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -92,14 +93,6 @@ class JobRejected(Exception):
 
 def _bad(path: str, msg: str, reason: str = BAD_FIELD) -> JobRejected:
     return JobRejected(reason, f"{path}: {msg}", path)
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    try:
-        text = repr(value)
-    except Exception:  # pragma: no cover - exotic objects
-        text = f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _clip(text: str, limit: int = 100) -> str:

@@ -26,7 +26,6 @@ go pipe closes) and the record is resolved like any run of a dead owner.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import time
@@ -41,12 +40,15 @@ from agent.coordination.keys import shard_of
 from agent.coordination.watch import PrefixWatch, WatchEvent
 from agent.coordination.worker import EtcdWorkers
 from agent.jobs.claimlead import ClaimLead
+from agent.jobs.firing import ACTIVE, NOT_STARTED, RETRYABLE, TERMINAL, Firing, FiringState, RunListener
 from agent.runtime.gcpolicy import GcPolicy
 from agent.jobs.document import Job, JobRejected, effective_resources, render_argv
 from agent.runtime.metrics import counter, gauge, histogram
+from agent.runtime.timefmt import format_optional as rfc
+from agent.runtime.timefmt import parse_rfc3339, utcnow
 from agent.jobs import schedule as sch
 
-log = logging.getLogger("millwright.scheduler")
+log = logging.getLogger(__name__)
 
 RUNS = counter("millwright_runs_total", "Finished runs by result", ("result",))
 FIRINGS = counter("millwright_firings_total", "Firings by outcome", ("outcome",))
@@ -56,46 +58,9 @@ JOB_DURATION = histogram("millwright_job_duration_seconds", "Run duration",
                          buckets=(0.01, 0.1, 0.5, 1, 5, 15, 60, 300, 1800, 7200))
 JOBS_OWNED = gauge("millwright_jobs_owned", "Jobs in shards this agent holds")
 
-TERMINAL = ("succeeded", "failed", "timed_out", "killed", "cancelled", "misfired")
-RETRYABLE = ("failed", "timed_out")
 SPAWN_AHEAD_MIN_S = 0.001  # closer to the due time than this, start at once
 RECORD_WORKERS = 6         # threads writing run records (claims, final states) to etcd
 DEPENDENCY_RECHECK_S = 1.0
-
-
-_FIRING_SEQ = itertools.count(1)
-
-
-def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
-
-
-def rfc(dt: Optional[datetime]) -> Optional[str]:
-    return sch.format_rfc3339(dt) if dt is not None else None
-
-
-@dataclass
-class Firing:
-    entry: "JobEntry"
-    due: datetime
-    fire_id: str
-    attempt: int = 1
-    state: str = "pending"   # pending, waiting, claiming, running, retrying, done
-    record: Optional[dict] = None
-    record_rev: int = 0      # mod revision of the run record we last wrote
-    handle: Any = None
-    timer: Any = None
-    wait_reason: Optional[str] = None
-    started_mono: float = 0.0
-    health: str = "healthy"
-    lead: float = 0.0        # how far ahead of `due` its claim was planned (0: at or after due)
-    seq: int = field(default_factory=lambda: next(_FIRING_SEQ))
-
-    @property
-    def key(self) -> str:
-        """Admission key: unique per Firing object, so a firing re-installed after a shard
-        came back never collides with the old one still being stopped."""
-        return f"{self.entry.job.id}/{self.fire_id}#{self.seq}"
 
 
 @dataclass
@@ -156,7 +121,7 @@ class Scheduler:
         return [w.start()]
 
     def busy(self, shard: int) -> bool:
-        return any(f.state in ("running", "claiming") for e in self.by_shard.get(shard, {}).values()
+        return any(f.state in ACTIVE for e in self.by_shard.get(shard, {}).values()
                    for f in e.firings.values())
 
     def _pop_entry(self, job_id: str) -> Optional[JobEntry]:
@@ -226,7 +191,7 @@ class Scheduler:
         for f in list(e.firings.values()):
             if f.timer:
                 f.timer.cancel()
-            if f.state == "running" and f.handle is not None:
+            if f.state == FiringState.RUNNING and f.handle is not None:
                 # we may no longer write for this shard: stop the process so the new owner's
                 # policy never overlaps with it
                 f.handle.terminate(reason)
@@ -292,9 +257,9 @@ class Scheduler:
         if e.next_timer:
             e.next_timer.cancel()
         for f in list(e.firings.values()):
-            if f.state == "running" and f.handle is not None:
+            if f.state == FiringState.RUNNING and f.handle is not None:
                 f.handle.terminate("cancelled")
-            elif f.state in ("pending", "held", "waiting", "retrying", "retrying_admission"):
+            elif f.state in NOT_STARTED:
                 if f.timer:
                     f.timer.cancel()
                 if f.key in self.waiting:
@@ -329,7 +294,7 @@ class Scheduler:
             log.error("stored job is invalid; ignoring", extra={"fields": {"job": stored.id, "error": exc.detail}})
             return
         try:
-            accepted_at = sch.parse_rfc3339(stored.accepted_at) if stored.accepted_at else utcnow()
+            accepted_at = parse_rfc3339(stored.accepted_at) if stored.accepted_at else utcnow()
         except Exception:
             accepted_at = utcnow()
         e = JobEntry(job, stored, stored.shard, accepted_at)
@@ -351,7 +316,7 @@ class Scheduler:
             f = Firing(e, due, fire_id, int(rec.get("attempt", 1)), record=rec, record_rev=rev)
             e.firings[fire_id] = f
             if state == "retrying":
-                f.state = "retrying"
+                f.move(FiringState.RETRYING)
                 at = _parse_or(rec.get("retry_at"), now)
                 f.timer = self.loop.call_later((at - now).total_seconds(), self._retry_due, f)
             else:  # running (or any unknown live state) by an owner that is gone
@@ -395,11 +360,11 @@ class Scheduler:
         self.agent.record("job", event="owner_lost", job=job.id, fire_id=f.fire_id, attempt=f.attempt,
                           previous_agent=prev_agent)
         if nxt is not None:
-            f.state = "retrying"
+            f.move(FiringState.RETRYING)
             self._write_record(f, "retrying", reason="owner_lost", retry_at=rfc(nxt), ended_at=rfc(now))
             f.timer = self.loop.call_later(max(0.0, (nxt - now).total_seconds()), self._retry_due, f)
         else:
-            f.state = "done"
+            f.move(FiringState.DONE)
             self._write_record(f, "failed", reason="owner_lost", ended_at=rfc(now))
             RUNS.labels("owner_lost").inc()
             self._forget(f)
@@ -443,7 +408,7 @@ class Scheduler:
             e.last_due_done = due
         job = e.job
         now = utcnow()
-        running = [g for g in e.firings.values() if g.state in ("running", "claiming")]
+        running = [g for g in e.firings.values() if g.state in ACTIVE]
         ahead = (due - now).total_seconds()
         if ahead > SPAWN_AHEAD_MIN_S and (job.depends_on or running):
             # dependencies and overlap are decided at the due time, not at claim time
@@ -490,7 +455,7 @@ class Scheduler:
             return states
 
         def done(states, error):
-            if f.state == "done" or self.entries.get(f.entry.job.id) is not f.entry:
+            if f.state == FiringState.DONE or self.entries.get(f.entry.job.id) is not f.entry:
                 return
             if error is None and all(v == "succeeded" for v in states.values()):
                 self._request_admission(f)
@@ -499,7 +464,7 @@ class Scheduler:
                 self._finish_without_run(f, "misfired", "expired")
                 return
             if f.wait_reason != "dependencies":
-                f.state, f.wait_reason = "waiting", "dependencies"
+                f.move(FiringState.WAITING, wait_reason="dependencies")
                 pending = sorted(k for k, v in (states or {}).items() if v != "succeeded")
                 self._status(f.entry, f, "waiting", reason="dependencies", waiting_for=pending)
             f.timer = self.loop.call_later(DEPENDENCY_RECHECK_S, self._check_dependencies, f)
@@ -526,7 +491,7 @@ class Scheduler:
         self.paused = None
         held, self._held = sorted(self._held, key=lambda f: f.due), []
         for f in held:
-            if f.state == "held" and self.entries.get(f.entry.job.id) is f.entry:
+            if f.state == FiringState.HELD and self.entries.get(f.entry.job.id) is f.entry:
                 self._request_admission(f)
 
     def publish_health(self, f: Firing, state: str, rule: Optional[str]) -> None:
@@ -537,7 +502,7 @@ class Scheduler:
         from agent.execute.admission import ADMITTED, REJECTED
 
         if self.paused is not None:
-            f.state = "held"
+            f.move(FiringState.HELD)
             self._held.append(f)
             return
 
@@ -547,7 +512,7 @@ class Scheduler:
         elif decision == REJECTED:
             self._finish_without_run(f, "failed", "quota_never_fits")
         else:
-            f.state, f.wait_reason = "waiting", "quota"
+            f.move(FiringState.WAITING, wait_reason="quota")
             self.waiting[f.key] = f
             self._status(f.entry, f, "waiting", reason="quota")
 
@@ -562,7 +527,7 @@ class Scheduler:
             if f is None:
                 work.extend(self.admission.release(k))
                 continue
-            if f.state == "retrying_admission":
+            if f.state == FiringState.RETRYING_ADMISSION:
                 self._claim(f, retry=True)
             else:
                 self._claim(f)
@@ -582,7 +547,7 @@ class Scheduler:
             return
         if retry:
             f.attempt += 1
-        f.state = "claiming"
+        f.move(FiringState.CLAIMING)
         key = self.keys.run(e.shard, e.job.id, f.fire_id)
         rec = self._record(f, "running", started_at=rfc(max(utcnow(), f.due)))
         compare = [Mod(key) == f.record_rev] if retry else [Create(key) == 0]
@@ -591,7 +556,7 @@ class Scheduler:
             return fenced_txn(self.client, fence, compare=compare, success=[Put(key, json.dumps(rec))])
 
         def done(r, error):
-            if f.state != "claiming":
+            if f.state != FiringState.CLAIMING:
                 return
             if retry and (error is not None or not r.succeeded):
                 self._abandon(f, "retry_claim_failed")
@@ -617,7 +582,7 @@ class Scheduler:
             return self.client.get(key)
 
         def done(kv, err):
-            if f.state != "claiming":
+            if f.state != FiringState.CLAIMING:
                 return
             if err is not None:
                 if self.agent.fence_for(f.entry.shard) is None:
@@ -639,7 +604,7 @@ class Scheduler:
         self.workers.submit(op, done)
 
     def _abandon(self, f: Firing, why: str) -> None:
-        f.state = "done"
+        f.move(FiringState.DONE)
         self._release(f)
         self._forget(f)
         log.debug("firing abandoned", extra={"fields": {"job": f.entry.job.id, "fire_id": f.fire_id, "why": why}})
@@ -664,7 +629,7 @@ class Scheduler:
                        timeout_s=e.job.timeout_s, kill_grace_s=self.cfg.execute.kill_grace_s,
                        output_max_bytes=self.cfg.execute.output_max_bytes, job_id=e.job.id,
                        run_id=f.fire_id, attempt=f.attempt)
-        f.state = "running"
+        f.move(FiringState.RUNNING)
         on_exit = lambda h, r: self.loop.post(self._ended, f, r)  # noqa: E731
         ahead = (f.due - utcnow()).total_seconds()
         if f.lead > 0 and f.attempt == 1:
@@ -704,11 +669,11 @@ class Scheduler:
         FIRINGS.labels("started").inc()
         self.agent.record("job", event="run_start", job=e.job.id, fire_id=f.fire_id, attempt=f.attempt,
                           shard=e.shard, pid=getattr(handle, "pid", None), argv=argv, user=user)
-        if f.state == "running":
+        if f.state == FiringState.RUNNING:
             self._status(e, f, "running", pid=getattr(handle, "pid", None))
 
     def _run_failed_early(self, f: Firing, reason: str) -> None:
-        f.state = "running"
+        f.move(FiringState.RUNNING)
 
         class _R:
             pass
@@ -726,7 +691,7 @@ class Scheduler:
         state = {"succeeded": "succeeded", "timed_out": "timed_out", "killed": "killed",
                  "cancelled": "cancelled", "replaced": "killed", "exec_policy": "killed"}.get(reason, "failed")
         if reason in ("shard_lost", "fenced", "released", "deleted"):
-            f.state = "done"
+            f.move(FiringState.DONE)
             self._forget(f)
             RUNS.labels("abandoned").inc()
             return  # we may not write for this shard any more; the new owner resolves it
@@ -748,12 +713,12 @@ class Scheduler:
         self.agent.record("job", event="run_end", job=e.job.id, fire_id=f.fire_id, attempt=f.attempt,
                           state=state, **{k: v for k, v in fields.items() if k != "usage"})
         if nxt is not None:
-            f.state = "retrying"
+            f.move(FiringState.RETRYING)
             self._write_record(f, "retrying", retry_at=rfc(nxt), **fields)
             self._status(e, f, "retrying", retry_at=rfc(nxt), **fields)
             f.timer = self.loop.call_later(max(0.0, (nxt - now).total_seconds()), self._retry_due, f)
         else:
-            f.state = "done"
+            f.move(FiringState.DONE)
             self._write_record(f, state, **fields)
             self._status(e, f, state, **fields)
             self._forget(f)
@@ -763,7 +728,7 @@ class Scheduler:
     def _retry_due(self, f: Firing) -> None:
         f.timer = None
         e = f.entry
-        if self.entries.get(e.job.id) is not e or e.cancelled or f.state != "retrying":
+        if self.entries.get(e.job.id) is not e or e.cancelled or f.state != FiringState.RETRYING:
             return
         from agent.execute.admission import ADMITTED, REJECTED
 
@@ -773,12 +738,12 @@ class Scheduler:
         elif decision == REJECTED:
             self._finish_without_run(f, "failed", "quota_never_fits")
         else:
-            f.state = "retrying_admission"
+            f.move(FiringState.RETRYING_ADMISSION)
             self.waiting[f.key] = f
 
     def _finish_without_run(self, f: Firing, state: str, reason: str) -> None:
         """Record a firing that will not run (misfired, cancelled, failed before start)."""
-        f.state = "done"
+        f.move(FiringState.DONE)
         e = f.entry
         FIRINGS.labels(reason).inc()
         fence = self.agent.fence_for(e.shard)
@@ -799,7 +764,7 @@ class Scheduler:
         if e.firings.get(f.fire_id) is f:
             del e.firings[f.fire_id]
         if e.backlog and self.entries.get(e.job.id) is e and not e.cancelled \
-                and not any(g.state in ("running", "claiming") for g in e.firings.values()):
+                and not any(g.state in ACTIVE for g in e.firings.values()):
             self.loop.call_later(0, self._fire, e, e.backlog.pop(0))
         # a one-shot job with nothing left to do stays known (cancel may still come)
 
@@ -863,7 +828,7 @@ class Scheduler:
         running, due = [], []
         for e in self.entries.values():
             for f in e.firings.values():
-                if f.state == "running" and f.started_mono:
+                if f.state == FiringState.RUNNING and f.started_mono:
                     running.append({"job_id": e.job.id, "fire_id": f.fire_id, "attempt": f.attempt,
                                     "pid": getattr(f.handle, "pid", None), "health": f.health,
                                     "age_s": round(time.monotonic() - f.started_mono, 1)})
@@ -872,7 +837,7 @@ class Scheduler:
         due.sort()
         return {"owned_jobs": len(self.entries), "running": running,
                 "waiting": sum(1 for e in self.entries.values() for f in e.firings.values()
-                               if f.state in ("waiting", "retrying_admission")),
+                               if f.state in (FiringState.WAITING, FiringState.RETRYING_ADMISSION)),
                 "due": [{"job_id": j, "due": rfc(d), "in_s": round((d - now).total_seconds(), 3)} for d, j in due[:50]],
                 "loading_shards": sorted(self.loading),
                 "admission": {"running": len(self.admission.running), "waiting": len(self.admission)}}
@@ -881,7 +846,7 @@ class Scheduler:
         self.gc.stop()
         for e in self.entries.values():
             for f in e.firings.values():
-                if f.state == "running" and f.handle is not None:
+                if f.state == FiringState.RUNNING and f.handle is not None:
                     f.handle.terminate("agent_stopped")
 
     def _quiet_for(self) -> Optional[float]:
@@ -892,7 +857,7 @@ class Scheduler:
             if e.next_due is not None and (soonest is None or e.next_due < soonest):
                 soonest = e.next_due
             for f in e.firings.values():
-                if f.state in ("claiming", "running") and not f.started_mono and (soonest is None or f.due < soonest):
+                if f.state in ACTIVE and not f.started_mono and (soonest is None or f.due < soonest):
                     soonest = f.due
         if soonest is None:
             return None
@@ -901,7 +866,7 @@ class Scheduler:
 
 def _parse_or(text: Optional[str], default: datetime) -> datetime:
     try:
-        return sch.parse_rfc3339(text) if text else default
+        return parse_rfc3339(text) if text else default
     except Exception:
         return default
 

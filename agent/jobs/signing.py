@@ -32,6 +32,8 @@ from typing import Any, Optional
 
 import yaml
 
+from agent.runtime.text import short as _short
+
 try:  # python3-cryptography (Debian); optional
     from cryptography.exceptions import InvalidSignature as _InvalidSignature
     from cryptography.hazmat.primitives.asymmetric.ed25519 import (
@@ -350,8 +352,3 @@ def generate_ed25519() -> tuple[str, str]:
 
 def generate_hmac_secret(nbytes: int = 32) -> str:
     return _b64encode(os.urandom(max(nbytes, MIN_HMAC_SECRET_BYTES)))
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

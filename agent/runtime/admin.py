@@ -15,7 +15,7 @@ from typing import Any
 
 from agent.config import load_config
 
-log = logging.getLogger("millwright.admin")
+log = logging.getLogger(__name__)
 
 
 class AdminServer:

@@ -30,7 +30,7 @@ from agent.runtime.metrics import counter, gauge
 from agent.runtime import logs
 from agent.runtime import metrics
 
-log = logging.getLogger("millwright.daemon")
+log = logging.getLogger(__name__)
 
 FENCES = counter("millwright_self_fences_total", "Times the agent stopped acting for its shards", ("reason",))
 ETCD_UP = gauge("millwright_etcd_up", "1 while the session lease is valid")

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 from agent.runtime.metrics import counter
 
-log = logging.getLogger("millwright.loop")
+log = logging.getLogger(__name__)
 
 STALLS = counter("millwright_loop_stalls_total", "Loop handlers that ran longer than the stall threshold")
 

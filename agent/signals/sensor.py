@@ -32,7 +32,7 @@ from agent.runtime import metrics
 from agent.signals import abi, check, procfs
 from agent.signals.model import ConnEvent, EndpointSignals, ExecEvent, Gap, NodeSignals, SlotSignals
 
-log = logging.getLogger("millwright.signals")
+log = logging.getLogger(__name__)
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 from agent.supervision.health import ExecPolicy, JobHealth
 from agent.supervision.leasepolicy import LeasePolicy, read_memory_pressure
 
-log = logging.getLogger("millwright.supervision")
+log = logging.getLogger(__name__)
 
 TICK_S = 0.25
 NODE_EVERY_S = 5.0

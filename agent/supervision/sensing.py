@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-log = logging.getLogger("millwright.sensing")
+log = logging.getLogger(__name__)
 
 MAX_SLOT = 1023
 
