@@ -50,7 +50,7 @@ class ShardManager:
     def __init__(self, agent_id: str, shards: int, keys: Keys, client: EtcdClient, workers: EtcdWorkers,
                  loop, on_acquired: Callable[[Fence], None], on_lost: Callable[[int, str], None],
                  busy: Callable[[int], bool] = lambda s: False, claim_stagger_s: float = 0.3,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, own_old_leases: Callable[[], set] = set):
         self.me = agent_id
         self.shards = shards
         self.keys = keys
@@ -75,7 +75,7 @@ class ShardManager:
         self._reconcile_timer = None
         self.members_rev = 0
         self.shards_rev = 0
-        self.own_old_leases: Callable[[], set] = set
+        self.own_old_leases = own_old_leases  # leases this agent abandoned (their keys are ours to take back)
         self._last_busy: Optional[str] = None
         self._plan_key: tuple = ()
         self._plan_cache: dict[int, str] = {}

@@ -31,7 +31,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from agent.coordination.etcd import Create, EtcdError, EtcdUnavailable, Mod, Put
 from agent.coordination.fencing import Fence, StaleToken, fenced_txn
@@ -47,6 +47,9 @@ from agent.runtime.metrics import counter, gauge, histogram
 from agent.runtime.timefmt import format_optional as rfc
 from agent.runtime.timefmt import parse_rfc3339, utcnow
 from agent.jobs import schedule as sch
+
+if TYPE_CHECKING:
+    from agent.runtime.daemon import Agent
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +81,10 @@ class JobEntry:
 
 
 class Scheduler:
-    def __init__(self, agent: Any, executor: Any, admission: Any):
+    """Implements the daemon's ShardListener, the cloud's JobListener and supervision's
+    RunGate; tells its RunListeners of every run it starts and ends."""
+
+    def __init__(self, agent: Agent, executor: Any, admission: Any, run_listeners: Sequence[RunListener] = ()):
         self.agent = agent
         self.cfg = agent.cfg
         self.loop = agent.loop
@@ -97,7 +103,7 @@ class Scheduler:
         self.loading: dict[int, Fence] = {}
         self._dirty: dict[int, int] = {}          # shard -> newest job revision seen while loading
         self.waiting: dict[str, Firing] = {}      # admission key -> firing
-        self.run_listeners: list[Any] = []        # health/sensor: run_started(f), run_ended(f)
+        self.run_listeners = run_listeners        # sensing, supervision (the daemon's list)
         self.paused: Optional[str] = None         # early fence: no new runs start while set
         self._held: list[Firing] = []             # firings that fell due while paused
         self.gc = GcPolicy(self.loop, self._quiet_for).start()
@@ -105,8 +111,6 @@ class Scheduler:
         agent.shard_listeners.append(self)
         agent.busy_checks.append(self.busy)
         agent.status_providers["jobs"] = self.status
-        if not hasattr(agent, "job_listeners"):
-            agent.job_listeners = []
         agent.job_listeners.append(self)
 
     # --- wiring ------------------------------------------------------------------------
