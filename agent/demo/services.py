@@ -16,6 +16,8 @@ import tempfile
 import time
 from typing import Optional
 
+# the source tree's root (agents started from a checkout import `agent` from there)
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def _die_with_parent() -> None:
     """preexec_fn: SIGKILL the child when the process that started it dies, so a test run
@@ -392,8 +394,7 @@ class AgentProcess:
         self.log_path = os.path.join(self.dir, "agent.log")
 
     def start(self) -> "AgentProcess":
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        env = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                "PYTHONUNBUFFERED": "1", **self.env}
         self.logf = open(self.log_path, "ab")
         self.proc = subprocess.Popen([self.python, "-m", "agent", "run", "-c", self.config_path],
