@@ -10,7 +10,8 @@ import subprocess
 import sys
 import tempfile
 
-from tests.conftest import ROOT, require_kernel
+from agent.demo.services import REPO_ROOT as ROOT
+from tests.support.kernel import require_kernel
 
 
 def run_demo(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
