@@ -44,7 +44,7 @@ def pct(xs, p):
 def run(n_agents: int, paho2: bool) -> dict:
     base = tempfile.mkdtemp(prefix="mw-bench-ingest-")
     etcd = EtcdServer(os.path.join(base, "etcd"))
-    mq = MosquittoServer(os.path.join(base, "mq"), extra_conf="user root\n")
+    mq = MosquittoServer(os.path.join(base, "mq"))
     for s in (etcd, mq):
         os.makedirs(s.dir, exist_ok=True)
         s.start()

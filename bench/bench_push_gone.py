@@ -70,7 +70,7 @@ def trial(n: int, base: str, etcd: EtcdServer, mq: MosquittoServer, keys: str, r
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="mw-bench-gone-") as base:
         etcd = EtcdServer(os.path.join(base, "etcd"))
-        mq = MosquittoServer(os.path.join(base, "mq"), extra_conf="user root\n")
+        mq = MosquittoServer(os.path.join(base, "mq"))
         for s in (etcd, mq):
             os.makedirs(s.dir, exist_ok=True)
             s.start()

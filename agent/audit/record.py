@@ -23,7 +23,6 @@ import hmac
 import json
 import re
 import time
-from datetime import datetime, timedelta, timezone
 from typing import Any, Optional
 
 from agent.runtime.timefmt import parse_rfc3339
@@ -38,7 +37,8 @@ _MAC_MARK = b',"mac":"'
 
 _ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 try:  # the C encoder called directly: 3x cheaper than json.dumps on the writer's hot path
-    from json.encoder import c_make_encoder as _c_make_encoder, encode_basestring_ascii as _enc_str
+    from json.encoder import c_make_encoder as _c_make_encoder
+    from json.encoder import encode_basestring_ascii as _enc_str
 
     _C_ENCODE = _c_make_encoder(None, _ENCODER.default, _enc_str, None, ":", ",", True, False, False)
 except (ImportError, TypeError):  # pragma: no cover - pure-Python json

@@ -33,11 +33,25 @@ from typing import Any, Callable, Optional
 
 from agent.audit.events import RecordHelpers
 from agent.audit.files import (
-    CHECKPOINTS, LOCK, file_name, file_number, fsync_dir, iter_lines, list_files, read_tail,
+    CHECKPOINTS,
+    LOCK,
+    file_name,
+    file_number,
+    fsync_dir,
+    iter_lines,
+    list_files,
+    read_tail,
 )
 from agent.audit.keyfile import KeyFileError, load_key
 from agent.audit.record import (
-    FORMAT_VERSION, GENESIS, RESERVED, TYPE_RE, BadRecord, line_hash, open_record, seal,
+    FORMAT_VERSION,
+    GENESIS,
+    RESERVED,
+    TYPE_RE,
+    BadRecord,
+    line_hash,
+    open_record,
+    seal,
 )
 from agent.runtime.metrics import counter, gauge, histogram
 from agent.runtime.timefmt import format_ts

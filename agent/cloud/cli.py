@@ -7,7 +7,6 @@ The broker URL, TLS, credentials and the cluster come from the agent config (-c)
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import queue

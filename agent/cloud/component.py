@@ -18,7 +18,6 @@ import logging
 import os
 import sqlite3
 import threading
-import time
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from agent.coordination.jobstore import JobStore, StoredJob

@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable, Optional
 
-from agent.jobs import document as jobs
-from agent.coordination.etcd import EtcdUnavailable, EtcdError
+from agent.coordination.etcd import EtcdError, EtcdUnavailable
 from agent.coordination.jobstore import CREATED, JobCancelled, JobConflict, JobStore, _canonical
 from agent.coordination.keys import shard_of
+from agent.jobs import document as jobs
 from agent.jobs.document import JobRejected, parse_cancel, parse_job
 from agent.runtime.metrics import counter, histogram
 from agent.runtime.timefmt import now_rfc3339

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
+
 from agent import __version__
 from agent.runtime.timefmt import now_rfc3339
 

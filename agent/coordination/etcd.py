@@ -16,10 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 from urllib.parse import urlparse
 
-import grpc
-
 import etcd3
 import etcd3.etcdrpc as rpc
+import grpc
 from etcd3 import transactions as tx
 from etcd3 import utils as etcd_utils
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Optional
 
 from agent.coordination.etcd import KV, Create, EtcdClient, Get, Mod, Put

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from agent.coordination import hrw
-from agent.coordination.etcd import Create, Delete, EtcdClient, KV, Put
+from agent.coordination.etcd import KV, Create, Delete, EtcdClient, Put
 from agent.coordination.fencing import Fence, StaleToken, fenced_txn
 from agent.coordination.keys import Keys
 from agent.coordination.watch import WatchEvent

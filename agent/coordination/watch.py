@@ -18,9 +18,8 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-import grpc
-
 import etcd3.etcdrpc as rpc
+import grpc
 from etcd3 import utils as etcd_utils
 
 from agent.coordination.etcd import KV, EtcdClient, EtcdError, EtcdUnavailable, _kv

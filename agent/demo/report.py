@@ -127,7 +127,7 @@ def collect(demo: Demo) -> dict:
     now_jobs = {j.id for j in demo.jobs if not j.doc["schedule"]}
     kill = demo.kill_wall
     fo_end = kill + timedelta(seconds=demo.failover.get("done_s", 0)) if kill else None
-    for (jid, f), r in recs.items():
+    for (jid, _f), r in recs.items():
         due, started = parse_rfc(r.get("due")), parse_rfc(r.get("started_at"))
         if not due or not started or int(r.get("attempt") or 1) != 1:
             continue
@@ -211,7 +211,7 @@ def summary(demo: Demo, res: dict) -> int:
         if not problems else f"{verdict} " + problems[0])
     for p in problems[1:6]:
         cont(p)
-    for jid, f, r, aid in res["retried"]:
+    for jid, _f, r, aid in res["retried"]:
         cont(f"{jid}: was running on {demo.victim} when it died (owner_lost); {aid} resolved it by "
              f"the retry policy: attempt {r.get('attempt')} {r.get('state')} on {r.get('agent')}")
     # the cloud's view: a final status for every finished firing

@@ -587,7 +587,7 @@ class Demo:
             time.sleep(0.2)
 
     def stop_agents(self) -> None:
-        for aid, a in self.agents.items():
+        for a in self.agents.values():
             if a.alive():
                 a.signal(signal.SIGTERM)
         for aid, a in self.agents.items():

@@ -401,7 +401,7 @@ class _CgroupBackend(QuotaBackend):
         return n
 
     def close(self) -> None:
-        for h, root in self.roots.items():
+        for root in self.roots.values():
             try:
                 self.fs.rmdir(root)
             except OSError:
@@ -557,7 +557,7 @@ class Cgroup2Backend(_CgroupBackend):
         try:
             have = set(self.fs.read(os.path.join(self.base, "cgroup.controllers")).split())
         except OSError as exc:
-            raise BackendUnavailable(f"cannot read {self.base}/cgroup.controllers: {exc.strerror}")
+            raise BackendUnavailable(f"cannot read {self.base}/cgroup.controllers: {exc.strerror}") from None
         missing = [c for c in NEEDED if c not in have]
         if missing:
             raise BackendUnavailable(
@@ -589,7 +589,7 @@ class Cgroup2Backend(_CgroupBackend):
             if not set(NEEDED) <= enabled:
                 self._enable(base)
         except OSError as exc:
-            raise BackendUnavailable(f"enabling {', '.join(NEEDED)} in {base} failed: {exc.strerror}")
+            raise BackendUnavailable(f"enabling {', '.join(NEEDED)} in {base} failed: {exc.strerror}") from None
         root = os.path.join(base, self.root_name)
         self.fs.mkdir(root)
         self._enable(root)

@@ -29,11 +29,11 @@ import random
 import re
 import threading
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from typing import Any, Optional
 
 from agent.runtime.text import short as _short
-from agent.runtime.timefmt import MAX_YEAR, MIN_YEAR, UTC, format_rfc3339, parse_rfc3339
+from agent.runtime.timefmt import MAX_YEAR, UTC, format_rfc3339, parse_rfc3339
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 MAX_DELAY_S = 366 * 86400.0

@@ -30,7 +30,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from agent.coordination.etcd import Create, EtcdError, EtcdUnavailable, Mod, Put
@@ -39,14 +39,14 @@ from agent.coordination.jobstore import JobStore, StoredJob, public_doc
 from agent.coordination.keys import shard_of
 from agent.coordination.watch import PrefixWatch, WatchEvent
 from agent.coordination.worker import EtcdWorkers
+from agent.jobs import schedule as sch
 from agent.jobs.claimlead import ClaimLead
+from agent.jobs.document import Job, JobRejected, render_argv
 from agent.jobs.firing import ACTIVE, NOT_STARTED, RETRYABLE, TERMINAL, Firing, FiringState, RunListener
 from agent.runtime.gcpolicy import GcPolicy
-from agent.jobs.document import Job, JobRejected, effective_resources, render_argv
 from agent.runtime.metrics import counter, gauge, histogram
 from agent.runtime.timefmt import format_optional as rfc
 from agent.runtime.timefmt import parse_rfc3339, utcnow
-from agent.jobs import schedule as sch
 
 if TYPE_CHECKING:
     from agent.runtime.daemon import Agent

@@ -36,11 +36,13 @@ from agent.runtime.text import short as _short
 
 try:  # python3-cryptography (Debian); optional
     from cryptography.exceptions import InvalidSignature as _InvalidSignature
+    from cryptography.hazmat.primitives import serialization as _serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import (
         Ed25519PrivateKey as _Ed25519PrivateKey,
+    )
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import (
         Ed25519PublicKey as _Ed25519PublicKey,
     )
-    from cryptography.hazmat.primitives import serialization as _serialization
 
     HAVE_ED25519 = True
 except Exception:  # pragma: no cover - depends on the host

@@ -58,7 +58,8 @@ class AdminServer:
                 done = threading.Event()
                 box: dict = {}
 
-                def snap() -> None:
+                def snap(box: dict = box, done: threading.Event = done) -> None:
+                    # bound now: a snapshot arriving after its request timed out must not answer the next one
                     box["doc"] = self.agent.status()
                     done.set()
 

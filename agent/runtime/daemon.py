@@ -17,9 +17,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from agent import __version__
 from agent.config import Config, load_config
-from agent.coordination.etcd import EtcdClient
-from agent.coordination.fencing import Fence, StaleToken, fenced_txn
-from agent.coordination.etcd import Put
+from agent.coordination.etcd import EtcdClient, Put
+from agent.coordination.fencing import Fence, fenced_txn
 from agent.coordination.keys import Keys
 from agent.coordination.session import Session
 from agent.coordination.shards import ShardManager

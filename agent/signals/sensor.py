@@ -157,7 +157,7 @@ class Sensor:
                     self._maps["slot_stats"].set(slot, abi.SlotStats())
                 for pid, slot in self._tracked_pids.items():
                     self._maps["tracked"].set(pid, slot)
-                for (host, port), epid in self._eps.items():
+                for (_host, port), epid in self._eps.items():
                     self._maps["ep_stats"].set(epid, abi.EpStats())
                     for k in self._ep_keys(self._ep_addrs[epid], port):
                         self._maps["endpoints"].set(k, epid)
@@ -601,7 +601,7 @@ class Sensor:
             self._proc_pending.append((pid, ppid, int(st.get("Uid", "0").split()[0]), int(st.get("Gid", "0").split()[0]),
                                        filename, argv, offset + time.monotonic()))
         # execs in place (same pid) by tracked processes: compare exe and cmdline
-        for pid, slot in list(self._proc_slots.items()):
+        for pid in list(self._proc_slots):
             prev = self._proc_cmd.get(pid)
             argv = procfs.proc_cmdline(pid)
             try:

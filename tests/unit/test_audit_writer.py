@@ -14,6 +14,7 @@ from agent.audit.files import CHECKPOINTS, file_name, list_files
 from agent.audit.keyfile import KeyFileError, load_key
 from agent.audit.record import GENESIS, line_hash, parse_time
 from agent.runtime.timefmt import format_ts
+from tests.support.records import audit_records
 from agent.audit.verify import verify
 from agent.runtime.loop import EventLoop
 from agent.runtime.metrics import sample
@@ -22,16 +23,7 @@ KEY = b"k" * 32
 
 
 def records(d):
-    out = []
-    for _, name in list_files(d):
-        with open(os.path.join(d, name), "rb") as fh:
-            for raw in fh.read().split(b"\n"):
-                if raw.startswith(b"{"):
-                    try:
-                        out.append(json.loads(raw))
-                    except ValueError:
-                        pass
-    return out
+    return audit_records(d)
 
 
 def cps(d):
