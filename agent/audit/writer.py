@@ -89,6 +89,17 @@ class AuditLog(RecordHelpers):
     block (post it to your own thread) and its exceptions are logged and ignored.
     """
 
+    # the chain's and the current file's state, set when the directory is opened (_recover)
+    _seq: int
+    _last_hash: str
+    _committed: tuple[int, str]
+    _n: int
+    _size: int
+    _sha: Any
+    _cp_seq: int
+    _cp_hash: str
+    _cp_size: int
+
     def __init__(self, directory: str, key_file: str, *, fsync_interval_s: float = 1.0,
                  queue_max: int = 10000, rotate_bytes: int = 16 * 1024 * 1024, keep_files: int = 64,
                  checkpoint_interval_s: float = 60.0, agent_id: Optional[str] = None,
@@ -510,7 +521,7 @@ class AuditLog(RecordHelpers):
             n, name = closed.pop(0)
             path = os.path.join(self.dir, name)
             last = _last_record(path)
-            fields = {"kind": "retired", "file": name}
+            fields: dict[str, Any] = {"kind": "retired", "file": name}
             if last is not None:
                 fields.update(last_seq=last[0], last_hash=last[1])
             if self._checkpoint("checkpoint", fields) is None:

@@ -12,6 +12,7 @@ import os
 import queue
 import sys
 import time
+from typing import Optional
 
 from agent.cli import UserError
 
@@ -62,10 +63,11 @@ def publish_and_wait(cfg, topic: str, payload: bytes, job_id, timeout: float, wa
     topics = Topics(cfg.cluster)
     digest = push_digest(payload)
     got: "queue.Queue" = queue.Queue()
-    link = None
+    link: Optional[MqttLink] = None
 
     def on_message(msg):
-        link.ack(msg)
+        if link is not None:  # set before the link starts delivering
+            link.ack(msg)
         try:
             doc = json.loads(msg.payload)
         except ValueError:

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from agent.coordination import hrw
 from agent.coordination.etcd import KV, Create, Delete, EtcdClient, Put
@@ -71,7 +71,7 @@ class ShardManager:
         self.unavailable_reason: Optional[str] = None  # voluntary hand-off (health policy)
         self._claiming: set[int] = set()
         self._releasing: set[int] = set()
-        self._fallback: dict[int, object] = {}
+        self._fallback: dict[int, Any] = {}  # shard -> loop timer
         self._reconcile_timer = None
         self.members_rev = 0
         self.shards_rev = 0
@@ -278,6 +278,7 @@ class ShardManager:
 
     def _claim(self, s: int) -> None:
         key, lease = self.keys.shard(s), self.lease
+        assert lease is not None  # claims are made only under a session lease
         self._claiming.add(s)
         t = self._fallback.pop(s, None)
         if t is not None:

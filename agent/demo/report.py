@@ -52,7 +52,7 @@ def msum(samples: dict, name: str, **labels) -> float:
 
 
 def by_label(samples: dict, name: str, label: str) -> dict[str, float]:
-    out: dict[str, float] = collections.Counter()
+    out: collections.Counter[str] = collections.Counter()
     for (n, ls), v in samples.items():
         if n == name:
             out[dict(ls).get(label, "")] += v
@@ -134,7 +134,7 @@ def collect(demo: Demo) -> dict:
         d = (started - due).total_seconds()
         if jid in now_jobs:
             immediate.append(d)
-        elif kill and kill - timedelta(seconds=1) <= due <= fo_end + timedelta(seconds=3) and d > 0.05:
+        elif kill and fo_end and kill - timedelta(seconds=1) <= due <= fo_end + timedelta(seconds=3) and d > 0.05:
             late.append((jid, d))
         else:
             delays.append(d)
@@ -153,7 +153,7 @@ def collect(demo: Demo) -> dict:
     for aid, rs in audit_recs.items():
         for e in rs:
             if e.get("type") == "job" and e.get("event") == "owner_lost":
-                r = recs.get((e.get("job"), e.get("fire_id")), {})
+                r = recs.get((str(e.get("job")), str(e.get("fire_id"))), {})
                 retried_after_loss.append((e.get("job"), e.get("fire_id") or "", r, aid))
     return {"records": recs, "effects": fx, "problems": problems, "firings": firings, "by_state": by_state,
             "retried": retried_after_loss, "delays": delays, "immediate": immediate, "late": late, "metrics": metrics,
@@ -324,12 +324,12 @@ def _health_summary(demo: Demo, res: dict, row, cont, problems: list) -> None:
     # network stall
     jid = "firmware-fetch-press4"
     r, text = rec_line(jid)
-    health_seen = sorted({d.get("health") for d in _statuses(demo, jid) if d.get("health")} |
-                         ({r.get("health")} if r and r.get("health") else set()))
+    health_seen = sorted({str(d["health"]) for d in _statuses(demo, jid) if d.get("health")} |
+                         ({str(r["health"])} if r and r.get("health") else set()))
     detected = any(h not in ("healthy", None) for h in health_seen) or (
         r is not None and "network_stall" in str(r.get("reason")))
     row("net stall", f"{'OK ' if detected else 'NOT SHOWN'} {jid} (update server blackholed): {text}")
-    bpf = {}
+    bpf: dict[str, float] = {}
     for s in metrics.values():
         for k, v in by_label(s, "millwright_bpf_events_total", "kind").items():
             bpf[k] = bpf.get(k, 0) + v
@@ -342,7 +342,7 @@ def _health_summary(demo: Demo, res: dict, row, cont, problems: list) -> None:
         demo.findings.append("health decisions: the stalled run's health stays 'healthy' (no run health "
                              "from kernel signals in statuses or run records)")
     # lease decisions
-    fences = {}
+    fences: dict[str, float] = {}
     for s in metrics.values():
         for k, v in by_label(s, "millwright_self_fences_total", "reason").items():
             fences[k] = fences.get(k, 0) + v
@@ -351,7 +351,7 @@ def _health_summary(demo: Demo, res: dict, row, cont, problems: list) -> None:
     row("lease", "survivors' demo-fences: " + (", ".join(f"{k} {v:g}" for k, v in fences.items()) or "0") +
         "; audit lease records: " + ", ".join(f"{k} {n}" for k, n in sorted(lease_events.items())) +
         " (this scenario stalls a job's network, not an agent's etcd path)")
-    hm = {}
+    hm: dict[str, float] = {}
     for name, label in (("millwright_run_health_changes_total", "state"),
                         ("millwright_exec_policy_violations_total", "mode")):
         for s in metrics.values():

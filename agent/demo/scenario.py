@@ -115,11 +115,12 @@ class Demo:
         self.live = Live(stream)
         self.started = time.monotonic()
         self.base: Optional[str] = None
-        self.etcd = None
-        self.mqtt = None
-        self.console: Optional[CloudConsole] = None
-        self.client = None
-        self.keys = None
+        # set by setup(); every later phase runs only after it succeeded
+        self.etcd: Any = None
+        self.mqtt: Any = None
+        self.console: Any = None  # CloudConsole
+        self.client: Any = None
+        self.keys: Any = None
         self.agents: dict[str, Any] = {}
         self.metrics_ports: dict[str, int] = {}
         self.nft_table: Optional[str] = None
@@ -373,7 +374,7 @@ class Demo:
             self.statuses.append(doc)
             self._print_status(doc)
 
-    def _job(self, jid: str) -> Optional[DemoJob]:
+    def _job(self, jid: Optional[str]) -> Optional[DemoJob]:
         for j in self.jobs:
             if j.id == jid:
                 return j
@@ -462,7 +463,7 @@ class Demo:
             sch = j.doc["schedule"]
             if j.cron_expected:
                 score[owner] += sum(1 for g in j.cron_expected if g > kill)
-            elif "at" in sch and parse_rfc(sch["at"]) and parse_rfc(sch["at"]) > kill - timedelta(seconds=3):
+            elif "at" in sch and (at := parse_rfc(sch["at"])) is not None and at > kill - timedelta(seconds=3):
                 score[owner] += 1
             elif "delay_s" in sch and self.t0 + timedelta(seconds=sch["delay_s"]) > kill:
                 score[owner] += 1

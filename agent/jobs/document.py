@@ -157,8 +157,9 @@ class Job:
                       verify_signature=False)
 
 
-def parse_job(payload: Union[bytes, str, dict], *, templates: dict, keyring: Optional[KeyRing], now: datetime,
-              max_skew_s: float, max_bytes: int, verify_signature: bool = True) -> Job:
+def parse_job(payload: Union[bytes, str, dict], *, templates: dict, keyring: Optional[KeyRing],
+              now: Optional[datetime], max_skew_s: Optional[float], max_bytes: int,
+              verify_signature: bool = True) -> Job:
     """Validate an untrusted job document. Raises only JobRejected (see the module doc)."""
     return _parse(payload, templates=templates, keyring=keyring, now=now, max_skew_s=max_skew_s,
                   max_bytes=max_bytes, verify_signature=verify_signature)
@@ -417,7 +418,7 @@ def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyR
     issued_at = _timestamp(doc, "issued_at")
     if not_after is not None and issued_at is not None and not_after <= issued_at:
         raise _bad("not_after", "must be later than issued_at")
-    if not_after is not None and schedule.kind == "at" and schedule.at >= not_after:
+    if not_after is not None and schedule.kind == "at" and schedule.at is not None and schedule.at >= not_after:
         raise _bad("schedule.at", "is not before not_after: the job could never run")
 
     sig = doc.get("sig")

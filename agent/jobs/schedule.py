@@ -364,6 +364,7 @@ class Schedule:
         if self.kind == "now":
             return {}
         if self.kind == "at":
+            assert self.at is not None
             return {"at": format_rfc3339(self.at)}
         if self.kind == "delay":
             return {"delay_s": self.delay_s}
@@ -379,7 +380,8 @@ def next_due(schedule: Schedule, after: datetime) -> Optional[datetime]:
         assert schedule._spec is not None
         return _cron_next(schedule._spec, after)
     if schedule.kind == "at":
-        return schedule.at if schedule.at > after else None
+        at = schedule.at
+        return at if at is not None and at > after else None
     return None
 
 
@@ -516,6 +518,7 @@ def recover(schedule: Schedule, last_due_done: Optional[datetime], now: datetime
     if last is not None and (first is None or last >= first):
         lo, inclusive = last, False
     else:
+        assert first is not None
         lo, inclusive = first, True
     nxt = next_due(schedule, now)
     if lo > now:
@@ -549,7 +552,7 @@ def recover_job(job: Any, accepted_at: datetime, last_due_done: Optional[datetim
     na = getattr(job, "not_after", None)
     expired = na is not None and now >= na
     # Firings at or after not_after are not part of the window at all.
-    window_end = na - timedelta(microseconds=1) if expired else now
+    window_end = na - timedelta(microseconds=1) if na is not None and expired else now
     rec = recover(job.schedule, last_due_done, window_end, job.misfire, getattr(job, "misfire_limit", 1),
                   first_due=first_due(job, accepted_at), grace_s=grace_s)
     if expired:

@@ -31,9 +31,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Optional, Sequence, cast
 
-from agent.coordination.etcd import Create, EtcdError, EtcdUnavailable, Mod, Put
+from agent.coordination.etcd import Create, EtcdClient, EtcdError, EtcdUnavailable, Mod, Put
 from agent.coordination.fencing import Fence, StaleToken, fenced_txn
 from agent.coordination.jobstore import JobStore, StoredJob, public_doc
 from agent.coordination.keys import shard_of
@@ -121,7 +122,7 @@ class Scheduler:
                         on_events=lambda evs, rev: post(self._jobs_events, evs, rev),
                         start_revision=None)
         # the snapshot of all jobs is not needed (shards load their own): list keys only
-        w.client = _KeysOnly(self.client)
+        w.client = cast(EtcdClient, _KeysOnly(self.client))
         return [w.start()]
 
     def busy(self, shard: int) -> bool:
@@ -186,7 +187,8 @@ class Scheduler:
         self._dirty.pop(shard, None)
         for jid in list(self.by_shard.get(shard, ())):
             e = self._pop_entry(jid)
-            self._drop_entry(e, reason="shard_lost" if reason != "released" else "released")
+            if e is not None:
+                self._drop_entry(e, reason="shard_lost" if reason != "released" else "released")
         JOBS_OWNED.set(len(self.entries))
 
     def _drop_entry(self, e: JobEntry, reason: str) -> None:
@@ -327,14 +329,14 @@ class Scheduler:
                 self._orphan(f, now)
         # 2. firings due while nobody owned the shard (misfire policy), and the next one
         try:
-            rec = sch.recover_job(job, accepted_at, e.last_due_done, now)
+            recovery = sch.recover_job(job, accepted_at, e.last_due_done, now)
         except Exception as exc:
             log.error("cannot compute the schedule; ignoring job", extra={"fields": {"job": job.id, "error": str(exc)}})
             return
-        if rec.skipped:
-            FIRINGS.labels("misfired").inc(rec.skipped)
-            self._status(e, None, "misfired", reason=f"misfire policy {job.misfire}: {rec.skipped}"
-                         f"{'+' if rec.skipped_capped else ''} firing(s) skipped")
+        if recovery.skipped:
+            FIRINGS.labels("misfired").inc(recovery.skipped)
+            self._status(e, None, "misfired", reason=f"misfire policy {job.misfire}: {recovery.skipped}"
+                         f"{'+' if recovery.skipped_capped else ''} firing(s) skipped")
             # one record for the latest skipped firing, so the next owner does not decide again
             try:
                 latest = sch.missed_firings(job.schedule, e.last_due_done, now, "run_once", 1,
@@ -342,19 +344,19 @@ class Scheduler:
             except ValueError:
                 latest = []
             for due in latest:
-                if due not in rec.run:
+                if due not in recovery.run:
                     f = Firing(e, due, sch.fire_id(job.id, due))
                     e.firings[f.fire_id] = f
                     if e.last_due_done is None or due > e.last_due_done:
                         e.last_due_done = due
                     self._finish_without_run(f, "misfired", f"misfire_{job.misfire}")
-        if rec.run:  # catch-ups of one job run one after another, oldest first
-            e.backlog.extend(rec.run[1:])
-            self._fire(e, rec.run[0])
-        if rec.next_due is not None:
-            self._arm(e, rec.next_due)
-        if not records and job.schedule.kind != "now" and rec.next_due is not None:
-            self._status(e, None, "scheduled", due=rfc(rec.next_due))
+        if recovery.run:  # catch-ups of one job run one after another, oldest first
+            e.backlog.extend(recovery.run[1:])
+            self._fire(e, recovery.run[0])
+        if recovery.next_due is not None:
+            self._arm(e, recovery.next_due)
+        if not records and job.schedule.kind != "now" and recovery.next_due is not None:
+            self._status(e, None, "scheduled", due=rfc(recovery.next_due))
 
     def _orphan(self, f: Firing, now: datetime) -> None:
         """A run left `running` by an owner that is gone: it may have run. Policy decides."""
@@ -679,12 +681,7 @@ class Scheduler:
     def _run_failed_early(self, f: Firing, reason: str) -> None:
         f.move(FiringState.RUNNING)
 
-        class _R:
-            pass
-
-        r = _R()
-        r.reason, r.exit_code, r.signal, r.usage, r.error = "spawn_error", None, None, None, reason
-        self._ended(f, r)
+        self._ended(f, SimpleNamespace(reason="spawn_error", exit_code=None, signal=None, usage=None, error=reason))
 
     def _ended(self, f: Firing, result: Any) -> None:
         e = f.entry
@@ -700,7 +697,7 @@ class Scheduler:
             RUNS.labels("abandoned").inc()
             return  # we may not write for this shard any more; the new owner resolves it
         usage = getattr(result, "usage", None)
-        usage_doc = usage.to_dict() if hasattr(usage, "to_dict") else (usage or {})
+        usage_doc = usage.to_dict() if usage is not None and hasattr(usage, "to_dict") else (usage or {})
         duration = time.monotonic() - f.started_mono if f.started_mono else 0.0
         JOB_DURATION.observe(duration)
         now = utcnow()

@@ -93,7 +93,7 @@ def canonical_json(doc: dict, *, with_sig: bool = False) -> bytes:
     return text.encode("utf-8")  # UnicodeEncodeError (a ValueError) for lone surrogates
 
 
-def _b64decode(text: str) -> bytes:
+def _b64decode(text: Any) -> bytes:
     """Strict standard base64 (padding required, no stray characters)."""
     if not isinstance(text, str) or not text.isascii():
         raise ValueError("not base64")

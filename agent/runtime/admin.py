@@ -11,7 +11,7 @@ import logging
 import os
 import socket
 import threading
-from typing import Any
+from typing import Any, Optional
 
 from agent.config import load_config
 
@@ -142,7 +142,9 @@ def render(doc: dict) -> str:
 
 
 def _ranges(nums: list[int]) -> str:
-    out, start, prev = [], None, None
+    out: list[str] = []
+    start: Optional[int] = None
+    prev = 0
     for n in sorted(nums):
         if start is None:
             start = prev = n
