@@ -50,6 +50,8 @@ from agent.runtime.timefmt import format_optional as rfc
 from agent.runtime.timefmt import parse_rfc3339, utcnow
 
 if TYPE_CHECKING:
+    from agent.execute.admission import Admission
+    from agent.execute.executor import Executor
     from agent.runtime.daemon import Agent
 
 log = logging.getLogger(__name__)
@@ -85,7 +87,8 @@ class Scheduler:
     """Implements the daemon's ShardListener, the cloud's JobListener and supervision's
     RunGate; tells its RunListeners of every run it starts and ends."""
 
-    def __init__(self, agent: Agent, executor: Any, admission: Any, run_listeners: Sequence[RunListener] = ()):
+    def __init__(self, agent: Agent, executor: Executor, admission: Admission,
+                 run_listeners: Sequence[RunListener] = ()):
         self.agent = agent
         self.cfg = agent.cfg
         self.loop = agent.loop
@@ -482,7 +485,7 @@ class Scheduler:
 
         tpl = self.cfg.templates.get(e.job.template)
         return effective_limits(e.job.resources, tpl.resources if tpl else None,
-                                getattr(self.executor, "default_limits", None))
+                                self.executor.default_limits)
 
     def pause(self, reason: str) -> None:
         """Early fence: stop starting runs (shards are kept; firings wait, not misfire)."""
@@ -640,15 +643,15 @@ class Scheduler:
         ahead = (f.due - utcnow()).total_seconds()
         if f.lead > 0 and f.attempt == 1:
             self.claim_lead.observe(f.lead - ahead)
-        prepare = getattr(self.executor, "prepare", None)
-        if ahead > SPAWN_AHEAD_MIN_S and prepare is not None:
+        if ahead > SPAWN_AHEAD_MIN_S:
             session = self.agent.session
             lease = session.lease_id
             # checked by the releasing thread itself: even with this loop busy, nothing is
             # released once the lease the claim was made under may have run out
-            f.handle = prepare(spec, on_exit, release_at=time.monotonic() + ahead,
-                               on_release=lambda h, ok: self.loop.post(self._released, f, h, ok, argv, tpl.user),
-                               guard=lambda: session.is_valid() and session.lease_id == lease)
+            f.handle = self.executor.prepare(
+                spec, on_exit, release_at=time.monotonic() + ahead,
+                on_release=lambda h, ok: self.loop.post(self._released, f, h, ok, argv, tpl.user),
+                guard=lambda: session.is_valid() and session.lease_id == lease)
             # listeners (exec policy, sensor attribution) know the run before it can exec
             for l in self.run_listeners:
                 l.run_started(f)
