@@ -32,7 +32,7 @@ from agent.config import EtcdConfig
 from agent.coordination.etcd import EtcdClient
 from agent.coordination.jobstore import JobStore
 from agent.coordination.keys import Keys
-from agent.demo.scenario import msum, scrape
+from agent.demo.report import msum, scrape
 from agent.demo.services import AgentProcess, EtcdServer, MosquittoServer, free_port
 from tests.support.kernel import require_kernel
 from tests.support.records import agent_audit
