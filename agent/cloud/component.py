@@ -87,8 +87,8 @@ class CloudComponent:
                              on_publish=self._published,
                              subscriptions=((self.topics.push, 1), (self.topics.cancel, 1)),
                              topic_kind=self.topics.kind,
-                             reconnect_min_s=getattr(m, "reconnect_min_s", 0.5),
-                             reconnect_max_s=getattr(m, "reconnect_max_s", 30.0))
+                             reconnect_min_s=m.reconnect_min_s,
+                             reconnect_max_s=m.reconnect_max_s)
         self.publisher = OutboxPublisher(self.outbox, self.link, on_tick=self._flush_gap)
         self.ingest = Ingest(store=self.store, keyring=self.keyring, templates=cfg.templates, topics=self.topics,
                              agent_id=self.agent_id, max_bytes=m.max_payload_bytes, max_skew_s=m.max_skew_s,
