@@ -4,7 +4,7 @@ PY ?= /usr/bin/python3
 PYTEST_ARGS ?=
 export PYTHONDONTWRITEBYTECODE = 1
 
-.PHONY: setup demo test test-unit test-integration test-kernel bench deb clean reference
+.PHONY: setup demo test test-unit test-integration test-kernel bench deb clean reference lint lint-tools
 
 setup:
 	@bash scripts/setup-host.sh
@@ -12,7 +12,7 @@ setup:
 demo: setup
 	$(PY) -m agent demo
 
-test: setup
+test: setup lint
 	$(PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS)
 	@$(MAKE) --no-print-directory test-cloud-paho2
 
@@ -27,6 +27,16 @@ test-kernel: setup
 
 bench: setup
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+# ruff (pyflakes, import order, bugbear) over the tree and mypy over agent/; config in
+# pyproject.toml, pinned tools in requirements-lint.txt (installed into .cache/lint)
+LINT_DIR ?= .cache/lint
+lint: lint-tools
+	$(LINT_DIR)/bin/ruff check .
+	PYTHONPATH=$(LINT_DIR) $(PY) -m mypy
+
+lint-tools:
+	@PY=$(PY) bash scripts/lint-tools.sh
 
 reference:
 	@$(PY) scripts/update-reference.py

@@ -118,7 +118,7 @@ def _backend_lines(cfg) -> list[str]:
     """What the runtime would choose here (quota backend, BPF); best effort."""
     lines = []
     try:
-        from agent.execute.backends import describe_backend  # type: ignore
+        from agent.execute.backends import describe_backend
 
         lines.append("quota backend: " + describe_backend(cfg.execute.quota_backend))
     except ImportError:

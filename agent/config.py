@@ -15,7 +15,7 @@ import re
 import socket
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import yaml
 
@@ -206,7 +206,7 @@ def _convert(value: Any, tp: Any, path: str, problems: list[str], src: str) -> A
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             problems.append(f"{src}: {path}: expected {_type_name(tp)}, got {type(value).__name__}")
-            return tp() if _all_defaulted(tp) else None
+            return cast(Any, tp)() if _all_defaulted(tp) else None
         return _build(tp, value, path, problems, src)
     if origin is list:
         (item_tp,) = typing.get_args(tp)
@@ -269,7 +269,7 @@ def _build(cls: Any, data: dict, path: str, problems: list[str], src: str) -> An
 
 def _endpoint_ok(url: str) -> bool:
     m = re.match(r"^(https?)://([^/:]+|\[[0-9a-fA-F:]+\]):(\d{1,5})/?$", url)
-    return bool(m) and 0 < int(m.group(3)) < 65536
+    return m is not None and 0 < int(m.group(3)) < 65536
 
 
 def _validate(cfg: Config, problems: list[str]) -> None:

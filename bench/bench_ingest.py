@@ -28,7 +28,7 @@ from agent.cloud.mqtt import MqttLink  # noqa: E402
 from agent.cloud.testkit import TEMPLATES, StatusCollector, job_doc, signed, write_keys  # noqa: E402
 from agent.cloud.topics import Topics  # noqa: E402
 from agent.config import MqttConfig  # noqa: E402
-from agent.demo.services import AgentProcess, EtcdServer, MosquittoServer  # noqa: E402
+from agent.demo.services import EtcdServer, MosquittoServer  # noqa: E402
 from tests.integration.cluster import Cluster, wait_for  # noqa: E402
 
 PUSHES = int(os.environ.get("BENCH_PUSHES", "2000"))
@@ -44,7 +44,7 @@ def pct(xs, p):
 def run(n_agents: int, paho2: bool) -> dict:
     base = tempfile.mkdtemp(prefix="mw-bench-ingest-")
     etcd = EtcdServer(os.path.join(base, "etcd"))
-    mq = MosquittoServer(os.path.join(base, "mq"), extra_conf="user root\n")
+    mq = MosquittoServer(os.path.join(base, "mq"))
     for s in (etcd, mq):
         os.makedirs(s.dir, exist_ok=True)
         s.start()

@@ -66,7 +66,6 @@ execute: {{max_concurrent: 256, memory_mb: 65536, cpu: 256, quota_backend: {back
 templates:
   noop: {{argv: ["/bin/true"], user: root}}
 """, "bench")
-    agent = Agent(cfg, [_JobsComponent])
     delays: list[float] = []
 
     class Probe:
@@ -80,7 +79,7 @@ templates:
             if f.attempt == 1 and f.handle is not None and f.handle.started_at:
                 delays.append(f.handle.started_at - f.due.timestamp())
 
-    agent.scheduler.run_listeners.append(Probe())
+    agent = Agent(cfg, [lambda a: _JobsComponent(a, run_listeners=[Probe()])])
     t = threading.Thread(target=agent.run, daemon=True)
     t.start()
     while len(agent.shards.mine) < 64:

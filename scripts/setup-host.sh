@@ -80,5 +80,9 @@ if [ ! -e /sys/kernel/debug/tracing/events ] && [ -d /sys/kernel/debug ]; then
   mount -t debugfs debugfs /sys/kernel/debug 2>/dev/null || true
 fi
 
+# dev tools: pytest and hypothesis come from Debian (PKGS above); ruff and mypy, which
+# bookworm lacks or ships too old, from PyPI into the project's .cache/lint
+bash "$(dirname "$0")/lint-tools.sh"
+
 mkdir -p "$(dirname "$stamp")"; echo "$want" > "$stamp"
 log "ready (kernel $kver, headers $(readlink -f /lib/modules/$kver/build))"

@@ -1,4 +1,4 @@
-"""Shared fixtures: a real etcd and a real mosquitto on loopback, kernel requirements."""
+"""Shared fixtures: a real etcd and a real mosquitto on loopback (helpers: tests/support/)."""
 
 from __future__ import annotations
 
@@ -12,18 +12,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from agent.demo.services import EtcdCluster, EtcdServer, MosquittoServer  # noqa: E402
-
-REQUIRE_KERNEL = os.environ.get("MILLWRIGHT_REQUIRE_KERNEL") == "1"
-
-
-def require_kernel(ok: bool, why: str) -> None:
-    """Skip a kernel test when the machine cannot run it, but fail under CI's
-    MILLWRIGHT_REQUIRE_KERNEL=1: a skipped kernel test is never a pass there."""
-    if ok:
-        return
-    if REQUIRE_KERNEL:
-        pytest.fail(f"kernel requirement missing (MILLWRIGHT_REQUIRE_KERNEL=1): {why}")
-    pytest.skip(why)
+# test modules import helpers from tests/support, not from here; kept for older imports
+from tests.support.kernel import REQUIRE_KERNEL, require_kernel  # noqa: E402, F401
 
 
 @pytest.fixture

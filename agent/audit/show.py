@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional, TextIO
 
 from agent.audit.files import iter_lines, list_files
-from agent.audit.record import rfc3339
+from agent.runtime.timefmt import format_ts
 
 _HIDDEN = ("v", "seq", "ts", "type", "prev", "mac", "agent", "job")
 
@@ -26,8 +26,8 @@ class Filter:
 
     def __post_init__(self) -> None:
         # records carry fixed-width UTC RFC3339 stamps, so string comparison is time comparison
-        self._since = rfc3339(self.since) if self.since is not None else None
-        self._until = rfc3339(self.until) if self.until is not None else None
+        self._since = format_ts(self.since) if self.since is not None else None
+        self._until = format_ts(self.until) if self.until is not None else None
 
     def match(self, rec: dict) -> bool:
         if self.types is not None and rec.get("type") not in self.types:

@@ -140,6 +140,7 @@ class ChainChecker:
                 else:
                     raise _Fail(Problem(name, pending[0].no, pending[2], pending[1]))
             if rec is None:
+                assert bad is not None
                 pending = (ln, bad[0], bad[1])
                 continue
             self._link(rec, ln, name)
@@ -294,10 +295,10 @@ def _verify(directory: str, key: bytes, report: Report) -> None:
 
     # ---- 3. the checkpoint records inside the chain agree with the files they describe
     for where, ln, rec in cp_records:
-        n = _num(rec.get("file"))
-        if rec.get("kind") != "closed" or n is None or n not in results:
+        num = _num(rec.get("file"))
+        if rec.get("kind") != "closed" or num is None or num not in results:
             continue
-        r = results[n]
+        r = results[num]
         if rec.get("sha256") != r.sha256 or rec.get("bytes") != r.bytes:
             raise _Fail(Problem(where, ln.no, rec["seq"],
                                 f"checkpoint of {rec.get('file')} records sha256 {str(rec.get('sha256'))[:12]}… "

@@ -33,15 +33,30 @@ from typing import Any, Callable, Optional
 
 from agent.audit.events import RecordHelpers
 from agent.audit.files import (
-    CHECKPOINTS, LOCK, file_name, file_number, fsync_dir, iter_lines, list_files, read_tail,
+    CHECKPOINTS,
+    LOCK,
+    file_name,
+    file_number,
+    fsync_dir,
+    iter_lines,
+    list_files,
+    read_tail,
 )
 from agent.audit.keyfile import KeyFileError, load_key
 from agent.audit.record import (
-    FORMAT_VERSION, GENESIS, RESERVED, TYPE_RE, BadRecord, line_hash, open_record, rfc3339, seal,
+    FORMAT_VERSION,
+    GENESIS,
+    RESERVED,
+    TYPE_RE,
+    BadRecord,
+    line_hash,
+    open_record,
+    seal,
 )
 from agent.runtime.metrics import counter, gauge, histogram
+from agent.runtime.timefmt import format_ts
 
-log = logging.getLogger("millwright.audit")
+log = logging.getLogger(__name__)
 
 RECORDS = counter("millwright_audit_records_total", "Audit records written, by record type.", ("type",))
 DROPPED = counter("millwright_audit_dropped_records_total",
@@ -73,6 +88,17 @@ class AuditLog(RecordHelpers):
     writer thread for every checkpoint (``kind`` closed, head, retired); it must not
     block (post it to your own thread) and its exceptions are logged and ignored.
     """
+
+    # the chain's and the current file's state, set when the directory is opened (_recover)
+    _seq: int
+    _last_hash: str
+    _committed: tuple[int, str]
+    _n: int
+    _size: int
+    _sha: Any
+    _cp_seq: int
+    _cp_hash: str
+    _cp_size: int
 
     def __init__(self, directory: str, key_file: str, *, fsync_interval_s: float = 1.0,
                  queue_max: int = 10000, rotate_bytes: int = 16 * 1024 * 1024, keep_files: int = 64,
@@ -206,7 +232,7 @@ class AuditLog(RecordHelpers):
     def _take_drops(self) -> dict:
         """Gap fields for the pending queue drops (caller holds _qlock)."""
         fields = {"source": "audit", "reason": "queue_full", "dropped": self._dropped,
-                  "since": rfc3339(self._drop_first), "until": rfc3339(self._drop_last),
+                  "since": format_ts(self._drop_first), "until": format_ts(self._drop_last),
                   "types": dict(self._drop_types)}
         self._dropped = 0
         self._drop_types = {}
@@ -291,11 +317,11 @@ class AuditLog(RecordHelpers):
         body = dict(fields)
         if self.agent_id is not None and "agent" not in body:
             body["agent"] = self.agent_id
-        body.update(v=FORMAT_VERSION, seq=self._seq + 1, ts=rfc3339(t), type=type_, prev=self._last_hash)
+        body.update(v=FORMAT_VERSION, seq=self._seq + 1, ts=format_ts(t), type=type_, prev=self._last_hash)
         try:
             line, h = seal(body, self._key)
         except (TypeError, ValueError, RecursionError):  # a value JSON cannot hold: keep the record, as text
-            body = {"v": FORMAT_VERSION, "seq": self._seq + 1, "ts": rfc3339(t), "type": type_,
+            body = {"v": FORMAT_VERSION, "seq": self._seq + 1, "ts": format_ts(t), "type": type_,
                     "prev": self._last_hash, "unserializable": repr(fields)[:4000]}
             if self.agent_id is not None:
                 body["agent"] = self.agent_id
@@ -333,7 +359,7 @@ class AuditLog(RecordHelpers):
         self._lost, self._lost_total = {}, 0
         gap = self._seal(time.time(), "gap", {
             "source": "audit", "reason": "write_error", "dropped": total,
-            "since": rfc3339(self._lost_since), "until": rfc3339(time.time()), "types": lost})
+            "since": format_ts(self._lost_since), "until": format_ts(time.time()), "types": lost})
         self._buf.append(gap)
         self._buf_types.append(("gap", total, lost))
         self._pending += len(gap)
@@ -407,7 +433,7 @@ class AuditLog(RecordHelpers):
         body = dict(fields)
         if self.agent_id is not None:
             body["agent"] = self.agent_id
-        body.update(v=FORMAT_VERSION, seq=self._cp_seq + 1, ts=rfc3339(time.time()), type=type_, prev=self._cp_hash)
+        body.update(v=FORMAT_VERSION, seq=self._cp_seq + 1, ts=format_ts(time.time()), type=type_, prev=self._cp_hash)
         line, h = seal(body, self._key)
         try:
             os.write(self._cp_fd, line)
@@ -495,7 +521,7 @@ class AuditLog(RecordHelpers):
             n, name = closed.pop(0)
             path = os.path.join(self.dir, name)
             last = _last_record(path)
-            fields = {"kind": "retired", "file": name}
+            fields: dict[str, Any] = {"kind": "retired", "file": name}
             if last is not None:
                 fields.update(last_seq=last[0], last_hash=last[1])
             if self._checkpoint("checkpoint", fields) is None:

@@ -7,12 +7,12 @@ The broker URL, TLS, credentials and the cluster come from the agent config (-c)
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import queue
 import sys
 import time
+from typing import Optional
 
 from agent.cli import UserError
 
@@ -63,10 +63,11 @@ def publish_and_wait(cfg, topic: str, payload: bytes, job_id, timeout: float, wa
     topics = Topics(cfg.cluster)
     digest = push_digest(payload)
     got: "queue.Queue" = queue.Queue()
-    link = None
+    link: Optional[MqttLink] = None
 
     def on_message(msg):
-        link.ack(msg)
+        if link is not None:  # set before the link starts delivering
+            link.ack(msg)
         try:
             doc = json.loads(msg.payload)
         except ValueError:

@@ -6,7 +6,7 @@ Integration with agent.runtime.daemon.Agent (all registered in __init__, nothing
 - ``agent.checkpoint_sinks``  += sink: audit checkpoints -> outbox, topic agents/<id>/audit/checkpoint
 - ``agent.drain_hooks``       += publishes presence ``draining``, then calls done()
 - ``agent.status_providers["cloud"]``: connection, outbox depth, pending pushes, paho version
-- ``agent.job_listeners`` (if the daemon provides it): ``job_stored(StoredJob)`` and
+- ``agent.job_listeners`` (:class:`JobListener`, the scheduler): ``job_stored(StoredJob)`` and
   ``job_cancelled(job_id)`` are posted to the loop after a push is stored / a cancel applied
 - start(): opens the outbox, starts the publisher, the ingest workers, the jobs/ watch and
   the MQTT link; stop(): presence ``offline``, flushes the outbox briefly, disconnects.
@@ -18,10 +18,9 @@ import logging
 import os
 import sqlite3
 import threading
-import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
-from agent.coordination.jobstore import JobStore
+from agent.coordination.jobstore import JobStore, StoredJob
 from agent.coordination.watch import PrefixWatch
 from agent.jobs.signing import KeyFileError, KeyRing
 
@@ -31,9 +30,21 @@ from .outbox import Outbox, OutboxPublisher
 from .presence import presence_doc, will_doc
 from .topics import Topics
 
-log = logging.getLogger("millwright.cloud")
+log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from agent.runtime.daemon import Agent
 
 OUTBOX_FILE = "mqtt-outbox.sqlite"
+
+
+class JobListener(Protocol):
+    """Told on the loop thread when a push was stored or a cancel applied, so the owner
+    acts before its jobs/ watch reports the same change (the ingest shortcut)."""
+
+    def job_stored(self, stored: StoredJob) -> None: ...
+
+    def job_cancelled(self, job_id: str) -> None: ...
 
 
 def client_id_for(cfg) -> str:
@@ -52,7 +63,7 @@ def load_keyring(path: str, record=None) -> KeyRing:
 
 
 class CloudComponent:
-    def __init__(self, agent, workers: int = 4):
+    def __init__(self, agent: Agent, workers: int = 4):
         self.agent = agent
         cfg = agent.cfg
         self.cfg = cfg
@@ -76,8 +87,8 @@ class CloudComponent:
                              on_publish=self._published,
                              subscriptions=((self.topics.push, 1), (self.topics.cancel, 1)),
                              topic_kind=self.topics.kind,
-                             reconnect_min_s=getattr(m, "reconnect_min_s", 0.5),
-                             reconnect_max_s=getattr(m, "reconnect_max_s", 30.0))
+                             reconnect_min_s=m.reconnect_min_s,
+                             reconnect_max_s=m.reconnect_max_s)
         self.publisher = OutboxPublisher(self.outbox, self.link, on_tick=self._flush_gap)
         self.ingest = Ingest(store=self.store, keyring=self.keyring, templates=cfg.templates, topics=self.topics,
                              agent_id=self.agent_id, max_bytes=m.max_payload_bytes, max_skew_s=m.max_skew_s,
@@ -116,10 +127,8 @@ class CloudComponent:
             self.agent.loop.post(lambda: self.agent.record("gap", source="mqtt_outbox", count=n, reason=reason))
 
     def _notify(self, kind: str, obj: Any) -> None:
-        for listener in list(getattr(self.agent, "job_listeners", []) or []):
-            fn = getattr(listener, "job_stored" if kind == "stored" else "job_cancelled", None)
-            if fn is not None:
-                self.agent.loop.post(fn, obj)
+        for listener in list(self.agent.job_listeners):
+            self.agent.loop.post(listener.job_stored if kind == "stored" else listener.job_cancelled, obj)
 
     # --- link callbacks (paho thread) ---------------------------------------------------
     def _connected(self, generation: int, session_present: bool) -> None:

@@ -35,16 +35,17 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable, Optional
 
-from agent.jobs import document as jobs
-from agent.coordination.etcd import EtcdUnavailable, EtcdError
+from agent.coordination.etcd import EtcdError, EtcdUnavailable
 from agent.coordination.jobstore import CREATED, JobCancelled, JobConflict, JobStore, _canonical
 from agent.coordination.keys import shard_of
+from agent.jobs import document as jobs
 from agent.jobs.document import JobRejected, parse_cancel, parse_job
 from agent.runtime.metrics import counter, histogram
+from agent.runtime.timefmt import now_rfc3339
 
 from .topics import ID_RE, Topics
 
-log = logging.getLogger("millwright.cloud.ingest")
+log = logging.getLogger(__name__)
 
 REJECTED = counter("millwright_mqtt_rejected_total", "Pushes and cancels refused, by reason", ("reason",))
 INGESTED = counter("millwright_mqtt_ingested_total", "Pushes and cancels handled, by kind and result",
@@ -56,10 +57,6 @@ ETCD_RETRIES = counter("millwright_mqtt_ingest_etcd_retries_total", "Ingest atte
 CANCELLED = "cancelled"
 CONFLICT = "conflict"
 RETRY_TIME_REASONS = (jobs.EXPIRED, jobs.SKEW)
-
-
-def _now_rfc3339() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def push_digest(payload: bytes) -> str:
@@ -119,7 +116,7 @@ class Ingest:
 
     def _status(self, job_id: Optional[str], state: str, payload: bytes, **extra: Any) -> dict:
         doc = {"v": 1, "job_id": job_id, "run_id": None, "state": state, "attempt": 0, "agent": self.agent_id,
-               "shard": shard_of(job_id, self.shards) if job_id else None, "ts": _now_rfc3339(),
+               "shard": shard_of(job_id, self.shards) if job_id else None, "ts": now_rfc3339(),
                "exit_code": None, "reason": None, "usage": None, "push_sha256": push_digest(payload)}
         doc.update({k: v for k, v in extra.items() if v is not None})
         return doc

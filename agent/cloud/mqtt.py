@@ -33,7 +33,7 @@ import paho.mqtt.client as paho
 
 from agent.runtime.metrics import counter, gauge
 
-log = logging.getLogger("millwright.cloud.mqtt")
+log = logging.getLogger(__name__)
 
 PAHO_VERSION = getattr(paho_pkg, "__version__", "1")
 PAHO_MAJOR = int(PAHO_VERSION.split(".")[0] or 1)

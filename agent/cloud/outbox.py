@@ -41,7 +41,7 @@ from typing import Callable, Iterator, Optional
 
 from agent.runtime.metrics import counter, gauge
 
-log = logging.getLogger("millwright.cloud.outbox")
+log = logging.getLogger(__name__)
 
 DEPTH = gauge("millwright_mqtt_outbox_depth", "Status documents waiting in the outbox")
 DROPPED = counter("millwright_mqtt_outbox_dropped_total", "Outbox documents dropped because it was full",

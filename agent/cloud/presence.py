@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import os
 import time
-from datetime import datetime, timezone
 
 from agent import __version__
+from agent.runtime.timefmt import now_rfc3339
 
 
 def presence_doc(agent_id: str, state: str, reason: str | None = None, **extra) -> bytes:
-    doc = {"v": 1, "state": state, "agent": agent_id, "ts": datetime.now(timezone.utc).strftime(
-        "%Y-%m-%dT%H:%M:%S.%fZ"), "version": __version__, "pid": os.getpid()}
+    doc = {"v": 1, "state": state, "agent": agent_id, "ts": now_rfc3339(), "version": __version__, "pid": os.getpid()}
     if reason:
         doc["reason"] = reason
     doc.update(extra)

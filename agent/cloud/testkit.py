@@ -17,12 +17,14 @@ from typing import Optional
 import yaml
 
 from agent.jobs.signing import KeyRing, generate_hmac_secret, sign
+from agent.runtime.timefmt import format_rfc3339
 
 KID = "cloud-1"
 
 
 def rfc(dt: datetime) -> str:
-    return dt.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    """A document time as people write them: whole seconds."""
+    return format_rfc3339(dt.replace(microsecond=0))
 
 
 def write_keys(path: str, kid: str = KID, secret: Optional[str] = None) -> KeyRing:

@@ -16,17 +16,16 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 from urllib.parse import urlparse
 
-import grpc
-
 import etcd3
 import etcd3.etcdrpc as rpc
+import grpc
 from etcd3 import transactions as tx
 from etcd3 import utils as etcd_utils
 
 from agent.config import EtcdConfig
 from agent.runtime.metrics import counter
 
-log = logging.getLogger("millwright.etcd")
+log = logging.getLogger(__name__)
 
 REQUESTS = counter("millwright_etcd_requests_total", "etcd requests by operation and result", ("op", "result"))
 FAILOVERS = counter("millwright_etcd_endpoint_failovers_total", "Switches to the next etcd endpoint")

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Optional
 
 from agent.coordination.etcd import KV, Create, EtcdClient, Get, Mod, Put
 from agent.coordination.keys import Keys, shard_of
 from agent.runtime.metrics import counter
+from agent.runtime.timefmt import now_rfc3339
 
 STORE_OPS = counter("millwright_job_store_ops_total", "Job store operations by result", ("op", "result"))
 
@@ -34,10 +34,6 @@ class JobConflict(Exception):
 
 class JobCancelled(Exception):
     """The id was cancelled: a replay is refused."""
-
-
-def _now_rfc3339() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def public_doc(stored: dict) -> dict:
@@ -93,7 +89,7 @@ class JobStore:
         Raises JobConflict, JobCancelled, EtcdUnavailable."""
         shard, key = self.key(doc["id"])
         stored = dict(doc)
-        stored["_accepted"] = {"at": _now_rfc3339(), "by": self.agent_id}
+        stored["_accepted"] = {"at": now_rfc3339(), "by": self.agent_id}
         value = json.dumps(stored, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         r = self.client.txn([Create(key) == 0], [Put(key, value)], [Get(key)])
         if r.succeeded:
@@ -124,7 +120,7 @@ class JobStore:
         """Mark a job cancelled (or leave a tombstone). Returns (state, stored):
         'cancelled', 'already_cancelled' or 'tombstone'."""
         shard, key = self.key(job_id)
-        mark = {"at": _now_rfc3339(), "by": self.agent_id, "reason": reason}
+        mark = {"at": now_rfc3339(), "by": self.agent_id, "reason": reason}
         for _ in range(5):
             kv = self.client.get(key)
             if kv is None:

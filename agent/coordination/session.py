@@ -17,7 +17,7 @@ from typing import Callable, Optional
 from agent.coordination.etcd import EtcdClient, EtcdError, EtcdUnavailable
 from agent.runtime.metrics import counter, gauge, histogram
 
-log = logging.getLogger("millwright.session")
+log = logging.getLogger(__name__)
 
 RENEWALS = counter("millwright_lease_renewals_total", "Lease keepalives by result", ("result",))
 TTL_REMAINING = gauge("millwright_lease_ttl_remaining_seconds", "Server-side lease TTL at the last renewal")

@@ -14,17 +14,17 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from agent.coordination import hrw
-from agent.coordination.etcd import Create, Delete, EtcdClient, KV, Put
+from agent.coordination.etcd import KV, Create, Delete, EtcdClient, Put
 from agent.coordination.fencing import Fence, StaleToken, fenced_txn
 from agent.coordination.keys import Keys
 from agent.coordination.watch import WatchEvent
 from agent.coordination.worker import EtcdWorkers
 from agent.runtime.metrics import counter, gauge
 
-log = logging.getLogger("millwright.shards")
+log = logging.getLogger(__name__)
 
 SHARDS_OWNED = gauge("millwright_shards_owned", "Shards this agent holds")
 SHARD_EVENTS = counter("millwright_shard_events_total", "Shard ownership changes", ("event",))
@@ -50,7 +50,7 @@ class ShardManager:
     def __init__(self, agent_id: str, shards: int, keys: Keys, client: EtcdClient, workers: EtcdWorkers,
                  loop, on_acquired: Callable[[Fence], None], on_lost: Callable[[int, str], None],
                  busy: Callable[[int], bool] = lambda s: False, claim_stagger_s: float = 0.3,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, own_old_leases: Callable[[], set] = set):
         self.me = agent_id
         self.shards = shards
         self.keys = keys
@@ -71,11 +71,11 @@ class ShardManager:
         self.unavailable_reason: Optional[str] = None  # voluntary hand-off (health policy)
         self._claiming: set[int] = set()
         self._releasing: set[int] = set()
-        self._fallback: dict[int, object] = {}
+        self._fallback: dict[int, Any] = {}  # shard -> loop timer
         self._reconcile_timer = None
         self.members_rev = 0
         self.shards_rev = 0
-        self.own_old_leases: Callable[[], set] = set
+        self.own_old_leases = own_old_leases  # leases this agent abandoned (their keys are ours to take back)
         self._last_busy: Optional[str] = None
         self._plan_key: tuple = ()
         self._plan_cache: dict[int, str] = {}
@@ -278,6 +278,7 @@ class ShardManager:
 
     def _claim(self, s: int) -> None:
         key, lease = self.keys.shard(s), self.lease
+        assert lease is not None  # claims are made only under a session lease
         self._claiming.add(s)
         t = self._fallback.pop(s, None)
         if t is not None:

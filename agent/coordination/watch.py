@@ -18,15 +18,14 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-import grpc
-
 import etcd3.etcdrpc as rpc
+import grpc
 from etcd3 import utils as etcd_utils
 
 from agent.coordination.etcd import KV, EtcdClient, EtcdError, EtcdUnavailable, _kv
 from agent.runtime.metrics import counter, gauge
 
-log = logging.getLogger("millwright.watch")
+log = logging.getLogger(__name__)
 
 WATCH_RESTARTS = counter("millwright_etcd_watch_restarts_total", "Watch streams re-opened after an error", ("watch",))
 WATCH_THREADS = gauge("millwright_etcd_watch_threads", "Live watch threads")

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 from agent.runtime.metrics import gauge
 
-log = logging.getLogger("millwright.worker")
+log = logging.getLogger(__name__)
 QUEUE_DEPTH = gauge("millwright_etcd_worker_queue_depth", "etcd operations waiting for a worker thread", ("pool",))
 
 

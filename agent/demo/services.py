@@ -14,8 +14,10 @@ import socket
 import subprocess
 import tempfile
 import time
-from typing import Optional
+from typing import Any, Optional
 
+# the source tree's root (agents started from a checkout import `agent` from there)
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def _die_with_parent() -> None:
     """preexec_fn: SIGKILL the child when the process that started it dies, so a test run
@@ -373,7 +375,7 @@ class AgentProcess:
         self.agent_id = agent_id
         self.dir = os.path.join(base_dir, agent_id)
         os.makedirs(self.dir, exist_ok=True)
-        cfg = {"agent_id": agent_id, "state_dir": os.path.join(self.dir, "state"),
+        cfg: dict[str, Any] = {"agent_id": agent_id, "state_dir": os.path.join(self.dir, "state"),
                "admin": {"socket": os.path.join(self.dir, "admin.sock")},
                "metrics": {"listen": ""},
                "audit": {"dir": os.path.join(self.dir, "audit"), "key_file": os.path.join(self.dir, "audit.key")}}
@@ -392,8 +394,7 @@ class AgentProcess:
         self.log_path = os.path.join(self.dir, "agent.log")
 
     def start(self) -> "AgentProcess":
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        env = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                "PYTHONUNBUFFERED": "1", **self.env}
         self.logf = open(self.log_path, "ab")
         self.proc = subprocess.Popen([self.python, "-m", "agent", "run", "-c", self.config_path],
@@ -410,25 +411,28 @@ class AgentProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def signal(self, sig: int) -> None:
-        if self.alive():
-            os.kill(self.proc.pid, sig)
+        p = self.proc
+        if p is not None and p.poll() is None:
+            os.kill(p.pid, sig)
 
     def kill(self) -> None:
-        if self.alive():
+        p = self.proc
+        if p is not None and p.poll() is None:
             self.signal(signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait()
+            p.kill()
+            p.wait()
 
     def terminate(self, timeout: float = 30.0) -> Optional[int]:
-        if not self.alive():
-            return self.proc.returncode if self.proc else None
+        p = self.proc
+        if p is None or p.poll() is not None:
+            return p.returncode if p else None
         self.signal(signal.SIGCONT)
-        self.proc.terminate()
+        p.terminate()
         try:
-            return self.proc.wait(timeout)
+            return p.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+            p.kill()
+            return p.wait()
 
     def log_text(self) -> str:
         try:

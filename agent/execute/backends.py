@@ -29,7 +29,7 @@ from typing import Any, Iterable, Optional
 
 from agent.execute.limits import Limits
 
-log = logging.getLogger("millwright.execute")
+log = logging.getLogger(__name__)
 
 NEEDED = ("memory", "cpu", "pids")
 CPU_PERIOD_US = 100_000
@@ -122,7 +122,7 @@ def _kv(text: str) -> dict[str, int]:
 
 def mountinfo(path: str = "/proc/self/mountinfo") -> list[tuple[str, str, set[str], str]]:
     """(mount point, fstype, super options, root) of the cgroup mounts."""
-    out = []
+    out: list[tuple[str, str, set[str], str]] = []
     try:
         with open(path) as fh:
             lines = fh.read().splitlines()
@@ -282,9 +282,9 @@ class RlimitBackend(QuotaBackend):
             return {}
         import psutil
 
-        by_pgid = {s.pgid: s for s in slots}
-        rss: dict[int, int] = {s.pgid: 0 for s in slots}
-        count: dict[int, int] = {s.pgid: 0 for s in slots}
+        by_pgid = {s.pgid: s for s in slots if s.pgid is not None}
+        rss: dict[int, int] = {pg: 0 for pg in by_pgid}
+        count: dict[int, int] = {pg: 0 for pg in by_pgid}
         for pid in psutil.pids():
             try:
                 pg = os.getpgid(pid)
@@ -320,6 +320,14 @@ class _CgroupBackend(QuotaBackend):
         self.root_name = root_name.strip("/")
         self.fs = fs or CgroupFS()
         self.roots: dict[str, str] = {}     # hierarchy -> root cgroup dir
+
+    def check_available(self) -> None:
+        """Raise BackendUnavailable with the reason when this host cannot use the backend."""
+        raise NotImplementedError
+
+    def location(self) -> str:
+        """Where the runs' cgroups live (for `why`)."""
+        raise NotImplementedError
 
     def _read_int(self, path: str, default: int = 0) -> int:
         try:
@@ -401,7 +409,7 @@ class _CgroupBackend(QuotaBackend):
         return n
 
     def close(self) -> None:
-        for h, root in self.roots.items():
+        for root in self.roots.values():
             try:
                 self.fs.rmdir(root)
             except OSError:
@@ -464,6 +472,12 @@ class Cgroup1Backend(_CgroupBackend):
                 return d
         return None
 
+    def _need(self, slot: Slot, ctrl: str) -> str:
+        d = self._path(slot, ctrl)
+        if d is None:
+            raise OSError(errno.ENOENT, f"no {ctrl} hierarchy for run cgroup {slot.name}")
+        return d
+
     def create(self, name: str, limits: Limits) -> Slot:
         slot = Slot(name, limits)
         try:
@@ -471,7 +485,7 @@ class Cgroup1Backend(_CgroupBackend):
                 d = os.path.join(root, name)
                 self.fs.mkdir(d)
                 slot.paths[h] = d
-            mem = self._path(slot, "memory")
+            mem = self._need(slot, "memory")
             if limits.memory_bytes:
                 self.fs.write(os.path.join(mem, "memory.limit_in_bytes"), str(limits.memory_bytes))
                 sw = os.path.join(mem, "memory.memsw.limit_in_bytes")
@@ -480,12 +494,12 @@ class Cgroup1Backend(_CgroupBackend):
                         self.fs.write(sw, str(limits.memory_bytes))
                     except OSError:
                         pass
-            cpu = self._path(slot, "cpu")
+            cpu = self._need(slot, "cpu")
             if limits.cpu:
                 self.fs.write(os.path.join(cpu, "cpu.cfs_period_us"), str(CPU_PERIOD_US))
                 self.fs.write(os.path.join(cpu, "cpu.cfs_quota_us"), str(max(1000, int(limits.cpu * CPU_PERIOD_US))))
             if limits.pids:
-                self.fs.write(os.path.join(self._path(slot, "pids"), "pids.max"), str(int(limits.pids)))
+                self.fs.write(os.path.join(self._need(slot, "pids"), "pids.max"), str(int(limits.pids)))
         except OSError:
             self.remove(slot)
             raise
@@ -551,19 +565,23 @@ class Cgroup2Backend(_CgroupBackend):
         self.base = os.path.join(mount, self.self_path.lstrip("/")) if mount else None
         self.root: Optional[str] = None
 
-    def check_available(self) -> None:
-        if not self.mount:
+    def _base(self) -> str:
+        if not self.mount or self.base is None:
             raise BackendUnavailable("no cgroup2 mount")
+        return self.base
+
+    def check_available(self) -> None:
+        base = self._base()
         try:
-            have = set(self.fs.read(os.path.join(self.base, "cgroup.controllers")).split())
+            have = set(self.fs.read(os.path.join(base, "cgroup.controllers")).split())
         except OSError as exc:
-            raise BackendUnavailable(f"cannot read {self.base}/cgroup.controllers: {exc.strerror}")
+            raise BackendUnavailable(f"cannot read {self.base}/cgroup.controllers: {exc.strerror}") from None
         missing = [c for c in NEEDED if c not in have]
         if missing:
             raise BackendUnavailable(
                 f"cgroup2 at {self.mount} (cgroup {self.self_path}) lacks controllers {', '.join(missing)}"
                 f" (available: {', '.join(sorted(have)) or 'none'}; hybrid host or not delegated)")
-        if not self.fs.writable(self.base):
+        if not self.fs.writable(base):
             raise BackendUnavailable(f"cgroup {self.base} is not writable (not delegated; run as root or Delegate=yes)")
 
     def _enable(self, cg: str) -> None:
@@ -571,7 +589,7 @@ class Cgroup2Backend(_CgroupBackend):
 
     def setup(self) -> None:
         self.check_available()
-        base = self.base
+        base = self._base()
         enabled = set(self.fs.read(os.path.join(base, "cgroup.subtree_control")).split())
         if self.self_path.strip("/") and not set(NEEDED) <= enabled:
             leaf = os.path.join(base, f"{self.root_name}.agent")
@@ -589,7 +607,7 @@ class Cgroup2Backend(_CgroupBackend):
             if not set(NEEDED) <= enabled:
                 self._enable(base)
         except OSError as exc:
-            raise BackendUnavailable(f"enabling {', '.join(NEEDED)} in {base} failed: {exc.strerror}")
+            raise BackendUnavailable(f"enabling {', '.join(NEEDED)} in {base} failed: {exc.strerror}") from None
         root = os.path.join(base, self.root_name)
         self.fs.mkdir(root)
         self._enable(root)
@@ -598,9 +616,11 @@ class Cgroup2Backend(_CgroupBackend):
         self.why = self.location()
 
     def location(self) -> str:
-        return f"delegated cgroup2 subtree {os.path.join(self.base, self.root_name)}/"
+        return f"delegated cgroup2 subtree {os.path.join(self._base(), self.root_name)}/"
 
     def create(self, name: str, limits: Limits) -> Slot:
+        if self.root is None:
+            raise BackendUnavailable("cgroup2 backend used before setup()")
         d = os.path.join(self.root, name)
         slot = Slot(name, limits, {"unified": d})
         try:

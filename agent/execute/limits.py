@@ -7,7 +7,7 @@ nor the template names one (admission charges what the run is actually held to).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
 
 DEFAULT_PIDS = 512

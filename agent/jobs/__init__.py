@@ -2,9 +2,11 @@
 
 Modules: document (job document parsing, validation, templates, canonical form),
 signing (key ring, HMAC and Ed25519 signatures), schedule (due times, misfire, retry
-backoff, fire ids), scheduler (due firings -> fenced run records -> processes),
-claimlead (how far ahead of a due time a firing is claimed).
+backoff, fire ids), firing (a firing, its state Enum and transitions, the RunListener
+seam, the run-record states), scheduler (due firings -> fenced run records ->
+processes), claimlead (how far ahead of a due time a firing is claimed).
 
-May import: ``config``, ``coordination``, ``execute``, ``runtime.loop``/``metrics``.
-Never imports ``cloud``, ``supervision`` or the daemon.
+May import: ``config``, ``coordination``, ``execute``, ``runtime`` leaves and
+``runtime.gcpolicy``. Never imports ``cloud``, ``supervision`` or the daemon at run time;
+it implements their seams (JobListener, RunGate) structurally.
 """

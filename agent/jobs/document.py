@@ -19,7 +19,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any, Optional, Union
 
 from agent.config import Resources, Template
@@ -34,6 +34,7 @@ from agent.jobs.schedule import (
     parse_rfc3339,
 )
 from agent.jobs.signing import KeyRing, SignatureError, canonical_json
+from agent.runtime.text import short as _short
 
 VERSION = 1
 ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -92,14 +93,6 @@ class JobRejected(Exception):
 
 def _bad(path: str, msg: str, reason: str = BAD_FIELD) -> JobRejected:
     return JobRejected(reason, f"{path}: {msg}", path)
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    try:
-        text = repr(value)
-    except Exception:  # pragma: no cover - exotic objects
-        text = f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _clip(text: str, limit: int = 100) -> str:
@@ -164,8 +157,9 @@ class Job:
                       verify_signature=False)
 
 
-def parse_job(payload: Union[bytes, str, dict], *, templates: dict, keyring: Optional[KeyRing], now: datetime,
-              max_skew_s: float, max_bytes: int, verify_signature: bool = True) -> Job:
+def parse_job(payload: Union[bytes, str, dict], *, templates: dict, keyring: Optional[KeyRing],
+              now: Optional[datetime], max_skew_s: Optional[float], max_bytes: int,
+              verify_signature: bool = True) -> Job:
     """Validate an untrusted job document. Raises only JobRejected (see the module doc)."""
     return _parse(payload, templates=templates, keyring=keyring, now=now, max_skew_s=max_skew_s,
                   max_bytes=max_bytes, verify_signature=verify_signature)
@@ -424,7 +418,7 @@ def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyR
     issued_at = _timestamp(doc, "issued_at")
     if not_after is not None and issued_at is not None and not_after <= issued_at:
         raise _bad("not_after", "must be later than issued_at")
-    if not_after is not None and schedule.kind == "at" and schedule.at >= not_after:
+    if not_after is not None and schedule.kind == "at" and schedule.at is not None and schedule.at >= not_after:
         raise _bad("schedule.at", "is not before not_after: the job could never run")
 
     sig = doc.get("sig")

@@ -29,12 +29,13 @@ import random
 import re
 import threading
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from typing import Any, Optional
 
-UTC = timezone.utc
+from agent.runtime.text import short as _short
+from agent.runtime.timefmt import MAX_YEAR, UTC, format_rfc3339, parse_rfc3339
+
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-MIN_YEAR, MAX_YEAR = 1970, 2999
 MAX_DELAY_S = 366 * 86400.0
 MAX_CRON_LEN = 200
 MISFIRE_POLICIES = ("run_once", "skip", "run_all")
@@ -56,50 +57,6 @@ class ScheduleError(ValueError):
 
 
 # --------------------------------------------------------------------------- time helpers
-
-_RFC3339_RE = re.compile(
-    r"(\d{4})-(\d{2})-(\d{2})[Tt](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?(?:([Zz])|([+-])(\d{2}):(\d{2}))",
-    re.ASCII,
-)
-
-
-def parse_rfc3339(text: Any) -> datetime:
-    """Strict RFC 3339 with an explicit offset (``Z`` or ``+hh:mm``) -> aware UTC datetime.
-    Fractions beyond microseconds are truncated. Raises ValueError with a short reason."""
-    if not isinstance(text, str):
-        raise ValueError("must be an RFC 3339 string such as 2026-12-02T12:00:00Z")
-    m = _RFC3339_RE.fullmatch(text)
-    if not m:
-        raise ValueError("must be RFC 3339 with a time zone, such as 2026-12-02T12:00:00Z")
-    y, mo, d, h, mi, s = (int(m.group(i)) for i in range(1, 7))
-    frac = (m.group(7) or "")[:6].ljust(6, "0")
-    if not MIN_YEAR <= y <= MAX_YEAR:
-        raise ValueError(f"year must be between {MIN_YEAR} and {MAX_YEAR}")
-    if s == 60:
-        raise ValueError("leap seconds are not supported")
-    try:
-        if m.group(8):
-            tz = UTC
-        else:
-            oh, om = int(m.group(10)), int(m.group(11))
-            if oh > 23 or om > 59:
-                raise ValueError("bad offset")
-            off = timedelta(hours=oh, minutes=om)
-            tz = timezone(-off if m.group(9) == "-" else off)
-        dt = datetime(y, mo, d, h, mi, s, int(frac), tzinfo=tz)
-    except ValueError:
-        raise ValueError("is not a valid date and time") from None
-    dt = dt.astimezone(UTC)
-    if not MIN_YEAR <= dt.year <= MAX_YEAR:
-        raise ValueError(f"year must be between {MIN_YEAR} and {MAX_YEAR}")
-    return dt
-
-
-def format_rfc3339(dt: datetime) -> str:
-    """``2026-12-02T12:00:00Z`` (``.ffffff`` only when there are microseconds)."""
-    dt = _utc(dt)
-    base = dt.strftime("%Y-%m-%dT%H:%M:%S") if dt.year >= 1000 else f"{dt.year:04d}" + dt.strftime("-%m-%dT%H:%M:%S")
-    return base + (f".{dt.microsecond:06d}Z" if dt.microsecond else "Z")
 
 
 def _utc(dt: datetime, what: str = "datetime") -> datetime:
@@ -407,6 +364,7 @@ class Schedule:
         if self.kind == "now":
             return {}
         if self.kind == "at":
+            assert self.at is not None
             return {"at": format_rfc3339(self.at)}
         if self.kind == "delay":
             return {"delay_s": self.delay_s}
@@ -422,7 +380,8 @@ def next_due(schedule: Schedule, after: datetime) -> Optional[datetime]:
         assert schedule._spec is not None
         return _cron_next(schedule._spec, after)
     if schedule.kind == "at":
-        return schedule.at if schedule.at > after else None
+        at = schedule.at
+        return at if at is not None and at > after else None
     return None
 
 
@@ -559,6 +518,7 @@ def recover(schedule: Schedule, last_due_done: Optional[datetime], now: datetime
     if last is not None and (first is None or last >= first):
         lo, inclusive = last, False
     else:
+        assert first is not None
         lo, inclusive = first, True
     nxt = next_due(schedule, now)
     if lo > now:
@@ -592,7 +552,7 @@ def recover_job(job: Any, accepted_at: datetime, last_due_done: Optional[datetim
     na = getattr(job, "not_after", None)
     expired = na is not None and now >= na
     # Firings at or after not_after are not part of the window at all.
-    window_end = na - timedelta(microseconds=1) if expired else now
+    window_end = na - timedelta(microseconds=1) if na is not None and expired else now
     rec = recover(job.schedule, last_due_done, window_end, job.misfire, getattr(job, "misfire_limit", 1),
                   first_due=first_due(job, accepted_at), grace_s=grace_s)
     if expired:
@@ -664,11 +624,6 @@ def next_retry_at(job: Any, fire_id_: str, attempt: int, failed_at: datetime) ->
     if na is not None and at >= na:
         return None
     return at
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 __all__ = [

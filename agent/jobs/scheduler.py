@@ -26,27 +26,35 @@ go pipe closes) and the record is resolved like any run of a dead owner.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
-from typing import Any, Optional
+from datetime import datetime, timezone
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Optional, Sequence, cast
 
-from agent.coordination.etcd import Create, EtcdError, EtcdUnavailable, Mod, Put
+from agent.coordination.etcd import Create, EtcdClient, EtcdError, EtcdUnavailable, Mod, Put
 from agent.coordination.fencing import Fence, StaleToken, fenced_txn
 from agent.coordination.jobstore import JobStore, StoredJob, public_doc
 from agent.coordination.keys import shard_of
 from agent.coordination.watch import PrefixWatch, WatchEvent
 from agent.coordination.worker import EtcdWorkers
-from agent.jobs.claimlead import ClaimLead
-from agent.runtime.gcpolicy import GcPolicy
-from agent.jobs.document import Job, JobRejected, effective_resources, render_argv
-from agent.runtime.metrics import counter, gauge, histogram
 from agent.jobs import schedule as sch
+from agent.jobs.claimlead import ClaimLead
+from agent.jobs.document import Job, JobRejected, render_argv
+from agent.jobs.firing import ACTIVE, NOT_STARTED, RETRYABLE, TERMINAL, Firing, FiringState, RunListener
+from agent.runtime.gcpolicy import GcPolicy
+from agent.runtime.metrics import counter, gauge, histogram
+from agent.runtime.timefmt import format_optional as rfc
+from agent.runtime.timefmt import parse_rfc3339, utcnow
 
-log = logging.getLogger("millwright.scheduler")
+if TYPE_CHECKING:
+    from agent.execute.admission import Admission
+    from agent.execute.executor import Executor
+    from agent.runtime.daemon import Agent
+
+log = logging.getLogger(__name__)
 
 RUNS = counter("millwright_runs_total", "Finished runs by result", ("result",))
 FIRINGS = counter("millwright_firings_total", "Firings by outcome", ("outcome",))
@@ -56,46 +64,9 @@ JOB_DURATION = histogram("millwright_job_duration_seconds", "Run duration",
                          buckets=(0.01, 0.1, 0.5, 1, 5, 15, 60, 300, 1800, 7200))
 JOBS_OWNED = gauge("millwright_jobs_owned", "Jobs in shards this agent holds")
 
-TERMINAL = ("succeeded", "failed", "timed_out", "killed", "cancelled", "misfired")
-RETRYABLE = ("failed", "timed_out")
 SPAWN_AHEAD_MIN_S = 0.001  # closer to the due time than this, start at once
 RECORD_WORKERS = 6         # threads writing run records (claims, final states) to etcd
 DEPENDENCY_RECHECK_S = 1.0
-
-
-_FIRING_SEQ = itertools.count(1)
-
-
-def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
-
-
-def rfc(dt: Optional[datetime]) -> Optional[str]:
-    return sch.format_rfc3339(dt) if dt is not None else None
-
-
-@dataclass
-class Firing:
-    entry: "JobEntry"
-    due: datetime
-    fire_id: str
-    attempt: int = 1
-    state: str = "pending"   # pending, waiting, claiming, running, retrying, done
-    record: Optional[dict] = None
-    record_rev: int = 0      # mod revision of the run record we last wrote
-    handle: Any = None
-    timer: Any = None
-    wait_reason: Optional[str] = None
-    started_mono: float = 0.0
-    health: str = "healthy"
-    lead: float = 0.0        # how far ahead of `due` its claim was planned (0: at or after due)
-    seq: int = field(default_factory=lambda: next(_FIRING_SEQ))
-
-    @property
-    def key(self) -> str:
-        """Admission key: unique per Firing object, so a firing re-installed after a shard
-        came back never collides with the old one still being stopped."""
-        return f"{self.entry.job.id}/{self.fire_id}#{self.seq}"
 
 
 @dataclass
@@ -113,7 +84,11 @@ class JobEntry:
 
 
 class Scheduler:
-    def __init__(self, agent: Any, executor: Any, admission: Any):
+    """Implements the daemon's ShardListener, the cloud's JobListener and supervision's
+    RunGate; tells its RunListeners of every run it starts and ends."""
+
+    def __init__(self, agent: Agent, executor: Executor, admission: Admission,
+                 run_listeners: Sequence[RunListener] = ()):
         self.agent = agent
         self.cfg = agent.cfg
         self.loop = agent.loop
@@ -132,7 +107,7 @@ class Scheduler:
         self.loading: dict[int, Fence] = {}
         self._dirty: dict[int, int] = {}          # shard -> newest job revision seen while loading
         self.waiting: dict[str, Firing] = {}      # admission key -> firing
-        self.run_listeners: list[Any] = []        # health/sensor: run_started(f), run_ended(f)
+        self.run_listeners = run_listeners        # sensing, supervision (the daemon's list)
         self.paused: Optional[str] = None         # early fence: no new runs start while set
         self._held: list[Firing] = []             # firings that fell due while paused
         self.gc = GcPolicy(self.loop, self._quiet_for).start()
@@ -140,8 +115,6 @@ class Scheduler:
         agent.shard_listeners.append(self)
         agent.busy_checks.append(self.busy)
         agent.status_providers["jobs"] = self.status
-        if not hasattr(agent, "job_listeners"):
-            agent.job_listeners = []
         agent.job_listeners.append(self)
 
     # --- wiring ------------------------------------------------------------------------
@@ -152,11 +125,11 @@ class Scheduler:
                         on_events=lambda evs, rev: post(self._jobs_events, evs, rev),
                         start_revision=None)
         # the snapshot of all jobs is not needed (shards load their own): list keys only
-        w.client = _KeysOnly(self.client)
+        w.client = cast(EtcdClient, _KeysOnly(self.client))
         return [w.start()]
 
     def busy(self, shard: int) -> bool:
-        return any(f.state in ("running", "claiming") for e in self.by_shard.get(shard, {}).values()
+        return any(f.state in ACTIVE for e in self.by_shard.get(shard, {}).values()
                    for f in e.firings.values())
 
     def _pop_entry(self, job_id: str) -> Optional[JobEntry]:
@@ -217,7 +190,8 @@ class Scheduler:
         self._dirty.pop(shard, None)
         for jid in list(self.by_shard.get(shard, ())):
             e = self._pop_entry(jid)
-            self._drop_entry(e, reason="shard_lost" if reason != "released" else "released")
+            if e is not None:
+                self._drop_entry(e, reason="shard_lost" if reason != "released" else "released")
         JOBS_OWNED.set(len(self.entries))
 
     def _drop_entry(self, e: JobEntry, reason: str) -> None:
@@ -226,7 +200,7 @@ class Scheduler:
         for f in list(e.firings.values()):
             if f.timer:
                 f.timer.cancel()
-            if f.state == "running" and f.handle is not None:
+            if f.state == FiringState.RUNNING and f.handle is not None:
                 # we may no longer write for this shard: stop the process so the new owner's
                 # policy never overlaps with it
                 f.handle.terminate(reason)
@@ -292,9 +266,9 @@ class Scheduler:
         if e.next_timer:
             e.next_timer.cancel()
         for f in list(e.firings.values()):
-            if f.state == "running" and f.handle is not None:
+            if f.state == FiringState.RUNNING and f.handle is not None:
                 f.handle.terminate("cancelled")
-            elif f.state in ("pending", "held", "waiting", "retrying", "retrying_admission"):
+            elif f.state in NOT_STARTED:
                 if f.timer:
                     f.timer.cancel()
                 if f.key in self.waiting:
@@ -329,7 +303,7 @@ class Scheduler:
             log.error("stored job is invalid; ignoring", extra={"fields": {"job": stored.id, "error": exc.detail}})
             return
         try:
-            accepted_at = sch.parse_rfc3339(stored.accepted_at) if stored.accepted_at else utcnow()
+            accepted_at = parse_rfc3339(stored.accepted_at) if stored.accepted_at else utcnow()
         except Exception:
             accepted_at = utcnow()
         e = JobEntry(job, stored, stored.shard, accepted_at)
@@ -351,21 +325,21 @@ class Scheduler:
             f = Firing(e, due, fire_id, int(rec.get("attempt", 1)), record=rec, record_rev=rev)
             e.firings[fire_id] = f
             if state == "retrying":
-                f.state = "retrying"
+                f.move(FiringState.RETRYING)
                 at = _parse_or(rec.get("retry_at"), now)
                 f.timer = self.loop.call_later((at - now).total_seconds(), self._retry_due, f)
             else:  # running (or any unknown live state) by an owner that is gone
                 self._orphan(f, now)
         # 2. firings due while nobody owned the shard (misfire policy), and the next one
         try:
-            rec = sch.recover_job(job, accepted_at, e.last_due_done, now)
+            recovery = sch.recover_job(job, accepted_at, e.last_due_done, now)
         except Exception as exc:
             log.error("cannot compute the schedule; ignoring job", extra={"fields": {"job": job.id, "error": str(exc)}})
             return
-        if rec.skipped:
-            FIRINGS.labels("misfired").inc(rec.skipped)
-            self._status(e, None, "misfired", reason=f"misfire policy {job.misfire}: {rec.skipped}"
-                         f"{'+' if rec.skipped_capped else ''} firing(s) skipped")
+        if recovery.skipped:
+            FIRINGS.labels("misfired").inc(recovery.skipped)
+            self._status(e, None, "misfired", reason=f"misfire policy {job.misfire}: {recovery.skipped}"
+                         f"{'+' if recovery.skipped_capped else ''} firing(s) skipped")
             # one record for the latest skipped firing, so the next owner does not decide again
             try:
                 latest = sch.missed_firings(job.schedule, e.last_due_done, now, "run_once", 1,
@@ -373,19 +347,19 @@ class Scheduler:
             except ValueError:
                 latest = []
             for due in latest:
-                if due not in rec.run:
+                if due not in recovery.run:
                     f = Firing(e, due, sch.fire_id(job.id, due))
                     e.firings[f.fire_id] = f
                     if e.last_due_done is None or due > e.last_due_done:
                         e.last_due_done = due
                     self._finish_without_run(f, "misfired", f"misfire_{job.misfire}")
-        if rec.run:  # catch-ups of one job run one after another, oldest first
-            e.backlog.extend(rec.run[1:])
-            self._fire(e, rec.run[0])
-        if rec.next_due is not None:
-            self._arm(e, rec.next_due)
-        if not records and job.schedule.kind != "now" and rec.next_due is not None:
-            self._status(e, None, "scheduled", due=rfc(rec.next_due))
+        if recovery.run:  # catch-ups of one job run one after another, oldest first
+            e.backlog.extend(recovery.run[1:])
+            self._fire(e, recovery.run[0])
+        if recovery.next_due is not None:
+            self._arm(e, recovery.next_due)
+        if not records and job.schedule.kind != "now" and recovery.next_due is not None:
+            self._status(e, None, "scheduled", due=rfc(recovery.next_due))
 
     def _orphan(self, f: Firing, now: datetime) -> None:
         """A run left `running` by an owner that is gone: it may have run. Policy decides."""
@@ -395,11 +369,11 @@ class Scheduler:
         self.agent.record("job", event="owner_lost", job=job.id, fire_id=f.fire_id, attempt=f.attempt,
                           previous_agent=prev_agent)
         if nxt is not None:
-            f.state = "retrying"
+            f.move(FiringState.RETRYING)
             self._write_record(f, "retrying", reason="owner_lost", retry_at=rfc(nxt), ended_at=rfc(now))
             f.timer = self.loop.call_later(max(0.0, (nxt - now).total_seconds()), self._retry_due, f)
         else:
-            f.state = "done"
+            f.move(FiringState.DONE)
             self._write_record(f, "failed", reason="owner_lost", ended_at=rfc(now))
             RUNS.labels("owner_lost").inc()
             self._forget(f)
@@ -443,7 +417,7 @@ class Scheduler:
             e.last_due_done = due
         job = e.job
         now = utcnow()
-        running = [g for g in e.firings.values() if g.state in ("running", "claiming")]
+        running = [g for g in e.firings.values() if g.state in ACTIVE]
         ahead = (due - now).total_seconds()
         if ahead > SPAWN_AHEAD_MIN_S and (job.depends_on or running):
             # dependencies and overlap are decided at the due time, not at claim time
@@ -490,7 +464,7 @@ class Scheduler:
             return states
 
         def done(states, error):
-            if f.state == "done" or self.entries.get(f.entry.job.id) is not f.entry:
+            if f.state == FiringState.DONE or self.entries.get(f.entry.job.id) is not f.entry:
                 return
             if error is None and all(v == "succeeded" for v in states.values()):
                 self._request_admission(f)
@@ -499,7 +473,7 @@ class Scheduler:
                 self._finish_without_run(f, "misfired", "expired")
                 return
             if f.wait_reason != "dependencies":
-                f.state, f.wait_reason = "waiting", "dependencies"
+                f.move(FiringState.WAITING, wait_reason="dependencies")
                 pending = sorted(k for k, v in (states or {}).items() if v != "succeeded")
                 self._status(f.entry, f, "waiting", reason="dependencies", waiting_for=pending)
             f.timer = self.loop.call_later(DEPENDENCY_RECHECK_S, self._check_dependencies, f)
@@ -511,7 +485,7 @@ class Scheduler:
 
         tpl = self.cfg.templates.get(e.job.template)
         return effective_limits(e.job.resources, tpl.resources if tpl else None,
-                                getattr(self.executor, "default_limits", None))
+                                self.executor.default_limits)
 
     def pause(self, reason: str) -> None:
         """Early fence: stop starting runs (shards are kept; firings wait, not misfire)."""
@@ -526,7 +500,7 @@ class Scheduler:
         self.paused = None
         held, self._held = sorted(self._held, key=lambda f: f.due), []
         for f in held:
-            if f.state == "held" and self.entries.get(f.entry.job.id) is f.entry:
+            if f.state == FiringState.HELD and self.entries.get(f.entry.job.id) is f.entry:
                 self._request_admission(f)
 
     def publish_health(self, f: Firing, state: str, rule: Optional[str]) -> None:
@@ -537,7 +511,7 @@ class Scheduler:
         from agent.execute.admission import ADMITTED, REJECTED
 
         if self.paused is not None:
-            f.state = "held"
+            f.move(FiringState.HELD)
             self._held.append(f)
             return
 
@@ -547,7 +521,7 @@ class Scheduler:
         elif decision == REJECTED:
             self._finish_without_run(f, "failed", "quota_never_fits")
         else:
-            f.state, f.wait_reason = "waiting", "quota"
+            f.move(FiringState.WAITING, wait_reason="quota")
             self.waiting[f.key] = f
             self._status(f.entry, f, "waiting", reason="quota")
 
@@ -562,7 +536,7 @@ class Scheduler:
             if f is None:
                 work.extend(self.admission.release(k))
                 continue
-            if f.state == "retrying_admission":
+            if f.state == FiringState.RETRYING_ADMISSION:
                 self._claim(f, retry=True)
             else:
                 self._claim(f)
@@ -582,7 +556,7 @@ class Scheduler:
             return
         if retry:
             f.attempt += 1
-        f.state = "claiming"
+        f.move(FiringState.CLAIMING)
         key = self.keys.run(e.shard, e.job.id, f.fire_id)
         rec = self._record(f, "running", started_at=rfc(max(utcnow(), f.due)))
         compare = [Mod(key) == f.record_rev] if retry else [Create(key) == 0]
@@ -591,7 +565,7 @@ class Scheduler:
             return fenced_txn(self.client, fence, compare=compare, success=[Put(key, json.dumps(rec))])
 
         def done(r, error):
-            if f.state != "claiming":
+            if f.state != FiringState.CLAIMING:
                 return
             if retry and (error is not None or not r.succeeded):
                 self._abandon(f, "retry_claim_failed")
@@ -617,7 +591,7 @@ class Scheduler:
             return self.client.get(key)
 
         def done(kv, err):
-            if f.state != "claiming":
+            if f.state != FiringState.CLAIMING:
                 return
             if err is not None:
                 if self.agent.fence_for(f.entry.shard) is None:
@@ -639,7 +613,7 @@ class Scheduler:
         self.workers.submit(op, done)
 
     def _abandon(self, f: Firing, why: str) -> None:
-        f.state = "done"
+        f.move(FiringState.DONE)
         self._release(f)
         self._forget(f)
         log.debug("firing abandoned", extra={"fields": {"job": f.entry.job.id, "fire_id": f.fire_id, "why": why}})
@@ -664,20 +638,20 @@ class Scheduler:
                        timeout_s=e.job.timeout_s, kill_grace_s=self.cfg.execute.kill_grace_s,
                        output_max_bytes=self.cfg.execute.output_max_bytes, job_id=e.job.id,
                        run_id=f.fire_id, attempt=f.attempt)
-        f.state = "running"
+        f.move(FiringState.RUNNING)
         on_exit = lambda h, r: self.loop.post(self._ended, f, r)  # noqa: E731
         ahead = (f.due - utcnow()).total_seconds()
         if f.lead > 0 and f.attempt == 1:
             self.claim_lead.observe(f.lead - ahead)
-        prepare = getattr(self.executor, "prepare", None)
-        if ahead > SPAWN_AHEAD_MIN_S and prepare is not None:
+        if ahead > SPAWN_AHEAD_MIN_S:
             session = self.agent.session
             lease = session.lease_id
             # checked by the releasing thread itself: even with this loop busy, nothing is
             # released once the lease the claim was made under may have run out
-            f.handle = prepare(spec, on_exit, release_at=time.monotonic() + ahead,
-                               on_release=lambda h, ok: self.loop.post(self._released, f, h, ok, argv, tpl.user),
-                               guard=lambda: session.is_valid() and session.lease_id == lease)
+            f.handle = self.executor.prepare(
+                spec, on_exit, release_at=time.monotonic() + ahead,
+                on_release=lambda h, ok: self.loop.post(self._released, f, h, ok, argv, tpl.user),
+                guard=lambda: session.is_valid() and session.lease_id == lease)
             # listeners (exec policy, sensor attribution) know the run before it can exec
             for l in self.run_listeners:
                 l.run_started(f)
@@ -704,18 +678,13 @@ class Scheduler:
         FIRINGS.labels("started").inc()
         self.agent.record("job", event="run_start", job=e.job.id, fire_id=f.fire_id, attempt=f.attempt,
                           shard=e.shard, pid=getattr(handle, "pid", None), argv=argv, user=user)
-        if f.state == "running":
+        if f.state == FiringState.RUNNING:
             self._status(e, f, "running", pid=getattr(handle, "pid", None))
 
     def _run_failed_early(self, f: Firing, reason: str) -> None:
-        f.state = "running"
+        f.move(FiringState.RUNNING)
 
-        class _R:
-            pass
-
-        r = _R()
-        r.reason, r.exit_code, r.signal, r.usage, r.error = "spawn_error", None, None, None, reason
-        self._ended(f, r)
+        self._ended(f, SimpleNamespace(reason="spawn_error", exit_code=None, signal=None, usage=None, error=reason))
 
     def _ended(self, f: Firing, result: Any) -> None:
         e = f.entry
@@ -726,12 +695,12 @@ class Scheduler:
         state = {"succeeded": "succeeded", "timed_out": "timed_out", "killed": "killed",
                  "cancelled": "cancelled", "replaced": "killed", "exec_policy": "killed"}.get(reason, "failed")
         if reason in ("shard_lost", "fenced", "released", "deleted"):
-            f.state = "done"
+            f.move(FiringState.DONE)
             self._forget(f)
             RUNS.labels("abandoned").inc()
             return  # we may not write for this shard any more; the new owner resolves it
         usage = getattr(result, "usage", None)
-        usage_doc = usage.to_dict() if hasattr(usage, "to_dict") else (usage or {})
+        usage_doc = usage.to_dict() if usage is not None and hasattr(usage, "to_dict") else (usage or {})
         duration = time.monotonic() - f.started_mono if f.started_mono else 0.0
         JOB_DURATION.observe(duration)
         now = utcnow()
@@ -748,12 +717,12 @@ class Scheduler:
         self.agent.record("job", event="run_end", job=e.job.id, fire_id=f.fire_id, attempt=f.attempt,
                           state=state, **{k: v for k, v in fields.items() if k != "usage"})
         if nxt is not None:
-            f.state = "retrying"
+            f.move(FiringState.RETRYING)
             self._write_record(f, "retrying", retry_at=rfc(nxt), **fields)
             self._status(e, f, "retrying", retry_at=rfc(nxt), **fields)
             f.timer = self.loop.call_later(max(0.0, (nxt - now).total_seconds()), self._retry_due, f)
         else:
-            f.state = "done"
+            f.move(FiringState.DONE)
             self._write_record(f, state, **fields)
             self._status(e, f, state, **fields)
             self._forget(f)
@@ -763,7 +732,7 @@ class Scheduler:
     def _retry_due(self, f: Firing) -> None:
         f.timer = None
         e = f.entry
-        if self.entries.get(e.job.id) is not e or e.cancelled or f.state != "retrying":
+        if self.entries.get(e.job.id) is not e or e.cancelled or f.state != FiringState.RETRYING:
             return
         from agent.execute.admission import ADMITTED, REJECTED
 
@@ -773,12 +742,12 @@ class Scheduler:
         elif decision == REJECTED:
             self._finish_without_run(f, "failed", "quota_never_fits")
         else:
-            f.state = "retrying_admission"
+            f.move(FiringState.RETRYING_ADMISSION)
             self.waiting[f.key] = f
 
     def _finish_without_run(self, f: Firing, state: str, reason: str) -> None:
         """Record a firing that will not run (misfired, cancelled, failed before start)."""
-        f.state = "done"
+        f.move(FiringState.DONE)
         e = f.entry
         FIRINGS.labels(reason).inc()
         fence = self.agent.fence_for(e.shard)
@@ -799,7 +768,7 @@ class Scheduler:
         if e.firings.get(f.fire_id) is f:
             del e.firings[f.fire_id]
         if e.backlog and self.entries.get(e.job.id) is e and not e.cancelled \
-                and not any(g.state in ("running", "claiming") for g in e.firings.values()):
+                and not any(g.state in ACTIVE for g in e.firings.values()):
             self.loop.call_later(0, self._fire, e, e.backlog.pop(0))
         # a one-shot job with nothing left to do stays known (cancel may still come)
 
@@ -863,7 +832,7 @@ class Scheduler:
         running, due = [], []
         for e in self.entries.values():
             for f in e.firings.values():
-                if f.state == "running" and f.started_mono:
+                if f.state == FiringState.RUNNING and f.started_mono:
                     running.append({"job_id": e.job.id, "fire_id": f.fire_id, "attempt": f.attempt,
                                     "pid": getattr(f.handle, "pid", None), "health": f.health,
                                     "age_s": round(time.monotonic() - f.started_mono, 1)})
@@ -872,7 +841,7 @@ class Scheduler:
         due.sort()
         return {"owned_jobs": len(self.entries), "running": running,
                 "waiting": sum(1 for e in self.entries.values() for f in e.firings.values()
-                               if f.state in ("waiting", "retrying_admission")),
+                               if f.state in (FiringState.WAITING, FiringState.RETRYING_ADMISSION)),
                 "due": [{"job_id": j, "due": rfc(d), "in_s": round((d - now).total_seconds(), 3)} for d, j in due[:50]],
                 "loading_shards": sorted(self.loading),
                 "admission": {"running": len(self.admission.running), "waiting": len(self.admission)}}
@@ -881,7 +850,7 @@ class Scheduler:
         self.gc.stop()
         for e in self.entries.values():
             for f in e.firings.values():
-                if f.state == "running" and f.handle is not None:
+                if f.state == FiringState.RUNNING and f.handle is not None:
                     f.handle.terminate("agent_stopped")
 
     def _quiet_for(self) -> Optional[float]:
@@ -892,7 +861,7 @@ class Scheduler:
             if e.next_due is not None and (soonest is None or e.next_due < soonest):
                 soonest = e.next_due
             for f in e.firings.values():
-                if f.state in ("claiming", "running") and not f.started_mono and (soonest is None or f.due < soonest):
+                if f.state in ACTIVE and not f.started_mono and (soonest is None or f.due < soonest):
                     soonest = f.due
         if soonest is None:
             return None
@@ -901,7 +870,7 @@ class Scheduler:
 
 def _parse_or(text: Optional[str], default: datetime) -> datetime:
     try:
-        return sch.parse_rfc3339(text) if text else default
+        return parse_rfc3339(text) if text else default
     except Exception:
         return default
 

@@ -32,13 +32,17 @@ from typing import Any, Optional
 
 import yaml
 
+from agent.runtime.text import short as _short
+
 try:  # python3-cryptography (Debian); optional
     from cryptography.exceptions import InvalidSignature as _InvalidSignature
+    from cryptography.hazmat.primitives import serialization as _serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import (
         Ed25519PrivateKey as _Ed25519PrivateKey,
+    )
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import (
         Ed25519PublicKey as _Ed25519PublicKey,
     )
-    from cryptography.hazmat.primitives import serialization as _serialization
 
     HAVE_ED25519 = True
 except Exception:  # pragma: no cover - depends on the host
@@ -89,7 +93,7 @@ def canonical_json(doc: dict, *, with_sig: bool = False) -> bytes:
     return text.encode("utf-8")  # UnicodeEncodeError (a ValueError) for lone surrogates
 
 
-def _b64decode(text: str) -> bytes:
+def _b64decode(text: Any) -> bytes:
     """Strict standard base64 (padding required, no stray characters)."""
     if not isinstance(text, str) or not text.isascii():
         raise ValueError("not base64")
@@ -350,8 +354,3 @@ def generate_ed25519() -> tuple[str, str]:
 
 def generate_hmac_secret(nbytes: int = 32) -> str:
     return _b64encode(os.urandom(max(nbytes, MIN_HMAC_SECRET_BYTES)))
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,11 +1,14 @@
 """The agent's runtime: the one event loop that owns all state, and its wiring.
 
 Modules: loop (timer heap and event queue), daemon (the Agent: session, shards, the
-loop's life and graceful stop), components (which parts a daemon runs, in order),
-admin (root-only status socket), metrics (Prometheus helpers), logs (log set-up),
-gcpolicy (garbage-collection timing around due times).
+loop's life and graceful stop; the Component, ShardListener and SessionListener seams),
+components (which parts a daemon runs, in order, and how they are passed to each
+other), admin (root-only status socket), metrics (Prometheus helpers), logs (log
+set-up), gcpolicy (garbage-collection timing around due times), timefmt (the RFC 3339
+parser and formatter), text (quoting input in error messages).
 
 May import: every other package of ``agent`` (it is the only place that knows all
-parts). Nothing outside ``runtime`` imports ``daemon`` or ``components``; ``loop``,
-``metrics`` and ``logs`` are leaves that anything may import.
+parts). Nothing outside ``runtime`` imports ``daemon`` or ``components`` at run time
+(type annotations may name the Agent); ``loop``, ``metrics``, ``logs``, ``timefmt`` and
+``text`` are leaves that anything may import.
 """

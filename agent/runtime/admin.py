@@ -11,11 +11,11 @@ import logging
 import os
 import socket
 import threading
-from typing import Any
+from typing import Any, Optional
 
 from agent.config import load_config
 
-log = logging.getLogger("millwright.admin")
+log = logging.getLogger(__name__)
 
 
 class AdminServer:
@@ -58,7 +58,8 @@ class AdminServer:
                 done = threading.Event()
                 box: dict = {}
 
-                def snap() -> None:
+                def snap(box: dict = box, done: threading.Event = done) -> None:
+                    # bound now: a snapshot arriving after its request timed out must not answer the next one
                     box["doc"] = self.agent.status()
                     done.set()
 
@@ -141,7 +142,9 @@ def render(doc: dict) -> str:
 
 
 def _ranges(nums: list[int]) -> str:
-    out, start, prev = [], None, None
+    out: list[str] = []
+    start: Optional[int] = None
+    prev = 0
     for n in sorted(nums):
         if start is None:
             start = prev = n

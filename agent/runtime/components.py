@@ -1,14 +1,26 @@
-"""The parts the daemon runs, in start order. Each factory takes the Agent and returns
-an object with optional start()/stop(); parts register their hooks on the agent."""
+"""The parts the daemon runs, in start order, and how they are wired to each other.
+
+Each factory takes the Agent and returns a Component (start()/stop()). Parts register
+on the Agent's typed hook lists; where two parts talk to each other (the scheduler and
+supervision, the executor and sensing) this module passes one to the other: it is the
+only place besides the daemon that knows all parts.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import logging
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from agent.config import Config
 
+log = logging.getLogger(__name__)
 
-def _admin(agent) -> Any:
+if TYPE_CHECKING:
+    from agent.jobs.firing import RunListener
+    from agent.runtime.daemon import Agent, Component, ComponentFactory
+
+
+def _admin(agent: Agent) -> Component:
     from agent.runtime.admin import AdminServer
 
     return AdminServer(agent, agent.cfg.admin.socket)
@@ -17,32 +29,34 @@ def _admin(agent) -> Any:
 class _AuditComponent:
     """Opens the audit log first and closes it last, so every part's records land in it."""
 
-    def __init__(self, agent):
+    def __init__(self, agent: Agent):
         from agent.audit import AuditLog
         from agent.audit.events import describe_config
 
         self.agent = agent
-        self.checkpoint_sinks: list[Callable[[dict], None]] = []
-        agent.checkpoint_sinks = self.checkpoint_sinks
-        agent.audit = AuditLog.from_config(agent.cfg.audit, agent_id=agent.cfg.agent_id,
-                                           on_checkpoint=self._checkpoint)
-        agent.audit.config(**describe_config(agent.cfg))
+        self.audit = AuditLog.from_config(agent.cfg.audit, agent_id=agent.cfg.agent_id,
+                                          on_checkpoint=self._checkpoint)
+        agent.audit = self.audit
+        self.audit.config(**describe_config(agent.cfg))
 
     def _checkpoint(self, doc: dict) -> None:  # writer thread: hand over, never block
-        for sink in self.checkpoint_sinks:
+        for sink in self.agent.checkpoint_sinks:
             try:
                 sink(doc)
             except Exception:
                 pass
 
+    def start(self) -> None:
+        pass  # opened in __init__, before the other parts are built
+
     def stop(self) -> None:
-        self.agent.audit.close()
+        self.audit.close()
 
 
 class _JobsComponent:
     """Executor (quotas), admission control and the scheduler that owns due firings."""
 
-    def __init__(self, agent):
+    def __init__(self, agent: Agent, run_listeners: Sequence[RunListener] = ()):
         import os
         import re
 
@@ -56,17 +70,13 @@ class _JobsComponent:
         self.executor = Executor.from_config(agent.cfg.execute, os.path.join(agent.cfg.state_dir, "runs"),
                                              root_name=root, reclaim=True)
         self.admission = Admission(Budget.from_config(agent.cfg.execute))
-        self.scheduler = Scheduler(agent, self.executor, self.admission)
-        agent.scheduler = self.scheduler
-        agent.executor = self.executor
+        self.scheduler = Scheduler(agent, self.executor, self.admission, run_listeners)
+        agent.watch_sources.append(self.scheduler.start_watches)
         agent.status_providers["quota"] = lambda: {"backend": self.executor.backend.name,
                                                    "why": self.executor.backend.why}
 
     def start(self) -> None:
         self.scheduler.workers.start()
-
-    def start_watches(self):
-        return self.scheduler.start_watches()
 
     def stop(self) -> None:
         self.scheduler.stop()
@@ -74,19 +84,44 @@ class _JobsComponent:
         self.scheduler.workers.stop()
 
 
-def _sensing(agent) -> Any:
-    from agent.supervision.sensing import RunSensing
+class _SupervisedJobs:
+    """Jobs with kernel sensing and the health and lease policies around them.
 
-    return RunSensing(agent)
+    The scheduler tells sensing, then supervision, of each run (sensing first: it gives the
+    run its sensor slot, which supervision's health policy reads); the executor's poststart
+    hook lets sensing track a run's process before it execs; sensing asks supervision for
+    exec verdicts and tells it of new signals; supervision pauses and resumes the scheduler.
+    """
+
+    def __init__(self, agent: Agent):
+        from agent.supervision.component import Supervision
+        from agent.supervision.sensing import RunSensing
+
+        run_listeners: list[RunListener] = []
+        self.jobs = _JobsComponent(agent, run_listeners)
+        self.sensing = RunSensing(agent)
+        self.jobs.executor.poststart.append(self.sensing.poststart)
+        self.supervision = Supervision(agent, gate=self.jobs.scheduler, sensing=self.sensing)
+        agent.session_listeners.append(self.supervision)
+        self.sensing.exec_listeners.append(self.supervision)
+        self.sensing.signal_listeners.append(self.supervision)
+        run_listeners += [self.sensing, self.supervision]
+        self.parts: list[Component] = [self.jobs, self.sensing, self.supervision]
+
+    def start(self) -> None:
+        for p in self.parts:
+            p.start()
+
+    def stop(self) -> None:
+        for p in reversed(self.parts):
+            try:
+                p.stop()
+            except Exception:
+                log.exception("component stop failed", extra={"fields": {"part": type(p).__name__}})
 
 
-def _supervision(agent) -> Any:
-    from agent.supervision.component import Supervision
-
-    return Supervision(agent)
-
-
-def default_components(cfg: Config) -> list[Callable[[Any], Any]]:
+def default_components(cfg: Config) -> list[ComponentFactory]:
     from agent.cloud import cloud_component  # cloud channel (agent/cloud, docs/cloud.md)
 
-    return [_AuditComponent, cloud_component, _admin, _JobsComponent, _sensing, _supervision]
+    factories: list[Callable[[Agent], Component]] = [_AuditComponent, cloud_component, _admin, _SupervisedJobs]
+    return factories

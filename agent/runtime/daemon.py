@@ -13,24 +13,26 @@ import signal
 import socket
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from agent import __version__
 from agent.config import Config, load_config
-from agent.coordination.etcd import EtcdClient
-from agent.coordination.fencing import Fence, StaleToken, fenced_txn
-from agent.coordination.etcd import Put
+from agent.coordination.etcd import EtcdClient, Put
+from agent.coordination.fencing import Fence, fenced_txn
 from agent.coordination.keys import Keys
 from agent.coordination.session import Session
 from agent.coordination.shards import ShardManager
 from agent.coordination.watch import PrefixWatch
 from agent.coordination.worker import EtcdWorkers
+from agent.runtime import logs, metrics
 from agent.runtime.loop import EventLoop
 from agent.runtime.metrics import counter, gauge
-from agent.runtime import logs
-from agent.runtime import metrics
 
-log = logging.getLogger("millwright.daemon")
+if TYPE_CHECKING:
+    from agent.audit import AuditLog
+    from agent.cloud.component import JobListener
+
+log = logging.getLogger(__name__)
 
 FENCES = counter("millwright_self_fences_total", "Times the agent stopped acting for its shards", ("reason",))
 ETCD_UP = gauge("millwright_etcd_up", "1 while the session lease is valid")
@@ -56,8 +58,40 @@ class SdNotify:
             pass
 
 
+class Component(Protocol):
+    """A part the daemon runs: started in order after construction, stopped in reverse."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class ShardListener(Protocol):
+    """Told when this agent starts or stops acting for a shard (loop thread)."""
+
+    def shard_acquired(self, fence: Fence) -> None: ...
+
+    def shard_lost(self, shard: int, reason: str) -> None: ...
+
+
+class SessionListener(Protocol):
+    """Told of every keepalive outcome of the session lease (loop thread): the lease policy."""
+
+    def session_granted(self) -> None: ...
+
+    def session_renewed(self, latency: float) -> None: ...
+
+    def session_failed(self, error: str) -> None: ...
+
+
+ComponentFactory = Callable[["Agent"], Component]
+
+
 class Agent:
-    def __init__(self, cfg: Config, extra_components: Optional[list[Callable[["Agent"], Any]]] = None):
+    """Owns the session, the shards and the event loop; parts plug into the typed hook
+    lists below, which agent/runtime/components.py fills. Nothing else is added later."""
+
+    def __init__(self, cfg: Config, extra_components: Optional[list[ComponentFactory]] = None):
         self.cfg = cfg
         self.keys = Keys(cfg.cluster)
         self.loop = EventLoop()
@@ -67,31 +101,37 @@ class Agent:
         self.started_at = time.time()
         self.fenced_reason: Optional[str] = "starting"
         self.exit_code = 0
-        self._fence_timer = None
+        self._fence_timer: Optional[Any] = None
         self._etcd_failures = 0
         self._stopping = False
-        self.audit = None  # set by the audit component when configured
+        self.audit: Optional[AuditLog] = None  # set by the audit component when configured
         self.shards = ShardManager(cfg.agent_id, cfg.shards, self.keys, self.client, self.workers, self.loop,
                                    on_acquired=self._shard_acquired, on_lost=self._shard_lost,
-                                   busy=self._shard_busy)
+                                   busy=self._shard_busy, own_old_leases=lambda: set(self.session.abandoned))
         self.session = Session(self.client, cfg.etcd.lease_ttl_s, cfg.etcd.renew_deadline_s,
                                cfg.etcd.retry_period_s, self.loop.post,
                                on_granted=self._session_granted, on_renewed=self._session_renewed,
                                on_failed=self._session_failed, on_lost=self._session_lost)
-        self.shards.own_old_leases = lambda: set(self.session.abandoned)
         self.watches: list[PrefixWatch] = []
         # hooks other parts register (jobs, cloud, health): called on the loop thread
-        self.shard_listeners: list[Any] = []
+        self.shard_listeners: list[ShardListener] = []
         self.busy_checks: list[Callable[[int], bool]] = []
         self.status_providers: dict[str, Callable[[], Any]] = {}
         self.stop_hooks: list[Callable[[], None]] = []
         self.status_sinks: list[Callable[[dict], None]] = []  # job status documents (cloud)
         self.checkpoint_sinks: list[Callable[[dict], None]] = []  # audit file checkpoints (cloud)
-        self.session_listeners: list[Any] = []  # lease policy: session_granted/renewed/failed
+        self.session_listeners: list[SessionListener] = []  # lease policy
+        self.job_listeners: list[JobListener] = []  # the scheduler: pushes stored / cancels applied (cloud)
+        self.watch_sources: list[Callable[[], list[PrefixWatch]]] = []  # more watches per session (jobs)
         self.owned_shards: frozenset[int] = frozenset()  # snapshot readable from any thread
         self.drain_hooks: list[Callable[[Callable[[], None]], None]] = []
         self.components = [make(self) for make in (extra_components or [])]
         self._probe_interval = float(os.environ.get("MILLWRIGHT_TEST_FENCED_WRITES_S", "0") or 0)
+
+    @property
+    def stopping(self) -> bool:
+        """True once a graceful stop began (SIGTERM/SIGINT): periodic work stops re-arming."""
+        return self._stopping
 
     # --- audit ---------------------------------------------------------------------
     def record(self, type_: str, **fields: Any) -> None:
@@ -176,10 +216,8 @@ class Agent:
                         on_snapshot=lambda kvs, rev: post(self.shards.shards_snapshot, kvs, rev),
                         on_events=lambda evs, rev: post(self.shards.shards_events, evs, rev))
         self.watches = [m.start(), s.start()]
-        for c in self.components:
-            start = getattr(c, "start_watches", None)
-            if start:
-                self.watches.extend(start())
+        for source in self.watch_sources:
+            self.watches.extend(source())
 
     # --- shards ------------------------------------------------------------------------
     def publish_status(self, doc: dict) -> None:
@@ -286,8 +324,7 @@ class Agent:
                                                      "version": __version__, "config": self.cfg.source,
                                                      "endpoints": ",".join(self.cfg.etcd.endpoints)}})
         for c in self.components:
-            if hasattr(c, "start"):
-                c.start()
+            c.start()
         if self.audit is not None:
             self.audit.agent_start(version=__version__, agent_id=self.cfg.agent_id, pid=os.getpid(),
                                    cluster=self.cfg.cluster)
@@ -317,11 +354,10 @@ class Agent:
         if self.audit is not None:
             self.audit.agent_stop(reason="drained" if self._stopping else "stopped", exit_code=self.exit_code)
         for c in reversed(self.components):
-            if hasattr(c, "stop"):
-                try:
-                    c.stop()
-                except Exception:
-                    log.exception("component stop failed")
+            try:
+                c.stop()
+            except Exception:
+                log.exception("component stop failed")
         self.client.close()
         log.info("agent stopped", extra={"fields": {"exit_code": self.exit_code}})
         return self.exit_code

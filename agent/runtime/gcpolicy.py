@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 from agent.runtime.metrics import counter, histogram
 
-log = logging.getLogger("millwright.gc")
+log = logging.getLogger(__name__)
 
 FREEZES = counter("millwright_gc_freezes_total", "Long-lived objects moved out of the collector's reach")
 FULL = histogram("millwright_gc_full_collection_seconds", "Periodic full collections (in quiet gaps)",

@@ -29,7 +29,7 @@ class _Formatter(logging.Formatter):
             return json.dumps(doc, default=str)
         ts = time.strftime("%H:%M:%S", time.localtime(record.created)) + f".{int(record.msecs):03d}"
         kv = " ".join(f"{k}={_q(v)}" for k, v in fields.items())
-        line = f"{ts} {record.levelname[0]} [{self.agent_id}] {record.name.removeprefix('millwright.')}: {record.getMessage()}"
+        line = f"{ts} {record.levelname[0]} [{self.agent_id}] {record.name.removeprefix('agent.')}: {record.getMessage()}"
         if kv:
             line += " " + kv
         if record.exc_info:

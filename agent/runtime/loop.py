@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 from agent.runtime.metrics import counter
 
-log = logging.getLogger("millwright.loop")
+log = logging.getLogger(__name__)
 
 STALLS = counter("millwright_loop_stalls_total", "Loop handlers that ran longer than the stall threshold")
 
@@ -108,7 +108,7 @@ class EventLoop:
                     continue
                 reported = busy
                 STALLS.inc()
-                frame = sys._current_frames().get(thread.ident)
+                frame = sys._current_frames().get(thread.ident or 0)
                 stack = "".join(traceback.format_stack(frame)[-12:]) if frame is not None else "?"
                 log.warning("event loop stalled", extra={"fields": {
                     "handler": getattr(busy[1], "__qualname__", repr(busy[1])), "held_s": round(held, 2),

@@ -11,7 +11,7 @@ import logging
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 REGISTRY = CollectorRegistry(auto_describe=True)
-log = logging.getLogger("millwright.metrics")
+log = logging.getLogger(__name__)
 
 
 def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes as ct
 import os
+from typing import Any
 
 SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bpf", "sensor.c")
 
@@ -149,7 +150,7 @@ MAPS = {
 
 # The tracepoints the program attaches to, and the fields it reads from each.
 # Optional fields switch a -D flag on when the running kernel's format file has them.
-TRACEPOINTS = {
+TRACEPOINTS: dict[str, dict[str, Any]] = {
     "sched:sched_process_exec": {"required": ["filename", "old_pid"]},
     "sched:sched_process_fork": {"required": ["child_pid"]},
     "sched:sched_process_exit": {"required": [], "optional": {"HAVE_EXIT_GROUP_DEAD": ["group_dead"]}},

@@ -185,7 +185,7 @@ def check_tracepoints(tracefs: Optional[str]) -> list[Item]:
             continue
         missing = [f for f in spec["required"] if f not in fmt]
         opt = []
-        for flag, names in spec.get("optional", {}).items():
+        for names in spec.get("optional", {}).values():
             absent = [n for n in names if n not in fmt]
             opt.append(f"{'+' if not absent else '-'}{','.join(names)}")
         used = len(spec["required"])

@@ -33,8 +33,8 @@ def load(config: dict) -> tuple[dict, list[int]]:
         raise RuntimeError("tracefs is not mounted (run: millwright bpf check)")
     cflags = check.compile_flags(tracefs, node_activity=bool(config.get("node_activity", True)))
     t0 = time.monotonic()
-    from bcc import BPF  # noqa: E402  (the whole point: only this process imports it)
     import bcc.version
+    from bcc import BPF  # noqa: E402  (the whole point: only this process imports it)
 
     t1 = time.monotonic()
     with open(config.get("source") or abi.SOURCE, "rb") as f:

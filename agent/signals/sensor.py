@@ -26,13 +26,16 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from agent.runtime import metrics
 from agent.signals import abi, check, procfs
 from agent.signals.model import ConnEvent, EndpointSignals, ExecEvent, Gap, NodeSignals, SlotSignals
 
-log = logging.getLogger("millwright.signals")
+if TYPE_CHECKING:
+    from agent.signals import bpfsys
+
+log = logging.getLogger(__name__)
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -93,10 +96,11 @@ class Sensor:
         self._maps: dict[str, Any] = {}
         self._tp_fds: list[int] = []
         self._map_fds: list[int] = []
-        self._perf = None
+        self._perf: Optional[bpfsys.PerfBuffers] = None
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
         # poll-thread-only state
+        self._proc_stall_seen: dict[int, float] = {}  # degraded mode: socket inode -> first seen stalled
         self._lost_total = 0
         self._last_sample: Any = None
         self._proc_known: Optional[set[int]] = None
@@ -157,7 +161,7 @@ class Sensor:
                     self._maps["slot_stats"].set(slot, abi.SlotStats())
                 for pid, slot in self._tracked_pids.items():
                     self._maps["tracked"].set(pid, slot)
-                for (host, port), epid in self._eps.items():
+                for (_host, port), epid in self._eps.items():
                     self._maps["ep_stats"].set(epid, abi.EpStats())
                     for k in self._ep_keys(self._ep_addrs[epid], port):
                         self._maps["endpoints"].set(k, epid)
@@ -356,7 +360,7 @@ class Sensor:
             infos = socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)
         except socket.gaierror as exc:
             raise ValueError(f"cannot resolve {host}: {exc}") from None
-        addrs = tuple(sorted({i[4][0] for i in infos}))
+        addrs = tuple(sorted({str(i[4][0]) for i in infos}))
         epid = free[0]
         if self.is_bpf:
             self._maps["ep_stats"].set(epid, abi.EpStats())
@@ -550,23 +554,23 @@ class Sensor:
         unrecovered retransmits (/proc/<pid>/fd + /proc/net/tcp), with the monotonic time
         the oldest was first seen so (accurate to the polling interval)."""
         pid_slots = {**self._proc_slots, **self._tracked_snapshot}
-        inode_slot = {}
+        inode_slot: dict[int, int] = {}
         for pid, slot in pid_slots.items():
             for ino in procfs.socket_inodes(pid):
                 inode_slot[ino] = slot
-        first_seen = getattr(self, "_proc_stall_seen", {})
-        seen_now = {}
+        first_seen = self._proc_stall_seen
+        seen_now: dict[int, float] = {}
         out: dict[int, tuple[int, float]] = {}
         if inode_slot:
             for row in procfs.read_tcp_sockets():
                 ino, state, retrans = row[6], row[4], row[5]
-                slot = inode_slot.get(ino)
-                if slot is None or not (state == 2 or retrans > 0):
+                owner = inode_slot.get(ino)
+                if owner is None or not (state == 2 or retrans > 0):
                     continue
                 t = first_seen.get(ino, now)
                 seen_now[ino] = t
-                n, oldest = out.get(slot, (0, now))
-                out[slot] = (n + 1, min(oldest, t))
+                n, oldest = out.get(owner, (0, now))
+                out[owner] = (n + 1, min(oldest, t))
         self._proc_stall_seen = seen_now
         return out
 
@@ -601,7 +605,7 @@ class Sensor:
             self._proc_pending.append((pid, ppid, int(st.get("Uid", "0").split()[0]), int(st.get("Gid", "0").split()[0]),
                                        filename, argv, offset + time.monotonic()))
         # execs in place (same pid) by tracked processes: compare exe and cmdline
-        for pid, slot in list(self._proc_slots.items()):
+        for pid in list(self._proc_slots):
             prev = self._proc_cmd.get(pid)
             argv = procfs.proc_cmdline(pid)
             try:
@@ -642,18 +646,19 @@ class Sensor:
             ev = decode_exec(data, offset)
             if ev.slot is None and not self.node_activity:
                 return
-            gen = self._slot_gens.get(ev.slot) if ev.slot is not None else None
-            if gen is not None:
-                seen = self._exec_seen.get(ev.slot)
+            slot = ev.slot
+            gen = self._slot_gens.get(slot) if slot is not None else None
+            if gen is not None and slot is not None:
+                seen = self._exec_seen.get(slot)
                 if seen is None or seen[0] != gen:
-                    seen = self._exec_seen[ev.slot] = [gen, 0, 0, 0]
+                    seen = self._exec_seen[slot] = [gen, 0, 0, 0]
                 seen[1] += 1
             EVENTS.labels("exec" if ev.slot is not None else "node_exec").inc()
             self._post(self._deliver, self.on_exec, ev)
         elif kind == abi.EV_CONN:
-            ev = decode_conn(data, offset)
-            EVENTS.labels(ev.kind).inc()
-            self._post(self._deliver, self.on_conn, ev)
+            cev = decode_conn(data, offset)
+            EVENTS.labels(cev.kind).inc()
+            self._post(self._deliver, self.on_conn, cev)
 
     def _on_lost(self, cpu: int, n: int) -> None:
         self._lost_total += n

@@ -15,45 +15,61 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 from urllib.parse import urlsplit
 
 from agent.supervision.health import ExecPolicy, JobHealth
 from agent.supervision.leasepolicy import LeasePolicy, read_memory_pressure
+from agent.supervision.sensing import RunSensing
 
-log = logging.getLogger("millwright.supervision")
+if TYPE_CHECKING:
+    from agent.jobs.firing import Firing
+    from agent.runtime.daemon import Agent
+
+log = logging.getLogger(__name__)
 
 TICK_S = 0.25
 NODE_EVERY_S = 5.0
 
 
+class RunGate(Protocol):
+    """What the decisions do to runs (the scheduler): stop and resume starting runs
+    (early fence), and publish a run's changed health."""
+
+    def pause(self, reason: str) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def publish_health(self, f: Firing, state: str, rule: Optional[str]) -> None: ...
+
+
 class Supervision:
-    def __init__(self, agent: Any):
+    """The daemon's SessionListener, a RunListener of the scheduler, an ExecListener and
+    SignalListener of RunSensing (wired by agent/runtime/components.py)."""
+
+    def __init__(self, agent: Agent, gate: RunGate, sensing: Optional[RunSensing] = None):
         self.agent = agent
+        self.gate = gate
+        self.sensing = sensing
         self.cfg = agent.cfg
         self.clock = time.monotonic
         self.policy = LeasePolicy.from_config(agent.cfg.etcd)
         self.exec_policies = {name: ExecPolicy(t.allow_exec, agent.cfg.bpf.mode)
                               for name, t in agent.cfg.templates.items()}
-        self.etcd_eps = set()
+        self.etcd_eps: set[tuple[Optional[str], int]] = set()
         for url in agent.cfg.etcd.endpoints:
             u = urlsplit(url)
             self.etcd_eps.add((u.hostname, u.port or 2379))
         self.runs: dict[str, dict] = {}  # run_key -> {"firing", "health", "exec", "slot"}
         self._last_node = 0.0
-        agent.session_listeners.append(self)
         agent.status_providers["health"] = self.status
         self.decisions: list[dict] = []  # recent decisions, for status
 
     def start(self) -> None:
-        sched = getattr(self.agent, "scheduler", None)
-        if sched is not None:
-            sched.run_listeners.append(self)
-        sensing = getattr(self.agent, "sensing", None)
-        if sensing is not None:
-            sensing.exec_listeners.append(self)
-            sensing.signal_listeners.append(self)
         self.agent.loop.call_later(TICK_S, self._tick)
+
+    def stop(self) -> None:
+        pass  # the tick stops re-arming once the agent is stopping
 
     # --- decisions -----------------------------------------------------------------------
     def apply(self, decisions: list) -> None:
@@ -69,9 +85,9 @@ class Supervision:
                 if d.decision == "renew_fast":
                     session.renew_now()
             elif d.decision == "pause_runs":
-                self.agent.scheduler.pause(d.reason)
+                self.gate.pause(d.reason)
             elif d.decision == "resume_runs":
-                self.agent.scheduler.resume()
+                self.gate.resume()
             elif d.decision == "hand_off":
                 self.agent.shards.unavailable_reason = d.reason or "unhealthy"
                 self.agent.shards.update_member()
@@ -92,13 +108,12 @@ class Supervision:
         self.apply(self.policy.on_keepalive(False, None, self.clock(), error=error))
 
     # --- runs ------------------------------------------------------------------------------
-    def run_started(self, f: Any) -> None:
+    def run_started(self, f: Firing) -> None:
         if f.handle is None:
             return
         spec = f.handle.spec
         tpl = self.cfg.templates.get(f.entry.job.template)
-        sensing = getattr(self.agent, "sensing", None)
-        slot = sensing.slot_of(spec.run_key) if sensing else None
+        slot = self.sensing.slot_of(spec.run_key) if self.sensing is not None else None
         ep = self.exec_policies.get(f.entry.job.template)
         self.runs[spec.run_key] = {
             "firing": f, "slot": slot,
@@ -106,7 +121,7 @@ class Supervision:
             "exec": ep.for_run(spec.argv[0], job_argv=spec.argv) if ep is not None else None,
         }
 
-    def run_ended(self, f: Any) -> None:
+    def run_ended(self, f: Firing) -> None:
         if f.handle is None:
             return
         r = self.runs.pop(f.handle.spec.run_key, None)
@@ -137,7 +152,8 @@ class Supervision:
         return v.verdict
 
     def signals(self, slots: set, endpoints: set) -> None:
-        sensing = self.agent.sensing
+        sensing = self.sensing
+        assert sensing is not None  # signals come from it
         now = self.clock()
         for (h, p) in endpoints:
             sig = sensing.sensor.endpoint_signals(h, p)
@@ -152,14 +168,16 @@ class Supervision:
     def _observe(self, r: dict, now: float) -> None:
         if r["health"] is None or r["slot"] is None:
             return
-        d = r["health"].observe(self.agent.sensing.sensor.slot_signals(r["slot"]), now)
+        if self.sensing is None:
+            return
+        d = r["health"].observe(self.sensing.sensor.slot_signals(r["slot"]), now)
         if d is None:
             return
         f = r["firing"]
         f.health = d.state
         self.agent.record("job", event="health", job=f.entry.job.id, run_id=f.fire_id, attempt=f.attempt,
                           **d.to_record())
-        self.agent.scheduler.publish_health(f, d.state, d.rule)
+        self.gate.publish_health(f, d.state, d.rule)
         if d.end_run and f.handle is not None:
             f.handle.terminate("network_stall")
 
@@ -167,7 +185,7 @@ class Supervision:
     def _tick(self) -> None:
         now = self.clock()
         self.apply(self.policy.tick(now))
-        sensing = getattr(self.agent, "sensing", None)
+        sensing = self.sensing
         if sensing is not None:
             for r in list(self.runs.values()):
                 self._observe(r, now)
@@ -175,7 +193,7 @@ class Supervision:
                 self._last_node = now
                 self.apply(self.policy.on_node(sensing.sensor.node_signals(), now))
                 self.apply(self.policy.on_memory(read_memory_pressure(), now))
-        if not self.agent._stopping:
+        if not self.agent.stopping:
             self.agent.loop.call_later(TICK_S, self._tick)
 
     def status(self) -> dict:

@@ -164,7 +164,8 @@ class JobHealth:
             self._below_since = None
             since = self._at_least_since[level]
             if immediate or (since is not None and now - since >= self.confirm_s and now > since):
-                return self._change(state, rule, now, evidence, confirmed_s=0.0 if immediate else now - since)
+                return self._change(state, rule, now, evidence,
+                                    confirmed_s=0.0 if immediate or since is None else now - since)
             # a stalled rate not yet confirmed may already confirm degraded
             if level == 2 and cur == 0:
                 s1 = self._at_least_since[1]

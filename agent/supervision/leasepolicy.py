@@ -62,7 +62,7 @@ class LeaseDecision:
 
     def to_record(self) -> dict:
         """Fields for an audit ``lease`` record (``agent.record("lease", **d.to_record())``)."""
-        doc = {"event": self.decision, "reason": self.reason, "evidence": dict(self.evidence)}
+        doc: dict[str, Any] = {"event": self.decision, "reason": self.reason, "evidence": dict(self.evidence)}
         if self.interval_s is not None:
             doc["interval_s"] = self.interval_s
         return doc

@@ -11,15 +11,35 @@ retransmits on the coordination path.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
-log = logging.getLogger("millwright.sensing")
+if TYPE_CHECKING:
+    from agent.jobs.firing import Firing
+    from agent.runtime.daemon import Agent
+
+log = logging.getLogger(__name__)
 
 MAX_SLOT = 1023
 
 
+class ExecListener(Protocol):
+    """Asked for a verdict on each exec by a job process (the exec policy). Returns the
+    audit verdict (``denied``, ``would_deny``) or None to leave it ``allowed``."""
+
+    def exec_event(self, info: Optional[dict], ev: Any) -> Optional[str]: ...
+
+
+class SignalListener(Protocol):
+    """Told which run slots and remote endpoints have new kernel signals (health)."""
+
+    def signals(self, slots: set, endpoints: set) -> None: ...
+
+
 class RunSensing:
-    def __init__(self, agent: Any):
+    """A RunListener of the scheduler and the executor's poststart hook (both wired by
+    agent/runtime/components.py); tells its ExecListeners and SignalListeners."""
+
+    def __init__(self, agent: Agent):
         from agent.signals import Sensor
 
         self.agent = agent
@@ -29,9 +49,8 @@ class RunSensing:
         self.free = list(range(MAX_SLOT, 0, -1))
         self.by_run_key: dict[str, int] = {}
         self.runs: dict[int, dict] = {}  # slot -> {job, run_id, attempt, run_key, firing}
-        self.exec_listeners: list[Any] = []     # health: exec_event(run_info, ev)
-        self.signal_listeners: list[Any] = []   # health: signals(changed_slots, changed_eps)
-        agent.sensing = self
+        self.exec_listeners: list[ExecListener] = []
+        self.signal_listeners: list[SignalListener] = []
         agent.status_providers["sensor"] = self.status
 
     # --- lifecycle --------------------------------------------------------------------
@@ -44,18 +63,12 @@ class RunSensing:
                 except Exception as exc:
                     log.warning("cannot watch etcd endpoint", extra={"fields": {"url": url, "error": str(exc)}})
         self.agent.record("sensor", event="started", mode=mode)
-        ex = getattr(self.agent, "executor", None)
-        if ex is not None:
-            ex.poststart.append(self._poststart)
-        sched = getattr(self.agent, "scheduler", None)
-        if sched is not None:
-            sched.run_listeners.append(self)
 
     def stop(self) -> None:
         self.sensor.stop()
 
     # --- runs ---------------------------------------------------------------------------
-    def _poststart(self, handle: Any) -> None:
+    def poststart(self, handle: Any) -> None:
         """Executor hook, loop thread, before the job execs: give the run a slot."""
         spec = handle.spec
         if not self.free:
@@ -71,12 +84,12 @@ class RunSensing:
     def slot_of(self, run_key: str) -> Optional[int]:
         return self.by_run_key.get(run_key)
 
-    def run_started(self, firing: Any) -> None:
+    def run_started(self, firing: Firing) -> None:
         slot = self.by_run_key.get(firing.handle.spec.run_key) if firing.handle is not None else None
         if slot is not None:
             self.runs[slot]["firing"] = firing
 
-    def run_ended(self, firing: Any) -> None:
+    def run_ended(self, firing: Firing) -> None:
         if firing.handle is None:
             return
         slot = self.by_run_key.pop(firing.handle.spec.run_key, None)

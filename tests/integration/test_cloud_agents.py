@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -19,19 +18,15 @@ import time
 import pytest
 
 from agent.cloud.ingest import push_digest
-from agent.cloud.mqtt import MqttLink
 from agent.cloud.testkit import KID, TEMPLATES, StatusCollector, job_doc, signed, write_keys
-from agent.cloud.topics import Topics
-from agent.config import EtcdConfig, MqttConfig
-from agent.coordination.etcd import EtcdClient
-from agent.coordination.keys import Keys, shard_of
+from agent.coordination.keys import shard_of
 from tests.integration.cluster import Cluster, wait_for
+from tests.support.cloud import T, Pusher, accepted, jobs_in_etcd, wait_agent_connected
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICK = os.environ.get("MILLWRIGHT_CLOUD_QUICK") == "1"
 N_PUSHES = 1000 if QUICK else 5000
 SHARDS = 8
-T = Topics("t")
 
 
 @pytest.fixture
@@ -52,48 +47,6 @@ def world(etcd_server, mosquitto_server, tmp_path):
     cl.close()
 
 
-class Pusher:
-    def __init__(self, url: str, client_id: str = "test-pusher"):
-        self.acked = 0
-        self.lock = threading.Lock()
-        self.link = MqttLink(MqttConfig(url=url), client_id, clean_session=False, on_publish=self._pub,
-                             reconnect_min_s=0.2, reconnect_max_s=1.0, max_inflight=100)
-        self.link.start()
-        assert self.link.wait_connected(10)
-
-    def _pub(self, mid):
-        with self.lock:
-            self.acked += 1
-
-    def push(self, payload: bytes, topic: str = T.push) -> None:
-        self.link.publish(topic, payload, qos=1)
-
-    def stop(self):
-        self.link.stop()
-
-
-def _jobs_in_etcd(etcd) -> dict:
-    c = EtcdClient(EtcdConfig(endpoints=[etcd.endpoint], request_timeout_s=5.0))
-    try:
-        kvs, _ = c.get_prefix(Keys("t").jobs_prefix())
-        return {kv.key.rsplit("/", 1)[1]: kv for kv in kvs}
-    finally:
-        c.close()
-
-
-def _accepted(col, ids=None):
-    out = {}
-    for d in col.docs("accepted"):
-        if ids is None or d["job_id"] in ids:
-            out.setdefault(d["job_id"], {})[(d["agent"], d["seq"])] = d
-    return out
-
-
-def _wait_agent_connected(col, agent_id, timeout=30):
-    assert col.wait(lambda msgs: any(t == T.presence(agent_id) and d.get("state") == "online" and
-                                     d.get("pid") for _, t, d in msgs[-50:]), timeout)
-
-
 def test_5000_pushes_survive_two_kill9_and_a_broker_restart(world):
     a = world.cluster.start("a1")
     wait_for(lambda: world.cluster.all_owned_by({"a1"}), 30, what="a1 owns all shards")
@@ -101,10 +54,9 @@ def test_5000_pushes_survive_two_kill9_and_a_broker_restart(world):
     ids = [f"load-{i:05d}" for i in range(N_PUSHES)]
     payloads = [signed(job_doc(j, line=str(i % 100)), world.ring) for i, j in enumerate(ids)]
     events = []
-    acc_ids: set = set()
 
     def n_acc():
-        return len(_accepted(world.col))
+        return len(accepted(world.col))
 
     def feed():  # the cloud keeps pushing whatever happens to the agent or the broker
         for i, p in enumerate(payloads):
@@ -128,10 +80,10 @@ def test_5000_pushes_survive_two_kill9_and_a_broker_restart(world):
                 world.mq.start()
         feeder.join(60)
         ok = world.col.wait(lambda msgs: n_acc() >= N_PUSHES, 240)
-        acc = _accepted(world.col)
+        acc = accepted(world.col)
         missing = [j for j in ids if j not in acc]
         assert ok and not missing, (len(missing), missing[:5], events, pusher.acked)
-        jobs = _jobs_in_etcd(world.etcd)
+        jobs = jobs_in_etcd(world.etcd)
         assert set(jobs) == set(ids)
         assert all(kv.version == 1 for kv in jobs.values())  # written once, never rewritten
         repeats = 0
@@ -157,12 +109,11 @@ def test_5000_pushes_survive_two_kill9_and_a_broker_restart(world):
 def test_each_rejection_reason_over_mqtt(world):
     from datetime import datetime, timedelta, timezone
 
-    from agent.cloud.testkit import rfc
     from agent.jobs.signing import KeyRing, generate_hmac_secret, sign
 
     world.cluster.start("a1")
     wait_for(lambda: world.cluster.all_owned_by({"a1"}), 30, what="a1 owns all shards")
-    _wait_agent_connected(world.col, "a1")
+    wait_agent_connected(world.col, "a1")
     ring = world.ring
     other = KeyRing.from_mapping({KID: {"alg": "hmac-sha256", "secret": generate_hmac_secret()}})
     unknown = KeyRing.from_mapping({"cloud-9": {"alg": "hmac-sha256", "secret": generate_hmac_secret()}})
@@ -171,7 +122,7 @@ def test_each_rejection_reason_over_mqtt(world):
     try:
         pusher.push(signed(job_doc("c1"), ring))
         pusher.push(signed(job_doc("twin", line="1"), ring))
-        assert world.col.wait(lambda m: {"c1", "twin"} <= set(_accepted(world.col)), 30)
+        assert world.col.wait(lambda m: {"c1", "twin"} <= set(accepted(world.col)), 30)
         pusher.push(signed({"v": 1, "id": "c1"}, ring), T.cancel)
         assert world.col.wait(lambda m: any(d.get("state") == "cancelled" and d["job_id"] == "c1"
                                             for d in world.col.docs()), 30)
@@ -200,7 +151,7 @@ def test_each_rejection_reason_over_mqtt(world):
             if d["push_sha256"] in digests:
                 assert d["reason"] == digests[d["push_sha256"]], d
                 assert d["detail"]
-        jobs = _jobs_in_etcd(world.etcd)
+        jobs = jobs_in_etcd(world.etcd)
         assert not {"wt", "ut", "bp", "us", "bs", "uk", "ex"} & set(jobs)
         assert json.loads(jobs["twin"].value)["params"] == {"line": "1"}
     finally:
@@ -210,7 +161,7 @@ def test_each_rejection_reason_over_mqtt(world):
 def test_fuzz_over_mqtt_keeps_ingesting(world):
     a = world.cluster.start("a1")
     wait_for(lambda: world.cluster.all_owned_by({"a1"}), 30, what="a1 owns all shards")
-    _wait_agent_connected(world.col, "a1")
+    wait_agent_connected(world.col, "a1")
     rnd = random.Random(7)
     pusher = Pusher(world.mq.url, "fuzz-pusher")
     try:
@@ -229,12 +180,12 @@ def test_fuzz_over_mqtt_keeps_ingesting(world):
             sent.append(p)
             pusher.push(p)
         valid = {f"fz-ok-{i}" for i, p in enumerate(sent) if b'"fz-ok-' in p}
-        assert world.col.wait(lambda m: valid <= set(_accepted(world.col)), 60)
+        assert world.col.wait(lambda m: valid <= set(accepted(world.col)), 60)
         pusher.push(signed(job_doc("after-fuzz"), world.ring))
-        assert world.col.wait(lambda m: "after-fuzz" in _accepted(world.col), 30)
+        assert world.col.wait(lambda m: "after-fuzz" in accepted(world.col), 30)
         assert a.alive()
         # never accepted an invalid one
-        assert set(_accepted(world.col)) == valid | {"after-fuzz"}
+        assert set(accepted(world.col)) == valid | {"after-fuzz"}
     finally:
         pusher.stop()
 
@@ -244,22 +195,18 @@ def test_push_reaches_etcd_while_an_agent_is_gone_for_good(world):
     a2 = world.cluster.start("a2")
     wait_for(lambda: world.cluster.all_owned_by({"a1", "a2"}) and len(set(world.cluster.owners().values())) == 2,
              40, what="two agents share the shards")
-    _wait_agent_connected(world.col, "a1")
-    _wait_agent_connected(world.col, "a2")
+    wait_agent_connected(world.col, "a1")
+    wait_agent_connected(world.col, "a2")
     owners = world.cluster.owners()
     jid = next(f"gone-{i}" for i in range(10000) if owners[shard_of(f"gone-{i}", SHARDS)] == "a2")
     a2.kill()  # gone for good: its persistent session stays on the broker and queues the push
     pusher = Pusher(world.mq.url, "gone-pusher")
     try:
-        t0 = time.monotonic()
         pusher.push(signed(job_doc(jid), world.ring))
-        assert world.col.wait(lambda m: jid in _accepted(world.col), 30)
-        elapsed = time.monotonic() - t0
-        by = {d["agent"] for d in _accepted(world.col)[jid].values()}
-        assert by == {"a1"}
-        assert jid in _jobs_in_etcd(world.etcd)
-        print(f"\ningested by a1 {elapsed:.2f}s after the push (a2 gone, grace 1.5s)")
-        assert elapsed < 5.0  # acceptance 5
+        assert world.col.wait(lambda m: jid in accepted(world.col), 30)
+        by = {d["agent"] for d in accepted(world.col)[jid].values()}
+        assert by == {"a1"}  # not the owner: a1 took it after the ingest grace (latency: bench/bench_push_gone.py)
+        assert jid in jobs_in_etcd(world.etcd)
         assert a1.alive()
     finally:
         pusher.stop()
@@ -267,7 +214,7 @@ def test_push_reaches_etcd_while_an_agent_is_gone_for_good(world):
 
 def test_presence_will_drain_and_offline(world):
     a = world.cluster.start("a1")
-    _wait_agent_connected(world.col, "a1")
+    wait_agent_connected(world.col, "a1")
     pres = lambda: [d for _, t, d in world.col.messages if t == T.presence("a1")]
     a.kill()
     assert world.col.wait(lambda m: pres()[-1].get("state") == "offline", 30)
@@ -296,7 +243,7 @@ def _cli(*args, cwd=ROOT):
 def test_cli_push_and_cancel(world, tmp_path):
     a = world.cluster.start("a1")
     wait_for(lambda: world.cluster.all_owned_by({"a1"}), 30, what="a1 owns all shards")
-    _wait_agent_connected(world.col, "a1")
+    wait_agent_connected(world.col, "a1")
     cfg = a.config_path
     f = tmp_path / "job.json"
     f.write_text(json.dumps(job_doc("cli-1")))
@@ -331,19 +278,19 @@ def test_etcd_outage_never_acknowledges_a_push(world):
     then loses nothing, the broker delivers the push again to the next incarnation."""
     a = world.cluster.start("a1")
     wait_for(lambda: world.cluster.all_owned_by({"a1"}), 30, what="a1 owns all shards")
-    _wait_agent_connected(world.col, "a1")
+    wait_agent_connected(world.col, "a1")
     pusher = Pusher(world.mq.url, "outage-pusher")
     try:
         world.etcd.pause()  # SIGSTOP: requests hang and time out
         try:
             pusher.push(signed(job_doc("during-etcd-outage"), world.ring))
             time.sleep(3.0)
-            assert "during-etcd-outage" not in _accepted(world.col)
+            assert "during-etcd-outage" not in accepted(world.col)
             a.kill()
         finally:
             world.etcd.resume()
         a.start()
-        assert world.col.wait(lambda m: "during-etcd-outage" in _accepted(world.col), 60)
-        assert "during-etcd-outage" in _jobs_in_etcd(world.etcd)
+        assert world.col.wait(lambda m: "during-etcd-outage" in accepted(world.col), 60)
+        assert "during-etcd-outage" in jobs_in_etcd(world.etcd)
     finally:
         pusher.stop()

@@ -5,7 +5,6 @@ real mosquitto; the statuses go in through the same sink the daemon calls."""
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 from agent.cloud.mqtt import MqttLink

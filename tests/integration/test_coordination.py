@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.conftest import require_kernel
+from tests.support.kernel import require_kernel
 from tests.integration.cluster import Cluster, NftBlock, check_history, wait_for
 
 FENCED_WRITES = {"MILLWRIGHT_TEST_FENCED_WRITES_S": "1.0"}

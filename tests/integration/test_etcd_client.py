@@ -110,7 +110,7 @@ def test_agent_with_username_and_password(etcd_server, tmp_path):
         c = EtcdClient(EtcdConfig(endpoints=[ep], username="mw", password="mwpw"))
         wait_for(lambda: len(c.get_prefix("/millwright/au/shards/")[0]) == 64, 20, what="shards under auth")
         bad = EtcdClient(EtcdConfig(endpoints=[ep], username="mw", password="wrong"))
-        with pytest.raises(Exception):
+        with pytest.raises(Exception):  # noqa: B017 (grpc's auth error type differs across versions)
             bad.get("/millwright/au/shards/0000")
     finally:
         a.terminate()

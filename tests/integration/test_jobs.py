@@ -7,7 +7,6 @@ import collections
 import json
 import os
 import random
-import signal
 import time
 from datetime import datetime, timedelta, timezone
 
@@ -17,6 +16,7 @@ from agent.coordination.jobstore import JobStore
 from agent.coordination.keys import shard_of
 from agent.jobs.schedule import fire_id, format_rfc3339
 from tests.integration.cluster import Cluster, wait_for
+from tests.support.records import run_records
 
 RECORD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jobs", "record.sh")
 
@@ -65,12 +65,7 @@ def effects(out: str) -> collections.Counter:
 
 
 def records(c: Cluster) -> dict[tuple[str, str], dict]:
-    kvs, _ = c.client.get_prefix(c.keys.runs_prefix())
-    out = {}
-    for kv in kvs:
-        r = json.loads(kv.value)
-        out[(r["job_id"], r["fire_id"])] = r
-    return out
+    return run_records(c.client, c.keys)
 
 
 def wait_records(c: Cluster, pred, timeout: float, what: str):
@@ -157,7 +152,7 @@ def test_exactly_once_2000_jobs_with_agent_kills_and_an_etcd_restart(env, etcd_s
             assert r["reason"] == "owner_lost", (k, r)
             lost.append(k)
     # firings of the cron jobs never repeat a fire id and follow the 5 s grid
-    for (j, f), r in recs.items():
+    for (j, f) in recs:
         if j in cron_jobs:
             assert f.endswith(("0.000Z", "5.000Z")), f
     lost_at = collections.Counter(recs[k]["due"][11:19] for k in lost)
@@ -176,7 +171,7 @@ def test_retry_with_backoff(env):
     wait_for(lambda: c.converged({"a0": 1}), 15, what="shards")
     store.create(job("flaky", {}, params={"sleep": "0", "code": "3"},
                      retry={"max_attempts": 3, "backoff_s": 0.5, "max_backoff_s": 5, "jitter": 0}))
-    r = wait_records(c, lambda rs: any(v["state"] == "failed" for v in rs.values()), 20, "final failure")
+    wait_records(c, lambda rs: any(v["state"] == "failed" for v in rs.values()), 20, "final failure")
     (rec,) = [v for v in records(c).values() if v["job_id"] == "flaky"]
     assert rec["attempt"] == 3 and rec["exit_code"] == 3
     lines = [l.split() for l in open(out)]

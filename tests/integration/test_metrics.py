@@ -32,9 +32,10 @@ from agent.config import EtcdConfig
 from agent.coordination.etcd import EtcdClient
 from agent.coordination.jobstore import JobStore
 from agent.coordination.keys import Keys
-from agent.demo.scenario import msum, scrape
+from agent.demo.report import msum, scrape
 from agent.demo.services import AgentProcess, EtcdServer, MosquittoServer, free_port
-from tests.conftest import require_kernel
+from tests.support.kernel import require_kernel
+from tests.support.records import agent_audit
 
 RECORD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jobs", "record.sh")
 SHARDS = 16
@@ -82,9 +83,7 @@ def agent_config(etcd, mq, keys_file, out, port, ttl=4) -> dict:
 
 
 def audit_records(agent: AgentProcess, type_: str) -> list[dict]:
-    from agent.audit.show import Filter, records
-
-    return [r for _, r in records(os.path.join(agent.dir, "audit"), Filter(types={type_}))]
+    return agent_audit(agent, {type_})
 
 
 class Scenario:

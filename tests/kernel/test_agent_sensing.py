@@ -4,43 +4,19 @@ real BCC, real job processes; the evidence is read back from the agent's audit l
 
 from __future__ import annotations
 
-import glob
-import json
-import os
-import shutil
 import subprocess
-import sys
 import time
 
 import pytest
 
 from agent.coordination.jobstore import JobStore
-from tests.conftest import require_kernel
+from tests.support.kernel import bpf_ok, require_kernel
+from tests.support.records import agent_audit, latest_by_job, run_records
 from tests.integration.cluster import Cluster, wait_for
 
 
-def bpf_ok() -> tuple[bool, str]:
-    if os.geteuid() != 0:
-        return False, "needs root"
-    r = subprocess.run([sys.executable, "-m", "agent", "bpf", "check"], capture_output=True, text=True)
-    return r.returncode == 0, (r.stdout + r.stderr)[-500:]
-
-
-def audit_records(agent) -> list[dict]:
-    out = []
-    for path in sorted(glob.glob(os.path.join(agent.config["audit"]["dir"], "audit-*.jsonl"))):
-        with open(path) as fh:
-            for line in fh:
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    pass
-    return out
-
-
-def records(c: Cluster) -> dict:
-    kvs, _ = c.client.get_prefix(c.keys.runs_prefix())
-    return {(json.loads(kv.value)["job_id"]): json.loads(kv.value) for kv in kvs}
+def records(c: Cluster) -> dict[str, dict]:
+    return latest_by_job(run_records(c.client, c.keys))
 
 
 SCRIPT = "sleep 0.3; /bin/echo one; /usr/bin/id -u; /bin/true; sleep {tail}"
@@ -83,7 +59,7 @@ def test_exec_events_of_a_job_are_audited_with_job_and_run_id(cluster):
     wait_for(lambda: records(c).get("three-execs", {}).get("state") == "succeeded", 30, what="run")
     rec = records(c)["three-execs"]
     time.sleep(1.5)  # audit batches writes (fsync interval)
-    execs = [r for r in audit_records(c.agents["a0"]) if r.get("type") == "exec" and r.get("job") == "three-execs"]
+    execs = [r for r in agent_audit(c.agents["a0"]) if r.get("type") == "exec" and r.get("job") == "three-execs"]
     by_file = {r["filename"]: r for r in execs}
     for path, argv in (("/bin/echo", ["/bin/echo", "one"]), ("/usr/bin/id", ["/usr/bin/id", "-u"]),
                        ("/bin/true", ["/bin/true"])):
@@ -97,7 +73,7 @@ def test_exec_events_of_a_job_are_audited_with_job_and_run_id(cluster):
     # something outside any job shows up as node activity
     subprocess.run(["/bin/true", "node-activity-marker"], check=True)
     time.sleep(1.5)
-    node = [r for r in audit_records(c.agents["a0"]) if r.get("type") == "exec" and r.get("verdict") == "node"
+    node = [r for r in agent_audit(c.agents["a0"]) if r.get("type") == "exec" and r.get("verdict") == "node"
             and r.get("argv") == ["/bin/true", "node-activity-marker"]]
     assert node
 
@@ -111,7 +87,7 @@ def test_exec_outside_allow_list_is_killed_in_enforce_mode(cluster):
     rec = records(c)["bad-exec"]
     assert rec["state"] == "killed" and rec["reason"].startswith("exec_policy"), rec
     time.sleep(1.5)
-    audit = audit_records(c.agents["a0"])
+    audit = agent_audit(c.agents["a0"])
     v = [r for r in audit if r.get("type") == "policy_violation" and r.get("job") == "bad-exec"]
     assert v and v[0]["path"] == "/usr/bin/id" and v[0]["action"] == "killed"
     ex = [r for r in audit if r.get("type") == "exec" and r.get("job") == "bad-exec" and r.get("filename") == "/usr/bin/id"]
@@ -134,5 +110,5 @@ def test_exec_outside_allow_list_is_only_recorded_in_monitor_mode(cluster):
     rec = records(c)["bad-exec-mon"]
     assert rec["state"] == "timed_out", rec  # it ran on until its own timeout: not killed for the exec
     time.sleep(1.5)
-    v = [r for r in audit_records(c.agents["a0"]) if r.get("type") == "policy_violation" and r.get("job") == "bad-exec-mon"]
+    v = [r for r in agent_audit(c.agents["a0"]) if r.get("type") == "policy_violation" and r.get("job") == "bad-exec-mon"]
     assert v and v[0]["action"] == "recorded"

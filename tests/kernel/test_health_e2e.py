@@ -13,9 +13,10 @@ import pytest
 
 from agent.runtime.admin import query
 from agent.coordination.jobstore import JobStore
-from tests.conftest import require_kernel
+from tests.support.kernel import require_kernel
 from tests.integration.cluster import Cluster, NftBlock, etcd_history, wait_for
-from tests.kernel.test_agent_sensing import bpf_ok
+from tests.support.kernel import bpf_ok
+from tests.support.records import run_records
 
 CONNECT = ("import socket, sys\n"
            "s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60)\n"
@@ -62,8 +63,7 @@ def kernel_ready():
 
 
 def runs(c: Cluster) -> dict:
-    kvs, _ = c.client.get_prefix(c.keys.runs_prefix())
-    return {kv.key: json.loads(kv.value) for kv in kvs}
+    return run_records(c.client, c.keys)
 
 
 def test_etcd_blackhole_pauses_runs_before_the_renew_deadline(etcd_server, tmp_path, kernel_ready):
@@ -121,7 +121,7 @@ def test_stalled_job_network_is_retried_and_hands_shards_to_a_healthy_peer(etcd_
             # its runs stall, are ended with network_stall and retried
             wait_for(lambda: any(r.get("reason", "") and "network_stall" in r["reason"] for r in runs(c).values()),
                      30, interval=0.2, what="a network_stall")
-            healthy = c.start("healthy", extra={"templates": {"net": net_template("127.0.0.1", echo.port)}})
+            c.start("healthy", extra={"templates": {"net": net_template("127.0.0.1", echo.port)}})
             # after repeated stalls the sick agent hands its shards over and keeps its membership
             wait_for(lambda: c.counts().get("healthy", 0) == c.shards, 60, interval=0.2, what="hand-off to healthy")
             assert "sick" in c.members()

@@ -7,10 +7,7 @@ Each test process uses its own cgroup root (millwright-test-<pid>) and removes i
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 
@@ -19,9 +16,9 @@ import pytest
 from agent.execute import Admission, Budget, Executor, Limits, RunSpec, effective_limits
 from agent.execute.backends import BackendUnavailable, Cgroup1Backend, alive
 from agent.runtime.loop import EventLoop
-from tests.conftest import require_kernel
+from tests.support.kernel import require_kernel
+from tests.support.processes import PY, Collector, _children_zombies, _executor_kind
 
-PY = sys.executable if sys.executable.startswith("/usr/bin/") else "/usr/bin/python3"
 ROOT_NAME = f"millwright-test-{os.getpid()}"
 
 
@@ -48,79 +45,11 @@ def backend():
         assert not os.path.exists(root), f"cgroup root {root} left behind"
 
 
-@pytest.fixture(scope="module")
-def job_user():
-    """A temporary unprivileged system user (removed afterwards)."""
-    require_kernel(os.geteuid() == 0 and shutil.which("useradd") is not None, "needs root and useradd")
-    name = f"mw-test-{os.getpid() % 100000}"
-    subprocess.run(["userdel", name], capture_output=True)
-    subprocess.run(["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent",
-                    "--shell", "/usr/sbin/nologin", name], check=True, capture_output=True)
-    yield name
-    subprocess.run(["pkill", "-KILL", "-u", name], capture_output=True)
-    subprocess.run(["userdel", name], capture_output=True)
-
-
-@pytest.fixture
-def base_dir():
-    d = tempfile.mkdtemp(prefix="mw-exec-", dir="/tmp")
-    os.chmod(d, 0o711)   # the job user must be able to reach its work dir
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 @pytest.fixture
 def executor(backend, base_dir):
     ex = Executor(backend, base_dir, kill_grace_s=1.0, watch_interval_s=0.05)
     yield ex
     ex.close(close_backend=False)
-
-
-class Collector:
-    def __init__(self):
-        self.results = {}
-        self.cv = threading.Condition()
-        self.threads = set()
-
-    def __call__(self, handle, result):
-        with self.cv:
-            self.threads.add(threading.current_thread().name)
-            self.results[handle.run_key] = result
-            self.cv.notify_all()
-
-    def wait(self, keys, timeout=30.0):
-        deadline = time.monotonic() + timeout
-        with self.cv:
-            while not all(k in self.results for k in keys):
-                left = deadline - time.monotonic()
-                assert left > 0, f"runs did not end: {[k for k in keys if k not in self.results]}"
-                self.cv.wait(left)
-        return [self.results[k] for k in keys]
-
-
-def _executor_kind(fd: str) -> bool:
-    try:
-        target = os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return False
-    return target.startswith(("pipe:", "anon_inode:[pidfd]", "/sys/fs/cgroup")) or "/runs/" in target
-
-
-def _children_zombies() -> list[int]:
-    me = os.getpid()
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as fh:
-                data = fh.read()
-        except OSError:
-            continue
-        rest = data[data.rfind(b")") + 2:].split()
-        if rest[0] == b"Z" and int(rest[1]) == me:
-            out.append(int(name))
-    return out
 
 
 # --------------------------------------------------------------------------- acceptance 1

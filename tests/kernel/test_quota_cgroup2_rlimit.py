@@ -19,9 +19,9 @@ import tempfile
 import pytest
 
 from agent.execute import Executor, Limits, RunSpec, probe
-from agent.execute.backends import BackendUnavailable, CgroupFS, Cgroup2Backend, RlimitBackend, alive
-from tests.conftest import require_kernel
-from tests.kernel.test_quota_cgroup1 import PY, Collector, _children_zombies, base_dir, job_user  # noqa: F401
+from agent.execute.backends import BackendUnavailable, Cgroup2Backend, CgroupFS, RlimitBackend, alive
+from tests.support.kernel import require_kernel
+from tests.support.processes import PY, Collector, _children_zombies
 
 CONTROLLERS = "cpu io memory pids"
 
@@ -64,7 +64,7 @@ class TreeFS(CgroupFS):
         self.writes.append((os.path.relpath(path, self.mount), data))
         d, name = os.path.split(path)
         if name == "cgroup.procs":
-            for root, _dirs, files in os.walk(self.mount):   # a move: out of every other cgroup
+            for root, _dirs, _files in os.walk(self.mount):   # a move: out of every other cgroup
                 f = os.path.join(root, "cgroup.procs")
                 pids = [p for p in open(f).read().split() if p != data.strip()]
                 open(f, "w").write("\n".join(pids))

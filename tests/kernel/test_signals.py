@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.conftest import require_kernel
+from tests.support.kernel import require_kernel
 
 from agent.runtime import metrics
 from agent.signals import ConnEvent, ExecEvent, Gap, Sensor, check
@@ -249,7 +249,7 @@ def test_retransmits_towards_watched_etcd_endpoint(sensor_pump, blackhole, etcd_
         pump.run_until(lambda: False, 0.5)
         assert sensor.endpoint_signals(host, port).retransmits == 0
         blackhole(port)
-        with pytest.raises(Exception):
+        with pytest.raises(Exception):  # noqa: B017 (a timeout or an unavailable endpoint)
             client.put("/mw-test/k", "v2")  # stalls: the request segments are dropped
         assert pump.run_until(lambda: sensor.endpoint_signals(host, port).retransmits >= 1, 5)
         sig = sensor.endpoint_signals(host, port)

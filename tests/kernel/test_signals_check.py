@@ -7,7 +7,8 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import ROOT, require_kernel
+from agent.demo.services import REPO_ROOT as ROOT
+from tests.support.kernel import require_kernel
 
 from agent.signals import check
 

@@ -4,7 +4,7 @@ and the same install (plus tests/unit) in an arm64 root under qemu-user-static.
 Each test runs one of the packaging/*.sh scripts, which do the real work (debootstrap,
 chroot, apt) and print their durations; this wrapper only makes `make test` cover them.
 A missing prerequisite (not root, tools not installed, no binfmt_misc) skips locally and
-FAILS under MILLWRIGHT_REQUIRE_KERNEL=1 (CI), through tests.conftest.require_kernel.
+FAILS under MILLWRIGHT_REQUIRE_KERNEL=1 (CI), through tests.support.kernel.require_kernel.
 
 They are marked `slow`: `pytest -m "not slow"` leaves them out of a quick local run.
 """
@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from tests.conftest import require_kernel
+from tests.support.kernel import require_kernel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PKG = os.path.join(ROOT, "packaging")

@@ -10,7 +10,8 @@ import pytest
 
 from agent.audit import AuditLog
 from agent.audit.files import file_name
-from agent.audit.record import parse_time, rfc3339
+from agent.audit.record import parse_time
+from agent.runtime.timefmt import format_ts
 from agent.cli import main
 
 
@@ -101,7 +102,7 @@ def test_show_filters_by_time(env, capsys):
     code, out, _ = run(capsys, "audit", "show", "-c", env["cfg"], "--since", "10m", "--json")
     files = len([n for n in os.listdir(env["dir"]) if n.startswith("audit-")])
     assert code == 0 and len(out.splitlines()) == 43 + files - 1
-    future = rfc3339(time.time() + 3600)
+    future = format_ts(time.time() + 3600)
     code, out, err = run(capsys, "audit", "show", "-c", env["cfg"], "--since", future)
     assert code == 0 and out.splitlines()[1:] == [] and "no matching records" in err
     code, out, _ = run(capsys, "audit", "show", "-c", env["cfg"], "--until", "2000-01-01T00:00:00+02:00", "--json")

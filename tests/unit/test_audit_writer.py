@@ -12,7 +12,9 @@ import pytest
 from agent.audit import AuditError, AuditLog, MemoryAudit, NullAudit
 from agent.audit.files import CHECKPOINTS, file_name, list_files
 from agent.audit.keyfile import KeyFileError, load_key
-from agent.audit.record import GENESIS, line_hash, parse_time, rfc3339
+from agent.audit.record import GENESIS, line_hash, parse_time
+from agent.runtime.timefmt import format_ts
+from tests.support.records import audit_records
 from agent.audit.verify import verify
 from agent.runtime.loop import EventLoop
 from agent.runtime.metrics import sample
@@ -21,16 +23,7 @@ KEY = b"k" * 32
 
 
 def records(d):
-    out = []
-    for _, name in list_files(d):
-        with open(os.path.join(d, name), "rb") as fh:
-            for raw in fh.read().split(b"\n"):
-                if raw.startswith(b"{"):
-                    try:
-                        out.append(json.loads(raw))
-                    except ValueError:
-                        pass
-    return out
+    return audit_records(d)
 
 
 def cps(d):
@@ -71,7 +64,7 @@ def test_records_are_chained_and_carry_the_fields(tmp_path):
     assert recs[0]["prev"] == GENESIS and all(r["agent"] == "gw-01" for r in recs)
     assert recs[2] == {**recs[2], "event": "run_end", "job": "j1", "exit_code": 2, "reason": "exit_code"}
     assert "fire_id" not in recs[2]  # None fields are left out
-    assert abs(parse_time(recs[0]["ts"]) - parse_time(rfc3339(parse_time(recs[0]["ts"])))) < 1e-6
+    assert abs(parse_time(recs[0]["ts"]) - parse_time(format_ts(parse_time(recs[0]["ts"])))) < 1e-6
     assert (sample("millwright_audit_records_total", {"type": "job"}) or 0) - before == 2
     r = verify(d, KEY)
     assert r.ok and r.records == 10 and r.gaps == 1 and r.dropped == 12  # bpf events lost

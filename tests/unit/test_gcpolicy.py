@@ -60,7 +60,7 @@ def test_settle_is_coalesced_and_freezes_what_is_alive():
 def test_full_collection_waits_for_a_quiet_gap_and_reclaims_frozen_cycles():
     loop = ManualLoop()
     quiet = {"s": 0.1}
-    p = GcPolicy(loop, lambda: quiet["s"], full_every_s=600, gap_s=0.5, max_wait_s=1800).start()
+    _policy = GcPolicy(loop, lambda: quiet["s"], full_every_s=600, gap_s=0.5, max_wait_s=1800).start()
     a, b = Node(), Node()
     a.other, b.other = b, a          # a reference cycle, frozen while still in use
     gone = weakref.ref(a)

@@ -118,7 +118,6 @@ def simulate(outages, *, end: float = 300.0, etcd_on_link: bool = True, threshol
     inflight: Optional[tuple[float, float]] = None    # (sent, delivered)
     last_renew_send = 0.0
     interval = pol.renewal.interval_s
-    last_success_t: Optional[float] = None
 
     # scheduler state: one job firing every job_every s (overlap forbid: a firing due while
     # the previous run is still running is skipped); a stalled run is retried after retry_s
@@ -149,7 +148,6 @@ def simulate(outages, *, end: float = 300.0, etcd_on_link: bool = True, threshol
             sent, delivered = inflight
             inflight = None
             last_renew_send = sent
-            last_success_t = t
             handle(pol.on_keepalive(True, delivered - sent, t), t, from_success=True)
             next_send = sent + interval
         if t - last_renew_send >= renew_deadline_s:
@@ -158,7 +156,7 @@ def simulate(outages, *, end: float = 300.0, etcd_on_link: bool = True, threshol
             last_renew_send = t
         # --- the job connection of the current run: retransmits during outages
         if run is not None:
-            for a, b in link.outages:
+            for a, _b in link.outages:
                 if run["t0"] <= a <= t and a not in run["hit"]:
                     run["hit"].add(a)
                     _, retrans = link.next_up_delivery(a)

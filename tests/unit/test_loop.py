@@ -51,7 +51,7 @@ def test_a_handler_holding_the_loop_is_logged_with_its_stack(caplog):
     def slow_handler():
         time.sleep(0.8)
 
-    with caplog.at_level(logging.WARNING, logger="millwright.loop"):
+    with caplog.at_level(logging.WARNING, logger="agent.runtime.loop"):
         loop.watch_stalls(0.3)
         t = run_loop(loop)
         loop.post(slow_handler)

@@ -11,6 +11,7 @@ from zoneinfo import ZoneInfo
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from agent.runtime.timefmt import format_ts
 from agent.jobs.schedule import (
     RetryPolicy,
     Schedule,
@@ -62,8 +63,11 @@ def test_rfc3339_parse_and_format():
     assert parse_rfc3339("2026-12-02T12:00:00Z") == u(2026, 12, 2, 12)
     assert parse_rfc3339("2026-12-02t13:30:00.123456789+01:30") == u(2026, 12, 2, 12, 0, 0, 123456)
     assert parse_rfc3339("2026-12-02T07:00:00-05:00") == u(2026, 12, 2, 12)
-    assert format_rfc3339(u(2026, 12, 2, 12)) == "2026-12-02T12:00:00Z"
+    # one precision everywhere (runtime/timefmt.py): microseconds, fixed width, sorts like time
+    assert format_rfc3339(u(2026, 12, 2, 12)) == "2026-12-02T12:00:00.000000Z"
     assert format_rfc3339(u(2026, 12, 2, 12, 0, 0, 5)) == "2026-12-02T12:00:00.000005Z"
+    assert format_ts(u(2026, 12, 2, 12, 0, 0, 5).timestamp()) == "2026-12-02T12:00:00.000005Z"
+    assert parse_rfc3339(format_rfc3339(u(2026, 12, 2, 12, 0, 0, 5))) == u(2026, 12, 2, 12, 0, 0, 5)
     for bad in ["2026-12-02T12:00:00", "2026-12-02", "2026-02-30T00:00:00Z", "2026-12-02T24:00:00Z",
                 "2026-12-02T12:00:60Z", "3000-01-01T00:00:00Z", "2026-12-02T12:00:00+25:00", " 2026-12-02T12:00:00Z",
                 "2026-12-02T12:00:00Z\n", "２０２６-12-02T12:00:00Z", 5, None]:
@@ -92,7 +96,8 @@ def test_parse_kinds_and_roundtrip():
     s = Schedule.parse({"cron": "*/5 * * * *"})
     assert s.kind == "cron" and s.tz == "UTC"
     for doc in ({}, {"at": "2026-12-02T12:00:00Z"}, {"delay_s": 2.5}, {"cron": "0 0 * * *", "tz": "Europe/Berlin"}):
-        assert Schedule.parse(doc).to_doc() == doc
+        assert Schedule.parse(Schedule.parse(doc).to_doc()) == Schedule.parse(doc)
+    assert Schedule.parse({"at": "2026-12-02T12:00:00Z"}).to_doc() == {"at": "2026-12-02T12:00:00.000000Z"}
     assert Schedule.parse({"cron": "0 0 * * *", "tz": "Europe/Berlin"}) == Schedule.cron_expr("0 0 * * *", "Europe/Berlin")
 
 

@@ -42,7 +42,7 @@ def test_every_shared_struct_is_mirrored_field_by_field():
     for name, mirror in abi.MIRRORS.items():
         c_fields = structs[name]
         assert [f[0] for f in mirror._fields_] == [f[1] for f in c_fields], name
-        for (fname, ftype), (ctype, cname, dim) in zip(mirror._fields_, c_fields):
+        for (fname, ftype), (ctype, _cname, dim) in zip(mirror._fields_, c_fields):
             base = C_TYPES[ctype]
             if dim:
                 n = eval(re.sub(r"[A-Z_]+", lambda m: defines[m.group(0)], dim))  # noqa: S307 (our own source)
@@ -56,8 +56,8 @@ def test_constants_agree():
     for name in ("EV_EXEC", "EV_CONN", "FNAME_LEN", "ARG_LEN", "ARGS_BUF", "MAX_ARGS", "EXEC_ARGV_TRUNCATED",
                  "EXEC_ARGV_MISSING", "MAX_SLOTS", "MAX_TRACKED", "MAX_SOCKS", "MAX_EPS"):
         assert int(d[name]) == getattr(abi, name), name
-    assert int(d["STREAK_SLACK_NS"].rstrip("ULL")) == abi.STREAK_SLACK_NS
-    assert int(d["STREAK_DEFAULT_GAP_NS"].rstrip("ULL")) == abi.STREAK_DEFAULT_GAP_NS
+    assert int(d["STREAK_SLACK_NS"].rstrip("UL")) == abi.STREAK_SLACK_NS  # noqa: B005 (C suffix letters)
+    assert int(d["STREAK_DEFAULT_GAP_NS"].rstrip("UL")) == abi.STREAK_DEFAULT_GAP_NS  # noqa: B005
 
 
 def test_every_tracepoint_has_a_probe():

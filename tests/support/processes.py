@@ -1,0 +1,57 @@
+"""Watching job processes from a test: run results, the executor's own fds, zombies."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+PY = sys.executable if sys.executable.startswith("/usr/bin/") else "/usr/bin/python3"
+
+
+class Collector:
+    def __init__(self):
+        self.results = {}
+        self.cv = threading.Condition()
+        self.threads = set()
+
+    def __call__(self, handle, result):
+        with self.cv:
+            self.threads.add(threading.current_thread().name)
+            self.results[handle.run_key] = result
+            self.cv.notify_all()
+
+    def wait(self, keys, timeout=30.0):
+        deadline = time.monotonic() + timeout
+        with self.cv:
+            while not all(k in self.results for k in keys):
+                left = deadline - time.monotonic()
+                assert left > 0, f"runs did not end: {[k for k in keys if k not in self.results]}"
+                self.cv.wait(left)
+        return [self.results[k] for k in keys]
+
+
+def _executor_kind(fd: str) -> bool:
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return False
+    return target.startswith(("pipe:", "anon_inode:[pidfd]", "/sys/fs/cgroup")) or "/runs/" in target
+
+
+def _children_zombies() -> list[int]:
+    me = os.getpid()
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                data = fh.read()
+        except OSError:
+            continue
+        rest = data[data.rfind(b")") + 2:].split()
+        if rest[0] == b"Z" and int(rest[1]) == me:
+            out.append(int(name))
+    return out
