@@ -28,6 +28,11 @@ def doc(text: str, **kw: Any) -> Any:
     return field(metadata={"doc": text}, **kw)
 
 
+# Placeholders every template's argv may use besides its params: the run's identity, so a
+# job can dedupe its own side effects (its environment carries the same values).
+RUN_PLACEHOLDERS = ("job_id", "fire_id", "attempt", "run_id")
+
+
 class ConfigError(Exception):
     """Raised with one line per problem; each names the key and the file."""
 
@@ -364,9 +369,13 @@ def _validate(cfg: Config, problems: list[str]) -> None:
             if isinstance(arg, str):
                 for ph in re.findall(r"\{([^{}]*)\}", arg):
                     placeholders.add(ph)
-                    if ph not in t.params:
+                    if ph not in t.params and ph not in RUN_PLACEHOLDERS:
                         bad(f"{where}.argv[{i}]", f"placeholder {{{ph}}} has no regex in {where}.params")
         for pname, rx in t.params.items():
+            if pname in RUN_PLACEHOLDERS:
+                bad(f"{where}.params.{pname}", f"{{{pname}}} is reserved for the run's identity "
+                    f"({', '.join(RUN_PLACEHOLDERS)})")
+                continue
             try:
                 re.compile(rx)
             except re.error as exc:

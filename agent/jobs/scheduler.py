@@ -116,7 +116,7 @@ class Scheduler:
     def __init__(self, agent: Any, executor: Any, admission: Any):
         self.agent = agent
         self.cfg = agent.cfg
-        self.loop = agent.runtime.loop
+        self.loop = agent.loop
         self.keys = agent.keys
         self.client = agent.client
         # its own pool: run records are most of the etcd writes, and a firing's claim must
@@ -645,7 +645,7 @@ class Scheduler:
         log.debug("firing abandoned", extra={"fields": {"job": f.entry.job.id, "fire_id": f.fire_id, "why": why}})
 
     def _spawn(self, f: Firing) -> None:
-        from agent.execute.executor import RunSpec
+        from agent.execute.runs import RunSpec
 
         e = f.entry
         if self.agent.fence_for(e.shard) is None:  # fenced while claiming: do not start
