@@ -50,6 +50,7 @@ class Session:
         self._wake = threading.Event()
         self._abandon: Optional[int] = None
         self.abandoned: set[int] = set()  # our old leases whose revoke has not succeeded yet
+        self._revoke_not_before = 0.0     # monotonic: abandoned leases are revoked from then
         self._thread: Optional[threading.Thread] = None
 
     def is_valid(self) -> bool:
@@ -62,9 +63,12 @@ class Session:
     def renew_now(self) -> None:
         self._wake.set()
 
-    def abandon(self) -> None:
-        """Give up the current lease (after a self-fence) and open a new one."""
+    def abandon(self, revoke_after_s: float = 0.0) -> None:
+        """Give up the current lease (after a self-fence) and open a new one. The old lease
+        is revoked (freeing its keys before the TTL) no sooner than ``revoke_after_s`` from
+        now: the runs claimed under it must be dead before anyone can take its shards."""
         self._abandon = self.lease_id
+        self._revoke_not_before = max(self._revoke_not_before, self.clock() + revoke_after_s)
         self.valid_until = 0.0
         self._wake.set()
 
@@ -97,7 +101,7 @@ class Session:
                     self.abandoned.add(old)
             # Revoke leases we gave up: frees their member and shard keys at once instead of
             # after the TTL (which etcd restarts from scratch when it restarts itself).
-            for old in list(self.abandoned):
+            for old in list(self.abandoned if self.clock() >= self._revoke_not_before else ()):
                 try:
                     self.client.lease_revoke(old, timeout=min(1.0, self.client.timeout))
                     self.abandoned.discard(old)

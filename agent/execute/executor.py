@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 
 from agent.execute import metrics as m
 from agent.execute.backends import QuotaBackend, Usage, probe
+from agent.execute.guard import RunGuard
 from agent.execute.launch import DEFAULT_PATH, SHIM_SH, SpawnError, go, spawn
 from agent.execute.limits import Limits, default_limits
 from agent.execute.reaper import (Reaper, _drain_stream, _kill, _killpg, _reap_group, _Run,
@@ -64,7 +65,7 @@ class Executor:
     def __init__(self, backend: QuotaBackend, base_dir: str, *, output_max_bytes: int = 1024 * 1024,
                  kill_grace_s: float = 5.0, poststart: Optional[list] = None, watch_interval_s: float = 0.2,
                  subreaper: bool = True, keep_work_dir: bool = False, drain_timeout_s: float = 5.0,
-                 spawn_mode: str = "auto"):
+                 spawn_mode: str = "auto", guard: bool = True):
         self.backend = backend
         self._setpriv = shutil.which("setpriv", path=DEFAULT_PATH)
         if spawn_mode == "auto":
@@ -88,6 +89,8 @@ class Executor:
             pass
         if subreaper:
             _set_child_subreaper()
+        # runs die with the agent: a keeper process kills them when our end of its pipe closes
+        self.guard: Optional[RunGuard] = RunGuard() if guard else None
         self._reaper = Reaper(self)
         self._reaper.start()
         self._releaser = Releaser(self)
@@ -107,10 +110,15 @@ class Executor:
     default_limits = Limits()
 
     # --- public -------------------------------------------------------------------
-    def start(self, spec: RunSpec, on_exit: Callable[[RunHandle, RunResult], Any]) -> RunHandle:
+    def start(self, spec: RunSpec, on_exit: Callable[[RunHandle, RunResult], Any], *,
+              guard: Optional[Callable[[], bool]] = None) -> RunHandle:
         """Start a run; always returns a handle, on_exit(handle, result) follows exactly
-        once on the reaper thread. Raises ValueError only for a run_key already live."""
-        return self._start(spec, on_exit, hold=False)
+        once on the reaper thread. Raises ValueError only for a run_key already live.
+        ``guard()`` (thread-safe; e.g. "the lease this run was claimed under is valid") is
+        checked by the reaper on every watch tick: once false, the run is terminated with
+        reason ``fenced`` (kill_grace_s later SIGKILLed), independently of the caller's
+        thread."""
+        return self._start(spec, on_exit, hold=False, guard=guard)
 
     def prepare(self, spec: RunSpec, on_exit: Callable[[RunHandle, RunResult], Any], *,
                 release_at: Optional[float] = None,
@@ -123,7 +131,7 @@ class Executor:
         and calls ``on_release(handle, ok)`` there; if ``guard()`` (thread-safe) is false at
         that moment the run is discarded with reason ``fenced`` instead. terminate() before
         the release discards it; on_exit follows exactly once either way."""
-        handle = self._start(spec, on_exit, hold=True)
+        handle = self._start(spec, on_exit, hold=True, guard=guard)
         if release_at is not None:
             with self._lock:
                 run = self._live.get(handle.run_key)
@@ -176,10 +184,12 @@ class Executor:
         self._reaper.post(self._register, run)
         return True
 
-    def _start(self, spec: RunSpec, on_exit: Callable[[RunHandle, RunResult], Any], hold: bool) -> RunHandle:
+    def _start(self, spec: RunSpec, on_exit: Callable[[RunHandle, RunResult], Any], hold: bool,
+               guard: Optional[Callable[[], bool]] = None) -> RunHandle:
         t0 = time.perf_counter()
         handle = RunHandle(self, spec)
         run = _Run(handle, on_exit)
+        run.guard = guard
         run.grace = self.kill_grace_s if spec.kill_grace_s is None else float(spec.kill_grace_s)
         with self._lock:
             if spec.run_key in self._live:
@@ -237,6 +247,8 @@ class Executor:
         self._releaser.stop()
         self._reaper.stop()
         self._reaper.join(timeout=5)
+        if self.guard is not None:
+            self.guard.close()
         for _ in range(50):   # run cgroups the kernel did not let go of at once
             self._reaper.retry_orphan_slots()
             if not self._reaper.orphan_slots:
@@ -285,6 +297,12 @@ class Executor:
         r = self._reaper
         for run in list(r.polled):
             self._poll_exit(run)
+        for run in list(r.running):
+            # the lease this run was claimed under may have run out: kill it on this thread,
+            # however busy the caller's loop is (self-fence timing, docs/execution.md)
+            guard = run.guard
+            if guard is not None and run.phase == "running" and run.kill_reason is None and not guard():
+                self._terminate(run.handle, "fenced", None)
         running = [x for x in r.running if x.phase == "running" and x.slot is not None]
         if running:
             try:
@@ -387,6 +405,8 @@ class Executor:
             if not run.slot.removed and not self.backend.remove(run.slot):
                 m.CGROUP_CLEANUP_FAILURES.inc()
                 r.orphan_slots.append((run.slot, time.monotonic()))
+        if self.guard is not None and handle.pgid:
+            self.guard.remove(handle.pgid)
         for s in run.streams:
             r.unwatch_fd(s.rfd)
             _drain_stream(s)

@@ -113,11 +113,16 @@ def _child(go_r: int, err_w: int, out_w: int, errp_w: int, cwd: str, ids: Option
             if hard != resource.RLIM_INFINITY:
                 val = min(val, hard)
             resource.setrlimit(res, (val, val))
+        # close every inherited fd before waiting: a copy of a go pipe's or the run guard's
+        # writer held here would keep its reader from seeing the agent die
+        low = 3
+        for keep in sorted({go_r, err_w}):
+            os.closerange(low, keep)
+            low = keep + 1
+        os.closerange(low, _MAXFD)
         stage = "wait"
         if os.read(go_r, 1) != b"g":
             os._exit(126)
-        os.closerange(3, err_w)
-        os.closerange(err_w + 1, _MAXFD)
         stage = "exec"
         os.execve(path, argv, env)
     except BaseException as exc:  # noqa: BLE001 - nothing may escape into the parent's code
@@ -182,8 +187,8 @@ def prepare_process(ex: "Executor", run: _Run) -> tuple:
     for k, v in spec.env.items():
         if isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v:
             env[k] = v
-    env.update({"MILLWRIGHT_JOB_ID": spec.job_id, "MILLWRIGHT_RUN_ID": spec.run_id or spec.run_key,
-                "MILLWRIGHT_ATTEMPT": str(spec.attempt)})
+    env.update({"MILLWRIGHT_JOB_ID": spec.job_id, "MILLWRIGHT_FIRE_ID": spec.fire_id,
+                "MILLWRIGHT_RUN_ID": spec.run_id or spec.run_key, "MILLWRIGHT_ATTEMPT": str(spec.attempt)})
     return ids, path, env, cwd, out, err
 
 def spawn(ex: "Executor", run: _Run, hold: bool = False) -> None:
@@ -250,6 +255,8 @@ def spawn(ex: "Executor", run: _Run, hold: bool = False) -> None:
             os.setpgid(pid, pid)
         except OSError:
             pass  # the child did it already (or died: reported through the err pipe)
+    if ex.guard is not None:   # before it can exec: no run of ours outlives the agent
+        ex.guard.add(pid, run.slot.paths.values() if run.slot is not None else ())
     try:
         run.pidfd = os.pidfd_open(pid)
     except (AttributeError, OSError):

@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable, Optional
 
 from agent import __version__
-from agent.config import Config, load_config
+from agent.config import FENCE_KILL_MARGIN_S, Config, load_config
 from agent.coordination.etcd import EtcdClient
 from agent.coordination.fencing import Fence, StaleToken, fenced_txn
 from agent.coordination.etcd import Put
@@ -35,6 +35,7 @@ log = logging.getLogger("millwright.daemon")
 FENCES = counter("millwright_self_fences_total", "Times the agent stopped acting for its shards", ("reason",))
 ETCD_UP = gauge("millwright_etcd_up", "1 while the session lease is valid")
 START_TIME = gauge("millwright_start_time_seconds", "Unix time the agent started")
+STOP_RECORD_S = 5.0  # after the last SIGKILL, how long a stop waits for final run records
 
 
 class SdNotify:
@@ -90,6 +91,8 @@ class Agent:
         self.session_listeners: list[Any] = []  # lease policy: session_granted/renewed/failed
         self.owned_shards: frozenset[int] = frozenset()  # snapshot readable from any thread
         self.drain_hooks: list[Callable[[Callable[[], None]], None]] = []
+        # end every live run with a reason, return how many (graceful stop, after drain_timeout_s)
+        self.run_stoppers: list[Callable[[str], int]] = []
         self.components = [make(self) for make in (extra_components or [])]
         self._probe_interval = float(os.environ.get("MILLWRIGHT_TEST_FENCED_WRITES_S", "0") or 0)
 
@@ -164,7 +167,9 @@ class Agent:
             w.stop(timeout=0.5)
         self.watches = []
         if not self._stopping:
-            self.session.abandon()
+            # the runs claimed under the old lease are being killed (kill_grace_s at most): do
+            # not revoke it before they are dead, or a peer could take over and retry at once
+            self.session.abandon(revoke_after_s=self.cfg.execute.kill_grace_s + FENCE_KILL_MARGIN_S)
 
     # --- watches -----------------------------------------------------------------------
     def _start_watches(self) -> None:
@@ -249,27 +254,41 @@ class Agent:
         self.loop.post(self._drain, signal.Signals(signum).name)
 
     def _drain(self, why: str) -> None:
+        """Graceful stop, in this order, so that no shard leaves with a live run: claim
+        nothing new and hand idle shards over; let runs finish for up to drain_timeout_s;
+        then kill the rest (reason agent_stopped) and wait until their final records are
+        written; only then stop (the lease is revoked in _shutdown, which frees the shards)."""
         if self._stopping:
             return
         self._stopping = True
         log.info("draining: handing shards over", extra={"fields": {"signal": why, "shards": len(self.shards.mine)}})
         self.notify.send("STOPPING=1")
         self.shards.drain()
-        pending = list(self.drain_hooks)
         deadline = time.monotonic() + self.cfg.drain_timeout_s
+        give_up: list[float] = []   # set once the remaining runs were told to stop
 
-        def finish() -> None:
-            self.loop.stop()
+        def busy() -> bool:
+            return any(self._shard_busy(s) for s in self.shards.mine)
 
-        def wait_hooks() -> None:
-            if any(self._shard_busy(s) for s in self.shards.mine) and time.monotonic() < deadline:
-                self.loop.call_later(0.1, wait_hooks)
+        def wait_runs() -> None:
+            now = time.monotonic()
+            if not busy():
+                self.loop.stop()
                 return
-            finish()
+            if not give_up and now >= deadline:
+                n = sum(stop("agent_stopped") for stop in self.run_stoppers)
+                log.warning("drain timeout: stopping the remaining runs", extra={"fields": {"runs": n}})
+                # SIGKILL follows kill_grace_s after SIGTERM; then the records are written
+                give_up.append(now + self.cfg.execute.kill_grace_s + STOP_RECORD_S)
+            elif give_up and now >= give_up[0]:
+                log.error("runs or their final records did not finish; stopping anyway")
+                self.loop.stop()
+                return
+            self.loop.call_later(0.05, wait_runs)
 
-        for hook in pending:
+        for hook in list(self.drain_hooks):
             hook(lambda: None)
-        wait_hooks()
+        wait_runs()
 
     def _install_signals(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
