@@ -51,6 +51,9 @@ class Session:
         self._abandon: Optional[int] = None
         self.abandoned: set[int] = set()  # our old leases whose revoke has not succeeded yet
         self._revoke_not_before = 0.0     # monotonic: abandoned leases are revoked from then
+        # called on THIS thread with each new valid_until (e.g. the run guard's deadman: it
+        # must hear of renewals even when the loop is stalled or the agent frozen)
+        self.validity_listeners: list[Callable[[float], None]] = []
         self._thread: Optional[threading.Thread] = None
 
     def is_valid(self) -> bool:
@@ -87,6 +90,13 @@ class Session:
         self.lease_id = None
         self.valid_until = 0.0
 
+    def _tell_validity(self) -> None:
+        for fn in self.validity_listeners:
+            try:
+                fn(self.valid_until)
+            except Exception:
+                log.exception("validity listener failed")
+
     def _sleep(self, seconds: float) -> None:
         self._wake.wait(max(0.0, seconds))
         self._wake.clear()
@@ -113,6 +123,7 @@ class Session:
                     lease_id, ttl = self.client.lease_grant(self.ttl)
                     self.lease_id = lease_id
                     self.valid_until = t0 + self.renew_deadline_s
+                    self._tell_validity()
                     failures = 0
                     RENEWALS.labels("granted").inc()
                     self.post(self.on_granted, lease_id, ttl, self.valid_until)
@@ -130,6 +141,7 @@ class Session:
                         continue
                     if self._abandon is None and lease_id == self.lease_id:
                         self.valid_until = t0 + self.renew_deadline_s
+                        self._tell_validity()
                     failures = 0
                     RENEWALS.labels("ok").inc()
                     TTL_REMAINING.set(ttl)

@@ -319,6 +319,13 @@ class Executor:
         r.retry_orphan_slots()
 
     def _poll_exit(self, run: _Run) -> None:
+        try:   # exited? (not reaped yet: the guard must hear of it before the pid is freed)
+            if os.waitid(os.P_PID, run.handle.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                return
+        except ChildProcessError:
+            pass
+        if self.guard is not None:
+            self.guard.leader_exited(run.handle.pgid)
         try:
             pid, status, ru = os.wait4(run.handle.pid, os.WNOHANG)
         except ChildProcessError:
@@ -328,6 +335,8 @@ class Executor:
             self._leader_exited(run, status, ru)
 
     def _on_pidfd(self, run: _Run) -> None:
+        if self.guard is not None:   # the leader exited; its pid is freed by the wait4 below
+            self.guard.leader_exited(run.handle.pgid)
         try:
             pid, status, ru = os.wait4(run.handle.pid, os.WNOHANG)
         except ChildProcessError:

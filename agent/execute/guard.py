@@ -43,7 +43,7 @@ class RunGuard:
     def __init__(self, python: Optional[str] = None):
         self.python = python or _system_python()
         self._lock = threading.Lock()
-        self._live: dict[int, tuple[str, ...]] = {}
+        self._live: dict[int, tuple[tuple[str, ...], bool]] = {}   # pgid -> (cgroup dirs, leader reaped)
         self._proc: Optional[subprocess.Popen] = None
         self._w = -1
         self.restarts = 0
@@ -62,8 +62,10 @@ class RunGuard:
         finally:
             os.close(r)
         self._w = w
-        for pgid, paths in self._live.items():
+        for pgid, (paths, reaped) in self._live.items():
             self._write(_line("+", pgid, paths))
+            if reaped:
+                self._write(_line("x", pgid, ()))
 
     def _write(self, data: bytes) -> None:
         view = memoryview(data)
@@ -88,14 +90,32 @@ class RunGuard:
         """Register a run before its launcher may exec the job."""
         paths = tuple(d for d in cgroup_dirs if d and " " not in d and "\n" not in d)
         with self._lock:
-            self._live[pgid] = paths
+            self._live[pgid] = (paths, False)
             self._send(_line("+", pgid, paths))
+
+    def leader_exited(self, pgid: int) -> None:
+        """Call BEFORE reaping the run's leader: once it is reaped, its pid (= the process
+        group id) may be reused by an unrelated process, so from then on the keeper finds
+        the run's processes only through its cgroup (the agent SIGKILLs the group itself)."""
+        with self._lock:
+            if pgid in self._live:
+                self._live[pgid] = (self._live[pgid][0], True)
+                self._send(_line("x", pgid, ()))
 
     def remove(self, pgid: int) -> None:
         """The run was reaped (its group and cgroup are empty)."""
         with self._lock:
             if self._live.pop(pgid, None) is not None:
                 self._send(_line("-", pgid, ()))
+
+    def set_deadline(self, monotonic_s: Optional[float]) -> None:
+        """Deadman: if no later deadline arrives by then (CLOCK_MONOTONIC, shared by all
+        processes), the keeper kills every registered run, as if the agent had died. The
+        daemon sets it to the session's validity plus kill_grace_s on every lease renewal,
+        so the runs of an agent that is frozen (SIGSTOP, a stalled VM, a hung loop and
+        reaper) are dead before its lease can expire. None: no deadline."""
+        with self._lock:
+            self._send(b"D -\n" if monotonic_s is None else f"D {monotonic_s:.6f}\n".encode())
 
     def close(self, timeout: float = 5.0) -> None:
         """Clean stop: the keeper kills what is still registered (normally nothing) and exits."""
@@ -126,38 +146,54 @@ def _system_python() -> str:
 # --------------------------------------------------------------------------- the keeper
 
 
+def _stat(pid: str) -> Optional[tuple]:
+    """(state, pgid) of a process, None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    rest = data[data.rfind(b")") + 2:].split()
+    return rest[0], int(rest[2])
+
+
 def _group_members(pgids: set) -> list:
     """Live (non-zombie) processes whose process group is one of ``pgids``."""
     out = []
+    if not pgids:
+        return out
     for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as fh:
-                data = fh.read()
-        except OSError:
-            continue
-        rest = data[data.rfind(b")") + 2:].split()
-        if rest[0] not in (b"Z", b"X") and int(rest[2]) in pgids:
-            out.append(int(name))
+        if name.isdigit():
+            st = _stat(name)
+            if st is not None and st[0] not in (b"Z", b"X") and st[1] in pgids:
+                out.append(int(name))
     return out
 
 
 def _cgroup_procs(d: str) -> list:
+    """Live processes of a cgroup (zombies are listed on v1 until reaped: skipped)."""
     try:
         with open(os.path.join(d, "cgroup.procs")) as fh:
-            return [int(x) for x in fh.read().split()]
-    except (OSError, ValueError):
+            pids = fh.read().split()
+    except OSError:
         return []
+    out = []
+    for p in pids:
+        st = _stat(p)
+        if st is not None and st[0] not in (b"Z", b"X"):
+            out.append(int(p))
+    return out
 
 
 def kill_runs(live: dict, give_up_after_s: float = KILL_FOR_S) -> int:
-    """SIGKILL every registered run's process group and cgroup members until none is
-    left. Returns how many processes were still alive at the first sweep."""
+    """SIGKILL every registered run's process group (while its leader is unreaped, so the
+    group id cannot have been reused) and its cgroup members until none is left. ``live``
+    maps pgid -> (leader_unreaped, cgroup dirs). Returns how many processes were alive at
+    the first sweep."""
     if not live:
         return 0
-    pgids = set(live)
-    dirs = [d for paths in live.values() for d in paths]
+    pgids = {pgid for pgid, (leader, _) in live.items() if leader}
+    dirs = [d for _, paths in live.values() for d in paths]
     first = None
     deadline = time.monotonic() + give_up_after_s
     while True:
@@ -197,9 +233,25 @@ def kill_runs(live: dict, give_up_after_s: float = KILL_FOR_S) -> int:
 def keeper_main() -> int:  # pragma: no cover - runs as its own process
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGTSTP):
         signal.signal(s, signal.SIG_IGN)   # only the agent's end of the pipe ends us
-    live: dict[int, tuple] = {}
+    import select
+
+    live: dict[int, tuple] = {}   # pgid -> (leader not reaped yet, cgroup dirs)
+    deadline: Optional[float] = None
     buf = b""
     while True:
+        timeout = None
+        if deadline is not None and live:
+            timeout = max(0.0, deadline - time.monotonic())
+        try:
+            ready, _, _ = select.select([0], [], [], timeout)
+        except InterruptedError:
+            continue
+        if not ready:   # the agent missed its own deadline: frozen or hung
+            n = kill_runs(live)
+            sys.stderr.write(f"millwright run guard: agent deadline passed, killed {len(live)} run(s), "
+                             f"{n} process(es)\n")
+            live.clear()
+            continue
         try:
             data = os.read(0, 65536)
         except InterruptedError:
@@ -212,10 +264,19 @@ def keeper_main() -> int:  # pragma: no cover - runs as its own process
         *lines, buf = buf.split(b"\n")
         for raw in lines:
             parts = raw.decode(errors="replace").split()
-            if len(parts) < 2 or not parts[1].lstrip("-").isdigit():
+            if len(parts) < 2:
                 continue
-            if parts[0] == "+":
-                live[int(parts[1])] = tuple(parts[2:])
+            if parts[0] == "D":
+                try:
+                    deadline = None if parts[1] == "-" else float(parts[1])
+                except ValueError:
+                    pass
+            elif not parts[1].isdigit():
+                continue
+            elif parts[0] == "+":
+                live[int(parts[1])] = (True, tuple(parts[2:]))
+            elif parts[0] == "x" and int(parts[1]) in live:
+                live[int(parts[1])] = (False, live[int(parts[1])][1])
             elif parts[0] == "-":
                 live.pop(int(parts[1]), None)
     kill_runs(live)

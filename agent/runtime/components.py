@@ -56,6 +56,12 @@ class _JobsComponent:
         self.executor = Executor.from_config(agent.cfg.execute, os.path.join(agent.cfg.state_dir, "runs"),
                                              root_name=root, reclaim=True)
         self.admission = Admission(Budget.from_config(agent.cfg.execute))
+        guard = self.executor.guard
+        if guard is not None:
+            # deadman: runs claimed under the lease die by validity + kill_grace_s even if this
+            # process is frozen (the self-fence would have SIGKILLed them by then)
+            grace = agent.cfg.execute.kill_grace_s
+            agent.session.validity_listeners.append(lambda until: guard.set_deadline(until + grace))
         self.scheduler = Scheduler(agent, self.executor, self.admission)
         agent.scheduler = self.scheduler
         agent.executor = self.executor
