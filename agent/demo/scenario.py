@@ -29,7 +29,6 @@ import json
 import os
 import pwd
 import queue
-import re
 import secrets
 import shutil
 import signal
@@ -305,9 +304,11 @@ def by_label(samples: dict, name: str, label: str) -> dict[str, float]:
     return dict(out)
 
 
-def cgroup_root_name(agent_id: str) -> str:
+def cgroup_root_name(agent_id: str, state_dir: str) -> str:
     """The per-agent cgroup root the daemon uses (agent/runtime/components.py)."""
-    return "millwright-" + re.sub(r"[^A-Za-z0-9._-]", "_", agent_id)[:50]
+    from agent.execute.backends import run_root_name
+
+    return run_root_name(agent_id, state_dir)
 
 
 def pct(values: list[float], p: float) -> float:
@@ -1144,7 +1145,7 @@ class Demo:
             reclaimed = 0
             for aid, a in self.agents.items():
                 backend = (a.config.get("execute") or {}).get("quota_backend", "auto")
-                b = probe(backend, root_name=cgroup_root_name(aid))
+                b = probe(backend, root_name=cgroup_root_name(aid, a.config["state_dir"]))
                 reclaim = getattr(b, "reclaim", None)
                 reclaimed += reclaim() if reclaim else 0
                 b.close()

@@ -89,6 +89,7 @@ class Firing:
     started_mono: float = 0.0
     health: str = "healthy"
     lead: float = 0.0        # how far ahead of `due` its claim was planned (0: at or after due)
+    writing: int = 0         # record writes in flight: a retry's claim compares the revision they set
     seq: int = field(default_factory=lambda: next(_FIRING_SEQ))
 
     @property
@@ -836,6 +837,9 @@ class Scheduler:
         e = f.entry
         if self.entries.get(e.job.id) is not e or e.cancelled or f.state != "retrying" or self.draining:
             return
+        if f.writing:   # the `retrying` record is still on its way: its revision is the claim's compare
+            f.timer = self.loop.call_later(0.05, self._retry_due, f)
+            return
         from agent.execute.admission import ADMITTED, REJECTED
 
         decision = self.admission.request(f.key, f.due.timestamp(), self._limits(e))
@@ -900,16 +904,19 @@ class Scheduler:
         rec = self._record(f, state, **fields)
         rev = f.record_rev
         f.record = rec
+        f.writing += 1
 
         def op():
             return fenced_txn(self.client, fence, compare=[Mod(key) == rev], success=[Put(key, json.dumps(rec))])
 
         def done(r, error):
+            f.writing -= 1
             if error is None and r.succeeded:
                 f.record_rev = r.revision
             elif isinstance(error, (EtcdUnavailable, EtcdError)):
                 # transient: retry while we still hold the shard (still counted as in flight)
                 self._writes[e.shard] = self._writes.get(e.shard, 0) + 1
+                f.writing += 1
                 self.loop.call_later(0.3, self._rewrite, f, state, fields, rev)
             elif error is not None and not isinstance(error, StaleToken):
                 log.warning("run record write failed", extra={"fields": {"job": e.job.id, "error": str(error)}})
@@ -917,6 +924,7 @@ class Scheduler:
         self._submit_write(e.shard, op, done)
 
     def _rewrite(self, f: Firing, state: str, fields: dict, rev: int) -> None:
+        f.writing -= 1
         shard = f.entry.shard
         n = self._writes.get(shard, 0) - 1
         if n > 0:

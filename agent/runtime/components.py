@@ -44,15 +44,13 @@ class _JobsComponent:
 
     def __init__(self, agent):
         import os
-        import re
 
         from agent.execute.admission import Admission, Budget
+        from agent.execute.backends import run_root_name
         from agent.execute.executor import Executor
         from agent.jobs.scheduler import Scheduler
 
-        # one cgroup root per agent id, so that several agents on one host (tests, demo)
-        # never reclaim each other's runs
-        root = "millwright-" + re.sub(r"[^A-Za-z0-9._-]", "_", agent.cfg.agent_id)[:50]
+        root = run_root_name(agent.cfg.agent_id, agent.cfg.state_dir)
         self.executor = Executor.from_config(agent.cfg.execute, os.path.join(agent.cfg.state_dir, "runs"),
                                              root_name=root, reclaim=True)
         self.admission = Admission(Budget.from_config(agent.cfg.execute))
