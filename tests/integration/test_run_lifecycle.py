@@ -183,7 +183,10 @@ def test_kill_9_with_runs_in_flight_at_most_once_by_default_exactly_once_with_ow
             runs[line.split()[0]] += 1
         retried = {j for j, r in dedupe.items() if r["attempt"] > 1}
         assert retried, "no owner_lost retry happened: the test proved nothing"
-        assert all(runs[j] >= 2 for j in retried)
+        # some ran twice (killed mid-run, retried; the script deduped); a retried firing ran at
+        # most once per attempt (an attempt claimed ahead but never released did not run)
+        assert any(runs[j] >= 2 for j in retried)
+        assert all(1 <= runs[j] <= dedupe[j]["attempt"] for j in dedupe)
         print(f"\nkill at {t_kill:.3f}: default on: {len(lost)} owner_lost, {sum(fx.values())} effects; "
               f"owner_lost on: {len(retried)} retried, {len(made)} effects; "
               f"runs per firing {dict(collections.Counter(runs.values()))}")
