@@ -7,7 +7,8 @@
    exited (poll() on the pidfds: microsecond precision, no /proc scanning on the path).
 2. Spawn cost with the guard and without it (Executor(guard=False)), same backend, same
    process, interleaved rounds: the time start() blocks its caller and the full life of a
-   /bin/true run (start -> on_exit).
+   /bin/true run (start -> on_exit); and the guard's own bookkeeping per run (the
+   three pipe writes), which the spawn figures' noise hides.
 
     /usr/bin/python3 bench/bench_guard.py [--trials 30] [--runs 200] [--rounds 3]
 """
@@ -167,6 +168,19 @@ def main() -> int:
                       f"p99 {pct(life, 99) * 1e3:6.2f} ms")
             d50 = pct(res[True][1], 50) - pct(res[False][1], 50)
             print(f"{name:8s} guard adds {d50 * 1e6:+.0f} us to start() at p50")
+        # the guard's own work per run, without the noise of a spawn: three pipe writes
+        from agent.execute.guard import RunGuard
+
+        g = RunGuard()
+        n = 20000
+        t = time.perf_counter()
+        for i in range(n):
+            g.add(1000000 + i, ("/sys/fs/cgroup/memory/x/run", "/sys/fs/cgroup/pids/x/run"))
+            g.leader_exited(1000000 + i)
+            g.remove(1000000 + i)
+        per = (time.perf_counter() - t) / n
+        g.close()
+        print(f"\nguard bookkeeping per run (add + leader_exited + remove, {n} runs): {per * 1e6:.1f} us")
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print(f"# loadavg after {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
