@@ -45,7 +45,7 @@ from typing import Any, Optional
 
 from agent.cli import UserError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 DEMO_CONFIG_DIRS = (os.path.join(ROOT, "configs", "demo"), "/usr/share/millwright/demo")
 DEFAULT_DURATION = 45.0
 MIN_DURATION = 24.0
@@ -228,8 +228,11 @@ def plan_jobs(t0: datetime, duration: float, kill_at: float) -> list[DemoJob]:
             f"at +{(at - t0).total_seconds():.0f} s")
     # a long run that is in progress when the agent is killed (if its agent is the victim)
     at = t0 + timedelta(seconds=kill_at - 2)
+    # (calibration can be repeated safely: it opts into owner_lost retries, see retry.on)
     add("press-calibration-2", "press-calibration", {"press": "2", "seconds": "5"}, {"at": rfc(at)},
-        f"at +{kill_at - 2:.0f} s, runs 5 s")
+        f"at +{kill_at - 2:.0f} s, runs 5 s",
+        retry={"max_attempts": 2, "backoff_s": 1, "max_backoff_s": 5, "jitter": 0,
+               "on": ["failed", "timed_out", "owner_lost"]})
     # cron with seconds, bounded by not_after
     end = t0 + timedelta(seconds=duration - 4)
     grid_end = datetime.fromtimestamp((int(end.timestamp()) // CRON_EVERY_S) * CRON_EVERY_S, timezone.utc)
@@ -309,6 +312,16 @@ def cgroup_root_name(agent_id: str, state_dir: str) -> str:
     from agent.execute.backends import run_root_name
 
     return run_root_name(agent_id, state_dir)
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return False
+    return data[data.rfind(b")") + 2:].split()[0] not in (b"Z", b"X")
 
 
 def pct(values: list[float], p: float) -> float:
@@ -708,12 +721,20 @@ class Demo:
         self.live.line(victim, f"SIGKILL (pid {self.agents[victim].proc.pid}): it held {len(mine)} shards with "
                                f"{score.get(victim, 0)} firings still due" +
                        (f"; running now: {', '.join(sorted(set(running)))}" if running else ""))
-        orphans = [(k[0], int(d["pid"])) for k, d in self._running.items() if d.get("agent") == victim
-                   and d.get("pid") and k[0] in running and os.path.exists(f"/proc/{d['pid']}")]
-        for jid, pid in orphans:
-            self.live.line(victim, f"its run of {jid} (pid {pid}) keeps running without its agent")
-            self.notes.append(f"{victim}'s run of {jid} (pid {pid}) outlived its agent: runs of a dead agent are "
-                              "not stopped, so a retry by the new owner could overlap a run longer than the lease TTL")
+        runs = [(k[0], int(d["pid"])) for k, d in self._running.items() if d.get("agent") == victim
+                and d.get("pid") and k[0] in running]
+        # the agent's run guard kills its runs when it dies (agent/execute/guard.py)
+        deadline = time.monotonic() + 2.0
+        while any(_alive(pid) for _, pid in runs) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        gone_s = time.monotonic() - self.kill_mono
+        for jid, pid in runs:
+            if _alive(pid):
+                self.live.line(victim, f"its run of {jid} (pid {pid}) keeps running without its agent")
+                self.notes.append(f"{victim}'s run of {jid} (pid {pid}) outlived its agent by more than 2 s: a retry "
+                                  "by the new owner could overlap it")
+            else:
+                self.live.line(victim, f"its run of {jid} (pid {pid}) died with it ({gone_s * 1000:.0f} ms)")
 
     def _await_failover(self) -> None:
         victim = self.failover["victim"]
@@ -978,7 +999,8 @@ class Demo:
             cont(p)
         for jid, f, r, aid in res["retried"]:
             cont(f"{jid}: was running on {self.victim} when it died (owner_lost); {aid} resolved it by "
-                 f"the retry policy: attempt {r.get('attempt')} {r.get('state')} on {r.get('agent')}")
+                 f"its retry.on: attempt {r.get('attempt')} {r.get('state')} {r.get('reason') or ''} "
+                 f"on {r.get('agent')}")
         # the cloud's view: a final status for every finished firing
         finals = {(d.get("job_id"), d.get("run_id")) for d in self.statuses if d.get("state") in TERMINAL}
         missing = collections.Counter(r.get("agent") for (jid, f), r in recs.items()

@@ -392,7 +392,7 @@ class AgentProcess:
         self.log_path = os.path.join(self.dir, "agent.log")
 
     def start(self) -> "AgentProcess":
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
         env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
                "PYTHONUNBUFFERED": "1", **self.env}
         self.logf = open(self.log_path, "ab")

@@ -326,7 +326,12 @@ class Agent:
         # them vanish together and claim at once.
         for w in self.watches:
             w.stop(timeout=1.0)
-        self.session.stop(revoke=True)
+        # ...unless a run may still be alive (a drain that gave up): then the lease expires by
+        # itself, after the executor and the run guard have killed what is left
+        live = any(self._shard_busy(s) for s in self.shards.mine)
+        if live:
+            log.warning("runs may still be alive: not revoking the lease, it expires by itself")
+        self.session.stop(revoke=not live)
         self.workers.stop()
         for hook in reversed(self.stop_hooks):
             try:
