@@ -28,6 +28,17 @@ def doc(text: str, **kw: Any) -> Any:
     return field(metadata={"doc": text}, **kw)
 
 
+# Placeholders every template's argv may use besides its params: the run's identity, so a
+# job can dedupe its own side effects (its environment carries the same values).
+RUN_PLACEHOLDERS = ("job_id", "fire_id", "attempt", "run_id")
+
+
+# A self-fenced agent's runs get SIGTERM when the session's renew deadline passes (the
+# executor's reaper checks every 0.2 s) and SIGKILL kill_grace_s later; the margin covers
+# that check, the kill and the reap, so they are dead before the lease can expire.
+FENCE_KILL_MARGIN_S = 0.5
+
+
 class ConfigError(Exception):
     """Raised with one line per problem; each names the key and the file."""
 
@@ -151,7 +162,8 @@ class ExecuteConfig:
     cpu: float = doc("CPU budget for all runs together (cores).", default=1.0)
     quota_backend: str = doc("auto, cgroup2, cgroup1 or rlimit.", default="auto")
     output_max_bytes: int = doc("stdout/stderr kept per run (each).", default=1024 * 1024)
-    kill_grace_s: float = doc("Between SIGTERM and SIGKILL on timeout or cancel.", default=5.0)
+    kill_grace_s: float = doc("Between SIGTERM and SIGKILL on timeout, cancel, stop or self-fence; with a "
+                              "0.5 s margin it must fit in etcd.lease_ttl_s - etcd.renew_deadline_s.", default=3.0)
     claim_lead_s: float = doc("At most this long before its due time a firing's run record is claimed "
                               "and its process prepared (quota container, launcher waiting on its go "
                               "pipe), so only a pipe write is left at the due time. The agent uses three times "
@@ -349,6 +361,13 @@ def _validate(cfg: Config, problems: list[str]) -> None:
         bad("execute.cpu", "must be greater than 0")
     if not 0 <= x.claim_lead_s <= 5:
         bad("execute.claim_lead_s", "must be between 0 and 5 seconds")
+    budget = e.lease_ttl_s - e.renew_deadline_s
+    if x.kill_grace_s < 0:
+        bad("execute.kill_grace_s", "must not be negative")
+    elif budget > 0 and x.kill_grace_s + FENCE_KILL_MARGIN_S > budget:
+        bad("execute.kill_grace_s", f"{x.kill_grace_s:g} s plus a {FENCE_KILL_MARGIN_S:g} s margin must fit in "
+            f"etcd.lease_ttl_s - etcd.renew_deadline_s ({budget:g} s): a self-fenced agent's runs must be dead "
+            "before its lease can expire and another agent may retry them")
     if x.quota_backend not in ("auto", "cgroup2", "cgroup1", "rlimit"):
         bad("execute.quota_backend", "must be auto, cgroup2, cgroup1 or rlimit")
     for name, t in cfg.templates.items():
@@ -364,9 +383,13 @@ def _validate(cfg: Config, problems: list[str]) -> None:
             if isinstance(arg, str):
                 for ph in re.findall(r"\{([^{}]*)\}", arg):
                     placeholders.add(ph)
-                    if ph not in t.params:
+                    if ph not in t.params and ph not in RUN_PLACEHOLDERS:
                         bad(f"{where}.argv[{i}]", f"placeholder {{{ph}}} has no regex in {where}.params")
         for pname, rx in t.params.items():
+            if pname in RUN_PLACEHOLDERS:
+                bad(f"{where}.params.{pname}", f"{{{pname}}} is reserved for the run's identity "
+                    f"({', '.join(RUN_PLACEHOLDERS)})")
+                continue
             try:
                 re.compile(rx)
             except re.error as exc:

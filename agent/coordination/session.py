@@ -50,6 +50,10 @@ class Session:
         self._wake = threading.Event()
         self._abandon: Optional[int] = None
         self.abandoned: set[int] = set()  # our old leases whose revoke has not succeeded yet
+        self._revoke_not_before = 0.0     # monotonic: abandoned leases are revoked from then
+        # called on THIS thread with each new valid_until (e.g. the run guard's deadman: it
+        # must hear of renewals even when the loop is stalled or the agent frozen)
+        self.validity_listeners: list[Callable[[float], None]] = []
         self._thread: Optional[threading.Thread] = None
 
     def is_valid(self) -> bool:
@@ -62,9 +66,12 @@ class Session:
     def renew_now(self) -> None:
         self._wake.set()
 
-    def abandon(self) -> None:
-        """Give up the current lease (after a self-fence) and open a new one."""
+    def abandon(self, revoke_after_s: float = 0.0) -> None:
+        """Give up the current lease (after a self-fence) and open a new one. The old lease
+        is revoked (freeing its keys before the TTL) no sooner than ``revoke_after_s`` from
+        now: the runs claimed under it must be dead before anyone can take its shards."""
         self._abandon = self.lease_id
+        self._revoke_not_before = max(self._revoke_not_before, self.clock() + revoke_after_s)
         self.valid_until = 0.0
         self._wake.set()
 
@@ -83,6 +90,13 @@ class Session:
         self.lease_id = None
         self.valid_until = 0.0
 
+    def _tell_validity(self) -> None:
+        for fn in self.validity_listeners:
+            try:
+                fn(self.valid_until)
+            except Exception:
+                log.exception("validity listener failed")
+
     def _sleep(self, seconds: float) -> None:
         self._wake.wait(max(0.0, seconds))
         self._wake.clear()
@@ -97,7 +111,7 @@ class Session:
                     self.abandoned.add(old)
             # Revoke leases we gave up: frees their member and shard keys at once instead of
             # after the TTL (which etcd restarts from scratch when it restarts itself).
-            for old in list(self.abandoned):
+            for old in list(self.abandoned if self.clock() >= self._revoke_not_before else ()):
                 try:
                     self.client.lease_revoke(old, timeout=min(1.0, self.client.timeout))
                     self.abandoned.discard(old)
@@ -109,6 +123,7 @@ class Session:
                     lease_id, ttl = self.client.lease_grant(self.ttl)
                     self.lease_id = lease_id
                     self.valid_until = t0 + self.renew_deadline_s
+                    self._tell_validity()
                     failures = 0
                     RENEWALS.labels("granted").inc()
                     self.post(self.on_granted, lease_id, ttl, self.valid_until)
@@ -126,6 +141,7 @@ class Session:
                         continue
                     if self._abandon is None and lease_id == self.lease_id:
                         self.valid_until = t0 + self.renew_deadline_s
+                        self._tell_validity()
                     failures = 0
                     RENEWALS.labels("ok").inc()
                     TTL_REMAINING.set(ttl)

@@ -72,8 +72,11 @@ def plan_jobs(t0: datetime, duration: float, kill_at: float) -> list[DemoJob]:
             f"at +{(at - t0).total_seconds():.0f} s")
     # a long run that is in progress when the agent is killed (if its agent is the victim)
     at = t0 + timedelta(seconds=kill_at - 2)
+    # (calibration can be repeated safely: it opts into owner_lost retries, see retry.on)
     add("press-calibration-2", "press-calibration", {"press": "2", "seconds": "5"}, {"at": rfc(at)},
-        f"at +{kill_at - 2:.0f} s, runs 5 s")
+        f"at +{kill_at - 2:.0f} s, runs 5 s",
+        retry={"max_attempts": 2, "backoff_s": 1, "max_backoff_s": 5, "jitter": 0,
+               "on": ["failed", "timed_out", "owner_lost"]})
     # cron with seconds, bounded by not_after
     end = t0 + timedelta(seconds=duration - 4)
     grid_end = datetime.fromtimestamp((int(end.timestamp()) // CRON_EVERY_S) * CRON_EVERY_S, timezone.utc)

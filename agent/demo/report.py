@@ -213,7 +213,8 @@ def summary(demo: Demo, res: dict) -> int:
         cont(p)
     for jid, _f, r, aid in res["retried"]:
         cont(f"{jid}: was running on {demo.victim} when it died (owner_lost); {aid} resolved it by "
-             f"the retry policy: attempt {r.get('attempt')} {r.get('state')} on {r.get('agent')}")
+             f"its retry.on: attempt {r.get('attempt')} {r.get('state')} {r.get('reason') or ''} "
+                 f"on {r.get('agent')}")
     # the cloud's view: a final status for every finished firing
     finals = {(d.get("job_id"), d.get("run_id")) for d in demo.statuses if d.get("state") in TERMINAL}
     missing = collections.Counter(r.get("agent") for (jid, f), r in recs.items()

@@ -94,9 +94,21 @@ def demo_config_dir() -> str:
     raise UserError(f"demo configuration not found (looked in {', '.join(DEMO_CONFIG_DIRS)})")
 
 
-def cgroup_root_name(agent_id: str) -> str:
+def cgroup_root_name(agent_id: str, state_dir: str) -> str:
     """The per-agent cgroup root the daemon uses (agent/runtime/components.py)."""
-    return "millwright-" + re.sub(r"[^A-Za-z0-9._-]", "_", agent_id)[:50]
+    from agent.execute.backends import run_root_name
+
+    return run_root_name(agent_id, state_dir)
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return False
+    return data[data.rfind(b")") + 2:].split()[0] not in (b"Z", b"X")
 
 
 # --------------------------------------------------------------------------- the demo
@@ -489,12 +501,20 @@ class Demo:
         self.live.line(victim, f"SIGKILL (pid {self.agents[victim].proc.pid}): it held {len(mine)} shards with "
                                f"{score.get(victim, 0)} firings still due" +
                        (f"; running now: {', '.join(sorted(set(running)))}" if running else ""))
-        orphans = [(k[0], int(d["pid"])) for k, d in self._running.items() if d.get("agent") == victim
-                   and d.get("pid") and k[0] in running and os.path.exists(f"/proc/{d['pid']}")]
-        for jid, pid in orphans:
-            self.live.line(victim, f"its run of {jid} (pid {pid}) keeps running without its agent")
-            self.notes.append(f"{victim}'s run of {jid} (pid {pid}) outlived its agent: runs of a dead agent are "
-                              "not stopped, so a retry by the new owner could overlap a run longer than the lease TTL")
+        runs = [(k[0], int(d["pid"])) for k, d in self._running.items() if d.get("agent") == victim
+                and d.get("pid") and k[0] in running]
+        # the agent's run guard kills its runs when it dies (agent/execute/guard.py)
+        deadline = time.monotonic() + 2.0
+        while any(_alive(pid) for _, pid in runs) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        gone_s = time.monotonic() - self.kill_mono
+        for jid, pid in runs:
+            if _alive(pid):
+                self.live.line(victim, f"its run of {jid} (pid {pid}) keeps running without its agent")
+                self.notes.append(f"{victim}'s run of {jid} (pid {pid}) outlived its agent by more than 2 s: a retry "
+                                  "by the new owner could overlap it")
+            else:
+                self.live.line(victim, f"its run of {jid} (pid {pid}) died with it ({gone_s * 1000:.0f} ms)")
 
     def _await_failover(self) -> None:
         victim = self.failover["victim"]
@@ -620,7 +640,7 @@ class Demo:
             reclaimed = 0
             for aid, a in self.agents.items():
                 backend = (a.config.get("execute") or {}).get("quota_backend", "auto")
-                b = probe(backend, root_name=cgroup_root_name(aid))
+                b = probe(backend, root_name=cgroup_root_name(aid, a.config["state_dir"]))
                 reclaim = getattr(b, "reclaim", None)
                 reclaimed += reclaim() if reclaim else 0
                 b.close()

@@ -22,11 +22,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Optional, Union
 
-from agent.config import Resources, Template
+from agent.config import RUN_PLACEHOLDERS, Resources, Template
 from agent.coordination.keys import shard_of
 from agent.jobs.schedule import (
+    DEFAULT_RETRY_ON,
     MISFIRE_POLICIES,
     OVERLAP_POLICIES,
+    RETRY_ON,
     UTC,
     RetryPolicy,
     Schedule,
@@ -379,17 +381,18 @@ def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyR
     if not isinstance(overlap, str) or overlap not in OVERLAP_POLICIES:
         raise _bad("overlap", f"must be one of {', '.join(OVERLAP_POLICIES)}, got {_short(overlap)}")
 
-    r = _object(doc, "retry", "retry", ("max_attempts", "backoff_s", "max_backoff_s", "jitter"))
+    r = _object(doc, "retry", "retry", ("max_attempts", "backoff_s", "max_backoff_s", "jitter", "on"))
     retry = RetryPolicy(
         max_attempts=_number(r, "max_attempts", "retry.max_attempts", 1, MAX_ATTEMPTS, 1, integer=True),
         backoff_s=_number(r, "backoff_s", "retry.backoff_s", 0, MAX_BACKOFF_S, 1.0),
         max_backoff_s=_number(r, "max_backoff_s", "retry.max_backoff_s", 0, MAX_BACKOFF_S, 60.0),
         jitter=_number(r, "jitter", "retry.jitter", 0, 1, 0.0),
+        on=_retry_on(r),
     )
     if "max_backoff_s" in r and retry.max_backoff_s < retry.backoff_s:
         raise _bad("retry.max_backoff_s", f"must be at least retry.backoff_s ({retry.backoff_s:g})")
     if "max_backoff_s" not in r and retry.max_backoff_s < retry.backoff_s:
-        retry = RetryPolicy(retry.max_attempts, retry.backoff_s, retry.backoff_s, retry.jitter)
+        retry = RetryPolicy(retry.max_attempts, retry.backoff_s, retry.backoff_s, retry.jitter, retry.on)
 
     timeout_s = _number(doc, "timeout_s", "timeout_s", 0, MAX_TIMEOUT_S, DEFAULT_TIMEOUT_S, lo_open=True)
 
@@ -505,15 +508,41 @@ def check_params(params: dict, template: Template, tname: str = "template") -> N
             raise _bad(f"params.{name}", f"{_short(value)} does not match {rx}", BAD_PARAM)
 
 
-def render_argv(job: Job, template: Template) -> list[str]:
+def _retry_on(r: dict) -> tuple:
+    """retry.on: a non-empty list of distinct outcomes from RETRY_ON (default: failed,
+    timed_out; owner_lost only when the job can stand a second run of a firing)."""
+    if "on" not in r:
+        return DEFAULT_RETRY_ON
+    on = r["on"]
+    allowed = ", ".join(RETRY_ON)
+    if not isinstance(on, list) or not on:
+        raise _bad("retry.on", f"must be a non-empty list of {allowed}, got {_short(on)}")
+    for i, v in enumerate(on):
+        if not isinstance(v, str) or v not in RETRY_ON:
+            raise _bad(f"retry.on[{i}]", f"must be one of {allowed}, got {_short(v)}")
+    if len(set(on)) != len(on):
+        raise _bad("retry.on", f"lists an outcome twice: {_short(on)}")
+    return tuple(v for v in RETRY_ON if v in on)
+
+
+def run_id(fire_id_: str, attempt: int) -> str:
+    """Identity of one run (one attempt of one firing): ``<fire_id>.<attempt>``."""
+    return f"{fire_id_}.{int(attempt)}"
+
+
+def render_argv(job: Job, template: Template, run: Optional[dict] = None) -> list[str]:
     """The template's argv with each {param} replaced by the job's value, verbatim (one
     pass: braces inside values are not expanded again; no shell is involved). Re-checks
     the params against the template, which may have changed since ingest; raises
-    JobRejected(bad_param) when they no longer fit."""
+    JobRejected(bad_param) when they no longer fit. ``run`` supplies the RUN_PLACEHOLDERS
+    ({job_id}, {fire_id}, {attempt}, {run_id}); {job_id} is always known."""
     check_params(job.params, template, job.template)
+    builtin = {"job_id": job.id, **{k: str(v) for k, v in (run or {}).items() if k in RUN_PLACEHOLDERS}}
 
     def sub(m: re.Match) -> str:
         name = m.group(1)
+        if name in builtin:
+            return builtin[name]
         if name not in job.params:
             raise _bad(f"params.{name}", f"template {job.template} uses {{{name}}} but has no such param", BAD_PARAM)
         return job.params[name]

@@ -42,7 +42,7 @@ from agent.coordination.watch import PrefixWatch, WatchEvent
 from agent.coordination.worker import EtcdWorkers
 from agent.jobs import schedule as sch
 from agent.jobs.claimlead import ClaimLead
-from agent.jobs.document import Job, JobRejected, render_argv
+from agent.jobs.document import Job, JobRejected, render_argv, run_id
 from agent.jobs.firing import ACTIVE, NOT_STARTED, RETRYABLE, TERMINAL, Firing, FiringState, RunListener
 from agent.runtime.gcpolicy import GcPolicy
 from agent.runtime.metrics import counter, gauge, histogram
@@ -109,11 +109,15 @@ class Scheduler:
         self.waiting: dict[str, Firing] = {}      # admission key -> firing
         self.run_listeners = run_listeners        # sensing, supervision (the daemon's list)
         self.paused: Optional[str] = None         # early fence: no new runs start while set
+        self.draining = False                     # graceful stop: nothing new is claimed
+        self._writes: dict[int, int] = {}         # shard -> run-record writes in flight
         self._held: list[Firing] = []             # firings that fell due while paused
         self.gc = GcPolicy(self.loop, self._quiet_for).start()
         self.claim_lead = ClaimLead(self.cfg.execute.claim_lead_s)
         agent.shard_listeners.append(self)
         agent.busy_checks.append(self.busy)
+        agent.drain_hooks.append(self._drain_started)
+        agent.run_stoppers.append(self.stop_runs)
         agent.status_providers["jobs"] = self.status
         agent.job_listeners.append(self)
 
@@ -129,8 +133,47 @@ class Scheduler:
         return [w.start()]
 
     def busy(self, shard: int) -> bool:
+        """A shard is busy while a run of it may be alive or its record is being written:
+        it is not handed over before both are done (no shard leaves with a live run)."""
+        if self._writes.get(shard):
+            return True
         return any(f.state in ACTIVE for e in self.by_shard.get(shard, {}).values()
                    for f in e.firings.values())
+
+    def _drain_started(self, done: Any) -> None:
+        """Graceful stop: claim nothing new. Firings that fall due now stay unclaimed (the
+        next owner runs them by the misfire policy); retries stay `retrying` in etcd."""
+        self.draining = True
+        done()
+
+    def stop_runs(self, reason: str = "agent_stopped") -> int:
+        """End every live run (SIGTERM, SIGKILL after kill_grace_s); each gets its final
+        record, status and run_end audit record while the shard is still ours."""
+        n = 0
+        for e in list(self.entries.values()):
+            for f in list(e.firings.values()):
+                if f.state == FiringState.RUNNING and f.handle is not None:
+                    f.handle.terminate(reason)
+                    n += 1
+        return n
+
+    def _submit_write(self, shard: int, op: Any, done: Any) -> None:
+        """A run-record write, counted against its shard until it finished (busy())."""
+        self._writes[shard] = self._writes.get(shard, 0) + 1
+
+        def finished(result, error):
+            try:
+                done(result, error)
+            finally:
+                n = self._writes.get(shard, 0) - 1
+                if n > 0:
+                    self._writes[shard] = n
+                else:
+                    self._writes.pop(shard, None)
+                    if not self.busy(shard):
+                        self.agent.shards.release_idle()
+
+        self.workers.submit(op, finished)
 
     def _pop_entry(self, job_id: str) -> Optional[JobEntry]:
         e = self.entries.pop(job_id, None)
@@ -362,20 +405,31 @@ class Scheduler:
             self._status(e, None, "scheduled", due=rfc(recovery.next_due))
 
     def _orphan(self, f: Firing, now: datetime) -> None:
-        """A run left `running` by an owner that is gone: it may have run. Policy decides."""
-        job = f.entry.job
+        """A run left `running` by an owner that is gone: it may have run, or be partly done.
+        It is run again only if the job opted in (retry.on lists owner_lost) and attempts
+        remain; otherwise it ends `failed`, reason owner_lost (at most once by default).
+
+        A retry here never overlaps the old run: this agent holds the shard, so the old
+        owner's lease is gone (expired, or revoked after its runs ended), and its runs died
+        before that: with the agent (the run guard kills them on its death), at its
+        self-fence (kill_grace_s fits before the lease can expire: config check), or on its
+        graceful stop (runs end before the lease is revoked)."""
+        e = f.entry
+        job = e.job
         prev_agent = (f.record or {}).get("agent")
-        nxt = sch.next_retry_at(job, f.fire_id, f.attempt, now)
+        nxt = sch.next_retry_at(job, f.fire_id, f.attempt, now) if job.retry.retries("owner_lost") else None
         self.agent.record("job", event="owner_lost", job=job.id, fire_id=f.fire_id, attempt=f.attempt,
-                          previous_agent=prev_agent)
+                          previous_agent=prev_agent, retry_at=rfc(nxt))
+        RUNS.labels("owner_lost").inc()
         if nxt is not None:
             f.move(FiringState.RETRYING)
             self._write_record(f, "retrying", reason="owner_lost", retry_at=rfc(nxt), ended_at=rfc(now))
+            self._status(e, f, "retrying", reason="owner_lost", retry_at=rfc(nxt), previous_agent=prev_agent)
             f.timer = self.loop.call_later(max(0.0, (nxt - now).total_seconds()), self._retry_due, f)
         else:
             f.move(FiringState.DONE)
             self._write_record(f, "failed", reason="owner_lost", ended_at=rfc(now))
-            RUNS.labels("owner_lost").inc()
+            self._status(e, f, "failed", reason="owner_lost", previous_agent=prev_agent)
             self._forget(f)
 
     # --- timers ----------------------------------------------------------------------------
@@ -510,7 +564,7 @@ class Scheduler:
     def _request_admission(self, f: Firing) -> None:
         from agent.execute.admission import ADMITTED, REJECTED
 
-        if self.paused is not None:
+        if self.paused is not None or self.draining:
             f.move(FiringState.HELD)
             self._held.append(f)
             return
@@ -533,7 +587,10 @@ class Scheduler:
         while work:
             k = work.pop(0)
             f = self.waiting.pop(k, None)
-            if f is None:
+            if f is None or self.draining:
+                if f is not None:   # stopping: claim nothing new (the next owner will)
+                    f.move(FiringState.HELD)
+                    self._held.append(f)
                 work.extend(self.admission.release(k))
                 continue
             if f.state == FiringState.RETRYING_ADMISSION:
@@ -619,7 +676,7 @@ class Scheduler:
         log.debug("firing abandoned", extra={"fields": {"job": f.entry.job.id, "fire_id": f.fire_id, "why": why}})
 
     def _spawn(self, f: Firing) -> None:
-        from agent.execute.executor import RunSpec
+        from agent.execute.runs import RunSpec
 
         e = f.entry
         if self.agent.fence_for(e.shard) is None:  # fenced while claiming: do not start
@@ -629,29 +686,35 @@ class Scheduler:
         if tpl is None:
             self._run_failed_early(f, "unknown_template")
             return
+        rid = run_id(f.fire_id, f.attempt)
         try:
-            argv = render_argv(e.job, tpl)
+            argv = render_argv(e.job, tpl, {"fire_id": f.fire_id, "attempt": f.attempt, "run_id": rid})
         except JobRejected as exc:
             self._run_failed_early(f, f"bad_param: {exc.detail}")
             return
         spec = RunSpec(run_key=f"{f.key}.{f.attempt}", argv=argv, user=tpl.user, limits=self._limits(e),
                        timeout_s=e.job.timeout_s, kill_grace_s=self.cfg.execute.kill_grace_s,
                        output_max_bytes=self.cfg.execute.output_max_bytes, job_id=e.job.id,
-                       run_id=f.fire_id, attempt=f.attempt)
+                       run_id=rid, fire_id=f.fire_id, attempt=f.attempt)
+        session = self.agent.session
+        lease = session.lease_id
+
+        def lease_valid() -> bool:
+            # checked by the executor's own threads (release, reaper): even with this loop
+            # busy, a run is not released, and is killed, once the lease it was claimed
+            # under may have run out
+            return session.is_valid() and session.lease_id == lease
+
         f.move(FiringState.RUNNING)
         on_exit = lambda h, r: self.loop.post(self._ended, f, r)  # noqa: E731
         ahead = (f.due - utcnow()).total_seconds()
         if f.lead > 0 and f.attempt == 1:
             self.claim_lead.observe(f.lead - ahead)
-        if ahead > SPAWN_AHEAD_MIN_S:
-            session = self.agent.session
-            lease = session.lease_id
-            # checked by the releasing thread itself: even with this loop busy, nothing is
-            # released once the lease the claim was made under may have run out
-            f.handle = self.executor.prepare(
-                spec, on_exit, release_at=time.monotonic() + ahead,
-                on_release=lambda h, ok: self.loop.post(self._released, f, h, ok, argv, tpl.user),
-                guard=lambda: session.is_valid() and session.lease_id == lease)
+        prepare = getattr(self.executor, "prepare", None)
+        if ahead > SPAWN_AHEAD_MIN_S and prepare is not None:
+            f.handle = prepare(spec, on_exit, release_at=time.monotonic() + ahead,
+                               on_release=lambda h, ok: self.loop.post(self._released, f, h, ok, argv, tpl.user),
+                               guard=lease_valid)
             # listeners (exec policy, sensor attribution) know the run before it can exec
             for l in self.run_listeners:
                 l.run_started(f)
@@ -659,7 +722,10 @@ class Scheduler:
         if f.lead > 0 and f.attempt == 1:
             # the claim took longer than its lead: the spawn is on the due time's path
             FIRINGS.labels("claimed_late").inc()
-        f.handle = self.executor.start(spec, on_exit)
+        try:
+            f.handle = self.executor.start(spec, on_exit, guard=lease_valid)
+        except TypeError:   # an executor without lease guards (unit-test fakes)
+            f.handle = self.executor.start(spec, on_exit)
         for l in self.run_listeners:
             l.run_started(f)
         self._released(f, f.handle, True, argv, tpl.user)
@@ -693,7 +759,8 @@ class Scheduler:
             l.run_ended(f)
         reason = getattr(result, "reason", "failed")
         state = {"succeeded": "succeeded", "timed_out": "timed_out", "killed": "killed",
-                 "cancelled": "cancelled", "replaced": "killed", "exec_policy": "killed"}.get(reason, "failed")
+                 "cancelled": "cancelled", "replaced": "killed", "exec_policy": "killed",
+                 "agent_stopped": "killed"}.get(reason, "failed")
         if reason in ("shard_lost", "fenced", "released", "deleted"):
             f.move(FiringState.DONE)
             self._forget(f)
@@ -711,7 +778,10 @@ class Scheduler:
         # the claim wrote the planned start; the record keeps the real one (None: never released)
         fields["started_at"] = rfc(datetime.fromtimestamp(released, timezone.utc)) if released else None
         nxt = None
-        if state in RETRYABLE and not e.cancelled:
+        # a run this agent stopped on its way out was cut short: retried (by the next owner,
+        # from the `retrying` record) only where a lost owner's run would be
+        outcome = "owner_lost" if reason == "agent_stopped" else state
+        if (state in RETRYABLE or outcome == "owner_lost") and e.job.retry.retries(outcome) and not e.cancelled:
             nxt = sch.next_retry_at(e.job, f.fire_id, f.attempt, now)
         RUNS.labels(reason if state != "succeeded" else "succeeded").inc()
         self.agent.record("job", event="run_end", job=e.job.id, fire_id=f.fire_id, attempt=f.attempt,
@@ -720,7 +790,8 @@ class Scheduler:
             f.move(FiringState.RETRYING)
             self._write_record(f, "retrying", retry_at=rfc(nxt), **fields)
             self._status(e, f, "retrying", retry_at=rfc(nxt), **fields)
-            f.timer = self.loop.call_later(max(0.0, (nxt - now).total_seconds()), self._retry_due, f)
+            if not self.draining:
+                f.timer = self.loop.call_later(max(0.0, (nxt - now).total_seconds()), self._retry_due, f)
         else:
             f.move(FiringState.DONE)
             self._write_record(f, state, **fields)
@@ -732,7 +803,10 @@ class Scheduler:
     def _retry_due(self, f: Firing) -> None:
         f.timer = None
         e = f.entry
-        if self.entries.get(e.job.id) is not e or e.cancelled or f.state != FiringState.RETRYING:
+        if self.entries.get(e.job.id) is not e or e.cancelled or f.state != FiringState.RETRYING or self.draining:
+            return
+        if f.writing:   # the `retrying` record is still on its way: its revision is the claim's compare
+            f.timer = self.loop.call_later(0.05, self._retry_due, f)
             return
         from agent.execute.admission import ADMITTED, REJECTED
 
@@ -758,8 +832,9 @@ class Scheduler:
                 cmp = [Mod(key) == f.record_rev]
             else:
                 cmp = [Create(key) == 0]
-            self.workers.submit(lambda: fenced_txn(self.client, fence, compare=cmp, success=[Put(key, json.dumps(rec))]),
-                                lambda r, err: None)
+            self._submit_write(e.shard, lambda: fenced_txn(self.client, fence, compare=cmp,
+                                                           success=[Put(key, json.dumps(rec))]),
+                               lambda r, err: None)
         self._status(e, f, state, reason=reason)
         self._forget(f)
 
@@ -797,23 +872,34 @@ class Scheduler:
         rec = self._record(f, state, **fields)
         rev = f.record_rev
         f.record = rec
+        f.writing += 1
 
         def op():
             return fenced_txn(self.client, fence, compare=[Mod(key) == rev], success=[Put(key, json.dumps(rec))])
 
         def done(r, error):
+            f.writing -= 1
             if error is None and r.succeeded:
                 f.record_rev = r.revision
             elif isinstance(error, (EtcdUnavailable, EtcdError)):
-                # transient: retry while we still hold the shard
+                # transient: retry while we still hold the shard (still counted as in flight)
+                self._writes[e.shard] = self._writes.get(e.shard, 0) + 1
+                f.writing += 1
                 self.loop.call_later(0.3, self._rewrite, f, state, fields, rev)
             elif error is not None and not isinstance(error, StaleToken):
                 log.warning("run record write failed", extra={"fields": {"job": e.job.id, "error": str(error)}})
 
-        self.workers.submit(op, done)
+        self._submit_write(e.shard, op, done)
 
     def _rewrite(self, f: Firing, state: str, fields: dict, rev: int) -> None:
-        if f.record_rev == rev and self.agent.fence_for(f.entry.shard) is not None:
+        f.writing -= 1
+        shard = f.entry.shard
+        n = self._writes.get(shard, 0) - 1
+        if n > 0:
+            self._writes[shard] = n
+        else:
+            self._writes.pop(shard, None)
+        if f.record_rev == rev and self.agent.fence_for(shard) is not None:
             self._write_record(f, state, **fields)
 
     def _status(self, e: JobEntry, f: Optional[Firing], state: str, **fields: Any) -> None:

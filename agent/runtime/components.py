@@ -58,18 +58,22 @@ class _JobsComponent:
 
     def __init__(self, agent: Agent, run_listeners: Sequence[RunListener] = ()):
         import os
-        import re
 
         from agent.execute.admission import Admission, Budget
+        from agent.execute.backends import run_root_name
         from agent.execute.executor import Executor
         from agent.jobs.scheduler import Scheduler
 
-        # one cgroup root per agent id, so that several agents on one host (tests, demo)
-        # never reclaim each other's runs
-        root = "millwright-" + re.sub(r"[^A-Za-z0-9._-]", "_", agent.cfg.agent_id)[:50]
+        root = run_root_name(agent.cfg.agent_id, agent.cfg.state_dir)
         self.executor = Executor.from_config(agent.cfg.execute, os.path.join(agent.cfg.state_dir, "runs"),
                                              root_name=root, reclaim=True)
         self.admission = Admission(Budget.from_config(agent.cfg.execute))
+        guard = self.executor.guard
+        if guard is not None:
+            # deadman: runs claimed under the lease die by validity + kill_grace_s even if this
+            # process is frozen (the self-fence would have SIGKILLed them by then)
+            grace = agent.cfg.execute.kill_grace_s
+            agent.session.validity_listeners.append(lambda until: guard.set_deadline(until + grace))
         self.scheduler = Scheduler(agent, self.executor, self.admission, run_listeners)
         agent.watch_sources.append(self.scheduler.start_watches)
         agent.status_providers["quota"] = lambda: {"backend": self.executor.backend.name,

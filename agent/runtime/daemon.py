@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from agent import __version__
-from agent.config import Config, load_config
+from agent.config import FENCE_KILL_MARGIN_S, Config, load_config
 from agent.coordination.etcd import EtcdClient, Put
 from agent.coordination.fencing import Fence, fenced_txn
 from agent.coordination.keys import Keys
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 FENCES = counter("millwright_self_fences_total", "Times the agent stopped acting for its shards", ("reason",))
 ETCD_UP = gauge("millwright_etcd_up", "1 while the session lease is valid")
 START_TIME = gauge("millwright_start_time_seconds", "Unix time the agent started")
+STOP_RECORD_S = 5.0  # after the last SIGKILL, how long a stop waits for final run records
 
 
 class SdNotify:
@@ -125,6 +126,8 @@ class Agent:
         self.watch_sources: list[Callable[[], list[PrefixWatch]]] = []  # more watches per session (jobs)
         self.owned_shards: frozenset[int] = frozenset()  # snapshot readable from any thread
         self.drain_hooks: list[Callable[[Callable[[], None]], None]] = []
+        # end every live run with a reason, return how many (graceful stop, after drain_timeout_s)
+        self.run_stoppers: list[Callable[[str], int]] = []
         self.components = [make(self) for make in (extra_components or [])]
         self._probe_interval = float(os.environ.get("MILLWRIGHT_TEST_FENCED_WRITES_S", "0") or 0)
 
@@ -204,7 +207,9 @@ class Agent:
             w.stop(timeout=0.5)
         self.watches = []
         if not self._stopping:
-            self.session.abandon()
+            # the runs claimed under the old lease are being killed (kill_grace_s at most): do
+            # not revoke it before they are dead, or a peer could take over and retry at once
+            self.session.abandon(revoke_after_s=self.cfg.execute.kill_grace_s + FENCE_KILL_MARGIN_S)
 
     # --- watches -----------------------------------------------------------------------
     def _start_watches(self) -> None:
@@ -287,27 +292,41 @@ class Agent:
         self.loop.post(self._drain, signal.Signals(signum).name)
 
     def _drain(self, why: str) -> None:
+        """Graceful stop, in this order, so that no shard leaves with a live run: claim
+        nothing new and hand idle shards over; let runs finish for up to drain_timeout_s;
+        then kill the rest (reason agent_stopped) and wait until their final records are
+        written; only then stop (the lease is revoked in _shutdown, which frees the shards)."""
         if self._stopping:
             return
         self._stopping = True
         log.info("draining: handing shards over", extra={"fields": {"signal": why, "shards": len(self.shards.mine)}})
         self.notify.send("STOPPING=1")
         self.shards.drain()
-        pending = list(self.drain_hooks)
         deadline = time.monotonic() + self.cfg.drain_timeout_s
+        give_up: list[float] = []   # set once the remaining runs were told to stop
 
-        def finish() -> None:
-            self.loop.stop()
+        def busy() -> bool:
+            return any(self._shard_busy(s) for s in self.shards.mine)
 
-        def wait_hooks() -> None:
-            if any(self._shard_busy(s) for s in self.shards.mine) and time.monotonic() < deadline:
-                self.loop.call_later(0.1, wait_hooks)
+        def wait_runs() -> None:
+            now = time.monotonic()
+            if not busy():
+                self.loop.stop()
                 return
-            finish()
+            if not give_up and now >= deadline:
+                n = sum(stop("agent_stopped") for stop in self.run_stoppers)
+                log.warning("drain timeout: stopping the remaining runs", extra={"fields": {"runs": n}})
+                # SIGKILL follows kill_grace_s after SIGTERM; then the records are written
+                give_up.append(now + self.cfg.execute.kill_grace_s + STOP_RECORD_S)
+            elif give_up and now >= give_up[0]:
+                log.error("runs or their final records did not finish; stopping anyway")
+                self.loop.stop()
+                return
+            self.loop.call_later(0.05, wait_runs)
 
-        for hook in pending:
+        for hook in list(self.drain_hooks):
             hook(lambda: None)
-        wait_hooks()
+        wait_runs()
 
     def _install_signals(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -344,7 +363,12 @@ class Agent:
         # them vanish together and claim at once.
         for w in self.watches:
             w.stop(timeout=1.0)
-        self.session.stop(revoke=True)
+        # ...unless a run may still be alive (a drain that gave up): then the lease expires by
+        # itself, after the executor and the run guard have killed what is left
+        live = any(self._shard_busy(s) for s in self.shards.mine)
+        if live:
+            log.warning("runs may still be alive: not revoking the lease, it expires by itself")
+        self.session.stop(revoke=not live)
         self.workers.stop()
         for hook in reversed(self.stop_hooks):
             try:

@@ -208,7 +208,7 @@ class JobHealth:
 
 # --------------------------------------------------------------------------- exec policy
 
-# What the executor's launcher execs before the job's own program (agent/execute/executor.py:
+# What the executor's launcher execs before the job's own program (agent/execute/launch.py:
 # SHIM_SH, and setpriv found on DEFAULT_PATH). Both spellings: merged-/usr or not.
 LAUNCHER_PATHS = ("/bin/sh", "/usr/bin/sh", "/bin/dash", "/usr/bin/dash",
                   "/usr/bin/setpriv", "/bin/setpriv", "/usr/sbin/setpriv", "/sbin/setpriv")

@@ -76,7 +76,7 @@ class RunSensing:
             return
         slot = self.free.pop()
         self.by_run_key[spec.run_key] = slot
-        self.runs[slot] = {"job": spec.job_id, "run_id": spec.run_id, "attempt": spec.attempt,
+        self.runs[slot] = {"job": spec.job_id, "run_id": spec.fire_id or spec.run_id, "attempt": spec.attempt,
                            "run_key": spec.run_key, "argv0": spec.argv[0] if spec.argv else None,
                            "seen_job_exec": False}
         self.sensor.track(handle.pid, slot)

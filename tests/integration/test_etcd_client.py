@@ -105,7 +105,8 @@ def test_agent_with_username_and_password(etcd_server, tmp_path):
     a = AgentProcess("auth", str(tmp_path), {"cluster": "au", "bpf": {"enabled": False},
                                              "etcd": {"endpoints": [ep], "username": "mw", "password": "mwpw",
                                                       "lease_ttl_s": 4, "renew_deadline_s": 2.5,
-                                                      "retry_period_s": 0.5}}).start()
+                                                      "retry_period_s": 0.5},
+                                             "execute": {"kill_grace_s": 1.0}}).start()
     try:
         c = EtcdClient(EtcdConfig(endpoints=[ep], username="mw", password="mwpw"))
         wait_for(lambda: len(c.get_prefix("/millwright/au/shards/")[0]) == 64, 20, what="shards under auth")

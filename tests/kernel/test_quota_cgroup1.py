@@ -258,8 +258,8 @@ def test_runs_as_the_template_user_with_a_clean_env_and_bounded_output(executor,
                   "print(os.getuid(), os.getgid(), os.getpgid(0) == os.getpid(), os.getcwd())\n"
                   "print(sorted(os.environ.items()))\n"
                   "sys.stderr.write('e' * 100000)\n")
-        h = executor.start(RunSpec("user", [PY, "-c", script], user=job_user, job_id="j1", run_id="r1", attempt=2,
-                                   output_max_bytes=5000, limits=Limits(0.5, 64, 16)), c)
+        h = executor.start(RunSpec("user", [PY, "-c", script], user=job_user, job_id="j1", run_id="f1.2", attempt=2,
+                                   fire_id="f1", output_max_bytes=5000, limits=Limits(0.5, 64, 16)), c)
         (r,) = c.wait(["user"])
     finally:
         del os.environ["MILLWRIGHT_SECRET_LEAK"]
@@ -270,8 +270,9 @@ def test_runs_as_the_template_user_with_a_clean_env_and_bounded_output(executor,
     assert cwd.startswith(h.run_dir) and cwd.endswith("/work")
     env = dict(eval(second))
     assert set(env) == {"PATH", "HOME", "LANG", "TMPDIR", "USER", "LOGNAME", "MILLWRIGHT_JOB_ID",
-                        "MILLWRIGHT_RUN_ID", "MILLWRIGHT_ATTEMPT"}
-    assert (env["MILLWRIGHT_JOB_ID"], env["MILLWRIGHT_RUN_ID"], env["MILLWRIGHT_ATTEMPT"]) == ("j1", "r1", "2")
+                        "MILLWRIGHT_FIRE_ID", "MILLWRIGHT_RUN_ID", "MILLWRIGHT_ATTEMPT"}
+    assert (env["MILLWRIGHT_JOB_ID"], env["MILLWRIGHT_FIRE_ID"], env["MILLWRIGHT_RUN_ID"],
+            env["MILLWRIGHT_ATTEMPT"]) == ("j1", "f1", "f1.2", "2")
     assert env["USER"] == job_user and env["HOME"] == cwd
     assert os.path.getsize(r.stderr_path) == 5000 and r.output_dropped_bytes == 95000
     assert not os.path.exists(cwd)   # the scratch dir is removed, the output kept

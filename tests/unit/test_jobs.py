@@ -187,6 +187,12 @@ BAD_FIELDS = [
     ({"retry": {"jitter": 1.5}}, "bad_field", "retry.jitter"),
     ({"retry": {"jitter": -0.1}}, "bad_field", "retry.jitter"),
     ({"retry": {"tries": 3}}, "bad_field", "retry.tries"),
+    ({"retry": {"on": []}}, "bad_field", "retry.on"),
+    ({"retry": {"on": "owner_lost"}}, "bad_field", "retry.on"),
+    ({"retry": {"on": ["failed", "lost"]}}, "bad_field", "retry.on[1]"),
+    ({"retry": {"on": ["killed"]}}, "bad_field", "retry.on[0]"),
+    ({"retry": {"on": [None]}}, "bad_field", "retry.on[0]"),
+    ({"retry": {"on": ["failed", "failed"]}}, "bad_field", "retry.on"),
     ({"timeout_s": 0}, "bad_field", "timeout_s"),
     ({"timeout_s": -5}, "bad_field", "timeout_s"),
     ({"timeout_s": "300"}, "bad_field", "timeout_s"),
@@ -447,3 +453,60 @@ templates:
     job = parse(signed(doc), templates=cfg.templates)
     assert render_argv(job, cfg.templates["coolant-flush"]) == ["/usr/lib/millwright/jobs/coolant-flush", "--line", "3"]
     assert effective_resources(job, cfg.templates["coolant-flush"]) == Resources(cpu=0.5, memory_mb=128, pids=32)
+
+
+# ---------------------------------------------------------------- retry.on and the run's identity
+
+
+def test_retry_on_defaults_to_outcomes_the_agent_saw():
+    job = parse(signed(BASE))
+    assert job.retry.on == ("failed", "timed_out")
+    assert job.retry.retries("failed") and job.retry.retries("timed_out")
+    assert not job.retry.retries("owner_lost")
+
+
+def test_retry_on_owner_lost_is_an_opt_in_and_its_order_does_not_matter():
+    a = parse(signed(variant(retry={"max_attempts": 3, "on": ["owner_lost", "failed"]})))
+    b = parse(signed(variant(retry={"max_attempts": 3, "on": ["failed", "owner_lost"]})))
+    assert a.retry.on == b.retry.on == ("failed", "owner_lost")
+    assert a.retry.retries("owner_lost") and not a.retry.retries("timed_out")
+
+
+def test_retry_on_error_names_the_allowed_values():
+    err = rejected(signed(variant(retry={"on": ["lost"]})))
+    assert "failed, timed_out, owner_lost" in err.detail and "'lost'" in err.detail
+
+
+def test_render_argv_fills_the_run_identity_placeholders():
+    t = Template(argv=["/bin/x", "--key={job_id}/{fire_id}", "{attempt}", "{run_id}", "{a}"], params={"a": ".*"})
+    job = parse(signed({"v": 1, "id": "j", "template": "t", "params": {"a": "{fire_id}"}}), templates={"t": t})
+    argv = render_argv(job, t, {"fire_id": "20261202T120000.000Z", "attempt": 2, "run_id": "20261202T120000.000Z.2"})
+    # a param value is never expanded again, even when it spells a run placeholder
+    assert argv == ["/bin/x", "--key=j/20261202T120000.000Z", "2", "20261202T120000.000Z.2", "{fire_id}"]
+
+
+def test_run_placeholders_are_reserved_in_the_config():
+    from agent.config import ConfigError, parse_config
+
+    ok = parse_config('templates: {t: {argv: ["/bin/x", "{fire_id}", "{run_id}", "{attempt}", "{job_id}"]}}\n',
+                      "agent.yaml")
+    assert ok.templates["t"].argv[1] == "{fire_id}"
+    with pytest.raises(ConfigError) as ei:
+        parse_config('templates: {t: {argv: ["/bin/x", "{fire_id}"], params: {fire_id: ".*"}}}\n', "agent.yaml")
+    assert any("templates.t.params.fire_id" in p and "reserved" in p for p in ei.value.problems)
+
+
+@pytest.mark.parametrize("grace,ttl,deadline,ok", [(3, 10, 6, True), (5, 10, 6, False), (1.0, 4, 2.5, True),
+                                                   (1.1, 4, 2.5, False), (0, 4, 3.5, True)])
+def test_kill_grace_must_fit_before_the_lease_can_expire(grace, ttl, deadline, ok):
+    from agent.config import ConfigError, parse_config
+
+    text = (f"etcd: {{lease_ttl_s: {ttl}, renew_deadline_s: {deadline}, retry_period_s: 0.5}}\n"
+            f"execute: {{kill_grace_s: {grace}}}\n")
+    if ok:
+        parse_config(text, "agent.yaml")
+        return
+    with pytest.raises(ConfigError) as ei:
+        parse_config(text, "agent.yaml")
+    (problem,) = ei.value.problems
+    assert "execute.kill_grace_s" in problem and "lease_ttl_s - etcd.renew_deadline_s" in problem

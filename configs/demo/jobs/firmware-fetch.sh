@@ -6,7 +6,7 @@
 # retransmitted and never answered: a real network stall, visible to the BPF sensor.
 uid=
 while read -r key value _; do [ "$key" = "Uid:" ] && uid=$value; done < /proc/$$/status
-echo "$MILLWRIGHT_JOB_ID $MILLWRIGHT_RUN_ID $MILLWRIGHT_ATTEMPT $$ $uid" >> "$1/effects.log"
+echo "$MILLWRIGHT_JOB_ID $MILLWRIGHT_FIRE_ID $MILLWRIGHT_ATTEMPT $$ $uid" >> "$1/effects.log"
 exec 3<>"/dev/tcp/$2/$3" || { echo "cannot connect to $2:$3"; exit 2; }
 echo "connected to $2:$3, requesting $4"
 printf 'GET /firmware/%s.bin HTTP/1.0\r\nX-Padding: %4000s\r\n\r\n' "$4" x >&3

@@ -5,7 +5,7 @@
 # which is outside allow_exec: an exec-policy violation (bpf.mode enforce kills the run).
 uid=
 while read -r key value _; do [ "$key" = "Uid:" ] && uid=$value; done < /proc/$$/status
-echo "$MILLWRIGHT_JOB_ID $MILLWRIGHT_RUN_ID $MILLWRIGHT_ATTEMPT $$ $uid" >> "$1/effects.log"
+echo "$MILLWRIGHT_JOB_ID $MILLWRIGHT_FIRE_ID $MILLWRIGHT_ATTEMPT $$ $uid" >> "$1/effects.log"
 echo "line $2 diagnostics"
 uname -a
 sleep 2

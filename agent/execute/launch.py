@@ -1,0 +1,328 @@
+"""Spawning a run's process: the launcher (a constant /bin/sh script started through
+subprocess's vfork path, or a forked child), user switch, clean environment, run dir,
+quota container, poststart hooks, and the go pipe that lets the job exec.
+
+Because the launcher waits for the go byte before exec, nothing the job does happens
+before it is in its cgroup, registered with the run guard (agent/execute/guard.py) and
+every poststart hook ran: no exec is missed by the sensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pwd
+import resource
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import warnings
+from typing import TYPE_CHECKING, Any, Optional
+
+from agent.execute import metrics as m
+from agent.execute.backends import safe_name
+from agent.execute.reaper import _kill, _Run, _Stream
+
+if TYPE_CHECKING:  # pragma: no cover
+    from agent.execute.executor import Executor
+
+log = logging.getLogger("millwright.execute")
+
+# Python 3.12 warns on fork() in a threaded process; our child only makes system calls
+# (no locks, no imports, no logging) before exec, which is what makes it safe.
+warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks.*", category=DeprecationWarning)
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_RESET_SIGNALS = tuple(getattr(signal, n) for n in (
+    "SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGPIPE", "SIGXFSZ", "SIGXCPU", "SIGUSR1", "SIGUSR2",
+    "SIGCHLD", "SIGALRM", "SIGTSTP", "SIGTTIN", "SIGTTOU") if hasattr(signal, n))
+# The launcher of the default ("shim") spawn mode. Forking a large Python process costs
+# tens of milliseconds (page tables, copy-on-write faults); subprocess's vfork path costs
+# about one. But a vfork child cannot wait for our go-ahead or switch users, so it execs
+# this constant script, which blocks on stdin (the go pipe) while the agent puts it into
+# its cgroup, sets its rlimits and runs the poststart hooks, then execs the job (through
+# setpriv when a user switch is needed). The job's argv are positional parameters
+# ("$@"): never parsed by the shell.
+SHIM_SH = "/bin/sh"
+SHIM_SCRIPT = 'read -r _ || exit 126\nexec </dev/null\nunset PWD OLDPWD\nexec "$@"'
+_MAXFD = os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536
+
+
+USER_CACHE_S = 10.0
+_users: dict[str, tuple[float, Any]] = {}
+_users_lock = threading.Lock()
+
+
+def _lookup_user(name: str) -> Optional[tuple[Any, tuple[int, ...]]]:
+    """(passwd entry, groups) of a run-as user, or None. Cached for USER_CACHE_S: NSS
+    reads /etc/passwd and /etc/group on every call (a quarter of a millisecond per spawn
+    on a busy gateway), and the few templates' users hardly ever change."""
+    now = time.monotonic()
+    with _users_lock:
+        hit = _users.get(name)
+        if hit is not None and now - hit[0] < USER_CACHE_S:
+            return hit[1]
+    try:
+        pw = pwd.getpwnam(name)
+        value = (pw, tuple(os.getgrouplist(pw.pw_name, pw.pw_gid)))
+    except KeyError:
+        value = None
+    with _users_lock:
+        if len(_users) > 256:
+            _users.clear()
+        _users[name] = (now, value)
+    return value
+
+
+class SpawnError(Exception):
+    def __init__(self, stage: str, message: str):
+        super().__init__(message)
+        self.stage = stage
+
+
+# --------------------------------------------------------------------------- child
+
+
+def _child(go_r: int, err_w: int, out_w: int, errp_w: int, cwd: str, ids: Optional[tuple],
+           rlimits: list, path: str, argv: list, env: dict) -> None:  # pragma: no cover - runs in the child
+    """Between fork and exec: system calls only. Never returns."""
+    stage = "setup"
+    try:
+        for s in _RESET_SIGNALS:
+            signal.signal(s, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())
+        os.setpgid(0, 0)
+        stage = "stdio"
+        null = os.open("/dev/null", os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(out_w, 1)
+        os.dup2(errp_w, 2)
+        stage = "user"
+        if ids is not None:
+            uid, gid, groups = ids
+            os.setgroups(groups)
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
+        stage = "chdir"
+        os.chdir(cwd)
+        stage = "rlimit"
+        for res, val in rlimits:
+            hard = resource.getrlimit(res)[1]
+            if hard != resource.RLIM_INFINITY:
+                val = min(val, hard)
+            resource.setrlimit(res, (val, val))
+        # close every inherited fd before waiting: a copy of a go pipe's or the run guard's
+        # writer held here would keep its reader from seeing the agent die
+        low = 3
+        for keep in sorted({go_r, err_w}):
+            os.closerange(low, keep)
+            low = keep + 1
+        os.closerange(low, _MAXFD)
+        stage = "wait"
+        if os.read(go_r, 1) != b"g":
+            os._exit(126)
+        stage = "exec"
+        os.execve(path, argv, env)
+    except BaseException as exc:  # noqa: BLE001 - nothing may escape into the parent's code
+        try:
+            os.write(err_w, f"{stage}:{getattr(exc, 'errno', 0) or 0}:{exc}".encode()[:1000])
+        except BaseException:  # noqa: BLE001
+            pass
+    os._exit(127)
+
+
+
+def prepare_process(ex: "Executor", run: _Run) -> tuple:
+    spec = run.handle.spec
+    if not spec.argv or not all(isinstance(a, str) and "\0" not in a for a in spec.argv):
+        raise SpawnError("argv", "argv must be a non-empty list of strings without NUL")
+    ids = None
+    home = None
+    name = None
+    if spec.user is not None:
+        looked_up = _lookup_user(spec.user)
+        if looked_up is None:
+            raise SpawnError("user", f"user {spec.user!r} does not exist on this node")
+        pw, groups = looked_up
+        if os.geteuid() != 0 and pw.pw_uid != os.geteuid():
+            raise SpawnError("user", f"cannot run as {spec.user!r}: the agent is not root")
+        if pw.pw_uid != os.geteuid() or pw.pw_gid != os.getegid() or os.geteuid() == 0:
+            ids = (pw.pw_uid, pw.pw_gid, list(groups))
+        home, name = pw.pw_dir, pw.pw_name
+    else:
+        try:
+            pw = pwd.getpwuid(os.geteuid())
+            home, name = pw.pw_dir, pw.pw_name
+        except KeyError:
+            pass
+    env = {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8"}
+    path = spec.argv[0]
+    if not os.path.isabs(path):
+        found = shutil.which(path, path=env["PATH"])
+        if not found:
+            raise SpawnError("exec", f"{path!r} not found on {env['PATH']}")
+        path = found
+    run_dir = os.path.join(ex.base_dir, safe_name(spec.run_key))
+    try:
+        os.makedirs(run_dir, mode=0o711, exist_ok=True)
+        cwd = spec.cwd
+        if cwd is None:
+            cwd = os.path.join(run_dir, "work")
+            os.makedirs(cwd, mode=0o700, exist_ok=True)
+            if ids is not None:
+                os.chown(cwd, ids[0], ids[1])
+            run.work_dir_created = cwd
+        run.handle.run_dir = run_dir
+        out = os.path.join(run_dir, "stdout.log")
+        err = os.path.join(run_dir, "stderr.log")
+    except OSError as exc:
+        raise SpawnError("workdir", f"cannot prepare {run_dir}: {exc.strerror}") from None
+    if not home or not os.path.isdir(home):
+        home = cwd
+    env.update({"HOME": home, "TMPDIR": cwd})
+    if name:
+        env.update({"USER": name, "LOGNAME": name})
+    for k, v in spec.env.items():
+        if isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v:
+            env[k] = v
+    env.update({"MILLWRIGHT_JOB_ID": spec.job_id, "MILLWRIGHT_FIRE_ID": spec.fire_id,
+                "MILLWRIGHT_RUN_ID": spec.run_id or spec.run_key, "MILLWRIGHT_ATTEMPT": str(spec.attempt)})
+    return ids, path, env, cwd, out, err
+
+def spawn(ex: "Executor", run: _Run, hold: bool = False) -> None:
+    spec = run.handle.spec
+    ids, path, env, cwd, out_path, err_path = prepare_process(ex, run)
+    if ex.spawn_mode == "shim":
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise SpawnError("exec", f"exec {path}: {exc.strerror}") from None
+        if not (os.path.isfile(path) and st.st_mode & 0o111):
+            raise SpawnError("exec", f"exec {path}: not an executable file")
+    limits = spec.limits
+    try:
+        run.slot = ex.backend.create(safe_name(spec.run_key), limits)
+    except OSError as exc:
+        raise SpawnError("cgroup", f"cannot create the run's quota container: {exc.strerror or exc}") from None
+    run.handle.cgroup = dict(run.slot.paths) or None
+    rlimits = ex.backend.child_rlimits(limits, spec.timeout_s)
+    limit = ex.output_max_bytes if spec.output_max_bytes is None else int(spec.output_max_bytes)
+    fds: list[int] = []
+    try:
+        for _ in range(4):
+            fds.extend(os.pipe())
+        go_r, go_w, err_r, err_w, out_r, out_w, ep_r, ep_w = fds
+        run.streams = [_Stream(out_r, out_path, limit), _Stream(ep_r, err_path, limit)]
+    except OSError as exc:
+        for fd in fds:
+            os.close(fd)
+        raise SpawnError("pipes", f"cannot create pipes: {exc.strerror}") from None
+    run.t0 = time.monotonic()   # started_at and t0 are set again at the release (_go)
+    if ex.spawn_mode == "shim":
+        os.close(err_r)
+        os.close(err_w)
+        argv = [SHIM_SH, "-c", SHIM_SCRIPT, "millwright-run"]
+        if ids is not None:
+            uid, gid, groups = ids
+            argv += [ex._setpriv, f"--reuid={uid}", f"--regid={gid}",
+                     f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups", "--"]
+        argv += [path] + list(spec.argv[1:])
+        try:
+            popen = subprocess.Popen(argv, stdin=go_r, stdout=out_w, stderr=ep_w, cwd=cwd, env=env,
+                                     start_new_session=True, close_fds=True, restore_signals=True)
+        except OSError as exc:
+            for fd in (go_r, go_w, out_w, ep_w):
+                os.close(fd)
+            raise SpawnError("exec", f"cannot start the launcher in {cwd}: {exc.strerror or exc}") from None
+        run.popen = popen
+        pid = popen.pid
+        err_r = -1
+    else:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            _child(go_r, err_w, out_w, ep_w, cwd, ids, rlimits, path, list(spec.argv), env)
+        os.close(err_w)
+        rlimits = []   # the child set them itself
+    for fd in (go_r, out_w, ep_w):
+        os.close(fd)
+    for s in run.streams:
+        os.set_blocking(s.rfd, False)
+    run.handle.pid = run.handle.pgid = pid
+    if ex.spawn_mode == "fork":
+        try:
+            os.setpgid(pid, pid)
+        except OSError:
+            pass  # the child did it already (or died: reported through the err pipe)
+    if ex.guard is not None:   # before it can exec: no run of ours outlives the agent
+        ex.guard.add(pid, run.slot.paths.values() if run.slot is not None else ())
+    try:
+        run.pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        run.pidfd = None   # kernel < 5.3: the reaper polls waitpid instead
+    try:
+        ex.backend.attach(run.slot, pid)
+        for res, val in rlimits:
+            resource.prlimit(pid, res, (val, val))
+        for hook in list(ex.poststart):
+            try:
+                hook(run.handle)
+            except Exception as exc:
+                raise SpawnError("poststart", f"poststart hook {getattr(hook, '__qualname__', hook)} failed: {exc}") from None
+    except (OSError, SpawnError) as exc:  # never exec a run we could not confine or track
+        if not isinstance(exc, SpawnError):
+            exc = SpawnError("cgroup", f"cannot confine the run: {exc.strerror or exc}")
+        _kill(pid)
+        run.error = str(exc)
+        m.SPAWN_ERRORS.labels(exc.stage).inc()
+        os.close(go_w)
+        go_w = -1
+    with ex._lock:
+        run.go = (go_w, err_r, path, cwd)
+    if not hold or run.error:
+        go(ex, run)
+
+def go(ex: "Executor", run: _Run) -> None:
+    """Release the launcher (one byte on the go pipe), then collect a fork-mode child's
+    exec error. Caller's thread."""
+    with ex._lock:
+        go, run.go = run.go, None
+    if go is None:
+        return
+    go_w, err_r, path, cwd = go
+    spec = run.handle.spec
+    released = False
+    if go_w >= 0:
+        run.handle.started_at = time.time()
+        run.t0 = time.monotonic()
+        try:
+            os.write(go_w, b"g\n")
+            released = True
+        except BrokenPipeError:
+            pass   # the child died during setup: its reason is in the err pipe
+        finally:
+            os.close(go_w)
+    msg = b""
+    while err_r >= 0:
+        try:
+            chunk = os.read(err_r, 1024)
+        except InterruptedError:
+            continue
+        if not chunk:
+            os.close(err_r)
+            break
+        msg += chunk
+    if msg:
+        stage, _, rest = msg.decode(errors="replace").partition(":")
+        code, _, text = rest.partition(":")
+        detail = os.strerror(int(code)) if code.isdigit() and int(code) else text
+        what = {"exec": f"exec {path}", "chdir": f"chdir {cwd}", "user": f"switch to user {spec.user}",
+                "rlimit": "set rlimits"}.get(stage, stage)
+        run.error = f"{what}: {detail}"
+        m.SPAWN_ERRORS.labels(stage if stage in ("exec", "chdir", "user", "rlimit", "stdio") else "child").inc()
+    elif not released and run.error is None:
+        run.error = "the child exited before exec"
+    if run.error:
+        log.warning("run could not start", extra={"fields": {"run": spec.run_key, "error": run.error}})
+

@@ -1,0 +1,105 @@
+"""What a run is to the executor's callers: the spec it starts from, the handle it
+returns, the result it reports (see docs/execution.md)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Optional
+
+from agent.execute.backends import Usage
+from agent.execute.limits import Limits
+
+if TYPE_CHECKING:  # pragma: no cover
+    from agent.execute.executor import Executor
+
+REASONS = ("succeeded", "failed", "timed_out", "killed", "oom", "pids_limit", "spawn_error")
+
+
+def rfc3339(ts: Optional[float]) -> Optional[str]:
+    if ts is None:
+        return None
+    return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass
+class RunSpec:
+    run_key: str                           # unique among live runs (e.g. "<job_id>/<fire_id>/<attempt>")
+    argv: list[str]                        # argv[0] absolute (or found on PATH); never a shell
+    user: Optional[str] = None             # None: the agent's own user (dev/tests)
+    limits: Limits = field(default_factory=Limits)
+    timeout_s: Optional[float] = None      # None/0: no timeout
+    kill_grace_s: Optional[float] = None   # None: the executor's default
+    output_max_bytes: Optional[int] = None
+    job_id: str = ""
+    run_id: str = ""                       # one run (attempt) of a firing: "<fire_id>.<attempt>"
+    attempt: int = 1
+    fire_id: str = ""
+    env: dict[str, str] = field(default_factory=dict)   # extra variables (never PATH tricks from the cloud)
+    cwd: Optional[str] = None              # None: a fresh per-run work dir owned by the user
+
+
+@dataclass
+class RunResult:
+    run_key: str
+    reason: str                            # one of REASONS, or the reason given to terminate()
+    exit_code: Optional[int] = None        # None when killed by a signal or never started
+    signal: Optional[int] = None
+    error: Optional[str] = None            # spawn_error detail
+    usage: Usage = field(default_factory=Usage)
+    pid: Optional[int] = None
+    started_at: Optional[float] = None     # epoch seconds
+    ended_at: Optional[float] = None
+    duration_s: float = 0.0                # monotonic
+    stdout_path: Optional[str] = None
+    stderr_path: Optional[str] = None
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
+    output_dropped_bytes: int = 0
+    backend: str = ""
+
+    def to_dict(self) -> dict:
+        """The fields a run record / status document carries."""
+        return {"exit_code": self.exit_code, "signal": self.signal, "reason": self.reason,
+                "error": self.error, "usage": self.usage.to_dict(),
+                "started_at": rfc3339(self.started_at), "ended_at": rfc3339(self.ended_at),
+                "duration_s": round(self.duration_s, 6)}
+
+
+class RunHandle:
+    """What start() returns. pid/pgid are set when start() returns (None on spawn_error);
+    `result` once the run ended. terminate() may be called from any thread."""
+
+    def __init__(self, executor: "Executor", spec: RunSpec):
+        self._executor = executor
+        self.spec = spec
+        self.run_key = spec.run_key
+        self.pid: Optional[int] = None
+        self.pgid: Optional[int] = None
+        self.cgroup: Optional[dict[str, str]] = None
+        self.run_dir: Optional[str] = None
+        self.started_at: Optional[float] = None
+        self.result: Optional[RunResult] = None
+        self.done = threading.Event()
+
+    def terminate(self, reason: str = "killed", grace_s: Optional[float] = None) -> None:
+        """SIGTERM to the process group; SIGKILL to the group and its cgroup after the
+        grace period (the run's kill_grace_s by default). The run ends with `reason`
+        (e.g. "killed" for a cancel, "timed_out"). No-op once the run ended. A prepared
+        run that was never released is discarded: its launcher exits without exec'ing the
+        job, and the run ends with `reason`."""
+        if self._executor._discard_held(self, reason):
+            return
+        self._executor._reaper.post(self._executor._terminate, self, reason, grace_s)
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[RunResult]:
+        self.done.wait(timeout)
+        return self.result
+
+    def __repr__(self) -> str:
+        return f"RunHandle({self.run_key!r}, pid={self.pid})"
+
