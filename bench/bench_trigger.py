@@ -64,7 +64,7 @@ metrics: {{listen: ""}}
 bpf: {{enabled: false}}
 execute: {{max_concurrent: 256, memory_mb: 65536, cpu: 256, quota_backend: {backend}, claim_lead_s: {lead}}}
 templates:
-  noop: {{argv: ["/bin/true"], user: root}}
+  noop: {{argv: ["/bin/true"], user: root, allow_root: true}}
 """, "bench")
     agent = Agent(cfg, [_JobsComponent])
     delays: list[float] = []
@@ -80,7 +80,7 @@ templates:
             if f.attempt == 1 and f.handle is not None and f.handle.started_at:
                 delays.append(f.handle.started_at - f.due.timestamp())
 
-    agent.jobs.scheduler.run_listeners.append(Probe())
+    agent.scheduler.run_listeners.append(Probe())
     t = threading.Thread(target=agent.run, daemon=True)
     t.start()
     while len(agent.shards.mine) < 64:

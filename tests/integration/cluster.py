@@ -43,10 +43,23 @@ class Cluster:
                     "bpf": {"enabled": False}}
         for k, v in (extra or {}).items():
             self.cfg[k] = {**self.cfg.get(k, {}), **v} if isinstance(v, dict) else v
+        # every agent verifies stored jobs against this ring; tests write through self.signing(store)
+        from agent.cloud import testkit
+
+        os.makedirs(base_dir, exist_ok=True)
+        self.keys_file = os.path.join(base_dir, "keys.yaml")
+        self.ring = testkit.write_keys(self.keys_file)
+        self.cfg.setdefault("signing", {"keys_file": self.keys_file})
         self.env = env or {}
         self.agents: dict[str, AgentProcess] = {}
         self.client = EtcdClient(EtcdConfig(endpoints=[etcd.endpoint], request_timeout_s=2.0))
         self.shards = shards
+
+    def signing(self, store):
+        """``store`` wrapped so that create() binds and signs for this cluster."""
+        from agent.cloud.testkit import SigningStore
+
+        return SigningStore(store, self.ring, self.cluster)
 
     def start(self, agent_id: str, capacity: float = 1.0, endpoint_host: Optional[str] = None,
               extra: Optional[dict] = None) -> AgentProcess:

@@ -23,10 +23,10 @@ RECORD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 def templates(out: str) -> dict:
     return {"rec": {"argv": [RECORD, out, "{sleep}", "{code}"],
-                    "params": {"sleep": r"^[0-9.]+$", "code": r"^[0-9]+$"}, "user": "root",
+                    "params": {"sleep": r"^[0-9.]+$", "code": r"^[0-9]+$"}, "user": "root", "allow_root": True,
                     "allow_exec": ["/bin/*", "/usr/bin/*", RECORD]},
             "tree": {"argv": ["/bin/sh", "-c", "trap '' TERM; (trap '' TERM; echo $$ > \"$0\"; sleep 60) & sleep 60",
-                              "{pidfile}"], "params": {"pidfile": r"^/[A-Za-z0-9/._-]+$"}, "user": "root"}}
+                              "{pidfile}"], "params": {"pidfile": r"^/[A-Za-z0-9/._-]+$"}, "user": "root", "allow_root": True}}
 
 
 @pytest.fixture
@@ -285,7 +285,7 @@ def test_firing_is_claimed_ahead_and_released_at_its_due_time_and_a_cancel_in_be
     out_dir.mkdir()
     os.chmod(out_dir, 0o777)
     stamp = {"early": str(out_dir / "early"), "dropped": str(out_dir / "dropped")}
-    tpl = {name: {"argv": ["/bin/sh", "-c", 'date +%s.%N > "$0"', path], "user": "root",
+    tpl = {name: {"argv": ["/bin/sh", "-c", 'date +%s.%N > "$0"', path], "user": "root", "allow_root": True,
                   "allow_exec": ["/bin/*", "/usr/bin/*"]} for name, path in stamp.items()}
     c = Cluster(etcd_server, str(tmp_path / "agents"), ttl=4, renew_deadline=2.5, retry_period=0.5,
                 extra={"templates": tpl, "execute": {"claim_lead_s": 1.5}})

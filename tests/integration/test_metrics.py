@@ -69,14 +69,14 @@ def agent_config(etcd, mq, keys_file, out, port, ttl=4) -> dict:
         "execute": {"max_concurrent": 8, "memory_mb": 2048, "cpu": 4.0, "kill_grace_s": 1.0},
         "templates": {
             "rec": {"argv": [RECORD, out, "{sleep}", "{code}"],
-                    "params": {"sleep": r"^[0-9.]+$", "code": r"^[0-9]+$"}, "user": "root",
+                    "params": {"sleep": r"^[0-9.]+$", "code": r"^[0-9]+$"}, "user": "root", "allow_root": True,
                     "allow_exec": ["/bin/*", "/usr/bin/*", RECORD]},
             "hog": {"argv": ["/usr/bin/python3", "-c", "import sys; b = b'\\x01' * (int(sys.argv[1]) << 20)", "{mb}"],
-                    "params": {"mb": r"^[0-9]+$"}, "user": "root", "resources": {"memory_mb": 32},
+                    "params": {"mb": r"^[0-9]+$"}, "user": "root", "allow_root": True, "resources": {"memory_mb": 32},
                     "allow_exec": ["/usr/bin/python3*"]},
             "burst": {"argv": ["/bin/sh", "-c", "sleep 1; l() ( i=0; while [ $i -lt 300 ]; do /bin/true; "
                                "i=$((i+1)); done ); l & l & l; wait"], "resources": {"cpu": 2.0},
-                      "user": "root", "allow_exec": ["/bin/*", "/usr/bin/*"]},
+                      "user": "root", "allow_root": True, "allow_exec": ["/bin/*", "/usr/bin/*"]},
         },
     }
 
