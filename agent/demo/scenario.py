@@ -136,7 +136,8 @@ class CloudConsole:
 
     def _on_connect(self, client, userdata, flags, rc, properties=None) -> None:
         if rc == 0:
-            client.subscribe([(self.topics.status_filter(), 1), (self.topics.base + "agents/+/presence", 1)])
+            client.subscribe([(self.topics.status_filter(), 1), (self.topics.presence_filter(), 1),
+                              (self.topics.rejections_filter(), 1)])
 
     def _on_message(self, client, userdata, msg) -> None:
         try:
@@ -539,6 +540,7 @@ class Demo:
         self.jobs = plan_jobs(self.t0, self.duration, self.kill_at)
         payloads = {}
         for j in self.jobs:
+            j.doc.update(cluster=self.cluster, kind="job")  # bound to this cluster, signed with it
             payloads[j.id] = testkit.signed(j.doc, self.ring, KID)
             if not self.console.publish(self.console.topics.push, payloads[j.id]):
                 raise DemoFailed(f"the broker did not acknowledge the push of {j.id}")

@@ -153,7 +153,7 @@ def sc(tmp_path_factory):
                     {"v": 1, "id": "hog-1", "template": "hog", "params": {"mb": "256"}, "schedule": {}},
                     {"v": 1, "id": "burst-1", "template": "burst", "params": {}, "schedule": {}}]
             for d in docs:
-                d["issued_at"] = testkit.rfc(now)
+                d.update(issued_at=testkit.rfc(now), cluster=CLUSTER, kind="job")
                 assert collector.link.publish_wait(collector.topics.push, testkit.signed(d, ring), 1, timeout=5)
             # freeze the agent while the burst runs: nobody drains the one-page perf buffer
             assert collector.wait(lambda msgs: any(d.get("job_id") == "burst-1" and d.get("state") == "running"
@@ -187,7 +187,7 @@ def sc(tmp_path_factory):
             mq.stop()
             # every status of the offline jobs is born while the agent knows the broker is gone
             wait_for(lambda: msum(m(), "millwright_mqtt_connected") == 0, 10, "the agent to see the broker gone")
-            store = JobStore(client, keys, SHARDS, "test")
+            store = testkit.SigningStore(JobStore(client, keys, SHARDS, "test"), ring, CLUSTER)
             ids = [f"offline-{i}" for i in range(4)]
             for jid in ids:
                 store.create({"v": 1, "id": jid, "template": "rec", "params": {"sleep": "0", "code": "0"},
