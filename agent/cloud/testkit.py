@@ -37,6 +37,18 @@ def write_keys(path: str, kid: str = KID, secret: Optional[str] = None) -> KeyRi
     return KeyRing.load(path)
 
 
+def write_ed25519_keys(signer_path: str, agents_path: str, kid: str = KID) -> KeyRing:
+    """An ed25519 pair via keygen: the signer's file (private) and the agents' keys file
+    (public key only, 0600). Returns the signer's ring."""
+    from agent.jobs.signing import keygen_files
+
+    entry = keygen_files(kid, signer_path)
+    fd = os.open(agents_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(entry)
+    return KeyRing.load(signer_path, require_private=True)
+
+
 TEMPLATES = {
     "flush": {"argv": ["/bin/true", "--line", "{line}"], "params": {"line": "^[0-9]{1,2}$"},
               "user": "root", "allow_root": True, "allow_exec": ["/bin/true", "/usr/bin/true"]},
