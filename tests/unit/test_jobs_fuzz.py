@@ -180,3 +180,37 @@ def test_a_valid_document_passes_the_fuzz_oracle():
     doc = sign({"v": 1, "id": "ok", "cluster": CLUSTER, "kind": "job", "template": "t", "params": {"line": "3"},
                 "issued_at": "2026-12-02T11:00:00Z"}, KEYS, "cloud-1")
     check_accepted(call(doc), doc)
+
+
+OTHER_KEYS = KeyRing.from_mapping({"cloud-1": {"alg": "hmac-sha256", "secret": base64.b64encode(b"o" * 32).decode()}})
+
+
+@FUZZ
+@given(doc=documents(), signer=st.sampled_from(["ours", "ours", "other", "none"]),
+       tamper=st.sampled_from([None, None, "cluster", "kind", "id", "params"]))
+def test_the_stored_job_gate_admits_only_documents_signed_by_the_ring_and_bound_here(doc, signer, tamper):
+    """What the scheduler runs: Job.from_stored(...) succeeds only for a document this ring
+    signed, bound to this cluster as a job, unchanged since signing (issue 16, acceptance 5)."""
+    from agent.jobs.document import Job
+
+    payload = dict(doc)
+    if signer != "none":
+        try:
+            payload = sign(doc, KEYS if signer == "ours" else OTHER_KEYS, "cloud-1")
+        except (TypeError, ValueError):
+            payload = dict(doc)
+    if tamper is not None and isinstance(payload, dict):
+        payload = json.loads(json.dumps(payload, allow_nan=True))
+        new = {"cluster": "plant-b", "kind": "cancel", "id": "other-job", "params": {"line": "9"}}[tamper]
+        if payload.get(tamper) == new:
+            tamper = None  # it already had that value: not a change
+        else:
+            payload[tamper] = new
+    try:
+        job = Job.from_stored(payload, keyring=KEYS, cluster=CLUSTER)
+    except JobRejected as exc:
+        assert exc.reason in REASONS
+        return
+    KEYS.verify(payload)
+    assert signer == "ours" and tamper is None
+    assert payload["cluster"] == CLUSTER and payload["kind"] == "job" and job.kid == "cloud-1"
