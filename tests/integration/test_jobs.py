@@ -409,7 +409,7 @@ def test_retired_key_keeps_its_jobs_until_the_date_then_stops_them(env, tmp_path
     from agent.jobs.signing import KeyRing, generate_hmac_secret
 
     c, store, out, tmp = env
-    retire_at = now().replace(microsecond=0) + timedelta(seconds=6)
+    retire_at = now().replace(microsecond=0) + timedelta(seconds=20)  # room for a slow start under load
     keys = {"old": {"alg": "hmac-sha256", "secret": generate_hmac_secret(),
                     "retired_after": format_rfc3339(retire_at)},
             "new": {"alg": "hmac-sha256", "secret": generate_hmac_secret()}}
@@ -422,7 +422,9 @@ def test_retired_key_keeps_its_jobs_until_the_date_then_stops_them(env, tmp_path
     wait_for(lambda: c.converged({"a0": 1}), 15, what="shards")
     SigningStore(store.store, ring, c.cluster, kid="old").create(job("by-old", {"cron": "* * * * * *"}))
     SigningStore(store.store, ring, c.cluster, kid="new").create(job("by-new", {"cron": "* * * * * *"}))
-    wait_for(lambda: now() > retire_at + timedelta(seconds=3), 20, interval=0.2, what="past the retirement")
+    wait_records(c, lambda rs: any(k[0] == "by-old" and r["state"] == "succeeded" for k, r in rs.items()),
+                 max(1.0, (retire_at - now()).total_seconds() - 1), "a run of the old key's job before its retirement")
+    wait_for(lambda: now() > retire_at + timedelta(seconds=3), 30, interval=0.2, what="past the retirement")
     recs = records(c)
     old_dues = sorted(r["due"] for (j, _), r in recs.items() if j == "by-old")
     new_dues = sorted(r["due"] for (j, _), r in recs.items() if j == "by-new")
