@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--kid", required=True)
     sp.add_argument("--timeout", type=float, default=10.0)
 
+    sp = cmd("keygen", "agent.cloud.cli:cli_keygen",
+             "write a new ed25519 signing key pair (private file 0600) and print the agents' keys-file entry")
+    sp.add_argument("--kid", required=True, help="key id ([A-Za-z0-9._-]{1,128})")
+    sp.add_argument("--out", required=True, help="private keys file to create (never overwritten)")
+
     audit = sub.add_parser("audit", help="verify or read the audit log")
     asub = audit.add_subparsers(dest="audit_command", metavar="SUBCOMMAND")
     sp = cmd("verify", "agent.audit:cli_verify", "verify the hash chain, MACs and checkpoints", asub)

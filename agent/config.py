@@ -69,6 +69,8 @@ class EtcdConfig:
     tls: Optional[TLSConfig] = doc("TLS settings; use https:// endpoints with it.", default=None)
     username: Optional[str] = doc("etcd user (with password).", default=None)
     password: Optional[str] = doc("etcd password (with username).", default=None)
+    insecure: bool = doc("Allow a password over plain http:// endpoints (labs only; otherwise a config error).",
+                         default=False)
 
 
 @dataclass
@@ -81,7 +83,11 @@ class MqttConfig:
     keepalive_s: int = doc("MQTT keepalive.", default=30)
     max_payload_bytes: int = doc("Pushes larger than this are rejected with reason too_large.", default=65536)
     ingest_grace_s: float = doc("Non-owners ingest a push only if it is not in etcd after this delay.", default=1.5)
-    max_skew_s: float = doc("Largest accepted distance between issued_at and the agent clock.", default=300.0)
+    max_skew_s: float = doc("Largest accepted distance of issued_at ahead of the agent clock.", default=300.0)
+    max_age_s: float = doc("Pushes and cancels whose issued_at is older than this are refused (too_old).",
+                           default=86400.0)
+    insecure: bool = doc("Allow a password over plain mqtt:// (labs only; otherwise a config error).",
+                         default=False)
     outbox_max: int = doc("Most status documents held while the broker is unreachable.", default=100000)
     outbox_full_policy: str = doc(
         "When the outbox is full: drop_oldest_terminal keeps final states and drops the oldest intermediate ones.",
@@ -150,6 +156,7 @@ class Template:
     argv: list[str] = doc("Command line with {param} placeholders; never run through a shell.")
     params: dict[str, str] = doc("Regex each param must match in full.", default_factory=dict)
     user: str = doc("User the run executes as.", default="millwright-jobs")
+    allow_root: bool = doc("Must be true for a template whose user is root.", default=False)
     resources: Resources = doc("Ceilings; a job's own resources are capped by these.", default_factory=Resources)
     allow_exec: list[str] = doc("Paths and globs a job process may exec.", default_factory=list)
     health: HealthThresholds = doc("Network health thresholds.", default_factory=HealthThresholds)
@@ -316,9 +323,21 @@ def _validate(cfg: Config, problems: list[str]) -> None:
         bad("etcd.request_timeout_s", "must be greater than 0")
     if (e.username is None) != (e.password is None):
         bad("etcd.username" if e.username is None else "etcd.password", "username and password go together")
+    if e.password is not None and not e.insecure:
+        for i, url in enumerate(e.endpoints):
+            if isinstance(url, str) and url.startswith("http://"):
+                bad(f"etcd.endpoints[{i}]", f"{url!r} is plain http but etcd.password is set: use https:// with "
+                                            "etcd.tls, or set etcd.insecure: true (labs only)")
     m = cfg.mqtt
     if not re.match(r"^mqtts?://[^/:]+(:\d{1,5})?/?$", m.url or ""):
         bad("mqtt.url", f"{m.url!r} is not mqtt://host:port or mqtts://host:port")
+    if m.password is not None and (m.url or "").startswith("mqtt://") and not m.insecure:
+        bad("mqtt.url", f"{m.url!r} is plain mqtt:// but mqtt.password is set: use mqtts:// with mqtt.tls, "
+                        "or set mqtt.insecure: true (labs only)")
+    if m.max_age_s <= 0:
+        bad("mqtt.max_age_s", "must be greater than 0")
+    if m.max_skew_s < 0:
+        bad("mqtt.max_skew_s", "must not be negative")
     if m.max_payload_bytes < 1024:
         bad("mqtt.max_payload_bytes", "must be at least 1024")
     if m.outbox_max < 1:
@@ -390,12 +409,20 @@ def _validate(cfg: Config, problems: list[str]) -> None:
                 bad(f"{where}.params.{pname}", f"{{{pname}}} is reserved for the run's identity "
                     f"({', '.join(RUN_PLACEHOLDERS)})")
                 continue
+            if not isinstance(rx, str):
+                continue
             try:
-                re.compile(rx)
+                re.compile(rx, re.ASCII)
             except re.error as exc:
                 bad(f"{where}.params.{pname}", f"invalid regex: {exc}")
+                continue
+            why = regex_risk(rx)
+            if why:
+                bad(f"{where}.params.{pname}", why)
         if not t.user:
             bad(f"{where}.user", "must not be empty")
+        elif t.user in ("root", "0") and not t.allow_root:
+            bad(f"{where}.user", "runs jobs as root: set allow_root: true in this template if that is intended")
         r = t.resources
         if r.cpu is not None and r.cpu <= 0:
             bad(f"{where}.resources.cpu", "must be greater than 0")
@@ -406,6 +433,56 @@ def _validate(cfg: Config, problems: list[str]) -> None:
         for i, pat in enumerate(t.allow_exec):
             if not isinstance(pat, str) or not pat.startswith("/"):
                 bad(f"{where}.allow_exec[{i}]", "must be an absolute path or glob")
+
+
+def _regex_parser():
+    try:
+        import re._parser as parser  # Python 3.11+
+    except ImportError:  # pragma: no cover - Python 3.10
+        import sre_parse as parser  # type: ignore[no-redef]
+    return parser
+
+
+def regex_risk(rx: str) -> Optional[str]:
+    """Why a param regex could backtrack catastrophically, or None. Refused: a repeat that
+    can repeat more than once nested inside another such repeat (``(a+)+``, ``(\\w*x?)*``).
+    Python's ``re`` backtracks and no linear-time engine is packaged for Debian's Python,
+    so the shape is checked instead; values are also length-limited before matching."""
+    parser = _regex_parser()
+    try:
+        tree = parser.parse(rx, re.ASCII)
+    except Exception:
+        return None  # compile errors are reported separately
+    repeats = {getattr(parser, n) for n in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT") if hasattr(parser, n)}
+    possessive = getattr(parser, "POSSESSIVE_REPEAT", None)
+
+    def items(sub):
+        return sub.data if hasattr(sub, "data") else sub
+
+    def walk(seq, inside: bool) -> bool:
+        for op, av in items(seq):
+            if op in repeats:
+                lo, hi, sub = av
+                unbounded = hi is parser.MAXREPEAT or (hi > 1 and hi != lo)  # a{3} is not a choice
+                if unbounded and inside and op is not possessive:
+                    return True
+                if walk(sub, inside or (unbounded and op is not possessive)):
+                    return True
+            elif op is parser.SUBPATTERN:
+                if walk(av[-1], inside):
+                    return True
+            elif op is parser.BRANCH:
+                if any(walk(b, inside) for b in av[1]):
+                    return True
+            elif hasattr(parser, "ATOMIC_GROUP") and op is parser.ATOMIC_GROUP:
+                if walk(av, inside):
+                    return True
+        return False
+
+    if walk(tree, False):
+        return ("regex has a repeat nested inside another repeat (like (a+)+), which can backtrack "
+                "for exponential time on a hostile value: rewrite it without the nested quantifier")
+    return None
 
 
 def load_config(path: Optional[str]) -> Config:

@@ -4,6 +4,12 @@ for one agent and for three, with paho-mqtt 1.6 (Debian) and 2.x (.cache/paho2, 
 `make paho2`). Real etcd, real mosquitto, real `millwright run` agents.
 
     /usr/bin/python3 bench/bench_ingest.py            # BENCH_PUSHES=2000 BENCH_RATE=100
+    /usr/bin/python3 bench/bench_ingest.py --junk     # BENCH_PUSHES=500 BENCH_JUNK=10000
+
+--junk (issue 16): the same burst on two agents, once quiet and once while a second client
+publishes BENCH_JUNK unauthenticated messages (unsigned, forged, another cluster's, bad
+JSON, noise; aimed at the burst's job ids) as fast as the broker takes them. Figure: the
+burst's accepted+durable/s in both runs and their ratio.
 
 Latency first, on an idle system: BENCH_RATE pushes per second for 5 s (open loop), push
 publish -> accepted status received by a subscriber (p50/p99). Then throughput: a burst of
@@ -41,10 +47,10 @@ def pct(xs, p):
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
-def run(n_agents: int, paho2: bool) -> dict:
+def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True) -> dict:
     base = tempfile.mkdtemp(prefix="mw-bench-ingest-")
     etcd = EtcdServer(os.path.join(base, "etcd"))
-    mq = MosquittoServer(os.path.join(base, "mq"))
+    mq = MosquittoServer(os.path.join(base, "mq"))  # (it runs as root itself when started by root)
     for s in (etcd, mq):
         os.makedirs(s.dir, exist_ok=True)
         s.start()
@@ -78,8 +84,9 @@ def run(n_agents: int, paho2: bool) -> dict:
         pusher.start()
         pusher.wait_connected(10)
         sent: dict[str, float] = {}
+        lat: list = []
         # paced
-        n = int(RATE * 5)
+        n = int(RATE * 5) if paced else 0
         pids = [f"paced-{i}" for i in range(n)]
         ppay = [signed(job_doc(j, line=str(i % 100)), ring) for i, j in enumerate(pids)]
         start = time.monotonic()
@@ -91,15 +98,37 @@ def run(n_agents: int, paho2: bool) -> dict:
             sent[j] = time.monotonic()
             pusher.publish(topics.push, p, qos=1)
         wait_for(lambda: all(j in arrived for j in pids), 120, interval=0.05, what="paced accepted")
-        lat = [arrived[j] - sent[j] for j in pids]
+        lat = [arrived[j] - sent[j] for j in pids] or [float("nan")]
         # burst
         ids = [f"burst-{i}" for i in range(PUSHES)]
         payloads = [signed(job_doc(j, line=str(i % 100)), ring) for i, j in enumerate(ids)]
+        flood = None
+        if junk:
+            import random
+
+            from agent.jobs.signing import KeyRing, generate_hmac_secret
+            from tests.integration.test_cloud_agents import _junk
+
+            other = KeyRing.from_mapping({"cloud-1": {"alg": "hmac-sha256", "secret": generate_hmac_secret()}})
+            rnd = random.Random(16)
+            junk_payloads = [_junk(rnd, i, ids, ring, other) for i in range(junk)]
+            junker = MqttLink(MqttConfig(url=mq.url), "bench-junk", clean_session=True, max_inflight=200)
+            junker.start()
+            junker.wait_connected(10)
+
+            def flood_all():
+                for p in junk_payloads:
+                    junker.publish(topics.push, p, qos=1)
+            flood = threading.Thread(target=flood_all, daemon=True)
+            flood.start()
         t0 = time.monotonic()
         for j, p in zip(ids, payloads):
             sent[j] = time.monotonic()
             pusher.publish(topics.push, p, qos=1)
         wait_for(lambda: all(j in arrived for j in ids), 300, interval=0.05, what="burst accepted")
+        if flood is not None:
+            flood.join(120)
+            junker.stop()
         t_last = max(arrived[j] for j in ids)
         burst_rate = PUSHES / (t_last - t0)
         burst_lat = [arrived[j] - sent[j] for j in ids]
@@ -115,7 +144,23 @@ def run(n_agents: int, paho2: bool) -> dict:
         shutil.rmtree(base, ignore_errors=True)
 
 
+def main_junk() -> int:
+    junk = int(os.environ.get("BENCH_JUNK", "10000"))
+    global PUSHES
+    PUSHES = int(os.environ.get("BENCH_PUSHES", "500"))
+    print(f"junk benchmark: burst of {PUSHES} valid pushes on 2 agents, quiet vs with {junk} unauthenticated "
+          f"messages at full speed; cpus={os.cpu_count()} load={os.getloadavg()[0]:.1f}")
+    quiet = run(2, False, paced=False)
+    noisy = run(2, False, junk=junk, paced=False)
+    print(f"quiet: {quiet['burst_per_s']:.0f} accepted+durable/s (p99 {quiet['burst_p99_ms']:.0f} ms)")
+    print(f"junk:  {noisy['burst_per_s']:.0f} accepted+durable/s (p99 {noisy['burst_p99_ms']:.0f} ms)")
+    print(f"ratio junk/quiet: {noisy['burst_per_s'] / quiet['burst_per_s']:.2f}  load={os.getloadavg()[0]:.1f}")
+    return 0
+
+
 def main() -> int:
+    if "--junk" in sys.argv[1:]:
+        return main_junk()
     have2 = os.path.exists(os.path.join(PAHO2, "paho", "mqtt", "client.py"))
     if not have2:
         print("paho-mqtt 2.x not installed in .cache/paho2 (run `make paho2`): measuring 1.6 only")

@@ -52,8 +52,12 @@ def ours(n: int, over: float, backend: str, lead: float) -> list[float]:
 
     tmp = tempfile.mkdtemp(prefix="mw-bench-")
     etcd = EtcdServer(os.path.join(tmp, "etcd")).start()
+    from agent.cloud.testkit import SigningStore, write_keys
+
+    ring = write_keys(f"{tmp}/keys.yaml")
     cfg = parse_config(f"""
 cluster: bench
+signing: {{keys_file: {tmp}/keys.yaml}}
 agent_id: bench-0
 shards: 64
 state_dir: {tmp}/state
@@ -64,7 +68,7 @@ metrics: {{listen: ""}}
 bpf: {{enabled: false}}
 execute: {{max_concurrent: 256, memory_mb: 65536, cpu: 256, quota_backend: {backend}, claim_lead_s: {lead}}}
 templates:
-  noop: {{argv: ["/bin/true"], user: root}}
+  noop: {{argv: ["/bin/true"], user: root, allow_root: true}}
 """, "bench")
     delays: list[float] = []
 
@@ -84,7 +88,7 @@ templates:
     t.start()
     while len(agent.shards.mine) < 64:
         time.sleep(0.05)
-    store = JobStore(agent.client, agent.keys, 64, "bench")
+    store = SigningStore(JobStore(agent.client, agent.keys, 64, "bench"), ring, "bench")  # agents run only signed jobs
     t_create = time.monotonic()
     start = datetime.now(timezone.utc) + timedelta(seconds=5 + n * 0.004)
     for i in range(n):

@@ -108,6 +108,32 @@ class RecordHelpers:
         return self.append("gap", **_clean(dict(source=source, count=count, reason=reason, **extra)))
 
 
+SECRET_FIELDS = ("password", "secret", "private_key", "key")
+
+
+def redacted(value: Any) -> Any:
+    """A plain-data copy of a config object with every secret replaced by "<redacted>"."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): ("<redacted>" if k in SECRET_FIELDS and v is not None else redacted(v))
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redacted(v) for v in value]
+    return value if isinstance(value, (str, int, float, bool)) or value is None else str(value)
+
+
+def config_digest(cfg: Any) -> str:
+    """SHA-256 of the effective config with secrets redacted: a changed setting changes the
+    digest, but the record never carries (or lets anyone brute-force) a password."""
+    import json
+
+    body = json.dumps(redacted(cfg), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
 def describe_config(cfg: Any) -> dict:
     """Fields for the ``config`` record at start: the file, its SHA-256 and what matters most.
 
@@ -115,11 +141,7 @@ def describe_config(cfg: Any) -> dict:
     of the whole file, and a summary without passwords or key material.
     """
     source = getattr(cfg, "source", "<defaults>")
-    try:
-        with open(source, "rb") as fh:
-            digest = hashlib.sha256(fh.read()).hexdigest()
-    except OSError:
-        digest = "0" * 64
+    digest = config_digest(cfg)
     summary = {
         "cluster": getattr(cfg, "cluster", None),
         "agent_id": getattr(cfg, "agent_id", None),

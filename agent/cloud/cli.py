@@ -1,4 +1,9 @@
-"""`millwright push FILE` and `millwright cancel ID`: sign, publish (QoS 1), print the status.
+"""`millwright push FILE`, `millwright cancel ID`: bind, sign, publish (QoS 1), print the status;
+`millwright keygen`: a new ed25519 signing pair.
+
+Binding: the CLI adds ``cluster`` (from the config), ``kind`` and ``issued_at`` (now) when the
+document does not carry them, so what it signs is valid only in that cluster and only for
+``mqtt.max_age_s``.
 
 Exit codes: 0 accepted (or cancelled), 1 rejected or no status within --timeout,
 2 usage errors (unreadable file, bad JSON, keys file, unknown kid, broker unreachable).
@@ -12,6 +17,7 @@ import os
 import queue
 import sys
 import time
+from datetime import datetime, timezone
 from typing import Optional
 
 from agent.cli import UserError
@@ -75,10 +81,10 @@ def publish_and_wait(cfg, topic: str, payload: bytes, job_id, timeout: float, wa
         if isinstance(doc, dict) and doc.get("push_sha256") == digest and doc.get("state") in states:
             got.put(doc)
 
-    status_topic = topics.status(job_id)
+    filters = ((topics.job_status_filter(job_id), 1), (topics.rejections_filter(), 1))
     link = MqttLink(cfg.mqtt, f"millwright-cli-{os.getpid()}-{int(time.time() * 1000) % 100000}",
                     clean_session=True, on_message=on_message,
-                    subscriptions=((status_topic, 1),) if wait else (), topic_kind=topics.kind,
+                    subscriptions=filters if wait else (), topic_kind=topics.kind,
                     reconnect_min_s=0.2, reconnect_max_s=1.0)
     link.start()
     try:
@@ -106,8 +112,22 @@ def _report(doc, job_id, timeout: float) -> int:
     if doc.get("state") in ("accepted", "cancelled"):
         print(f"{doc['state']} {doc.get('job_id')}{redelivery} by {doc.get('agent')} (shard {doc.get('shard')})")
         return 0
-    print(f"rejected {doc.get('job_id') or ''}: {doc.get('reason')}: {doc.get('detail') or ''}".replace("  ", " "))
+    print(f"rejected {doc.get('job_id') or job_id or ''}: {doc.get('reason')}: {doc.get('detail') or ''}"
+          .replace("  ", " ").rstrip(": "))
     return 1
+
+
+def bind(doc: dict, cluster: str, kind: str, now=None) -> dict:
+    """The document with ``cluster``, ``kind`` and ``issued_at`` set (kept when present and
+    consistent). Raises UserError when the file names another cluster or kind."""
+    out = dict(doc)
+    for key, want in (("cluster", cluster), ("kind", kind)):
+        if key in out and out[key] != want:
+            raise UserError(f"{key}: the document says {out[key]!r}, but this is a {kind} for cluster {cluster!r}")
+        out[key] = want
+    if "issued_at" not in out:
+        out["issued_at"] = (now or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return out
 
 
 def cli_push(args) -> int:
@@ -123,7 +143,7 @@ def cli_push(args) -> int:
         raise UserError(f"{args.file}: not valid JSON ({str(exc)[:120]})") from None
     if not isinstance(doc, dict):
         raise UserError(f"{args.file}: a job document must be a JSON object")
-    payload = _sign(doc, ring, args.kid)
+    payload = _sign(bind(doc, cfg.cluster, "job"), ring, args.kid)
     from agent.cloud.ingest import peek_id
     from agent.cloud.topics import Topics
 
@@ -143,7 +163,28 @@ def cli_cancel(args) -> int:
     if not ID_RE.fullmatch(args.id) or args.id.startswith("."):
         raise UserError(f"{args.id!r} is not a job id ([A-Za-z0-9._-]{{1,128}}, not starting with '.')")
     ring = _keyring(args.key_file, args.kid)
-    payload = _sign({"v": 1, "id": args.id}, ring, args.kid)
+    payload = _sign(bind({"v": 1, "id": args.id}, cfg.cluster, "cancel"), ring, args.kid)
     status = publish_and_wait(cfg, Topics(cfg.cluster).cancel, payload, args.id, args.timeout,
                               states=("cancelled", "rejected"))
     return _report(status, args.id, args.timeout)
+
+
+def cli_keygen(args) -> int:
+    """Write a new ed25519 pair to --out (0600, never overwritten) and print the agents' entry."""
+    from agent.jobs.signing import HAVE_ED25519, SignatureError, keygen_files
+
+    if not HAVE_ED25519:
+        raise UserError("ed25519 needs python3-cryptography (apt install python3-cryptography)")
+    try:
+        entry = keygen_files(args.kid, args.out)
+    except FileExistsError:
+        raise UserError(f"{args.out}: exists; keygen never overwrites a key") from None
+    except OSError as exc:
+        raise UserError(f"{args.out}: {exc.strerror or exc}") from None
+    except SignatureError as exc:
+        raise UserError(f"--kid: {exc.detail}") from None
+    print(f"# private key written to {args.out} (mode 0600): keep it with the signer (cloud), never on gateways",
+          file=sys.stderr)
+    print("# add this to every agent's signing.keys_file (public key only):", file=sys.stderr)
+    sys.stdout.write(entry)
+    return 0

@@ -68,9 +68,10 @@ class CloudComponent:
         cfg = agent.cfg
         self.cfg = cfg
         m = cfg.mqtt
-        self.topics = Topics(cfg.cluster)
+        self.topics = Topics(cfg.cluster, cfg.agent_id)
         self.agent_id = cfg.agent_id
         self.keyring = load_keyring(cfg.signing.keys_file, agent.record)
+        agent.keyring = self.keyring  # the scheduler verifies stored jobs with the same ring
         self.store = JobStore(agent.client, agent.keys, cfg.shards, cfg.agent_id)
         path = os.path.join(cfg.state_dir, OUTBOX_FILE)
         try:
@@ -92,7 +93,7 @@ class CloudComponent:
         self.publisher = OutboxPublisher(self.outbox, self.link, on_tick=self._flush_gap)
         self.ingest = Ingest(store=self.store, keyring=self.keyring, templates=cfg.templates, topics=self.topics,
                              agent_id=self.agent_id, max_bytes=m.max_payload_bytes, max_skew_s=m.max_skew_s,
-                             outbox=self.outbox, record=agent.record, notify=self._notify)
+                             cluster=cfg.cluster, max_age_s=m.max_age_s, outbox=self.outbox, record=agent.record, notify=self._notify)
         self.dispatcher = Dispatcher(self.ingest, self.link, self.topics, lambda: agent.owned_shards,
                                      m.ingest_grace_s, workers=workers)
         self.watch: Optional[PrefixWatch] = None

@@ -7,8 +7,13 @@ the outbox). It raises EtcdUnavailable when etcd cannot be reached: then nothing
 acknowledged and the caller retries (the broker redelivers if the connection drops).
 
 Per push:
- 1. size, JSON, fields, template, params, signature, not_after, issued_at skew (parse_job);
-    a push refused only for expiry or skew whose identical job is already stored is a
+ 0. the screen (``Ingest.screen``, on arrival): size, JSON, signature, cluster and kind
+    binding. Anything that fails is dropped and acknowledged at once and counted; the agent
+    responsible for it (the owner of the shard of the payload's digest) reports the reason,
+    and nothing else, on its own ``agents/<id>/rejected`` topic, rate-limited. Such a
+    document never produces a status on a job's topic: its id is not to be believed;
+ 1. fields, template, params, not_after, issued_at age and skew (parse_job); a push
+    refused only for expiry, age or skew whose identical job is already stored is a
     redelivery, not a rejection;
  2. JobStore.create (idempotent): created, exists, conflict or cancelled;
  3. the status: ``accepted`` (with ``"redelivery": true`` when this agent has answered
@@ -16,8 +21,9 @@ Per push:
     the one that created the job (or, for a repeat, the shard's owner).
 
 ``Dispatcher`` routes messages from MQTT: the owner of the job's shard ingests at once;
-other agents hold the message unacknowledged and release it as soon as an etcd watch shows
-the job stored (or cancelled), or ingest it themselves after ``ingest_grace_s``.
+other agents hold the (authenticated) message unacknowledged and release it as soon as an
+etcd watch shows the job stored (or cancelled), or ingest it themselves after
+``ingest_grace_s``. Unauthenticated input is never held.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from agent.coordination.etcd import EtcdError, EtcdUnavailable
 from agent.coordination.jobstore import CREATED, JobCancelled, JobConflict, JobStore, _canonical
 from agent.coordination.keys import shard_of
 from agent.jobs import document as jobs
-from agent.jobs.document import JobRejected, parse_cancel, parse_job
+from agent.jobs.document import KIND_CANCEL, KIND_JOB, JobRejected, authenticate, parse_cancel, parse_job
 from agent.runtime.metrics import counter, histogram
 from agent.runtime.timefmt import now_rfc3339
 
@@ -52,11 +58,37 @@ INGESTED = counter("millwright_mqtt_ingested_total", "Pushes and cancels handled
                    ("kind", "result"))
 INGEST_SECONDS = histogram("millwright_mqtt_ingest_seconds", "Arrival to durable answer of a push",
                            buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
+UNAUTHENTICATED = counter("millwright_mqtt_unauthenticated_total",
+                          "Pushes and cancels dropped at once for failing size, JSON, signature or binding",
+                          ("kind", "reason"))
+UNAUTH_REPORTS_SUPPRESSED = counter("millwright_mqtt_unauthenticated_reports_suppressed_total",
+                                    "Rejections of unauthenticated input not reported (rate limit)")
 ETCD_RETRIES = counter("millwright_mqtt_ingest_etcd_retries_total", "Ingest attempts retried because etcd was unreachable")
 
 CANCELLED = "cancelled"
 CONFLICT = "conflict"
-RETRY_TIME_REASONS = (jobs.EXPIRED, jobs.SKEW)
+RETRY_TIME_REASONS = (jobs.EXPIRED, jobs.SKEW, jobs.TOO_OLD)
+REPORTS_PER_S = 5.0      # reports of unauthenticated input (status + audit), per agent
+REPORTS_BURST = 20.0
+
+
+class TokenBucket:
+    """Thread-safe rate limit: take() is True while tokens last."""
+
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic):
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self.tokens, self.at = burst, clock()
+        self.lock = threading.Lock()
+
+    def take(self) -> bool:
+        with self.lock:
+            now = self.clock()
+            self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+            self.at = now
+            if self.tokens >= 1.0:
+                self.tokens -= 1.0
+                return True
+            return False
 
 
 def push_digest(payload: bytes) -> str:
@@ -81,7 +113,7 @@ def peek_id(payload: bytes, max_bytes: int) -> Optional[str]:
 @dataclass
 class Outcome:
     kind: str                 # push | cancel
-    result: str               # accepted | redelivery | rejected | cancelled | silent
+    result: str               # accepted | redelivery | rejected | cancelled | silent | dropped
     job_id: Optional[str]
     reason: Optional[str] = None
     detail: Optional[str] = None
@@ -91,17 +123,21 @@ class Outcome:
 
 class Ingest:
     def __init__(self, *, store: JobStore, keyring, templates: dict, topics: Topics, agent_id: str,
-                 max_bytes: int, max_skew_s: float, outbox=None,
+                 max_bytes: int, max_skew_s: float, cluster: str, max_age_s: float = 86400.0, outbox=None,
                  record: Callable[..., None] = lambda *a, **k: None,
                  notify: Callable[[str, Any], None] = lambda kind, obj: None,
-                 has_other_owner: Optional[Callable[[int], bool]] = None):
+                 has_other_owner: Optional[Callable[[int], bool]] = None,
+                 reports: Optional[TokenBucket] = None):
         self.store = store
         self.keyring = keyring
         self.templates = templates
-        self.topics = topics
+        self.topics = topics if topics.agent_id else Topics(topics.cluster, agent_id)
         self.agent_id = agent_id
+        self.cluster = cluster
         self.max_bytes = max_bytes
         self.max_skew_s = max_skew_s
+        self.max_age_s = max_age_s
+        self.reports = reports or TokenBucket(REPORTS_PER_S, REPORTS_BURST)
         self.outbox = outbox
         self.record = record
         self.notify = notify
@@ -131,6 +167,38 @@ class Ingest:
         else:
             self.outbox.enqueue(topic, doc, ledger_job_id=ledger)
 
+    # --- the screen ---------------------------------------------------------------
+    def screen(self, kind: str, payload: bytes, responsible: Callable[[int], bool]) -> Optional[Outcome]:
+        """Size, JSON, signature and binding, in that order (cheap; paho's thread). None when
+        the document is authentic and bound to this cluster; else it is dropped: counted, and
+        reported (reason only, on this agent's rejections topic, rate-limited) when
+        ``responsible(shard of the payload digest)``; the caller acknowledges it at once."""
+        payload = bytes(payload)
+        try:
+            authenticate(payload, keyring=self.keyring, max_bytes=self.max_bytes, cluster=self.cluster,
+                         kind=KIND_JOB if kind == "push" else KIND_CANCEL, now=datetime.now(timezone.utc))
+            return None
+        except JobRejected as exc:
+            return self._drop(kind, payload, exc.reason, responsible)
+
+    def _drop(self, kind: str, payload: bytes, reason: str, responsible: Callable[[int], bool]) -> Outcome:
+        UNAUTHENTICATED.labels(kind, reason).inc()
+        INGESTED.labels(kind, "dropped").inc()
+        digest = push_digest(payload)
+        if not responsible(shard_of(digest, self.shards)):
+            return Outcome(kind, "dropped", None, reason)
+        if not self.reports.take():
+            UNAUTH_REPORTS_SUPPRESSED.inc()
+            return Outcome(kind, "dropped", None, reason)
+        REJECTED.labels(reason).inc()
+        self.record("job", event="rejected_unauthenticated", kind=kind, reason=reason, push_sha256=digest,
+                    agent=self.agent_id)
+        doc = {"v": 1, "state": "rejected", "kind": kind, "reason": reason, "agent": self.agent_id,
+               "ts": now_rfc3339(), "push_sha256": digest}
+        if self.outbox is not None:
+            self.outbox.enqueue(self.topics.rejections(), doc)
+        return Outcome(kind, "dropped", None, reason, status=doc)
+
     def _reject(self, kind: str, payload: bytes, job_id: Optional[str], reason: str, detail: str,
                 as_owner: bool) -> Outcome:
         shard = shard_of(job_id, self.shards) if job_id else shard_of(push_digest(payload), self.shards)
@@ -155,17 +223,19 @@ class Ingest:
         job_id = peek_id(payload, self.max_bytes)
         try:
             job = parse_job(payload, templates=self.templates, keyring=self.keyring,
-                            now=datetime.now(timezone.utc), max_skew_s=self.max_skew_s, max_bytes=self.max_bytes)
+                            now=datetime.now(timezone.utc), max_skew_s=self.max_skew_s, max_bytes=self.max_bytes,
+                            cluster=self.cluster, max_age_s=self.max_age_s)
         except JobRejected as exc:
+            if not exc.bound:  # never a status on the job's topic for what is not authentic
+                return self._drop("push", payload, exc.reason, lambda shard: as_owner)
             if exc.reason in RETRY_TIME_REASONS and job_id is not None:
                 again = self._stored_twin(payload)
                 if again is not None:
                     return self._exists(payload, again, as_owner)
             return self._reject("push", payload, job_id, exc.reason, exc.detail, as_owner)
-        except Exception as exc:  # parse_job promises not to; never crash on a payload anyway
+        except Exception:  # parse_job promises not to; never crash on a payload anyway
             log.exception("parse_job raised unexpectedly")
-            return self._reject("push", payload, job_id, jobs.BAD_FIELD, f"invalid document ({type(exc).__name__})",
-                                as_owner)
+            return self._drop("push", payload, jobs.BAD_FIELD, lambda shard: as_owner)
         return self._with_reservation(job.id, self._push_store, payload, job, as_owner)
 
     def _with_reservation(self, job_id, fn, *args):
@@ -206,7 +276,7 @@ class Ingest:
         """The stored job if this payload is a valid, signed copy of it (ignoring the clock)."""
         try:
             job = parse_job(payload, templates=self.templates, keyring=self.keyring, now=None,
-                            max_skew_s=None, max_bytes=self.max_bytes)
+                            max_skew_s=None, max_bytes=self.max_bytes, cluster=self.cluster)
         except JobRejected:
             return None
         stored = self.store.get(job.id)
@@ -237,12 +307,15 @@ class Ingest:
         payload = bytes(payload)
         job_id = peek_id(payload, self.max_bytes)
         try:
-            job_id = parse_cancel(payload, self.keyring, self.max_bytes)
+            job_id = parse_cancel(payload, self.keyring, self.max_bytes, cluster=self.cluster,
+                                  now=datetime.now(timezone.utc), max_skew_s=self.max_skew_s,
+                                  max_age_s=self.max_age_s)
         except JobRejected as exc:
+            if not exc.bound:
+                return self._drop("cancel", payload, exc.reason, lambda shard: as_owner)
             return self._reject("cancel", payload, job_id, exc.reason, exc.detail, as_owner)
-        except Exception as exc:  # pragma: no cover - parse_cancel promises not to
-            return self._reject("cancel", payload, job_id, jobs.BAD_FIELD, f"invalid cancel ({type(exc).__name__})",
-                                as_owner)
+        except Exception:  # pragma: no cover - parse_cancel promises not to
+            return self._drop("cancel", payload, jobs.BAD_FIELD, lambda shard: as_owner)
         for attempt in range(5):
             try:
                 state, stored = self.store.cancel(job_id, reason="cloud")
@@ -271,6 +344,16 @@ class Ingest:
         self.record("job", event="cancelled", job_id=job_id, by="cloud", agent=self.agent_id, state=state)
         self.notify("cancelled", job_id)
         return Outcome("cancel", "cancelled", job_id, status=doc)
+
+
+def _is_cancelled(value: bytes) -> bool:
+    """The stored job carries the store's own top-level ``_cancelled`` mark (a job value that
+    merely contains the text, e.g. in a param, does not count)."""
+    try:
+        doc = json.loads(value)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(doc, dict) and "_cancelled" in doc
 
 
 # --------------------------------------------------------------------------- dispatcher
@@ -337,9 +420,13 @@ class Dispatcher:
         if kind not in ("push", "cancel"):
             self.link.ack(msg)
             return
+        owned = self.owned()
+        if self.ingest.screen(kind, msg.payload, lambda shard: shard in owned) is not None:
+            self.link.ack(msg)  # unauthenticated or not for this cluster: dropped, never held
+            return
         job_id = peek_id(msg.payload, self.ingest.max_bytes)
         shard = shard_of(job_id if job_id else push_digest(msg.payload), self.ingest.shards)
-        if shard in self.owned() or self.grace_s <= 0:
+        if shard in owned or self.grace_s <= 0:
             self._q.put((kind, msg, True))
             return
         with self._lock:
@@ -363,7 +450,7 @@ class Dispatcher:
                 if ev.kind != "put":
                     continue
                 job_id = ev.kv.key.rsplit("/", 1)[-1]
-                cancelled = b'"_cancelled"' in ev.kv.value
+                cancelled = _is_cancelled(ev.kv.value)
                 self._recent[job_id] = cancelled
                 self._recent.move_to_end(job_id)
                 kinds = ("push", "cancel") if cancelled else ("push",)

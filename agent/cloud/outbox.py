@@ -71,6 +71,11 @@ class Outbox:
         self.policy = policy
         self.on_drop = on_drop
         self._lock = threading.Lock()
+        # 0600 before SQLite opens it (its -wal and -shm files copy the database's mode):
+        # statuses name jobs, agents and reasons, no business of other local users
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        os.close(fd)
+        os.chmod(path, 0o600)
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")

@@ -1,5 +1,6 @@
 """Helpers for the cloud channel's tests and benchmark (and for operators trying it out):
-signing keys, job documents, a status collector on a real broker.
+signing keys, bound job and cancel documents, a signing job store for tests that write
+jobs straight into etcd, a status collector on a real broker.
 
 Not used by the agent itself.
 """
@@ -20,6 +21,7 @@ from agent.jobs.signing import KeyRing, generate_hmac_secret, sign
 from agent.runtime.timefmt import format_rfc3339
 
 KID = "cloud-1"
+CLUSTER = "t"
 
 
 def rfc(dt: datetime) -> str:
@@ -37,31 +39,77 @@ def write_keys(path: str, kid: str = KID, secret: Optional[str] = None) -> KeyRi
     return KeyRing.load(path)
 
 
+def write_ed25519_keys(signer_path: str, agents_path: str, kid: str = KID) -> KeyRing:
+    """An ed25519 pair via keygen: the signer's file (private) and the agents' keys file
+    (public key only, 0600). Returns the signer's ring."""
+    from agent.jobs.signing import keygen_files
+
+    entry = keygen_files(kid, signer_path)
+    fd = os.open(agents_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(entry)
+    return KeyRing.load(signer_path, require_private=True)
+
+
 TEMPLATES = {
     "flush": {"argv": ["/bin/true", "--line", "{line}"], "params": {"line": "^[0-9]{1,2}$"},
-              "user": "root", "allow_exec": ["/bin/true", "/usr/bin/true"]},
+              "user": "root", "allow_root": True, "allow_exec": ["/bin/true", "/usr/bin/true"]},
 }
 
 
 def job_doc(job_id: str, line: str = "3", template: str = "flush", at_offset_s: float = 30 * 86400,
-            now: Optional[datetime] = None, **extra) -> dict:
-    """A valid (unsigned) job that is due far in the future, so no run starts during tests."""
+            now: Optional[datetime] = None, cluster: str = CLUSTER, **extra) -> dict:
+    """A valid (unsigned) job bound to ``cluster`` that is due far in the future, so no run
+    starts during tests."""
     now = now or datetime.now(timezone.utc)
-    doc = {"v": 1, "id": job_id, "template": template, "params": {"line": line},
+    doc = {"v": 1, "id": job_id, "cluster": cluster, "kind": "job", "template": template, "params": {"line": line},
            "schedule": {"at": rfc(now + timedelta(seconds=at_offset_s))},
            "not_after": rfc(now + timedelta(seconds=at_offset_s + 86400)), "issued_at": rfc(now)}
     doc.update(extra)
     return doc
 
 
+def cancel_doc(job_id: str, cluster: str = CLUSTER, now: Optional[datetime] = None) -> dict:
+    return {"v": 1, "id": job_id, "cluster": cluster, "kind": "cancel",
+            "issued_at": rfc(now or datetime.now(timezone.utc))}
+
+
+def bound(doc: dict, cluster: str, kind: str = "job", now: Optional[datetime] = None) -> dict:
+    """``doc`` with cluster, kind and (when missing) issued_at set."""
+    out = dict(doc)
+    out.setdefault("cluster", cluster)
+    out.setdefault("kind", kind)
+    out.setdefault("issued_at", rfc(now or datetime.now(timezone.utc)))
+    return out
+
+
 def signed(doc: dict, ring: KeyRing, kid: str = KID) -> bytes:
     return json.dumps(sign(doc, ring, kid), separators=(",", ":")).encode()
 
 
-class StatusCollector:
-    """Subscribes to status/# (and anything else asked) on a real broker and keeps every message."""
+class SigningStore:
+    """A JobStore whose create() binds and signs the document first, as the cloud would:
+    the one helper for every test that writes jobs straight into etcd (agents verify
+    stored jobs at every load and never run an unsigned one)."""
 
-    def __init__(self, url: str, cluster: str, extra_filters: tuple[str, ...] = ()):
+    def __init__(self, store, ring: KeyRing, cluster: str, kid: str = KID):
+        self.store, self.ring, self.cluster, self.kid = store, ring, cluster, kid
+
+    def sign(self, doc: dict) -> dict:
+        return sign(bound(doc, self.cluster), self.ring, self.kid)
+
+    def create(self, doc: dict):
+        return self.store.create(self.sign(doc))
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+class StatusCollector:
+    """Subscribes to every agent's statuses and rejections (and anything else asked) on a
+    real broker and keeps every message."""
+
+    def __init__(self, url: str, cluster: str, extra_filters: tuple[str, ...] = (), mqtt_cfg=None):
         from agent.cloud.mqtt import MqttLink
         from agent.cloud.topics import Topics
         from agent.config import MqttConfig
@@ -70,8 +118,9 @@ class StatusCollector:
         self.lock = threading.RLock()  # predicates passed to wait() may call docs()
         self.messages: list[tuple[float, str, dict]] = []
         self.cond = threading.Condition(self.lock)
-        filters = ((self.topics.status_filter(), 1),) + tuple((f, 1) for f in extra_filters)
-        self.link = MqttLink(MqttConfig(url=url), f"collector-{os.getpid()}-{id(self) % 100000}",
+        filters = ((self.topics.status_filter(), 1), (self.topics.rejections_filter(), 1)) + \
+            tuple((f, 1) for f in extra_filters)
+        self.link = MqttLink(mqtt_cfg or MqttConfig(url=url), f"collector-{os.getpid()}-{id(self) % 100000}",
                              clean_session=False, on_message=self._msg, subscriptions=filters,
                              topic_kind=self.topics.kind, reconnect_min_s=0.2, reconnect_max_s=1.0)
 

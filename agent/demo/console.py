@@ -34,7 +34,8 @@ class CloudConsole:
 
     def _on_connect(self, client, userdata, flags, rc, properties=None) -> None:
         if rc == 0:
-            client.subscribe([(self.topics.status_filter(), 1), (self.topics.base + "agents/+/presence", 1)])
+            client.subscribe([(self.topics.status_filter(), 1), (self.topics.presence_filter(), 1),
+                              (self.topics.rejections_filter(), 1)])
 
     def _on_message(self, client, userdata, msg) -> None:
         try:

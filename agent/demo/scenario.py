@@ -28,7 +28,6 @@ import json
 import os
 import pwd
 import queue
-import re
 import secrets
 import shutil
 import signal
@@ -245,8 +244,10 @@ class Demo:
         self.mqtt.start(timeout=15)
         live.line("mosquitto", f"started (pid {self.mqtt.proc.pid}) at {self.mqtt.url}")
 
+        # ed25519, as in production: the cloud's key file holds the private key, the agents'
+        # only the public one (what `millwright keygen` prints)
         keys_file = os.path.join(self.base, "keys.yaml")
-        self.ring = testkit.write_keys(keys_file, KID)
+        self.ring = testkit.write_ed25519_keys(os.path.join(self.base, "cloud-signer.yaml"), keys_file, KID)
         text = open(os.path.join(cfg_dir, "agent.yaml")).read()
         for k, v in {"@JOBS@": jobs_dir, "@OUT@": out_dir, "@USER@": user, "@STALL_PORT@": str(stall_port)}.items():
             text = text.replace(k, v)
@@ -333,6 +334,7 @@ class Demo:
         self.jobs = plan_jobs(self.t0, self.duration, self.kill_at)
         payloads = {}
         for j in self.jobs:
+            j.doc.update(cluster=self.cluster, kind="job")  # bound to this cluster, signed with it
             payloads[j.id] = testkit.signed(j.doc, self.ring, KID)
             if not self.console.publish(self.console.topics.push, payloads[j.id]):
                 raise DemoFailed(f"the broker did not acknowledge the push of {j.id}")

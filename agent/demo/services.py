@@ -3,6 +3,10 @@
 Each runs on free loopback ports with a temporary directory; it can be stopped,
 restarted on the same ports and data, and paused with SIGSTOP for fault tests. Only the
 processes started here are ever signalled.
+
+Both can run the way a plant should: ``tls=TlsFiles`` (see :func:`make_pki`), and for
+mosquitto a password file and an ACL, for etcd authentication with per-cluster roles
+(``enable_auth``, using packaging/debian/examples/etcd-rbac.sh).
 """
 
 from __future__ import annotations
@@ -14,10 +18,58 @@ import socket
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
 # the source tree's root (agents started from a checkout import `agent` from there)
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """A CA and one server certificate (valid for 127.0.0.1, 127.0.0.2 and localhost)."""
+    ca: str
+    cert: str
+    key: str
+
+
+def make_pki(directory: str) -> TlsFiles:
+    """A throwaway CA and server certificate in ``directory`` (python3-cryptography)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    os.makedirs(directory, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "millwright test CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+          .not_valid_after(now + datetime.timedelta(days=2))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    san = x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                                       x509.IPAddress(ipaddress.ip_address("127.0.0.2"))])
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(san, critical=False).sign(ca_key, hashes.SHA256()))
+    files = TlsFiles(os.path.join(directory, "ca.pem"), os.path.join(directory, "server.pem"),
+                     os.path.join(directory, "server.key"))
+    with open(files.ca, "wb") as fh:
+        fh.write(ca.public_bytes(serialization.Encoding.PEM))
+    with open(files.cert, "wb") as fh:
+        fh.write(cert.public_bytes(serialization.Encoding.PEM))
+    fd = os.open(files.key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
+                                   serialization.NoEncryption()))
+    return files
+
 
 def _die_with_parent() -> None:
     """preexec_fn: SIGKILL the child when the process that started it dies, so a test run
@@ -134,7 +186,7 @@ class EtcdServer(_Child):
     name = "etcd"
 
     def __init__(self, workdir: Optional[str] = None, port: Optional[int] = None,
-                 extra_hosts: tuple[str, ...] = ("127.0.0.2",)):
+                 extra_hosts: tuple[str, ...] = ("127.0.0.2",), tls: Optional[TlsFiles] = None):
         super().__init__(workdir)
         self.host = "127.0.0.1"
         self.port = port or free_port()
@@ -142,33 +194,61 @@ class EtcdServer(_Child):
         # The same server is also reachable on other loopback addresses, so that a test can
         # cut one agent off (nftables on its address) while the others stay connected.
         self.extra_hosts = extra_hosts
+        self.tls = tls
+        self.root_password: Optional[str] = None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
 
     @property
     def endpoint(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     def endpoint_on(self, host: str) -> str:
-        return f"http://{host}:{self.port}"
+        return f"{self.scheme}://{host}:{self.port}"
 
     def _argv(self) -> list[str]:
         url = self.endpoint
         listen = ",".join([url] + [self.endpoint_on(h) for h in self.extra_hosts])
         peer = f"http://{self.host}:{self.peer_port}"
+        tls = ["--cert-file", self.tls.cert, "--key-file", self.tls.key] if self.tls else []
         return ["etcd", "--name", "mw", "--data-dir", os.path.join(self.dir, "data"),
                 "--listen-client-urls", listen, "--advertise-client-urls", url,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", f"mw={peer}", "--initial-cluster-state", "new",
                 "--log-level", "warn", "--logger", "zap",
-                "--quota-backend-bytes", str(2 * 1024 ** 3), "--auto-compaction-retention", "0"]
+                "--quota-backend-bytes", str(2 * 1024 ** 3), "--auto-compaction-retention", "0"] + tls
+
+    def etcdctl_env(self, user: Optional[str] = None) -> dict:
+        env = {**os.environ, "ETCDCTL_API": "3", "ETCDCTL_ENDPOINTS": self.endpoint}
+        env.pop("ETCDCTL_USER", None)
+        if self.tls:
+            env["ETCDCTL_CACERT"] = self.tls.ca
+        if user:
+            env["ETCDCTL_USER"] = user
+        return env
+
+    def enable_auth(self, cluster: str, user: str, password: str, root_password: str) -> None:
+        """Root user, a role limited to /millwright/<cluster>/ and ``user`` holding it,
+        then auth on: the documented set-up script, run as the operator would."""
+        script = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                              "packaging", "debian", "examples", "etcd-rbac.sh")
+        env = self.etcdctl_env(f"root:{root_password}" if self.root_password else None)
+        subprocess.run(["sh", script, cluster, user, password, root_password], env=env, check=True,
+                       capture_output=True, timeout=60)
+        self.root_password = root_password
 
     def _ready(self, timeout: float) -> bool:
+        import ssl
         import urllib.request
+        ctx = ssl.create_default_context(cafile=self.tls.ca) if self.tls else None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc and self.proc.poll() is not None:
                 return False
             try:
-                with urllib.request.urlopen(self.endpoint + "/health", timeout=0.5) as r:
+                with urllib.request.urlopen(self.endpoint + "/health", timeout=0.5, context=ctx) as r:
                     if b'"true"' in r.read():
                         return True
             except OSError:
@@ -325,19 +405,46 @@ class EtcdCluster:
 
 
 class MosquittoServer(_Child):
-    """A mosquitto broker on loopback with persistence (sessions survive restarts)."""
+    """A mosquitto broker on loopback with persistence (sessions survive restarts);
+    optionally TLS (``tls``), passwords (``users``: name -> password, no anonymous) and an
+    ACL file (``acl``: its text)."""
 
     name = "mosquitto"
 
-    def __init__(self, workdir: Optional[str] = None, port: Optional[int] = None, extra_conf: str = ""):
+    def __init__(self, workdir: Optional[str] = None, port: Optional[int] = None, extra_conf: str = "",
+                 tls: Optional[TlsFiles] = None, users: Optional[dict] = None, acl: Optional[str] = None):
         super().__init__(workdir)
         self.host = "127.0.0.1"
         self.port = port or free_port()
         self.extra_conf = extra_conf
+        self.tls = tls
+        self.users = dict(users or {})
+        self.acl = acl
 
     @property
     def url(self) -> str:
-        return f"mqtt://{self.host}:{self.port}"
+        return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
+
+    def _security_conf(self) -> str:
+        lines = []
+        if self.tls:
+            lines += [f"cafile {self.tls.ca}", f"certfile {self.tls.cert}", f"keyfile {self.tls.key}"]
+        if self.users:
+            pw = os.path.join(self.dir, "passwords")
+            open(pw, "w").close()
+            os.chmod(pw, 0o600)
+            for user, password in self.users.items():
+                subprocess.run(["mosquitto_passwd", "-b", pw, user, password], check=True, capture_output=True,
+                               timeout=30)
+            lines += ["allow_anonymous false", f"password_file {pw}"]
+        else:
+            lines.append("allow_anonymous true")
+        if self.acl is not None:
+            acl = os.path.join(self.dir, "acl")
+            with open(acl, "w") as fh:
+                fh.write(self.acl)
+            lines.append(f"acl_file {acl}")
+        return "".join(line + "\n" for line in lines)
 
     def _argv(self) -> list[str]:
         conf = os.path.join(self.dir, "mosquitto.conf")
@@ -347,8 +454,8 @@ class MosquittoServer(_Child):
                 # started as root, mosquitto would drop to user `mosquitto`, which cannot write
                 # a 0700 temp dir: persistence (and so persistent sessions) would silently fail
                 + ("user root\n" if os.geteuid() == 0 else "")
-                + "allow_anonymous true\n"
-                "persistence true\n"
+                + self._security_conf()
+                + "persistence true\n"
                 f"persistence_location {self.dir}/\n"
                 "autosave_interval 1\n"
                 "max_queued_messages 100000\n"

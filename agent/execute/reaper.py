@@ -34,7 +34,7 @@ class _Stream:
     def __init__(self, rfd: int, path: str, limit: int):
         self.rfd = rfd
         self.path = path
-        self.wfd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
+        self.wfd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)  # state files are root-only (issue 16)
         self.written = 0
         self.dropped = 0
         self.limit = limit

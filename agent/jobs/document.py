@@ -3,18 +3,29 @@
 ``parse_job`` turns an untrusted push into a :class:`Job` or raises :class:`JobRejected`
 with a stable ``reason`` code and a ``detail`` that names the offending field. It never
 raises anything else for any input (a property test checks this). Validation order:
+nothing an unauthenticated sender controls is looked at beyond its size, its JSON and its
+signature (no operator regex ever runs on attacker strings):
 
- 1. size (too_large)             2. JSON (bad_json)           3. v == 1 (unsupported_version)
- 4. unknown keys, then every field's type and range (bad_field), ids (bad_field)
- 5. template known (unknown_template)    6. params vs the template (bad_param)
- 7. signature (unsigned, unknown_kid, bad_signature, unsupported_alg)
- 8. not_after in the past (expired)      9. issued_at too far from now (skew)
+ 1. size (too_large)             2. JSON (bad_json)
+ 3. signature (unsigned, unknown_kid, bad_signature, unsupported_alg, key_retired)
+ 4. binding: ``cluster`` equals the agent's (wrong_cluster), ``kind`` is ``job`` or
+    ``cancel`` as expected (wrong_kind)
+ -- from here on the document is authentic and meant for us: ``JobRejected.bound`` is True --
+ 5. v == 1 (unsupported_version)
+ 6. unknown keys, then every field's type and range (bad_field), ids (bad_field)
+ 7. template known (unknown_template)    8. params vs the template (bad_param)
+ 9. not_after in the past (expired)     10. issued_at older than max_age_s (too_old) or
+    ahead of the clock by more than max_skew_s (skew)
+
+Stored documents (``Job.from_stored``) go through 1-6 again at every load: the signed bytes
+stay in etcd, so whoever can write etcd still cannot make an agent run anything.
 
 Pure logic: the caller passes the clock (``now``), the templates and the key ring.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -35,7 +46,7 @@ from agent.jobs.schedule import (
     ScheduleError,
     parse_rfc3339,
 )
-from agent.jobs.signing import KeyRing, SignatureError, canonical_json
+from agent.jobs.signing import KEY_RETIRED, KeyRing, SignatureError, canonical_json
 from agent.runtime.text import short as _short
 
 VERSION = 1
@@ -55,21 +66,28 @@ UNSUPPORTED_ALG = "unsupported_alg"
 EXPIRED = "expired"
 SKEW = "skew"
 UNSUPPORTED_VERSION = "unsupported_version"
+WRONG_CLUSTER = "wrong_cluster"
+WRONG_KIND = "wrong_kind"
+TOO_OLD = "too_old"
 REASONS = (
     TOO_LARGE, BAD_JSON, BAD_FIELD, UNKNOWN_TEMPLATE, BAD_PARAM, UNSIGNED, UNKNOWN_KID,
     BAD_SIGNATURE, UNSUPPORTED_ALG, EXPIRED, SKEW, UNSUPPORTED_VERSION,
+    WRONG_CLUSTER, WRONG_KIND, TOO_OLD, KEY_RETIRED,
 )
 
+KIND_JOB = "job"
+KIND_CANCEL = "cancel"
 TOP_LEVEL_KEYS = (
-    "v", "id", "template", "params", "schedule", "misfire", "misfire_limit", "overlap", "retry",
-    "timeout_s", "resources", "depends_on", "not_after", "issued_at", "sig",
+    "v", "id", "cluster", "kind", "template", "params", "schedule", "misfire", "misfire_limit", "overlap",
+    "retry", "timeout_s", "resources", "depends_on", "not_after", "issued_at", "sig",
 )
-CANCEL_KEYS = ("v", "id", "sig")
+CANCEL_KEYS = ("v", "id", "cluster", "kind", "issued_at", "sig")
 
 # Ranges (documented in docs/jobs.md).
 MAX_DEPTH = 16
 MAX_PARAMS = 64
 MAX_PARAM_NAME = 64
+MAX_PARAM_VALUE = 1024  # characters; checked before any regex runs
 MAX_DEPENDS = 64
 MAX_ATTEMPTS = 100
 MAX_BACKOFF_S = 86400.0
@@ -90,6 +108,9 @@ class JobRejected(Exception):
         self.reason = reason
         self.detail = detail
         self.field = field
+        # True once the signature verified and the document is bound to this cluster: only
+        # then may a rejection name the job or say more than the reason (set by _parse)
+        self.bound = False
         super().__init__(f"{reason}: {detail}")
 
 
@@ -142,6 +163,8 @@ class Job:
     doc: dict = field(default_factory=dict, repr=False, compare=False)
     canonical: bytes = field(default=b"", repr=False)  # canonical JSON of the full doc (with sig)
     content: bytes = field(default=b"", repr=False, compare=False)  # canonical JSON without sig (the signed bytes)
+    kid: Optional[str] = field(default=None, compare=False)  # the key that signed it (None: not verified)
+    key_retired_after: Optional[datetime] = field(default=None, compare=False)  # that key's retirement
 
     def shard(self, shards: int) -> int:
         return shard_of(self.id, shards)
@@ -151,20 +174,24 @@ class Job:
         return self.content == other.content
 
     @classmethod
-    def from_stored(cls, doc: dict) -> "Job":
-        """Re-parse a document read back from the job store: no signature, expiry, skew,
-        template or size checks (all were done at ingest). Raises JobRejected if the stored
-        copy is not a valid document at all."""
-        return _parse(doc, templates=None, keyring=None, now=None, max_skew_s=None, max_bytes=None,
-                      verify_signature=False)
+    def from_stored(cls, doc: dict, *, keyring: Optional[KeyRing], cluster: str,
+                    now: Optional[datetime] = None) -> "Job":
+        """Re-parse a document read back from the job store. The signature and the binding
+        are checked again (etcd is not trusted to hold only what ingest stored); with
+        ``now``, a key retired before ``now`` fails with key_retired. No template, expiry,
+        age or size checks: a stored job keeps running while its schedule says so."""
+        return _parse(doc, templates=None, keyring=keyring, now=None, max_skew_s=None, max_bytes=None,
+                      verify_signature=True, cluster=cluster, key_now=now)
 
 
 def parse_job(payload: Union[bytes, str, dict], *, templates: dict, keyring: Optional[KeyRing],
-              now: Optional[datetime], max_skew_s: Optional[float], max_bytes: int,
+              now: Optional[datetime], max_skew_s: Optional[float], max_bytes: int, cluster: str,
+              max_age_s: Optional[float] = None,
               verify_signature: bool = True) -> Job:
     """Validate an untrusted job document. Raises only JobRejected (see the module doc)."""
     return _parse(payload, templates=templates, keyring=keyring, now=now, max_skew_s=max_skew_s,
-                  max_bytes=max_bytes, verify_signature=verify_signature)
+                  max_bytes=max_bytes, verify_signature=verify_signature, cluster=cluster, max_age_s=max_age_s,
+                  key_now=now)
 
 
 # --------------------------------------------------------------------------- decoding
@@ -310,10 +337,14 @@ def _timestamp(doc: dict, key: str) -> Optional[datetime]:
 
 
 def _parse(payload: Any, *, templates: Optional[dict], keyring: Optional[KeyRing], now: Optional[datetime],
-           max_skew_s: Optional[float], max_bytes: Optional[int], verify_signature: bool) -> Job:
+           max_skew_s: Optional[float], max_bytes: Optional[int], verify_signature: bool, cluster: str,
+           max_age_s: Optional[float] = None, key_now: Optional[datetime] = None) -> Job:
+    stage = {"bound": False}
     try:
-        return _parse_inner(payload, templates, keyring, now, max_skew_s, max_bytes, verify_signature)
-    except JobRejected:
+        return _parse_inner(payload, templates, keyring, now, max_skew_s, max_bytes, verify_signature, cluster,
+                            max_age_s, key_now, stage)
+    except JobRejected as exc:
+        exc.bound = stage["bound"]
         raise
     except RecursionError:
         raise JobRejected(BAD_JSON, "document is nested too deeply") from None
@@ -332,9 +363,44 @@ def _check_version(doc: dict) -> None:
         raise JobRejected(UNSUPPORTED_VERSION, f"v: version {_short(v)} is not supported (this agent speaks v1)", "v")
 
 
+def _authenticate(doc: dict, keyring: Optional[KeyRing], verify_signature: bool, key_now: Optional[datetime],
+                  what: str) -> Optional[Any]:
+    """The signature check (step 3): the key that signed ``doc``, or None when skipped."""
+    if not verify_signature:
+        return None
+    if keyring is None or len(keyring) == 0:
+        if "sig" not in doc:
+            raise JobRejected(UNSIGNED, f"sig: the {what} is not signed", "sig")
+        raise JobRejected(UNKNOWN_KID, "sig.kid: no signing keys are configured on this agent", "sig.kid")
+    try:
+        return keyring.verify(doc, now=_aware(key_now) if key_now is not None else None)
+    except SignatureError as exc:
+        raise JobRejected(exc.reason, f"sig: {exc.detail}", "sig") from None
+
+
+def _check_binding(doc: dict, cluster: str, kind: str) -> None:
+    """Step 4: the signed ``cluster`` and ``kind`` must be this agent's and this topic's."""
+    got = doc.get("cluster")
+    if got != cluster:
+        if "cluster" not in doc:
+            raise JobRejected(WRONG_CLUSTER, "cluster: is required (documents are bound to one cluster)", "cluster")
+        raise JobRejected(WRONG_CLUSTER, "cluster: the document is bound to another cluster", "cluster")
+    got = doc.get("kind")
+    if got != kind:
+        if "kind" not in doc:
+            raise JobRejected(WRONG_KIND, f"kind: is required (\"{kind}\" here)", "kind")
+        raise JobRejected(WRONG_KIND, f"kind: a {_short(got, 20)} document is not a {kind}", "kind")
+
+
 def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyRing], now: Optional[datetime],
-                 max_skew_s: Optional[float], max_bytes: Optional[int], verify_signature: bool) -> Job:
+                 max_skew_s: Optional[float], max_bytes: Optional[int], verify_signature: bool, cluster: str,
+                 max_age_s: Optional[float], key_now: Optional[datetime], stage: dict) -> Job:
     doc = decode(payload, max_bytes)
+
+    # ---- signature, then binding: nothing else is read from an unauthenticated document
+    key = _authenticate(doc, keyring, verify_signature, key_now, "document")
+    _check_binding(doc, cluster, KIND_JOB)
+    stage["bound"] = True
 
     # ---- version
     _check_version(doc)
@@ -363,6 +429,8 @@ def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyR
             raise _bad("params", f"parameter name {_short(k)} must match [A-Za-z_][A-Za-z0-9_]{{0,63}}")
         if not isinstance(pv, str):
             raise _bad(f"params.{k}", f"must be a string, got {_type(pv)}")
+        if len(pv) > MAX_PARAM_VALUE:
+            raise _bad(f"params.{k}", f"is {len(pv)} characters long; at most {MAX_PARAM_VALUE} are allowed")
 
     try:
         schedule = Schedule.parse(doc.get("schedule", {}))
@@ -418,6 +486,8 @@ def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyR
         seen.add(dep)
 
     not_after = _timestamp(doc, "not_after")
+    if "issued_at" not in doc:
+        raise _bad("issued_at", "is required (the signer's clock; pushes older than max_age_s are refused)")
     issued_at = _timestamp(doc, "issued_at")
     if not_after is not None and issued_at is not None and not_after <= issued_at:
         raise _bad("not_after", "must be later than issued_at")
@@ -443,29 +513,12 @@ def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyR
             raise JobRejected(UNKNOWN_TEMPLATE, f"template: {_short(tname)} is not a template of this agent (known: {_short(known, 200)})", "template")
         check_params(params, template, tname)
 
-    # ---- signature
-    if verify_signature:
-        if keyring is None or len(keyring) == 0:
-            if "sig" not in doc:
-                raise JobRejected(UNSIGNED, "sig: the document is not signed", "sig")
-            raise JobRejected(UNKNOWN_KID, "sig.kid: no signing keys are configured on this agent", "sig.kid")
-        try:
-            keyring.verify(doc)
-        except SignatureError as exc:
-            raise JobRejected(exc.reason, f"sig: {exc.detail}", "sig") from None
-
     # ---- time
     if now is not None:
         now_utc = _aware(now)
         if not_after is not None and not_after <= now_utc:
             raise JobRejected(EXPIRED, f"not_after: the job expired at {doc['not_after']}", "not_after")
-        if issued_at is not None and max_skew_s is not None:
-            skew = (issued_at - now_utc).total_seconds()
-            if abs(skew) > max_skew_s:
-                side = "ahead of" if skew > 0 else "behind"
-                raise JobRejected(
-                    SKEW, f"issued_at: {doc['issued_at']} is {abs(skew):.0f} s {side} this agent's clock "
-                          f"(allowed: {max_skew_s:g} s)", "issued_at")
+        _check_age(doc, issued_at, now_utc, max_skew_s, max_age_s)
 
     stored = doc  # decode() always returns a fresh object that nothing else references
     return Job(
@@ -473,7 +526,24 @@ def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyR
         misfire_limit=misfire_limit, overlap=overlap, retry=retry, timeout_s=timeout_s, resources=resources,
         depends_on=list(deps), not_after=not_after, issued_at=issued_at, doc=stored,
         canonical=canonical_json(stored, with_sig=True), content=canonical_json(stored),
+        kid=key.kid if key is not None else None,
+        key_retired_after=key.retired_after if key is not None else None,
     )
+
+
+def _check_age(doc: dict, issued_at: Optional[datetime], now_utc: datetime, max_skew_s: Optional[float],
+               max_age_s: Optional[float]) -> None:
+    """issued_at may be at most max_skew_s ahead of the clock (skew) and at most max_age_s
+    behind it (too_old): a captured document cannot be replayed for ever."""
+    if issued_at is None:
+        return
+    ahead = (issued_at - now_utc).total_seconds()
+    if max_skew_s is not None and ahead > max_skew_s:
+        raise JobRejected(SKEW, f"issued_at: {doc['issued_at']} is {ahead:.0f} s ahead of this agent's clock "
+                                f"(allowed: {max_skew_s:g} s)", "issued_at")
+    if max_age_s is not None and -ahead > max_age_s:
+        raise JobRejected(TOO_OLD, f"issued_at: {doc['issued_at']} is {-ahead:.0f} s old "
+                                   f"(allowed: {max_age_s:g} s)", "issued_at")
 
 
 def _aware(now: datetime) -> datetime:
@@ -500,8 +570,11 @@ def check_params(params: dict, template: Template, tname: str = "template") -> N
             raise _bad(f"params.{name}", f"must be a string, got {_type(value)}", BAD_PARAM)
         if "\x00" in value:
             raise _bad(f"params.{name}", "must not contain NUL", BAD_PARAM)
+        if len(value) > MAX_PARAM_VALUE:  # bounds the regex's work before it runs
+            raise _bad(f"params.{name}", f"is {len(value)} characters long; at most {MAX_PARAM_VALUE} are allowed",
+                       BAD_PARAM)
         try:
-            ok = re.fullmatch(rx, value) is not None
+            ok = param_regex(rx).fullmatch(value) is not None
         except re.error:
             ok = False
         if not ok:
@@ -528,6 +601,13 @@ def _retry_on(r: dict) -> tuple:
 def run_id(fire_id_: str, attempt: int) -> str:
     """Identity of one run (one attempt of one firing): ``<fire_id>.<attempt>``."""
     return f"{fire_id_}.{int(attempt)}"
+
+
+@functools.lru_cache(maxsize=512)
+def param_regex(rx: str) -> "re.Pattern":
+    """A template's param regex, compiled with re.ASCII: \\d, \\w and \\s match ASCII only
+    (a Unicode digit in a param never reaches an argv that expects 0-9)."""
+    return re.compile(rx, re.ASCII)
 
 
 def render_argv(job: Job, template: Template, run: Optional[dict] = None) -> list[str]:
@@ -563,14 +643,41 @@ def effective_resources(job: Job, template: Template) -> Resources:
                      pids=cap(job.resources.pids, t.pids))
 
 
+# --------------------------------------------------------------------------- screening
+
+
+def authenticate(payload: Union[bytes, str, dict], *, keyring: Optional[KeyRing], max_bytes: int, cluster: str,
+                 kind: str, now: Optional[datetime] = None) -> dict:
+    """Steps 1-4 only (size, JSON, signature, binding): the cheap screen that lets an agent
+    drop unauthenticated input at once, before it is routed, held or looked at further.
+    Returns the decoded document; raises JobRejected (``bound`` False)."""
+    try:
+        doc = decode(payload, max_bytes)
+        _authenticate(doc, keyring, True, now, "document" if kind == KIND_JOB else "cancel")
+        _check_binding(doc, cluster, kind)
+        return doc
+    except JobRejected:
+        raise
+    except RecursionError:
+        raise JobRejected(BAD_JSON, "document is nested too deeply") from None
+    except Exception as exc:  # defensive: never a traceback for user input
+        raise JobRejected(BAD_FIELD, f"invalid document ({type(exc).__name__})") from None
+
+
 # --------------------------------------------------------------------------- cancel
 
 
-def parse_cancel(payload: Union[bytes, str, dict], keyring: Optional[KeyRing], max_bytes: int,
-                 verify_signature: bool = True) -> str:
-    """``{"v":1,"id":...,"sig":...}`` -> the job id. Same errors as parse_job."""
+def parse_cancel(payload: Union[bytes, str, dict], keyring: Optional[KeyRing], max_bytes: int, *,
+                 cluster: str, now: Optional[datetime] = None, max_skew_s: Optional[float] = None,
+                 max_age_s: Optional[float] = None, verify_signature: bool = True) -> str:
+    """``{"v":1,"id","cluster","kind":"cancel","issued_at","sig"}`` -> the job id. Same
+    errors and order as parse_job (a cancel older than max_age_s is too_old)."""
+    stage = {"bound": False}
     try:
         doc = decode(payload, max_bytes)
+        _authenticate(doc, keyring, verify_signature, now, "cancel")
+        _check_binding(doc, cluster, KIND_CANCEL)
+        stage["bound"] = True
         _check_version(doc)
         unknown = [k for k in doc if k not in CANCEL_KEYS]
         if unknown:
@@ -578,17 +685,14 @@ def parse_cancel(payload: Union[bytes, str, dict], keyring: Optional[KeyRing], m
         if "id" not in doc:
             raise _bad("id", "is required")
         job_id = _check_id(doc["id"], "id")
-        if verify_signature:
-            if keyring is None or len(keyring) == 0:
-                if "sig" not in doc:
-                    raise JobRejected(UNSIGNED, "sig: the cancel is not signed", "sig")
-                raise JobRejected(UNKNOWN_KID, "sig.kid: no signing keys are configured on this agent", "sig.kid")
-            try:
-                keyring.verify(doc)
-            except SignatureError as exc:
-                raise JobRejected(exc.reason, f"sig: {exc.detail}", "sig") from None
+        if "issued_at" not in doc:
+            raise _bad("issued_at", "is required (cancels older than max_age_s are refused)")
+        issued_at = _timestamp(doc, "issued_at")
+        if now is not None:
+            _check_age(doc, issued_at, _aware(now), max_skew_s, max_age_s)
         return job_id
-    except JobRejected:
+    except JobRejected as exc:
+        exc.bound = stage["bound"]
         raise
     except RecursionError:
         raise JobRejected(BAD_JSON, "document is nested too deeply") from None
@@ -597,6 +701,6 @@ def parse_cancel(payload: Union[bytes, str, dict], keyring: Optional[KeyRing], m
 
 
 __all__ = [
-    "Job", "JobRejected", "parse_job", "parse_cancel", "render_argv", "check_params", "effective_resources",
-    "decode", "REASONS", "TOP_LEVEL_KEYS", "VERSION",
+    "Job", "JobRejected", "parse_job", "authenticate", "parse_cancel", "render_argv", "check_params", "effective_resources",
+    "decode", "REASONS", "TOP_LEVEL_KEYS", "VERSION", "param_regex", "KIND_JOB", "KIND_CANCEL",
 ]

@@ -22,10 +22,17 @@ claim nor the spawn is on the critical path. A firing whose fate depends on what
 until its due time (depends_on, or an earlier run of the job still running: overlap) is
 not claimed early. If the agent dies in between, the launcher exits with the agent (its
 go pipe closes) and the record is resolved like any run of a dead owner.
+
+Trust: a stored job runs only if its signature verifies against the agent's keyring and it
+is bound to this cluster, checked at every load (etcd is writable by more than ingest). A
+stored document that fails is never run: log, metric, audit ``rejected_stored``, status.
+A job signed by a key with ``retired_after`` stops at that instant (status ``rejected``,
+reason ``key_retired``).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import time
@@ -63,10 +70,14 @@ TRIGGER_DELAY = histogram("millwright_trigger_delay_seconds", "Process start min
 JOB_DURATION = histogram("millwright_job_duration_seconds", "Run duration",
                          buckets=(0.01, 0.1, 0.5, 1, 5, 15, 60, 300, 1800, 7200))
 JOBS_OWNED = gauge("millwright_jobs_owned", "Jobs in shards this agent holds")
+REJECTED_STORED = counter("millwright_jobs_rejected_stored_total",
+                          "Stored jobs refused at load (signature, binding, retired key, invalid)", ("reason",))
 
 SPAWN_AHEAD_MIN_S = 0.001  # closer to the due time than this, start at once
 RECORD_WORKERS = 6         # threads writing run records (claims, final states) to etcd
 DEPENDENCY_RECHECK_S = 1.0
+REJECTED_STORED_MEMORY = 10000  # (job, revision) pairs already reported, so reloads do not repeat them
+RETIRE_CHECK_MAX_S = 3600.0     # a retirement far ahead is re-armed at most this far out
 
 
 @dataclass
@@ -114,6 +125,9 @@ class Scheduler:
         self._held: list[Firing] = []             # firings that fell due while paused
         self.gc = GcPolicy(self.loop, self._quiet_for).start()
         self.claim_lead = ClaimLead(self.cfg.execute.claim_lead_s)
+        if getattr(agent, "keyring", None) is None:  # no cloud component: read the keys file here
+            agent.keyring = _load_keyring(self.cfg.signing.keys_file)
+        self._rejected_seen: "collections.OrderedDict[tuple, None]" = collections.OrderedDict()
         agent.shard_listeners.append(self)
         agent.busy_checks.append(self.busy)
         agent.drain_hooks.append(self._drain_started)
@@ -341,9 +355,10 @@ class Scheduler:
     def _install_job(self, stored: StoredJob, records: dict[str, tuple[dict, int]]) -> None:
         self.gc.settle()  # job entries are long-lived: keep them out of full collections
         try:
-            job = Job.from_stored(public_doc(stored.doc))
+            job = Job.from_stored(public_doc(stored.doc), keyring=self.agent.keyring, cluster=self.cfg.cluster,
+                                  now=utcnow())
         except JobRejected as exc:
-            log.error("stored job is invalid; ignoring", extra={"fields": {"job": stored.id, "error": exc.detail}})
+            self._reject_stored(stored, exc.reason, exc.detail)
             return
         try:
             accepted_at = parse_rfc3339(stored.accepted_at) if stored.accepted_at else utcnow()
@@ -353,6 +368,8 @@ class Scheduler:
         self._pop_entry(job.id)
         self.entries[job.id] = e
         self.by_shard.setdefault(e.shard, {})[job.id] = e
+        if job.key_retired_after is not None:
+            self._arm_retirement(e)
         now = utcnow()
         # 1. what earlier owners left behind
         for fire_id, (rec, rev) in sorted(records.items()):
@@ -403,6 +420,47 @@ class Scheduler:
             self._arm(e, recovery.next_due)
         if not records and job.schedule.kind != "now" and recovery.next_due is not None:
             self._status(e, None, "scheduled", due=rfc(recovery.next_due))
+
+    # --- trust ------------------------------------------------------------------------------
+    def _reject_stored(self, stored: StoredJob, reason: str, detail: str) -> None:
+        """A stored document that may not run: never installed; reported once per revision."""
+        job_id = stored.id if isinstance(stored.id, str) else ""
+        seen = (job_id, stored.revision, reason)
+        if seen in self._rejected_seen:
+            return
+        self._rejected_seen[seen] = None
+        while len(self._rejected_seen) > REJECTED_STORED_MEMORY:
+            self._rejected_seen.popitem(last=False)
+        REJECTED_STORED.labels(reason).inc()
+        log.error("stored job refused: it is never run", extra={"fields": {
+            "job": job_id, "shard": stored.shard, "reason": reason, "detail": detail}})
+        self.agent.record("job", event="rejected_stored", job=job_id, shard=stored.shard, reason=reason,
+                          detail=detail, revision=stored.revision)
+        self.agent.publish_status({
+            "v": 1, "job_id": job_id, "run_id": None, "state": "rejected", "attempt": None,
+            "agent": self.cfg.agent_id, "shard": stored.shard, "ts": rfc(utcnow()), "exit_code": None,
+            "reason": reason, "detail": f"stored job refused: {detail}", "usage": None, "source": "store"})
+
+    def _arm_retirement(self, e: JobEntry) -> None:
+        left = (e.job.key_retired_after - utcnow()).total_seconds()
+        if left <= 0:
+            self._retire(e)
+            return
+        self.loop.call_later(min(left, RETIRE_CHECK_MAX_S), self._check_retirement, e)
+
+    def _check_retirement(self, e: JobEntry) -> None:
+        if self.entries.get(e.job.id) is e:
+            self._arm_retirement(e)
+
+    def _retire(self, e: JobEntry) -> None:
+        """The key that signed this job was retired: it stops here (runs included)."""
+        if self.entries.get(e.job.id) is not e:
+            return
+        self._pop_entry(e.job.id)
+        self._drop_entry(e, "key_retired")
+        JOBS_OWNED.set(len(self.entries))
+        when = e.job.key_retired_after.strftime("%Y-%m-%dT%H:%M:%SZ")
+        self._reject_stored(e.stored, "key_retired", f"sig: key {e.job.kid} was retired at {when}")
 
     def _orphan(self, f: Firing, now: datetime) -> None:
         """A run left `running` by an owner that is gone: it may have run, or be partly done.
@@ -952,6 +1010,17 @@ class Scheduler:
         if soonest is None:
             return None
         return (soonest - utcnow()).total_seconds() - self.cfg.execute.claim_lead_s
+
+
+def _load_keyring(path: str):
+    from agent.jobs.signing import KeyFileError, KeyRing
+
+    try:
+        return KeyRing.load(path)
+    except KeyFileError as exc:
+        for line in exc.problems:
+            log.error("signing keys unusable: no stored job will run", extra={"fields": {"problem": line}})
+        return KeyRing({}, source=path)
 
 
 def _parse_or(text: Optional[str], default: datetime) -> datetime:

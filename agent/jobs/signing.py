@@ -10,10 +10,16 @@ Keys live in a root-only YAML file mapping a key id to a key::
     cloud-1: {alg: hmac-sha256, secret: "<base64 of >= 32 random bytes>"}
     cloud-2: {alg: ed25519, public_key: "<base64 of the 32-byte raw public key>"}
     ops-1:   {alg: ed25519, private_key: "<base64 of the 32-byte raw seed>"}   # signers only
+    old-1:   {alg: ed25519, public_key: "...", retired_after: "2027-03-01T00:00:00Z"}
 
-ed25519 uses python3-cryptography when it can be imported; without it an ed25519 key
+ed25519 is the default (gateways then hold only public keys; ``millwright keygen`` makes a
+pair); hmac-sha256 is for labs, where every gateway holds the signing secret. ed25519 uses
+python3-cryptography (a Debian package the .deb depends on); without it an ed25519 key
 still loads, and using it fails with the reason ``unsupported_alg``.
-Pure logic: no network, no clock.
+
+Rotation: a key with ``retired_after`` verifies documents only until that instant; after
+it, verify(now=...) fails with ``key_retired`` (stored jobs signed by it then stop).
+Pure logic: no network; the caller passes the clock.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import os
 import re
 import stat
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any, Optional
 
 import yaml
@@ -59,6 +66,7 @@ UNSIGNED = "unsigned"
 UNKNOWN_KID = "unknown_kid"
 BAD_SIGNATURE = "bad_signature"
 UNSUPPORTED_ALG = "unsupported_alg"
+KEY_RETIRED = "key_retired"
 NO_PRIVATE_KEY = "no_private_key"  # only from sign()
 
 
@@ -117,6 +125,7 @@ class Key:
     secret: Optional[bytes] = field(default=None, repr=False)  # hmac-sha256
     public_key: Optional[bytes] = field(default=None, repr=False)  # ed25519 raw 32 bytes
     private_key: Optional[bytes] = field(default=None, repr=False)  # ed25519 raw 32-byte seed
+    retired_after: Optional[datetime] = None  # documents signed by it stop verifying after this
 
     @property
     def can_sign(self) -> bool:
@@ -207,9 +216,9 @@ class KeyRing:
                 continue
             alg = entry.get("alg")
             if alg == HMAC_SHA256:
-                allowed = {"alg", "secret"}
+                allowed = {"alg", "secret", "retired_after"}
             elif alg == ED25519:
-                allowed = {"alg", "public_key", "private_key"}
+                allowed = {"alg", "public_key", "private_key", "retired_after"}
             else:
                 problems.append(f"{where}.alg: must be {HMAC_SHA256} or {ED25519}, got {alg!r}")
                 continue
@@ -217,6 +226,13 @@ class KeyRing:
             if extra:
                 problems.append(f"{where}: unknown key(s) {', '.join(sorted(extra))} for alg {alg}")
                 continue
+            retired = None
+            if "retired_after" in entry:
+                retired = _retired_after(entry["retired_after"])
+                if retired is None:
+                    problems.append(f"{where}.retired_after: must be an RFC 3339 time with a zone, "
+                                    f"e.g. 2027-03-01T00:00:00Z")
+                    continue
             if alg == HMAC_SHA256:
                 try:
                     secret = _b64decode(entry.get("secret"))
@@ -228,7 +244,7 @@ class KeyRing:
                         f"{where}.secret: decodes to {len(secret)} bytes; at least {MIN_HMAC_SECRET_BYTES} are required"
                     )
                     continue
-                keys[kid] = Key(kid, alg, secret=secret)
+                keys[kid] = Key(kid, alg, secret=secret, retired_after=retired)
                 continue
             pub = priv = None
             if "public_key" in entry:
@@ -261,7 +277,7 @@ class KeyRing:
             if pub is None and priv is None:
                 problems.append(f"{where}: needs public_key (to verify) or private_key (to sign)")
                 continue
-            keys[kid] = Key(kid, alg, public_key=pub, private_key=priv)
+            keys[kid] = Key(kid, alg, public_key=pub, private_key=priv, retired_after=retired)
         if require_private:
             for kid, key in keys.items():
                 if not key.can_sign:
@@ -272,9 +288,11 @@ class KeyRing:
 
     # ---- verify
 
-    def verify(self, doc: dict) -> None:
-        """Check ``doc["sig"]`` over canonical_json(doc). Raises SignatureError with
-        reason unsigned, bad_signature, unsupported_alg or unknown_kid."""
+    def verify(self, doc: dict, now: Optional[datetime] = None) -> Key:
+        """Check ``doc["sig"]`` over canonical_json(doc) and return the key that signed it.
+        Raises SignatureError with reason unsigned, bad_signature, unsupported_alg,
+        unknown_kid, or key_retired (only when ``now`` is given and past the key's
+        ``retired_after``)."""
         if not isinstance(doc, dict) or "sig" not in doc or doc.get("sig") is None:
             raise SignatureError(UNSIGNED, "the document has no sig")
         sig = doc["sig"]
@@ -306,7 +324,7 @@ class KeyRing:
             expected = hmac.new(key.secret or b"", message, hashlib.sha256).digest()
             if not hmac.compare_digest(expected, value):
                 raise SignatureError(BAD_SIGNATURE, f"signature does not verify with key {kid}")
-            return
+            return _check_retired(key, now)
         if not HAVE_ED25519:
             raise SignatureError(UNSUPPORTED_ALG, "ed25519 needs python3-cryptography, which is not installed")
         if key.public_key is None:
@@ -315,6 +333,29 @@ class KeyRing:
             _Ed25519PublicKey.from_public_bytes(key.public_key).verify(value, message)
         except (_InvalidSignature, ValueError):
             raise SignatureError(BAD_SIGNATURE, f"signature does not verify with key {kid}") from None
+        return _check_retired(key, now)
+
+
+def _check_retired(key: Key, now: Optional[datetime]) -> Key:
+    if now is not None and key.retired_after is not None and now >= key.retired_after:
+        raise SignatureError(KEY_RETIRED, f"key {key.kid} was retired at "
+                                          f"{key.retired_after.strftime('%Y-%m-%dT%H:%M:%SZ')}")
+    return key
+
+
+def _retired_after(value: Any) -> Optional[datetime]:
+    """An RFC 3339 time with a zone (YAML may already have made it a datetime)."""
+    if isinstance(value, datetime):
+        return value.astimezone(timezone.utc) if value.tzinfo is not None else None
+    if not isinstance(value, str):
+        return None
+    text = value.strip().replace("z", "Z")
+    if not re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)", text):
+        return None
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).astimezone(timezone.utc)
+    except ValueError:
+        return None
 
 
 def sign(doc: dict, keyring: KeyRing, kid: str) -> dict:
@@ -350,6 +391,20 @@ def generate_ed25519() -> tuple[str, str]:
         _serialization.Encoding.Raw, _serialization.PrivateFormat.Raw, _serialization.NoEncryption()
     )
     return _b64encode(seed), _b64encode(_ed_public_from_private(seed))
+
+
+def keygen_files(kid: str, private_path: str) -> str:
+    """Write a new ed25519 pair as a signer's keys file (mode 0600, never overwritten) and
+    return the YAML entry for the agents' keys file (public key only)."""
+    if not KID_RE.fullmatch(kid or ""):
+        raise SignatureError(UNKNOWN_KID, f"key id {kid!r} must match [A-Za-z0-9._-]{{1,128}}")
+    seed, public = generate_ed25519()
+    body = yaml.safe_dump({kid: {"alg": ED25519, "private_key": seed, "public_key": public}}, sort_keys=True)
+    fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(body)
+    os.chmod(private_path, 0o600)
+    return yaml.safe_dump({kid: {"alg": ED25519, "public_key": public}}, sort_keys=True)
 
 
 def generate_hmac_secret(nbytes: int = 32) -> str:

@@ -30,7 +30,9 @@ def wait_for(pred: Callable[[], object], timeout: float, interval: float = 0.02,
 class Cluster:
     def __init__(self, etcd, base_dir: str, cluster: str = "t", shards: int = 64, ttl: int = 4,
                  renew_deadline: float = 2.5, retry_period: float = 0.5, extra: Optional[dict] = None,
-                 env: Optional[dict] = None):
+                 env: Optional[dict] = None, etcd_access: Optional[dict] = None):
+        """``etcd_access``: etcd settings for a secured server (tls, username, password,
+        insecure), used by the agents and by this helper's own client."""
         self.etcd = etcd
         self.base = base_dir
         self.cluster = cluster
@@ -45,10 +47,29 @@ class Cluster:
                     "execute": {"kill_grace_s": round(max(0.1, min(1.0, ttl - renew_deadline - 0.5)), 3)}}
         for k, v in (extra or {}).items():
             self.cfg[k] = {**self.cfg.get(k, {}), **v} if isinstance(v, dict) else v
+        # every agent verifies stored jobs against this ring; tests write through self.signing(store)
+        from agent.cloud import testkit
+
+        os.makedirs(base_dir, exist_ok=True)
+        self.keys_file = os.path.join(base_dir, "keys.yaml")
+        self.ring = testkit.write_keys(self.keys_file)
+        self.cfg.setdefault("signing", {"keys_file": self.keys_file})
         self.env = env or {}
         self.agents: dict[str, AgentProcess] = {}
-        self.client = EtcdClient(EtcdConfig(endpoints=[etcd.endpoint], request_timeout_s=2.0))
+        access = dict(etcd_access or {})
+        self.cfg["etcd"].update(access)
+        if "tls" in access:
+            from agent.config import TLSConfig
+
+            access["tls"] = TLSConfig(**access["tls"])
+        self.client = EtcdClient(EtcdConfig(endpoints=[etcd.endpoint], request_timeout_s=2.0, **access))
         self.shards = shards
+
+    def signing(self, store):
+        """``store`` wrapped so that create() binds and signs for this cluster."""
+        from agent.cloud.testkit import SigningStore
+
+        return SigningStore(store, self.ring, self.cluster)
 
     def start(self, agent_id: str, capacity: float = 1.0, endpoint_host: Optional[str] = None,
               extra: Optional[dict] = None) -> AgentProcess:

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from agent.cloud.ingest import push_digest
-from agent.cloud.testkit import KID, TEMPLATES, StatusCollector, job_doc, signed, write_keys
+from agent.cloud.testkit import KID, TEMPLATES, StatusCollector, cancel_doc, job_doc, signed, write_keys
 from agent.coordination.keys import shard_of
 from tests.integration.cluster import Cluster, wait_for
 from tests.support.cloud import T, Pusher, accepted, jobs_in_etcd, wait_agent_connected
@@ -109,6 +109,7 @@ def test_5000_pushes_survive_two_kill9_and_a_broker_restart(world):
 def test_each_rejection_reason_over_mqtt(world):
     from datetime import datetime, timedelta, timezone
 
+    from agent.cloud.testkit import rfc
     from agent.jobs.signing import KeyRing, generate_hmac_secret, sign
 
     world.cluster.start("a1")
@@ -123,36 +124,45 @@ def test_each_rejection_reason_over_mqtt(world):
         pusher.push(signed(job_doc("c1"), ring))
         pusher.push(signed(job_doc("twin", line="1"), ring))
         assert world.col.wait(lambda m: {"c1", "twin"} <= set(accepted(world.col)), 30)
-        pusher.push(signed({"v": 1, "id": "c1"}, ring), T.cancel)
+        pusher.push(signed(cancel_doc("c1"), ring), T.cancel)
         assert world.col.wait(lambda m: any(d.get("state") == "cancelled" and d["job_id"] == "c1"
                                             for d in world.col.docs()), 30)
-        cases = {
-            "bad_json": b"not json at all",
+        bound = {  # authentic and for this cluster: rejected on the job's own topic, with details
             "bad_field": signed(job_doc("wt", timeout_s=[1]), ring),
             "unknown_template": signed(job_doc("ut", template="rm-rf"), ring),
             "bad_param": signed(job_doc("bp", line="x"), ring),
+            "expired": signed(job_doc("ex", now=now - timedelta(days=40), at_offset_s=1), ring),
+            "too_old": signed(job_doc("to", issued_at=rfc(now - timedelta(days=2))), ring),
+            "cancelled": signed(job_doc("c1"), ring),
+            "conflict": signed(job_doc("twin", line="2"), ring),
+        }
+        unbound = {  # reason only, on the agent's own rejections topic
+            "bad_json": b"not json at all",
             "unsigned": json.dumps(job_doc("us")).encode(),
             "bad_signature": signed(job_doc("bs"), other),
             "unknown_kid": json.dumps(sign(job_doc("uk"), unknown, "cloud-9")).encode(),
-            "expired": signed(job_doc("ex", now=now - timedelta(days=40), at_offset_s=1), ring),
-            "cancelled": signed(job_doc("c1"), ring),
-            "conflict": signed(job_doc("twin", line="2"), ring),
+            "wrong_cluster": signed(job_doc("wc", cluster="plant-b"), ring),
             "too_large": b'{"v":1,"id":"big","pad":"' + b"x" * 70000 + b'"}',
         }
-        for p in cases.values():
+        for p in list(bound.values()) + list(unbound.values()):
             pusher.push(p)
-        digests = {push_digest(p): want for want, p in cases.items()}
+        digests = {push_digest(p): want for want, p in {**bound, **unbound}.items()}
 
         def answered(_):
             got = {d.get("push_sha256") for d in world.col.docs("rejected")}
             return set(digests) <= got
         assert world.col.wait(answered, 30)
-        for d in world.col.docs("rejected"):
-            if d["push_sha256"] in digests:
-                assert d["reason"] == digests[d["push_sha256"]], d
-                assert d["detail"]
+        for _, topic, d in list(world.col.messages):
+            if d.get("state") != "rejected" or d.get("push_sha256") not in digests:
+                continue
+            want = digests[d["push_sha256"]]
+            assert d["reason"] == want, d
+            if want in bound:
+                assert T.kind(topic) == "status" and T.agent_of(topic) == "a1" and d["detail"], (topic, d)
+            else:
+                assert topic == T.rejections("a1") and "detail" not in d and "job_id" not in d, (topic, d)
         jobs = jobs_in_etcd(world.etcd)
-        assert not {"wt", "ut", "bp", "us", "bs", "uk", "ex"} & set(jobs)
+        assert not {"wt", "ut", "bp", "us", "bs", "uk", "ex", "to", "wc"} & set(jobs)
         assert json.loads(jobs["twin"].value)["params"] == {"line": "1"}
     finally:
         pusher.stop()
@@ -187,6 +197,81 @@ def test_fuzz_over_mqtt_keeps_ingesting(world):
         # never accepted an invalid one
         assert set(accepted(world.col)) == valid | {"after-fuzz"}
     finally:
+        pusher.stop()
+
+
+def _junk(rnd: random.Random, i: int, real_ids: list, ring, other_ring) -> bytes:
+    """Unauthenticated input aimed at real job ids: unsigned, forged, signed by another
+    fleet's key, a valid document of another cluster, bad JSON, noise."""
+    from agent.jobs.signing import sign
+
+    jid = rnd.choice(real_ids)
+    k = i % 6
+    if k == 0:
+        return json.dumps(job_doc(jid, line="1")).encode()
+    if k == 1:
+        d = json.loads(signed(job_doc(jid, line="1"), ring))
+        d["params"]["line"] = "2"  # forged: the signature no longer fits
+        return json.dumps(d).encode()
+    if k == 2:
+        return json.dumps(sign(job_doc(jid), other_ring, KID)).encode()
+    if k == 3:
+        return signed(job_doc(jid, cluster="plant-b"), ring)
+    if k == 4:
+        return b'{"v":1,"id":"' + jid.encode() + b'","template":'
+    return bytes(rnd.randrange(256) for _ in range(rnd.randint(1, 64)))
+
+
+def test_junk_flood_never_delays_or_fakes_valid_pushes(world):
+    """Acceptance 3: 10,000 unauthenticated messages at full speed while 500 valid pushes
+    arrive (two agents, so most junk lands on non-owners): every valid push is ingested and
+    acknowledged, nothing is held, and no status on a real job's topic came from junk.
+    The throughput comparison with a quiet run is bench/bench_ingest.py --junk."""
+    from agent.jobs.signing import KeyRing, generate_hmac_secret
+
+    a1 = world.cluster.start("a1")
+    a2 = world.cluster.start("a2")
+    wait_for(lambda: world.cluster.all_owned_by({"a1", "a2"}) and len(set(world.cluster.owners().values())) == 2,
+             40, what="two agents share the shards")
+    wait_agent_connected(world.col, "a1")
+    wait_agent_connected(world.col, "a2")
+    other = KeyRing.from_mapping({KID: {"alg": "hmac-sha256", "secret": generate_hmac_secret()}})
+    ids = [f"real-{i:04d}" for i in range(500)]
+    valid = [signed(job_doc(j, line=str(i % 100)), world.ring) for i, j in enumerate(ids)]
+    rnd = random.Random(16)
+    junk = [_junk(rnd, i, ids, world.ring, other) for i in range(10000)]
+    junk_pusher = Pusher(world.mq.url, "junk-pusher")
+    pusher = Pusher(world.mq.url, "valid-pusher")
+    try:
+        def flood():
+            for p in junk:
+                junk_pusher.push(p)
+        t = threading.Thread(target=flood, daemon=True)
+        t.start()
+        for i, p in enumerate(valid):
+            pusher.push(p)
+            if i % 50 == 49:
+                time.sleep(0.01)
+        t.join(120)
+        assert world.col.wait(lambda m: set(ids) <= set(accepted(world.col)), 180), \
+            len(set(ids) - set(accepted(world.col)))
+        assert set(jobs_in_etcd(world.etcd)) == set(ids)
+        # on a real job's topic only its acceptance and schedule, never a rejection from junk
+        for _, topic, d in list(world.col.messages):
+            if T.kind(topic) == "status" and topic.rsplit("/", 1)[-1] in ids:
+                assert d["state"] in ("accepted", "scheduled") and not d.get("reason"), (topic, d)
+        # nothing held: both agents have no push waiting for the grace period
+        for agent in (a1, a2):
+            r = _cli("status", "-c", agent.config_path, "--json")
+            assert r.returncode == 0, r.stderr
+            assert json.loads(r.stdout)["cloud"]["pending_pushes"] == 0
+        reported = [d for _, topic, d in world.col.messages if T.kind(topic) == "rejected"]
+        assert reported and all(set(d) - {"seq"} == {"v", "state", "kind", "reason", "agent", "ts", "push_sha256"}
+                                for d in reported)
+        assert len(reported) < len(junk)  # rate-limited, never one status per junk message
+        assert a1.alive() and a2.alive()
+    finally:
+        junk_pusher.stop()
         pusher.stop()
 
 

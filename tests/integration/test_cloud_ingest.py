@@ -1,5 +1,6 @@
-"""The push/cancel pipeline in-process against a real etcd: every rejection reason,
-redelivery and conflict semantics, and a hypothesis fuzz of >= 10,000 payloads."""
+"""The push/cancel pipeline in-process against a real etcd: every rejection reason (and
+which of them never reach a job's status topic), binding and replay, redelivery and
+conflict semantics, and a hypothesis fuzz of >= 10,000 payloads."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from agent.cloud.ingest import Ingest
 from agent.cloud.outbox import Outbox
-from agent.cloud.testkit import KID, TEMPLATES, job_doc, rfc, signed, write_keys
+from agent.cloud.testkit import KID, TEMPLATES, cancel_doc, job_doc, rfc, signed, write_keys
 from agent.cloud.topics import Topics
 from agent.config import EtcdConfig, parse_config
 from agent.coordination.etcd import EtcdClient, EtcdUnavailable
@@ -34,14 +35,17 @@ class Env:
         self.outbox = Outbox(str(tmp_path / f"outbox-{agent_id}.sqlite"), 100000) if outbox else None
         self.records = []
         self.notified = []
-        self.ingest = Ingest(store=self.store, keyring=self.ring, templates=self.cfg.templates, topics=Topics("t"),
-                             agent_id=agent_id, max_bytes=4096, max_skew_s=300, outbox=self.outbox,
+        self.topics = Topics("t", agent_id)
+        self.ingest = Ingest(store=self.store, keyring=self.ring, templates=self.cfg.templates, topics=self.topics,
+                             agent_id=agent_id, max_bytes=4096, max_skew_s=300, cluster="t", max_age_s=86400,
+                             outbox=self.outbox,
                              record=lambda t, **f: self.records.append((t, f)),
                              notify=lambda k, o: self.notified.append((k, o)),
                              has_other_owner=lambda shard: False)
 
-    def statuses(self):
-        return [json.loads(p) for _, _, p, _ in self.outbox.batch(0, 10 ** 6)]
+    def statuses(self, topic_kind=None):
+        return [json.loads(p) for _, topic, p, _ in self.outbox.batch(0, 10 ** 6)
+                if topic_kind is None or self.topics.kind(topic) == topic_kind]
 
 
 @pytest.fixture
@@ -57,59 +61,108 @@ def test_each_rejection_reason(env):
     unknown = KeyRing.from_mapping({"cloud-9": {"alg": "hmac-sha256", "secret": generate_hmac_secret()}})
     now = datetime.now(timezone.utc)
     assert env.ingest.push(signed(job_doc("to-cancel"), ring)).result == "accepted"
-    assert env.ingest.cancel(signed({"v": 1, "id": "to-cancel"}, ring)).result == "cancelled"
+    assert env.ingest.cancel(signed(cancel_doc("to-cancel"), ring)).result == "cancelled"
     assert env.ingest.push(signed(job_doc("twin", line="1"), ring)).result == "accepted"
-    cases = {
-        "bad_json": b'{"v":1,"id":"x",',
+    # authentic and bound to this cluster: rejected on the job's own status topic, with details
+    bound = {
         "bad_field": signed(job_doc("wrong-type", timeout_s="ten"), ring),
         "unknown_template": signed(job_doc("tpl", template="nope"), ring),
         "bad_param": signed(job_doc("param", line="3; rm -rf /"), ring),
+        "expired": signed(job_doc("old", now=now - timedelta(days=40), at_offset_s=1), ring),
+        "skew": signed(job_doc("skew", issued_at=rfc(now + timedelta(hours=2))), ring),
+        "too_old": signed(job_doc("stale", issued_at=rfc(now - timedelta(days=2))), ring),
+        "cancelled": signed(job_doc("to-cancel"), ring),
+        "conflict": signed(job_doc("twin", line="2"), ring),
+    }
+    # not authentic, or not for this cluster: dropped, reported by reason only on the agent's
+    # own rejections topic, never on a job's topic
+    tampered = json.loads(signed(job_doc("tampered"), ring))
+    tampered["params"]["line"] = "4"
+    unbound = {
+        "bad_json": b'{"v":1,"id":"x",',
         "unsigned": json.dumps(job_doc("unsigned")).encode(),
         "bad_signature": signed(job_doc("badsig"), other),
         "unknown_kid": json.dumps(sign(job_doc("kid"), unknown, "cloud-9")).encode(),
-        "expired": signed(job_doc("old", now=now - timedelta(days=40), at_offset_s=1), ring),
-        "skew": signed(job_doc("skew", issued_at=rfc(now - timedelta(hours=2))), ring),
-        "cancelled": signed(job_doc("to-cancel"), ring),
-        "conflict": signed(job_doc("twin", line="2"), ring),
         "too_large": signed(job_doc("big", depends_on=[f"d{i:05d}" for i in range(60)] * 1), ring) + b" " * 4096,
+        "wrong_cluster": signed(job_doc("elsewhere", cluster="plant-b"), ring),
+        "wrong_kind": signed({**job_doc("kinded"), "kind": "cancel"}, ring),
+        "bad_signature (tampered)": json.dumps(tampered).encode(),
     }
-    tampered = json.loads(signed(job_doc("tampered"), ring))
-    tampered["params"]["line"] = "4"
-    cases["bad_signature (tampered)"] = json.dumps(tampered).encode()
-    for want, payload in cases.items():
+    for want, payload in bound.items():
         out = env.ingest.push(payload)
         assert out.result == "rejected", (want, out)
-        assert out.reason == want.split(" ")[0], (want, out.reason, out.detail)
+        assert out.reason == want, (want, out.reason, out.detail)
         assert out.status["state"] == "rejected" and out.status["reason"] == out.reason and out.status["detail"]
+    for want, payload in unbound.items():
+        out = env.ingest.push(payload)
+        assert out.result == "dropped", (want, out)
+        assert out.reason == want.split(" ")[0], (want, out.reason, out.detail)
+        assert set(out.status) == {"v", "state", "kind", "reason", "agent", "ts", "push_sha256"}, out.status
     # each rejection: a status, an audit record, a metric (reason only, never the job id)
     from agent.runtime.metrics import REGISTRY
-    rejected = [s for s in env.statuses() if s["state"] == "rejected"]
-    assert sorted({s["reason"] for s in rejected}) == sorted({w.split(" ")[0] for w in cases})
-    assert len([r for r in env.records if r[1].get("event") == "rejected"]) == len(cases)
-    for reason in ("bad_json", "conflict", "cancelled", "too_large"):
+    on_jobs = [s for s in env.statuses("status") if s["state"] == "rejected"]
+    assert sorted({s["reason"] for s in on_jobs}) == sorted(bound)
+    reported = env.statuses("rejected")
+    assert sorted({s["reason"] for s in reported}) == sorted({w.split(" ")[0] for w in unbound})
+    assert all("job_id" not in s and "detail" not in s for s in reported)
+    assert len([r for r in env.records if r[1].get("event") == "rejected"]) == len(bound)
+    assert len([r for r in env.records if r[1].get("event") == "rejected_unauthenticated"]) == len(unbound)
+    for reason in ("bad_json", "conflict", "cancelled", "too_large", "wrong_cluster"):
         assert REGISTRY.get_sample_value("millwright_mqtt_rejected_total", {"reason": reason}) >= 1
+    assert REGISTRY.get_sample_value("millwright_mqtt_unauthenticated_total",
+                                     {"kind": "push", "reason": "unsigned"}) >= 1
     for metric in REGISTRY.collect():
         for s in metric.samples:
             assert "job_id" not in s.labels and "twin" not in s.labels.values()
     # nothing rejected reached etcd; the twin kept its first content
-    for jid in ("tpl", "param", "unsigned", "badsig", "kid", "old", "skew", "wrong-type", "tampered"):
+    for jid in ("tpl", "param", "unsigned", "badsig", "kid", "old", "skew", "stale", "wrong-type", "tampered",
+                "elsewhere", "kinded"):
         assert env.store.get(jid) is None
     assert env.store.get("twin").doc["params"] == {"line": "1"}
 
 
+def test_replays_are_refused_with_their_reasons(env, etcd_server, tmp_path):
+    """Acceptance 2: a valid push replayed into another cluster, a cancel replayed after a
+    day, a push older than max_age_s."""
+    ring = env.ring
+    now = datetime.now(timezone.utc)
+    # the same signed bytes, valid in cluster t, arrive at an agent of cluster u
+    other = Env(etcd_server, tmp_path, agent_id="u1")
+    try:
+        other.ingest.keyring = ring
+        other.ingest.cluster = "u"
+        payload = signed(job_doc("replayed"), ring)
+        assert env.ingest.push(payload).result == "accepted"
+        out = other.ingest.push(payload)
+        assert (out.result, out.reason) == ("dropped", "wrong_cluster")
+        out = other.ingest.cancel(signed(cancel_doc("replayed"), ring))
+        assert (out.result, out.reason) == ("dropped", "wrong_cluster")
+    finally:
+        other.client.close()
+    # a cancel captured a day ago
+    out = env.ingest.cancel(signed(cancel_doc("replayed", now=now - timedelta(days=1, minutes=1)), ring))
+    assert (out.result, out.reason) == ("rejected", "too_old") and "issued_at" in out.detail
+    assert not env.store.get("replayed").cancelled
+    # a push older than max_age_s (a shorter one here)
+    env.ingest.max_age_s = 60
+    out = env.ingest.push(signed(job_doc("aged", now=now - timedelta(seconds=120)), ring))
+    assert (out.result, out.reason) == ("rejected", "too_old")
+    assert env.store.get("aged") is None
+
+
 def test_cancel_rejections_and_tombstone(env):
     ring = env.ring
-    out = env.ingest.cancel(json.dumps({"v": 1, "id": "x"}).encode())
-    assert out.result == "rejected" and out.reason == "unsigned"
-    out = env.ingest.cancel(signed({"v": 1, "id": "x", "extra": 1}, ring))
+    out = env.ingest.cancel(json.dumps(cancel_doc("x")).encode())
+    assert out.result == "dropped" and out.reason == "unsigned"
+    out = env.ingest.cancel(signed({**cancel_doc("x"), "extra": 1}, ring))
     assert out.result == "rejected" and out.reason == "bad_field"
     # a cancel before its push leaves a tombstone: the push is then refused
-    out = env.ingest.cancel(signed({"v": 1, "id": "early"}, ring))
+    out = env.ingest.cancel(signed(cancel_doc("early"), ring))
     assert out.result == "cancelled" and out.status["state"] == "cancelled"
     assert ("cancelled", "early") in env.notified
     assert env.ingest.push(signed(job_doc("early"), ring)).reason == "cancelled"
     # idempotent: a repeat is marked
-    again = env.ingest.cancel(signed({"v": 1, "id": "early"}, ring))
+    again = env.ingest.cancel(signed(cancel_doc("early"), ring))
     assert again.result == "redelivery" and again.status["redelivery"] is True
 
 
@@ -123,14 +176,14 @@ def test_redelivery_is_recognised_before_time_checks(env):
     assert env.notified and env.notified[-1][0] == "stored" and env.notified[-1][1].id == "r1"
     second = env.ingest.push(payload)
     assert second.result == "redelivery" and second.status["redelivery"] is True
-    # the same push redelivered after its issued_at left the skew window (it waited on the
-    # broker): still recognised as the stored job, not rejected
-    env.ingest.max_skew_s = 0.0
+    # the same push redelivered after its issued_at left the max_age_s window (it waited on
+    # the broker): still recognised as the stored job, not rejected
+    env.ingest.max_age_s = 0.001
     third = env.ingest.push(payload)
     assert third.result == "redelivery"
-    # a different job with the same stale issued_at is rejected for skew
+    # a different job with the same stale issued_at is rejected as too old
     late = env.ingest.push(signed(job_doc("r2", now=now - timedelta(seconds=5)), ring))
-    assert late.reason == "skew"
+    assert late.reason == "too_old"
     accepted = [s for s in env.statuses() if s["state"] == "accepted" and s["job_id"] == "r1"]
     assert [bool(s.get("redelivery")) for s in accepted] == [False, True, True]
 
@@ -173,10 +226,10 @@ def test_etcd_outage_raises_and_leaves_nothing(env, etcd_server):
 
 # --------------------------------------------------------------------------- fuzz
 
-FIELDS = ["v", "id", "template", "params", "schedule", "misfire", "misfire_limit", "overlap", "retry", "timeout_s",
+FIELDS = ["v", "id", "cluster", "kind", "template", "params", "schedule", "misfire", "misfire_limit", "overlap", "retry", "timeout_s",
           "resources", "depends_on", "not_after", "issued_at", "sig", "zzz"]
 TRICKY = [None, True, False, 0, -1, 1, 2.0, 1e308, -1e308, 2 ** 64, "", "3", "..", "a" * 200, "\u0000", "\ud800x",
-          "2026-12-02T12:00:00Z", "9999-99-99", "*/5 * * * *", {"line": "3"}, {"at": "x"}, {"cron": "* * *"}, [],
+          "2026-12-02T12:00:00Z", "9999-99-99", "t", "job", "cancel", "plant-b", "*/5 * * * *", {"line": "3"}, {"at": "x"}, {"cron": "* * *"}, [],
           ["a"], {"alg": "hmac-sha256", "kid": KID, "value": "AAAA"}, {"max_attempts": 1000}, {"cpu": -1}]
 
 
@@ -230,6 +283,7 @@ def _valid_by_oracle(payload: bytes, ring: KeyRing, templates) -> bool:
     """An independent, partial notion of validity that every accepted push must meet."""
     doc = json.loads(payload)
     ring.verify(doc)  # raises if not signed by our key
+    assert doc["cluster"] == "t" and doc["kind"] == "job"  # bound to this cluster, as a job
     t = templates[doc["template"]]
     assert set(doc.get("params", {})) == set(t.params)
     for k, rx in t.params.items():
@@ -253,8 +307,11 @@ def test_fuzz_ingest_never_crashes_never_accepts_invalid(env):
 
     def check(payload, kind):
         out = env.ingest.push(payload)  # any exception but EtcdUnavailable fails the test
-        assert out.result in ("accepted", "redelivery", "rejected"), out
-        if out.result == "rejected":
+        assert out.result in ("accepted", "redelivery", "rejected", "dropped"), out
+        if out.result == "dropped":  # unauthenticated or unbound: nothing of it may be stored
+            counts["rejected"] += 1
+            assert kind != "valid"
+        elif out.result == "rejected":
             counts["rejected"] += 1
             assert out.reason in REASONS + ("cancelled", "conflict"), out.reason
             assert kind != "valid" or out.reason == "conflict", (kind, out.reason, out.detail)
@@ -269,6 +326,17 @@ def test_fuzz_ingest_never_crashes_never_accepts_invalid(env):
 
     run()
     assert counts["accepted"] + counts["rejected"] >= 10000
+    # nothing unsigned or wrongly bound was ever stored
+    from agent.coordination.jobstore import public_doc
+
+    stored_n = 0
+    for shard in range(SHARDS):
+        for stored in env.store.list_shard(shard)[0]:
+            doc = public_doc(stored.doc)
+            env.ring.verify(doc)
+            assert doc["cluster"] == "t" and doc["kind"] == "job"
+            stored_n += 1
+    assert stored_n > 100
     assert counts["valid"] > 500 and counts["accepted"] >= counts["valid"] * 0.9
     # and it keeps ingesting
     assert env.ingest.push(signed(job_doc("after-fuzz"), env.ring)).result == "accepted"

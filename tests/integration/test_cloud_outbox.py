@@ -20,7 +20,7 @@ STATES = ["scheduled", "running", "retrying", "running", "succeeded"]
 
 def test_broker_outage_statuses_arrive_in_order(mosquitto_server, tmp_path):
     # the shared fixture's broker persists sessions: the subscriber's survives the restart
-    topics = Topics("t")
+    topics = Topics("t", "a1")
     collector = StatusCollector(mosquitto_server.url, "t").start()
     ob = Outbox(str(tmp_path / "outbox.sqlite"), 100000)
     pub = None

@@ -1,5 +1,7 @@
 """Durable jobs, scheduling and exactly-once runs on a real etcd with real agent processes
-(issue 3 acceptance). Jobs are written straight into the job store, as ingest does."""
+(issue 3 acceptance). Jobs are written straight into the job store, as ingest does, signed
+and bound by the shared helper (Cluster.signing); and what happens to documents written
+there by anyone else (issue 16: unsigned, forged, another cluster's, a retired key's)."""
 
 from __future__ import annotations
 
@@ -23,10 +25,10 @@ RECORD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 def templates(out: str) -> dict:
     return {"rec": {"argv": [RECORD, out, "{sleep}", "{code}"],
-                    "params": {"sleep": r"^[0-9.]+$", "code": r"^[0-9]+$"}, "user": "root",
+                    "params": {"sleep": r"^[0-9.]+$", "code": r"^[0-9]+$"}, "user": "root", "allow_root": True,
                     "allow_exec": ["/bin/*", "/usr/bin/*", RECORD]},
             "tree": {"argv": ["/bin/sh", "-c", "trap '' TERM; (trap '' TERM; echo $$ > \"$0\"; sleep 60) & sleep 60",
-                              "{pidfile}"], "params": {"pidfile": r"^/[A-Za-z0-9/._-]+$"}, "user": "root"}}
+                              "{pidfile}"], "params": {"pidfile": r"^/[A-Za-z0-9/._-]+$"}, "user": "root", "allow_root": True}}
 
 
 @pytest.fixture
@@ -38,7 +40,7 @@ def env(etcd_server, tmp_path):
     c = Cluster(etcd_server, str(tmp_path / "agents"), ttl=4, renew_deadline=2.5, retry_period=0.5,
                 extra={"templates": templates(out), "execute": {"max_concurrent": 64, "memory_mb": 16384, "cpu": 64.0,
                                                                 "kill_grace_s": 1.0}})
-    store = JobStore(c.client, c.keys, c.shards, "test")
+    store = c.signing(JobStore(c.client, c.keys, c.shards, "test"))
     yield c, store, out, tmp_path
     c.close()
 
@@ -280,12 +282,12 @@ def test_firing_is_claimed_ahead_and_released_at_its_due_time_and_a_cancel_in_be
     out_dir.mkdir()
     os.chmod(out_dir, 0o777)
     stamp = {"early": str(out_dir / "early"), "dropped": str(out_dir / "dropped")}
-    tpl = {name: {"argv": ["/bin/sh", "-c", 'date +%s.%N > "$0"', path], "user": "root",
+    tpl = {name: {"argv": ["/bin/sh", "-c", 'date +%s.%N > "$0"', path], "user": "root", "allow_root": True,
                   "allow_exec": ["/bin/*", "/usr/bin/*"]} for name, path in stamp.items()}
     c = Cluster(etcd_server, str(tmp_path / "agents"), ttl=4, renew_deadline=2.5, retry_period=0.5,
                 extra={"templates": tpl, "execute": {"claim_lead_s": 1.5}})
     try:
-        store = JobStore(c.client, c.keys, c.shards, "test")
+        store = c.signing(JobStore(c.client, c.keys, c.shards, "test"))
         c.start("a0")
         wait_for(lambda: c.converged({"a0": 1}), 15, what="shards")
         due = now() + timedelta(seconds=4)
@@ -315,3 +317,114 @@ def test_firing_is_claimed_ahead_and_released_at_its_due_time_and_a_cancel_in_be
         assert starts == ["early"]   # the discarded one never started
     finally:
         c.close()
+
+
+# --------------------------------------------------------------------------- trust (issue 16)
+
+
+def _outbox_statuses(agent) -> list[dict]:
+    import sqlite3
+
+    path = os.path.join(agent.config["state_dir"], "mqtt-outbox.sqlite")
+    db = sqlite3.connect(path)
+    try:
+        return [json.loads(p) for (p,) in db.execute("SELECT payload FROM outbox ORDER BY seq")]
+    finally:
+        db.close()
+
+
+def _audit(base) -> list[dict]:
+    out = []
+    for path in sorted(base.rglob("audit-*.jsonl")):
+        out += [json.loads(l) for l in open(path) if l.strip()]
+    return out
+
+
+def _metric(port: int, name: str, labels: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{labels}}}"):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_jobs_written_into_etcd_unsigned_forged_or_for_another_cluster_never_run(env):
+    """Acceptance 1: each case gives a status, a metric and an audit record, and never runs;
+    a properly signed job next to them runs."""
+    from agent.cloud.testkit import SigningStore
+    from agent.demo.services import free_port
+
+    c, store, out, tmp = env
+    port = free_port()
+    a = c.start("a0", extra={"metrics": {"listen": f"127.0.0.1:{port}"}})
+    wait_for(lambda: c.converged({"a0": 1}), 15, what="shards")
+    raw = JobStore(c.client, c.keys, c.shards, "intruder")   # anyone who can write etcd
+    t = now()
+    base = lambda jid: {**job(jid, {}), "cluster": c.cluster, "kind": "job", "issued_at": format_rfc3339(t)}
+    forged = store.sign(base("forged"))
+    forged["params"]["code"] = "7"                      # edited after signing
+    bad = {"unsigned": base("unsigned"), "forged": forged,
+           "foreign": SigningStore(raw, c.ring, "plant-b").sign({**base("foreign"), "cluster": "plant-b"})}
+    reasons = {"unsigned": "unsigned", "forged": "bad_signature", "foreign": "wrong_cluster"}
+    for doc in bad.values():
+        raw.create(doc)
+    store.create(job("control", {}))
+    wait_records(c, lambda rs: any(k[0] == "control" and r["state"] == "succeeded" for k, r in rs.items()),
+                 20, "the signed job ran")
+
+    def reported():
+        got = {d["job_id"]: d for d in _outbox_statuses(a) if d.get("state") == "rejected"}
+        return set(bad) <= set(got) and got
+
+    got = wait_for(reported, 15, interval=0.2, what="a rejected status per bad document")
+    time.sleep(1.0)
+    assert {k[0] for k in records(c)} == {"control"}      # no run record for any of them
+    assert set(effects(out)) == {k for k in effects(out) if k[0] == "control"}
+    for jid, reason in reasons.items():
+        assert got[jid]["reason"] == reason and got[jid]["source"] == "store", got[jid]
+        assert _metric(port, "millwright_jobs_rejected_stored_total", f'reason="{reason}"') >= 1
+    recs = [r for r in _audit(tmp / "agents") if r.get("type") == "job" and r.get("event") == "rejected_stored"]
+    assert {r["job"]: r["reason"] for r in recs} == reasons
+    # a restart re-verifies at load: still never run, reported again by the new incarnation
+    a.kill()
+    c.start("a0")
+    wait_for(lambda: c.converged({"a0": 1}), 20, what="shards after restart")
+    time.sleep(2.0)
+    assert {k[0] for k in records(c)} == {"control"}
+
+
+def test_retired_key_keeps_its_jobs_until_the_date_then_stops_them(env, tmp_path):
+    """Key rotation: a job signed by a key with retired_after runs until then, then stops
+    with status rejected / key_retired; jobs of the current key carry on."""
+    import yaml
+
+    from agent.cloud.testkit import SigningStore
+    from agent.jobs.signing import KeyRing, generate_hmac_secret
+
+    c, store, out, tmp = env
+    retire_at = now().replace(microsecond=0) + timedelta(seconds=20)  # room for a slow start under load
+    keys = {"old": {"alg": "hmac-sha256", "secret": generate_hmac_secret(),
+                    "retired_after": format_rfc3339(retire_at)},
+            "new": {"alg": "hmac-sha256", "secret": generate_hmac_secret()}}
+    path = str(tmp_path / "rotating-keys.yaml")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        yaml.safe_dump(keys, fh)
+    ring = KeyRing.load(path)
+    a = c.start("a0", extra={"signing": {"keys_file": path}})
+    wait_for(lambda: c.converged({"a0": 1}), 15, what="shards")
+    SigningStore(store.store, ring, c.cluster, kid="old").create(job("by-old", {"cron": "* * * * * *"}))
+    SigningStore(store.store, ring, c.cluster, kid="new").create(job("by-new", {"cron": "* * * * * *"}))
+    wait_records(c, lambda rs: any(k[0] == "by-old" and r["state"] == "succeeded" for k, r in rs.items()),
+                 max(1.0, (retire_at - now()).total_seconds() - 1), "a run of the old key's job before its retirement")
+    wait_for(lambda: now() > retire_at + timedelta(seconds=3), 30, interval=0.2, what="past the retirement")
+    recs = records(c)
+    old_dues = sorted(r["due"] for (j, _), r in recs.items() if j == "by-old")
+    new_dues = sorted(r["due"] for (j, _), r in recs.items() if j == "by-new")
+    assert old_dues, "ran before the retirement"
+    assert max(old_dues) < format_rfc3339(retire_at + timedelta(seconds=1)), old_dues
+    assert max(new_dues) > format_rfc3339(retire_at + timedelta(seconds=1)), new_dues
+    st = [d for d in _outbox_statuses(a) if d.get("job_id") == "by-old" and d.get("state") == "rejected"]
+    assert st and st[-1]["reason"] == "key_retired" and "retired" in st[-1]["detail"]

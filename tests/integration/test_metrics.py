@@ -70,14 +70,14 @@ def agent_config(etcd, mq, keys_file, out, port, ttl=4) -> dict:
         "execute": {"max_concurrent": 8, "memory_mb": 2048, "cpu": 4.0, "kill_grace_s": 1.0},
         "templates": {
             "rec": {"argv": [RECORD, out, "{sleep}", "{code}"],
-                    "params": {"sleep": r"^[0-9.]+$", "code": r"^[0-9]+$"}, "user": "root",
+                    "params": {"sleep": r"^[0-9.]+$", "code": r"^[0-9]+$"}, "user": "root", "allow_root": True,
                     "allow_exec": ["/bin/*", "/usr/bin/*", RECORD]},
             "hog": {"argv": ["/usr/bin/python3", "-c", "import sys; b = b'\\x01' * (int(sys.argv[1]) << 20)", "{mb}"],
-                    "params": {"mb": r"^[0-9]+$"}, "user": "root", "resources": {"memory_mb": 32},
+                    "params": {"mb": r"^[0-9]+$"}, "user": "root", "allow_root": True, "resources": {"memory_mb": 32},
                     "allow_exec": ["/usr/bin/python3*"]},
             "burst": {"argv": ["/bin/sh", "-c", "sleep 1; l() ( i=0; while [ $i -lt 300 ]; do /bin/true; "
                                "i=$((i+1)); done ); l & l & l; wait"], "resources": {"cpu": 2.0},
-                      "user": "root", "allow_exec": ["/bin/*", "/usr/bin/*"]},
+                      "user": "root", "allow_root": True, "allow_exec": ["/bin/*", "/usr/bin/*"]},
         },
     }
 
@@ -152,7 +152,7 @@ def sc(tmp_path_factory):
                     {"v": 1, "id": "hog-1", "template": "hog", "params": {"mb": "256"}, "schedule": {}},
                     {"v": 1, "id": "burst-1", "template": "burst", "params": {}, "schedule": {}}]
             for d in docs:
-                d["issued_at"] = testkit.rfc(now)
+                d.update(issued_at=testkit.rfc(now), cluster=CLUSTER, kind="job")
                 assert collector.link.publish_wait(collector.topics.push, testkit.signed(d, ring), 1, timeout=5)
             # freeze the agent while the burst runs: nobody drains the one-page perf buffer
             assert collector.wait(lambda msgs: any(d.get("job_id") == "burst-1" and d.get("state") == "running"
@@ -186,7 +186,7 @@ def sc(tmp_path_factory):
             mq.stop()
             # every status of the offline jobs is born while the agent knows the broker is gone
             wait_for(lambda: msum(m(), "millwright_mqtt_connected") == 0, 10, "the agent to see the broker gone")
-            store = JobStore(client, keys, SHARDS, "test")
+            store = testkit.SigningStore(JobStore(client, keys, SHARDS, "test"), ring, CLUSTER)
             ids = [f"offline-{i}" for i in range(4)]
             for jid in ids:
                 store.create({"v": 1, "id": jid, "template": "rec", "params": {"sleep": "0", "code": "0"},

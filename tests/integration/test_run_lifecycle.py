@@ -9,7 +9,6 @@ import glob
 import json
 import os
 import shutil
-import signal
 import sqlite3
 import time
 from datetime import datetime, timedelta, timezone

@@ -49,7 +49,7 @@ def cluster(etcd_server, tmp_path):
 def start(c: Cluster) -> JobStore:
     c.start("a0")
     wait_for(lambda: c.converged({"a0": 1}), 60, what="shards (BPF compile included)")
-    return JobStore(c.client, c.keys, c.shards, "test")
+    return c.signing(JobStore(c.client, c.keys, c.shards, "test"))
 
 
 def test_exec_events_of_a_job_are_audited_with_job_and_run_id(cluster):

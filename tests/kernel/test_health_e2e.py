@@ -75,7 +75,7 @@ def test_etcd_blackhole_pauses_runs_before_the_renew_deadline(etcd_server, tmp_p
         c.start("peer")
         cut = c.start("cut", endpoint_host="127.0.0.2", extra={"bpf": {"enabled": True}})
         wait_for(lambda: c.converged({"peer": 1, "cut": 1}), 60, what="plan")
-        store = JobStore(c.client, c.keys, c.shards, "test")
+        store = c.signing(JobStore(c.client, c.keys, c.shards, "test"))
         for i in range(24):
             store.create({"v": 1, "id": f"tick-{i}", "template": "tick", "params": {},
                           "schedule": {"cron": "* * * * * *"}})
@@ -113,7 +113,7 @@ def test_stalled_job_network_is_retried_and_hands_shards_to_a_healthy_peer(etcd_
         # the same template name points at a blackholed target on one agent only
         sick = c.start("sick", extra={"bpf": {"enabled": True}, "templates": {"net": net_template("127.0.0.3", echo.port)}})
         wait_for(lambda: c.converged({"sick": 1}), 60, what="sick owns all shards")
-        store = JobStore(c.client, c.keys, c.shards, "test")
+        store = c.signing(JobStore(c.client, c.keys, c.shards, "test"))
         with NftBlock("127.0.0.3", echo.port):
             for i in range(3):
                 store.create({"v": 1, "id": f"net-{i}", "template": "net", "params": {}, "schedule": {},
@@ -155,7 +155,7 @@ def test_a_flapping_link_causes_at_most_one_hand_off_in_five_minutes(etcd_server
         c.start("steady", extra={"templates": {**tpl, "net": net_template("127.0.0.1", echo.port)}})
         flappy = c.start("flappy", endpoint_host="127.0.0.2", extra={"bpf": {"enabled": True}})
         wait_for(lambda: c.converged({"steady": 1, "flappy": 1}), 60, what="plan")
-        store = JobStore(c.client, c.keys, c.shards, "test")
+        store = c.signing(JobStore(c.client, c.keys, c.shards, "test"))
         for i in range(16):
             store.create({"v": 1, "id": f"flap-net-{i}", "template": "net", "params": {},
                           "schedule": {"cron": "*/2 * * * * *"}, "overlap": "forbid",

@@ -14,18 +14,54 @@ from agent.cloud.topics import INVALID_ID, Topics
 
 
 def test_topics_and_kinds():
-    t = Topics("plant-a")
+    t = Topics("plant-a", "gw-1")
     assert t.push == "millwright/plant-a/jobs/push"
     assert t.cancel == "millwright/plant-a/jobs/cancel"
-    assert t.status("j-1") == "millwright/plant-a/status/j-1"
+    # an agent publishes only under its own prefix, so a broker ACL can protect it
+    assert t.status("j-1") == "millwright/plant-a/agents/gw-1/status/j-1"
+    assert t.status("j-1", "gw-2") == "millwright/plant-a/agents/gw-2/status/j-1"
     assert t.status(None).endswith("/" + INVALID_ID)
     assert t.status("../x").endswith("/" + INVALID_ID)
     assert t.status(".hidden").endswith("/" + INVALID_ID)
     assert t.status("a+b").endswith("/" + INVALID_ID)  # a wildcard must never become a topic level
-    assert t.presence("gw-1") == "millwright/plant-a/agents/gw-1/presence"
+    assert t.rejections() == "millwright/plant-a/agents/gw-1/rejected"
+    assert t.presence() == t.presence("gw-1") == "millwright/plant-a/agents/gw-1/presence"
     assert t.checkpoint("gw-1") == "millwright/plant-a/agents/gw-1/audit/checkpoint"
-    assert [t.kind(x) for x in (t.push, t.cancel, t.status("j"), t.presence("a"), t.checkpoint("a"), "x/y")] == \
-        ["push", "cancel", "status", "presence", "checkpoint", "other"]
+    assert t.status_filter() == "millwright/plant-a/agents/+/status/+"
+    assert t.job_status_filter("j-1") == "millwright/plant-a/agents/+/status/j-1"
+    assert t.agent_of(t.status("j")) == "gw-1" and t.agent_of(t.push) is None
+    assert [t.kind(x) for x in (t.push, t.cancel, t.status("j"), t.rejections(), t.presence("a"), t.checkpoint("a"),
+                                "x/y")] == ["push", "cancel", "status", "rejected", "presence", "checkpoint", "other"]
+    with pytest.raises(ValueError):
+        Topics("plant-a").status("j")  # the cloud side has no agent prefix of its own
+
+
+def test_outbox_file_is_private(tmp_path):
+    path = str(tmp_path / "ob.sqlite")
+    ob = Outbox(path, 10)
+    ob.enqueue("t", {"job_id": "j", "state": "running"})
+    for name in os.listdir(tmp_path):
+        assert os.stat(tmp_path / name).st_mode & 0o077 == 0, name
+    ob.close()
+
+
+def test_unauthenticated_reports_are_rate_limited():
+    from agent.cloud.ingest import TokenBucket
+
+    clock = [0.0]
+    b = TokenBucket(2.0, 3.0, clock=lambda: clock[0])
+    assert [b.take() for _ in range(5)] == [True, True, True, False, False]
+    clock[0] = 1.0
+    assert [b.take() for _ in range(3)] == [True, True, False]
+
+
+def test_cancelled_mark_is_read_from_the_document_not_its_text():
+    from agent.cloud.ingest import _is_cancelled
+
+    assert _is_cancelled(b'{"id":"j","_cancelled":{"at":"x"}}')
+    assert not _is_cancelled(json.dumps({"id": "j", "params": {"p": '"_cancelled"'}}).encode())
+    assert not _is_cancelled(b'{"id":"j","params":{"_cancelled":1}}')
+    assert not _is_cancelled(b"not json")
 
 
 def test_peek_id():
@@ -189,3 +225,34 @@ def test_paho_under_test_is_the_expected_one():
         assert PAHO_MAJOR == int(want)
     link = MqttLink(MqttConfig(url="mqtt://127.0.0.1:1"), "x")
     assert link.deferred_ack  # manual ack available on this paho
+
+
+def test_unauthenticated_input_is_acknowledged_at_once_and_never_held(tmp_path):
+    """The screen runs before routing: a non-owner holds only authentic, bound pushes."""
+    import types
+
+    from agent.cloud import testkit
+    from agent.cloud.ingest import Dispatcher, Ingest
+    from agent.jobs.signing import KeyRing, generate_hmac_secret
+
+    ring = testkit.write_keys(str(tmp_path / "keys.yaml"))
+    other = KeyRing.from_mapping({testkit.KID: {"alg": "hmac-sha256", "secret": generate_hmac_secret()}})
+    topics = Topics("t", "a1")
+    outbox = Outbox(str(tmp_path / "ob.sqlite"), 1000)
+    ingest = Ingest(store=types.SimpleNamespace(shards=8), keyring=ring, templates={}, topics=topics, agent_id="a1",
+                    max_bytes=4096, max_skew_s=300, cluster="t", outbox=outbox)
+    acked = []
+    link = types.SimpleNamespace(ack=lambda m: acked.append(m))
+    d = Dispatcher(ingest, link, topics, owned=lambda: frozenset(), grace_s=60.0)  # owns nothing: would hold
+    msg = lambda payload: types.SimpleNamespace(topic=topics.push, payload=payload, received=0.0, qos=1)
+    junk = [b"x", json.dumps(testkit.job_doc("real")).encode(), testkit.signed(testkit.job_doc("real"), other),
+            testkit.signed(testkit.job_doc("real", cluster="u"), ring),
+            testkit.signed({**testkit.job_doc("real"), "kind": "cancel"}, ring)]
+    for p in junk:
+        d.on_message(msg(p))
+    assert len(acked) == len(junk) and d.pending == 0
+    assert list(outbox.batch(0, 100)) == []   # only the owner of the digest's shard reports junk
+    valid = msg(testkit.signed(testkit.job_doc("real"), ring))
+    d.on_message(valid)
+    assert d.pending == 1 and valid not in acked   # held for the owner, as before
+    outbox.close()

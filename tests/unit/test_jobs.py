@@ -1,5 +1,6 @@
 """Job documents: every invalid field gets its specific reason and names the field;
-hostile ids; signatures; expiry and skew; templates and argv; cancel; stored re-parse."""
+hostile ids; signatures; binding (cluster, kind), age and skew; the check order; templates
+and argv; regex limits; cancel; stored re-parse with verification."""
 
 from __future__ import annotations
 
@@ -27,9 +28,12 @@ TEMPLATES = {
     ),
     "noargs": Template(argv=["/bin/true"]),
 }
+CLUSTER = "plant-a"
 BASE = {
     "v": 1,
     "id": "coolant-flush-line3-20261202",
+    "cluster": CLUSTER,
+    "kind": "job",
     "template": "coolant-flush",
     "params": {"line": "3", "mode": "fast"},
     "schedule": {"at": "2026-12-02T12:00:00Z"},
@@ -45,11 +49,13 @@ BASE = {
 
 
 def signed(doc: dict) -> dict:
-    return sign(doc, KEYS, "cloud-1")
+    """Signed, with the binding and issued_at of BASE unless the document sets its own."""
+    return sign({"cluster": CLUSTER, "kind": "job", "issued_at": BASE["issued_at"], **doc}, KEYS, "cloud-1")
 
 
 def parse(payload, **kw) -> Job:
-    args = dict(templates=TEMPLATES, keyring=KEYS, now=NOW, max_skew_s=300, max_bytes=65536)
+    args = dict(templates=TEMPLATES, keyring=KEYS, now=NOW, max_skew_s=300, max_bytes=65536, cluster=CLUSTER,
+                max_age_s=86400)
     args.update(kw)
     return parse_job(payload, **args)
 
@@ -97,7 +103,7 @@ def test_defaults_for_a_minimal_document():
     assert job.schedule == Schedule.now() and job.misfire == "run_once" and job.misfire_limit == 1
     assert job.overlap == "forbid" and job.retry.max_attempts == 1 and job.timeout_s == 3600.0
     assert job.resources == Resources() and job.depends_on == [] and job.params == {}
-    assert job.not_after is None and job.issued_at is None
+    assert job.not_after is None and job.issued_at == datetime(2026, 12, 2, 11, tzinfo=UTC)
 
 
 def test_canonical_identifies_content_regardless_of_wire_formatting():
@@ -226,11 +232,11 @@ def test_every_invalid_field_has_its_specific_error(changes, reason, field):
 
 
 def test_sig_field_shape_errors():
-    for sig, field in [("abc", "sig"), ({"alg": "hmac-sha256", "kid": "cloud-1"}, "sig.value"),
+    for sig, _ in [("abc", "sig"), ({"alg": "hmac-sha256", "kid": "cloud-1"}, "sig.value"),
                        ({"alg": "hmac-sha256", "kid": "cloud-1", "value": "AA==", "x": 1}, "sig.x"),
                        ({"alg": "", "kid": "cloud-1", "value": "AA=="}, "sig.alg")]:
         err = rejected({**BASE, "sig": sig})
-        assert (err.reason, err.field) == ("bad_field", field)
+        assert (err.reason, err.field, err.bound) == ("bad_signature", "sig", False)
 
 
 # ---------------------------------------------------------------- size and JSON
@@ -291,7 +297,7 @@ def test_longest_and_odd_but_valid_ids():
 def test_hostile_id_in_cancel():
     for bad_id in ["..", "../x", "a/b", "a" * 129, "\x00"]:
         with pytest.raises(JobRejected) as ei:
-            parse_cancel(sign({"v": 1, "id": bad_id}, KEYS, "cloud-1"), KEYS, 4096)
+            parse_cancel(sign(cancel(bad_id), KEYS, "cloud-1"), KEYS, 4096, cluster=CLUSTER)
         assert ei.value.field == "id"
 
 
@@ -329,28 +335,87 @@ def test_expired():
     assert (err.reason, err.field) == ("expired", "not_after")
 
 
-def test_skew_both_directions_and_tz_offsets():
+def test_future_skew_and_max_age_and_tz_offsets():
     issued = datetime(2026, 12, 2, 11, tzinfo=UTC)
-    assert rejected(signed(BASE), now=issued + timedelta(seconds=301)).reason == "skew"
-    assert rejected(signed(BASE), now=issued - timedelta(seconds=301)).reason == "skew"
-    assert parse(signed(BASE), now=issued + timedelta(seconds=299)).id
-    assert parse(signed(BASE), now=issued - timedelta(seconds=299)).id
+    doc = signed(variant(not_after="2026-12-10T00:00:00Z"))
+    assert rejected(doc, now=issued - timedelta(seconds=301)).reason == "skew"
+    assert parse(doc, now=issued - timedelta(seconds=299)).id
+    # the past side is bounded by max_age_s, not the skew
+    assert parse(doc, now=issued + timedelta(seconds=301)).id
+    err = rejected(doc, now=issued + timedelta(seconds=86401))
+    assert (err.reason, err.field, err.bound) == ("too_old", "issued_at", True)
+    assert rejected(doc, now=issued + timedelta(seconds=61), max_age_s=60).reason == "too_old"
+    assert parse(doc, now=issued + timedelta(seconds=59), max_age_s=60).id
     # the same instant written with an offset
     assert parse(signed(variant(issued_at="2026-12-02T12:00:00+01:00"))).issued_at == datetime(2026, 12, 2, 11, tzinfo=UTC)
 
 
 def test_validation_order():
-    # too_large before everything; JSON before version; version before fields; fields
-    # before template; template before params; params before signature; signature
-    # before expiry; expiry before skew.
+    # size -> JSON -> signature -> binding -> version -> fields -> template -> params ->
+    # expiry -> age/skew: nothing unauthenticated is looked at beyond size, JSON, signature.
     assert rejected(b"x" * 100, max_bytes=10).reason == "too_large"
-    assert rejected({"v": 2, "bogus": 1}).reason == "unsupported_version"
-    assert rejected({**BASE, "template": "nope", "timeout_s": -1}).reason == "bad_field"
-    assert rejected({**BASE, "template": "nope", "params": {"x": "1"}}).reason == "unknown_template"
-    assert rejected({**BASE, "params": {}}).reason == "bad_param"
+    assert rejected(b"{x", max_bytes=10).reason == "bad_json"
+    for unsigned_doc in ({"v": 2, "bogus": 1}, {**BASE, "template": "nope", "timeout_s": -1},
+                         {**BASE, "params": {"line": "x" * 5000}}, {**BASE, "cluster": "other"}):
+        err = rejected(unsigned_doc)
+        assert (err.reason, err.bound) == ("unsigned", False)
+    assert rejected(signed({**BASE, "cluster": "other", "v": 2})).reason == "wrong_cluster"
+    assert rejected(signed({**BASE, "kind": "cancel", "v": 2})).reason == "wrong_kind"
+    assert rejected(signed({"v": 2, "bogus": 1})).reason == "unsupported_version"
+    assert rejected(signed({**BASE, "template": "nope", "timeout_s": -1})).reason == "bad_field"
+    assert rejected(signed({**BASE, "template": "nope", "params": {"x": "1"}})).reason == "unknown_template"
+    assert rejected(signed({**BASE, "params": {}})).reason == "bad_param"
     late = NOW + timedelta(days=2)
-    assert rejected(BASE, now=late).reason == "unsigned"
     assert rejected(signed(BASE), now=late).reason == "expired"
+
+
+def test_binding_to_cluster_and_kind():
+    for doc, reason in [(sign({k: v for k, v in BASE.items() if k != "cluster"}, KEYS, "cloud-1"), "wrong_cluster"),
+                        (signed({**BASE, "cluster": "plant-b"}), "wrong_cluster"),
+                        (sign({k: v for k, v in BASE.items() if k != "kind"}, KEYS, "cloud-1"), "wrong_kind"),
+                        (signed({**BASE, "kind": "cancel"}), "wrong_kind")]:
+        err = rejected(doc)
+        assert (err.reason, err.bound) == (reason, False), err.detail
+    assert parse(signed(BASE), cluster=CLUSTER).id == BASE["id"]
+    assert rejected(signed(BASE), cluster="plant-b").reason == "wrong_cluster"
+    # the binding is signed: editing it breaks the signature
+    doc = signed(BASE)
+    doc["cluster"] = "plant-b"
+    assert rejected(doc, cluster="plant-b").reason == "bad_signature"
+
+
+def test_issued_at_is_required():
+    doc = sign({k: v for k, v in BASE.items() if k != "issued_at"}, KEYS, "cloud-1")
+    err = rejected(doc)
+    assert (err.reason, err.field) == ("bad_field", "issued_at")
+
+
+def test_retired_key_refuses_after_its_date_only():
+    ring = KeyRing.from_mapping({"old": {"alg": "hmac-sha256", "secret": SECRET,
+                                         "retired_after": "2026-12-02T11:00:10Z"}})
+    doc = sign(BASE, ring, "old")
+    assert parse(doc, keyring=ring, now=datetime(2026, 12, 2, 11, 0, 9, tzinfo=UTC)).kid == "old"
+    err = rejected(doc, keyring=ring)  # NOW is 11:00:30
+    assert (err.reason, err.bound) == ("key_retired", False)
+    job = Job.from_stored(doc, keyring=ring, cluster=CLUSTER)  # no clock: the scheduler arms a timer
+    assert job.key_retired_after == datetime(2026, 12, 2, 11, 0, 10, tzinfo=UTC)
+    with pytest.raises(JobRejected) as ei:
+        Job.from_stored(doc, keyring=ring, cluster=CLUSTER, now=NOW)
+    assert ei.value.reason == "key_retired"
+
+
+def test_param_length_is_limited_before_any_regex_runs():
+    t = Template(argv=["/bin/echo", "{a}"], params={"a": "(?s).*"})
+    err = rejected(signed({"v": 1, "id": "j", "template": "t", "params": {"a": "x" * 1025}}), templates={"t": t})
+    assert (err.reason, err.field) == ("bad_field", "params.a")
+    assert parse(signed({"v": 1, "id": "j", "template": "t", "params": {"a": "x" * 1024}}), templates={"t": t}).id
+
+
+def test_param_regex_is_ascii_only():
+    t = Template(argv=["/bin/echo", "{a}"], params={"a": r"^\d+$"})
+    assert parse(signed({"v": 1, "id": "j", "template": "t", "params": {"a": "42"}}), templates={"t": t}).id
+    err = rejected(signed({"v": 1, "id": "j", "template": "t", "params": {"a": "\u0664\u0662"}}), templates={"t": t})
+    assert err.reason == "bad_param"
 
 
 def test_naive_now_is_a_programming_error_not_a_user_error():
@@ -397,15 +462,23 @@ def test_effective_resources_capped_by_template():
 # ---------------------------------------------------------------- stored documents, cancel
 
 
-def test_from_stored_skips_signature_expiry_skew_and_templates():
+def test_from_stored_verifies_signature_and_binding_but_not_expiry_age_or_templates():
     doc = signed(BASE)
-    job = Job.from_stored(doc)
-    assert job == parse(doc) and job.canonical == parse(doc).canonical
-    unsigned_expired = variant(not_after="2020-01-01T00:00:00Z", issued_at="2019-01-01T00:00:00Z", template="gone",
-                               schedule={})
-    assert Job.from_stored(unsigned_expired).template == "gone"
-    with pytest.raises(JobRejected):
-        Job.from_stored({"v": 1, "id": "../x", "template": "t"})
+    job = Job.from_stored(doc, keyring=KEYS, cluster=CLUSTER)
+    assert job == parse(doc) and job.canonical == parse(doc).canonical and job.kid == "cloud-1"
+    old = signed(variant(not_after="2020-01-01T00:00:00Z", issued_at="2019-01-01T00:00:00Z", template="gone",
+                         schedule={}))
+    assert Job.from_stored(old, keyring=KEYS, cluster=CLUSTER).template == "gone"
+    for bad, reason in [(variant(), "unsigned"), (sign(BASE, KeyRing.from_mapping(
+            {"cloud-1": {"alg": "hmac-sha256", "secret": base64.b64encode(b"k" * 32).decode()}}), "cloud-1"),
+            "bad_signature"), (signed({**BASE, "cluster": "plant-b"}), "wrong_cluster"),
+            (signed({"v": 1, "id": "../x", "template": "t"}), "bad_field")]:
+        with pytest.raises(JobRejected) as ei:
+            Job.from_stored(bad, keyring=KEYS, cluster=CLUSTER)
+        assert ei.value.reason == reason
+    with pytest.raises(JobRejected) as ei:
+        Job.from_stored(doc, keyring=None, cluster=CLUSTER)
+    assert ei.value.reason == "unknown_kid"
 
 
 def test_job_shard_matches_contract():
@@ -416,21 +489,36 @@ def test_job_shard_matches_contract():
     assert job.shard(64) == expect
 
 
+def cancel(job_id, **kw) -> dict:
+    return {"v": 1, "id": job_id, "cluster": CLUSTER, "kind": "cancel", "issued_at": BASE["issued_at"], **kw}
+
+
 def test_parse_cancel():
-    doc = sign({"v": 1, "id": "job-1"}, KEYS, "cloud-1")
-    assert parse_cancel(json.dumps(doc).encode(), KEYS, 4096) == "job-1"
+    doc = sign(cancel("job-1"), KEYS, "cloud-1")
+    assert parse_cancel(json.dumps(doc).encode(), KEYS, 4096, cluster=CLUSTER, now=NOW, max_age_s=86400) == "job-1"
     for payload, reason in [
         (b"nope", "bad_json"),
-        (json.dumps({"v": 1, "id": "job-1"}), "unsigned"),
+        (json.dumps(cancel("job-1")), "unsigned"),
         (json.dumps({**doc, "id": "job-2"}), "bad_signature"),
-        (json.dumps({**doc, "extra": 1}), "bad_field"),
-        (json.dumps({**doc, "v": 3}), "unsupported_version"),
-        (json.dumps({"v": 1, "sig": doc["sig"]}), "bad_field"),
+        (json.dumps({**doc, "extra": 1}), "bad_signature"),
+        (json.dumps(sign(cancel("job-1", extra=1), KEYS, "cloud-1")), "bad_field"),
+        (json.dumps(sign(cancel("job-1", v=3), KEYS, "cloud-1")), "unsupported_version"),
+        (json.dumps(sign(cancel("job-1", cluster="plant-b"), KEYS, "cloud-1")), "wrong_cluster"),
+        (json.dumps(sign(cancel("job-1", kind="job"), KEYS, "cloud-1")), "wrong_kind"),
+        (json.dumps(sign({k: v for k, v in cancel("x").items() if k != "id"}, KEYS, "cloud-1")), "bad_field"),
         (json.dumps(doc) + " " * 5000, "too_large"),
     ]:
         with pytest.raises(JobRejected) as ei:
-            parse_cancel(payload, KEYS, 4096)
+            parse_cancel(payload, KEYS, 4096, cluster=CLUSTER, now=NOW, max_age_s=86400)
         assert ei.value.reason == reason, (payload, ei.value.detail)
+
+
+def test_a_cancel_replayed_after_a_day_is_too_old():
+    doc = sign(cancel("job-1"), KEYS, "cloud-1")
+    later = NOW + timedelta(days=1, seconds=1)
+    with pytest.raises(JobRejected) as ei:
+        parse_cancel(json.dumps(doc), KEYS, 4096, cluster=CLUSTER, now=later, max_age_s=86400)
+    assert (ei.value.reason, ei.value.field) == ("too_old", "issued_at")
 
 
 def test_the_brief_example_with_templates_from_the_config_file():

@@ -24,8 +24,9 @@ scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.flo
 json_ish = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
                                                          st.dictionaries(st.text(max_size=6), inner, max_size=3)),
                         max_leaves=6)
+CLUSTER = "plant-a"
 VALID = {
-    "v": 1, "id": "job-1", "template": "t", "params": {"line": "3"}, "schedule": {"cron": "0 */5 * * * *", "tz": "Europe/Berlin"},
+    "v": 1, "id": "job-1", "cluster": CLUSTER, "kind": "job", "template": "t", "params": {"line": "3"}, "schedule": {"cron": "0 */5 * * * *", "tz": "Europe/Berlin"},
     "misfire": "run_all", "misfire_limit": 3, "overlap": "forbid",
     "retry": {"max_attempts": 3, "backoff_s": 2, "max_backoff_s": 60, "jitter": 0.2}, "timeout_s": 300,
     "resources": {"cpu": 0.5, "memory_mb": 128, "pids": 64}, "depends_on": ["a"],
@@ -59,6 +60,8 @@ FIELD_VALUES = {
     "depends_on": st.one_of(st.lists(st.sampled_from(["a", "b", "..", "a/b", "", 1]), max_size=3), json_ish),
     "not_after": st.sampled_from(["2026-12-03T00:00:00Z", "2026-12-01T00:00:00Z", "bad", 0]),
     "issued_at": st.sampled_from(["2026-12-02T11:00:00Z", "2026-12-02T09:00:00Z", "2026-12-02T11:00:00+01:00", "x"]),
+    "cluster": st.sampled_from([CLUSTER, CLUSTER, "plant-b", "", None, 1]),
+    "kind": st.sampled_from(["job", "job", "cancel", "", None]),
     "bogus": json_ish,
 }
 
@@ -76,7 +79,8 @@ def documents(draw):
 
 
 def call(payload, **kw):
-    args = dict(templates=TEMPLATES, keyring=KEYS, now=NOW, max_skew_s=300, max_bytes=8192)
+    args = dict(templates=TEMPLATES, keyring=KEYS, now=NOW, max_skew_s=300, max_bytes=8192, cluster=CLUSTER,
+                max_age_s=86400)
     args.update(kw)
     return parse_job(payload, **args)
 
@@ -86,7 +90,9 @@ def check_accepted(job, doc):
     assert doc.get("v") == 1 and not isinstance(doc.get("v"), bool)
     assert ID_RE.fullmatch(job.id) and not job.id.startswith(".")
     assert job.template in TEMPLATES and set(job.params) == {"line"}
-    assert set(doc) <= {"v", "id", "template", "params", "schedule", "misfire", "misfire_limit", "overlap", "retry",
+    assert doc.get("cluster") == CLUSTER and doc.get("kind") == "job" and "issued_at" in doc
+    KEYS.verify(doc)  # only what this ring signed is ever accepted
+    assert set(doc) <= {"v", "id", "cluster", "kind", "template", "params", "schedule", "misfire", "misfire_limit", "overlap", "retry",
                         "timeout_s", "resources", "depends_on", "not_after", "issued_at", "sig"}
     assert 0 < job.timeout_s and 1 <= job.retry.max_attempts <= 100 and 0 <= job.retry.jitter <= 1
     assert job.not_after is None or job.not_after > NOW
@@ -108,6 +114,16 @@ def test_structured_documents_only_raise_job_rejected(doc, sign_it):
         return
     assert sign_it
     check_accepted(job, payload)
+    # and the stored copy verifies again at load, bound to this cluster only
+    from agent.jobs.document import Job
+
+    assert Job.from_stored(payload, keyring=KEYS, cluster=CLUSTER).content == job.content
+    try:
+        Job.from_stored(payload, keyring=KEYS, cluster="plant-b")
+    except JobRejected as exc:
+        assert exc.reason == "wrong_cluster"
+    else:  # pragma: no cover
+        raise AssertionError("a document bound to plant-a loaded in plant-b")
 
 
 @FUZZ
@@ -131,13 +147,16 @@ def test_arbitrary_bytes_only_raise_job_rejected(data):
         except JobRejected as exc:
             assert exc.reason in REASONS
         try:
-            parse_cancel(data, KEYS, 8192)
+            parse_cancel(data, KEYS, 8192, cluster=CLUSTER, now=NOW, max_age_s=86400)
         except JobRejected as exc:
             assert exc.reason in REASONS
 
 
 @FUZZ
-@given(doc=st.fixed_dictionaries({}, optional={"v": FIELD_VALUES["v"], "id": FIELD_VALUES["id"], "x": json_ish}),
+@given(doc=st.fixed_dictionaries({}, optional={"v": FIELD_VALUES["v"], "id": FIELD_VALUES["id"], "x": json_ish,
+                                               "cluster": FIELD_VALUES["cluster"],
+                                               "kind": st.sampled_from(["cancel", "cancel", "job", None]),
+                                               "issued_at": FIELD_VALUES["issued_at"]}),
        sign_it=st.booleans())
 def test_cancel_only_raises_job_rejected(doc, sign_it):
     payload = doc
@@ -147,13 +166,51 @@ def test_cancel_only_raises_job_rejected(doc, sign_it):
         except (TypeError, ValueError):
             pass
     try:
-        job_id = parse_cancel(payload, KEYS, 8192)
+        job_id = parse_cancel(payload, KEYS, 8192, cluster=CLUSTER, now=NOW, max_skew_s=300, max_age_s=86400)
     except JobRejected as exc:
         assert exc.reason in REASONS
         return
-    assert ID_RE.fullmatch(job_id) and set(payload) == {"v", "id", "sig"}
+    assert sign_it and ID_RE.fullmatch(job_id)
+    assert set(payload) == {"v", "id", "cluster", "kind", "issued_at", "sig"}
+    assert payload["cluster"] == CLUSTER and payload["kind"] == "cancel"
+    KEYS.verify(payload)
 
 
 def test_a_valid_document_passes_the_fuzz_oracle():
-    doc = sign({"v": 1, "id": "ok", "template": "t", "params": {"line": "3"}}, KEYS, "cloud-1")
+    doc = sign({"v": 1, "id": "ok", "cluster": CLUSTER, "kind": "job", "template": "t", "params": {"line": "3"},
+                "issued_at": "2026-12-02T11:00:00Z"}, KEYS, "cloud-1")
     check_accepted(call(doc), doc)
+
+
+OTHER_KEYS = KeyRing.from_mapping({"cloud-1": {"alg": "hmac-sha256", "secret": base64.b64encode(b"o" * 32).decode()}})
+
+
+@FUZZ
+@given(doc=documents(), signer=st.sampled_from(["ours", "ours", "other", "none"]),
+       tamper=st.sampled_from([None, None, "cluster", "kind", "id", "params"]))
+def test_the_stored_job_gate_admits_only_documents_signed_by_the_ring_and_bound_here(doc, signer, tamper):
+    """What the scheduler runs: Job.from_stored(...) succeeds only for a document this ring
+    signed, bound to this cluster as a job, unchanged since signing (issue 16, acceptance 5)."""
+    from agent.jobs.document import Job
+
+    payload = dict(doc)
+    if signer != "none":
+        try:
+            payload = sign(doc, KEYS if signer == "ours" else OTHER_KEYS, "cloud-1")
+        except (TypeError, ValueError):
+            payload = dict(doc)
+    if tamper is not None and isinstance(payload, dict):
+        payload = json.loads(json.dumps(payload, allow_nan=True))
+        new = {"cluster": "plant-b", "kind": "cancel", "id": "other-job", "params": {"line": "9"}}[tamper]
+        if payload.get(tamper) == new:
+            tamper = None  # it already had that value: not a change
+        else:
+            payload[tamper] = new
+    try:
+        job = Job.from_stored(payload, keyring=KEYS, cluster=CLUSTER)
+    except JobRejected as exc:
+        assert exc.reason in REASONS
+        return
+    KEYS.verify(payload)
+    assert signer == "ours" and tamper is None
+    assert payload["cluster"] == CLUSTER and payload["kind"] == "job" and job.kid == "cloud-1"
