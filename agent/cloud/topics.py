@@ -16,6 +16,13 @@ class Topics:
         self.push = self.base + "jobs/push"
         self.cancel = self.base + "jobs/cancel"
         self.status_prefix = self.base + "status/"
+        # jobs/get: requests; answers go to the reply topic the request names, under this prefix
+        self.jobs_get = self.base + "jobs/get"
+        self.get_reply_prefix = self.base + "jobs/get/reply/"
+
+    def get_reply(self, correlation: str) -> str:
+        """The default reply topic of a jobs/get request."""
+        return self.get_reply_prefix + correlation
 
     def status(self, job_id: str | None) -> str:
         if not isinstance(job_id, str) or not ID_RE.fullmatch(job_id) or job_id.startswith("."):
@@ -32,11 +39,15 @@ class Topics:
         return f"{self.base}agents/{agent_id}/audit/checkpoint"
 
     def kind(self, topic: str) -> str:
-        """Bounded label for metrics: push, cancel, status, presence, checkpoint, other."""
+        """Bounded label for metrics: push, cancel, get, get_reply, status, presence, checkpoint, other."""
         if topic == self.push:
             return "push"
         if topic == self.cancel:
             return "cancel"
+        if topic == self.jobs_get:
+            return "get"
+        if topic.startswith(self.get_reply_prefix):
+            return "get_reply"
         if topic.startswith(self.status_prefix):
             return "status"
         if topic.endswith("/presence"):
