@@ -378,3 +378,43 @@ def test_cli_jobs_runs_logs_against_a_running_cluster(world, tmp_path):
         assert r.returncode == 4 and "cannot read etcd" in r.stderr and "Traceback" not in r.stderr, r.stderr
     finally:
         pusher.stop()
+
+
+def test_answer_markers_sweep_clear_and_bound(etcd_server):
+    """Answers against a real etcd: the owner republishes a dead writer's marker once, a
+    delivered marker is deleted, and a marker older than keep_s is dropped (the bound)."""
+    from agent.cloud.answers import Answers, marker_value
+    from agent.config import EtcdConfig
+    from agent.coordination.etcd import EtcdClient
+    from agent.coordination.keys import Keys
+
+    client = EtcdClient(EtcdConfig(endpoints=[etcd_server.endpoint], request_timeout_s=2.0))
+    keys = Keys("t")
+    client.put(keys.member("alive"), "{}")
+    now = time.time()
+    ts = lambda dt: time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime(now - dt))  # noqa: E731
+    docs = {"dead": {"job_id": "j1", "state": "accepted", "agent": "gone", "ts": ts(1)},
+            "alive": {"job_id": "j2", "state": "accepted", "agent": "alive", "ts": ts(1)},
+            "old": {"job_id": "j3", "state": "failed", "agent": "gone", "ts": ts(3600)},
+            "other_shard": {"job_id": "j4", "state": "accepted", "agent": "gone", "ts": ts(1)}}
+    shard_of_name = {"dead": 1, "alive": 1, "old": 2, "other_shard": 5}
+    for name, d in docs.items():
+        client.put(keys.answer(shard_of_name[name], d["job_id"], "accepted"), marker_value(d))
+    published = []
+    ans = Answers(client, keys, "me", enqueue=lambda j, d, k: published.append((j, d, k)), in_outbox=lambda k: False,
+                  owned=lambda: frozenset({1, 2}), fence_for=lambda s: None, keep_s=600, republish_after_s=30)
+    assert ans.sweep() == 1
+    (job, doc, key), = published
+    assert job == "j1" and doc["republished_by"] == "me" and doc["redelivery"] is True and doc["agent"] == "gone"
+    assert ans.sweep() == 0  # already on its way: not enqueued twice
+    remaining = {kv.key for kv in client.get_prefix(keys.answers_prefix())[0]}
+    assert keys.answer(2, "j3", "accepted") not in remaining  # expired: the bound
+    assert keys.answer(5, "j4", "accepted") in remaining      # not our shard
+    ans.start()
+    try:
+        ans.delivered([key])
+        wait_for(lambda: key not in {kv.key for kv in client.get_prefix(keys.answers_prefix())[0]}, 10,
+                 what="delivered marker deleted")
+    finally:
+        ans.stop()
+        client.close()
