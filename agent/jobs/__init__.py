@@ -3,7 +3,8 @@
 Modules: document (job document parsing, validation, templates, canonical form),
 signing (key ring, HMAC and Ed25519 signatures), schedule (due times, misfire, retry
 backoff, fire ids), scheduler (due firings -> fenced run records -> processes),
-claimlead (how far ahead of a due time a firing is claimed).
+claimlead (how far ahead of a due time a firing is claimed), view (what a job is doing,
+read from etcd: the model behind jobs/get and the CLI), cli (`jobs`, `runs`, `logs`).
 
 May import: ``config``, ``coordination``, ``execute``, ``runtime.loop``/``metrics``.
 Never imports ``cloud``, ``supervision`` or the daemon.

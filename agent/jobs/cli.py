@@ -62,7 +62,7 @@ RUN_HEADER = ["FIRE_ID", "ATTEMPT", "STATE", "AGENT", "STARTED", "ENDED", "EXIT"
 
 
 def _valid_id(job_id: str) -> str:
-    from agent.cloud.topics import ID_RE
+    from agent.jobs.document import ID_RE
 
     if not ID_RE.fullmatch(job_id) or job_id.startswith("."):
         raise UserError(f"{job_id!r} is not a job id ([A-Za-z0-9._-]{{1,128}}, not starting with '.')")
