@@ -107,8 +107,7 @@ class Asker:
 def _two_agents(world):
     a1 = world.cluster.start("a1")
     a2 = world.cluster.start("a2")
-    wait_for(lambda: world.cluster.all_owned_by({"a1", "a2"}) and len(set(world.cluster.owners().values())) == 2,
-             40, what="two agents share the shards")
+    wait_for(lambda: world.cluster.converged({"a1": 1.0, "a2": 1.0}), 40, what="two agents share the shards as planned")
     for aid in ("a1", "a2"):
         assert world.col.wait(lambda m: any(t == T.presence(aid) and d.get("state") == "online"
                                             for _, t, d in m), 30)
@@ -207,8 +206,7 @@ def test_final_status_reaches_the_cloud_from_a_peer(world):
     a1 = world.cluster.start("a1")
     world.cluster.env = {}
     a2 = world.cluster.start("a2")
-    wait_for(lambda: world.cluster.all_owned_by({"a1", "a2"}) and len(set(world.cluster.owners().values())) == 2,
-             40, what="two agents share the shards")
+    wait_for(lambda: world.cluster.converged({"a1": 1.0, "a2": 1.0}), 40, what="two agents share the shards as planned")
     jid = _ids_on(world.cluster.owners(), "a1", "final", 1)[0]
     doc = job_doc(jid, template="fail")
     doc["params"], doc["schedule"] = {}, {}
