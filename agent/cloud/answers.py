@@ -38,7 +38,7 @@ import time
 from datetime import datetime, timezone
 from typing import Callable, Optional
 
-from agent.coordination.etcd import Delete, EtcdError, EtcdUnavailable, Put
+from agent.coordination.etcd import Delete, EtcdError, EtcdUnavailable, Put, Version
 from agent.coordination.fencing import StaleToken, fenced_txn
 from agent.coordination.keys import Keys
 from agent.jobs.view import read_prefix
@@ -126,6 +126,32 @@ class Answers:
         return key
 
     # --- publisher side -------------------------------------------------------------
+    def handing(self, items: list[tuple[str, bytes]]) -> None:
+        """Publisher thread, before it first hands these answers to the broker: stamp their
+        markers ``"handed": true`` (only those that still exist), so a peer that publishes
+        them later knows whether this is their first publication (no ``redelivery``) or may
+        repeat one. If etcd cannot be reached the answers are sent anyway: a peer could
+        then publish a second unmarked copy, but only if this agent also dies meanwhile."""
+        from etcd3 import transactions as tx
+
+        ops = []
+        for key, payload in dict(items).items():
+            try:
+                doc = json.loads(payload)
+            except ValueError:
+                continue
+            doc.pop("seq", None)
+            doc.pop("redelivery", None)
+            doc["handed"] = True
+            ops.append(tx.Txn(compare=[Version(key) > 0], success=[Put(key, marker_value(doc))], failure=[]))
+        for i in range(0, len(ops), CLEAR_BATCH):
+            try:
+                self.client.txn([], ops[i:i + CLEAR_BATCH], [], timeout=1.0)
+                MARKERS.labels("handed").inc(len(ops[i:i + CLEAR_BATCH]))
+            except (EtcdUnavailable, EtcdError) as exc:
+                MARKERS.labels("hand_failed").inc(len(ops[i:i + CLEAR_BATCH]))
+                log.debug("stamping answers handed failed", extra={"fields": {"error": str(exc)[:200]}})
+
     def delivered(self, markers: list[str]) -> None:
         """The broker acknowledged these answers (publisher thread): delete their markers."""
         for m in markers:
@@ -211,7 +237,7 @@ class Answers:
                 doc = json.loads(kv.value)
             except ValueError:
                 continue
-            writer = doc.get("republished_by") or doc.get("agent")
+            writer = doc.get("agent")
             last = self._republished.get(kv.key)
             mine = self.in_outbox(kv.key) or (last is not None and now - last < self.republish_after_s)
             what = decide(doc, writer in members, mine, _age_s(doc, now), self.republish_after_s, self.keep_s)
@@ -222,8 +248,10 @@ class Answers:
             elif what == "republish":
                 out = dict(doc)
                 out.pop("seq", None)
-                out["redelivery"] = True
-                out["republished_by"] = self.agent_id
+                handed = out.pop("handed", False)
+                if handed:
+                    out["redelivery"] = True  # its writer may have delivered it: a re-publication
+                out["published_by"] = self.agent_id
                 self._republished[kv.key] = now
                 self.enqueue(doc.get("job_id"), out, kv.key)
                 MARKERS.labels("republished").inc()

@@ -105,8 +105,8 @@ def _report(doc, job_id, timeout: float) -> int:
               file=sys.stderr)
         return EXIT_NO_ANSWER
     redelivery = " (repeat: already accepted)" if doc.get("redelivery") else ""
-    if doc.get("republished_by"):
-        redelivery += f" (republished by {doc['republished_by']})"
+    if doc.get("published_by") and doc.get("published_by") != doc.get("agent"):
+        redelivery += f" (published by {doc['published_by']})"
     if doc.get("state") in ("accepted", "cancelled"):
         print(f"{doc['state']} {doc.get('job_id')}{redelivery} by {doc.get('agent')} (shard {doc.get('shard')})")
         return EXIT_ACCEPTED

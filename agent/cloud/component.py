@@ -91,7 +91,7 @@ class CloudComponent:
                                record=lambda *a, **k: agent.loop.post(lambda: agent.record(*a, **k)))
         agent.answer_markers = True  # the scheduler writes final run statuses as markers too
         self.publisher = OutboxPublisher(self.outbox, self.link, on_tick=self._flush_gap,
-                                         on_delivered=self.answers.delivered,
+                                         on_delivered=self.answers.delivered, on_handing=self.answers.handing,
                                          hold=os.environ.get(HOLD_OUTBOX_ENV) == "1")
         self.ingest = Ingest(store=self.store, keyring=self.keyring, templates=cfg.templates, topics=self.topics,
                              agent_id=self.agent_id, max_bytes=m.max_payload_bytes, max_skew_s=m.max_skew_s,

@@ -226,6 +226,19 @@ class Outbox:
             out.append((seq, topic, payload, sent))
         return out
 
+    def markers_of(self, seqs: list[int]) -> list[tuple[str, bytes]]:
+        """(marker, payload) of these rows that have an answer marker."""
+        if not seqs:
+            return []
+        with self._lock:
+            out = []
+            for s in seqs:
+                row = self._db.execute("SELECT marker, payload FROM outbox WHERE seq=? AND marker IS NOT NULL",
+                                       (s,)).fetchone()
+                if row:
+                    out.append((row[0], row[1]))
+            return out
+
     def mark_sent(self, seqs: list[int]) -> None:
         if not seqs:
             return
@@ -264,13 +277,15 @@ class OutboxPublisher:
 
     def __init__(self, outbox: Outbox, link, window: int = 64, resend_after_s: float = 60.0,
                  on_tick: Optional[Callable[[], None]] = None,
-                 on_delivered: Optional[Callable[[list[str]], None]] = None, hold: bool = False):
+                 on_delivered: Optional[Callable[[list[str]], None]] = None,
+                 on_handing: Optional[Callable[[list[tuple[str, bytes]]], None]] = None, hold: bool = False):
         self.outbox = outbox
         self.link = link
         self.window = window
         self.resend_after_s = resend_after_s
         self.on_tick = on_tick
         self.on_delivered = on_delivered
+        self.on_handing = on_handing  # called (and returns) before rows with answer markers are first sent
         # test knob (MILLWRIGHT_TEST_HOLD_OUTBOX=1): publish nothing, so a test can kill the
         # agent "before its outbox drained"
         self.hold = hold
@@ -349,7 +364,12 @@ class OutboxPublisher:
         rows = self.outbox.batch(self._cursor, room)
         if not rows:
             return
-        self.outbox.mark_sent([r[0] for r in rows if not r[3]])
+        first = [r[0] for r in rows if not r[3]]
+        if self.on_handing:
+            handing = self.outbox.markers_of(first)
+            if handing:
+                self.on_handing(handing)  # from now on this answer may have reached the broker
+        self.outbox.mark_sent(first)
         for seq, topic, payload, sent in rows:
             if sent:
                 try:

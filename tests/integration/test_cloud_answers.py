@@ -172,17 +172,20 @@ def test_every_push_is_answered_when_an_agent_dies_for_good(world):
         assert ok, (len(missing), missing[:5])
         by_job: dict = {}
         for d in world.col.docs("accepted"):
-            by_job.setdefault(d["job_id"], {})[(d["agent"], d["seq"], d.get("republished_by"))] = d
-        only_republished = 0
+            by_job.setdefault(d["job_id"], {})[(d["agent"], d["seq"], d.get("published_by"))] = d
+        only_republished = by_peer_first = 0
         for j in ids:
             msgs = list(by_job[j].values())
             unmarked = [m for m in msgs if not m.get("redelivery")]
-            assert len(unmarked) <= 1, (j, msgs)
+            assert len(unmarked) <= 1, (j, msgs)  # never two first answers
             for m in msgs:
-                if m.get("republished_by"):
-                    assert m["redelivery"] is True and m["republished_by"] == "a2", m
+                if m.get("published_by"):  # a peer published what the dead agent wrote
+                    assert m["published_by"] == "a2" and m["agent"] == "a1", m
+            if unmarked and unmarked[0].get("published_by"):
+                by_peer_first += 1  # never handed to the broker by a1: a2's is the first answer
             if not unmarked:
-                assert any(m.get("republished_by") for m in msgs), (j, msgs)
+                # a1 handed it to the broker (maybe delivered, maybe not) before it died
+                assert any(m.get("published_by") and m["redelivery"] for m in msgs), (j, msgs)
                 only_republished += 1
         for d in world.col.docs("rejected"):
             if d.get("push_sha256") in want_rej:
@@ -193,7 +196,8 @@ def test_every_push_is_answered_when_an_agent_dies_for_good(world):
                  what="every answer marker cleared")
         last = max(ts for ts, _, d in world.col.messages if d.get("state") in ("accepted", "rejected"))
         print(f"\n300 + 6 pushes, a1 kill -9'd after {60}+ answers: all answered {last - kill['t']:.2f}s after the kill "
-              f"(waited {elapsed:.2f}s); {only_republished} jobs answered only by a2's re-publication; "
+              f"(waited {elapsed:.2f}s); first answer published by a2 for {by_peer_first} jobs; "
+              f"{only_republished} jobs answered only by a marked re-publication; "
               f"load {os.getloadavg()[0]:.1f}")
     finally:
         pusher.stop()
@@ -233,7 +237,8 @@ def test_final_status_reaches_the_cloud_from_a_peer(world):
         fin = [d for d in world.col.docs("failed") if d.get("job_id") == jid]
         assert len({d["seq"] for d in fin}) == 1
         d = fin[0]
-        assert d["republished_by"] == "a2" and d["agent"] == "a1" and d["redelivery"] is True
+        # never handed to the broker by a1: a2's publication is the first answer, unmarked
+        assert d["published_by"] == "a2" and d["agent"] == "a1" and "redelivery" not in d
         assert d["exit_code"] == 3 and "boom-on-stderr" in d["stderr_tail"] and d["run_id"] == rec["fire_id"]
         assert world.col.wait(lambda m: any(x.get("job_id") == jid and x.get("state") == "accepted"
                                             for x in world.col.docs()), 30)
@@ -392,18 +397,21 @@ def test_answer_markers_sweep_clear_and_bound(etcd_server):
     now = time.time()
     ts = lambda dt: time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime(now - dt))  # noqa: E731
     docs = {"dead": {"job_id": "j1", "state": "accepted", "agent": "gone", "ts": ts(1)},
+            "handed": {"job_id": "j5", "state": "accepted", "agent": "gone", "ts": ts(1), "handed": True},
             "alive": {"job_id": "j2", "state": "accepted", "agent": "alive", "ts": ts(1)},
             "old": {"job_id": "j3", "state": "failed", "agent": "gone", "ts": ts(3600)},
             "other_shard": {"job_id": "j4", "state": "accepted", "agent": "gone", "ts": ts(1)}}
-    shard_of_name = {"dead": 1, "alive": 1, "old": 2, "other_shard": 5}
+    shard_of_name = {"dead": 1, "handed": 1, "alive": 1, "old": 2, "other_shard": 5}
     for name, d in docs.items():
         client.put(keys.answer(shard_of_name[name], d["job_id"], "accepted"), marker_value(d))
     published = []
     ans = Answers(client, keys, "me", enqueue=lambda j, d, k: published.append((j, d, k)), in_outbox=lambda k: False,
                   owned=lambda: frozenset({1, 2}), fence_for=lambda s: None, keep_s=600, republish_after_s=30)
-    assert ans.sweep() == 1
-    (job, doc, key), = published
-    assert job == "j1" and doc["republished_by"] == "me" and doc["redelivery"] is True and doc["agent"] == "gone"
+    assert ans.sweep() == 2
+    published.sort(key=lambda p: p[0])
+    (job, doc, key), (job5, doc5, key5) = published
+    assert job5 == "j5" and doc5["redelivery"] is True and "handed" not in doc5  # may repeat a1's
+    assert job == "j1" and doc["published_by"] == "me" and "redelivery" not in doc and doc["agent"] == "gone"
     assert ans.sweep() == 0  # already on its way: not enqueued twice
     remaining = {kv.key for kv in client.get_prefix(keys.answers_prefix())[0]}
     assert keys.answer(2, "j3", "accepted") not in remaining  # expired: the bound
@@ -416,3 +424,20 @@ def test_answer_markers_sweep_clear_and_bound(etcd_server):
     finally:
         ans.stop()
         client.close()
+
+
+def test_handing_stamps_only_existing_markers(etcd_server):
+    from agent.cloud.answers import Answers, marker_value
+    from agent.config import EtcdConfig
+    from agent.coordination.etcd import EtcdClient
+    from agent.coordination.keys import Keys
+
+    client = EtcdClient(EtcdConfig(endpoints=[etcd_server.endpoint], request_timeout_s=2.0))
+    keys = Keys("t")
+    live, gone = keys.answer(1, "j1", "accepted"), keys.answer(1, "j2", "accepted")
+    client.put(live, marker_value({"job_id": "j1", "state": "accepted"}))
+    ans = Answers(client, keys, "me", enqueue=None, in_outbox=None, owned=frozenset, fence_for=lambda s: None)
+    ans.handing([(live, b'{"job_id":"j1","state":"accepted","seq":7}'), (gone, b'{"job_id":"j2","seq":8}')])
+    assert json.loads(client.get(live).value) == {"job_id": "j1", "state": "accepted", "handed": True}
+    assert client.get(gone) is None  # a marker already cleared is never recreated
+    client.close()
