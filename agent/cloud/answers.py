@@ -30,6 +30,7 @@ published (counted in millwright_answers_expired_total, audit ``gap`` record).
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import queue
@@ -51,6 +52,21 @@ MARKERS = counter("millwright_answers_total", "Durable answer markers by event (
 
 KEEP_S = 7 * 86400
 CLEAR_BATCH = 64
+SEEN_MAX = 200000
+SEEN_MARGIN_S = 1.0  # subscribe -> SUBACK, generously
+TERMINAL = frozenset({"succeeded", "failed", "timed_out", "killed", "cancelled", "misfired"})
+
+
+def answer_name(doc: dict) -> Optional[str]:
+    """The marker name a status document answers (accepted, rejected.<digest>, run.<fire_id>)."""
+    state = doc.get("state")
+    if state == "accepted" and doc.get("push_sha256"):
+        return "accepted"
+    if state == "rejected" and doc.get("push_sha256") and doc.get("kind") is None:
+        return "rejected." + doc["push_sha256"]
+    if state in TERMINAL and doc.get("run_id"):
+        return "run." + doc["run_id"]
+    return None
 
 
 def marker_value(doc: dict) -> str:
@@ -72,12 +88,15 @@ def _age_s(doc: dict, now: float) -> float:
 
 
 def decide(doc: dict, writer_alive: bool, in_my_outbox: bool, age_s: float, republish_after_s: float,
-           keep_s: float = KEEP_S) -> str:
-    """What the shard's owner does with a marker: ``expire``, ``republish`` or ``skip``."""
+           keep_s: float = KEEP_S, seen: bool = False) -> str:
+    """What the shard's owner does with a marker: ``expire``, ``delivered`` (this agent saw
+    the answer on the broker: only the marker is left), ``republish`` or ``skip``."""
     if age_s > keep_s:
         return "expire"
     if in_my_outbox:
         return "skip"          # ours, still on its way
+    if seen:
+        return "delivered"
     if not writer_alive:
         return "republish"     # the writer died before its outbox delivered it
     if age_s > republish_after_s:
@@ -107,6 +126,42 @@ class Answers:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._republished: dict[str, float] = {}   # marker key -> when we last enqueued it
+        # answers this agent saw on the broker (its status subscription): "<job>/<name>"
+        self._seen: "collections.OrderedDict[str, bool]" = collections.OrderedDict()
+        self._seen_lock = threading.Lock()
+        self.watching_since: Optional[float] = None  # wall time since which nothing was missed
+
+    # --- status subscription (paho thread) -------------------------------------------------
+    def saw(self, payload: bytes) -> None:
+        """A status document went through the broker: its answer is delivered."""
+        try:
+            doc = json.loads(payload)
+            name = answer_name(doc)
+        except (ValueError, AttributeError, TypeError):
+            return
+        if name is None or not isinstance(doc.get("job_id"), str):
+            return
+        with self._seen_lock:
+            self._seen[doc["job_id"] + "/" + name] = True
+            while len(self._seen) > SEEN_MAX:
+                self._seen.popitem(last=False)
+
+    def watching(self, connected: bool) -> None:
+        """On every (re)connect: only answers written after it (plus a margin) can be known
+        missing. Conservative: what the session queued while disconnected may still be on
+        its way when the sweep runs."""
+        if connected:
+            self.watching_since = time.time()
+
+    def _seen_or_known_missing(self, job_id: str, name: str, doc: dict, now: float) -> Optional[bool]:
+        """True: delivered. False: certainly not delivered (this agent has been subscribed
+        since well before the answer was written and did not see it). None: cannot tell."""
+        with self._seen_lock:
+            if job_id + "/" + name in self._seen:
+                return True
+        if self.watching_since is not None and _age_s(doc, now) < now - self.watching_since - SEEN_MARGIN_S:
+            return False
+        return None
 
     # --- ingest side (worker threads) -------------------------------------------------
     def write_rejection(self, shard: int, job_id: str, digest: str, doc: dict) -> str:
@@ -240,8 +295,14 @@ class Answers:
             writer = doc.get("agent")
             last = self._republished.get(kv.key)
             mine = self.in_outbox(kv.key) or (last is not None and now - last < self.republish_after_s)
-            what = decide(doc, writer in members, mine, _age_s(doc, now), self.republish_after_s, self.keep_s)
-            if what == "expire":
+            parts = kv.key.rsplit("/", 2)
+            seen = self._seen_or_known_missing(parts[1], parts[2], doc, now) if len(parts) == 3 else None
+            what = decide(doc, writer in members, mine, _age_s(doc, now), self.republish_after_s, self.keep_s,
+                          seen=bool(seen))
+            if what == "delivered":
+                self.client.delete(kv.key)
+                MARKERS.labels("seen_delivered").inc()
+            elif what == "expire":
                 self.client.delete(kv.key)
                 MARKERS.labels("expired").inc()
                 self.record("gap", source="answers", count=1, reason="answer_expired", key=kv.key)
@@ -249,7 +310,7 @@ class Answers:
                 out = dict(doc)
                 out.pop("seq", None)
                 handed = out.pop("handed", False)
-                if handed:
+                if handed and seen is not False:
                     out["redelivery"] = True  # its writer may have delivered it: a re-publication
                 out["published_by"] = self.agent_id
                 self._republished[kv.key] = now

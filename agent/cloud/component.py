@@ -80,7 +80,7 @@ class CloudComponent:
                              on_connect=self._connected, on_message=self._message,
                              on_publish=self._published,
                              subscriptions=((self.topics.push, 1), (self.topics.cancel, 1),
-                                            (self.topics.jobs_get, 0)),
+                                            (self.topics.jobs_get, 0), (self.topics.status_filter(), 1)),
                              topic_kind=self.topics.kind,
                              reconnect_min_s=getattr(m, "reconnect_min_s", 0.5),
                              reconnect_max_s=getattr(m, "reconnect_max_s", 30.0))
@@ -154,12 +154,18 @@ class CloudComponent:
 
     # --- link callbacks (paho thread) ---------------------------------------------------
     def _connected(self, generation: int, session_present: bool) -> None:
+        self.answers.watching(True)
         self.link.publish(self.topics.presence(self.agent_id), presence_doc(self.agent_id, self._state), 1, True)
         self.outbox.wake.set()
 
     def _message(self, msg) -> None:
         if msg.topic == self.topics.jobs_get:
             self.queries.on_message(msg)
+        elif self.topics.kind(msg.topic) == "status":
+            # every agent sees the cluster's answers on the broker: a dead peer's answer that
+            # was delivered is not published again (agent/cloud/answers.py)
+            self.link.ack(msg)
+            self.answers.saw(msg.payload)
         else:
             self.dispatcher.on_message(msg)
 

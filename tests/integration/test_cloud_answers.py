@@ -111,6 +111,9 @@ def _two_agents(world):
     for aid in ("a1", "a2"):
         assert world.col.wait(lambda m: any(t == T.presence(aid) and d.get("state") == "online"
                                             for _, t, d in m), 30)
+    # each agent trusts "I did not see that answer on the broker" only for answers written
+    # at least 1 s after its status subscription started (answers.SEEN_MARGIN_S)
+    time.sleep(1.5)
     return a1, a2
 
 
@@ -177,16 +180,13 @@ def test_every_push_is_answered_when_an_agent_dies_for_good(world):
         for j in ids:
             msgs = list(by_job[j].values())
             unmarked = [m for m in msgs if not m.get("redelivery")]
-            assert len(unmarked) <= 1, (j, msgs)  # never two first answers
+            assert len(unmarked) == 1, (j, msgs)  # exactly one first answer
             for m in msgs:
                 if m.get("published_by"):  # a peer published what the dead agent wrote
                     assert m["published_by"] == "a2" and m["agent"] == "a1", m
             if unmarked and unmarked[0].get("published_by"):
                 by_peer_first += 1  # never handed to the broker by a1: a2's is the first answer
-            if not unmarked:
-                # a1 handed it to the broker (maybe delivered, maybe not) before it died
-                assert any(m.get("published_by") and m["redelivery"] for m in msgs), (j, msgs)
-                only_republished += 1
+            only_republished += sum(1 for m in msgs if m.get("redelivery"))
         for d in world.col.docs("rejected"):
             if d.get("push_sha256") in want_rej:
                 assert d["reason"] == want_rej[d["push_sha256"]], d
@@ -197,7 +197,7 @@ def test_every_push_is_answered_when_an_agent_dies_for_good(world):
         last = max(ts for ts, _, d in world.col.messages if d.get("state") in ("accepted", "rejected"))
         print(f"\n300 + 6 pushes, a1 kill -9'd after {60}+ answers: all answered {last - kill['t']:.2f}s after the kill "
               f"(waited {elapsed:.2f}s); first answer published by a2 for {by_peer_first} jobs; "
-              f"{only_republished} jobs answered only by a marked re-publication; "
+              f"{only_republished} marked re-publications; "
               f"load {os.getloadavg()[0]:.1f}")
     finally:
         pusher.stop()

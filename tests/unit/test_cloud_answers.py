@@ -45,6 +45,22 @@ def test_answer_marker_decision(alive, in_outbox, age, want):
     assert decide({"job_id": "j"}, alive, in_outbox, age, republish_after_s=30.0) == want
 
 
+def test_a_seen_answer_is_only_cleared():
+    assert decide({}, False, False, 1.0, 30.0, seen=True) == "delivered"
+    assert decide({}, False, True, 1.0, 30.0, seen=True) == "skip"
+
+
+def test_answer_names_match_marker_names():
+    from agent.cloud.answers import answer_name
+
+    assert answer_name({"state": "accepted", "push_sha256": "ab"}) == "accepted"
+    assert answer_name({"state": "rejected", "push_sha256": "ab"}) == "rejected.ab"
+    assert answer_name({"state": "rejected", "push_sha256": "ab", "kind": "cancel"}) is None
+    assert answer_name({"state": "failed", "run_id": "20261201T130000.000Z"}) == "run.20261201T130000.000Z"
+    assert answer_name({"state": "running", "run_id": "x"}) is None
+    assert answer_name({"state": "cancelled", "run_id": None}) is None
+
+
 def test_outbox_markers_are_returned_on_delivery(tmp_path):
     ob = Outbox(str(tmp_path / "ob.sqlite"), 100)
     ob.enqueue("t", {"state": "accepted"}, marker="/m/answers/0001/j/accepted")
