@@ -18,11 +18,15 @@ the set is as small as the outbox, and empties itself as statuses flow. Deleting
 fence: it states a fact about the broker ("this document was delivered"), not a right to
 act for the shard; a stale delete can at worst remove a marker whose twin was delivered.
 
-The shard's owner sweeps its shards' markers (every ``sweep_s``) and republishes, marked
-``"redelivery": true, "republished_by": <its id>``, each marker whose writer is gone (no
+Before a status with a marker is first handed to paho, its marker is stamped ``handed``
+(:meth:`Answers.handing`). Every agent also sees the cluster's statuses on the broker
+(:meth:`Answers.saw`). The shard's owner sweeps its shards' markers (every ``sweep_s``):
+one whose answer it saw is deleted (delivered); one whose writer is gone (no
 ``members/<writer>`` key: kill -9, power loss) or that is older than ``republish_after_s``
-and not in its own outbox (a writer alive but unable to deliver). So after a takeover the
-new owner publishes what the dead agent left unpublished, within a sweep.
+and not in its own outbox is published with ``"published_by": <its id>``: unmarked (the
+first answer) if it was never handed, or handed but certainly not seen; else marked
+``"redelivery": true``. So after a takeover the new owner publishes what the dead agent
+left undelivered, within a sweep, and the cloud gets exactly one unmarked answer.
 
 Bounded: markers older than ``keep_s`` (7 days) are deleted by the sweep without being
 published (counted in millwright_answers_expired_total, audit ``gap`` record).
