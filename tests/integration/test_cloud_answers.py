@@ -441,3 +441,20 @@ def test_handing_stamps_only_existing_markers(etcd_server):
     assert json.loads(client.get(live).value) == {"job_id": "j1", "state": "accepted", "handed": True}
     assert client.get(gone) is None  # a marker already cleared is never recreated
     client.close()
+
+
+def test_push_exit_codes_no_answer_and_broker_unreachable(world, tmp_path):
+    """`millwright push`: 3 when no agent answers in time, 4 when the broker is unreachable."""
+    from agent.demo.services import free_port
+
+    cfg = {"cluster": "t", "agent_id": "cli", "mqtt": {"url": world.mq.url}, "signing": {"keys_file": world.keys_file}}
+    path = tmp_path / "cli.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps(job_doc("nobody-home")))
+    r = _cli("push", "-c", str(path), str(job), "--key-file", world.keys_file, "--kid", KID, "--timeout", "2")
+    assert r.returncode == 3 and "no status for nobody-home" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    cfg["mqtt"]["url"] = f"mqtt://127.0.0.1:{free_port()}"
+    path.write_text(yaml.safe_dump(cfg))
+    r = _cli("push", "-c", str(path), str(job), "--key-file", world.keys_file, "--kid", KID, "--timeout", "2")
+    assert r.returncode == 4 and "cannot connect to the broker" in r.stderr and "Traceback" not in r.stderr, r.stderr
