@@ -114,7 +114,8 @@ class Answers:
     def __init__(self, client, keys: Keys, agent_id: str, *, enqueue: Callable[[str, dict, str], None],
                  in_outbox: Callable[[str], bool], owned: Callable[[], frozenset],
                  fence_for: Callable[[int], object], sweep_s: float = 1.0, republish_after_s: float = 30.0,
-                 keep_s: float = KEEP_S, record: Callable[..., None] = lambda *a, **k: None):
+                 keep_s: float = KEEP_S, record: Callable[..., None] = lambda *a, **k: None,
+                 connected: Callable[[], bool] = lambda: True, full_every_s: float = 10.0):
         self.client = client
         self.keys = keys
         self.agent_id = agent_id
@@ -126,6 +127,10 @@ class Answers:
         self.republish_after_s = republish_after_s
         self.keep_s = keep_s
         self.record = record
+        self.connected = connected
+        self.full_every_s = full_every_s
+        self._last_view: Optional[tuple] = None
+        self._last_full = 0.0
         self._cleared: "queue.Queue[str]" = queue.Queue()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -269,26 +274,32 @@ class Answers:
             self._republished.pop(k, None)
         return rest
 
-    def sweep(self) -> int:
+    def sweep(self, force: bool = False) -> int:
         """Republish (or expire) the markers of the shards this agent owns. Returns how many
-        were republished."""
+        were republished.
+
+        Cheap when nothing changed: each call reads only the member ids (keys only); the
+        markers are read when the members or this agent's shards changed since the last
+        full sweep (a writer died, a takeover), every ``full_every_s``, or when forced.
+        Nothing is read while the broker is unreachable (``connected``): the markers then
+        pile up by design and would only be re-queued behind the same outage."""
         owned = self.owned()
-        if not owned:
+        if not owned or not self.connected():
             return 0
-        prefix = self.keys.answers_prefix()
+        members = frozenset(kv.key.rsplit("/", 1)[-1] for kv in
+                            read_prefix(self.client, self.keys.members_prefix(), keys_only=True))
+        mono = time.monotonic()
+        view = (owned, members)
+        if not force and view == self._last_view and mono - self._last_full < self.full_every_s:
+            return 0
+        self._last_view, self._last_full = view, mono
+        by_shard = sorted(owned)
         candidates = []
-        for kv in read_prefix(self.client, prefix):
-            try:
-                shard = int(kv.key[len(prefix):].split("/", 1)[0])
-            except ValueError:
-                continue
-            if shard in owned:
-                candidates.append(kv)
+        for shard in by_shard:
+            candidates.extend(read_prefix(self.client, self.keys.answers_prefix(shard)))
         if not candidates:
             self._republished.clear()
             return 0
-        members = {kv.key.rsplit("/", 1)[-1] for kv in
-                   read_prefix(self.client, self.keys.members_prefix())}
         now = time.time()
         n = 0
         for kv in candidates:

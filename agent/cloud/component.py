@@ -88,7 +88,8 @@ class CloudComponent:
         self.answers = Answers(agent.client, agent.keys, self.agent_id, enqueue=self._republish,
                                in_outbox=self.outbox.has_marker, owned=owned, fence_for=self._fence_for,
                                republish_after_s=max(30.0, 3 * cfg.etcd.lease_ttl_s),
-                               record=lambda *a, **k: agent.loop.post(lambda: agent.record(*a, **k)))
+                               record=lambda *a, **k: agent.loop.post(lambda: agent.record(*a, **k)),
+                               connected=lambda: self.link.connected)
         agent.answer_markers = True  # the scheduler writes final run statuses as markers too
         self.publisher = OutboxPublisher(self.outbox, self.link, on_tick=self._flush_gap,
                                          on_delivered=self.answers.delivered, on_handing=self.answers.handing,

@@ -31,7 +31,7 @@ ACTIVE = ("running", "retrying", "waiting")
 
 
 def read_prefix(client, prefix: str, page: int = PAGE, revision: int = 0,
-                limit: Optional[int] = None, newest_first: bool = False) -> Iterator[KV]:
+                limit: Optional[int] = None, newest_first: bool = False, keys_only: bool = False) -> Iterator[KV]:
     """Every key under ``prefix`` in key order (or reverse), read ``page`` keys per request,
     all pages at one revision. Stops after ``limit`` keys."""
     start = prefix.encode()
@@ -45,7 +45,7 @@ def read_prefix(client, prefix: str, page: int = PAGE, revision: int = 0,
         lo, hi = start, end
 
         def fn(c, t, lo=lo, hi=hi, want=want, rev=rev):
-            req = rpc.RangeRequest(key=lo, range_end=hi, limit=want, revision=rev,
+            req = rpc.RangeRequest(key=lo, range_end=hi, limit=want, revision=rev, keys_only=keys_only,
                                    sort_order=rpc.RangeRequest.DESCEND if newest_first else rpc.RangeRequest.ASCEND,
                                    sort_target=rpc.RangeRequest.KEY)
             r = c.kvstub.Range(req, t, **client._md(c))

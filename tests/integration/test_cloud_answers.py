@@ -412,7 +412,16 @@ def test_answer_markers_sweep_clear_and_bound(etcd_server):
     (job, doc, key), (job5, doc5, key5) = published
     assert job5 == "j5" and doc5["redelivery"] is True and "handed" not in doc5  # may repeat a1's
     assert job == "j1" and doc["published_by"] == "me" and "redelivery" not in doc and doc["agent"] == "gone"
-    assert ans.sweep() == 0  # already on its way: not enqueued twice
+    assert ans.sweep(force=True) == 0  # already on its way: not enqueued twice
+    # cheap when nothing changed: a new marker waits for a change of members or shards, or
+    # the periodic full sweep
+    client.put(keys.answer(1, "j6", "accepted"), marker_value(dict(docs["dead"], job_id="j6")))
+    assert ans.sweep() == 0
+    client.put(keys.member("newcomer"), "{}")
+    assert ans.sweep() == 1 and published[-1][0] == "j6"
+    ans.connected = lambda: False
+    assert ans.sweep(force=True) == 0  # broker unreachable: nothing is read
+    ans.connected = lambda: True
     remaining = {kv.key for kv in client.get_prefix(keys.answers_prefix())[0]}
     assert keys.answer(2, "j3", "accepted") not in remaining  # expired: the bound
     assert keys.answer(5, "j4", "accepted") in remaining      # not our shard
