@@ -20,7 +20,7 @@ act for the shard; a stale delete can at worst remove a marker whose twin was de
 
 Before a status with a marker is first handed to paho, its marker is stamped ``handed``
 (:meth:`Answers.handing`). Every agent also sees the cluster's statuses on the broker
-(:meth:`Answers.saw`). The shard's owner sweeps its shards' markers (every ``sweep_s``):
+(:meth:`Answers.saw`). The shard's owner sweeps its shards' markers (see :meth:`sweep`):
 one whose answer it saw is deleted (delivered); one whose writer is gone (no
 ``members/<writer>`` key: kill -9, power loss) or that is older than ``republish_after_s``
 and not in its own outbox is published with ``"published_by": <its id>``: unmarked (the
