@@ -988,7 +988,8 @@ class Demo:
             ("" if not missing else "; missing from " + ", ".join(f"{a} {n}" for a, n in sorted(missing.items()))))
         lost_live = {a: n for a, n in missing.items() if a != self.victim}
         if missing.get(self.victim):
-            cont(f"{self.victim}'s undelivered statuses wait in its outbox on its disk until it runs again")
+            cont(f"{self.victim}'s undelivered statuses: not yet published by its shards' new owners "
+                 "(they publish them from etcd answers/ after the takeover)")
         if lost_live:
             self.findings.append("final statuses of surviving agents never reached the broker: " +
                                  ", ".join(f"{a} {n}" for a, n in sorted(lost_live.items())) +
