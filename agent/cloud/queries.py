@@ -24,6 +24,7 @@ Bad requests are answered ``{"error": "<reason>", "detail"}`` when there is a re
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import queue
@@ -122,7 +123,9 @@ class JobQueries:
         self.hold_s = hold_s
         self.nthreads = threads
         self._q: "queue.Queue" = queue.Queue()
-        self._held: list[Request] = []
+        # held id requests by shard, and all of them in arrival order (deadlines increase)
+        self._held: dict[int, "collections.deque[Request]"] = {}
+        self._held_order: "collections.deque[Request]" = collections.deque()
         self._held_lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -146,7 +149,7 @@ class JobQueries:
 
     @property
     def held(self) -> int:
-        return len(self._held)
+        return len(self._held_order)
 
     # --- paho thread ----------------------------------------------------------------
     def on_message(self, msg) -> None:
@@ -227,26 +230,40 @@ class JobQueries:
             QUERIES.labels("not_owner").inc()
             return
         with self._held_lock:
-            self._held.append(req)
-            if len(self._held) > MAX_PENDING:
-                del self._held[0]
+            self._held.setdefault(req.shard, collections.deque()).append(req)
+            self._held_order.append(req)
+            while len(self._held_order) > MAX_PENDING:
+                self._drop_oldest_locked()
                 QUERIES.labels("dropped").inc()
+
+    def _drop_oldest_locked(self) -> None:
+        r = self._held_order.popleft()
+        q = self._held.get(r.shard)
+        if q is not None:
+            try:
+                q.remove(r)  # almost always its head
+            except ValueError:
+                pass
+            if not q:
+                del self._held[r.shard]
 
     def _recheck(self) -> None:
         """Every 0.1 s: held requests whose shard became ours are answered; expired ones dropped."""
         while not self._stop.wait(0.1):
-            owned = self.owned()
-            now = time.monotonic()
-            ready = []
-            with self._held_lock:
-                keep = []
-                for r in self._held:
-                    if r.shard in owned:
-                        ready.append(r)
-                    elif now < r.deadline:
-                        keep.append(r)
-                    else:
-                        QUERIES.labels("not_owner").inc()
-                self._held = keep
-            for r in ready:
-                self._q.put(r)
+            self.recheck_once(time.monotonic())
+
+    def recheck_once(self, now: float) -> None:
+        """Held requests whose shard is ours now go to the workers; expired ones are dropped."""
+        owned = self.owned()
+        ready = []
+        with self._held_lock:
+            for shard in [s for s in self._held if s in owned]:
+                ready.extend(self._held.pop(shard))
+            if ready:
+                taken = set(map(id, ready))
+                self._held_order = collections.deque(r for r in self._held_order if id(r) not in taken)
+            while self._held_order and self._held_order[0].deadline <= now:
+                self._drop_oldest_locked()
+                QUERIES.labels("not_owner").inc()
+        for r in ready:
+            self._q.put(r)

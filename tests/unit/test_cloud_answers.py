@@ -170,3 +170,24 @@ def test_stderr_tail_is_bounded(tmp_path):
     tail = stderr_tail(str(p))
     assert len(tail.encode()) <= STDERR_TAIL_BYTES + 8 and tail.startswith("line ") and tail.endswith(" last")
     assert "\ufffd" in tail  # invalid UTF-8 is replaced, never raised
+
+
+def test_held_get_requests_are_bounded_and_answered_when_the_shard_comes():
+    import time as _time
+
+    from agent.cloud import queries as q
+
+    owned = {"now": frozenset()}
+    jq = q.JobQueries(None, None, 8, "me", T, link=None, owned=lambda: owned["now"], hold_s=60.0)
+    answered = []
+    jq._q = type("Q", (), {"put": lambda self, r: answered.append(r)})()
+    now = _time.monotonic()
+    for i in range(q.MAX_PENDING + 10):
+        jq._hold(q.Request(f"c{i}", "r", "j", None, now, now + 60, i % 8))
+    assert jq.held == q.MAX_PENDING  # the bound: the oldest are dropped
+    jq._hold(q.Request("late", "r", "j", None, now - 100, now - 1, 3))  # past its time: not held
+    assert jq.held == q.MAX_PENDING
+    owned["now"] = frozenset({3})
+    jq.recheck_once(_time.monotonic())
+    assert answered and all(r.shard == 3 for r in answered)
+    assert jq.held == q.MAX_PENDING - len(answered) and 3 not in jq._held
