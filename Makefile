@@ -64,5 +64,6 @@ paho2:
 
 test-cloud-paho2: paho2
 	PYTHONPATH=$(PAHO2_DIR) MILLWRIGHT_EXPECT_PAHO=2 MILLWRIGHT_CLOUD_QUICK=1 MILLWRIGHT_CLOUD_OUTAGE_S=10 \
-		$(PY) -m pytest -p no:cacheprovider tests/unit/test_cloud.py tests/integration/test_cloud_agents.py \
-		tests/integration/test_cloud_outbox.py tests/integration/test_cloud_ingest.py -k "not fuzz_ingest" $(PYTEST_ARGS)
+		$(PY) -m pytest -p no:cacheprovider tests/unit/test_cloud.py tests/unit/test_cloud_answers.py \
+		tests/integration/test_cloud_agents.py tests/integration/test_cloud_outbox.py \
+		tests/integration/test_cloud_ingest.py tests/integration/test_cloud_answers.py -k "not fuzz_ingest" $(PYTEST_ARGS)

@@ -5,8 +5,9 @@ Binding: the CLI adds ``cluster`` (from the config), ``kind`` and ``issued_at`` 
 document does not carry them, so what it signs is valid only in that cluster and only for
 ``mqtt.max_age_s``.
 
-Exit codes: 0 accepted (or cancelled), 1 rejected or no status within --timeout,
-2 usage errors (unreadable file, bad JSON, keys file, unknown kid, broker unreachable).
+Exit codes: 0 accepted (or cancelled), 1 rejected, 3 no answer within --timeout,
+4 broker unreachable (or it did not acknowledge the publish), 2 usage errors only
+(unreadable file, bad JSON, keys file, unknown kid).
 The broker URL, TLS, credentials and the cluster come from the agent config (-c).
 """
 
@@ -21,6 +22,8 @@ from datetime import datetime, timezone
 from typing import Optional
 
 from agent.cli import UserError
+
+EXIT_ACCEPTED, EXIT_REJECTED, EXIT_USAGE, EXIT_NO_ANSWER, EXIT_BROKER = 0, 1, 2, 3, 4
 
 
 def _config(args):
@@ -89,10 +92,10 @@ def publish_and_wait(cfg, topic: str, payload: bytes, job_id, timeout: float, wa
     link.start()
     try:
         if not link.wait_connected(min(timeout, 10.0)):
-            raise UserError(f"cannot connect to the broker at {cfg.mqtt.url}")
+            raise UserError(f"cannot connect to the broker at {cfg.mqtt.url}", EXIT_BROKER)
         time.sleep(0.05)  # let the SUBACK arrive before the push can be answered
         if not link.publish_wait(topic, payload, qos=1, timeout=min(timeout, 10.0)):
-            raise UserError(f"the broker at {cfg.mqtt.url} did not acknowledge the publish")
+            raise UserError(f"the broker at {cfg.mqtt.url} did not acknowledge the publish", EXIT_BROKER)
         if not wait:
             return None
         try:
@@ -107,14 +110,16 @@ def _report(doc, job_id, timeout: float) -> int:
     if doc is None:
         print(f"no status for {job_id or 'the document'} within {timeout:g}s (is an agent connected?)",
               file=sys.stderr)
-        return 1
+        return EXIT_NO_ANSWER
     redelivery = " (repeat: already accepted)" if doc.get("redelivery") else ""
+    if doc.get("published_by") and doc.get("published_by") != doc.get("agent"):
+        redelivery += f" (published by {doc['published_by']})"
     if doc.get("state") in ("accepted", "cancelled"):
         print(f"{doc['state']} {doc.get('job_id')}{redelivery} by {doc.get('agent')} (shard {doc.get('shard')})")
-        return 0
+        return EXIT_ACCEPTED
     print(f"rejected {doc.get('job_id') or job_id or ''}: {doc.get('reason')}: {doc.get('detail') or ''}"
           .replace("  ", " ").rstrip(": "))
-    return 1
+    return EXIT_REJECTED
 
 
 def bind(doc: dict, cluster: str, kind: str, now=None) -> dict:

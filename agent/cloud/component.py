@@ -24,10 +24,12 @@ from agent.coordination.jobstore import JobStore, StoredJob
 from agent.coordination.watch import PrefixWatch
 from agent.jobs.signing import KeyFileError, KeyRing
 
+from .answers import Answers
 from .ingest import Dispatcher, Ingest
 from .mqtt import PAHO_VERSION, MqttLink
 from .outbox import Outbox, OutboxPublisher
 from .presence import presence_doc, will_doc
+from .queries import JobQueries
 from .topics import Topics
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,9 @@ if TYPE_CHECKING:
     from agent.runtime.daemon import Agent
 
 OUTBOX_FILE = "mqtt-outbox.sqlite"
+# test knob: "1" keeps every status in the outbox (nothing is published), so a test can
+# kill the agent after a run ended but before its outbox drained (docs/cloud.md)
+HOLD_OUTBOX_ENV = "MILLWRIGHT_TEST_HOLD_OUTBOX"
 
 
 class JobListener(Protocol):
@@ -86,17 +91,31 @@ class CloudComponent:
                              will=(self.topics.presence(self.agent_id), will_doc(self.agent_id), 1, True),
                              on_connect=self._connected, on_message=self._message,
                              on_publish=self._published,
-                             subscriptions=((self.topics.push, 1), (self.topics.cancel, 1)),
+                             subscriptions=((self.topics.push, 1), (self.topics.cancel, 1),
+                                            (self.topics.jobs_get, 0), (self.topics.status_filter(), 1)),
                              topic_kind=self.topics.kind,
                              reconnect_min_s=m.reconnect_min_s,
                              reconnect_max_s=m.reconnect_max_s)
-        self.publisher = OutboxPublisher(self.outbox, self.link, on_tick=self._flush_gap)
+        owned = lambda: agent.owned_shards  # noqa: E731 - a snapshot readable from any thread
+        self.answers = Answers(agent.client, agent.keys, self.agent_id, enqueue=self._republish,
+                               in_outbox=self.outbox.has_marker, owned=owned, fence_for=self._fence_for,
+                               republish_after_s=max(30.0, 3 * cfg.etcd.lease_ttl_s),
+                               record=lambda *a, **k: agent.loop.post(lambda: agent.record(*a, **k)),
+                               connected=lambda: self.link.connected)
+        agent.answer_markers = True  # the scheduler writes final run statuses as markers too
+        self.publisher = OutboxPublisher(self.outbox, self.link, on_tick=self._flush_gap,
+                                         on_delivered=self.answers.delivered, on_handing=self.answers.handing,
+                                         hold=os.environ.get(HOLD_OUTBOX_ENV) == "1")
         self.ingest = Ingest(store=self.store, keyring=self.keyring, templates=cfg.templates, topics=self.topics,
                              agent_id=self.agent_id, max_bytes=m.max_payload_bytes, max_skew_s=m.max_skew_s,
-                             cluster=cfg.cluster, max_age_s=m.max_age_s, outbox=self.outbox, record=agent.record, notify=self._notify)
+                             cluster=cfg.cluster, max_age_s=m.max_age_s, outbox=self.outbox, record=agent.record,
+                             notify=self._notify, answers=self.answers)
+        self.queries = JobQueries(agent.client, agent.keys, cfg.shards, self.agent_id, self.topics, self.link,
+                                  owned, hold_s=cfg.etcd.lease_ttl_s + 5.0)
         self.dispatcher = Dispatcher(self.ingest, self.link, self.topics, lambda: agent.owned_shards,
                                      m.ingest_grace_s, workers=workers)
         self.watch: Optional[PrefixWatch] = None
+        self.answers_watch: Optional[PrefixWatch] = None
         self._stopping = threading.Event()
         self._state = "online"
         agent.status_sinks.append(self.status_sink)
@@ -106,8 +125,22 @@ class CloudComponent:
 
     # --- sinks ------------------------------------------------------------------------
     def status_sink(self, doc: dict) -> None:
-        """Loop thread: one SQLite insert; the publisher thread does the network."""
-        self.outbox.enqueue(self.topics.status(doc.get("job_id")), doc)
+        """Loop thread: one SQLite insert; the publisher thread does the network. ``_answer``:
+        the etcd key of the document's durable answer marker, deleted once delivered."""
+        marker = doc.get("_answer")
+        if marker is not None:
+            doc = {k: v for k, v in doc.items() if k != "_answer"}
+        self.outbox.enqueue(self.topics.status(doc.get("job_id")), doc, marker=marker)
+
+    def _republish(self, job_id, doc: dict, marker: str) -> None:
+        """Answers' sweep thread: an answer whose writer is gone, published by this owner."""
+        self.outbox.enqueue(self.topics.status(job_id), doc, marker=marker)
+
+    def _fence_for(self, shard: int):
+        """Ingest threads: the shard's fence if this agent holds it (a snapshot read)."""
+        if shard not in self.agent.owned_shards:
+            return None
+        return self.agent.shards.mine.get(shard)
 
     def checkpoint_sink(self, doc: dict) -> None:
         """Audit writer thread: an anchor for the cloud, sent in order via the outbox."""
@@ -133,11 +166,20 @@ class CloudComponent:
 
     # --- link callbacks (paho thread) ---------------------------------------------------
     def _connected(self, generation: int, session_present: bool) -> None:
+        self.answers.watching(True)
         self.link.publish(self.topics.presence(self.agent_id), presence_doc(self.agent_id, self._state), 1, True)
         self.outbox.wake.set()
 
     def _message(self, msg) -> None:
-        self.dispatcher.on_message(msg)
+        if msg.topic == self.topics.jobs_get:
+            self.queries.on_message(msg)
+        elif self.topics.kind(msg.topic) == "status":
+            # every agent sees the cluster's answers on the broker: a dead peer's answer that
+            # was delivered is not published again (agent/cloud/answers.py)
+            self.link.ack(msg)
+            self.answers.saw(msg.payload)
+        else:
+            self.dispatcher.on_message(msg)
 
     def _published(self, mid: int) -> None:
         self.publisher.on_publish(mid)
@@ -146,6 +188,8 @@ class CloudComponent:
     def start(self) -> None:
         self.publisher.start()
         self.dispatcher.start()
+        self.answers.start()
+        self.queries.start()
         threading.Thread(target=self._start_watch, name="mqtt-jobs-watch-start", daemon=True).start()
         self.link.start()
 
@@ -164,6 +208,9 @@ class CloudComponent:
         self.watch = PrefixWatch(self.agent.client, self.agent.keys.jobs_prefix(), "cloud-jobs",
                                  on_snapshot=lambda kvs, rev: None, on_events=self.dispatcher.on_job_events,
                                  start_revision=rev + 1).start()
+        self.answers_watch = PrefixWatch(self.agent.client, self.agent.keys.answers_prefix(), "cloud-answers",
+                                         on_snapshot=lambda kvs, rev: None, on_events=self.dispatcher.on_answer_events,
+                                         start_revision=rev + 1).start()
 
     def drain(self, done) -> None:
         self._state = "draining"
@@ -181,8 +228,11 @@ class CloudComponent:
             self.link.publish_wait(self.topics.presence(self.agent_id),
                                    presence_doc(self.agent_id, "offline", "stopped"), 1, True, timeout=2.0)
         self.dispatcher.stop()
-        if self.watch is not None:
-            self.watch.stop(timeout=1.0)
+        self.queries.stop()
+        self.answers.stop()
+        for w in (self.watch, self.answers_watch):
+            if w is not None:
+                w.stop(timeout=1.0)
         self.link.stop()
         self.publisher.stop()
         self.outbox.close()
@@ -191,4 +241,5 @@ class CloudComponent:
         return {"connected": self.link.connected, "broker": f"{self.link.host}:{self.link.port}",
                 "client_id": self.link.client_id, "outbox_depth": self.outbox.depth,
                 "pending_pushes": self.dispatcher.pending, "paho": PAHO_VERSION,
+                "held_get_requests": self.queries.held,
                 "keys": self.keyring.kids}

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable, Optional
 
-from agent.coordination.etcd import EtcdError, EtcdUnavailable
+from agent.coordination.etcd import EtcdError, EtcdUnavailable, Put
 from agent.coordination.jobstore import CREATED, JobCancelled, JobConflict, JobStore, _canonical
 from agent.coordination.keys import shard_of
 from agent.jobs import document as jobs
@@ -70,6 +70,9 @@ CONFLICT = "conflict"
 RETRY_TIME_REASONS = (jobs.EXPIRED, jobs.SKEW, jobs.TOO_OLD)
 REPORTS_PER_S = 5.0      # reports of unauthenticated input (status + audit), per agent
 REPORTS_BURST = 20.0
+# refused before (or by) the signature check: the sender is not known to be the cloud
+UNAUTHENTICATED_REASONS = frozenset({jobs.TOO_LARGE, jobs.BAD_JSON, jobs.UNSIGNED, jobs.UNKNOWN_KID,
+                                     jobs.BAD_SIGNATURE, jobs.UNSUPPORTED_ALG})
 
 
 class TokenBucket:
@@ -119,6 +122,7 @@ class Outcome:
     detail: Optional[str] = None
     status: Optional[dict] = None  # the status document queued, if any
     stored: Any = None
+    authenticated: bool = False    # a rejection of a correctly signed push (owed an answer)
 
 
 class Ingest:
@@ -127,7 +131,7 @@ class Ingest:
                  record: Callable[..., None] = lambda *a, **k: None,
                  notify: Callable[[str, Any], None] = lambda kind, obj: None,
                  has_other_owner: Optional[Callable[[int], bool]] = None,
-                 reports: Optional[TokenBucket] = None):
+                 reports: Optional[TokenBucket] = None, answers=None):
         self.store = store
         self.keyring = keyring
         self.templates = templates
@@ -143,6 +147,7 @@ class Ingest:
         self.notify = notify
         self.shards = store.shards
         self.has_other_owner = has_other_owner or self._has_other_owner
+        self.answers = answers  # agent/cloud/answers.py: durable markers of the answers (None: off)
         self._tl = threading.local()  # the outbox reservation of the push this thread is handling
 
     # --- helpers ----------------------------------------------------------------
@@ -157,15 +162,26 @@ class Ingest:
         doc.update({k: v for k, v in extra.items() if v is not None})
         return doc
 
-    def _emit(self, doc: dict, ledger: Optional[str] = None) -> None:
+    def _emit(self, doc: dict, ledger: Optional[str] = None, marker: Optional[str] = None) -> None:
         if self.outbox is None:
             return
         topic = self.topics.status(doc.get("job_id"))
         seq, self._tl.reserved = getattr(self._tl, "reserved", None), None
         if seq is not None:
-            self.outbox.fill(seq, topic, doc, ledger_job_id=ledger)
+            self.outbox.fill(seq, topic, doc, ledger_job_id=ledger, marker=marker)
         else:
-            self.outbox.enqueue(topic, doc, ledger_job_id=ledger)
+            self.outbox.enqueue(topic, doc, ledger_job_id=ledger, marker=marker)
+
+    def _authenticated(self, payload: bytes, reason: str) -> bool:
+        """A rejection owed an answer: the push carries a valid signature of a known key."""
+        if reason in UNAUTHENTICATED_REASONS:
+            return False
+        try:
+            doc = json.loads(payload)
+            self.keyring.verify(doc)
+            return True
+        except Exception:
+            return False
 
     # --- the screen ---------------------------------------------------------------
     def screen(self, kind: str, payload: bytes, responsible: Callable[[int], bool]) -> Optional[Outcome]:
@@ -202,9 +218,10 @@ class Ingest:
     def _reject(self, kind: str, payload: bytes, job_id: Optional[str], reason: str, detail: str,
                 as_owner: bool) -> Outcome:
         shard = shard_of(job_id, self.shards) if job_id else shard_of(push_digest(payload), self.shards)
+        authenticated = kind == "push" and job_id is not None and self._authenticated(payload, reason)
         if not as_owner and self.has_other_owner(shard):
             INGESTED.labels(kind, "left_to_owner").inc()
-            return Outcome(kind, "silent", job_id, reason, detail)
+            return Outcome(kind, "silent", job_id, reason, detail, authenticated=authenticated)
         REJECTED.labels(reason).inc()
         INGESTED.labels(kind, "rejected").inc()
         self.record("job", event="rejected", kind=kind, job_id=job_id, reason=reason, detail=detail,
@@ -213,8 +230,11 @@ class Ingest:
                  extra={"fields": {"job_id": job_id, "reason": reason, "detail": detail}})
         doc = self._status(job_id, "rejected", payload, reason=reason, detail=detail,
                            kind=None if kind == "push" else "cancel")
-        self._emit(doc)
-        return Outcome(kind, "rejected", job_id, reason, detail, doc)
+        marker = None
+        if authenticated and self.answers is not None:
+            marker = self.answers.write_rejection(shard, job_id, push_digest(payload), doc)
+        self._emit(doc, marker=marker)
+        return Outcome(kind, "rejected", job_id, reason, detail, doc, authenticated=authenticated)
 
     # --- push -------------------------------------------------------------------
     def push(self, payload: bytes, as_owner: bool = True) -> Outcome:
@@ -252,8 +272,14 @@ class Ingest:
                 self.outbox.release(seq)
 
     def _push_store(self, payload: bytes, job, as_owner: bool) -> Outcome:
+        shard = shard_of(job.id, self.shards)
+        doc = self._status(job.id, "accepted", payload, shard=shard)
+        marker, also = None, ()
+        if self.answers is not None:  # the answer is durable with the job (agent/cloud/answers.py)
+            marker = self.store.keys.answer(shard, job.id, "accepted")
+            also = (Put(marker, json.dumps(doc, separators=(",", ":"))),)
         try:
-            result, stored = self.store.create(job.doc)
+            result, stored = self.store.create(job.doc, also)
         except JobCancelled:
             return self._reject("push", payload, job.id, CANCELLED, f"id: job {job.id} was cancelled; "
                                 "a cancelled id cannot be pushed again", as_owner)
@@ -263,8 +289,7 @@ class Ingest:
         except (EtcdUnavailable, EtcdError):
             raise
         if result == CREATED:
-            doc = self._status(job.id, "accepted", payload, shard=stored.shard)
-            self._emit(doc, ledger=job.id)
+            self._emit(doc, ledger=job.id, marker=marker)
             INGESTED.labels("push", "accepted").inc()
             self.record("job", event="accepted", job_id=job.id, shard=stored.shard, template=job.template,
                         push_sha256=push_digest(payload), agent=self.agent_id)
@@ -290,7 +315,8 @@ class Ingest:
         if by == self.agent_id and self.outbox is not None and not self.outbox.in_ledger(job_id):
             # created by us, but we died before the status was written: this is its first answer
             doc = self._status(job_id, "accepted", payload, shard=stored.shard)
-            self._emit(doc, ledger=job_id)
+            self._emit(doc, ledger=job_id, marker=None if self.answers is None else
+                       self.store.keys.answer(stored.shard, job_id, "accepted"))
             INGESTED.labels("push", "accepted").inc()
             self.notify("stored", stored)
             return Outcome("push", "accepted", job_id, status=doc, stored=stored)
@@ -374,7 +400,7 @@ class Dispatcher:
     """Threads between paho and Ingest: routing by shard ownership, grace, retries, acks."""
 
     def __init__(self, ingest: Ingest, link, topics: Topics, owned: Callable[[], frozenset], grace_s: float,
-                 workers: int = 4, recent_max: int = 100000):
+                 workers: int = 4, recent_max: int = 100000, max_hold_s: float = 60.0):
         self.ingest = ingest
         self.link = link
         self.topics = topics
@@ -387,6 +413,8 @@ class Dispatcher:
         self._by_id: dict[tuple[str, str], list[_Pending]] = collections.defaultdict(list)
         self._recent: "collections.OrderedDict[str, bool]" = collections.OrderedDict()  # job id -> cancelled
         self._recent_max = recent_max
+        self._answered: "collections.OrderedDict[str, bool]" = collections.OrderedDict()  # "<job>/<digest>"
+        self.max_hold_s = max_hold_s
         self._n = itertools.count()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -464,6 +492,43 @@ class Dispatcher:
             INGESTED.labels(p.kind, "exists").inc()
             self.link.ack(p.msg)
 
+    def on_answer_events(self, events, revision) -> None:
+        """etcd watch on answers/: a rejection marker means that push was answered (by the
+        owner): release our held copy of it."""
+        release = []
+        with self._lock:
+            for ev in events:
+                if ev.kind != "put":
+                    continue
+                parts = ev.kv.key.rsplit("/", 2)
+                if len(parts) != 3 or not parts[2].startswith("rejected."):
+                    continue
+                key = parts[1] + "/" + parts[2][len("rejected."):]
+                self._answered[key] = True
+                self._answered.move_to_end(key)
+                for p in self._by_id.pop(("answer", key), []):
+                    p.done = True
+                    release.append(p)
+            while len(self._answered) > self._recent_max:
+                self._answered.popitem(last=False)
+        for p in release:
+            INGESTED.labels(p.kind, "exists").inc()
+            self.link.ack(p.msg)
+
+    def _hold_rejection(self, msg, out: Outcome) -> bool:
+        """A correctly signed push we would reject, but the shard has another owner: keep it
+        (unacknowledged) until that owner's answer shows up in etcd, or the shard becomes ours
+        or unowned (its owner died) and we answer it. True if held."""
+        key = f"{out.job_id}/{push_digest(msg.payload)}"
+        shard = shard_of(out.job_id, self.ingest.shards)
+        with self._lock:
+            if key in self._answered or time.monotonic() - msg.received > self.max_hold_s:
+                return False
+            p = _Pending(time.monotonic() + self.grace_s, next(self._n), "push", msg, out.job_id, shard)
+            heapq.heappush(self._heap, p)
+            self._by_id[("answer", key)].append(p)
+        return True
+
     # --- grace timer ------------------------------------------------------------------
     def _timer(self) -> None:
         while not self._stop.wait(0.05):
@@ -488,14 +553,15 @@ class Dispatcher:
                 for p, _ in due:
                     p.done = True
                     if p.job_id is not None:
-                        lst = self._by_id.get((p.kind, p.job_id))
-                        if lst is not None:
-                            try:
-                                lst.remove(p)
-                            except ValueError:
-                                pass
-                            if not lst:
-                                del self._by_id[(p.kind, p.job_id)]
+                        for k in ((p.kind, p.job_id), ("answer", f"{p.job_id}/{push_digest(p.msg.payload)}")):
+                            lst = self._by_id.get(k)
+                            if lst is not None:
+                                try:
+                                    lst.remove(p)
+                                except ValueError:
+                                    pass
+                                if not lst:
+                                    del self._by_id[k]
             for p, as_owner in due:
                 self._q.put((p.kind, p.msg, as_owner))
 
@@ -531,6 +597,8 @@ class Dispatcher:
                 return None
             if kind == "push" and out.result in ("accepted", "redelivery"):
                 INGEST_SECONDS.observe(time.monotonic() - msg.received)
+            if kind == "push" and out.result == "silent" and out.authenticated and self._hold_rejection(msg, out):
+                return out  # not acknowledged yet: see _hold_rejection
             self.link.ack(msg)
             return out
         return None

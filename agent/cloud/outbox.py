@@ -82,6 +82,11 @@ class Outbox:
         self._db.execute("CREATE TABLE IF NOT EXISTS outbox (seq INTEGER PRIMARY KEY, topic TEXT NOT NULL, "
                          "payload BLOB NOT NULL, keep INTEGER NOT NULL, sent INTEGER NOT NULL DEFAULT 0, "
                          "ts REAL NOT NULL, held INTEGER NOT NULL DEFAULT 0)")
+        try:  # the etcd key of the row's durable answer marker (agent/cloud/answers.py)
+            self._db.execute("ALTER TABLE outbox ADD COLUMN marker TEXT")
+        except sqlite3.OperationalError:
+            pass  # already there
+        self._db.execute("CREATE INDEX IF NOT EXISTS outbox_marker ON outbox (marker) WHERE marker IS NOT NULL")
         self._db.execute("CREATE TABLE IF NOT EXISTS ledger (job_id TEXT PRIMARY KEY, ts REAL NOT NULL)")
         self._db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v INTEGER NOT NULL)")
         self._db.execute("DELETE FROM ledger WHERE ts < ?", (time.time() - LEDGER_KEEP_S,))
@@ -111,14 +116,15 @@ class Outbox:
             DEPTH.set(self._depth)
         return seq
 
-    def fill(self, seq: int, topic: str, doc: dict, ledger_job_id: Optional[str] = None) -> int:
+    def fill(self, seq: int, topic: str, doc: dict, ledger_job_id: Optional[str] = None,
+             marker: Optional[str] = None) -> int:
         """Turn a reservation into a publishable row (ledger entry in the same transaction)."""
         body = dict(doc)
         body["seq"] = seq
         payload = json.dumps(body, separators=(",", ":"), ensure_ascii=False, default=str).encode()
         with self._lock, self._transaction():
-            self._db.execute("UPDATE outbox SET topic=?, payload=?, keep=?, held=0, ts=? WHERE seq=?",
-                             (topic, payload, 1 if keep_state(doc) else 0, time.time(), seq))
+            self._db.execute("UPDATE outbox SET topic=?, payload=?, keep=?, held=0, ts=?, marker=? WHERE seq=?",
+                             (topic, payload, 1 if keep_state(doc) else 0, time.time(), marker, seq))
             self._ledger(ledger_job_id)
         self.wake.set()
         return seq
@@ -131,9 +137,11 @@ class Outbox:
             DEPTH.set(self._depth)
         self.wake.set()
 
-    def enqueue(self, topic: str, doc: dict, ledger_job_id: Optional[str] = None) -> Optional[int]:
+    def enqueue(self, topic: str, doc: dict, ledger_job_id: Optional[str] = None,
+                marker: Optional[str] = None) -> Optional[int]:
         """Insert one document (adds ``seq``); returns its seq, or None if the policy dropped it.
-        With ``ledger_job_id`` the ledger entry is written in the same transaction."""
+        With ``ledger_job_id`` the ledger entry is written in the same transaction. ``marker``:
+        the etcd key of its durable answer, deleted once the broker has the document."""
         keep = 1 if keep_state(doc) else 0
         dropped = 0
         with self._lock:
@@ -150,8 +158,8 @@ class Outbox:
                 body = dict(doc)
                 body["seq"] = seq
                 payload = json.dumps(body, separators=(",", ":"), ensure_ascii=False, default=str).encode()
-                self._db.execute("INSERT INTO outbox (seq, topic, payload, keep, ts) VALUES (?, ?, ?, ?, ?)",
-                                 (seq, topic, payload, keep, time.time()))
+                self._db.execute("INSERT INTO outbox (seq, topic, payload, keep, ts, marker) VALUES (?, ?, ?, ?, ?, ?)",
+                                 (seq, topic, payload, keep, time.time(), marker))
                 self._db.execute("INSERT OR REPLACE INTO meta VALUES ('seq', ?)", (seq,))
                 self._ledger(ledger_job_id)
             self._depth += 1 - dropped
@@ -201,6 +209,11 @@ class Outbox:
         if job_id:
             self._db.execute("INSERT OR REPLACE INTO ledger VALUES (?, ?)", (job_id, time.time()))
 
+    def has_marker(self, marker: str) -> bool:
+        """Whether a row for this answer marker is still waiting here."""
+        with self._lock:
+            return self._db.execute("SELECT 1 FROM outbox WHERE marker=? LIMIT 1", (marker,)).fetchone() is not None
+
     def in_ledger(self, job_id: str) -> bool:
         with self._lock:
             return self._db.execute("SELECT 1 FROM ledger WHERE job_id=?", (job_id,)).fetchone() is not None
@@ -218,23 +231,42 @@ class Outbox:
             out.append((seq, topic, payload, sent))
         return out
 
+    def markers_of(self, seqs: list[int]) -> list[tuple[str, bytes]]:
+        """(marker, payload) of these rows that have an answer marker."""
+        if not seqs:
+            return []
+        with self._lock:
+            out = []
+            for s in seqs:
+                row = self._db.execute("SELECT marker, payload FROM outbox WHERE seq=? AND marker IS NOT NULL",
+                                       (s,)).fetchone()
+                if row:
+                    out.append((row[0], row[1]))
+            return out
+
     def mark_sent(self, seqs: list[int]) -> None:
         if not seqs:
             return
         with self._lock:
             self._db.executemany("UPDATE outbox SET sent=1 WHERE seq=? AND sent=0", [(s,) for s in seqs])
 
-    def delete(self, seqs: list[int]) -> None:
+    def delete(self, seqs: list[int]) -> list[str]:
+        """Remove acknowledged rows; returns their answer markers (to delete in etcd)."""
         if not seqs:
-            return
+            return []
+        markers = []
         with self._lock:
             with self._transaction():
                 n = 0
                 for s in seqs:
+                    row = self._db.execute("SELECT marker FROM outbox WHERE seq=?", (s,)).fetchone()
+                    if row and row[0]:
+                        markers.append(row[0])
                     n += self._db.execute("DELETE FROM outbox WHERE seq=?", (s,)).rowcount
             self._depth -= n
             DEPTH.set(self._depth)
         PUBLISHED.inc(n)
+        return markers
 
     @property
     def depth(self) -> int:
@@ -249,12 +281,19 @@ class OutboxPublisher:
     """Sends outbox rows in order over a link (MqttLink), at most ``window`` unacknowledged."""
 
     def __init__(self, outbox: Outbox, link, window: int = 64, resend_after_s: float = 60.0,
-                 on_tick: Optional[Callable[[], None]] = None):
+                 on_tick: Optional[Callable[[], None]] = None,
+                 on_delivered: Optional[Callable[[list[str]], None]] = None,
+                 on_handing: Optional[Callable[[list[tuple[str, bytes]]], None]] = None, hold: bool = False):
         self.outbox = outbox
         self.link = link
         self.window = window
         self.resend_after_s = resend_after_s
         self.on_tick = on_tick
+        self.on_delivered = on_delivered
+        self.on_handing = on_handing  # called (and returns) before rows with answer markers are first sent
+        # test knob (MILLWRIGHT_TEST_HOLD_OUTBOX=1): publish nothing, so a test can kill the
+        # agent "before its outbox drained"
+        self.hold = hold
         self._lock = threading.Lock()
         self._inflight: dict[int, tuple[int, float]] = {}  # mid -> (seq, sent_at)
         self._acked_mids: "collections.deque[int]" = collections.deque()
@@ -310,8 +349,10 @@ class OutboxPublisher:
             entry = self._inflight.pop(self._acked_mids.popleft(), None)
             if entry is not None:
                 acked.append(entry[0])
-        self.outbox.delete(acked)
-        if not self.link.connected:
+        markers = self.outbox.delete(acked)
+        if markers and self.on_delivered:
+            self.on_delivered(markers)
+        if not self.link.connected or self.hold:
             return
         if True:
             if self._inflight:
@@ -328,7 +369,12 @@ class OutboxPublisher:
         rows = self.outbox.batch(self._cursor, room)
         if not rows:
             return
-        self.outbox.mark_sent([r[0] for r in rows if not r[3]])
+        first = [r[0] for r in rows if not r[3]]
+        if self.on_handing:
+            handing = self.outbox.markers_of(first)
+            if handing:
+                self.on_handing(handing)  # from now on this answer may have reached the broker
+        self.outbox.mark_sent(first)
         for seq, topic, payload, sent in rows:
             if sent:
                 try:

@@ -36,6 +36,13 @@ class Topics:
         self.push = self.base + "jobs/push"
         self.cancel = self.base + "jobs/cancel"
         self.agents_prefix = self.base + "agents/"
+        # jobs/get: requests; answers go to the reply topic the request names, under this prefix
+        self.jobs_get = self.base + "jobs/get"
+        self.get_reply_prefix = self.base + "jobs/get/reply/"
+
+    def get_reply(self, correlation: str) -> str:
+        """The default reply topic of a jobs/get request."""
+        return self.get_reply_prefix + correlation
 
     # --- what an agent publishes (its own prefix) ---------------------------------------
     def agent_prefix(self, agent_id: Optional[str] = None) -> str:
@@ -82,11 +89,16 @@ class Topics:
         return agent if sep and agent else None
 
     def kind(self, topic: str) -> str:
-        """Bounded label for metrics: push, cancel, status, rejected, presence, checkpoint, other."""
+        """Bounded label for metrics: push, cancel, get, get_reply, status, rejected, presence,
+        checkpoint, other."""
         if topic == self.push:
             return "push"
         if topic == self.cancel:
             return "cancel"
+        if topic == self.jobs_get:
+            return "get"
+        if topic.startswith(self.get_reply_prefix):
+            return "get_reply"
         if topic.startswith(self.agents_prefix):
             rest = topic[len(self.agents_prefix):].split("/", 1)[-1]
             if rest.startswith("status/"):

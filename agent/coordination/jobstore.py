@@ -84,20 +84,21 @@ class JobStore:
         s = shard_of(job_id, self.shards)
         return s, self.keys.job(s, job_id)
 
-    def create(self, doc: dict) -> tuple[str, StoredJob]:
+    def create(self, doc: dict, also: tuple = ()) -> tuple[str, StoredJob]:
         """Store a validated job document. Returns (CREATED|EXISTS, stored).
-        Raises JobConflict, JobCancelled, EtcdUnavailable."""
+        ``also``: more puts done in the same transaction only if the job is created (the
+        answer marker, agent/cloud/answers.py). Raises JobConflict, JobCancelled, EtcdUnavailable."""
         shard, key = self.key(doc["id"])
         stored = dict(doc)
         stored["_accepted"] = {"at": now_rfc3339(), "by": self.agent_id}
         value = json.dumps(stored, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-        r = self.client.txn([Create(key) == 0], [Put(key, value)], [Get(key)])
+        r = self.client.txn([Create(key) == 0], [Put(key, value), *also], [Get(key)])
         if r.succeeded:
             STORE_OPS.labels("create", "created").inc()
             return CREATED, StoredJob(shard, stored, r.revision, r.revision)
         kvs = r.responses[0]
         if not kvs:  # deleted between compare and read: cannot happen in one txn, but be safe
-            return self.create(doc)
+            return self.create(doc, also)
         existing = _stored(shard, kvs[0])
         if existing.cancelled or existing.tombstone:
             STORE_OPS.labels("create", "cancelled").inc()

@@ -52,3 +52,12 @@ class Keys:
 
     def run(self, shard: int, job_id: str, fire_id: str) -> str:
         return self.runs_prefix(shard, job_id) + fire_id
+
+    def answers_prefix(self, shard: int | None = None) -> str:
+        """Answers not yet acknowledged by the broker (agent/cloud/answers.py)."""
+        p = self.prefix + "answers/"
+        return p if shard is None else p + self.shard_name(shard) + "/"
+
+    def answer(self, shard: int, job_id: str, name: str) -> str:
+        """name: ``accepted``, ``rejected.<push_sha256>`` or ``run.<fire_id>``."""
+        return self.answers_prefix(shard) + job_id + "/" + name

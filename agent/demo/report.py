@@ -225,7 +225,8 @@ def summary(demo: Demo, res: dict) -> int:
         ("" if not missing else "; missing from " + ", ".join(f"{a} {n}" for a, n in sorted(missing.items()))))
     lost_live = {a: n for a, n in missing.items() if a != demo.victim}
     if missing.get(demo.victim):
-        cont(f"{demo.victim}'s undelivered statuses wait in its outbox on its disk until it runs again")
+        cont(f"{demo.victim}'s undelivered statuses: not yet published by its shards' new owners "
+             "(they publish them from etcd answers/ after the takeover)")
     if lost_live:
         demo.findings.append("final statuses of surviving agents never reached the broker: " +
                              ", ".join(f"{a} {n}" for a, n in sorted(lost_live.items())) +

@@ -78,6 +78,27 @@ RECORD_WORKERS = 6         # threads writing run records (claims, final states) 
 DEPENDENCY_RECHECK_S = 1.0
 REJECTED_STORED_MEMORY = 10000  # (job, revision) pairs already reported, so reloads do not repeat them
 RETIRE_CHECK_MAX_S = 3600.0     # a retirement far ahead is re-armed at most this far out
+STDERR_TAIL_BYTES = 4096        # the end of a run's stderr carried in its final record and status
+
+
+def stderr_tail(path: Optional[str], limit: int = STDERR_TAIL_BYTES) -> Optional[str]:
+    """The last ``limit`` bytes of a run's stderr (so the cloud sees why it failed), cut at
+    a line start when there is one; None when there was no output."""
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            size = fh.tell()
+            fh.seek(max(0, size - limit))
+            raw = fh.read(limit)
+    except OSError:
+        return None
+    if not raw:
+        return None
+    if size > limit and b"\n" in raw[:-1]:
+        raw = raw[raw.index(b"\n") + 1:]
+    return raw.decode("utf-8", errors="replace")
 
 
 @dataclass
@@ -486,8 +507,10 @@ class Scheduler:
             f.timer = self.loop.call_later(max(0.0, (nxt - now).total_seconds()), self._retry_due, f)
         else:
             f.move(FiringState.DONE)
-            self._write_record(f, "failed", reason="owner_lost", ended_at=rfc(now))
-            self._status(e, f, "failed", reason="owner_lost", previous_agent=prev_agent)
+            doc, key = self._final_status(f, "failed", reason="owner_lost", ended_at=rfc(now),
+                                          previous_agent=prev_agent)
+            self._write_record(f, "failed", answer=(key, doc), reason="owner_lost", ended_at=rfc(now))
+            self._publish(doc, key)
             self._forget(f)
 
     # --- timers ----------------------------------------------------------------------------
@@ -832,6 +855,9 @@ class Scheduler:
         detail = getattr(result, "error", None)
         fields = dict(exit_code=getattr(result, "exit_code", None), reason=reason if detail is None else f"{reason}: {detail}",
                       usage=usage_doc, ended_at=rfc(now), health=f.health)
+        tail = stderr_tail(getattr(result, "stderr_path", None))
+        if tail is not None:
+            fields["stderr_tail"] = tail
         released = getattr(result, "started_at", None)
         # the claim wrote the planned start; the record keeps the real one (None: never released)
         fields["started_at"] = rfc(datetime.fromtimestamp(released, timezone.utc)) if released else None
@@ -852,8 +878,9 @@ class Scheduler:
                 f.timer = self.loop.call_later(max(0.0, (nxt - now).total_seconds()), self._retry_due, f)
         else:
             f.move(FiringState.DONE)
-            self._write_record(f, state, **fields)
-            self._status(e, f, state, **fields)
+            doc, key = self._final_status(f, state, **fields)
+            self._write_record(f, state, answer=(key, doc), **fields)
+            self._publish(doc, key)
             self._forget(f)
         if not self.busy(e.shard):
             self.agent.shards.release_idle()
@@ -883,6 +910,7 @@ class Scheduler:
         e = f.entry
         FIRINGS.labels(reason).inc()
         fence = self.agent.fence_for(e.shard)
+        doc, answer_key = self._final_status(f, state, reason=reason)
         if fence is not None:
             key = self.keys.run(e.shard, e.job.id, f.fire_id)
             rec = self._record(f, state, reason=reason, ended_at=rfc(utcnow()))
@@ -890,10 +918,14 @@ class Scheduler:
                 cmp = [Mod(key) == f.record_rev]
             else:
                 cmp = [Create(key) == 0]
-            self._submit_write(e.shard, lambda: fenced_txn(self.client, fence, compare=cmp,
-                                                           success=[Put(key, json.dumps(rec))]),
+            ops = [Put(key, json.dumps(rec))]
+            if answer_key:
+                ops.append(Put(answer_key, json.dumps(doc)))
+            self._submit_write(e.shard, lambda: fenced_txn(self.client, fence, compare=cmp, success=ops),
                                lambda r, err: None)
-        self._status(e, f, state, reason=reason)
+        else:
+            answer_key = None
+        self._publish(doc, answer_key)
         self._forget(f)
 
     def _forget(self, f: Firing) -> None:
@@ -921,7 +953,9 @@ class Scheduler:
         base.update(fields)
         return base
 
-    def _write_record(self, f: Firing, state: str, **fields: Any) -> None:
+    def _write_record(self, f: Firing, state: str, answer: Optional[tuple] = None, **fields: Any) -> None:
+        """``answer``: (marker key or None, status document) of a final state, written in the
+        same fenced transaction (agent/cloud/answers.py)."""
         e = f.entry
         fence = self.agent.fence_for(e.shard)
         if fence is None:
@@ -931,9 +965,12 @@ class Scheduler:
         rev = f.record_rev
         f.record = rec
         f.writing += 1
+        ops = [Put(key, json.dumps(rec))]
+        if answer is not None and answer[0]:
+            ops.append(Put(answer[0], json.dumps(answer[1])))
 
         def op():
-            return fenced_txn(self.client, fence, compare=[Mod(key) == rev], success=[Put(key, json.dumps(rec))])
+            return fenced_txn(self.client, fence, compare=[Mod(key) == rev], success=ops)
 
         def done(r, error):
             f.writing -= 1
@@ -943,13 +980,13 @@ class Scheduler:
                 # transient: retry while we still hold the shard (still counted as in flight)
                 self._writes[e.shard] = self._writes.get(e.shard, 0) + 1
                 f.writing += 1
-                self.loop.call_later(0.3, self._rewrite, f, state, fields, rev)
+                self.loop.call_later(0.3, self._rewrite, f, state, fields, rev, answer)
             elif error is not None and not isinstance(error, StaleToken):
                 log.warning("run record write failed", extra={"fields": {"job": e.job.id, "error": str(error)}})
 
         self._submit_write(e.shard, op, done)
 
-    def _rewrite(self, f: Firing, state: str, fields: dict, rev: int) -> None:
+    def _rewrite(self, f: Firing, state: str, fields: dict, rev: int, answer: Optional[tuple] = None) -> None:
         f.writing -= 1
         shard = f.entry.shard
         n = self._writes.get(shard, 0) - 1
@@ -958,9 +995,26 @@ class Scheduler:
         else:
             self._writes.pop(shard, None)
         if f.record_rev == rev and self.agent.fence_for(shard) is not None:
-            self._write_record(f, state, **fields)
+            self._write_record(f, state, answer=answer, **fields)
+
+    def _final_status(self, f: Firing, state: str, **fields: Any) -> tuple[dict, Optional[str]]:
+        """A run's final status document and the key of its durable answer marker (None when
+        no cloud component asked for markers: agent.answer_markers)."""
+        doc = self._status_doc(f.entry, f, state, **fields)
+        key = None
+        if getattr(self.agent, "answer_markers", False):
+            key = self.keys.answer(f.entry.shard, f.entry.job.id, "run." + f.fire_id)
+        return doc, key
+
+    def _publish(self, doc: dict, answer_key: Optional[str] = None) -> None:
+        if answer_key:
+            doc = dict(doc, _answer=answer_key)  # the sink keeps it with the outbox row
+        self.agent.publish_status(doc)
 
     def _status(self, e: JobEntry, f: Optional[Firing], state: str, **fields: Any) -> None:
+        self.agent.publish_status(self._status_doc(e, f, state, **fields))
+
+    def _status_doc(self, e: JobEntry, f: Optional[Firing], state: str, **fields: Any) -> dict:
         doc = {"v": 1, "job_id": e.job.id, "run_id": f.fire_id if f else None, "state": state,
                "attempt": f.attempt if f else None, "agent": self.cfg.agent_id, "shard": e.shard,
                "ts": rfc(utcnow()), "exit_code": None, "reason": None, "usage": None}
@@ -968,7 +1022,7 @@ class Scheduler:
             doc["due"] = rfc(f.due)
             doc["health"] = f.health
         doc.update(fields)
-        self.agent.publish_status(doc)
+        return doc
 
     # --- status ---------------------------------------------------------------------------
     def status(self) -> dict:

@@ -1,0 +1,337 @@
+"""Durable answers: every answer the cloud is owed is in etcd until the broker has it.
+
+An *answer* is the ``accepted`` status of a stored push, the ``rejected`` status of an
+authenticated push, or the final status of a run. Each is written to etcd as a marker,
+``answers/<NNNN>/<job_id>/<name>`` (name ``accepted``, ``rejected.<push_sha256>`` or
+``run.<fire_id>``; value: the status document), in the same transaction as the fact it
+answers:
+
+- ``accepted``: in the job's create transaction (JobStore.create ``also``);
+- ``rejected.<digest>``: its own put, fenced with the shard's token when the rejecting
+  agent owns the shard (a non-owner only answers when nobody owns it);
+- ``run.<fire_id>``: in the fenced transaction that writes the final run record.
+
+The agent that wrote it also puts the status in its outbox with the marker's key. When
+the broker acknowledges that status (PUBACK), the marker is deleted (:meth:`Answers.delivered`,
+batched). A marker therefore exists only while its answer may not have reached the broker:
+the set is as small as the outbox, and empties itself as statuses flow. Deleting needs no
+fence: it states a fact about the broker ("this document was delivered"), not a right to
+act for the shard; a stale delete can at worst remove a marker whose twin was delivered.
+
+Before a status with a marker is first handed to paho, its marker is stamped ``handed``
+(:meth:`Answers.handing`). Every agent also sees the cluster's statuses on the broker
+(:meth:`Answers.saw`). The shard's owner sweeps its shards' markers (see :meth:`sweep`):
+one whose answer it saw is deleted (delivered); one whose writer is gone (no
+``members/<writer>`` key: kill -9, power loss) or that is older than ``republish_after_s``
+and not in its own outbox is published with ``"published_by": <its id>``: unmarked (the
+first answer) if it was never handed, or handed but certainly not seen; else marked
+``"redelivery": true``. So after a takeover the new owner publishes what the dead agent
+left undelivered, within a sweep, and the cloud gets exactly one unmarked answer.
+
+Bounded: markers older than ``keep_s`` (7 days) are deleted by the sweep without being
+published (counted in millwright_answers_expired_total, audit ``gap`` record).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import queue
+import threading
+import time
+from datetime import datetime, timezone
+from typing import Callable, Optional
+
+from agent.coordination.etcd import Delete, EtcdError, EtcdUnavailable, Put, Version
+from agent.coordination.fencing import StaleToken, fenced_txn
+from agent.coordination.keys import Keys
+from agent.jobs.view import read_prefix
+from agent.runtime.metrics import counter
+
+log = logging.getLogger("millwright.cloud.answers")
+
+MARKERS = counter("millwright_answers_total", "Durable answer markers by event (written, cleared, republished, "
+                  "expired)", ("event",))
+
+KEEP_S = 7 * 86400
+CLEAR_BATCH = 64
+SEEN_MAX = 200000
+SEEN_MARGIN_S = 1.0  # subscribe -> SUBACK, generously
+TERMINAL = frozenset({"succeeded", "failed", "timed_out", "killed", "cancelled", "misfired"})
+
+
+def answer_name(doc: dict) -> Optional[str]:
+    """The marker name a status document answers (accepted, rejected.<digest>, run.<fire_id>)."""
+    state = doc.get("state")
+    if state == "accepted" and doc.get("push_sha256"):
+        return "accepted"
+    if state == "rejected" and doc.get("push_sha256") and doc.get("kind") is None:
+        return "rejected." + doc["push_sha256"]
+    if state in TERMINAL and doc.get("run_id"):
+        return "run." + doc["run_id"]
+    return None
+
+
+def marker_value(doc: dict) -> str:
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def _age_s(doc: dict, now: float) -> float:
+    ts = doc.get("ts")
+    try:
+        t = datetime.strptime(ts, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
+    except (TypeError, ValueError):
+        try:
+            from agent.jobs.schedule import parse_rfc3339
+
+            t = parse_rfc3339(ts).timestamp()
+        except Exception:
+            return 0.0
+    return max(0.0, now - t)
+
+
+def decide(doc: dict, writer_alive: bool, in_my_outbox: bool, age_s: float, republish_after_s: float,
+           keep_s: float = KEEP_S, seen: bool = False) -> str:
+    """What the shard's owner does with a marker: ``expire``, ``delivered`` (this agent saw
+    the answer on the broker: only the marker is left), ``republish`` or ``skip``."""
+    if age_s > keep_s:
+        return "expire"
+    if in_my_outbox:
+        return "skip"          # ours, still on its way
+    if seen:
+        return "delivered"
+    if not writer_alive:
+        return "republish"     # the writer died before its outbox delivered it
+    if age_s > republish_after_s:
+        return "republish"     # the writer is alive but has not delivered it for too long
+    return "skip"
+
+
+class Answers:
+    """Marker writes for the ingest path, deletes after PUBACK, and the owner's sweep."""
+
+    def __init__(self, client, keys: Keys, agent_id: str, *, enqueue: Callable[[str, dict, str], None],
+                 in_outbox: Callable[[str], bool], owned: Callable[[], frozenset],
+                 fence_for: Callable[[int], object], sweep_s: float = 1.0, republish_after_s: float = 30.0,
+                 keep_s: float = KEEP_S, record: Callable[..., None] = lambda *a, **k: None,
+                 connected: Callable[[], bool] = lambda: True, full_every_s: float = 10.0):
+        self.client = client
+        self.keys = keys
+        self.agent_id = agent_id
+        self.enqueue = enqueue          # (job_id, doc, marker_key) -> outbox
+        self.in_outbox = in_outbox
+        self.owned = owned
+        self.fence_for = fence_for
+        self.sweep_s = sweep_s
+        self.republish_after_s = republish_after_s
+        self.keep_s = keep_s
+        self.record = record
+        self.connected = connected
+        self.full_every_s = full_every_s
+        self._last_view: Optional[tuple] = None
+        self._last_full = 0.0
+        self._cleared: "queue.Queue[str]" = queue.Queue()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._republished: dict[str, float] = {}   # marker key -> when we last enqueued it
+        # answers this agent saw on the broker (its status subscription): "<job>/<name>"
+        self._seen: "collections.OrderedDict[str, bool]" = collections.OrderedDict()
+        self._seen_lock = threading.Lock()
+        self.watching_since: Optional[float] = None  # wall time since which nothing was missed
+
+    # --- status subscription (paho thread) -------------------------------------------------
+    def saw(self, payload: bytes) -> None:
+        """A status document went through the broker: its answer is delivered."""
+        try:
+            doc = json.loads(payload)
+            name = answer_name(doc)
+        except (ValueError, AttributeError, TypeError):
+            return
+        if name is None or not isinstance(doc.get("job_id"), str):
+            return
+        with self._seen_lock:
+            self._seen[doc["job_id"] + "/" + name] = True
+            while len(self._seen) > SEEN_MAX:
+                self._seen.popitem(last=False)
+
+    def watching(self, connected: bool) -> None:
+        """On every (re)connect: only answers written after it (plus a margin) can be known
+        missing. Conservative: what the session queued while disconnected may still be on
+        its way when the sweep runs."""
+        if connected:
+            self.watching_since = time.time()
+
+    def _seen_or_known_missing(self, job_id: str, name: str, doc: dict, now: float) -> Optional[bool]:
+        """True: delivered. False: certainly not delivered (this agent has been subscribed
+        since well before the answer was written and did not see it). None: cannot tell."""
+        with self._seen_lock:
+            if job_id + "/" + name in self._seen:
+                return True
+        if self.watching_since is not None and _age_s(doc, now) < now - self.watching_since - SEEN_MARGIN_S:
+            return False
+        return None
+
+    # --- ingest side (worker threads) -------------------------------------------------
+    def write_rejection(self, shard: int, job_id: str, digest: str, doc: dict) -> str:
+        """Record an authenticated push's rejection before it is acknowledged. Raises
+        EtcdUnavailable (the caller retries; nothing is acknowledged)."""
+        key = self.keys.answer(shard, job_id, "rejected." + digest)
+        fence = self.fence_for(shard)
+        if fence is not None:
+            try:
+                fenced_txn(self.client, fence, success=[Put(key, marker_value(doc))])
+                MARKERS.labels("written").inc()
+                return key
+            except StaleToken:
+                pass  # lost the shard meanwhile: answered as a non-owner (nobody else will)
+        self.client.put(key, marker_value(doc))
+        MARKERS.labels("written").inc()
+        return key
+
+    # --- publisher side -------------------------------------------------------------
+    def handing(self, items: list[tuple[str, bytes]]) -> None:
+        """Publisher thread, before it first hands these answers to the broker: stamp their
+        markers ``"handed": true`` (only those that still exist), so a peer that publishes
+        them later knows whether this is their first publication (no ``redelivery``) or may
+        repeat one. If etcd cannot be reached the answers are sent anyway: a peer could
+        then publish a second unmarked copy, but only if this agent also dies meanwhile."""
+        from etcd3 import transactions as tx
+
+        ops = []
+        for key, payload in dict(items).items():
+            try:
+                doc = json.loads(payload)
+            except ValueError:
+                continue
+            doc.pop("seq", None)
+            doc.pop("redelivery", None)
+            doc["handed"] = True
+            ops.append(tx.Txn(compare=[Version(key) > 0], success=[Put(key, marker_value(doc))], failure=[]))
+        for i in range(0, len(ops), CLEAR_BATCH):
+            try:
+                self.client.txn([], ops[i:i + CLEAR_BATCH], [], timeout=1.0)
+                MARKERS.labels("handed").inc(len(ops[i:i + CLEAR_BATCH]))
+            except (EtcdUnavailable, EtcdError) as exc:
+                MARKERS.labels("hand_failed").inc(len(ops[i:i + CLEAR_BATCH]))
+                log.debug("stamping answers handed failed", extra={"fields": {"error": str(exc)[:200]}})
+
+    def delivered(self, markers: list[str]) -> None:
+        """The broker acknowledged these answers (publisher thread): delete their markers."""
+        for m in markers:
+            if m:
+                self._cleared.put(m)
+
+    # --- thread -------------------------------------------------------------------------
+    def start(self) -> "Answers":
+        self._thread = threading.Thread(target=self._run, name="mqtt-answers", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        self._cleared.put("")
+        if self._thread:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        next_sweep = time.monotonic() + self.sweep_s
+        pending: list[str] = []
+        while not self._stop.is_set():
+            try:
+                m = self._cleared.get(timeout=max(0.01, min(0.2, next_sweep - time.monotonic())))
+                if m:
+                    pending.append(m)
+                while len(pending) < CLEAR_BATCH:
+                    m = self._cleared.get_nowait()
+                    if m:
+                        pending.append(m)
+            except queue.Empty:
+                pass
+            if pending:
+                pending = self._clear(pending)
+            if time.monotonic() >= next_sweep:
+                try:
+                    self.sweep()
+                except (EtcdUnavailable, EtcdError) as exc:
+                    log.debug("answer sweep failed; next time", extra={"fields": {"error": str(exc)[:200]}})
+                except Exception:
+                    log.exception("answer sweep failed")
+                next_sweep = time.monotonic() + self.sweep_s
+
+    def _clear(self, keys: list[str]) -> list[str]:
+        """Delete markers in one transaction; returns what is left to retry."""
+        batch = list(dict.fromkeys(keys))[:CLEAR_BATCH]
+        rest = keys[len(batch):] if len(set(keys)) == len(keys) else [k for k in keys if k not in set(batch)]
+        try:
+            self.client.txn([], [Delete(k) for k in batch], [])
+        except (EtcdUnavailable, EtcdError) as exc:
+            log.debug("clearing answer markers failed; retrying", extra={"fields": {"error": str(exc)[:200]}})
+            self._stop.wait(0.3)
+            return batch + rest
+        MARKERS.labels("cleared").inc(len(batch))
+        for k in batch:
+            self._republished.pop(k, None)
+        return rest
+
+    def sweep(self, force: bool = False) -> int:
+        """Republish (or expire) the markers of the shards this agent owns. Returns how many
+        were republished.
+
+        Cheap when nothing changed: each call reads only the member ids (keys only); the
+        markers are read when the members or this agent's shards changed since the last
+        full sweep (a writer died, a takeover), every ``full_every_s``, or when forced.
+        Nothing is read while the broker is unreachable (``connected``): the markers then
+        pile up by design and would only be re-queued behind the same outage."""
+        owned = self.owned()
+        if not owned or not self.connected():
+            return 0
+        members = frozenset(kv.key.rsplit("/", 1)[-1] for kv in
+                            read_prefix(self.client, self.keys.members_prefix(), keys_only=True))
+        mono = time.monotonic()
+        view = (owned, members)
+        if not force and view == self._last_view and mono - self._last_full < self.full_every_s:
+            return 0
+        self._last_view, self._last_full = view, mono
+        by_shard = sorted(owned)
+        candidates = []
+        for shard in by_shard:
+            candidates.extend(read_prefix(self.client, self.keys.answers_prefix(shard)))
+        if not candidates:
+            self._republished.clear()
+            return 0
+        now = time.time()
+        n = 0
+        for kv in candidates:
+            try:
+                doc = json.loads(kv.value)
+            except ValueError:
+                continue
+            writer = doc.get("agent")
+            last = self._republished.get(kv.key)
+            mine = self.in_outbox(kv.key) or (last is not None and now - last < self.republish_after_s)
+            parts = kv.key.rsplit("/", 2)
+            seen = self._seen_or_known_missing(parts[1], parts[2], doc, now) if len(parts) == 3 else None
+            what = decide(doc, writer in members, mine, _age_s(doc, now), self.republish_after_s, self.keep_s,
+                          seen=bool(seen))
+            if what == "delivered":
+                self.client.delete(kv.key)
+                MARKERS.labels("seen_delivered").inc()
+            elif what == "expire":
+                self.client.delete(kv.key)
+                MARKERS.labels("expired").inc()
+                self.record("gap", source="answers", count=1, reason="answer_expired", key=kv.key)
+            elif what == "republish":
+                out = dict(doc)
+                out.pop("seq", None)
+                handed = out.pop("handed", False)
+                if handed and seen is not False:
+                    out["redelivery"] = True  # its writer may have delivered it: a re-publication
+                out["published_by"] = self.agent_id
+                self._republished[kv.key] = now
+                self.enqueue(doc.get("job_id"), out, kv.key)
+                MARKERS.labels("republished").inc()
+                n += 1
+        if n:
+            log.info("answers republished after their writer was gone", extra={"fields": {"count": n}})
+        return n

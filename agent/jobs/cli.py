@@ -1,0 +1,273 @@
+"""`millwright jobs list|show`, `millwright runs ID`, `millwright logs RUN [-f]`: an operator
+on any gateway asks etcd what jobs there are and what they did, without etcdctl or the
+shard formula. Read-only; the views are agent/jobs/view.py's (the same as jobs/get over MQTT).
+
+Human tables by default, ``--json`` for machines. Exit codes: 0 ok, 1 not found (or the
+run's output is on another agent's disk: the message names the agent and where), 2 usage,
+4 etcd unreachable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Optional
+
+from agent.cli import UserError
+
+EXIT_NOT_FOUND, EXIT_UNREACHABLE = 1, 4
+FOLLOW_POLL_S = 0.2
+
+
+def _open(args):
+    from agent.config import load_config
+    from agent.coordination.etcd import EtcdClient
+    from agent.coordination.keys import Keys
+
+    if not os.path.exists(args.config):
+        raise UserError(f"{args.config}: config file not found (use -c FILE)")
+    cfg = load_config(args.config)
+    return cfg, EtcdClient(cfg.etcd), Keys(cfg.cluster)
+
+
+def _etcd(fn, cfg):
+    from agent.coordination.etcd import EtcdError, EtcdUnavailable
+
+    try:
+        return fn()
+    except (EtcdUnavailable, EtcdError) as exc:
+        raise UserError(f"cannot read etcd at {', '.join(cfg.etcd.endpoints)}: {str(exc)[:200]}",
+                        EXIT_UNREACHABLE) from None
+
+
+def _table(rows: list[list], header: list[str]) -> str:
+    cells = [[("-" if v is None else str(v)) for v in r] for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(header)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*header).rstrip()] + [fmt.format(*r).rstrip() for r in cells])
+
+
+def _print_json(doc) -> None:
+    print(json.dumps(doc, indent=2, sort_keys=True, default=str))
+
+
+def _run_rows(runs: list[dict]) -> list[list]:
+    return [[r.get("fire_id"), r.get("attempt"), r.get("state"), r.get("agent"), r.get("started_at"),
+             r.get("ended_at"), r.get("exit_code"), (r.get("reason") or "")[:60]] for r in runs]
+
+
+RUN_HEADER = ["FIRE_ID", "ATTEMPT", "STATE", "AGENT", "STARTED", "ENDED", "EXIT", "REASON"]
+
+
+def _valid_id(job_id: str) -> str:
+    from agent.jobs.document import ID_RE
+
+    if not ID_RE.fullmatch(job_id) or job_id.startswith("."):
+        raise UserError(f"{job_id!r} is not a job id ([A-Za-z0-9._-]{{1,128}}, not starting with '.')")
+    return job_id
+
+
+# --------------------------------------------------------------------------- jobs list / show
+
+def cli_jobs_list(args) -> int:
+    from agent.jobs import view
+
+    cfg, client, keys = _open(args)
+    jobs = _etcd(lambda: view.list_jobs(client, keys, cfg.shards, state=args.state, template=args.template,
+                                        last_runs=1), cfg)
+    if args.json:
+        _print_json(jobs)
+        return 0
+    rows = []
+    for j in jobs:
+        last = (j.get("runs") or [None])[-1] or {}
+        rows.append([j["id"], j["shard"], j.get("template"), j["state"], j.get("next_due"),
+                     f"{last.get('fire_id')} {last.get('state')}" if last else None])
+    print(_table(rows, ["ID", "SHARD", "TEMPLATE", "STATE", "NEXT_DUE", "LAST_RUN"]))
+    print(f"{len(jobs)} job(s)")
+    return 0
+
+
+def cli_jobs_show(args) -> int:
+    from agent.jobs import view
+
+    job_id = _valid_id(args.id)
+    cfg, client, keys = _open(args)
+    job = _etcd(lambda: view.get_job(client, keys, cfg.shards, job_id), cfg)
+    if job is None:
+        raise UserError(f"no job {job_id} in cluster {cfg.cluster}", EXIT_NOT_FOUND)
+    if args.json:
+        _print_json(job)
+        return 0
+    acc = job.get("accepted") or {}
+    lines = [f"job       {job['id']}  (shard {job['shard']})",
+             f"template  {job.get('template')}  params {json.dumps(job['doc'].get('params', {}), sort_keys=True)}",
+             f"schedule  {json.dumps(job['doc'].get('schedule', {}), sort_keys=True)}",
+             f"state     {job['state']}",
+             f"next due  {job.get('next_due') or '-'}",
+             f"accepted  {acc.get('at', '-')} by {acc.get('by', '-')}"]
+    if job.get("cancelled"):
+        c = job["cancelled"]
+        lines.append(f"cancelled {c.get('at')} by {c.get('by')} ({c.get('reason')})")
+    print("\n".join(lines))
+    if job["runs"]:
+        print("last runs:")
+        print(_table(_run_rows(job["runs"]), RUN_HEADER))
+    return 0
+
+
+# --------------------------------------------------------------------------- runs
+
+def cli_runs(args) -> int:
+    from agent.jobs import view
+
+    job_id = _valid_id(args.id)
+    cfg, client, keys = _open(args)
+
+    def read():
+        from agent.coordination.keys import shard_of
+
+        if client.get(keys.job(shard_of(job_id, cfg.shards), job_id)) is None:
+            return None
+        return view.job_runs(client, keys, cfg.shards, job_id)
+
+    runs = _etcd(read, cfg)
+    if runs is None:
+        raise UserError(f"no job {job_id} in cluster {cfg.cluster}", EXIT_NOT_FOUND)
+    if args.json:
+        _print_json(runs)
+        return 0
+    print(_table(_run_rows(runs), RUN_HEADER))
+    print(f"{len(runs)} run(s)")
+    return 0
+
+
+# --------------------------------------------------------------------------- logs
+
+def run_dir_for(state_dir: str, job_id: str, fire_id: str, attempt: int) -> Optional[str]:
+    """The directory the executor wrote a run's output to (<state_dir>/runs/<safe_name(run key)>,
+    run key ``<job>/<fire_id>#<n>.<attempt>``); the newest when several match."""
+    import glob
+    import re
+
+    from agent.execute.backends import safe_name
+
+    stem = f"{job_id}/{fire_id}#"
+    prefix = safe_name(stem).rsplit("-", 1)[0]
+    base = os.path.join(state_dir, "runs")
+    exact = len(prefix) == len(stem)   # not truncated: the attempt can be checked
+    pat = re.compile(re.escape(prefix) + r"\d+\." + str(int(attempt)) + r"-[0-9a-f]{10}$")
+    found = [p for p in glob.glob(os.path.join(glob.escape(base), glob.escape(prefix) + "*"))
+             if os.path.isdir(p) and (not exact or pat.fullmatch(os.path.basename(p)))]
+    if not found:
+        return None
+    return max(found, key=lambda p: os.stat(p).st_mtime)
+
+
+def _find_run(client, keys, shards: int, ref: str) -> Optional[dict]:
+    from agent.coordination.keys import shard_of
+    from agent.jobs import view
+
+    job_id, _, fire_id = ref.partition("/")
+    _valid_id(job_id)
+    if fire_id:
+        kv = client.get(keys.run(shard_of(job_id, shards), job_id, fire_id))
+        return json.loads(kv.value) if kv else None
+    runs = view.job_runs(client, keys, shards, job_id, limit=1)
+    return runs[-1] if runs else None
+
+
+def cli_logs(args) -> int:
+    cfg, client, keys = _open(args)
+    rec = _etcd(lambda: _find_run(client, keys, cfg.shards, args.run), cfg)
+    if rec is None:
+        raise UserError(f"no run {args.run} in cluster {cfg.cluster} (RUN is JOB_ID/FIRE_ID, or JOB_ID for its "
+                        "latest run; `millwright runs JOB_ID` lists them)", EXIT_NOT_FOUND)
+    ref = f"{rec['job_id']}/{rec['fire_id']}"
+    agent = rec.get("agent")
+    if agent != cfg.agent_id:
+        kv = _etcd(lambda: client.get(keys.member(agent)), cfg) if agent else None
+        host = None
+        if kv is not None:
+            try:
+                host = json.loads(kv.value).get("host")
+            except ValueError:
+                pass
+        where = f"agent {agent}" + (f" (host {host})" if host else " (not a live member now)")
+        raise UserError(f"the output of run {ref} is on {where}, under its state_dir/runs/; "
+                        f"run `millwright logs {ref}` there", EXIT_NOT_FOUND)
+    run_dir = None
+    deadline = time.monotonic() + (10.0 if args.follow else 0.0)
+    while True:
+        run_dir = run_dir_for(cfg.state_dir, rec["job_id"], rec["fire_id"], int(rec.get("attempt") or 1))
+        if run_dir or time.monotonic() >= deadline:
+            break
+        time.sleep(FOLLOW_POLL_S)  # claimed ahead of its due time: the process is not prepared yet
+    if run_dir is None:
+        raise UserError(f"run {ref} ran on this agent ({agent}) but its output is not in "
+                        f"{os.path.join(cfg.state_dir, 'runs')} (removed, or the run never started)", EXIT_NOT_FOUND)
+    paths = {s: os.path.join(run_dir, f"{s}.log") for s in ("stdout", "stderr")}
+    if not args.follow:
+        out = {}
+        for s, p in paths.items():
+            try:
+                with open(p, "rb") as fh:
+                    out[s] = fh.read().decode("utf-8", errors="replace")
+            except OSError:
+                out[s] = ""
+        if args.json:
+            _print_json({"run": ref, "agent": agent, "state": rec.get("state"), "dir": run_dir, **out})
+        else:
+            sys.stdout.write(out["stdout"])
+            sys.stdout.flush()
+            sys.stderr.write(out["stderr"])
+        return 0
+    return _follow(client, keys, cfg, rec, paths, args.json)
+
+
+def _follow(client, keys, cfg, rec: dict, paths: dict, as_json: bool) -> int:
+    """Print what the run writes until its record is final and nothing more comes."""
+    from agent.coordination.keys import shard_of
+
+    key = keys.run(shard_of(rec["job_id"], cfg.shards), rec["job_id"], rec["fire_id"])
+    offsets = {s: 0 for s in paths}
+    sinks = {"stdout": sys.stdout, "stderr": sys.stderr}
+    state = rec.get("state")
+    next_check = 0.0
+    while True:
+        got = False
+        for s, p in paths.items():
+            try:
+                with open(p, "rb") as fh:
+                    fh.seek(offsets[s])
+                    data = fh.read(65536)
+            except OSError:
+                continue
+            if data:
+                got = True
+                offsets[s] += len(data)
+                text = data.decode("utf-8", errors="replace")
+                if as_json:
+                    print(json.dumps({"stream": s, "data": text}), flush=True)
+                else:
+                    sinks[s].write(text)
+                    sinks[s].flush()
+        if got:
+            continue
+        if state not in ("running", "claiming") and state is not None:
+            if as_json:
+                print(json.dumps({"end": True, "state": state}), flush=True)
+            return 0
+        now = time.monotonic()
+        if now >= next_check:
+            next_check = now + 0.5
+            kv = _etcd(lambda: client.get(key), cfg)
+            cur = json.loads(kv.value) if kv else {}
+            if cur.get("attempt") == rec.get("attempt"):
+                state = cur.get("state")
+            else:
+                state = "retried"
+            continue  # read once more after the state changed
+        time.sleep(FOLLOW_POLL_S)

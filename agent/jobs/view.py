@@ -1,0 +1,217 @@
+"""What a job is doing, read from etcd alone: the read model behind `jobs/get` over MQTT
+and the `millwright jobs|runs|logs` commands.
+
+Everything here is derived from durable state (the stored job, its run records), so any
+agent, or an operator's shell on any gateway, computes the same answer. The next due
+time is recomputed with the scheduler's own deterministic functions (agent/jobs/schedule.py)
+from the stored ``_accepted.at`` and the latest run record, which is what the shard's owner
+arms its timer with.
+
+Listings read etcd in pages (:func:`read_prefix`, range with limit + continuation). It is
+the one place that does so: issue 14 adds paged reads to the coordination layer, and this
+helper is what to swap for it.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from typing import Iterable, Iterator, Optional
+
+import etcd3.etcdrpc as rpc
+from etcd3 import utils as etcd_utils
+
+from agent.coordination.etcd import KV, _kv
+from agent.coordination.keys import Keys, shard_of
+from agent.jobs import schedule as sch
+
+PAGE = 500
+LAST_RUNS = 5
+ACTIVE = ("running", "retrying", "waiting")
+
+
+def read_prefix(client, prefix: str, page: int = PAGE, revision: int = 0,
+                limit: Optional[int] = None, newest_first: bool = False, keys_only: bool = False) -> Iterator[KV]:
+    """Every key under ``prefix`` in key order (or reverse), read ``page`` keys per request,
+    all pages at one revision. Stops after ``limit`` keys."""
+    start = prefix.encode()
+    end = etcd_utils.increment_last_byte(start)
+    got = 0
+    rev = revision
+    while True:
+        want = page if limit is None else min(page, limit - got)
+        if want <= 0:
+            return
+        lo, hi = start, end
+
+        def fn(c, t, lo=lo, hi=hi, want=want, rev=rev):
+            req = rpc.RangeRequest(key=lo, range_end=hi, limit=want, revision=rev, keys_only=keys_only,
+                                   sort_order=rpc.RangeRequest.DESCEND if newest_first else rpc.RangeRequest.ASCEND,
+                                   sort_target=rpc.RangeRequest.KEY)
+            r = c.kvstub.Range(req, t, **client._md(c))
+            return [_kv(kv) for kv in r.kvs], r.more, r.header.revision
+
+        kvs, more, head = client._call("range_page", fn, None)
+        rev = rev or head
+        for kv in kvs:
+            yield kv
+        got += len(kvs)
+        if not more or not kvs:
+            return
+        last = kvs[-1].key.encode()
+        if newest_first:
+            end = last                      # range_end is exclusive
+        else:
+            start = last + b"\0"
+
+
+def _parse(text) -> Optional[datetime]:
+    try:
+        return sch.parse_rfc3339(text) if text else None
+    except (ValueError, TypeError):
+        return None
+
+
+def next_due(doc: dict, runs: list[dict], now: Optional[datetime] = None) -> Optional[str]:
+    """The next firing the owner will run: a missed one still to run (now), else the next."""
+    from agent.coordination.jobstore import public_doc
+    from agent.jobs.document import Job, JobRejected
+
+    if "_cancelled" in doc or doc.get("_tombstone"):
+        return None
+    try:
+        job = Job.from_stored(public_doc(doc))
+    except (JobRejected, Exception):
+        return None
+    now = now or datetime.now(timezone.utc)
+    accepted = _parse((doc.get("_accepted") or {}).get("at")) or now
+    last = None
+    for r in runs:
+        try:
+            d = sch.parse_fire_id(r.get("fire_id", ""))
+        except Exception:
+            continue
+        if last is None or d > last:
+            last = d
+    try:
+        rec = sch.recover_job(job, accepted, last, now)
+    except Exception:
+        return None
+    due = rec.run[0] if rec.run else rec.next_due
+    return sch.format_rfc3339(due) if due is not None else None
+
+
+def job_state(doc: dict, runs: list[dict], due: Optional[str]) -> str:
+    """cancelled; else the latest run's state while it is live (running, retrying, waiting);
+    else scheduled when a firing is ahead; else the latest run's final state; else accepted."""
+    if "_cancelled" in doc or doc.get("_tombstone"):
+        return "cancelled"
+    latest = runs[-1] if runs else None
+    if latest and latest.get("state") in ACTIVE:
+        return latest["state"]
+    if due is not None:
+        return "scheduled"
+    if latest:
+        return latest.get("state") or "unknown"
+    return "accepted"
+
+
+def updated_at(doc: dict, runs: list[dict]) -> Optional[str]:
+    """The newest time the job or its runs changed (RFC 3339), for ``updated_since``."""
+    times = [(doc.get("_accepted") or {}).get("at"), (doc.get("_cancelled") or {}).get("at")]
+    for r in runs[-1:]:
+        times += [r.get("started_at"), r.get("ended_at")]
+    parsed = [t for t in (_parse(x) for x in times) if t is not None]
+    return sch.format_rfc3339(max(parsed)) if parsed else None
+
+
+def view(doc: dict, shard: int, runs: list[dict], last_runs: int = LAST_RUNS,
+         now: Optional[datetime] = None) -> dict:
+    """A job's public view: its document (reserved keys and signature left out), state,
+    the last ``last_runs`` run records (oldest first) and the next due time."""
+    from agent.coordination.jobstore import public_doc
+
+    due = next_due(doc, runs, now)
+    pub = public_doc(doc)
+    pub.pop("sig", None)
+    return {"id": doc.get("id"), "shard": shard, "template": doc.get("template"), "state": job_state(doc, runs, due),
+            "next_due": due, "accepted": doc.get("_accepted"), "cancelled": doc.get("_cancelled"),
+            "updated_at": updated_at(doc, runs), "runs": runs[-last_runs:] if last_runs else [], "doc": pub}
+
+
+def _runs_by_job(kvs: Iterable[KV], prefix: str) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for kv in kvs:
+        rest = kv.key[len(prefix):]
+        job_id, _, fire = rest.partition("/")
+        if not fire:
+            continue
+        try:
+            out.setdefault(job_id, []).append(json.loads(kv.value))
+        except ValueError:
+            continue
+    return out
+
+
+def job_runs(client, keys: Keys, shards: int, job_id: str, limit: Optional[int] = None) -> list[dict]:
+    """The job's run records, oldest first (fire ids sort by due time); the newest ``limit``."""
+    prefix = keys.runs_prefix(shard_of(job_id, shards), job_id)
+    kvs = list(read_prefix(client, prefix, limit=limit, newest_first=limit is not None))
+    if limit is not None:
+        kvs.reverse()
+    out = []
+    for kv in kvs:
+        try:
+            out.append(json.loads(kv.value))
+        except ValueError:
+            continue
+    return out
+
+
+def get_job(client, keys: Keys, shards: int, job_id: str, last_runs: int = LAST_RUNS) -> Optional[dict]:
+    shard = shard_of(job_id, shards)
+    kv = client.get(keys.job(shard, job_id))
+    if kv is None:
+        return None
+    try:
+        doc = json.loads(kv.value)
+    except ValueError:
+        return None
+    # the state needs the latest record; next_due needs the latest fire id: both are the newest
+    runs = job_runs(client, keys, shards, job_id, limit=max(1, last_runs))
+    return view(doc, shard, runs, last_runs)
+
+
+def list_jobs(client, keys: Keys, shards: int, in_shards: Optional[Iterable[int]] = None,
+              state: Optional[str] = None, template: Optional[str] = None, updated_since: Optional[str] = None,
+              last_runs: int = 1, limit: Optional[int] = None) -> list[dict]:
+    """Views of the jobs in ``in_shards`` (all shards by default) that match every filter."""
+    since = _parse(updated_since) if updated_since else None
+    now = datetime.now(timezone.utc)
+    out: list[dict] = []
+    for shard in sorted(in_shards) if in_shards is not None else range(shards):
+        jobs_prefix = keys.jobs_prefix(shard)
+        docs = []
+        for kv in read_prefix(client, jobs_prefix):
+            try:
+                docs.append(json.loads(kv.value))
+            except ValueError:
+                continue
+        if not docs:
+            continue
+        if template is not None:
+            docs = [d for d in docs if d.get("template") == template]
+            if not docs:
+                continue
+        runs_prefix = keys.runs_prefix(shard)
+        runs = _runs_by_job(read_prefix(client, runs_prefix), runs_prefix)
+        for d in docs:
+            v = view(d, shard, runs.get(d.get("id"), []), last_runs, now)
+            if state is not None and v["state"] != state:
+                continue
+            if since is not None and (_parse(v["updated_at"]) or now) < since:
+                continue
+            out.append(v)
+            if limit is not None and len(out) >= limit:
+                return out
+    return out

@@ -1,0 +1,193 @@
+"""Unit tests of issue 17's pure parts: answer-marker decisions, outbox markers and the
+hold knob, jobs/get request parsing, the job read model, the stderr tail."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from agent.cloud.answers import KEEP_S, decide
+from agent.cloud.outbox import Outbox, OutboxPublisher
+from agent.cloud.queries import BadRequest, parse_request
+from agent.cloud.topics import Topics
+from agent.jobs import view
+from agent.jobs.scheduler import STDERR_TAIL_BYTES, stderr_tail
+
+T = Topics("c")
+
+
+class _Link:
+    connected = True
+
+    def __init__(self):
+        self.mid = 0
+        self.sent = []
+
+    def publish(self, topic, payload, qos=1, retain=False):
+        self.mid += 1
+        self.sent.append((self.mid, topic, json.loads(payload)))
+        return 0, self.mid
+
+
+@pytest.mark.parametrize("alive,in_outbox,age,want", [
+    (False, False, 1.0, "republish"),         # writer died before delivering: the owner publishes
+    (True, False, 1.0, "skip"),               # writer alive, still on its way
+    (True, False, 31.0, "republish"),         # writer alive but stuck for too long
+    (False, True, 1.0, "skip"),               # already in this agent's outbox
+    (True, True, 100.0, "skip"),
+    (False, False, KEEP_S + 1, "expire"),     # the bound: nothing is kept for ever
+    (True, True, KEEP_S + 1, "expire"),
+])
+def test_answer_marker_decision(alive, in_outbox, age, want):
+    assert decide({"job_id": "j"}, alive, in_outbox, age, republish_after_s=30.0) == want
+
+
+def test_a_seen_answer_is_only_cleared():
+    assert decide({}, False, False, 1.0, 30.0, seen=True) == "delivered"
+    assert decide({}, False, True, 1.0, 30.0, seen=True) == "skip"
+
+
+def test_answer_names_match_marker_names():
+    from agent.cloud.answers import answer_name
+
+    assert answer_name({"state": "accepted", "push_sha256": "ab"}) == "accepted"
+    assert answer_name({"state": "rejected", "push_sha256": "ab"}) == "rejected.ab"
+    assert answer_name({"state": "rejected", "push_sha256": "ab", "kind": "cancel"}) is None
+    assert answer_name({"state": "failed", "run_id": "20261201T130000.000Z"}) == "run.20261201T130000.000Z"
+    assert answer_name({"state": "running", "run_id": "x"}) is None
+    assert answer_name({"state": "cancelled", "run_id": None}) is None
+
+
+def test_outbox_markers_are_returned_on_delivery(tmp_path):
+    ob = Outbox(str(tmp_path / "ob.sqlite"), 100)
+    ob.enqueue("t", {"state": "accepted"}, marker="/m/answers/0001/j/accepted")
+    ob.enqueue("t", {"state": "scheduled"})
+    seq = ob.reserve("t")
+    ob.fill(seq, "t", {"state": "failed"}, marker="/m/answers/0001/j/run.x")
+    assert ob.has_marker("/m/answers/0001/j/accepted") and ob.has_marker("/m/answers/0001/j/run.x")
+    assert not ob.has_marker("/m/answers/0001/other/accepted")
+    delivered = []
+    link = _Link()
+    pub = OutboxPublisher(ob, link, on_delivered=delivered.extend)
+    pub._step()
+    for mid, _, _ in link.sent:
+        pub.on_publish(mid)
+    pub._step()
+    assert sorted(delivered) == ["/m/answers/0001/j/accepted", "/m/answers/0001/j/run.x"]
+    assert not ob.has_marker("/m/answers/0001/j/accepted") and ob.depth == 0
+    assert all("marker" not in d for _, _, d in link.sent)  # the key never leaves the agent
+
+
+def test_outbox_opens_a_database_from_before_markers(tmp_path):
+    path = str(tmp_path / "old.sqlite")
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE outbox (seq INTEGER PRIMARY KEY, topic TEXT NOT NULL, payload BLOB NOT NULL, "
+               "keep INTEGER NOT NULL, sent INTEGER NOT NULL DEFAULT 0, ts REAL NOT NULL, held INTEGER NOT NULL DEFAULT 0)")
+    db.execute("INSERT INTO outbox (seq, topic, payload, keep, ts) VALUES (1, 't', '{\"seq\":1}', 1, 0)")
+    db.commit()
+    db.close()
+    ob = Outbox(path, 10)
+    assert ob.depth == 1 and ob.enqueue("t", {"x": 1}, marker="k") == 2 and ob.has_marker("k")
+    assert ob.delete([1, 2]) == ["k"]
+
+
+def test_hold_knob_publishes_nothing(tmp_path):
+    ob = Outbox(str(tmp_path / "ob.sqlite"), 10)
+    ob.enqueue("t", {"state": "succeeded"})
+    link = _Link()
+    pub = OutboxPublisher(ob, link, hold=True)
+    pub._step()
+    assert link.sent == [] and ob.depth == 1
+
+
+def test_jobs_get_request_parsing():
+    corr, reply, job_id, flt = parse_request(b'{"v":1,"correlation":"abc","id":"job-1"}', T)
+    assert (corr, reply, job_id, flt) == ("abc", "millwright/c/jobs/get/reply/abc", "job-1", None)
+    _, reply, _, flt = parse_request(json.dumps({"correlation": "x", "reply_to": T.get_reply_prefix + "me/1",
+                                                 "filter": {"state": "running", "limit": 5}}).encode(), T)
+    assert reply == "millwright/c/jobs/get/reply/me/1" and flt == {"state": "running", "limit": 5}
+    assert parse_request(b'{"correlation":"x"}', T)[3] == {"limit": 1000}
+    for bad, reason in [(b"nope", "bad_json"), (b"[]", "bad_json"), (b'{"id":"j"}', "bad_field"),
+                        (b'{"correlation":"a/b","id":"j"}', "bad_field"),
+                        (b'{"correlation":"x","reply_to":"millwright/c/jobs/push","id":"j"}', "bad_field"),
+                        (b'{"correlation":"x","reply_to":"millwright/c/jobs/get/reply/#","id":"j"}', "bad_field"),
+                        (b'{"correlation":"x","id":"../etc"}', "bad_field"),
+                        (b'{"correlation":"x","filter":{"owner":"me"}}', "bad_field"),
+                        (b'{"correlation":"x","filter":{"updated_since":"yesterday"}}', "bad_field"),
+                        (b'{"correlation":"x","filter":{"limit":0}}', "bad_field"),
+                        (b'{"correlation":"x","pad":"' + b"y" * 9000 + b'"}', "too_large")]:
+        with pytest.raises(BadRequest) as exc:
+            parse_request(bad, T)
+        assert exc.value.reason == reason, bad[:60]
+
+
+def test_topics_for_jobs_get():
+    assert T.jobs_get == "millwright/c/jobs/get"
+    assert T.kind(T.jobs_get) == "get" and T.kind(T.get_reply("z")) == "get_reply"
+    assert T.kind(T.push) == "push"
+
+
+def _doc(schedule, **extra):
+    now = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
+    d = {"v": 1, "id": "j", "template": "flush", "params": {"line": "3"}, "schedule": schedule,
+         "sig": {"alg": "hmac-sha256", "kid": "k", "value": "x"},
+         "_accepted": {"at": "2026-12-01T12:00:00Z", "by": "a1"}}
+    d.update(extra)
+    return d, now
+
+
+def test_job_view_states_and_next_due():
+    doc, now = _doc({"at": "2026-12-01T13:00:00Z"})
+    v = view.view(doc, 3, [], now=now)
+    assert v["state"] == "scheduled" and v["next_due"] == "2026-12-01T13:00:00Z"
+    assert "sig" not in v["doc"] and "_accepted" not in v["doc"] and v["accepted"]["by"] == "a1"
+    run = {"fire_id": "20261201T130000.000Z", "state": "running", "started_at": "2026-12-01T13:00:00Z"}
+    later = now + timedelta(hours=2)
+    assert view.view(doc, 3, [run], now=later)["state"] == "running"
+    done = dict(run, state="failed", ended_at="2026-12-01T13:00:05Z")
+    v = view.view(doc, 3, [done], now=later)
+    assert v["state"] == "failed" and v["next_due"] is None and v["updated_at"] == "2026-12-01T13:00:05Z"
+    cdoc, _ = _doc({"cron": "0 * * * *", "tz": "UTC"})
+    v = view.view(cdoc, 3, [dict(done, fire_id="20261201T130000.000Z", state="succeeded")], now=later)
+    assert v["state"] == "scheduled" and v["next_due"] == "2026-12-01T14:00:00Z"  # the missed 14:00 runs now
+    gone, _ = _doc({}, _cancelled={"at": "2026-12-01T12:30:00Z", "by": "a2"})
+    v = view.view(gone, 3, [], now=later)
+    assert v["state"] == "cancelled" and v["next_due"] is None and v["updated_at"] == "2026-12-01T12:30:00Z"
+    assert view.view(doc, 3, [done] * 9, last_runs=5, now=later)["runs"] == [done] * 5
+
+
+def test_stderr_tail_is_bounded(tmp_path):
+    p = tmp_path / "stderr.log"
+    assert stderr_tail(str(tmp_path / "none")) is None and stderr_tail(None) is None
+    p.write_bytes(b"")
+    assert stderr_tail(str(p)) is None
+    p.write_bytes(b"short failure\n")
+    assert stderr_tail(str(p)) == "short failure\n"
+    p.write_bytes(b"".join(b"line %05d of a long stderr\n" % i for i in range(2000)) + b"\xff\xfe last")
+    tail = stderr_tail(str(p))
+    assert len(tail.encode()) <= STDERR_TAIL_BYTES + 8 and tail.startswith("line ") and tail.endswith(" last")
+    assert "\ufffd" in tail  # invalid UTF-8 is replaced, never raised
+
+
+def test_held_get_requests_are_bounded_and_answered_when_the_shard_comes():
+    import time as _time
+
+    from agent.cloud import queries as q
+
+    owned = {"now": frozenset()}
+    jq = q.JobQueries(None, None, 8, "me", T, link=None, owned=lambda: owned["now"], hold_s=60.0)
+    answered = []
+    jq._q = type("Q", (), {"put": lambda self, r: answered.append(r)})()
+    now = _time.monotonic()
+    for i in range(q.MAX_PENDING + 10):
+        jq._hold(q.Request(f"c{i}", "r", "j", None, now, now + 60, i % 8))
+    assert jq.held == q.MAX_PENDING  # the bound: the oldest are dropped
+    jq._hold(q.Request("late", "r", "j", None, now - 100, now - 1, 3))  # past its time: not held
+    assert jq.held == q.MAX_PENDING
+    owned["now"] = frozenset({3})
+    jq.recheck_once(_time.monotonic())
+    assert answered and all(r.shard == 3 for r in answered)
+    assert jq.held == q.MAX_PENDING - len(answered) and 3 not in jq._held
