@@ -184,6 +184,17 @@ class Job:
                       verify_signature=True, cluster=cluster, key_now=now)
 
 
+    @classmethod
+    def for_display(cls, doc: dict) -> "Job":
+        """Parse a stored document only to describe it (``millwright jobs``, ``jobs/get``):
+        no signature or binding check. Never used to decide that something runs: the
+        scheduler loads with :meth:`from_stored`."""
+        shown = dict(doc)
+        shown.setdefault("cluster", "")
+        shown.setdefault("kind", KIND_JOB)
+        return _parse(shown, templates=None, keyring=None, now=None, max_skew_s=None, max_bytes=None,
+                      verify_signature=False, cluster=shown["cluster"] if isinstance(shown["cluster"], str) else "")
+
 def parse_job(payload: Union[bytes, str, dict], *, templates: dict, keyring: Optional[KeyRing],
               now: Optional[datetime], max_skew_s: Optional[float], max_bytes: int, cluster: str,
               max_age_s: Optional[float] = None,

@@ -80,7 +80,7 @@ def next_due(doc: dict, runs: list[dict], now: Optional[datetime] = None) -> Opt
     if "_cancelled" in doc or doc.get("_tombstone"):
         return None
     try:
-        job = Job.from_stored(public_doc(doc))
+        job = Job.for_display(public_doc(doc))
     except (JobRejected, Exception):
         return None
     now = now or datetime.now(timezone.utc)

@@ -134,6 +134,7 @@ def _doc(schedule, **extra):
     now = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
     d = {"v": 1, "id": "j", "template": "flush", "params": {"line": "3"}, "schedule": schedule,
          "sig": {"alg": "hmac-sha256", "kid": "k", "value": "x"},
+         "cluster": "c", "kind": "job", "issued_at": "2026-12-01T11:59:00Z",
          "_accepted": {"at": "2026-12-01T12:00:00Z", "by": "a1"}}
     d.update(extra)
     return d, now
@@ -142,20 +143,20 @@ def _doc(schedule, **extra):
 def test_job_view_states_and_next_due():
     doc, now = _doc({"at": "2026-12-01T13:00:00Z"})
     v = view.view(doc, 3, [], now=now)
-    assert v["state"] == "scheduled" and v["next_due"] == "2026-12-01T13:00:00Z"
+    assert v["state"] == "scheduled" and v["next_due"] == "2026-12-01T13:00:00.000000Z"
     assert "sig" not in v["doc"] and "_accepted" not in v["doc"] and v["accepted"]["by"] == "a1"
     run = {"fire_id": "20261201T130000.000Z", "state": "running", "started_at": "2026-12-01T13:00:00Z"}
     later = now + timedelta(hours=2)
     assert view.view(doc, 3, [run], now=later)["state"] == "running"
     done = dict(run, state="failed", ended_at="2026-12-01T13:00:05Z")
     v = view.view(doc, 3, [done], now=later)
-    assert v["state"] == "failed" and v["next_due"] is None and v["updated_at"] == "2026-12-01T13:00:05Z"
+    assert v["state"] == "failed" and v["next_due"] is None and v["updated_at"] == "2026-12-01T13:00:05.000000Z"
     cdoc, _ = _doc({"cron": "0 * * * *", "tz": "UTC"})
     v = view.view(cdoc, 3, [dict(done, fire_id="20261201T130000.000Z", state="succeeded")], now=later)
-    assert v["state"] == "scheduled" and v["next_due"] == "2026-12-01T14:00:00Z"  # the missed 14:00 runs now
+    assert v["state"] == "scheduled" and v["next_due"] == "2026-12-01T14:00:00.000000Z"  # the missed 14:00 runs now
     gone, _ = _doc({}, _cancelled={"at": "2026-12-01T12:30:00Z", "by": "a2"})
     v = view.view(gone, 3, [], now=later)
-    assert v["state"] == "cancelled" and v["next_due"] is None and v["updated_at"] == "2026-12-01T12:30:00Z"
+    assert v["state"] == "cancelled" and v["next_due"] is None and v["updated_at"] == "2026-12-01T12:30:00.000000Z"
     assert view.view(doc, 3, [done] * 9, last_runs=5, now=later)["runs"] == [done] * 5
 
 
