@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 
 from agent.jobs import document as jobs
 from agent.coordination.etcd import EtcdUnavailable, EtcdError
-from agent.coordination.jobstore import CREATED, JobCancelled, JobConflict, JobStore, _canonical
+from agent.coordination.jobstore import CREATED, JobCancelled, JobConflict, JobStore
 from agent.coordination.keys import shard_of
 from agent.jobs.document import JobRejected, parse_cancel, parse_job
 from agent.runtime.metrics import counter, histogram
@@ -213,9 +213,9 @@ class Ingest:
         except JobRejected:
             return None
         stored = self.store.get(job.id)
-        if stored is None or stored.cancelled or stored.tombstone:
+        if stored is None or stored.cancelled or (stored.tombstone and not stored.finished):
             return None
-        return stored if _canonical(stored.doc) == _canonical(job.doc) else None
+        return stored if stored.same_content(job.doc) else None
 
     def _exists(self, payload: bytes, stored, as_owner: bool) -> Outcome:
         by = (stored.doc.get("_accepted") or {}).get("by")

@@ -52,3 +52,11 @@ class Keys:
 
     def run(self, shard: int, job_id: str, fire_id: str) -> str:
         return self.runs_prefix(shard, job_id) + fire_id
+
+    def latest_prefix(self, shard: int | None = None) -> str:
+        p = self.prefix + "latest/"
+        return p if shard is None else p + self.shard_name(shard) + "/"
+
+    def latest(self, shard: int, job_id: str) -> str:
+        """A copy of the job's newest run record (by fire_id): depends_on reads one key."""
+        return self.latest_prefix(shard) + job_id

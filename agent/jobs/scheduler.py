@@ -110,6 +110,7 @@ class JobEntry:
     firings: dict[str, Firing] = field(default_factory=dict)
     cancelled: bool = False
     backlog: list = field(default_factory=list)  # missed firings to run one after another
+    latest_fire: str = ""   # newest fire_id with a record: the one latest/<shard>/<job> copies
 
 
 class Scheduler:
@@ -178,8 +179,10 @@ class Scheduler:
         shard = fence.shard
 
         def op():
+            # paged reads at one revision; records are parsed here, off the loop thread, so
+            # a shard with many records never delays due timers of the shards already held
             jobs, rev = self.store.list_shard(shard)
-            runs, _ = self.client.get_prefix(self.keys.runs_prefix(shard), revision=rev)
+            runs = _records_by_job(self.client, self.keys.runs_prefix(shard), rev)
             return jobs, runs, rev
 
         def done(result, error):
@@ -271,6 +274,14 @@ class Scheduler:
                 self._dirty[shard] = max(self._dirty.get(shard, 0), stored.revision)
             return
         e = self.entries.get(stored.id)
+        if stored.finished and not stored.cancelled:
+            # retention replaced a job that can never fire again by its tombstone: forget it
+            # quietly (it is not a cancel)
+            if e is not None and not any(f.state != "done" for f in e.firings.values()):
+                self._pop_entry(stored.id)
+                self._drop_entry(e, "finished")
+                JOBS_OWNED.set(len(self.entries))
+            return
         if stored.cancelled or stored.tombstone:
             if e is not None:
                 self._cancel_entry(e)
@@ -305,16 +316,7 @@ class Scheduler:
         self.agent.record("job", event="cancelled", job=e.job.id, shard=e.shard)
 
     # --- install ---------------------------------------------------------------------------
-    def _install_shard(self, fence: Fence, jobs: list[StoredJob], runs: list) -> None:
-        by_job: dict[str, dict[str, Any]] = {}
-        for kv in runs:
-            rest = kv.key[len(self.keys.runs_prefix(fence.shard)):]
-            try:
-                job_id, fire_id = rest.split("/", 1)
-                rec = json.loads(kv.value)
-            except ValueError:
-                continue
-            by_job.setdefault(job_id, {})[fire_id] = (rec, kv.mod_revision)
+    def _install_shard(self, fence: Fence, jobs: list[StoredJob], by_job: dict[str, dict[str, Any]]) -> None:
         for stored in jobs:
             if stored.cancelled or stored.tombstone or stored.id in self.entries:
                 continue
@@ -345,6 +347,7 @@ class Scheduler:
                 continue
             if e.last_due_done is None or due > e.last_due_done:
                 e.last_due_done = due
+            e.latest_fire = max(e.latest_fire, fire_id)
             state = rec.get("state")
             if state in TERMINAL:
                 continue
@@ -482,10 +485,10 @@ class Scheduler:
             states = {}
             for dep in deps:
                 s = shard_of(dep, self.cfg.shards)
-                kvs, _ = self.client.get_prefix(self.keys.runs_prefix(s, dep))
-                latest = None
-                for kv in kvs:  # keys sort by fire_id = due time
-                    latest = json.loads(kv.value)
+                # one key: the copy of the dependency's newest record (never a prefix read);
+                # records written before latest/ existed: the last key of its runs prefix
+                kv = self.client.get(self.keys.latest(s, dep)) or self.client.get_last(self.keys.runs_prefix(s, dep))
+                latest = json.loads(kv.value) if kv is not None else None
                 states[dep] = latest.get("state") if latest else None
             return states
 
@@ -586,9 +589,10 @@ class Scheduler:
         key = self.keys.run(e.shard, e.job.id, f.fire_id)
         rec = self._record(f, "running", started_at=rfc(max(utcnow(), f.due)))
         compare = [Mod(key) == f.record_rev] if retry else [Create(key) == 0]
+        ops = self._record_ops(f, key, json.dumps(rec))
 
         def op():
-            return fenced_txn(self.client, fence, compare=compare, success=[Put(key, json.dumps(rec))])
+            return fenced_txn(self.client, fence, compare=compare, success=ops)
 
         def done(r, error):
             if f.state != "claiming":
@@ -789,7 +793,8 @@ class Scheduler:
                 cmp = [Mod(key) == f.record_rev]
             else:
                 cmp = [Create(key) == 0]
-            self.workers.submit(lambda: fenced_txn(self.client, fence, compare=cmp, success=[Put(key, json.dumps(rec))]),
+            ops = self._record_ops(f, key, json.dumps(rec))
+            self.workers.submit(lambda: fenced_txn(self.client, fence, compare=cmp, success=ops),
                                 lambda r, err: None)
         self._status(e, f, state, reason=reason)
         self._forget(f)
@@ -819,6 +824,16 @@ class Scheduler:
         base.update(fields)
         return base
 
+    def _record_ops(self, f: Firing, key: str, value: str) -> list:
+        """The run record's put, and its copy in latest/<shard>/<job> when this firing is
+        the job's newest (in the same fenced transaction, so the two never disagree)."""
+        e = f.entry
+        ops = [Put(key, value)]
+        if f.fire_id >= e.latest_fire:
+            e.latest_fire = f.fire_id
+            ops.append(Put(self.keys.latest(e.shard, e.job.id), value))
+        return ops
+
     def _write_record(self, f: Firing, state: str, **fields: Any) -> None:
         e = f.entry
         fence = self.agent.fence_for(e.shard)
@@ -828,9 +843,10 @@ class Scheduler:
         rec = self._record(f, state, **fields)
         rev = f.record_rev
         f.record = rec
+        ops = self._record_ops(f, key, json.dumps(rec))
 
         def op():
-            return fenced_txn(self.client, fence, compare=[Mod(key) == rev], success=[Put(key, json.dumps(rec))])
+            return fenced_txn(self.client, fence, compare=[Mod(key) == rev], success=ops)
 
         def done(r, error):
             if error is None and r.succeeded:
@@ -897,6 +913,21 @@ class Scheduler:
         if soonest is None:
             return None
         return (soonest - utcnow()).total_seconds() - self.cfg.execute.claim_lead_s
+
+
+def _records_by_job(client: Any, prefix: str, revision: int) -> dict[str, dict[str, tuple[dict, int]]]:
+    """Run records under a shard's runs/ prefix, read in pages at `revision`:
+    {job_id: {fire_id: (record, mod_revision)}}. Unparseable records are skipped."""
+    by_job: dict[str, dict[str, tuple[dict, int]]] = {}
+    for kvs, _ in client.range_pages(prefix, revision=revision):
+        for kv in kvs:
+            try:
+                job_id, fire_id = kv.key[len(prefix):].split("/", 1)
+                rec = json.loads(kv.value)
+            except ValueError:
+                continue
+            by_job.setdefault(job_id, {})[fire_id] = (rec, kv.mod_revision)
+    return by_job
 
 
 def _parse_or(text: Optional[str], default: datetime) -> datetime:

@@ -48,6 +48,7 @@ class _JobsComponent:
 
         from agent.execute.admission import Admission, Budget
         from agent.execute.executor import Executor
+        from agent.jobs.retention import Retention
         from agent.jobs.scheduler import Scheduler
 
         # one cgroup root per agent id, so that several agents on one host (tests, demo)
@@ -64,14 +65,22 @@ class _JobsComponent:
 
     def start(self) -> None:
         self.scheduler.workers.start()
+        self.retention.start()
 
     def start_watches(self):
         return self.scheduler.start_watches()
 
     def stop(self) -> None:
+        self.retention.stop()
         self.scheduler.stop()
         self.executor.close()
         self.scheduler.workers.stop()
+
+
+def _compaction(agent) -> Any:
+    from agent.coordination.compaction import Compactor
+
+    return Compactor(agent)
 
 
 def _sensing(agent) -> Any:
@@ -89,4 +98,4 @@ def _supervision(agent) -> Any:
 def default_components(cfg: Config) -> list[Callable[[Any], Any]]:
     from agent.cloud import cloud_component  # cloud channel (agent/cloud, docs/cloud.md)
 
-    return [_AuditComponent, cloud_component, _admin, _JobsComponent, _sensing, _supervision]
+    return [_AuditComponent, cloud_component, _admin, _JobsComponent, _compaction, _sensing, _supervision]

@@ -40,7 +40,9 @@ class Cluster:
                     "etcd": {"endpoints": [etcd.endpoint], "lease_ttl_s": ttl, "renew_deadline_s": renew_deadline,
                              "retry_period_s": retry_period, "request_timeout_s": 1.0},
                     # BPF costs ~2 s of CPU per agent start; tests that need it enable it
-                    "bpf": {"enabled": False}}
+                    "bpf": {"enabled": False},
+                    # history checks replay etcd from revision 1: no compaction unless a test asks
+                    "retention": {"compact_interval_s": 0}}
         for k, v in (extra or {}).items():
             self.cfg[k] = {**self.cfg.get(k, {}), **v} if isinstance(v, dict) else v
         self.env = env or {}
