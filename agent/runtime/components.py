@@ -58,6 +58,7 @@ class _JobsComponent:
                                              root_name=root, reclaim=True)
         self.admission = Admission(Budget.from_config(agent.cfg.execute))
         self.scheduler = Scheduler(agent, self.executor, self.admission)
+        self.retention = Retention(agent, self.scheduler, self.executor)
         agent.scheduler = self.scheduler
         agent.executor = self.executor
         agent.status_providers["quota"] = lambda: {"backend": self.executor.backend.name,
