@@ -259,3 +259,37 @@ def test_three_member_etcd_leader_kill_and_restart_during_1000_firings(etcd_clus
         wait_for(lambda: c.all_owned_by({"a0", "a1", "a2"}), 20, what="every shard owned")
     finally:
         c.close()
+
+
+def test_paged_reads_return_a_prefix_larger_than_grpcs_4_mib_limit(etcd_server):
+    """One Range over this prefix is refused by gRPC (response > 4 MiB); get_prefix pages it:
+    every key, in order, at one revision, no page near the limit."""
+    import grpc
+
+    import etcd3.etcdrpc as rpc
+    from etcd3 import utils
+
+    client = EtcdClient(EtcdConfig(endpoints=[etcd_server.endpoint], request_timeout_s=5.0))
+    try:
+        prefix = "/millwright/paged/runs/0000/"
+        value = "v" * 2000
+        for b in range(30):
+            client.txn([], [Put(f"{prefix}job/{b:03d}{i:03d}", value) for i in range(100)])
+        c, _ = client.client()
+        with pytest.raises(grpc.RpcError) as exc:
+            c.kvstub.Range(rpc.RangeRequest(key=prefix.encode(), range_end=utils.increment_last_byte(prefix.encode())),
+                           10)
+        assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        pages = list(client.range_pages(prefix))
+        assert len(pages) > 4
+        assert len({rev for _, rev in pages}) == 1
+        assert all(sum(len(kv.value) for kv in kvs) <= 2 * 1024 * 1024 for kvs, _ in pages)
+        kvs, _ = client.get_prefix(prefix)
+        assert [kv.key for kv in kvs] == sorted(f"{prefix}job/{b:03d}{i:03d}" for b in range(30) for i in range(100))
+        assert client.count_prefix(prefix) == 3000
+        assert client.get_last(prefix).key == f"{prefix}job/029099"
+        # a page refused as too large is read again smaller
+        kvs2, _ = client.get_prefix(prefix, page=5000)
+        assert len(kvs2) == 3000
+    finally:
+        client.close()
