@@ -6,6 +6,7 @@ takeover   time from a shard's acquisition to its jobs being armed, against the 
 cluster    N jobs across S shards with A agents (real `millwright run` processes, BPF off):
            initial load, then kill -9 of one agent: failover time (kill until every shard
            is owned by a survivor and loaded, TTL included), agent RSS against jobs owned
+memory     what an agent's memory holds per owned job (tracemalloc over the real install path)
 month      etcd DB size after a simulated month of a realistic mix with retention on
            (see month() for exactly what is written and how time is compressed)
 
@@ -17,6 +18,7 @@ Every sub-run is bounded (minutes). The load average is printed next to each fig
 Usage: bench_scale.py takeover [--records 0,1000,5000,20000]
        bench_scale.py cluster [--jobs 100000] [--shards 64] [--agents 3] [--ttl 4]
        bench_scale.py month [--days 30] [--cron 500] [--oneshots-per-day 5000]
+       bench_scale.py memory [--jobs 100000]
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from agent.runtime.admin import query  # noqa: E402
 from tests.integration.cluster import Cluster, wait_for  # noqa: E402
 
 TEMPLATES = {"noop": {"argv": ["/bin/true"], "user": "root"}}
-ACCEPTED_AT = "2026-11-01T00:00:00.000000Z"
+# accepted a minute ago: a daily job then has no missed firing to record at install
+ACCEPTED_AT = format_rfc3339(datetime.now(timezone.utc) - timedelta(minutes=1))
 
 
 def load() -> str:
@@ -179,6 +182,8 @@ def cluster(jobs: int, shards: int, agents: int, ttl: int) -> None:
                 rows.append((st["jobs"]["owned_jobs"], rss_mb(c.agents[n].pid), st["shards"]["count"]))
             rows.sort()
             print("  agent RSS vs jobs owned: " + ", ".join(f"{j} jobs/{s} shards: {r:.0f} MB" for j, r, s in rows))
+            if agents == 1:
+                return
             victim = names[0]
             lost = {s for s, a in c.owners().items() if a == victim}
             lost_jobs = agent_status(c.agents[victim])["jobs"]["owned_jobs"]
@@ -291,6 +296,54 @@ def month(days: int, cron: int, oneshots: int, per_day: int = 150, shards: int =
         c.close()
 
 
+# --- what an agent's memory holds per owned job -------------------------------------------------
+
+def memory(jobs: int) -> None:
+    """Install `jobs` stored jobs through the real Scheduler._install_job (in this process,
+    no etcd: the stored values are what JobStore.create writes) and show with tracemalloc
+    which allocations dominate, and the RSS growth."""
+    import gc
+    import tracemalloc
+    from types import SimpleNamespace
+
+    from agent.config import parse_config
+    from agent.coordination.jobstore import StoredJob
+    from agent.coordination.keys import Keys
+    from agent.jobs.scheduler import Scheduler
+    from agent.runtime.loop import EventLoop
+
+    cfg = parse_config("shards: 64\ntemplates: {noop: {argv: [/bin/true], user: root}}\n")
+    agent = SimpleNamespace(cfg=cfg, loop=EventLoop(), keys=Keys("bench"), client=None, shard_listeners=[],
+                            busy_checks=[], status_providers={}, publish_status=lambda doc: None,
+                            record=lambda *a, **k: None, fence_for=lambda shard: None)
+    sched = Scheduler(agent, executor=None, admission=None)
+    values = [job_value(f"j{i:06d}", {"cron": "0 3 * * *", "tz": "Europe/Berlin"}, misfire="skip")
+              for i in range(jobs)]
+    gc.collect()
+    rss0 = rss_mb(os.getpid())
+    tracemalloc.start(4)
+    snap0 = tracemalloc.take_snapshot()
+    t = time.monotonic()
+    for i, v in enumerate(values):
+        sched._install_job(StoredJob(shard_of(f"j{i:06d}", 64), json.loads(v), i + 1, i + 1), {})
+    took = time.monotonic() - t
+    snap1 = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    del values
+    gc.collect()
+    rss1 = rss_mb(os.getpid())
+    stats = snap1.compare_to(snap0, "filename")
+    total = sum(s.size_diff for s in stats)
+    print(f"memory: {jobs} jobs installed in {took:.1f} s; RSS +{rss1 - rss0:.0f} MB (this process, tracemalloc "
+          f"overhead included); traced Python allocations {total / 1e6:.0f} MB = {total / jobs:.0f} B/job ({load()})")
+    for st in stats[:8]:
+        print(f"  {st.size_diff / 1e6:7.1f} MB  {st.size_diff / jobs:6.0f} B/job  {st.traceback[0].filename}")
+    lines = snap1.compare_to(snap0, "lineno")[:8]
+    for st in lines:
+        fr = st.traceback[0]
+        print(f"  {st.size_diff / 1e6:7.1f} MB  {os.path.relpath(fr.filename)}:{fr.lineno}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -306,9 +359,13 @@ def main() -> None:
     mo.add_argument("--cron", type=int, default=500)
     mo.add_argument("--oneshots-per-day", type=int, default=5000)
     mo.add_argument("--cron-records-per-day", type=int, default=150)
+    me = sub.add_parser("memory")
+    me.add_argument("--jobs", type=int, default=100000)
     a = ap.parse_args()
     if a.cmd == "takeover":
         takeover([int(x) for x in a.records.split(",")])
+    elif a.cmd == "memory":
+        memory(a.jobs)
     elif a.cmd == "cluster":
         cluster(a.jobs, a.shards, a.agents, a.ttl)
     else:

@@ -216,9 +216,12 @@ def test_three_member_etcd_leader_kill_and_restart_during_1000_firings(etcd_clus
     c.client = EtcdClient(EtcdConfig(endpoints=list(etcd_cluster.endpoints), request_timeout_s=2.0))
     store = JobStore(c.client, c.keys, c.shards, "test")
     try:
-        for a in ("a0", "a1", "a2"):
+        # agent ids of our own: the executor's cgroup root is named after the agent id, and
+        # other suites on this host run agents called a0, a1, a2
+        names = [f"r{os.getpid()}-a{i}" for i in range(3)]
+        for a in names:
             c.start(a)
-        wait_for(lambda: c.converged({"a0": 1, "a1": 1, "a2": 1}), 30, what="3-way plan")
+        wait_for(lambda: c.converged({a: 1 for a in names}), 30, what="3-way plan")
         t0 = now() + timedelta(seconds=3)
         expected = set()
         last_due = t0
@@ -256,7 +259,7 @@ def test_three_member_etcd_leader_kill_and_restart_during_1000_firings(etcd_clus
                 assert fx.get(k) == 1, (k, r)
             else:  # the owner lost its lease mid-run, or the run itself failed: at most once
                 assert fx.get(k, 0) <= 1, (k, r)
-        wait_for(lambda: c.all_owned_by({"a0", "a1", "a2"}), 20, what="every shard owned")
+        wait_for(lambda: c.all_owned_by(set(names)), 20, what="every shard owned")
     finally:
         c.close()
 
