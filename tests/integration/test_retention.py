@@ -296,3 +296,30 @@ def test_paged_reads_return_a_prefix_larger_than_grpcs_4_mib_limit(etcd_server):
         assert len(kvs2) == 3000
     finally:
         client.close()
+
+
+def test_the_owner_of_shard_0_compacts_etcd_history_and_jobs_keep_firing(etcd_server, tmp_path):
+    from agent.coordination.etcd import EtcdError
+
+    c, store, out = make_env(etcd_server, tmp_path, {"compact_interval_s": 1.0})
+    try:
+        c.start("a0")
+        c.start("a1")
+        wait_for(lambda: c.converged({"a0": 1, "a1": 1}), 15, what="shards")
+        store.create(job("tick", {"cron": "* * * * * *"}))
+
+        def compacted() -> bool:
+            try:
+                c.client.get_prefix(c.keys.prefix, revision=2)
+                return False
+            except EtcdError as exc:
+                return "compacted" in str(exc)
+
+        wait_for(compacted, 20, interval=0.2, what="history compacted")
+        n = len(runs_of(c, "tick"))
+        time.sleep(3)  # watches resumed or relisted: the job keeps firing, shards stay owned
+        assert len(runs_of(c, "tick")) > n
+        assert c.all_owned_by({"a0", "a1"})
+        assert max(effects(out).values()) == 1
+    finally:
+        c.close()
