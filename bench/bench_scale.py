@@ -109,8 +109,23 @@ def agent_status(a) -> dict:
         return {}
 
 
+def patient(c: Cluster) -> Cluster:
+    """The bench's own client waits longer than the agents' (the host is shared and loaded)."""
+    from agent.config import EtcdConfig
+    from agent.coordination.etcd import EtcdClient
+
+    c.client.close()
+    c.client = EtcdClient(EtcdConfig(endpoints=[c.etcd.endpoint], request_timeout_s=20.0))
+    return c
+
+
 def settled(c: Cluster, agents: list[str], jobs: int) -> bool:
-    if not c.all_owned_by(set(agents)):
+    from agent.coordination.etcd import EtcdUnavailable
+
+    try:
+        if not c.all_owned_by(set(agents)):
+            return False
+    except EtcdUnavailable:
         return False
     total = 0
     for a in agents:
@@ -165,6 +180,7 @@ def cluster(jobs: int, shards: int, agents: int, ttl: int) -> None:
         os.makedirs(etcd.dir, exist_ok=True)
         c = Cluster(etcd, os.path.join(tmp, "agents"), shards=shards, ttl=ttl, renew_deadline=ttl * 0.6,
                     retry_period=ttl * 0.15, extra={"templates": TEMPLATES})
+        patient(c)
         try:
             t = time.monotonic()
             daily_jobs(c, jobs)
@@ -190,7 +206,12 @@ def cluster(jobs: int, shards: int, agents: int, ttl: int) -> None:
             t0 = time.monotonic()
             c.agents[victim].kill()
             live = names[1:]
-            wait_for(lambda: all(c.owners().get(s) in live for s in lost), ttl + 60, interval=0.01, what="owned")
+            def owned() -> bool:
+                try:
+                    return all(c.owners().get(s) in live for s in lost)
+                except Exception:
+                    return False
+            wait_for(owned, ttl + 60, interval=0.01, what="owned")
             t_owned = time.monotonic() - t0
             wait_for(lambda: settled(c, live, jobs), 600, interval=0.05, what="loaded")
             t_loaded = time.monotonic() - t0

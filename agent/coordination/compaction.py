@@ -38,10 +38,12 @@ class Compactor:
         self._timer = None
         self._seen: Optional[int] = None   # revision read at the previous tick
         self._busy = False
+        self._started = False
         self.last: Optional[dict] = None
         agent.status_providers["compaction"] = lambda: self.last
 
     def start(self) -> None:
+        self._started = True
         self.workers.start()
         if self.interval > 0:
             self._timer = self.agent.loop.call_later(self.interval, self._tick)
@@ -49,7 +51,8 @@ class Compactor:
     def stop(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self.workers.stop()
+        if self._started:
+            self.workers.stop()
 
     def _tick(self) -> None:
         self._timer = self.agent.loop.call_later(self.interval, self._tick)

@@ -227,6 +227,7 @@ class Retention:
         self._throttle = _Throttle(self.cfg.max_deletes_per_s, self._stop)
         self._timer = None
         self._busy = False
+        self._started = False
         self._cursor = 0
         self._disk_at = 0.0
         self.last: dict = {}
@@ -234,6 +235,7 @@ class Retention:
         agent.status_providers["retention"] = self.status
 
     def start(self) -> None:
+        self._started = True
         self.workers.start()
         if self.cfg.interval_s > 0:
             self._timer = self.loop.call_later(self.cfg.interval_s, self._tick)
@@ -242,7 +244,8 @@ class Retention:
         self._stop.set()
         if self._timer is not None:
             self._timer.cancel()
-        self.workers.stop()
+        if self._started:
+            self.workers.stop()
 
     def status(self) -> dict:
         return {"totals": dict(self.totals), "last": self.last}
