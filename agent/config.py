@@ -179,6 +179,28 @@ class ExecuteConfig:
 
 
 @dataclass
+class RetentionConfig:
+    keep_runs: int = doc("Run records kept per job in etcd, newest first (the newest and any record "
+                         "still running or retrying are always kept); also run directories kept per job.",
+                         default=100)
+    finished_job_s: float = doc("How long a job that can never fire again (one-shot done, cancelled, "
+                                "expired) stays in etcd before it becomes a tombstone.", default=7 * 86400.0)
+    tombstone_s: float = doc("How long the tombstone of a finished or cancelled job answers redelivered "
+                             "pushes; keep it longer than the broker keeps undelivered messages.",
+                             default=7 * 86400.0)
+    run_output_s: float = doc("Run directories (stdout, stderr) older than this are removed.",
+                              default=7 * 86400.0)
+    run_output_max_mb: int = doc("Disk budget for all run directories; the oldest go first.", default=1024)
+    max_deletes_per_s: float = doc("Most deletions per second (etcd keys and run directories).", default=200.0)
+    interval_s: float = doc("One owned shard is trimmed per tick of this period (0 disables retention).",
+                            default=10.0)
+    disk_interval_s: float = doc("How often run directories are checked.", default=60.0)
+    compact_interval_s: float = doc("The owner of shard 0 compacts etcd's history this often, to the "
+                                    "revision seen one interval earlier (0: the operator runs compaction, "
+                                    "e.g. etcd --auto-compaction-mode=revision).", default=300.0)
+
+
+@dataclass
 class Config:
     cluster: str = doc("Cluster name: etcd prefix and MQTT topic segment.", default="plant-a")
     agent_id: str = doc("Agent id (default: the host name).", default_factory=socket.gethostname)
@@ -194,6 +216,8 @@ class Config:
     admin: AdminConfig = doc("Local admin endpoint.", default_factory=AdminConfig)
     bpf: BpfConfig = doc("Kernel sensor.", default_factory=BpfConfig)
     execute: ExecuteConfig = doc("Run execution and node budget.", default_factory=ExecuteConfig)
+    retention: RetentionConfig = doc("What is deleted, and when (etcd records, run output).",
+                                     default_factory=RetentionConfig)
     templates: dict[str, Template] = doc("Job templates the cloud may name.", default_factory=dict)
     source: str = field(default="<defaults>", metadata={"internal": True})
 
@@ -367,6 +391,17 @@ def _validate(cfg: Config, problems: list[str]) -> None:
             except ValueError:
                 if not re.match(r"^[A-Za-z0-9.-]+$", host):
                     bad("metrics.listen", f"{host!r} is not a host name or address")
+    r = cfg.retention
+    if r.keep_runs < 1:
+        bad("retention.keep_runs", "must be at least 1 (the newest record is needed for misfire recovery)")
+    for name in ("finished_job_s", "tombstone_s", "run_output_s", "interval_s", "disk_interval_s",
+                 "compact_interval_s"):
+        if getattr(r, name) < 0:
+            bad(f"retention.{name}", "must not be negative")
+    if r.max_deletes_per_s <= 0:
+        bad("retention.max_deletes_per_s", "must be positive")
+    if r.run_output_max_mb < 1:
+        bad("retention.run_output_max_mb", "must be at least 1")
     if cfg.bpf.mode not in ("enforce", "monitor"):
         bad("bpf.mode", "must be enforce or monitor")
     if cfg.bpf.perf_pages < 1 or cfg.bpf.perf_pages & (cfg.bpf.perf_pages - 1):

@@ -42,7 +42,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Optional
 
 from agent.coordination.etcd import EtcdError, EtcdUnavailable, Put
-from agent.coordination.jobstore import CREATED, JobCancelled, JobConflict, JobStore, _canonical
+from agent.coordination.jobstore import CREATED, JobCancelled, JobConflict, JobStore
 from agent.coordination.keys import shard_of
 from agent.jobs import document as jobs
 from agent.jobs.document import KIND_CANCEL, KIND_JOB, JobRejected, authenticate, parse_cancel, parse_job
@@ -305,9 +305,9 @@ class Ingest:
         except JobRejected:
             return None
         stored = self.store.get(job.id)
-        if stored is None or stored.cancelled or stored.tombstone:
+        if stored is None or stored.cancelled or (stored.tombstone and not stored.finished):
             return None
-        return stored if _canonical(stored.doc) == _canonical(job.doc) else None
+        return stored if stored.same_content(job.doc) else None
 
     def _exists(self, payload: bytes, stored, as_owner: bool) -> Outcome:
         by = (stored.doc.get("_accepted") or {}).get("by")

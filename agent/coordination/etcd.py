@@ -23,12 +23,19 @@ from etcd3 import transactions as tx
 from etcd3 import utils as etcd_utils
 
 from agent.config import EtcdConfig
-from agent.runtime.metrics import counter
+from agent.runtime.metrics import counter, histogram
 
 log = logging.getLogger(__name__)
 
 REQUESTS = counter("millwright_etcd_requests_total", "etcd requests by operation and result", ("op", "result"))
+PAGE_SIZE = histogram("millwright_etcd_range_page_bytes", "Size of one paged range response",
+                      buckets=(1 << 10, 16 << 10, 128 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20))
 FAILOVERS = counter("millwright_etcd_endpoint_failovers_total", "Switches to the next etcd endpoint")
+
+# Paged ranges: at most this many keys per response, adapted to stay near PAGE_BYTES
+# (gRPC refuses responses over 4 MiB by default).
+PAGE_KEYS = 1000
+PAGE_BYTES = 1 << 20
 
 # ops and compares, re-exported so callers need only this module
 Put = tx.Put
@@ -192,15 +199,73 @@ class EtcdClient:
         return self._call("get", fn, timeout)
 
     def get_prefix(self, prefix: str, keys_only: bool = False, revision: int = 0,
-                   timeout: Optional[float] = None) -> tuple[list[KV], int]:
-        """All keys under prefix, and the store revision they were read at."""
+                   timeout: Optional[float] = None, page: int = PAGE_KEYS) -> tuple[list[KV], int]:
+        """All keys under prefix, and the store revision they were read at.
+
+        Read in pages (see range_pages): no single response nears gRPC's 4 MiB limit,
+        however large the prefix grows. Every page is read at the first page's revision,
+        so the result is one consistent snapshot."""
+        out: list[KV] = []
+        rev = revision
+        for kvs, rev in self.range_pages(prefix, keys_only=keys_only, revision=revision, timeout=timeout, page=page):
+            out.extend(kvs)
+        return out, rev
+
+    def range_pages(self, prefix: str, keys_only: bool = False, revision: int = 0,
+                    timeout: Optional[float] = None, page: int = PAGE_KEYS):
+        """Yield (kvs, revision) pages of a prefix in key order.
+
+        Each page is one Range request with a limit; the next starts just after the last
+        key returned (key + NUL) at the same revision. The limit adapts so a page stays
+        near PAGE_BYTES (values differ in size: run records ~0.6 KB, jobs up to 64 KiB),
+        and is halved when etcd or gRPC refuses a response as too large."""
+        start = prefix.encode()
+        end = etcd_utils.increment_last_byte(start)
+        limit = max(1, page)
+        while True:
+            def fn(c, t, key=start, lim=limit, rev=revision):
+                # no sort order: keys come in key order anyway, and a sorted range makes
+                # etcd read the whole range before applying the limit
+                req = rpc.RangeRequest(key=key, range_end=end, keys_only=keys_only, revision=rev, limit=lim)
+                r = c.kvstub.Range(req, t, **self._md(c))
+                return [_kv(kv) for kv in r.kvs], r.header.revision, r.more, r.ByteSize()
+            try:
+                kvs, rev, more, size = self._call("range_page", fn, timeout)
+            except EtcdError as exc:
+                if "RESOURCE_EXHAUSTED" in str(exc) and limit > 1:
+                    limit = max(1, limit // 4)
+                    continue
+                raise
+            if not revision:
+                revision = rev  # later pages read the same snapshot
+            PAGE_SIZE.observe(size)
+            yield kvs, revision
+            if not more or not kvs:
+                return
+            start = kvs[-1].key.encode() + b"\0"
+            if size > PAGE_BYTES:
+                limit = max(1, int(limit * PAGE_BYTES / size))
+            elif size < PAGE_BYTES // 4 and limit < page:
+                limit = min(page, limit * 2)
+
+    def get_last(self, prefix: str, timeout: Optional[float] = None) -> Optional[KV]:
+        """The last key under prefix (in key order), in one small response (etcd still
+        sorts the range server-side: use on prefixes retention keeps small)."""
         def fn(c, t):
-            req = rpc.RangeRequest(key=prefix.encode(), range_end=etcd_utils.increment_last_byte(prefix.encode()),
-                                   keys_only=keys_only, revision=revision,
-                                   sort_order=rpc.RangeRequest.ASCEND, sort_target=rpc.RangeRequest.KEY)
+            key = prefix.encode()
+            req = rpc.RangeRequest(key=key, range_end=etcd_utils.increment_last_byte(key), limit=1,
+                                   sort_order=rpc.RangeRequest.DESCEND, sort_target=rpc.RangeRequest.KEY)
             r = c.kvstub.Range(req, t, **self._md(c))
-            return [_kv(kv) for kv in r.kvs], r.header.revision
-        return self._call("get_prefix", fn, timeout)
+            return _kv(r.kvs[0]) if r.kvs else None
+        return self._call("get_last", fn, timeout)
+
+    def count_prefix(self, prefix: str, timeout: Optional[float] = None) -> int:
+        """How many keys are under prefix (count only: no keys or values travel)."""
+        def fn(c, t):
+            key = prefix.encode()
+            req = rpc.RangeRequest(key=key, range_end=etcd_utils.increment_last_byte(key), count_only=True)
+            return c.kvstub.Range(req, t, **self._md(c)).count
+        return self._call("count", fn, timeout)
 
     def put(self, key: str, value: bytes | str, lease: int = 0, timeout: Optional[float] = None) -> int:
         def fn(c, t):
@@ -229,6 +294,28 @@ class EtcdClient:
                     out.append(getattr(resp, kind))
             return TxnResult(r.succeeded, r.header.revision, out)
         return self._call("txn", fn, timeout)
+
+    # --- maintenance -------------------------------------------------------------------
+    def compact(self, revision: int, timeout: Optional[float] = None) -> None:
+        """Drop the history before revision (keys' current values stay). Compacting at or
+        below the last compacted revision is a no-op here (etcd refuses it)."""
+        def fn(c, t):
+            try:
+                c.kvstub.Compact(rpc.CompactionRequest(revision=revision, physical=False), t, **self._md(c))
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.OUT_OF_RANGE:  # already compacted
+                    return None
+                raise
+        return self._call("compact", fn, timeout)
+
+    def status(self, timeout: Optional[float] = None) -> dict:
+        """The connected member's status: DB size (allocated and in use), revision, leader."""
+        def fn(c, t):
+            r = c.maintenancestub.Status(rpc.StatusRequest(), t, **self._md(c))
+            return {"db_size": r.dbSize, "db_size_in_use": getattr(r, "dbSizeInUse", 0),
+                    "revision": r.header.revision, "leader": r.leader, "member": r.header.member_id,
+                    "raft_term": r.raftTerm}
+        return self._call("status", fn, timeout)
 
     # --- leases ----------------------------------------------------------------------
     def lease_grant(self, ttl: int, timeout: Optional[float] = None) -> tuple[int, int]:

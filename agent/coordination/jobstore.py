@@ -5,6 +5,12 @@ start with "_": `_accepted` {at, by} written once at creation (the anchor for re
 schedules, identical on every agent) and `_cancelled` {at, by} once cancelled. A cancel
 that arrives before its push leaves a tombstone, so a later push of that id is refused.
 
+Retention (agent/jobs/retention.py) replaces a job that can never fire again, once
+``retention.finished_job_s`` has passed, by a *finished tombstone*: ``{id, _tombstone,
+_finished {at, reason}, _digest, _accepted[, _cancelled]}`` (~300 bytes), so that a
+redelivered push is still answered as before (same content: exists; other content:
+conflict; cancelled: cancelled). Tombstones go after ``retention.tombstone_s``.
+
 Create is idempotent and needs one round trip: a create-revision==0 transaction that
 reads the existing value in its failure branch. Same id + same canonical content is a
 no-op; different content is a conflict. Thread-safe: the MQTT ingest path calls it from
@@ -13,6 +19,7 @@ paho's thread (the durable write must finish before the PUBACK).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Optional
@@ -45,6 +52,20 @@ def _canonical(doc: dict) -> bytes:
     return json.dumps(public_doc(doc), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
+def content_digest(doc: dict) -> str:
+    return hashlib.sha256(_canonical(doc)).hexdigest()
+
+
+def finished_tombstone(stored: dict, at: str, reason: str) -> dict:
+    """What stays of a finished job: enough to answer a redelivered push as before."""
+    tomb = {"id": stored.get("id"), "_tombstone": True, "_finished": {"at": at, "reason": reason},
+            "_digest": content_digest(stored)}
+    for k in ("_accepted", "_cancelled"):
+        if k in stored:
+            tomb[k] = stored[k]
+    return tomb
+
+
 @dataclass(frozen=True)
 class StoredJob:
     shard: int
@@ -63,6 +84,17 @@ class StoredJob:
     @property
     def tombstone(self) -> bool:
         return self.doc.get("_tombstone", False)
+
+    @property
+    def finished(self) -> bool:
+        """A finished tombstone: the job ran to its end and retention removed its body."""
+        return "_finished" in self.doc
+
+    def same_content(self, doc: dict) -> bool:
+        """Is doc (a job document) the content stored here (also for a finished tombstone)?"""
+        if self.finished:
+            return self.doc.get("_digest") == content_digest(doc)
+        return _canonical(self.doc) == _canonical(doc)
 
     @property
     def accepted_at(self) -> Optional[str]:
@@ -100,6 +132,12 @@ class JobStore:
         if not kvs:  # deleted between compare and read: cannot happen in one txn, but be safe
             return self.create(doc, also)
         existing = _stored(shard, kvs[0])
+        if existing.finished and not existing.cancelled:
+            if not existing.same_content(doc):
+                STORE_OPS.labels("create", "conflict").inc()
+                raise JobConflict(f"job {doc['id']} exists with different content")
+            STORE_OPS.labels("create", "exists").inc()
+            return EXISTS, existing
         if existing.cancelled or existing.tombstone:
             STORE_OPS.labels("create", "cancelled").inc()
             raise JobCancelled(f"job {doc['id']} was cancelled at {existing.doc['_cancelled'].get('at')}")
@@ -143,8 +181,9 @@ class JobStore:
                 return "cancelled", StoredJob(shard, doc, r.revision, cur.create_revision)
         raise JobConflict(f"job {job_id} changed while cancelling; retry")
 
-    def list_shard(self, shard: int) -> tuple[list[StoredJob], int]:
-        kvs, rev = self.client.get_prefix(self.keys.jobs_prefix(shard))
+    def list_shard(self, shard: int, revision: int = 0) -> tuple[list[StoredJob], int]:
+        """The shard's jobs (paged reads: see EtcdClient.range_pages)."""
+        kvs, rev = self.client.get_prefix(self.keys.jobs_prefix(shard), revision=revision)
         out = []
         for kv in kvs:
             try:

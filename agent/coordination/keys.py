@@ -61,3 +61,11 @@ class Keys:
     def answer(self, shard: int, job_id: str, name: str) -> str:
         """name: ``accepted``, ``rejected.<push_sha256>`` or ``run.<fire_id>``."""
         return self.answers_prefix(shard) + job_id + "/" + name
+
+    def latest_prefix(self, shard: int | None = None) -> str:
+        p = self.prefix + "latest/"
+        return p if shard is None else p + self.shard_name(shard) + "/"
+
+    def latest(self, shard: int, job_id: str) -> str:
+        """A copy of the job's newest run record (by fire_id): depends_on reads one key."""
+        return self.latest_prefix(shard) + job_id

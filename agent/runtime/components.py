@@ -62,6 +62,7 @@ class _JobsComponent:
         from agent.execute.admission import Admission, Budget
         from agent.execute.backends import run_root_name
         from agent.execute.executor import Executor
+        from agent.jobs.retention import Retention
         from agent.jobs.scheduler import Scheduler
 
         root = run_root_name(agent.cfg.agent_id, agent.cfg.state_dir)
@@ -75,17 +76,26 @@ class _JobsComponent:
             grace = agent.cfg.execute.kill_grace_s
             agent.session.validity_listeners.append(lambda until: guard.set_deadline(until + grace))
         self.scheduler = Scheduler(agent, self.executor, self.admission, run_listeners)
+        self.retention = Retention(agent, self.scheduler, self.executor)
         agent.watch_sources.append(self.scheduler.start_watches)
         agent.status_providers["quota"] = lambda: {"backend": self.executor.backend.name,
                                                    "why": self.executor.backend.why}
 
     def start(self) -> None:
         self.scheduler.workers.start()
+        self.retention.start()
 
     def stop(self) -> None:
+        self.retention.stop()
         self.scheduler.stop()
         self.executor.close()
         self.scheduler.workers.stop()
+
+
+def _compaction(agent: Agent) -> Component:
+    from agent.coordination.compaction import Compactor
+
+    return Compactor(agent)
 
 
 class _SupervisedJobs:
@@ -127,5 +137,6 @@ class _SupervisedJobs:
 def default_components(cfg: Config) -> list[ComponentFactory]:
     from agent.cloud import cloud_component  # cloud channel (agent/cloud, docs/cloud.md)
 
-    factories: list[Callable[[Agent], Component]] = [_AuditComponent, cloud_component, _admin, _SupervisedJobs]
+    factories: list[Callable[[Agent], Component]] = [_AuditComponent, cloud_component, _admin, _SupervisedJobs,
+                                                     _compaction]
     return factories

@@ -44,7 +44,9 @@ class Cluster:
                     # BPF costs ~2 s of CPU per agent start; tests that need it enable it
                     "bpf": {"enabled": False},
                     # the self-fence kill must fit before the lease can expire (config check)
-                    "execute": {"kill_grace_s": round(max(0.1, min(1.0, ttl - renew_deadline - 0.5)), 3)}}
+                    "execute": {"kill_grace_s": round(max(0.1, min(1.0, ttl - renew_deadline - 0.5)), 3)},
+                    # history checks replay etcd from revision 1: no compaction unless a test asks
+                    "retention": {"compact_interval_s": 0}}
         for k, v in (extra or {}).items():
             self.cfg[k] = {**self.cfg.get(k, {}), **v} if isinstance(v, dict) else v
         # every agent verifies stored jobs against this ring; tests write through self.signing(store)

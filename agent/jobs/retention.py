@@ -1,0 +1,391 @@
+"""Retention: what a gateway deletes so that months of operation stay bounded.
+
+Without it, run records and finished jobs stay in etcd for ever (a shard's records
+outgrow gRPC's 4 MiB response and etcd's space quota) and every run leaves its output
+directory on disk. The shard owner trims its own shards in the background:
+
+- run records beyond ``retention.keep_runs`` per job (newest by fire_id kept);
+- jobs that can never fire again (one-shot done, cancelled, expired) once
+  ``retention.finished_job_s`` has passed: the job becomes a *finished tombstone*
+  (jobstore.finished_tombstone, ~300 bytes, so a redelivered push is answered as before)
+  and its run records and latest/ copy go; tombstones go after ``retention.tombstone_s``;
+- run directories on disk older than ``retention.run_output_s``, beyond ``keep_runs`` per
+  job, or beyond the ``retention.run_output_max_mb`` budget (oldest first).
+
+Never deleted: a job's newest record (misfire recovery, depends_on), any record not in a
+terminal state (running, retrying: the scheduler still needs it), the directory of a run
+that is still going. Every etcd delete is a fenced transaction that also compares each
+key's mod revision, so nothing changed since it was read is removed, and an agent that
+lost the shard deletes nothing. Work runs on its own thread (never the run-record
+writers), one shard per tick, at most ``retention.max_deletes_per_s``. Each pass that
+deleted something leaves one summary audit record (type ``retention``), not one per key.
+
+``plan_shard`` is the pure decision (unit-tested); ``Retention`` applies it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable, Optional
+
+from agent.coordination.etcd import Delete, Mod, Put
+from agent.coordination.fencing import Fence, StaleToken, fenced_txn
+from agent.coordination.jobstore import finished_tombstone
+from agent.coordination.worker import EtcdWorkers
+from agent.jobs import schedule as sch
+from agent.runtime.metrics import counter
+
+log = logging.getLogger("millwright.retention")
+
+DELETED = counter("millwright_retention_deleted_total", "Keys and run directories removed by retention", ("kind",))
+PASSES = counter("millwright_retention_passes_total", "Retention passes by result", ("result",))
+
+TERMINAL = ("succeeded", "failed", "timed_out", "killed", "cancelled", "misfired")
+BATCH_OPS = 64  # deletes per transaction (etcd refuses more than --max-txn-ops, 128 by default)
+
+
+@dataclass
+class Plan:
+    """What one pass over a shard removes. Each item carries the mod revision it was read at."""
+
+    finish: list = field(default_factory=list)      # (job_key, mod_rev, tombstone dict, latest_key, reason)
+    tombstones: list = field(default_factory=list)  # (job_key, mod_rev)
+    runs: list = field(default_factory=list)        # (run_key, mod_rev)
+    latest: list = field(default_factory=list)      # (latest_key, mod_rev) of jobs that are gone
+
+    def empty(self) -> bool:
+        return not (self.finish or self.tombstones or self.runs or self.latest)
+
+
+def _ts(text: Any) -> Optional[float]:
+    try:
+        return sch.parse_rfc3339(text).timestamp() if text else None
+    except Exception:
+        return None
+
+
+def _terminal(raw: bytes) -> bool:
+    try:
+        return json.loads(raw).get("state") in TERMINAL
+    except (ValueError, AttributeError):
+        return True  # unreadable: nothing can resume it
+
+
+def finished_since(doc: dict, latest: Optional[dict], all_terminal: bool) -> Optional[tuple[float, str]]:
+    """When (epoch s) and why a stored job can never fire again, or None while it still can.
+
+    Cancelled: from the cancel; expired (not_after passed): from not_after; a one-shot
+    (no cron) whose newest record is terminal: from that record's end. A job with a record
+    still running or retrying is never finished."""
+    if not all_terminal:
+        return None
+    if "_cancelled" in doc:
+        return (_ts(doc["_cancelled"].get("at")) or 0.0), "cancelled"
+    schedule = doc.get("schedule") or {}
+    one_shot = "cron" not in schedule
+    if one_shot and latest is not None and latest.get("state") in TERMINAL:
+        at = _ts(latest.get("ended_at")) or _ts(latest.get("due")) or 0.0
+        return at, "done"
+    not_after = _ts(doc.get("not_after"))
+    if not_after is not None:
+        return not_after, "expired"
+    return None
+
+
+def plan_shard(jobs: dict[str, tuple[dict, str, int]], runs: dict[str, list[tuple[str, str, bytes, int]]],
+               latest: dict[str, tuple[str, int]], now: float, keep_runs: int, finished_job_s: float,
+               tombstone_s: float) -> Plan:
+    """Decide what to delete in one shard.
+
+    jobs: job_id -> (stored doc, job key, mod_rev); runs: job_id -> [(fire_id, key, value,
+    mod_rev)] sorted by fire_id; latest: job_id -> (latest key, mod_rev)."""
+    plan = Plan()
+    gone: set[str] = set()  # jobs whose records may all go (missing, tombstoned or finishing now)
+    for job_id, (doc, key, rev) in jobs.items():
+        if doc.get("_tombstone"):
+            gone.add(job_id)
+            at = _ts((doc.get("_finished") or {}).get("at")) or _ts((doc.get("_cancelled") or {}).get("at"))
+            if at is not None and now - at > tombstone_s:
+                plan.tombstones.append((key, rev))
+            continue
+        records = runs.get(job_id, [])
+        newest = None
+        if records:
+            try:
+                newest = json.loads(records[-1][2])
+            except ValueError:
+                newest = None
+        all_terminal = all(_terminal(value) for _, _, value, _ in records)
+        fin = finished_since(doc, newest, all_terminal)
+        if fin is not None and now - fin[0] > finished_job_s:
+            at = datetime.fromtimestamp(now, timezone.utc)
+            tomb = finished_tombstone(doc, sch.format_rfc3339(at), fin[1])
+            plan.finish.append((key, rev, tomb, latest.get(job_id, (None, 0))[0], fin[1]))
+            gone.add(job_id)
+    for job_id, records in runs.items():
+        if job_id in gone or job_id not in jobs:
+            plan.runs.extend((key, rev) for _, key, value, rev in records
+                             if job_id in gone or _terminal(value))
+            continue
+        # newest keep_runs stay (the newest of all among them); older terminal ones go
+        for _, key, value, rev in records[:max(0, len(records) - keep_runs)]:
+            if _terminal(value):
+                plan.runs.append((key, rev))
+    for job_id, (key, rev) in latest.items():
+        if job_id not in jobs or jobs[job_id][0].get("_tombstone"):
+            plan.latest.append((key, rev))
+    return plan
+
+
+# --- run directories on disk ----------------------------------------------------------------
+
+_RUN_DIR = re.compile(r"^(?P<job>.+)_(?P<fire>\d{8}T\d{6}\.\d{3}Z)_\d+\.\d+-[0-9a-f]{10}$")
+
+
+def _dir_size(path: str) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def plan_run_dirs(entries: list[tuple[str, float, int]], in_use: set[str], now: float, keep_runs: int,
+                  max_age_s: float, budget_bytes: int, min_age_s: float = 5.0) -> list[str]:
+    """Which run directories go. entries: (name, mtime, bytes). A directory in use always
+    stays. Order: older than max_age_s; beyond keep_runs per job, newest firings kept (job
+    parsed from the name; names too long to parse count only for age and budget); then
+    oldest first, except those younger than min_age_s, until the rest fits the budget."""
+    candidates = [(n, m, b) for n, m, b in entries if n not in in_use]
+    doomed: set[str] = {n for n, m, _ in candidates if now - m > max_age_s}
+    per_job: dict[str, list[tuple[str, str]]] = {}
+    for n, _m, _b in entries:
+        mt = _RUN_DIR.match(n)
+        if mt:
+            per_job.setdefault(mt.group("job"), []).append((mt.group("fire"), n))
+    removable = {n for n, _m, _b in candidates}
+    for _job, runs in per_job.items():
+        runs.sort(reverse=True)
+        for _fire, n in runs[keep_runs:]:
+            if n in removable:
+                doomed.add(n)
+    total = sum(b for n, _m, b in entries if n not in doomed)
+    for n, m, b in sorted(candidates, key=lambda x: x[1]):
+        if total <= budget_bytes:
+            break
+        if n not in doomed and now - m >= min_age_s:
+            doomed.add(n)
+            total -= b
+    return sorted(doomed)
+
+
+# --- the background worker --------------------------------------------------------------------
+
+class _Throttle:
+    """At most `rate` deletions per second, by sleeping on the retention thread."""
+
+    def __init__(self, rate: float, stop: threading.Event):
+        self.interval = 1.0 / rate if rate > 0 else 0.0
+        self.next = time.monotonic()
+        self.stop = stop
+
+    def take(self, n: int) -> bool:
+        now = time.monotonic()
+        if self.next > now:
+            if self.stop.wait(self.next - now):
+                return False
+        self.next = max(self.next, now) + n * self.interval
+        return True
+
+
+class Retention:
+    """Runs retention for the shards this agent holds; a daemon component (loop thread)."""
+
+    def __init__(self, agent: Any, scheduler: Any, executor: Any = None,
+                 clock: Callable[[], float] = time.time):
+        self.agent = agent
+        self.cfg = agent.cfg.retention
+        self.scheduler = scheduler
+        self.executor = executor
+        self.keys = agent.keys
+        self.client = agent.client
+        self.loop = agent.loop
+        self.clock = clock
+        self.workers = EtcdWorkers(self.loop.post, threads=1, name="retention")
+        self._stop = threading.Event()
+        self._throttle = _Throttle(self.cfg.max_deletes_per_s, self._stop)
+        self._timer = None
+        self._busy = False
+        self._started = False
+        self._cursor = 0
+        self._disk_at = 0.0
+        self.last: dict = {}
+        self.totals = {"runs": 0, "jobs_finished": 0, "tombstones": 0, "latest": 0, "run_dirs": 0}
+        agent.status_providers["retention"] = self.status
+
+    def start(self) -> None:
+        self._started = True
+        self.workers.start()
+        if self.cfg.interval_s > 0:
+            self._timer = self.loop.call_later(self.cfg.interval_s, self._tick)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._started:
+            self.workers.stop()
+
+    def status(self) -> dict:
+        return {"totals": dict(self.totals), "last": self.last}
+
+    # --- loop thread -------------------------------------------------------------------
+    def _tick(self) -> None:
+        self._timer = self.loop.call_later(self.cfg.interval_s, self._tick)
+        if self._busy:
+            return
+        loaded = sorted(s for s in self.scheduler.loaded if self.agent.fence_for(s) is not None)
+        if loaded:  # one shard per tick, round robin
+            shard = next((s for s in loaded if s >= self._cursor), loaded[0])
+            self._cursor = shard + 1
+            fence = self.agent.fence_for(shard)
+            self._busy = True
+            self.workers.submit(lambda: self.run_shard(fence), lambda r, e: self._shard_done(fence, r, e))
+        now = time.monotonic()
+        if self.executor is not None and now - self._disk_at >= self.cfg.disk_interval_s:
+            self._disk_at = now
+            in_use = self._dirs_in_use()
+            self.workers.submit(lambda: self.run_disk(in_use), self._disk_done)
+
+    def _dirs_in_use(self) -> set[str]:
+        used = set()
+        for e in self.scheduler.entries.values():
+            for f in e.firings.values():
+                d = getattr(f.handle, "run_dir", None)
+                if d:
+                    used.add(os.path.basename(d))
+        return used
+
+    def _shard_done(self, fence: Fence, result: Optional[dict], error: Optional[BaseException]) -> None:
+        self._busy = False
+        if error is not None:
+            PASSES.labels("stale" if isinstance(error, StaleToken) else "error").inc()
+            if not isinstance(error, StaleToken):
+                log.warning("retention pass failed", extra={"fields": {"shard": fence.shard, "error": str(error)}})
+            return
+        PASSES.labels("ok").inc()
+        self._summarise(result, shard=fence.shard, token=fence.token)
+
+    def _disk_done(self, result: Optional[dict], error: Optional[BaseException]) -> None:
+        if error is not None:
+            log.warning("run directory retention failed", extra={"fields": {"error": str(error)}})
+            return
+        self._summarise(result)
+
+    def _summarise(self, result: Optional[dict], **where: Any) -> None:
+        if not result:
+            return
+        counts = {k: v for k, v in result.items() if isinstance(v, int) and v}
+        if not counts:
+            return
+        for k, v in counts.items():
+            if k in self.totals:
+                self.totals[k] += v
+        self.last = {**where, **result, "at": sch.format_rfc3339(datetime.now(timezone.utc))}
+        self.agent.record("retention", **where, **result)
+        log.info("retention pass", extra={"fields": {**where, **result}})
+
+    # --- retention thread ------------------------------------------------------------------
+    def run_shard(self, fence: Fence) -> dict:
+        """One pass over one shard: read (paged, one revision), plan, delete (fenced)."""
+        shard = fence.shard
+        jobs_prefix = self.keys.jobs_prefix(shard)
+        runs_prefix = self.keys.runs_prefix(shard)
+        latest_prefix = self.keys.latest_prefix(shard)
+        jobs: dict[str, tuple[dict, str, int]] = {}
+        rev = 0
+        for kvs, rev in self.client.range_pages(jobs_prefix):
+            for kv in kvs:
+                try:
+                    jobs[kv.key[len(jobs_prefix):]] = (json.loads(kv.value), kv.key, kv.mod_revision)
+                except ValueError:
+                    continue
+        runs: dict[str, list[tuple[str, str, bytes, int]]] = {}
+        for kvs, _ in self.client.range_pages(runs_prefix, revision=rev):
+            for kv in kvs:
+                job_id, _, fire_id = kv.key[len(runs_prefix):].partition("/")
+                runs.setdefault(job_id, []).append((fire_id, kv.key, kv.value, kv.mod_revision))
+        latest: dict[str, tuple[str, int]] = {}
+        for kvs, _ in self.client.range_pages(latest_prefix, revision=rev, keys_only=True):
+            for kv in kvs:
+                latest[kv.key[len(latest_prefix):]] = (kv.key, kv.mod_revision)
+        plan = plan_shard(jobs, runs, latest, self.clock(), self.cfg.keep_runs, self.cfg.finished_job_s,
+                          self.cfg.tombstone_s)
+        result = {"runs": 0, "jobs_finished": 0, "tombstones": 0, "latest": 0, "conflicts": 0,
+                  "read_revision": rev}
+        if plan.empty():
+            return result
+        for key, mrev, tomb, latest_key, reason in plan.finish:
+            if not self._throttle.take(1):
+                return result
+            ops = [Put(key, json.dumps(tomb, sort_keys=True, separators=(",", ":")))]
+            if latest_key:
+                ops.append(Delete(latest_key))
+            r = fenced_txn(self.client, fence, compare=[Mod(key) == mrev], success=ops)
+            if r.succeeded:
+                result["jobs_finished"] += 1
+                DELETED.labels("job_finished").inc()
+            else:
+                result["conflicts"] += 1
+        for kind, items in (("tombstones", plan.tombstones), ("runs", plan.runs), ("latest", plan.latest)):
+            for i in range(0, len(items), BATCH_OPS):
+                batch = items[i:i + BATCH_OPS]
+                if not self._throttle.take(len(batch)):
+                    return result
+                r = fenced_txn(self.client, fence, compare=[Mod(k) == m for k, m in batch],
+                               success=[Delete(k) for k, _ in batch])
+                if r.succeeded:
+                    result[kind] += len(batch)
+                    DELETED.labels(kind).inc(len(batch))
+                else:  # something changed since the read: the next pass decides again
+                    result["conflicts"] += 1
+        return result
+
+    def run_disk(self, in_use: set[str]) -> dict:
+        """One pass over the run directories of this agent."""
+        base = getattr(self.executor, "base_dir", None)
+        result = {"run_dirs": 0, "run_dir_bytes": 0}
+        if not base or not os.path.isdir(base):
+            return result
+        entries = []
+        sizes = {}
+        for de in os.scandir(base):
+            try:
+                if not de.is_dir(follow_symlinks=False):
+                    continue
+                size = _dir_size(de.path)
+                entries.append((de.name, de.stat(follow_symlinks=False).st_mtime, size))
+                sizes[de.name] = size
+            except OSError:
+                continue
+        doomed = plan_run_dirs(entries, in_use, self.clock(), self.cfg.keep_runs, self.cfg.run_output_s,
+                               int(self.cfg.run_output_max_mb * 1024 * 1024))
+        for name in doomed:
+            if not self._throttle.take(1):
+                break
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+            result["run_dirs"] += 1
+            result["run_dir_bytes"] += sizes.get(name, 0)
+            DELETED.labels("run_dir").inc()
+        return result
