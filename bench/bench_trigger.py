@@ -80,7 +80,7 @@ templates:
             if f.attempt == 1 and f.handle is not None and f.handle.started_at:
                 delays.append(f.handle.started_at - f.due.timestamp())
 
-    agent.jobs.scheduler.run_listeners.append(Probe())
+    agent.scheduler.run_listeners.append(Probe())
     t = threading.Thread(target=agent.run, daemon=True)
     t.start()
     while len(agent.shards.mine) < 64:

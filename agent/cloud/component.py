@@ -113,13 +113,13 @@ class CloudComponent:
                                                                                    "policy": self.outbox.policy}})
             reason = f"outbox_full:{self.outbox.policy}"
             # EventLoop.post takes positional arguments only
-            self.agent.runtime.loop.post(lambda: self.agent.record("gap", source="mqtt_outbox", count=n, reason=reason))
+            self.agent.loop.post(lambda: self.agent.record("gap", source="mqtt_outbox", count=n, reason=reason))
 
     def _notify(self, kind: str, obj: Any) -> None:
         for listener in list(getattr(self.agent, "job_listeners", []) or []):
             fn = getattr(listener, "job_stored" if kind == "stored" else "job_cancelled", None)
             if fn is not None:
-                self.agent.runtime.loop.post(fn, obj)
+                self.agent.loop.post(fn, obj)
 
     # --- link callbacks (paho thread) ---------------------------------------------------
     def _connected(self, generation: int, session_present: bool) -> None:

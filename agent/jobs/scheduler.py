@@ -116,7 +116,7 @@ class Scheduler:
     def __init__(self, agent: Any, executor: Any, admission: Any):
         self.agent = agent
         self.cfg = agent.cfg
-        self.loop = agent.runtime.loop
+        self.loop = agent.loop
         self.keys = agent.keys
         self.client = agent.client
         # its own pool: run records are most of the etcd writes, and a firing's claim must

@@ -62,7 +62,7 @@ class AdminServer:
                     box["doc"] = self.agent.status()
                     done.set()
 
-                self.agent.runtime.loop.post(snap)
+                self.agent.loop.post(snap)
                 if done.wait(3):
                     payload = json.dumps(box["doc"], default=str).encode()
                 else:

@@ -57,7 +57,7 @@ class _JobsComponent:
                                              root_name=root, reclaim=True)
         self.admission = Admission(Budget.from_config(agent.cfg.execute))
         self.scheduler = Scheduler(agent, self.executor, self.admission)
-        agent.jobs.scheduler = self.scheduler
+        agent.scheduler = self.scheduler
         agent.executor = self.executor
         agent.status_providers["quota"] = lambda: {"backend": self.executor.backend.name,
                                                    "why": self.executor.backend.why}

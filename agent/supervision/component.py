@@ -53,7 +53,7 @@ class Supervision:
         if sensing is not None:
             sensing.exec_listeners.append(self)
             sensing.signal_listeners.append(self)
-        self.agent.runtime.loop.call_later(TICK_S, self._tick)
+        self.agent.loop.call_later(TICK_S, self._tick)
 
     # --- decisions -----------------------------------------------------------------------
     def apply(self, decisions: list) -> None:
@@ -69,9 +69,9 @@ class Supervision:
                 if d.decision == "renew_fast":
                     session.renew_now()
             elif d.decision == "pause_runs":
-                self.agent.jobs.scheduler.pause(d.reason)
+                self.agent.scheduler.pause(d.reason)
             elif d.decision == "resume_runs":
-                self.agent.jobs.scheduler.resume()
+                self.agent.scheduler.resume()
             elif d.decision == "hand_off":
                 self.agent.shards.unavailable_reason = d.reason or "unhealthy"
                 self.agent.shards.update_member()
@@ -137,7 +137,7 @@ class Supervision:
         return v.verdict
 
     def signals(self, slots: set, endpoints: set) -> None:
-        sensing = self.agent.supervision.sensing
+        sensing = self.agent.sensing
         now = self.clock()
         for (h, p) in endpoints:
             sig = sensing.sensor.endpoint_signals(h, p)
@@ -152,14 +152,14 @@ class Supervision:
     def _observe(self, r: dict, now: float) -> None:
         if r["health"] is None or r["slot"] is None:
             return
-        d = r["health"].observe(self.agent.supervision.sensing.sensor.slot_signals(r["slot"]), now)
+        d = r["health"].observe(self.agent.sensing.sensor.slot_signals(r["slot"]), now)
         if d is None:
             return
         f = r["firing"]
         f.health = d.state
         self.agent.record("job", event="health", job=f.entry.job.id, run_id=f.fire_id, attempt=f.attempt,
                           **d.to_record())
-        self.agent.jobs.scheduler.publish_health(f, d.state, d.rule)
+        self.agent.scheduler.publish_health(f, d.state, d.rule)
         if d.end_run and f.handle is not None:
             f.handle.terminate("network_stall")
 
@@ -176,7 +176,7 @@ class Supervision:
                 self.apply(self.policy.on_node(sensing.sensor.node_signals(), now))
                 self.apply(self.policy.on_memory(read_memory_pressure(), now))
         if not self.agent._stopping:
-            self.agent.runtime.loop.call_later(TICK_S, self._tick)
+            self.agent.loop.call_later(TICK_S, self._tick)
 
     def status(self) -> dict:
         st = self.policy.status()

@@ -24,14 +24,14 @@ class RunSensing:
 
         self.agent = agent
         self.cfg = agent.cfg
-        self.sensor = Sensor.from_config(agent.cfg.bpf, agent.runtime.loop.post, on_exec=self._on_exec,
+        self.sensor = Sensor.from_config(agent.cfg.bpf, agent.loop.post, on_exec=self._on_exec,
                                          on_gap=self._on_gap, on_signals=self._on_signals)
         self.free = list(range(MAX_SLOT, 0, -1))
         self.by_run_key: dict[str, int] = {}
         self.runs: dict[int, dict] = {}  # slot -> {job, run_id, attempt, run_key, firing}
         self.exec_listeners: list[Any] = []     # health: exec_event(run_info, ev)
         self.signal_listeners: list[Any] = []   # health: signals(changed_slots, changed_eps)
-        agent.supervision.sensing = self
+        agent.sensing = self
         agent.status_providers["sensor"] = self.status
 
     # --- lifecycle --------------------------------------------------------------------

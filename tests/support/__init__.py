@@ -1,0 +1,1 @@
+"""Support code the test suites share: the strict history checker and the fault-test harness."""
