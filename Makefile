@@ -4,7 +4,7 @@ PY ?= /usr/bin/python3
 PYTEST_ARGS ?=
 export PYTHONDONTWRITEBYTECODE = 1
 
-.PHONY: setup demo test test-unit test-integration test-kernel bench deb clean reference
+.PHONY: setup demo test test-unit test-integration test-kernel bench deb clean reference chaos
 
 setup:
 	@bash scripts/setup-host.sh
@@ -24,6 +24,13 @@ test-integration: setup
 
 test-kernel: setup
 	$(PY) -m pytest -p no:cacheprovider tests/kernel $(PYTEST_ARGS)
+
+# The seeded fault test (tests/support/chaos.py): `make chaos SEED=1234 MINUTES=2` reproduces a
+# run; without SEED a new seed is drawn and printed. Before a release: MINUTES=30.
+SEED ?=
+MINUTES ?= 2
+chaos: setup
+	$(PY) -m tests.support.chaos $(if $(SEED),--seed $(SEED)) --minutes $(MINUTES)
 
 bench: setup
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -71,7 +71,7 @@ def read_history(client, prefix: str, *, contiguous: bool = False, timeout: floa
         yield req
         stop.wait(timeout + 5)
 
-    stream = rpc.WatchStub(c.channel).Watch(reqs(), metadata=client._md(c) or None)
+    stream = rpc.WatchStub(c.channel).Watch(reqs(), **client._md(c))
     q: queue.Queue = queue.Queue()
 
     def pump():
@@ -201,7 +201,8 @@ def percentile(xs: list[float], p: float) -> Optional[float]:
 def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Firing]] = None,
           effects: Iterable[SideEffect] = (), budget: Optional[Budget] = None,
           lateness_bound_s: Optional[float] = None, effective_due: Callable[[float], float] = lambda d: d,
-          max_run_s: float = 0.0, complete: bool = True) -> Report:
+          affected: Optional[Callable[[float], bool]] = None, max_run_s: float = 0.0,
+          complete: bool = True) -> Report:
     """Replay the history and judge it.
 
     - a shard key changes owner only through a delete;
@@ -212,7 +213,8 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
       runs of one firing never overlap (an attempt without an end line lasts ``max_run_s``);
     - with ``firings``: every one is resolved (terminal state; ``failed`` with a reason,
       ``misfired`` with a policy reason; a cron firing may be skipped by its misfire policy
-      only when ``effective_due(due) > due``, i.e. a fault was going on), nothing else ran,
+      only when ``affected(due)``: a fault, or the recovery after one, was going on;
+      default: ``effective_due(due) > due``), nothing else ran,
       within ``lateness_bound_s`` of ``effective_due(due)``; ``owner_lost`` and
       ``misfired`` within ``budget``.
     """
@@ -316,6 +318,8 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
 
     # --- resolution, lateness, budget
     firings = {(f.job, f.fire_id): f for f in firings}
+    if affected is None:
+        affected = lambda d: effective_due(d) > d  # noqa: E731
     late: list[float] = []
     owner_lost = misfired = skipped = 0
     states: dict[str, int] = {}
@@ -326,7 +330,7 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
     for (job, fid), f in sorted(firings.items()):
         recs = history.get((job, fid))
         if not recs:
-            if f.may_skip and effective_due(f.due) > f.due:
+            if f.may_skip and affected(f.due):
                 skipped += 1
                 continue
             if complete:
