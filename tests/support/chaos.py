@@ -162,6 +162,7 @@ class ChaosRun:
         self.pusher = None
         self.pushed: dict[str, dict] = {}
         self.firings: list[history.Firing] = []
+        self.keep = False
 
     def say(self, msg: str) -> None:
         self.log(f"{time.monotonic() - self.t_start:7.2f}s {msg}")
@@ -396,6 +397,9 @@ class ChaosRun:
                            "misfired": f"{rep.stats.get('misfired')}/{budget.misfired}",
                            "pushed": res.pushed, "stored": res.stored, "wall_s": round(res.wall_s, 1)}
             self.log("chaos figures: " + json.dumps(res.figures))
+            if rep.problems:
+                self.keep = True
+                self.log(f"chaos: failed; kept {self.dir} (agents' logs and audit, effects.log)")
             return res
         finally:
             stop.set()
@@ -414,7 +418,7 @@ class ChaosRun:
             self.mq.close()
         if self.etcd is not None:
             self.etcd.close()
-        if self.own_dir and os.environ.get("MILLWRIGHT_CHAOS_KEEP") != "1":
+        if self.own_dir and not self.keep and os.environ.get("MILLWRIGHT_CHAOS_KEEP") != "1":
             shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -210,7 +210,8 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
       held by the record's ``agent``; every probe write carries the holder's token;
     - per (job, firing, attempt) exactly one agent created its ``running`` record, once;
     - every side effect has that record, from the same agent; attempts never repeat and
-      runs of one firing never overlap (an attempt without an end line lasts ``max_run_s``);
+      runs of one firing never overlap (an attempt without an end line ended when its
+      record says it did, else lasts ``max_run_s``);
     - with ``firings``: every one is resolved (terminal state; ``failed`` with a reason,
       ``misfired`` with a policy reason; a cron firing may be skipped by its misfire policy
       only when ``affected(due)``: a fault, or the recovery after one, was going on;
@@ -222,6 +223,7 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
     shards_p, runs_p, probe_p = prefix + "shards/", prefix + "runs/", prefix + "test/probe/"
     holder: dict[str, tuple[str, int]] = {}
     running_by: dict[tuple[str, str, int], list[tuple[str, int]]] = {}
+    ended_by_record: dict[tuple[str, str, int], Optional[float]] = {}
     history: dict[tuple[str, str], list[tuple[int, dict]]] = {}
     counts = {"events": 0, "claims": 0, "releases": 0, "fenced_writes": 0, "run_writes": 0}
     for ev in events:
@@ -275,6 +277,8 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
                 running_by.setdefault((job, fid, attempt), []).append((agent, ev.rev))
                 if attempt == 1 and ev.version != 1:
                     rep.fail(f"rev {ev.rev}: {name(job, fid)} attempt 1 running record overwrote an existing record")
+            elif rec.get("ended_at") and (job, fid, attempt) not in ended_by_record:
+                ended_by_record[(job, fid, attempt)] = _ts(rec["ended_at"])
             history.setdefault((job, fid), []).append((ev.rev, rec))
     rep.stats.update(counts)
 
@@ -307,7 +311,8 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
                 rep.fail(f"{name(job, fid)} attempt {attempt} ran {n} times")
         ses = sorted(ses, key=lambda s: s.start)
         for a, b in zip(ses, ses[1:]):
-            end = a.end if a.end is not None else a.start + max_run_s
+            # no end line (killed): the end its agent recorded after reaping it, else the longest run
+            end = a.end if a.end is not None else (ended_by_record.get((job, fid, a.attempt)) or a.start + max_run_s)
             if b.start < end:
                 rep.fail(f"{name(job, fid)}: attempt {b.attempt} started at {b.start:.3f} while attempt {a.attempt} "
                          f"(started {a.start:.3f}) could still run until {end:.3f}: overlapping runs")

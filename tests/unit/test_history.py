@@ -133,12 +133,20 @@ def test_an_attempt_that_ran_twice_fails():
 
 
 def test_overlapping_attempts_fail_and_a_missing_end_line_counts_max_run():
-    h = good()
-    h.run("a0", "running", attempt=2)
+    h = H()
+    h.shard(1, "a0")
+    h.run("a0", "running")
+    h.run("a0", "running", attempt=2)   # attempt 1's end was never recorded (its agent died)
     effects = [fx(end=None), fx(attempt=2, start=DUE + 0.5, end=DUE + 0.7)]
     rep = run_check(h, effects, max_run_s=1.0)
     assert f"(j, {F1}): attempt 2 started" in problems(rep) and "overlapping runs" in problems(rep)
     assert not run_check(h, [fx(), fx(attempt=2, start=DUE + 0.5, end=DUE + 0.7)], max_run_s=1.0, complete=False).problems
+    # killed without an end line, but its agent recorded the end after reaping it: no overlap
+    h = good()
+    h.run("a0", "retrying", ended_at="2026-12-03T12:00:00.300Z")
+    h.run("a0", "running", attempt=2)
+    assert not run_check(h, [fx(end=None), fx(attempt=2, start=DUE + 0.5, end=DUE + 0.7)], max_run_s=1.0,
+                         complete=False).problems
 
 
 def test_running_before_the_due_time_fails():
