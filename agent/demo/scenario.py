@@ -46,7 +46,7 @@ from typing import Any, Optional
 
 from agent.cli import UserError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the dir holding agent/
 DEMO_CONFIG_DIRS = (os.path.join(ROOT, "configs", "demo"), "/usr/share/millwright/demo")
 DEFAULT_DURATION = 45.0
 MIN_DURATION = 24.0
