@@ -64,10 +64,10 @@ def test_demo_keeps_its_invariants_and_cleans_up():
                     assert fh.read().split(") ")[1][0] == "Z", f"pid {pid} still running after the demo"
         assert "millwright_demo_" not in nft_tables()
         # every agent's audit log verifies, checked by the CLI on its own
-        audits = sorted(glob.glob(os.path.join(base, "agents", "*", "audit")))
-        assert len(audits) == 3, audits
-        for d in audits:
-            v = subprocess.run([sys.executable, "-m", "agent", "audit", "verify", d], cwd=ROOT,
+        configs = sorted(glob.glob(os.path.join(base, "agents", "*", "agent.yaml")))
+        assert len(configs) == 3, configs
+        for d in configs:
+            v = subprocess.run([sys.executable, "-m", "agent", "audit", "verify", "-c", d], cwd=ROOT,
                                env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True)
             assert v.returncode == 0, (d, v.stdout[-2000:], v.stderr[-2000:])
         # the demo's etcd, restarted on its data: the complete history, strictly checked
