@@ -372,9 +372,13 @@ class ChaosRun:
             pusher.join(max(0.0, t0.timestamp() + horizon - time.time() + 5))
             # the faults are healed; every firing must resolve within the bound
             end = max(t0.timestamp() + horizon, max((f.end for f in self.faults), default=0)) + LATENESS_BOUND_S + 5
-            while time.time() < end and not self._all_resolved():
+            last_due = max(f.due for f in self.firings)
+            while time.time() < end and not (time.time() > last_due + 2 and self._all_resolved()):
                 time.sleep(0.5)
             time.sleep(1.0)
+            # stop the agents before reading: no write or side effect can land after the read
+            for a in self.agents.values():
+                a.kill()
             events = history.read_history(self.client, self.keys.prefix, contiguous=True)
             effects = history.parse_effects(self.out)
             budget = budget_for(self.faults, self.n_cron, self.n_agents)
