@@ -445,6 +445,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--minutes", type=float, default=2.0)
     a = ap.parse_args(argv)
     seed = a.seed if a.seed is not None else secrets.randbelow(10 ** 6)
+    # SIGTERM (a CI timeout) unwinds through the cleanup: nftables tables, processes
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         run_and_check(seed, a.minutes)
     except AssertionError as exc:
