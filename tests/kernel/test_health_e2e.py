@@ -182,10 +182,11 @@ def test_a_flapping_link_causes_at_most_one_hand_off_in_five_minutes(etcd_server
                     decisions[r["decision"]] += 1
         handoffs = decisions["hand_off"]
         print(f"\n{drops} link drops of 200 ms over {FLAP_S:.0f} s: {handoffs} hand-off(s); decisions {dict(decisions)}")
-        assert drops >= FLAP_S / 3.5
         # the flaps were seen (the lease policy reacted), so the count below reads real records
         assert decisions["pause_runs"] + decisions["renew_fast"] > 0, dict(decisions)
-        assert handoffs <= 1
+        assert handoffs <= 1, dict(decisions)
+        # the test really flapped the link (at least half the planned rate on a loaded machine)
+        assert drops >= FLAP_S / 6
         assert flappy.alive()
     finally:
         c.close()

@@ -172,7 +172,9 @@ class ChaosRun:
         from agent.cloud.mqtt import MqttLink
         from agent.cloud.testkit import write_keys
 
-        ids = [f"a{i}" for i in range(self.n_agents)]
+        # ids unique on the host: an agent's run cgroups are named after its id, and an agent
+        # starting removes "stale" ones, so a0 of another test run must never be ours
+        ids = [f"a{i}-{os.getpid() % 100000}" for i in range(self.n_agents)]
         self.hosts = {a: f"127.0.0.{10 + i}" for i, a in enumerate(ids)}
         self.etcd = EtcdCluster(3, os.path.join(self.dir, "etcd"), extra_hosts=tuple(self.hosts.values())).start()
         self.broker_ports = {a: free_port() for a in ids}
