@@ -21,9 +21,18 @@ from tests.support import history
 
 
 def run_demo(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
+    """The demo's result, with its pid (its nftables table is named after it)."""
     env = {**os.environ, "PYTHONPATH": ROOT}
-    return subprocess.run([sys.executable, "-m", "agent", "demo", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    p = subprocess.Popen([sys.executable, "-m", "agent", "demo", *args], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+    r = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    r.pid = p.pid
+    return r
 
 
 def nft_tables() -> str:
@@ -62,7 +71,8 @@ def test_demo_keeps_its_invariants_and_cleans_up():
             if os.path.exists(f"/proc/{pid}"):
                 with open(f"/proc/{pid}/stat") as fh:
                     assert fh.read().split(") ")[1][0] == "Z", f"pid {pid} still running after the demo"
-        assert "millwright_demo_" not in nft_tables()
+        # its own table (other demos may run on this host at the same time)
+        assert f"millwright_demo_{r.pid}\n" not in nft_tables() + "\n"
         # every agent's audit log verifies, checked by the CLI on its own
         configs = sorted(glob.glob(os.path.join(base, "agents", "*", "agent.yaml")))
         assert len(configs) == 3, configs
