@@ -104,7 +104,7 @@ def test_exactly_once_2000_jobs_with_agent_kills_and_an_etcd_restart(env, etcd_s
     firings: list[history.Firing] = []
     cron_jobs = []
     issued0 = now().replace(microsecond=0)
-    not_after = t0 + timedelta(seconds=horizon)
+    not_after = (t0 + timedelta(seconds=horizon)).replace(microsecond=0)
     for i in range(2000):
         kind = i % 10
         jid = f"j{i:04d}"

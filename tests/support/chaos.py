@@ -242,7 +242,7 @@ class ChaosRun:
             plan.append((push_at, doc))
             self.firings.append(history.Firing(jid, fire_id(jid, due), due.timestamp(), "at",
                                                3 if retrying else 1))
-        not_after = t0 + timedelta(seconds=horizon)
+        not_after = (t0 + timedelta(seconds=horizon)).replace(microsecond=0)
         self.n_cron = 4
         for i in range(self.n_cron):
             jid = f"c{i}-{self.seed % 1000}"
