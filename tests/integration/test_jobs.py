@@ -173,6 +173,24 @@ def test_exactly_once_2000_jobs_with_agent_kills_and_an_etcd_restart(env, etcd_s
             st = query(a.config["admin"]["socket"])
             print(a.agent_id, {k: v for k, v in st["jobs"].items() if k != "due"}, st["session"])
     assert not missing, f"{len(missing)} firings without a run record, e.g. {missing[:3]}"
+    # the whole history, strictly: fencing, one running record per attempt, every due
+    # firing resolved (cron firings may be skipped by run_once only around a fault),
+    # within the lateness bound after the faults healed, and owner_lost/misfired within
+    # the budget stated here: a kill -9 orphans what its agent had claimed or running (at
+    # 55 firings/s with a 0.25 s claim lead: 40 per kill); the etcd restart fences all
+    # three agents at once (3 x 40); misfired: every cron firing of the jobs whose shard
+    # was affected, bounded by all cron firings due within TTL + 4 s of a fault
+    ttl = c.ttl
+    recover = ttl + 4.0
+    effective = lambda d: max([d] + [e for s, e in faults if s - 1 <= d <= e])  # noqa: E731
+    affected = lambda d: any(s - 1 <= d <= e + recover for s, e in faults)  # noqa: E731
+    cron_near = sum(1 for f in firings if f.kind == "cron" and affected(f.due))
+    budget = history.Budget(owner_lost=40 * 2 + 3 * 40, misfired=cron_near)
+    rep = history.check(history.read_history(c.client, c.keys.prefix, contiguous=True), c.keys.prefix,
+                        firings=firings, budget=budget, lateness_bound_s=2 * ttl + 2, effective_due=effective,
+                        affected=affected)
+    print("history check:", {k: v for k, v in rep.stats.items() if k != "states"})
+    history.assert_clean(rep)
     # the 'now' jobs too: one record each
     now_jobs = {f"j{i:04d}" for i in range(2000) if i % 10 == 8}
     got_now = collections.Counter(j for (j, _) in recs if j in now_jobs)
@@ -194,24 +212,7 @@ def test_exactly_once_2000_jobs_with_agent_kills_and_an_etcd_restart(env, etcd_s
     for (j, f), r in recs.items():
         if j in cron_jobs:
             assert f.endswith(("0.000Z", "5.000Z")), f
-    # the whole history, strictly: fencing, one running record per attempt, every due
-    # firing resolved (cron firings may be skipped by run_once only around a fault),
-    # within the lateness bound after the faults healed, and owner_lost/misfired within
-    # the budget stated here: a kill -9 orphans what its agent had claimed or running (at
-    # 55 firings/s with a 0.25 s claim lead: 40 per kill); the etcd restart fences all
-    # three agents at once (3 x 40); misfired: every cron firing of the jobs whose shard
-    # was affected, bounded by all cron firings due within TTL + 4 s of a fault
-    ttl = c.ttl
-    recover = ttl + 4.0
-    effective = lambda d: max([d] + [e for s, e in faults if s - 1 <= d <= e])  # noqa: E731
-    affected = lambda d: any(s - 1 <= d <= e + recover for s, e in faults)  # noqa: E731
-    cron_near = sum(1 for f in firings if f.kind == "cron" and affected(f.due))
-    budget = history.Budget(owner_lost=40 * 2 + 3 * 40, misfired=cron_near)
-    rep = history.check(history.read_history(c.client, c.keys.prefix, contiguous=True), c.keys.prefix,
-                        firings=firings, budget=budget, lateness_bound_s=2 * ttl + 2, effective_due=effective,
-                        affected=affected)
-    print("history check:", {k: v for k, v in rep.stats.items() if k != "states"})
-    history.assert_clean(rep)
+
     lost_at = collections.Counter(recs[k]["due"][11:19] for k in lost)
     print("\nowner_lost by due second:", sorted(lost_at.items()))
     print(f"\nrecords={len(recs)} states={dict(states)} owner_lost={len(lost)} side_effects={sum(fx.values())}")
