@@ -397,6 +397,7 @@ class ChaosRun:
                            "fault_kinds": sorted({f.kind for f in self.faults}),
                            "firings": rep.stats.get("firings"), "side_effects": rep.stats.get("side_effects"),
                            "events": rep.stats.get("events"), "states": rep.stats.get("states"),
+                           "failed_reasons": rep.stats.get("failed_reasons"),
                            "lateness_p99_s": _r(rep.stats.get("lateness_p99_s")),
                            "lateness_max_s": _r(rep.stats.get("lateness_max_s")),
                            "owner_lost": f"{rep.stats.get('owner_lost')}/{budget.owner_lost}",

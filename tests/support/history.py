@@ -327,6 +327,7 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
         affected = lambda d: effective_due(d) > d  # noqa: E731
     late: list[float] = []
     owner_lost = misfired = skipped = 0
+    failed_reasons: dict[str, int] = {}
     states: dict[str, int] = {}
     for (job, fid), recs in history.items():
         if (job, fid) not in firings:
@@ -359,6 +360,9 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
                 rep.fail(f"{name(job, fid)}: a one-shot firing misfired ({reason!r}); its policy runs it once")
         if state == "failed" and reason == "owner_lost":
             owner_lost += 1
+        if state == "failed":
+            key = (reason or "").split(":")[0]
+            failed_reasons[key] = failed_reasons.get(key, 0) + 1
         if int(last.get("attempt") or 1) > f.max_attempts:
             rep.fail(f"{name(job, fid)}: attempt {last.get('attempt')} beyond max_attempts {f.max_attempts}")
         # when it was resolved: its first real start, else its end
@@ -378,6 +382,7 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
             rep.fail(f"{name(job, fid)}: resolved {t - f.due:.2f} s after its due time, {lateness:.2f} s after the "
                      f"faults healed; the bound is {lateness_bound_s:.1f} s")
     rep.stats.update({"firings": len(firings), "resolved": sum(states.values()), "states": states,
+                      "failed_reasons": failed_reasons,
                       "owner_lost": owner_lost, "misfired": misfired + skipped, "skipped_by_policy": skipped,
                       "lateness_p50_s": percentile(late, 50), "lateness_p99_s": percentile(late, 99),
                       "lateness_max_s": max(late) if late else None})
