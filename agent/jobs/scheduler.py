@@ -66,6 +66,11 @@ DEPENDENCY_RECHECK_S = 1.0
 _FIRING_SEQ = itertools.count(1)
 
 
+# How often a firing re-checks its fence while the session is past its renew deadline but
+# the shard is still held (see Scheduler._session_lapsed).
+FENCE_WAIT_S = 0.1
+
+
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -578,6 +583,9 @@ class Scheduler:
         e = f.entry
         fence = self.agent.fence_for(e.shard)
         if fence is None:
+            if self._session_lapsed(f):
+                self.loop.call_later(FENCE_WAIT_S, self._when_current, f, f.state, self._claim, f, retry)
+                return
             self._abandon(f, "not_owner")
             return
         if retry:
@@ -649,6 +657,9 @@ class Scheduler:
 
         e = f.entry
         if self.agent.fence_for(e.shard) is None:  # fenced while claiming: do not start
+            if self._session_lapsed(f):
+                self.loop.call_later(FENCE_WAIT_S, self._when_current, f, "claiming", self._spawn, f)
+                return
             self._abandon(f, "fenced")
             return
         tpl = self.cfg.templates.get(e.job.template)
@@ -823,6 +834,8 @@ class Scheduler:
         e = f.entry
         fence = self.agent.fence_for(e.shard)
         if fence is None:
+            if self._session_lapsed(f):
+                self.loop.call_later(FENCE_WAIT_S, self._rewrite, f, state, fields, f.record_rev)
             return
         key = self.keys.run(e.shard, e.job.id, f.fire_id)
         rec = self._record(f, state, **fields)
@@ -844,8 +857,22 @@ class Scheduler:
         self.workers.submit(op, done)
 
     def _rewrite(self, f: Firing, state: str, fields: dict, rev: int) -> None:
-        if f.record_rev == rev and self.agent.fence_for(f.entry.shard) is not None:
+        if f.record_rev == rev and self.agent.shards.owns(f.entry.shard) is not None:
             self._write_record(f, state, **fields)
+
+    def _session_lapsed(self, f: Firing) -> bool:
+        """No fence only because the session is past its renew deadline, while the shard is
+        still held (the keepalive may yet succeed; if not, the self-fence drops the shard
+        and its entries). Dropping the firing here would lose it until the shard changes
+        owner (found by the fault test: a firing left unrun for 17 s on a live owner)."""
+        e = f.entry
+        return (self.entries.get(e.job.id) is e and not e.cancelled and f.state != "done"
+                and self.agent.shards.owns(e.shard) is not None)
+
+    def _when_current(self, f: Firing, state: str, fn, *args) -> None:
+        """Call fn(*args) later only if the firing is still where it was (same entry, same state)."""
+        if f.state == state and self.entries.get(f.entry.job.id) is f.entry and not f.entry.cancelled:
+            fn(*args)
 
     def _status(self, e: JobEntry, f: Optional[Firing], state: str, **fields: Any) -> None:
         doc = {"v": 1, "job_id": e.job.id, "run_id": f.fire_id if f else None, "state": state,
