@@ -43,6 +43,10 @@ rm -rf "$build"
 mkdir -p "$src/configs" "$src/docs"
 
 tar -C "$MW_REPO" --exclude=__pycache__ --exclude='*.pyc' --exclude='*.pyo' -cf - agent | tar -C "$src" -xf -
+# The package's version is the program's: `millwright --version` shows what dpkg installed
+# (an upgrade test can then tell N from N+1).
+sed -i "s/^__version__ = .*/__version__ = \"$version\"/" "$src/agent/__init__.py"
+grep -q "^__version__ = \"$version\"$" "$src/agent/__init__.py" || mw_die "could not stamp version $version"
 if [ -d "$MW_REPO/bpf" ]; then
   tar -C "$MW_REPO" --exclude='.*' -cf - bpf | tar -C "$src" -xf -
 fi

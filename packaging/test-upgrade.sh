@@ -96,7 +96,7 @@ mw_log "upgraded to N+1 ($v_n1) in ${t_upgrade}s"
 mw_root_sh "$root" "$arch" '
 fail() { echo "CHECK FAILED: $*" >&2; exit 1; }
 [ "$(dpkg-query -W -f="\${Version}" millwright)" = "'"$v_n1"'" ] || fail "not upgraded"
-millwright --version | grep -qF "'"$v_n1"'" || millwright --version | grep -qF "'"$v_n"'" || fail "--version"
+millwright --version | grep -qF "millwright '"$v_n1"' " || fail "--version after the upgrade: $(millwright --version), want '"$v_n1"'"
 cd / && sha256sum -c --quiet /tmp/sums.before || fail "config, keys, audit key, state or audit log changed by the upgrade"
 grep -q "^capacity: 2.5" /etc/millwright/agent.yaml || fail "operator conffile change lost"
 grep -q "upgrade test" /etc/millwright/agent.yaml.dpkg-dist || fail "the new default config is not in agent.yaml.dpkg-dist"

@@ -13,7 +13,7 @@ if ROOT not in sys.path:
 
 from agent.demo.services import EtcdCluster, EtcdServer, MosquittoServer  # noqa: E402
 # test modules import helpers from tests/support, not from here; kept for older imports
-from tests.support.kernel import REQUIRE_KERNEL, require_kernel  # noqa: E402, F401
+from tests.support.kernel import HOST_LIMITS, REQUIRE_KERNEL, require_kernel  # noqa: E402, F401
 
 
 @pytest.fixture

@@ -23,7 +23,9 @@ Per push:
 ``Dispatcher`` routes messages from MQTT: the owner of the job's shard ingests at once;
 other agents hold the (authenticated) message unacknowledged and release it as soon as an
 etcd watch shows the job stored (or cancelled), or ingest it themselves after
-``ingest_grace_s``. Unauthenticated input is never held.
+``ingest_grace_s``. Unauthenticated input is never held. With a paho that cannot withhold
+the PUBACK (``link.deferred_ack`` False), every agent ingests inside on_message instead,
+so nothing is acknowledged before it is durable.
 """
 
 from __future__ import annotations
@@ -454,6 +456,12 @@ class Dispatcher:
             return
         job_id = peek_id(msg.payload, self.ingest.max_bytes)
         shard = shard_of(job_id if job_id else push_digest(msg.payload), self.ingest.shards)
+        if not getattr(self.link, "deferred_ack", True):
+            # this paho acknowledges when the callback returns and the ack cannot be
+            # withheld: store the job and its status here, on paho's thread, before
+            # returning (no grace hold: an unacknowledged hold is impossible)
+            self.process(kind, msg, shard in owned or self.grace_s <= 0)
+            return
         if shard in owned or self.grace_s <= 0:
             self._q.put((kind, msg, True))
             return

@@ -101,6 +101,11 @@ def stderr_tail(path: Optional[str], limit: int = STDERR_TAIL_BYTES) -> Optional
     return raw.decode("utf-8", errors="replace")
 
 
+# How often a firing re-checks its fence while the session is past its renew deadline but
+# the shard is still held (see Scheduler._session_lapsed).
+FENCE_WAIT_S = 0.1
+
+
 @dataclass
 class JobEntry:
     job: Job
@@ -329,7 +334,7 @@ class Scheduler:
         if stored.finished and not stored.cancelled:
             # retention replaced a job that can never fire again by its tombstone: forget it
             # quietly (it is not a cancel)
-            if e is not None and not any(f.state != "done" for f in e.firings.values()):
+            if e is not None and not any(f.state != FiringState.DONE for f in e.firings.values()):
                 self._pop_entry(stored.id)
                 self._drop_entry(e, "finished")
                 JOBS_OWNED.set(len(self.entries))
@@ -696,6 +701,9 @@ class Scheduler:
         e = f.entry
         fence = self.agent.fence_for(e.shard)
         if fence is None:
+            if self._session_lapsed(f):
+                self.loop.call_later(FENCE_WAIT_S, self._when_current, f, f.state, self._claim, f, retry)
+                return
             self._abandon(f, "not_owner")
             return
         if retry:
@@ -768,6 +776,9 @@ class Scheduler:
 
         e = f.entry
         if self.agent.fence_for(e.shard) is None:  # fenced while claiming: do not start
+            if self._session_lapsed(f):
+                self.loop.call_later(FENCE_WAIT_S, self._when_current, f, FiringState.CLAIMING, self._spawn, f)
+                return
             self._abandon(f, "fenced")
             return
         tpl = self.cfg.templates.get(e.job.template)
@@ -976,6 +987,10 @@ class Scheduler:
         e = f.entry
         fence = self.agent.fence_for(e.shard)
         if fence is None:
+            if self._session_lapsed(f):  # counted as in flight until _rewrite runs
+                self._writes[e.shard] = self._writes.get(e.shard, 0) + 1
+                f.writing += 1
+                self.loop.call_later(FENCE_WAIT_S, self._rewrite, f, state, fields, f.record_rev, answer)
             return
         key = self.keys.run(e.shard, e.job.id, f.fire_id)
         rec = self._record(f, state, **fields)
@@ -1011,8 +1026,22 @@ class Scheduler:
             self._writes[shard] = n
         else:
             self._writes.pop(shard, None)
-        if f.record_rev == rev and self.agent.fence_for(shard) is not None:
+        if f.record_rev == rev and self.agent.shards.owns(shard) is not None:
             self._write_record(f, state, answer=answer, **fields)
+
+    def _session_lapsed(self, f: Firing) -> bool:
+        """No fence only because the session is past its renew deadline, while the shard is
+        still held (the keepalive may yet succeed; if not, the self-fence drops the shard
+        and its entries). Dropping the firing here would lose it until the shard changes
+        owner (found by the fault test: a firing left unrun for 17 s on a live owner)."""
+        e = f.entry
+        return (self.entries.get(e.job.id) is e and not e.cancelled and f.state != FiringState.DONE
+                and self.agent.shards.owns(e.shard) is not None)
+
+    def _when_current(self, f: Firing, state: FiringState, fn: Any, *args: Any) -> None:
+        """Call fn(*args) later only if the firing is still where it was (same entry, same state)."""
+        if f.state == state and self.entries.get(f.entry.job.id) is f.entry and not f.entry.cancelled:
+            fn(*args)
 
     def _final_status(self, f: Firing, state: str, **fields: Any) -> tuple[dict, Optional[str]]:
         """A run's final status document and the key of its durable answer marker (None when

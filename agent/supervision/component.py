@@ -74,8 +74,7 @@ class Supervision:
     # --- decisions -----------------------------------------------------------------------
     def apply(self, decisions: list) -> None:
         for d in decisions or []:
-            rec = d.to_record()
-            self.agent.record("lease", **{"event": "decision", **rec})
+            self.agent.record("lease", **d.to_record())
             self.decisions = (self.decisions + [{"decision": d.decision, "reason": d.reason}])[-10:]
             log.info("lease decision", extra={"fields": {"decision": d.decision, "reason": d.reason}})
             session = self.agent.session

@@ -61,8 +61,11 @@ class LeaseDecision:
     interval_s: Optional[float] = None
 
     def to_record(self) -> dict:
-        """Fields for an audit ``lease`` record (``agent.record("lease", **d.to_record())``)."""
-        doc: dict[str, Any] = {"event": self.decision, "reason": self.reason, "evidence": dict(self.evidence)}
+        """Fields for an audit ``lease`` record (``agent.record("lease", **d.to_record())``):
+        ``event`` is always ``decision`` and ``decision`` names it, so a reader can count
+        one decision kind without knowing every event name."""
+        doc: dict[str, Any] = {"event": "decision", "decision": self.decision, "reason": self.reason,
+                               "evidence": dict(self.evidence)}
         if self.interval_s is not None:
             doc["interval_s"] = self.interval_s
         return doc

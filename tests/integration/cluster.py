@@ -13,7 +13,7 @@ from agent.coordination.etcd import EtcdClient
 from agent.config import EtcdConfig
 from agent.coordination.keys import Keys
 from agent.demo.services import AgentProcess
-import etcd3.etcdrpc as rpc
+from tests.support import history
 
 
 def wait_for(pred: Callable[[], object], timeout: float, interval: float = 0.02, what: str = "condition"):
@@ -112,83 +112,39 @@ class Cluster:
         self.client.close()
 
 
-def etcd_history(client: EtcdClient, prefix: str, quiet_s: float = 1.0) -> list:
-    """Every event under prefix since revision 1 up to the current head, in order (tests
-    never compact; each test has its own etcd, so every revision is under the prefix).
-    Read in a helper thread so a silent stream cannot hang the test."""
-    import queue
-    import threading
+class _KV:
+    __slots__ = ("key", "value", "mod_revision", "create_revision", "version")
 
-    from etcd3 import utils
+    def __init__(self, e):
+        self.key, self.value = e.key.encode(), e.value
+        self.mod_revision, self.create_revision, self.version = e.rev, e.create_rev, e.version
 
-    _, head = client.get_prefix(prefix, keys_only=True)
-    c, _ = client.client()
-    key = prefix.encode()
-    req = rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
-        key=key, range_end=utils.increment_last_byte(key), start_revision=1, prev_kv=True))
-    stop = threading.Event()
 
-    def reqs():
-        yield req
-        stop.wait(600)
+class _Ev:
+    """An event shaped like etcd's (type 0 put / 1 delete, kv.*) for the older callers."""
 
-    stream = rpc.WatchStub(c.channel).Watch(reqs())
-    q: queue.Queue = queue.Queue()
+    __slots__ = ("type", "kv")
 
-    def pump():
-        try:
-            for resp in stream:
-                assert not resp.compact_revision, "history compacted"
-                q.put(list(resp.events))
-        except Exception:
-            pass
+    def __init__(self, e):
+        self.type = 1 if e.kind == "delete" else 0
+        self.kv = _KV(e)
 
-    t = threading.Thread(target=pump, daemon=True)
-    t.start()
-    out = []
-    try:
-        while not out or out[-1].kv.mod_revision < head:
-            try:
-                out.extend(q.get(timeout=quiet_s))
-            except queue.Empty:
-                break
-    finally:
-        stop.set()
-        stream.cancel()
-    return out
+
+def etcd_history(client: EtcdClient, prefix: str) -> list:
+    """Every event under prefix since revision 1, complete or an AssertionError
+    (tests/support/history.py read_history: an error, a compaction or an incomplete
+    stream fails the test instead of returning what arrived)."""
+    return [_Ev(e) for e in history.read_history(client, prefix)]
 
 
 def check_history(client: EtcdClient, keys: Keys) -> dict:
-    """Replay the whole history: a shard key only ever changes owner through a delete, and
-    every fenced write (probe or run record carrying agent+token) was made by the holder
-    of the shard at that revision with its current token."""
-    events = etcd_history(client, keys.prefix)
-    holder: dict[str, tuple[str, int]] = {}
-    stats = collections.Counter()
-    problems = []
-    sp = keys.shards_prefix()
-    probe = keys.prefix + "test/probe/"
-    for ev in events:
-        k = ev.kv.key.decode()
-        if k.startswith(sp):
-            if ev.type == 1:
-                holder.pop(k, None)
-                stats["releases"] += 1
-            else:
-                if k in holder and holder[k][0] != ev.kv.value.decode():
-                    problems.append(f"rev {ev.kv.mod_revision}: {k} changed owner {holder[k][0]} -> "
-                                    f"{ev.kv.value.decode()} without a delete")
-                if ev.kv.version == 1:
-                    stats["claims"] += 1
-                holder[k] = (ev.kv.value.decode(), ev.kv.create_revision)
-        elif k.startswith(probe) and ev.type == 0:
-            doc = json.loads(ev.kv.value)
-            sk = sp + k[len(probe):]
-            stats["fenced_writes"] += 1
-            if holder.get(sk) != (doc["agent"], doc["token"]):
-                problems.append(f"rev {ev.kv.mod_revision}: write by {doc['agent']} with token {doc['token']} "
-                                f"for {sk} held by {holder.get(sk)}")
-    return {"problems": problems, **stats}
+    """Replay the whole history with the strict checker (tests/support/history.py): a
+    shard key only changes owner through a delete; every fenced write (the daemon's test
+    probes and every run record) was made by the holder of the shard at that revision;
+    one running record per attempt. The test's etcd holds only this cluster, so a missing
+    revision is a gap and fails."""
+    rep = history.check(history.read_history(client, keys.prefix, contiguous=True), keys.prefix)
+    return {"problems": rep.problems, **rep.stats}
 
 
 class NftBlock:

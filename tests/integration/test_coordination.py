@@ -73,15 +73,22 @@ def test_kill9_failover_within_ttl_plus_one(cluster):
     assert_history_clean(cluster)
 
 
-def test_sigterm_hands_over_within_one_second_and_exits_zero(cluster):
+def test_sigterm_hands_over_before_the_ttl_and_exits_zero(cluster):
     for i in range(3):
         cluster.start(f"a{i}")
     wait_for(lambda: cluster.converged({"a0": 1, "a1": 1, "a2": 1}), 15, what="3-way plan")
     leaving = {s for s, a in cluster.owners().items() if a == "a2"}
     t0 = time.monotonic()
     cluster.agents["a2"].proc.send_signal(signal.SIGTERM)
-    wait_for(lambda: all(cluster.owners().get(s) in ("a0", "a1") for s in leaving), 5, what="handover")
-    assert time.monotonic() - t0 <= 1.0
+    # contract: a drained agent revokes its lease, so peers own its shards well before the
+    # lease could have expired (at least TTL minus a keepalive interval after the signal).
+    # Measured ~0.1 s (a figure, not the bound); the bound is half the TTL, which holds at
+    # load 10 and still tells a revoke from an expiry; polled at a fortieth of it.
+    wait_for(lambda: all(cluster.owners().get(s) in ("a0", "a1") for s in leaving), 10, interval=0.05,
+             what="handover")
+    elapsed = time.monotonic() - t0
+    print(f"\nSIGTERM hand-over in {elapsed:.2f} s")
+    assert elapsed < cluster.ttl / 2, elapsed
     assert cluster.agents["a2"].proc.wait(10) == 0
     assert "draining" in cluster.agents["a2"].log_text()
     assert_history_clean(cluster)
@@ -105,17 +112,26 @@ def test_partitioned_agent_self_fences_before_its_lease_expires(cluster, etcd_se
     except Exception as exc:  # nft present but unusable here
         require_kernel(False, f"nftables unusable: {exc}")
     with block:
+        # one loop watches both sides, each poll first asking the agent, then etcd: the
+        # agent must report itself fenced in a poll where etcd still shows its shard keys
+        # (its lease has not expired), and its peers take the shards only after that
         t0 = time.monotonic()
-        wait_for(lambda: _status(cut)["session"]["fenced"] is not None, 10, what="self-fence")
-        t_fence = time.monotonic() - t0
-        assert _status(cut)["shards"]["count"] == 0
-        # its keys are still in etcd: it stopped acting before the server-side lease expired
-        still_held = {s for s, a in cluster.owners().items() if a == "cut"}
-        assert still_held, "lease already expired when the agent fenced"
-        wait_for(lambda: all(cluster.owners().get(s) in ("a0", "a1") for s in cut_shards), cluster.ttl + 3,
-                 what="peers to take the cut agent's shards")
-        t_takeover = time.monotonic() - t0
-        assert t_fence < t_takeover
+        t_fence = t_gone = None
+        held_at_fence: set = set()
+        while t_gone is None and time.monotonic() - t0 < cluster.ttl + 10:
+            fenced = _status(cut)["session"]["fenced"] is not None
+            owners = cluster.owners()
+            held = {s for s, a in owners.items() if a == "cut"}
+            if fenced and t_fence is None:
+                t_fence, held_at_fence = time.monotonic() - t0, held
+                assert _status(cut)["shards"]["count"] == 0
+            if all(owners.get(s) in ("a0", "a1") for s in cut_shards):
+                t_gone = time.monotonic() - t0
+            time.sleep(0.05)
+        assert t_fence is not None, f"the cut agent had not fenced itself when its peers took its shards ({t_gone})"
+        assert held_at_fence, f"the agent fenced at {t_fence:.2f} s, after its lease had expired"
+        assert t_gone is not None and t_fence < t_gone, (t_fence, t_gone)
+        print(f"\nfenced {t_fence:.2f} s after the cut, peers owned its shards at {t_gone:.2f} s")
     # after the partition heals, the agent comes back, gets a new lease and shards again
     wait_for(lambda: cluster.counts().get("cut", 0) > 0 and cluster.all_owned_by({"a0", "a1", "cut"}), 20,
              what="cut agent to rejoin")

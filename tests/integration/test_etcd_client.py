@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from agent.config import EtcdConfig
-from agent.coordination.etcd import EtcdClient, EtcdUnavailable
+from agent.coordination.etcd import EtcdClient, EtcdError, EtcdUnavailable
 from agent.coordination.watch import PrefixWatch
 from agent.demo.services import AgentProcess, free_port
 from tests.integration.cluster import wait_for
@@ -111,8 +111,10 @@ def test_agent_with_username_and_password(etcd_server, tmp_path):
         c = EtcdClient(EtcdConfig(endpoints=[ep], username="mw", password="mwpw"))
         wait_for(lambda: len(c.get_prefix("/millwright/au/shards/")[0]) == 64, 20, what="shards under auth")
         bad = EtcdClient(EtcdConfig(endpoints=[ep], username="mw", password="wrong"))
-        with pytest.raises(Exception):  # noqa: B017 (grpc's auth error type differs across versions)
+        # refused for the password, not a timeout or an unreachable server (EtcdUnavailable)
+        with pytest.raises(EtcdError, match="authentication failed") as info:
             bad.get("/millwright/au/shards/0000")
+        assert not isinstance(info.value, EtcdUnavailable)
     finally:
         a.terminate()
 

@@ -3,6 +3,7 @@ real etcd, real agents, real BCC, nftables blackholes in tables of our own."""
 
 from __future__ import annotations
 
+import collections
 import json
 import shutil
 import socket
@@ -170,18 +171,22 @@ def test_a_flapping_link_causes_at_most_one_hand_off_in_five_minutes(etcd_server
             drops += 1
             time.sleep(2.8)
         time.sleep(2)
-        handoffs = 0
+        decisions = collections.Counter()
         for path in glob.glob(os.path.join(flappy.config["audit"]["dir"], "audit-*.jsonl")):
             for line in open(path):
                 try:
                     r = json.loads(line)
                 except ValueError:
                     continue
-                if r.get("type") == "lease" and r.get("decision") == "hand_off":
-                    handoffs += 1
-        print(f"\n{drops} link drops of 200 ms over {FLAP_S:.0f} s: {handoffs} hand-off(s)")
-        assert drops >= FLAP_S / 3.5
-        assert handoffs <= 1
+                if r.get("type") == "lease" and r.get("event") == "decision":
+                    decisions[r["decision"]] += 1
+        handoffs = decisions["hand_off"]
+        print(f"\n{drops} link drops of 200 ms over {FLAP_S:.0f} s: {handoffs} hand-off(s); decisions {dict(decisions)}")
+        # the flaps were seen (the lease policy reacted), so the count below reads real records
+        assert decisions["pause_runs"] + decisions["renew_fast"] > 0, dict(decisions)
+        assert handoffs <= 1, dict(decisions)
+        # the test really flapped the link (at least half the planned rate on a loaded machine)
+        assert drops >= FLAP_S / 6
         assert flappy.alive()
     finally:
         c.close()

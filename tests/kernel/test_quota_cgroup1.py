@@ -236,11 +236,17 @@ def test_timeout_kills_a_process_tree_whose_child_ignores_sigterm(executor, base
     assert not os.path.exists(h.cgroup["memory"])
 
 
-def test_leader_ignoring_sigterm_is_killed_after_the_grace_period(executor):
+def test_leader_ignoring_sigterm_is_killed_after_the_grace_period(executor, base_dir):
     c = Collector()
-    h = executor.start(RunSpec("stubborn", [PY, "-c", "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\ntime.sleep(60)"],
-                               kill_grace_s=0.3, limits=Limits(0.5, 64, 8)), c)
-    time.sleep(0.4)
+    ready = os.path.join(base_dir, "stubborn.ready")
+    script = ("import signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              "open(sys.argv[1], 'w').close()\ntime.sleep(60)")
+    h = executor.start(RunSpec("stubborn", [PY, "-c", script, ready], kill_grace_s=0.3, limits=Limits(0.5, 64, 8)), c)
+    # SIGTERM only once the handler is installed (a fixed sleep raced Python's start under load)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(ready):
+        assert time.monotonic() < deadline, "the job never installed its SIGTERM handler"
+        time.sleep(0.02)
     h.terminate("killed")
     (r,) = c.wait(["stubborn"])
     assert r.reason == "killed" and r.signal == 9

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import os
 
 import pytest
@@ -223,8 +224,13 @@ def test_paho_under_test_is_the_expected_one():
     want = os.environ.get("MILLWRIGHT_EXPECT_PAHO")
     if want:
         assert PAHO_MAJOR == int(want)
+    from agent.cloud.mqtt import SYNC_ACK_ENV
+
     link = MqttLink(MqttConfig(url="mqtt://127.0.0.1:1"), "x")
-    assert link.deferred_ack  # manual ack available on this paho
+    if os.environ.get(SYNC_ACK_ENV) == "1":  # make test-cloud-sync-ack: the fallback is in use
+        assert PAHO_MAJOR == 1 and not link.deferred_ack
+    else:
+        assert link.deferred_ack  # manual ack available on this paho
 
 
 def test_unauthenticated_input_is_acknowledged_at_once_and_never_held(tmp_path):
@@ -256,3 +262,49 @@ def test_unauthenticated_input_is_acknowledged_at_once_and_never_held(tmp_path):
     d.on_message(valid)
     assert d.pending == 1 and valid not in acked   # held for the owner, as before
     outbox.close()
+
+
+class _SyncLink:
+    """A link whose paho acknowledges when on_message returns (no deferred ack)."""
+
+    deferred_ack = False
+
+    def __init__(self):
+        self.acked = []
+
+    def ack(self, msg):
+        self.acked.append(msg.mid)
+        return True
+
+
+class _SlowIngest:
+    """Ingest stand-in (our own interface): the durable write takes a while."""
+
+    max_bytes, shards = 65536, 8
+
+    def __init__(self):
+        self.durable = []
+
+    def screen(self, kind, payload, responsible):
+        return None  # authentic and bound (the screen itself is tested above)
+
+    def push(self, payload, as_owner):
+        time.sleep(0.2)
+        self.durable.append((json.loads(payload)["id"], as_owner))
+        return type("Outcome", (), {"result": "accepted"})()
+
+
+@pytest.mark.parametrize("owned", [True, False])
+def test_without_deferred_ack_the_push_is_durable_before_on_message_returns(owned):
+    """paho 1.x without _send_puback acks when the callback returns: the dispatcher must
+    finish the durable write inside on_message (owner or not: it cannot hold the message)."""
+    from agent.cloud.ingest import Dispatcher
+    from agent.cloud.mqtt import Message
+    from agent.cloud.topics import Topics
+
+    ingest, link, topics = _SlowIngest(), _SyncLink(), Topics("t")
+    d = Dispatcher(ingest, link, topics, owned=lambda: frozenset(range(8)) if owned else frozenset(), grace_s=1.5)
+    msg = Message(topics.push, json.dumps({"id": "j1"}).encode(), 1, 7, False, 1, time.monotonic())
+    d.on_message(msg)   # no worker threads started: only on_message itself can have stored it
+    assert ingest.durable == [("j1", owned)]
+    assert link.acked == [7] and d.pending == 0

@@ -50,8 +50,8 @@ def test_retransmits_on_etcd_shrink_interval_then_healthy_renewals_restore_it():
     assert a.on_keepalive(True, 0.01, 1.45) is None
     d = a.on_keepalive(True, 0.01, 1.7)
     assert d.decision == RENEW_NORMAL and d.interval_s == 1.0 and a.interval_s == 1.0
-    assert d.to_record() == {"event": RENEW_NORMAL, "reason": "healthy", "evidence": {"healthy_renewals": 3},
-                             "interval_s": 1.0}
+    assert d.to_record() == {"event": "decision", "decision": RENEW_NORMAL, "reason": "healthy",
+                             "evidence": {"healthy_renewals": 3}, "interval_s": 1.0}
 
 
 def test_slow_or_failed_keepalive_goes_fast():
@@ -225,7 +225,7 @@ def test_every_recent_run_stalled_hands_off():
     assert d.decision == HAND_OFF and d.reason == "job_network_stalled" and not h.available
     assert d.evidence["stalled_runs"] == 3 and d.evidence["cooldown_s"] == 300 and d.evidence["handoffs_recent"] == 1
     assert count(HAND_OFF) == n0 + 1
-    assert d.to_record()["event"] == HAND_OFF
+    assert d.to_record()["decision"] == HAND_OFF and d.to_record()["event"] == "decision"
 
 
 def test_stalled_runs_outside_the_window_do_not_hand_off():
@@ -376,4 +376,4 @@ def test_decision_labels_are_bounded():
     for d in DECISIONS:
         assert metrics.sample("millwright_lease_decisions_total", {"decision": d}) is not None
     rec = LeaseDecision(PAUSE_RUNS, "etcd_retransmits", 1.0, {"a": 1}).to_record()
-    assert rec == {"event": PAUSE_RUNS, "reason": "etcd_retransmits", "evidence": {"a": 1}}
+    assert rec == {"event": "decision", "decision": PAUSE_RUNS, "reason": "etcd_retransmits", "evidence": {"a": 1}}

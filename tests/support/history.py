@@ -1,0 +1,426 @@
+"""A strict checker over a complete etcd history and the jobs' side-effect log.
+
+Two halves:
+
+- :func:`read_history` reads every event under a prefix from revision 1 to a sentinel it
+  writes last, in one watch stream. Any error, a compaction, a cancelled watch, a
+  revision out of order or (``contiguous=True``, when the test owns the whole etcd) a
+  missing revision raises :class:`HistoryError`: a partial history is never checked.
+- :func:`check` replays those events with the side effects the jobs recorded and the
+  firings the workload expects, and returns a :class:`Report` whose problems each name
+  the (job, firing). It is pure (events in, report out), so the unit tests feed it bad
+  histories directly.
+
+Run records are read as the contract defines them (README, etcd layout): ``job_id``,
+``fire_id``, ``state``, ``attempt``, ``agent``, ``shard``, ``started_at``, ``ended_at``,
+``reason``; any other field is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Callable, Iterable, Optional
+
+SENTINEL = "test/history-end"
+TERMINAL = {"succeeded", "failed", "misfired", "timed_out", "killed", "cancelled"}
+MISFIRE_REASONS = ("misfire_", "overlap", "expired")
+
+
+class HistoryError(AssertionError):
+    """The history could not be read completely: the check must not run on it."""
+
+
+@dataclass(frozen=True)
+class Event:
+    rev: int
+    key: str
+    kind: str              # put | delete
+    value: bytes = b""
+    create_rev: int = 0
+    version: int = 0
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_history(client, prefix: str, *, contiguous: bool = False, timeout: float = 60.0) -> list[Event]:
+    """Every event under ``prefix`` since revision 1, complete or not at all.
+
+    A sentinel key (``<prefix>test/history-end``... under the prefix) is written first; the
+    watch must deliver everything up to its revision. ``contiguous``: every revision from 2
+    to the sentinel's must carry an event under the prefix (true when the test's etcd
+    holds nothing else), so a lost batch is detected even inside the stream."""
+    import etcd3.etcdrpc as rpc
+    from etcd3 import utils
+
+    sentinel = prefix + SENTINEL
+    end_rev = client.put(sentinel, str(time.time()))
+    c, _ = client.client()
+    key = prefix.encode()
+    req = rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
+        key=key, range_end=utils.increment_last_byte(key), start_revision=1))
+    stop = threading.Event()
+
+    def reqs():
+        yield req
+        stop.wait(timeout + 5)
+
+    stream = rpc.WatchStub(c.channel).Watch(reqs(), **client._md(c))
+    q: queue.Queue = queue.Queue()
+
+    def pump():
+        try:
+            for resp in stream:
+                q.put(("resp", resp))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which fails
+            q.put(("error", exc))
+        q.put(("end", None))
+
+    threading.Thread(target=pump, daemon=True, name="history-reader").start()
+    out: list[Event] = []
+    deadline = time.monotonic() + timeout
+    last = 0
+    try:
+        while not out or out[-1].rev < end_rev:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise HistoryError(f"history incomplete after {timeout}s: last revision {last}, want {end_rev}")
+            try:
+                kind, resp = q.get(timeout=left)
+            except queue.Empty:
+                continue
+            if kind == "error":
+                raise HistoryError(f"history watch failed after revision {last}: {resp!r}")
+            if kind == "end":
+                raise HistoryError(f"history watch ended after revision {last}, want {end_rev}")
+            if resp.compact_revision:
+                raise HistoryError(f"history compacted at revision {resp.compact_revision}")
+            if resp.canceled:
+                raise HistoryError(f"history watch cancelled: {resp.cancel_reason!r}")
+            for ev in resp.events:
+                kv = ev.kv
+                rev = kv.mod_revision
+                if rev < last:
+                    raise HistoryError(f"revision {rev} after {last}: out of order")
+                if contiguous and rev not in (last, last + 1) and not (last == 0 and rev == 2):
+                    raise HistoryError(f"gap in the history: revision {last} then {rev}")
+                last = rev
+                out.append(Event(rev, kv.key.decode(), "delete" if ev.type == 1 else "put", kv.value,
+                                 kv.create_revision, kv.version))
+    finally:
+        stop.set()
+        stream.cancel()
+    return [e for e in out if e.key != sentinel]
+
+
+# --------------------------------------------------------------------------- the workload
+
+
+@dataclass
+class Firing:
+    """One firing the workload expects: ``due`` (epoch seconds), its job's policy."""
+
+    job: str
+    fire_id: str
+    due: float
+    kind: str = "at"              # at | cron
+    max_attempts: int = 1
+    may_skip: bool = False        # cron run_once/skip: may be skipped (no record) by the misfire policy
+
+
+@dataclass
+class SideEffect:
+    """One line a job wrote: which attempt ran where and when (epoch seconds)."""
+
+    job: str
+    fire_id: str
+    attempt: int
+    agent: str
+    start: float
+    end: Optional[float] = None   # None: killed before it could write its end line
+
+
+@dataclass
+class Budget:
+    """How many firings may end ``failed/owner_lost`` and how many may be ``misfired``
+    (records plus cron firings skipped without a record), stated by the test."""
+
+    owner_lost: int
+    misfired: int
+
+
+@dataclass
+class Report:
+    problems: list[str] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+
+    def fail(self, msg: str) -> None:
+        self.problems.append(msg)
+
+
+def name(job: str, fire_id: str) -> str:
+    return f"({job}, {fire_id})"
+
+
+def _ts(text: Optional[str]) -> Optional[float]:
+    if not text:
+        return None
+    from agent.jobs.schedule import parse_rfc3339
+
+    try:
+        return parse_rfc3339(text).timestamp()
+    except Exception:  # noqa: BLE001 - an unreadable time is reported by the caller
+        return None
+
+
+def _due_of(fire_id: str) -> Optional[float]:
+    from agent.jobs.schedule import parse_fire_id
+
+    try:
+        return parse_fire_id(fire_id).timestamp()
+    except ValueError:
+        return None
+
+
+def percentile(xs: list[float], p: float) -> Optional[float]:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(p / 100 * len(s)) - 1))]
+
+
+# --------------------------------------------------------------------------- checking
+
+
+def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Firing]] = None,
+          effects: Iterable[SideEffect] = (), budget: Optional[Budget] = None,
+          lateness_bound_s: Optional[float] = None, effective_due: Callable[[float], float] = lambda d: d,
+          affected: Optional[Callable[[float], bool]] = None, max_run_s: float = 0.0,
+          complete: bool = True) -> Report:
+    """Replay the history and judge it.
+
+    - a shard key changes owner only through a delete;
+    - every write under ``runs/`` is fenced: at its revision the shard key exists and is
+      held by the record's ``agent``; every probe write carries the holder's token;
+    - per (job, firing, attempt) exactly one agent created its ``running`` record, once;
+    - every side effect has that record, from the same agent; attempts never repeat and
+      runs of one firing never overlap (an attempt without an end line ended when its
+      record says it did, else lasts ``max_run_s``);
+    - with ``firings``: every one is resolved (terminal state; ``failed`` with a reason,
+      ``misfired`` with a policy reason; a cron firing may be skipped by its misfire policy
+      only when ``affected(due)``: a fault, or the recovery after one, was going on;
+      default: ``effective_due(due) > due``), nothing else ran,
+      within ``lateness_bound_s`` of ``effective_due(due)``; ``owner_lost`` and
+      ``misfired`` within ``budget``.
+    """
+    rep = Report()
+    shards_p, runs_p, probe_p = prefix + "shards/", prefix + "runs/", prefix + "test/probe/"
+    holder: dict[str, tuple[str, int]] = {}
+    running_by: dict[tuple[str, str, int], list[tuple[str, int]]] = {}
+    ended_by_record: dict[tuple[str, str, int], Optional[float]] = {}
+    history: dict[tuple[str, str], list[tuple[int, dict]]] = {}
+    counts = {"events": 0, "claims": 0, "releases": 0, "fenced_writes": 0, "run_writes": 0}
+    for ev in events:
+        counts["events"] += 1
+        k = ev.key
+        if k.startswith(shards_p):
+            if ev.kind == "delete":
+                holder.pop(k, None)
+                counts["releases"] += 1
+                continue
+            owner = ev.value.decode(errors="replace")
+            if k in holder and holder[k][0] != owner:
+                rep.fail(f"rev {ev.rev}: {k} changed owner {holder[k][0]} -> {owner} without a delete")
+            if ev.version == 1:
+                counts["claims"] += 1
+            holder[k] = (owner, ev.create_rev)
+        elif k.startswith(probe_p) and ev.kind == "put":
+            counts["fenced_writes"] += 1
+            try:
+                doc = json.loads(ev.value)
+                who = (doc["agent"], doc["token"])
+            except (ValueError, KeyError, TypeError):
+                rep.fail(f"rev {ev.rev}: unreadable probe write {k}")
+                continue
+            sk = shards_p + k[len(probe_p):]
+            if holder.get(sk) != who:
+                rep.fail(f"rev {ev.rev}: write by {who[0]} with token {who[1]} for {sk} held by {holder.get(sk)}")
+        elif k.startswith(runs_p):
+            parts = k[len(runs_p):].split("/")
+            if len(parts) != 3:
+                rep.fail(f"rev {ev.rev}: run key {k} is not runs/<shard>/<job>/<fire>")
+                continue
+            shard, job, fid = parts
+            if ev.kind == "delete":
+                continue  # retention; not a fenced write we can attribute
+            counts["run_writes"] += 1
+            counts["fenced_writes"] += 1
+            try:
+                rec = json.loads(ev.value)
+                agent, state, attempt = rec["agent"], rec["state"], int(rec["attempt"])
+            except (ValueError, KeyError, TypeError):
+                rep.fail(f"rev {ev.rev}: {name(job, fid)} unreadable run record")
+                continue
+            if rec.get("job_id", job) != job or rec.get("fire_id", fid) != fid:
+                rep.fail(f"rev {ev.rev}: {name(job, fid)} record names {rec.get('job_id')}/{rec.get('fire_id')}")
+            h = holder.get(shards_p + shard)
+            if h is None or h[0] != agent:
+                rep.fail(f"rev {ev.rev}: {name(job, fid)} attempt {attempt} written as {state!r} by {agent} "
+                         f"while shard {shard} was held by {h[0] if h else 'nobody'}: an unfenced write")
+            if state == "running":
+                running_by.setdefault((job, fid, attempt), []).append((agent, ev.rev))
+                if attempt == 1 and ev.version != 1:
+                    rep.fail(f"rev {ev.rev}: {name(job, fid)} attempt 1 running record overwrote an existing record")
+            elif rec.get("ended_at") and (job, fid, attempt) not in ended_by_record:
+                ended_by_record[(job, fid, attempt)] = _ts(rec["ended_at"])
+            history.setdefault((job, fid), []).append((ev.rev, rec))
+    rep.stats.update(counts)
+
+    for (job, fid, attempt), who in sorted(running_by.items()):
+        if len(who) > 1:
+            rep.fail(f"{name(job, fid)} attempt {attempt}: running record created {len(who)} times, by "
+                     + ", ".join(f"{a} at rev {r}" for a, r in who))
+
+    # --- side effects
+    effects = list(effects)
+    per_firing: dict[tuple[str, str], list[SideEffect]] = {}
+    for se in effects:
+        per_firing.setdefault((se.job, se.fire_id), []).append(se)
+        who = running_by.get((se.job, se.fire_id, se.attempt))
+        if not who:
+            rep.fail(f"{name(se.job, se.fire_id)} attempt {se.attempt}: side effect by {se.agent} at {se.start:.3f} "
+                     f"without a fenced running record")
+        elif who[0][0] != se.agent:
+            rep.fail(f"{name(se.job, se.fire_id)} attempt {se.attempt}: side effect by {se.agent} but the running "
+                     f"record was created by {who[0][0]}")
+        due = _due_of(se.fire_id)
+        if due is not None and se.start < due - 0.05:
+            rep.fail(f"{name(se.job, se.fire_id)} attempt {se.attempt}: ran at {se.start:.3f}, before its due time {due:.3f}")
+    for (job, fid), ses in per_firing.items():
+        seen: dict[int, int] = {}
+        for se in ses:
+            seen[se.attempt] = seen.get(se.attempt, 0) + 1
+        for attempt, n in seen.items():
+            if n > 1:
+                rep.fail(f"{name(job, fid)} attempt {attempt} ran {n} times")
+        ses = sorted(ses, key=lambda s: s.start)
+        for a, b in zip(ses, ses[1:]):
+            # no end line (killed): the end its agent recorded after reaping it, else the longest run
+            end = a.end if a.end is not None else (ended_by_record.get((job, fid, a.attempt)) or a.start + max_run_s)
+            if b.start < end:
+                rep.fail(f"{name(job, fid)}: attempt {b.attempt} started at {b.start:.3f} while attempt {a.attempt} "
+                         f"(started {a.start:.3f}) could still run until {end:.3f}: overlapping runs")
+    rep.stats["side_effects"] = len(effects)
+
+    if firings is None:
+        return rep
+
+    # --- resolution, lateness, budget
+    firings = {(f.job, f.fire_id): f for f in firings}
+    if affected is None:
+        affected = lambda d: effective_due(d) > d  # noqa: E731
+    late: list[float] = []
+    owner_lost = misfired = skipped = 0
+    failed_reasons: dict[str, int] = {}
+    states: dict[str, int] = {}
+    for (job, fid), recs in history.items():
+        if (job, fid) not in firings:
+            rep.fail(f"{name(job, fid)}: a record for a firing the workload never scheduled "
+                     f"(states {[r['state'] for _, r in recs]})")
+    for (job, fid), f in sorted(firings.items()):
+        recs = history.get((job, fid))
+        if not recs:
+            if f.may_skip and affected(f.due):
+                skipped += 1
+                continue
+            if complete:
+                rep.fail(f"{name(job, fid)}: due at {f.due:.3f}, never resolved (no run record)"
+                         + (" outside any fault" if f.may_skip else ""))
+            continue
+        last = recs[-1][1]
+        state, reason = last.get("state"), last.get("reason")
+        states[state] = states.get(state, 0) + 1
+        if state not in TERMINAL:
+            if complete:
+                rep.fail(f"{name(job, fid)}: left {state!r} (attempt {last.get('attempt')}, agent {last.get('agent')})")
+            continue
+        if state == "failed" and not reason:
+            rep.fail(f"{name(job, fid)}: failed without a reason")
+        if state == "misfired":
+            misfired += 1
+            if not (reason or "").startswith(MISFIRE_REASONS):
+                rep.fail(f"{name(job, fid)}: misfired with reason {reason!r}, not a misfire policy")
+            if f.kind == "at" and (reason or "") != "expired":
+                rep.fail(f"{name(job, fid)}: a one-shot firing misfired ({reason!r}); its policy runs it once")
+        if state == "failed" and reason == "owner_lost":
+            owner_lost += 1
+        if state == "failed":
+            key = (reason or "").split(":")[0]
+            failed_reasons[key] = failed_reasons.get(key, 0) + 1
+        if int(last.get("attempt") or 1) > f.max_attempts:
+            rep.fail(f"{name(job, fid)}: attempt {last.get('attempt')} beyond max_attempts {f.max_attempts}")
+        # when it was resolved: its first real start, else its end
+        t = None
+        for _, r in recs:
+            if r.get("state") != "running" and r.get("started_at"):
+                t = _ts(r["started_at"])
+                break
+        if t is None:
+            t = min((_ts(r.get("ended_at")) for _, r in recs if r.get("ended_at")), default=None)
+        if t is None:
+            rep.fail(f"{name(job, fid)}: {state} without started_at or ended_at")
+            continue
+        lateness = t - effective_due(f.due)
+        late.append(max(0.0, t - f.due))
+        if lateness_bound_s is not None and lateness > lateness_bound_s:
+            rep.fail(f"{name(job, fid)}: resolved {t - f.due:.2f} s after its due time, {lateness:.2f} s after the "
+                     f"faults healed; the bound is {lateness_bound_s:.1f} s")
+    rep.stats.update({"firings": len(firings), "resolved": sum(states.values()), "states": states,
+                      "failed_reasons": failed_reasons,
+                      "owner_lost": owner_lost, "misfired": misfired + skipped, "skipped_by_policy": skipped,
+                      "lateness_p50_s": percentile(late, 50), "lateness_p99_s": percentile(late, 99),
+                      "lateness_max_s": max(late) if late else None})
+    if budget is not None:
+        rep.stats["budget"] = {"owner_lost": budget.owner_lost, "misfired": budget.misfired}
+        if owner_lost > budget.owner_lost:
+            rep.fail(f"owner_lost {owner_lost} over its budget {budget.owner_lost}")
+        if misfired + skipped > budget.misfired:
+            rep.fail(f"misfired {misfired + skipped} ({skipped} skipped by policy) over its budget {budget.misfired}")
+    return rep
+
+
+def assert_clean(rep: Report, limit: int = 15) -> None:
+    if rep.problems:
+        raise AssertionError(f"{len(rep.problems)} history problem(s):\n  " + "\n  ".join(rep.problems[:limit])
+                             + f"\nstats: {rep.stats}")
+
+
+def parse_effects(path: str) -> list[SideEffect]:
+    """The side-effect log written by tests/jobs/effect.sh: ``start``/``end`` lines."""
+    out: dict[tuple, SideEffect] = {}
+    try:
+        fh = open(path)
+    except FileNotFoundError:
+        return []
+    with fh:
+        for line in fh:
+            p = line.split()
+            if len(p) != 7:
+                continue
+            what, job, fid, attempt, agent, pid, t = p
+            k = (job, fid, attempt, agent, pid)
+            if what == "start":
+                out[k] = SideEffect(job, fid, int(attempt), agent, float(t))
+            elif what == "end" and k in out:
+                out[k].end = float(t)
+    return list(out.values())
+
+
+def utc(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, timezone.utc)

@@ -1,0 +1,223 @@
+"""The history checker (tests/support/history.py) fails on bad histories: each test
+builds a small history that breaks one rule and expects the problem to name the firing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.support.history import Budget, Event, Firing, SideEffect, assert_clean, check
+
+P = "/millwright/t/"
+F1 = "20261203T120000.000Z"
+DUE = 1796299200.0  # 2026-12-03T12:00:00Z
+
+
+class H:
+    """A history builder: revisions count up like etcd's."""
+
+    def __init__(self):
+        self.events: list[Event] = []
+        self.rev = 1
+        self.create: dict[str, int] = {}
+        self.version: dict[str, int] = {}
+
+    def put(self, key: str, value) -> int:
+        self.rev += 1
+        key = P + key
+        if key not in self.create:
+            self.create[key] = self.rev
+            self.version[key] = 0
+        self.version[key] += 1
+        v = value if isinstance(value, bytes) else (value.encode() if isinstance(value, str) else json.dumps(value).encode())
+        self.events.append(Event(self.rev, key, "put", v, self.create[key], self.version[key]))
+        return self.rev
+
+    def delete(self, key: str) -> None:
+        self.rev += 1
+        key = P + key
+        self.create.pop(key, None)
+        self.version.pop(key, None)
+        self.events.append(Event(self.rev, key, "delete"))
+
+    def shard(self, n: int, agent: str):
+        return self.put(f"shards/{n:04d}", agent)
+
+    def run(self, agent: str, state: str, attempt: int = 1, job: str = "j", fid: str = F1, shard: int = 1, **kw):
+        rec = {"v": 1, "job_id": job, "fire_id": fid, "state": state, "attempt": attempt, "agent": agent,
+               "shard": shard, "started_at": None, "ended_at": None, "reason": None, "new_field": {"x": 1}}
+        rec.update(kw)
+        return self.put(f"runs/{shard:04d}/{job}/{fid}", rec)
+
+
+def good() -> H:
+    h = H()
+    h.shard(1, "a0")
+    h.run("a0", "running", started_at="2026-12-03T12:00:00.000Z")
+    h.run("a0", "succeeded", started_at="2026-12-03T12:00:00.010Z", ended_at="2026-12-03T12:00:00.300Z")
+    return h
+
+
+def fx(agent="a0", attempt=1, start=DUE + 0.02, end=DUE + 0.25, fid=F1) -> SideEffect:
+    return SideEffect("j", fid, attempt, agent, start, end)
+
+
+def run_check(h: H, effects=(), firings=None, **kw):
+    return check(h.events, P, effects=effects, firings=firings if firings is not None else [Firing("j", F1, DUE)], **kw)
+
+
+def problems(rep) -> str:
+    return "\n".join(rep.problems)
+
+
+def test_a_good_history_passes_and_counts():
+    rep = run_check(good(), [fx()], budget=Budget(0, 0), lateness_bound_s=1.0)
+    assert rep.problems == []
+    assert rep.stats["firings"] == 1 and rep.stats["side_effects"] == 1 and rep.stats["states"] == {"succeeded": 1}
+    assert rep.stats["lateness_p99_s"] == pytest.approx(0.01, abs=1e-3)
+    assert_clean(rep)
+
+
+def test_two_agents_creating_the_same_attempt_fail():
+    h = good()
+    h.delete("shards/0001")
+    h.shard(1, "a1")
+    h.run("a1", "running", started_at="2026-12-03T12:00:01.000Z")
+    rep = run_check(h, [fx()])
+    assert f"(j, {F1}) attempt 1: running record created 2 times" in problems(rep)
+
+
+def test_an_unfenced_write_fails():
+    h = H()
+    h.shard(1, "a0")
+    h.run("a1", "running")   # a1 does not hold shard 1
+    rep = run_check(h, complete=False)
+    assert f"(j, {F1}) attempt 1 written as 'running' by a1 while shard 0001 was held by a0" in problems(rep)
+
+
+def test_a_write_after_the_shard_key_expired_fails():
+    h = H()
+    h.shard(1, "a0")
+    h.delete("shards/0001")
+    h.run("a0", "succeeded", ended_at="2026-12-03T12:00:00.300Z")
+    rep = run_check(h)
+    assert "held by nobody" in problems(rep) and f"(j, {F1})" in problems(rep)
+
+
+def test_owner_change_without_delete_fails():
+    h = H()
+    h.shard(1, "a0")
+    h.shard(1, "a1")
+    rep = check(h.events, P)
+    assert "changed owner a0 -> a1 without a delete" in problems(rep)
+
+
+def test_a_side_effect_without_its_running_record_fails():
+    h = H()
+    h.shard(1, "a0")
+    h.run("a0", "succeeded", started_at="2026-12-03T12:00:00.010Z", ended_at="2026-12-03T12:00:00.300Z")
+    rep = run_check(h, [fx()])
+    assert f"(j, {F1}) attempt 1: side effect by a0" in problems(rep)
+    assert "without a fenced running record" in problems(rep)
+
+
+def test_a_side_effect_by_another_agent_than_the_claimer_fails():
+    rep = run_check(good(), [fx(agent="a2")])
+    assert "side effect by a2 but the running record was created by a0" in problems(rep)
+
+
+def test_an_attempt_that_ran_twice_fails():
+    rep = run_check(good(), [fx(), fx(start=DUE + 0.5, end=DUE + 0.6)])
+    assert f"(j, {F1}) attempt 1 ran 2 times" in problems(rep)
+
+
+def test_overlapping_attempts_fail_and_a_missing_end_line_counts_max_run():
+    h = H()
+    h.shard(1, "a0")
+    h.run("a0", "running")
+    h.run("a0", "running", attempt=2)   # attempt 1's end was never recorded (its agent died)
+    effects = [fx(end=None), fx(attempt=2, start=DUE + 0.5, end=DUE + 0.7)]
+    rep = run_check(h, effects, max_run_s=1.0)
+    assert f"(j, {F1}): attempt 2 started" in problems(rep) and "overlapping runs" in problems(rep)
+    assert not run_check(h, [fx(), fx(attempt=2, start=DUE + 0.5, end=DUE + 0.7)], max_run_s=1.0, complete=False).problems
+    # killed without an end line, but its agent recorded the end after reaping it: no overlap
+    h = good()
+    h.run("a0", "retrying", ended_at="2026-12-03T12:00:00.300Z")
+    h.run("a0", "running", attempt=2)
+    assert not run_check(h, [fx(end=None), fx(attempt=2, start=DUE + 0.5, end=DUE + 0.7)], max_run_s=1.0,
+                         complete=False).problems
+
+
+def test_running_before_the_due_time_fails():
+    rep = run_check(good(), [fx(start=DUE - 1.0)])
+    assert "before its due time" in problems(rep)
+
+
+def test_an_unresolved_firing_fails():
+    h = H()
+    h.shard(1, "a0")
+    h.run("a0", "running")
+    rep = run_check(h)
+    assert f"(j, {F1}): left 'running'" in problems(rep)
+    rep = run_check(H())
+    assert f"(j, {F1}): due at" in problems(rep) and "never resolved" in problems(rep)
+
+
+def test_a_cron_firing_may_be_skipped_only_during_a_fault():
+    f = Firing("j", F1, DUE, kind="cron", may_skip=True)
+    rep = check(H().events, P, firings=[f])
+    assert "never resolved (no run record) outside any fault" in problems(rep)
+    rep = check(H().events, P, firings=[f], effective_due=lambda d: d + 3, budget=Budget(0, 1))
+    assert rep.problems == [] and rep.stats["skipped_by_policy"] == 1
+    rep = check(H().events, P, firings=[f], effective_due=lambda d: d + 3, budget=Budget(0, 0))
+    assert "misfired 1 (1 skipped by policy) over its budget 0" in problems(rep)
+
+
+def test_failed_without_reason_and_bad_misfire_reasons_fail():
+    h = H()
+    h.shard(1, "a0")
+    h.run("a0", "failed", ended_at="2026-12-03T12:00:00.300Z")
+    assert f"(j, {F1}): failed without a reason" in problems(run_check(h))
+    h = H()
+    h.shard(1, "a0")
+    h.run("a0", "misfired", reason="because", ended_at="2026-12-03T12:00:00.300Z")
+    p = problems(run_check(h))
+    assert "misfired with reason 'because'" in p and "a one-shot firing misfired" in p
+
+
+def test_lateness_over_the_bound_fails():
+    h = H()
+    h.shard(1, "a0")
+    h.run("a0", "running")
+    h.run("a0", "succeeded", started_at="2026-12-03T12:00:09.000Z", ended_at="2026-12-03T12:00:09.300Z")
+    rep = run_check(h, lateness_bound_s=5.0)
+    assert f"(j, {F1}): resolved 9.00 s after its due time" in problems(rep)
+    # a fault that healed at due+6 s excuses 6 of those seconds
+    assert not run_check(h, lateness_bound_s=5.0, effective_due=lambda d: d + 6).problems
+
+
+def test_owner_lost_over_budget_fails():
+    h = H()
+    h.shard(1, "a0")
+    h.run("a0", "running")
+    h.delete("shards/0001")
+    h.shard(1, "a1")
+    h.run("a1", "failed", reason="owner_lost", ended_at="2026-12-03T12:00:05.000Z")
+    assert not run_check(h, budget=Budget(1, 0)).problems
+    assert "owner_lost 1 over its budget 0" in problems(run_check(h, budget=Budget(0, 0)))
+
+
+def test_a_record_for_an_unscheduled_firing_fails():
+    h = good()
+    h.run("a0", "succeeded", fid="20261203T120001.000Z", ended_at="2026-12-03T12:00:01.300Z")
+    assert "(j, 20261203T120001.000Z): a record for a firing the workload never scheduled" in problems(run_check(h))
+
+
+def test_probe_writes_with_a_stale_token_fail():
+    h = H()
+    rev = h.shard(1, "a0")
+    h.put("test/probe/0001", {"agent": "a0", "token": rev})
+    assert not check(h.events, P).problems
+    h.put("test/probe/0001", {"agent": "a0", "token": rev - 1})
+    assert "with token" in problems(check(h.events, P))
