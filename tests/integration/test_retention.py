@@ -36,7 +36,7 @@ def make_env(etcd, tmp_path, retention: dict, **kw):
                 extra={"templates": templates(out), "retention": retention,
                        "execute": {"max_concurrent": 64, "memory_mb": 16384, "cpu": 64.0, "kill_grace_s": 1.0}},
                 **kw)
-    return c, JobStore(c.client, c.keys, c.shards, "test"), out
+    return c, c.signing(JobStore(c.client, c.keys, c.shards, "test")), out
 
 
 def runs_of(c: Cluster, job_id: str) -> dict[str, dict]:
@@ -214,7 +214,7 @@ def test_three_member_etcd_leader_kill_and_restart_during_1000_firings(etcd_clus
     c, store, out = make_env(_Endpoint(etcd_cluster.endpoints[0]), tmp_path, {})
     c.cfg["etcd"]["endpoints"] = list(etcd_cluster.endpoints)
     c.client = EtcdClient(EtcdConfig(endpoints=list(etcd_cluster.endpoints), request_timeout_s=2.0))
-    store = JobStore(c.client, c.keys, c.shards, "test")
+    store = c.signing(JobStore(c.client, c.keys, c.shards, "test"))
     try:
         # agent ids of our own: the executor's cgroup root is named after the agent id, and
         # other suites on this host run agents called a0, a1, a2

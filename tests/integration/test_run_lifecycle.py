@@ -46,7 +46,7 @@ def make_cluster(etcd, tmp_path, **kw) -> tuple[Cluster, JobStore, str]:
                 extra={"templates": tpl, "mqtt": {"url": "mqtt://127.0.0.1:9"},
                        "execute": {"max_concurrent": 64, "memory_mb": 16384, "cpu": 64.0, "kill_grace_s": 1.0,
                                    "claim_lead_s": 0.25}, **kw})
-    return c, JobStore(c.client, c.keys, c.shards, "test"), str(out)
+    return c, c.signing(JobStore(c.client, c.keys, c.shards, "test")), str(out)
 
 
 def records(c: Cluster) -> dict:

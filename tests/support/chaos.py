@@ -262,7 +262,7 @@ class ChaosRun:
         from agent.jobs.signing import sign
         from agent.cloud.topics import Topics
 
-        doc = dict(doc)
+        doc = dict(doc, cluster=CLUSTER, kind="job")  # bound to this cluster (signed with it)
         doc.setdefault("issued_at", format_rfc3339(now().replace(microsecond=0)))
         body = json.dumps(sign(doc, self.ring, "cloud-1"), separators=(",", ":")).encode()
         self.pusher.publish(Topics(CLUSTER).push, body, qos=1)
