@@ -61,6 +61,11 @@ deb: setup
 test-packaging: setup
 	$(PY) -m pytest -p no:cacheprovider tests/packaging $(PYTEST_ARGS)
 
+# the installed .deb under a real systemd (systemd-nspawn --boot; needs systemd-container)
+.PHONY: test-systemd
+test-systemd: setup
+	$(PY) packaging/test-systemd.py
+
 # --- cloud channel (agent/cloud, docs/cloud.md) ---
 # The .deb uses Debian's paho-mqtt 1.6; the cloud tests run a second time against paho-mqtt
 # 2.x from PyPI, installed into a project-local directory (never into the system).
