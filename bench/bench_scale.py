@@ -40,7 +40,7 @@ from agent.jobs.schedule import fire_id, format_rfc3339  # noqa: E402
 from agent.runtime.admin import query  # noqa: E402
 from tests.integration.cluster import Cluster, wait_for  # noqa: E402
 
-TEMPLATES = {"noop": {"argv": ["/bin/true"], "user": "root"}}
+TEMPLATES = {"noop": {"argv": ["/bin/true"], "user": "root", "allow_root": True}}
 # accepted a minute ago: a daily job then has no missed firing to record at install
 ACCEPTED_AT = format_rfc3339(datetime.now(timezone.utc) - timedelta(minutes=1))
 
@@ -333,7 +333,7 @@ def memory(jobs: int) -> None:
     from agent.jobs.scheduler import Scheduler
     from agent.runtime.loop import EventLoop
 
-    cfg = parse_config("shards: 64\ntemplates: {noop: {argv: [/bin/true], user: root}}\n")
+    cfg = parse_config("shards: 64\ntemplates: {noop: {argv: [/bin/true], user: root, allow_root: true}}\n")
     agent = SimpleNamespace(cfg=cfg, loop=EventLoop(), keys=Keys("bench"), client=None, shard_listeners=[],
                             busy_checks=[], status_providers={}, publish_status=lambda doc: None,
                             record=lambda *a, **k: None, fence_for=lambda shard: None)

@@ -28,9 +28,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SHARDS = 8
 T = Topics("t")
 TICK = {"argv": ["/bin/sh", "-c", "for i in 1 2 3 4 5 6 7 8; do echo tick $i; sleep 0.5; done; "
-                 "echo why-it-failed >&2; exit 3"], "params": {}, "user": "root",
+                 "echo why-it-failed >&2; exit 3"], "params": {}, "user": "root", "allow_root": True,
         "allow_exec": ["/bin/sh", "/bin/dash", "/usr/bin/dash", "/bin/sleep", "/usr/bin/sleep"]}
-FAIL = {"argv": ["/bin/sh", "-c", "echo out; echo boom-on-stderr >&2; exit 3"], "params": {}, "user": "root",
+FAIL = {"argv": ["/bin/sh", "-c", "echo out; echo boom-on-stderr >&2; exit 3"], "params": {}, "user": "root", "allow_root": True,
         "allow_exec": ["/bin/sh", "/bin/dash", "/usr/bin/dash"]}
 
 

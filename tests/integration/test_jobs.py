@@ -211,7 +211,7 @@ def test_exactly_once_2000_jobs_with_agent_kills_and_an_etcd_restart(env, etcd_s
         if r["state"] == "succeeded":
             assert fx.get(k) == 1, (k, r)
         if r["state"] == "failed":
-            assert r["reason"] == "owner_lost", (k, r)
+            assert r["reason"] == "owner_lost", json.dumps(r)
             lost.append(k)
     # firings of the cron jobs never repeat a fire id and follow the 5 s grid
     for (j, f) in recs:

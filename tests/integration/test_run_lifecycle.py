@@ -36,11 +36,11 @@ def make_cluster(etcd, tmp_path, **kw) -> tuple[Cluster, JobStore, str]:
     (out / "effects").mkdir(parents=True)
     os.chmod(out, 0o777)
     tpl = {"rec": {"argv": [RECORD, str(out / "effects.txt"), "{sleep}", "0"], "params": {"sleep": r"^[0-9.]+$"},
-                   "user": "root", "allow_exec": ALLOW},
-           "dedupe": {"argv": [DEDUPE, str(out), "{sleep}"], "params": {"sleep": r"^[0-9.]+$"}, "user": "root",
+                   "user": "root", "allow_root": True, "allow_exec": ALLOW},
+           "dedupe": {"argv": [DEDUPE, str(out), "{sleep}"], "params": {"sleep": r"^[0-9.]+$"}, "user": "root", "allow_root": True,
                       "allow_exec": ALLOW},
            "hb": {"argv": [HEARTBEAT, str(out / "hb.log"), "{secs}"], "params": {"secs": r"^[0-9]+$"},
-                  "user": "root", "allow_exec": ALLOW}}
+                  "user": "root", "allow_root": True, "allow_exec": ALLOW}}
     # mqtt on a closed port: status documents stay in each agent's outbox, where we read them
     c = Cluster(etcd, str(tmp_path / "agents"), ttl=4, renew_deadline=2.5, retry_period=0.5,
                 extra={"templates": tpl, "mqtt": {"url": "mqtt://127.0.0.1:9"},

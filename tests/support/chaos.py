@@ -209,7 +209,7 @@ class ChaosRun:
                 "bpf": {"enabled": False},
                 "execute": {"max_concurrent": 16, "memory_mb": 16384, "cpu": 64.0, "kill_grace_s": KILL_GRACE_S},
                 "templates": {"fx": {"argv": [EFFECT, self.out, agent, "{sleep}", "{fail_until}"],
-                                     "params": {"sleep": r"^[0-9.]+$", "fail_until": r"^[0-9]$"}, "user": "root",
+                                     "params": {"sleep": r"^[0-9.]+$", "fail_until": r"^[0-9]$"}, "user": "root", "allow_root": True,
                                      "allow_exec": ["/bin/*", "/usr/bin/*", EFFECT]}}}
 
     def _owners(self) -> dict[str, str]:
