@@ -350,7 +350,7 @@ def _health_summary(demo: Demo, res: dict, row, cont, problems: list) -> None:
             fences[k] = fences.get(k, 0) + v
     lease_events = collections.Counter(f"{e.get('event')}" for recs_ in audit.values() for e in recs_
                                        if e.get("type") == "lease")
-    row("lease", "survivors' demo-fences: " + (", ".join(f"{k} {v:g}" for k, v in fences.items()) or "0") +
+    row("lease", "survivors' self-fences: " + (", ".join(f"{k} {v:g}" for k, v in fences.items()) or "0") +
         "; audit lease records: " + ", ".join(f"{k} {n}" for k, n in sorted(lease_events.items())) +
         " (this scenario stalls a job's network, not an agent's etcd path)")
     hm: dict[str, float] = {}
