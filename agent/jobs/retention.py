@@ -231,7 +231,7 @@ class Retention:
         self._cursor = 0
         self._disk_at = 0.0
         self.last: dict = {}
-        self.totals = {"runs": 0, "jobs_finished": 0, "tombstones": 0, "latest": 0, "run_dirs": 0}
+        self.totals = {"runs": 0, "jobs_finished": 0, "tombstones": 0, "latest": 0, "answers": 0, "run_dirs": 0}
         agent.status_providers["retention"] = self.status
 
     def start(self) -> None:
@@ -332,9 +332,18 @@ class Retention:
                 latest[kv.key[len(latest_prefix):]] = (kv.key, kv.mod_revision)
         plan = plan_shard(jobs, runs, latest, self.clock(), self.cfg.keep_runs, self.cfg.finished_job_s,
                           self.cfg.tombstone_s)
-        result = {"runs": 0, "jobs_finished": 0, "tombstones": 0, "latest": 0, "conflicts": 0,
+        # answers still owed for a job that is gone or a tombstone (it finished finished_job_s
+        # ago, as long as the cloud channel keeps them at all): they go with its records
+        answers_prefix = self.keys.answers_prefix(shard)
+        answers: list[tuple[str, int]] = []
+        for kvs, _ in self.client.range_pages(answers_prefix, revision=rev, keys_only=True):
+            for kv in kvs:
+                job_id = kv.key[len(answers_prefix):].partition("/")[0]
+                if job_id not in jobs or jobs[job_id][0].get("_tombstone"):
+                    answers.append((kv.key, kv.mod_revision))
+        result = {"runs": 0, "jobs_finished": 0, "tombstones": 0, "latest": 0, "answers": 0, "conflicts": 0,
                   "read_revision": rev}
-        if plan.empty():
+        if plan.empty() and not answers:
             return result
         for key, mrev, tomb, latest_key, reason in plan.finish:
             if not self._throttle.take(1):
@@ -348,7 +357,8 @@ class Retention:
                 DELETED.labels("job_finished").inc()
             else:
                 result["conflicts"] += 1
-        for kind, items in (("tombstones", plan.tombstones), ("runs", plan.runs), ("latest", plan.latest)):
+        for kind, items in (("tombstones", plan.tombstones), ("runs", plan.runs), ("latest", plan.latest),
+                            ("answers", answers)):
             for i in range(0, len(items), BATCH_OPS):
                 batch = items[i:i + BATCH_OPS]
                 if not self._throttle.take(len(batch)):
