@@ -44,7 +44,7 @@ from datetime import datetime, timezone
 from typing import Callable, Optional
 
 from agent.coordination.etcd import Delete, EtcdError, EtcdUnavailable, Put, Version
-from agent.coordination.fencing import StaleToken, fenced_txn
+from agent.coordination.fencing import Fence, StaleToken, fenced_txn
 from agent.coordination.keys import Keys
 from agent.jobs.view import read_prefix
 from agent.runtime.metrics import counter
@@ -80,7 +80,7 @@ def marker_value(doc: dict) -> str:
 def _age_s(doc: dict, now: float) -> float:
     ts = doc.get("ts")
     try:
-        t = datetime.strptime(ts, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
+        t = datetime.strptime(str(ts), "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=timezone.utc).timestamp()
     except (TypeError, ValueError):
         try:
             from agent.jobs.schedule import parse_rfc3339
@@ -113,7 +113,7 @@ class Answers:
 
     def __init__(self, client, keys: Keys, agent_id: str, *, enqueue: Callable[[str, dict, str], None],
                  in_outbox: Callable[[str], bool], owned: Callable[[], frozenset],
-                 fence_for: Callable[[int], object], sweep_s: float = 1.0, republish_after_s: float = 30.0,
+                 fence_for: Callable[[int], Optional[Fence]], sweep_s: float = 1.0, republish_after_s: float = 30.0,
                  keep_s: float = KEEP_S, record: Callable[..., None] = lambda *a, **k: None,
                  connected: Callable[[], bool] = lambda: True, full_every_s: float = 10.0):
         self.client = client
@@ -294,7 +294,7 @@ class Answers:
             return 0
         self._last_view, self._last_full = view, mono
         by_shard = sorted(owned)
-        candidates = []
+        candidates: list = []
         for shard in by_shard:
             candidates.extend(read_prefix(self.client, self.keys.answers_prefix(shard)))
         if not candidates:

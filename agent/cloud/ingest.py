@@ -276,7 +276,8 @@ class Ingest:
     def _push_store(self, payload: bytes, job, as_owner: bool) -> Outcome:
         shard = shard_of(job.id, self.shards)
         doc = self._status(job.id, "accepted", payload, shard=shard)
-        marker, also = None, ()
+        marker: Optional[str] = None
+        also: tuple = ()
         if self.answers is not None:  # the answer is durable with the job (agent/cloud/answers.py)
             marker = self.store.keys.answer(shard, job.id, "accepted")
             also = (Put(marker, json.dumps(doc, separators=(",", ":"))),)
@@ -527,6 +528,7 @@ class Dispatcher:
         """A correctly signed push we would reject, but the shard has another owner: keep it
         (unacknowledged) until that owner's answer shows up in etcd, or the shard becomes ours
         or unowned (its owner died) and we answer it. True if held."""
+        assert out.job_id is not None  # only authenticated rejections with a readable id are held
         key = f"{out.job_id}/{push_digest(msg.payload)}"
         shard = shard_of(out.job_id, self.ingest.shards)
         with self._lock:

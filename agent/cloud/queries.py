@@ -175,16 +175,19 @@ class JobQueries:
             corr, reply, job_id, flt = parse_request(msg.payload, self.topics)
         except BadRequest as exc:
             QUERIES.labels("bad_request").inc()
+            bad_corr: Optional[str] = None
+            bad_reply: Optional[str] = None
             try:
                 doc = json.loads(msg.payload)
-                corr = doc.get("correlation") if isinstance(doc, dict) else None
-                reply = doc.get("reply_to") if isinstance(doc, dict) else None
+                if isinstance(doc, dict):
+                    bad_corr, bad_reply = doc.get("correlation"), doc.get("reply_to")
             except (ValueError, RecursionError):
-                corr = reply = None
-            if isinstance(corr, str) and isinstance(reply, str) and reply.startswith(self.topics.get_reply_prefix) \
-                    and not any(c in reply for c in "+#\0") and shard_of(corr, self.shards) in self.owned():
+                pass
+            if isinstance(bad_corr, str) and isinstance(bad_reply, str) \
+                    and bad_reply.startswith(self.topics.get_reply_prefix) \
+                    and not any(c in bad_reply for c in "+#\0") and shard_of(bad_corr, self.shards) in self.owned():
                 # one agent answers a bad request: the owner of the correlation id's shard
-                self._publish(reply, {"v": 1, "correlation": corr, "agent": self.agent_id, "ts": _now(),
+                self._publish(bad_reply, {"v": 1, "correlation": bad_corr, "agent": self.agent_id, "ts": _now(),
                                       "error": exc.reason, "detail": exc.detail})
             return
         shard = shard_of(job_id, self.shards) if job_id else None
@@ -255,7 +258,7 @@ class JobQueries:
     def recheck_once(self, now: float) -> None:
         """Held requests whose shard is ours now go to the workers; expired ones are dropped."""
         owned = self.owned()
-        ready = []
+        ready: list = []
         with self._held_lock:
             for shard in [s for s in self._held if s in owned]:
                 ready.extend(self._held.pop(shard))

@@ -207,8 +207,10 @@ class EtcdClient:
         so the result is one consistent snapshot."""
         out: list[KV] = []
         rev = revision
-        for kvs, rev in self.range_pages(prefix, keys_only=keys_only, revision=revision, timeout=timeout, page=page):
+        for kvs, page_rev in self.range_pages(prefix, keys_only=keys_only, revision=revision, timeout=timeout,
+                                              page=page):
             out.extend(kvs)
+            rev = page_rev
         return out, rev
 
     def range_pages(self, prefix: str, keys_only: bool = False, revision: int = 0,

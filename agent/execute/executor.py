@@ -41,8 +41,7 @@ from agent.execute.backends import QuotaBackend, Usage, probe
 from agent.execute.guard import RunGuard
 from agent.execute.launch import DEFAULT_PATH, SHIM_SH, SpawnError, go, spawn
 from agent.execute.limits import Limits, default_limits
-from agent.execute.reaper import (Reaper, _drain_stream, _kill, _killpg, _reap_group, _Run,
-                                  _set_child_subreaper)
+from agent.execute.reaper import Reaper, _drain_stream, _kill, _killpg, _reap_group, _Run, _set_child_subreaper
 from agent.execute.release import Releaser
 from agent.execute.runs import REASONS, RunHandle, RunResult, RunSpec, rfc3339
 
@@ -136,7 +135,7 @@ class Executor:
             with self._lock:
                 run = self._live.get(handle.run_key)
                 held = run is not None and run.handle is handle and run.go is not None
-            if held:
+            if held and run is not None:
                 run.on_release = on_release
                 run.guard = guard
                 self._releaser.at(release_at, run)
@@ -319,32 +318,36 @@ class Executor:
         r.retry_orphan_slots()
 
     def _poll_exit(self, run: _Run) -> None:
+        leader, pgid = run.handle.pid, run.handle.pgid
+        assert leader is not None and pgid is not None  # polled only once spawned
         try:   # exited? (not reaped yet: the guard must hear of it before the pid is freed)
-            if os.waitid(os.P_PID, run.handle.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+            if os.waitid(os.P_PID, leader, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
                 return
         except ChildProcessError:
             pass
         if self.guard is not None:
-            self.guard.leader_exited(run.handle.pgid)
+            self.guard.leader_exited(pgid)
         try:
-            pid, status, ru = os.wait4(run.handle.pid, os.WNOHANG)
+            pid, status, ru = os.wait4(leader, os.WNOHANG)
         except ChildProcessError:
-            pid, status, ru = run.handle.pid, 0, None
+            pid, status, ru = leader, 0, None
         if pid:
             self._reaper.polled.discard(run)
             self._leader_exited(run, status, ru)
 
     def _on_pidfd(self, run: _Run) -> None:
+        leader, pgid, pidfd = run.handle.pid, run.handle.pgid, run.pidfd
+        assert leader is not None and pgid is not None and pidfd is not None  # watched only once spawned
         if self.guard is not None:   # the leader exited; its pid is freed by the wait4 below
-            self.guard.leader_exited(run.handle.pgid)
+            self.guard.leader_exited(pgid)
         try:
-            pid, status, ru = os.wait4(run.handle.pid, os.WNOHANG)
+            pid, status, ru = os.wait4(leader, os.WNOHANG)
         except ChildProcessError:
-            pid, status, ru = run.handle.pid, 0, None
+            pid, status, ru = leader, 0, None
         if not pid:
             return
-        self._reaper.unwatch_fd(run.pidfd)
-        os.close(run.pidfd)
+        self._reaper.unwatch_fd(pidfd)
+        os.close(pidfd)
         run.pidfd = None
         self._leader_exited(run, status, ru)
 
@@ -388,6 +391,8 @@ class Executor:
         self._finalize(run)
 
     def _read_usage(self, run: _Run) -> Usage:
+        if run.slot is None:
+            return Usage()
         try:
             return self.backend.usage(run.slot, run.rusage)
         except Exception:
@@ -406,7 +411,7 @@ class Executor:
             r.unwatch_fd(run.pidfd)
             os.close(run.pidfd)
             run.pidfd = None
-        handle, spec = run.handle, run.handle.spec
+        handle = run.handle
         usage = run.usage or Usage()
         if run.slot is not None:
             if run.usage is None:

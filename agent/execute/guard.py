@@ -159,7 +159,7 @@ def _stat(pid: str) -> Optional[tuple]:
 
 def _group_members(pgids: set) -> list:
     """Live (non-zombie) processes whose process group is one of ``pgids``."""
-    out = []
+    out: list = []
     if not pgids:
         return out
     for name in os.listdir("/proc"):

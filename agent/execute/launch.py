@@ -226,6 +226,7 @@ def spawn(ex: "Executor", run: _Run, hold: bool = False) -> None:
         argv = [SHIM_SH, "-c", SHIM_SCRIPT, "millwright-run"]
         if ids is not None:
             uid, gid, groups = ids
+            assert ex._setpriv is not None  # shim mode is chosen only when setpriv exists
             argv += [ex._setpriv, f"--reuid={uid}", f"--regid={gid}",
                      f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups", "--"]
         argv += [path] + list(spec.argv[1:])

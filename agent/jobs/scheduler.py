@@ -152,7 +152,7 @@ class Scheduler:
         self._held: list[Firing] = []             # firings that fell due while paused
         self.gc = GcPolicy(self.loop, self._quiet_for).start()
         self.claim_lead = ClaimLead(self.cfg.execute.claim_lead_s)
-        if getattr(agent, "keyring", None) is None:  # no cloud component: read the keys file here
+        if agent.keyring is None:  # no cloud component: read the keys file here
             agent.keyring = _load_keyring(self.cfg.signing.keys_file)
         self._rejected_seen: "collections.OrderedDict[tuple, None]" = collections.OrderedDict()
         agent.shard_listeners.append(self)
@@ -474,6 +474,8 @@ class Scheduler:
             "reason": reason, "detail": f"stored job refused: {detail}", "usage": None, "source": "store"})
 
     def _arm_retirement(self, e: JobEntry) -> None:
+        if e.job.key_retired_after is None:
+            return
         left = (e.job.key_retired_after - utcnow()).total_seconds()
         if left <= 0:
             self._retire(e)
@@ -491,7 +493,7 @@ class Scheduler:
         self._pop_entry(e.job.id)
         self._drop_entry(e, "key_retired")
         JOBS_OWNED.set(len(self.entries))
-        when = e.job.key_retired_after.strftime("%Y-%m-%dT%H:%M:%SZ")
+        when = rfc(e.job.key_retired_after)
         self._reject_stored(e.stored, "key_retired", f"sig: key {e.job.kid} was retired at {when}")
 
     def _orphan(self, f: Firing, now: datetime) -> None:
@@ -871,7 +873,7 @@ class Scheduler:
         JOB_DURATION.observe(duration)
         now = utcnow()
         detail = getattr(result, "error", None)
-        fields = dict(exit_code=getattr(result, "exit_code", None), reason=reason if detail is None else f"{reason}: {detail}",
+        fields: dict[str, Any] = dict(exit_code=getattr(result, "exit_code", None), reason=reason if detail is None else f"{reason}: {detail}",
                       usage=usage_doc, ended_at=rfc(now), health=f.health)
         tail = stderr_tail(getattr(result, "stderr_path", None))
         if tail is not None:
@@ -1048,7 +1050,7 @@ class Scheduler:
         no cloud component asked for markers: agent.answer_markers)."""
         doc = self._status_doc(f.entry, f, state, **fields)
         key = None
-        if getattr(self.agent, "answer_markers", False):
+        if self.agent.answer_markers:
             key = self.keys.answer(f.entry.shard, f.entry.job.id, "run." + f.fire_id)
         return doc, key
 

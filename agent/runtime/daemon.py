@@ -31,6 +31,7 @@ from agent.runtime.metrics import counter, gauge
 if TYPE_CHECKING:
     from agent.audit import AuditLog
     from agent.cloud.component import JobListener
+    from agent.jobs.signing import KeyRing
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,12 @@ class Agent:
         self.drain_hooks: list[Callable[[Callable[[], None]], None]] = []
         # end every live run with a reason, return how many (graceful stop, after drain_timeout_s)
         self.run_stoppers: list[Callable[[str], int]] = []
+        # the signing key ring: loaded once by the cloud component (which reports its problems),
+        # else by the scheduler; both verify with the same ring
+        self.keyring: Optional[KeyRing] = None
+        # set by the cloud component: final run statuses are also written as durable answers
+        # (answers/ in etcd) in the run record's transaction, so a peer can publish them
+        self.answer_markers = False
         self.components = [make(self) for make in (extra_components or [])]
         self._probe_interval = float(os.environ.get("MILLWRIGHT_TEST_FENCED_WRITES_S", "0") or 0)
 

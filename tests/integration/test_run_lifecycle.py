@@ -272,7 +272,7 @@ def test_partitioned_agents_run_is_dead_before_the_new_owner_claims(etcd_server,
     c, store, out = make_cluster(etcd_server, tmp_path)
     try:
         c.start("a0")
-        cut = c.start("cut", endpoint_host="127.0.0.2")
+        c.start("cut", endpoint_host="127.0.0.2")
         wait_for(lambda: c.converged({"a0": 1, "cut": 1}), 20, what="2-way plan")
         (jid,) = job_in(c, "part", shards_of(c, "cut"))
         shard = shard_of(jid, c.shards)

@@ -17,7 +17,7 @@ from agent.cloud.mqtt import MqttLink
 from agent.cloud.testkit import StatusCollector, TEMPLATES, job_doc, signed
 from agent.cloud.topics import Topics
 from agent.config import EtcdConfig, MqttConfig, TLSConfig
-from agent.coordination.etcd import EtcdClient
+from agent.coordination.etcd import EtcdClient, EtcdError, EtcdUnavailable
 from agent.coordination.jobstore import JobStore
 from agent.coordination.keys import Keys
 from agent.demo.services import EtcdServer, MosquittoServer, make_pki
@@ -112,8 +112,10 @@ def test_etcd_roles_confine_an_agent_to_its_cluster(secure_etcd, pki):
         own.close()
     wrong = client(password="nope")
     try:
-        with pytest.raises(Exception):
+        # refused for the password: not a timeout or an unreachable server
+        with pytest.raises(EtcdError, match="authentication failed") as info:
             wrong.get(Keys("t").prefix + "probe")
+        assert not isinstance(info.value, EtcdUnavailable)
     finally:
         wrong.close()
 
