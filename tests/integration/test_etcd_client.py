@@ -104,6 +104,7 @@ def test_agent_with_username_and_password(etcd_server, tmp_path):
     _etcdctl(ep, "auth", "enable", user="root:rootpw")
     a = AgentProcess("auth", str(tmp_path), {"cluster": "au", "bpf": {"enabled": False},
                                              "etcd": {"endpoints": [ep], "username": "mw", "password": "mwpw",
+                                                      "insecure": True,  # a password over http: labs only
                                                       "lease_ttl_s": 4, "renew_deadline_s": 2.5,
                                                       "retry_period_s": 0.5},
                                              "execute": {"kill_grace_s": 1.0}}).start()
