@@ -391,16 +391,16 @@ def _validate(cfg: Config, problems: list[str]) -> None:
             except ValueError:
                 if not re.match(r"^[A-Za-z0-9.-]+$", host):
                     bad("metrics.listen", f"{host!r} is not a host name or address")
-    r = cfg.retention
-    if r.keep_runs < 1:
+    ret = cfg.retention
+    if ret.keep_runs < 1:
         bad("retention.keep_runs", "must be at least 1 (the newest record is needed for misfire recovery)")
     for name in ("finished_job_s", "tombstone_s", "run_output_s", "interval_s", "disk_interval_s",
                  "compact_interval_s"):
-        if getattr(r, name) < 0:
+        if getattr(ret, name) < 0:
             bad(f"retention.{name}", "must not be negative")
-    if r.max_deletes_per_s <= 0:
+    if ret.max_deletes_per_s <= 0:
         bad("retention.max_deletes_per_s", "must be positive")
-    if r.run_output_max_mb < 1:
+    if ret.run_output_max_mb < 1:
         bad("retention.run_output_max_mb", "must be at least 1")
     if cfg.bpf.mode not in ("enforce", "monitor"):
         bad("bpf.mode", "must be enforce or monitor")
@@ -474,7 +474,7 @@ def _regex_parser():
     try:
         import re._parser as parser  # Python 3.11+
     except ImportError:  # pragma: no cover - Python 3.10
-        import sre_parse as parser  # type: ignore[no-redef]
+        import sre_parse as parser  # type: ignore[no-redef, unused-ignore]
     return parser
 
 

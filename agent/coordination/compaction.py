@@ -77,6 +77,7 @@ class Compactor:
             COMPACTIONS.labels("error").inc()
             log.warning("etcd compaction failed", extra={"fields": {"error": str(error)}})
             return
+        assert result is not None
         DB_SIZE.set(result["db_size"])
         self._seen = result["revision"]
         if result["compacted_to"]:

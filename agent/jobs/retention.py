@@ -126,8 +126,7 @@ def plan_shard(jobs: dict[str, tuple[dict, str, int]], runs: dict[str, list[tupl
         all_terminal = all(_terminal(value) for _, _, value, _ in records)
         fin = finished_since(doc, newest, all_terminal)
         if fin is not None and now - fin[0] > finished_job_s:
-            at = datetime.fromtimestamp(now, timezone.utc)
-            tomb = finished_tombstone(doc, sch.format_rfc3339(at), fin[1])
+            tomb = finished_tombstone(doc, sch.format_rfc3339(datetime.fromtimestamp(now, timezone.utc)), fin[1])
             plan.finish.append((key, rev, tomb, latest.get(job_id, (None, 0))[0], fin[1]))
             gone.add(job_id)
     for job_id, records in runs.items():
@@ -315,7 +314,8 @@ class Retention:
         latest_prefix = self.keys.latest_prefix(shard)
         jobs: dict[str, tuple[dict, str, int]] = {}
         rev = 0
-        for kvs, rev in self.client.range_pages(jobs_prefix):
+        for kvs, page_rev in self.client.range_pages(jobs_prefix):
+            rev = page_rev
             for kv in kvs:
                 try:
                     jobs[kv.key[len(jobs_prefix):]] = (json.loads(kv.value), kv.key, kv.mod_revision)
@@ -345,7 +345,7 @@ class Retention:
                   "read_revision": rev}
         if plan.empty() and not answers:
             return result
-        for key, mrev, tomb, latest_key, reason in plan.finish:
+        for key, mrev, tomb, latest_key, _reason in plan.finish:
             if not self._throttle.take(1):
                 return result
             ops = [Put(key, json.dumps(tomb, sort_keys=True, separators=(",", ":")))]
