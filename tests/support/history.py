@@ -397,7 +397,9 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
 
 def assert_clean(rep: Report, limit: int = 15) -> None:
     if rep.problems:
-        raise AssertionError(f"{len(rep.problems)} history problem(s):\n  " + "\n  ".join(rep.problems[:limit])
+        # the budget lines sum up many firings: shown first, then the first firings named
+        ps = sorted(rep.problems, key=lambda p: "over its budget" not in p)
+        raise AssertionError(f"{len(rep.problems)} history problem(s):\n  " + "\n  ".join(ps[:limit])
                              + f"\nstats: {rep.stats}")
 
 
