@@ -670,9 +670,9 @@ class Scheduler:
                     and cur.get("attempt") == rec["attempt"] and cur.get("started_at") == rec["started_at"]:
                 f.record, f.record_rev = cur, kv.mod_revision   # our claim did land
                 self._spawn(f)
-            elif cur.get("state") == "running" and cur.get("agent") == self.cfg.agent_id \
-                    and int(cur.get("attempt") or 0) == rec["attempt"] - 1:
-                # our `retrying` write for the previous attempt has not landed yet: read again
+            elif cur.get("state") == "running" and int(cur.get("attempt") or 0) == rec["attempt"] - 1:
+                # our `retrying` write for the previous attempt (or for an orphan of a dead
+                # owner) has not landed yet: read again; the claim stays fenced either way
                 self.loop.call_later(0.2, self._resolve_retry_claim, f, key, rec)
             elif cur.get("state") == "retrying" and int(cur.get("attempt") or 0) == rec["attempt"] - 1:
                 f.record, f.record_rev = cur, kv.mod_revision   # still waiting for this attempt: claim again
