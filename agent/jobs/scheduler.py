@@ -826,8 +826,14 @@ class Scheduler:
 
     def _finish_without_run(self, f: Firing, state: str, reason: str) -> None:
         """Record a firing that will not run (misfired, cancelled, failed before start)."""
-        f.state = "done"
         e = f.entry
+        if self.agent.fence_for(e.shard) is None and self._session_lapsed(f):
+            # the record must be written, not skipped, while we keep the shard (as in _claim)
+            f.state = "finishing"
+            self.loop.call_later(FENCE_WAIT_S, self._when_current, f, "finishing", self._finish_without_run,
+                                 f, state, reason)
+            return
+        f.state = "done"
         FIRINGS.labels(reason).inc()
         fence = self.agent.fence_for(e.shard)
         if fence is not None:
