@@ -34,21 +34,23 @@ class FiringState(enum.Enum):
     RUNNING = "running"                        # process prepared or running
     RETRYING = "retrying"                      # attempt failed; the next one is timed
     RETRYING_ADMISSION = "retrying_admission"  # the next attempt waits for node quota
+    FINISHING = "finishing"                    # will not run; its record waits out a lapsed session
     DONE = "done"                              # final record written, or given up to the next owner
 
 
 S = FiringState
 TRANSITIONS: dict[FiringState, frozenset[FiringState]] = {
-    S.PENDING: frozenset({S.HELD, S.WAITING, S.CLAIMING, S.RETRYING, S.DONE}),
-    S.HELD: frozenset({S.WAITING, S.CLAIMING, S.DONE}),
-    S.WAITING: frozenset({S.WAITING, S.HELD, S.CLAIMING, S.DONE}),
-    S.CLAIMING: frozenset({S.CLAIMING, S.RUNNING, S.DONE}),
+    S.PENDING: frozenset({S.HELD, S.WAITING, S.CLAIMING, S.RETRYING, S.FINISHING, S.DONE}),
+    S.HELD: frozenset({S.WAITING, S.CLAIMING, S.FINISHING, S.DONE}),
+    S.WAITING: frozenset({S.WAITING, S.HELD, S.CLAIMING, S.FINISHING, S.DONE}),
+    S.CLAIMING: frozenset({S.CLAIMING, S.RUNNING, S.FINISHING, S.DONE}),
     S.RUNNING: frozenset({S.RETRYING, S.DONE}),
-    S.RETRYING: frozenset({S.CLAIMING, S.RETRYING_ADMISSION, S.DONE}),
-    S.RETRYING_ADMISSION: frozenset({S.CLAIMING, S.DONE}),
+    S.RETRYING: frozenset({S.CLAIMING, S.RETRYING_ADMISSION, S.FINISHING, S.DONE}),
+    S.RETRYING_ADMISSION: frozenset({S.CLAIMING, S.FINISHING, S.DONE}),
+    S.FINISHING: frozenset({S.FINISHING, S.DONE}),
     S.DONE: frozenset(),
 }
-ACTIVE = frozenset({S.CLAIMING, S.RUNNING})  # a shard with such a firing is busy
+ACTIVE = frozenset({S.CLAIMING, S.RUNNING, S.FINISHING})  # a shard with such a firing is busy (a record to write)
 NOT_STARTED = frozenset({S.PENDING, S.HELD, S.WAITING, S.RETRYING, S.RETRYING_ADMISSION})  # a cancel ends these
 
 _SEQ = itertools.count(1)

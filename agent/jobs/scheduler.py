@@ -722,8 +722,14 @@ class Scheduler:
         def done(r, error):
             if f.state != FiringState.CLAIMING:
                 return
+            if retry and isinstance(error, StaleToken):
+                self._abandon(f, "shard_lost")
+                return
             if retry and (error is not None or not r.succeeded):
-                self._abandon(f, "retry_claim_failed")
+                # etcd unreachable, an unknown outcome, or our own `retrying` write landed after
+                # this claim was built: read the record back before deciding (found by the fault
+                # test, seed 310: a retry dropped during an etcd leader kill stayed `retrying`)
+                self._resolve_retry_claim(f, key, rec)
                 return
             if isinstance(error, StaleToken):
                 self._abandon(f, "shard_lost")
@@ -764,6 +770,37 @@ class Scheduler:
                 self._spawn(f)
             else:
                 self._abandon(f, "already_claimed")
+
+        self.workers.submit(op, done)
+
+    def _resolve_retry_claim(self, f: Firing, key: str, rec: dict) -> None:
+        def op():
+            return self.client.get(key)
+
+        def done(kv, err):
+            if f.state != FiringState.CLAIMING or self.entries.get(f.entry.job.id) is not f.entry or f.entry.cancelled:
+                return
+            if err is not None:
+                if self.agent.shards.owns(f.entry.shard) is not None:
+                    self.loop.call_later(0.2, self._resolve_retry_claim, f, key, rec)
+                else:
+                    self._abandon(f, "shard_lost")
+                return
+            cur = json.loads(kv.value) if kv is not None else {}
+            if cur.get("state") == "running" and cur.get("agent") == self.cfg.agent_id \
+                    and cur.get("attempt") == rec["attempt"] and cur.get("started_at") == rec["started_at"]:
+                f.record, f.record_rev = cur, kv.mod_revision   # our claim did land
+                self._spawn(f)
+            elif cur.get("state") == "running" and int(cur.get("attempt") or 0) == rec["attempt"] - 1:
+                # our `retrying` write for the previous attempt (or for an orphan of a dead
+                # owner) has not landed yet: read again; the claim stays fenced either way
+                self.loop.call_later(0.2, self._resolve_retry_claim, f, key, rec)
+            elif cur.get("state") == "retrying" and int(cur.get("attempt") or 0) == rec["attempt"] - 1:
+                f.record, f.record_rev = cur, kv.mod_revision   # still waiting for this attempt: claim again
+                f.attempt -= 1
+                self.loop.call_later(0.2, self._when_current, f, FiringState.CLAIMING, self._claim, f, True)
+            else:
+                self._abandon(f, "retry_claim_failed")
 
         self.workers.submit(op, done)
 
@@ -929,8 +966,14 @@ class Scheduler:
 
     def _finish_without_run(self, f: Firing, state: str, reason: str) -> None:
         """Record a firing that will not run (misfired, cancelled, failed before start)."""
-        f.move(FiringState.DONE)
         e = f.entry
+        if self.agent.fence_for(e.shard) is None and self._session_lapsed(f):
+            # the record must be written, not skipped, while we keep the shard (as in _claim)
+            f.move(FiringState.FINISHING)
+            self.loop.call_later(FENCE_WAIT_S, self._when_current, f, FiringState.FINISHING, self._finish_without_run,
+                                 f, state, reason)
+            return
+        f.move(FiringState.DONE)
         FIRINGS.labels(reason).inc()
         fence = self.agent.fence_for(e.shard)
         doc, answer_key = self._final_status(f, state, reason=reason)
