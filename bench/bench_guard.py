@@ -30,6 +30,7 @@ sys.path.insert(0, ROOT)
 
 from agent.execute import Executor, Limits, RunSpec  # noqa: E402
 from agent.execute.backends import BackendUnavailable, Cgroup1Backend, Cgroup2Backend, RlimitBackend  # noqa: E402
+from agent.execute.guard import group_members  # noqa: E402
 
 TREE = "trap '' TERM; (trap '' TERM; sleep 60) & (trap '' TERM; sh -c 'sleep 60') & sleep 60"
 
@@ -54,17 +55,7 @@ def pct(xs, p):
 
 
 def group(pgid: int) -> list[int]:
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                data = open(f"/proc/{name}/stat", "rb").read()
-            except OSError:
-                continue
-            rest = data[data.rfind(b")") + 2:].split()
-            if rest[0] not in (b"Z", b"X") and int(rest[2]) == pgid:
-                out.append(int(name))
-    return out
+    return group_members({pgid})
 
 
 def usable(root: str) -> list[str]:

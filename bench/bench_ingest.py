@@ -107,7 +107,7 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True) -> dict:
             import random
 
             from agent.jobs.signing import KeyRing, generate_hmac_secret
-            from tests.integration.test_cloud_agents import _junk
+            from agent.cloud.testkit import junk_payload as _junk
 
             other = KeyRing.from_mapping({"cloud-1": {"alg": "hmac-sha256", "secret": generate_hmac_secret()}})
             rnd = random.Random(16)

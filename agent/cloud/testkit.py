@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import random
 import threading
 import time
 from datetime import datetime, timedelta, timezone
@@ -163,3 +164,25 @@ class StatusCollector:
 
     def stop(self) -> None:
         self.link.stop()
+
+
+def junk_payload(rnd: random.Random, i: int, real_ids: list, ring, other_ring) -> bytes:
+    """Unauthenticated input aimed at real job ids: unsigned, forged, signed by another
+    fleet's key, a valid document of another cluster, bad JSON, noise."""
+    from agent.jobs.signing import sign
+
+    jid = rnd.choice(real_ids)
+    k = i % 6
+    if k == 0:
+        return json.dumps(job_doc(jid, line="1")).encode()
+    if k == 1:
+        d = json.loads(signed(job_doc(jid, line="1"), ring))
+        d["params"]["line"] = "2"  # forged: the signature no longer fits
+        return json.dumps(d).encode()
+    if k == 2:
+        return json.dumps(sign(job_doc(jid), other_ring, KID)).encode()
+    if k == 3:
+        return signed(job_doc(jid, cluster="plant-b"), ring)
+    if k == 4:
+        return b'{"v":1,"id":"' + jid.encode() + b'","template":'
+    return bytes(rnd.randrange(256) for _ in range(rnd.randint(1, 64)))

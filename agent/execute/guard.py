@@ -157,8 +157,9 @@ def _stat(pid: str) -> Optional[tuple]:
     return rest[0], int(rest[2])
 
 
-def _group_members(pgids: set) -> list:
-    """Live (non-zombie) processes whose process group is one of ``pgids``."""
+def group_members(pgids: set) -> list:
+    """Live (non-zombie) processes whose process group is one of ``pgids`` (also what tests
+    and benchmarks use to see that a run's tree is gone)."""
     out: list = []
     if not pgids:
         return out
@@ -197,7 +198,7 @@ def kill_runs(live: dict, give_up_after_s: float = KILL_FOR_S) -> int:
     first = None
     deadline = time.monotonic() + give_up_after_s
     while True:
-        left = set(_group_members(pgids))
+        left = set(group_members(pgids))
         for d in dirs:
             left.update(_cgroup_procs(d))
             try:   # cgroup v2 (5.14+): the kernel kills the whole subtree, forks included

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from tests.conftest import require_kernel
+from tests.support.kernel import require_kernel
 from tests.support.chaos import run_and_check
 
 SEED = int(os.environ.get("MILLWRIGHT_CHAOS_SEED", "20"))

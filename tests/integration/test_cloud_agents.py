@@ -18,7 +18,7 @@ import time
 import pytest
 
 from agent.cloud.ingest import push_digest
-from agent.cloud.testkit import KID, TEMPLATES, StatusCollector, cancel_doc, job_doc, signed, write_keys
+from agent.cloud.testkit import KID, TEMPLATES, StatusCollector, cancel_doc, job_doc, junk_payload, signed, write_keys
 from agent.coordination.keys import shard_of
 from tests.integration.cluster import Cluster, wait_for
 from tests.support.cloud import T, Pusher, accepted, jobs_in_etcd, wait_agent_connected
@@ -200,28 +200,6 @@ def test_fuzz_over_mqtt_keeps_ingesting(world):
         pusher.stop()
 
 
-def _junk(rnd: random.Random, i: int, real_ids: list, ring, other_ring) -> bytes:
-    """Unauthenticated input aimed at real job ids: unsigned, forged, signed by another
-    fleet's key, a valid document of another cluster, bad JSON, noise."""
-    from agent.jobs.signing import sign
-
-    jid = rnd.choice(real_ids)
-    k = i % 6
-    if k == 0:
-        return json.dumps(job_doc(jid, line="1")).encode()
-    if k == 1:
-        d = json.loads(signed(job_doc(jid, line="1"), ring))
-        d["params"]["line"] = "2"  # forged: the signature no longer fits
-        return json.dumps(d).encode()
-    if k == 2:
-        return json.dumps(sign(job_doc(jid), other_ring, KID)).encode()
-    if k == 3:
-        return signed(job_doc(jid, cluster="plant-b"), ring)
-    if k == 4:
-        return b'{"v":1,"id":"' + jid.encode() + b'","template":'
-    return bytes(rnd.randrange(256) for _ in range(rnd.randint(1, 64)))
-
-
 def test_junk_flood_never_delays_or_fakes_valid_pushes(world):
     """Acceptance 3: 10,000 unauthenticated messages at full speed while 500 valid pushes
     arrive (two agents, so most junk lands on non-owners): every valid push is ingested and
@@ -239,7 +217,7 @@ def test_junk_flood_never_delays_or_fakes_valid_pushes(world):
     ids = [f"real-{i:04d}" for i in range(500)]
     valid = [signed(job_doc(j, line=str(i % 100)), world.ring) for i, j in enumerate(ids)]
     rnd = random.Random(16)
-    junk = [_junk(rnd, i, ids, world.ring, other) for i in range(10000)]
+    junk = [junk_payload(rnd, i, ids, world.ring, other) for i in range(10000)]
     junk_pusher = Pusher(world.mq.url, "junk-pusher")
     pusher = Pusher(world.mq.url, "valid-pusher")
     try:

@@ -21,17 +21,7 @@ from agent.jobs.schedule import fire_id, format_rfc3339
 from tests.integration.cluster import Cluster, wait_for
 from tests.support.records import run_records
 from tests.support import history
-
-RECORD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jobs", "record.sh")
-
-
-def templates(out: str) -> dict:
-    return {"rec": {"argv": [RECORD, out, "{sleep}", "{code}"],
-                    "params": {"sleep": r"^[0-9.]+$", "code": r"^[0-9]+$"}, "user": "root", "allow_root": True,
-                    "allow_exec": ["/bin/*", "/usr/bin/*", RECORD]},
-            "tree": {"argv": ["/bin/sh", "-c", "trap '' TERM; (trap '' TERM; echo $$ > \"$0\"; sleep 60) & sleep 60",
-                              "{pidfile}"], "params": {"pidfile": r"^/[A-Za-z0-9/._-]+$"}, "user": "root", "allow_root": True}}
-
+from tests.support.jobs import effects, job, now, templates
 
 @pytest.fixture
 def env(etcd_server, tmp_path):
@@ -45,27 +35,6 @@ def env(etcd_server, tmp_path):
     store = c.signing(JobStore(c.client, c.keys, c.shards, "test"))
     yield c, store, out, tmp_path
     c.close()
-
-
-def now() -> datetime:
-    return datetime.now(timezone.utc)
-
-
-def job(job_id: str, schedule: dict, **kw) -> dict:
-    d = {"v": 1, "id": job_id, "template": "rec", "params": {"sleep": "0", "code": "0"}, "schedule": schedule}
-    d.update(kw)
-    return d
-
-
-def effects(out: str) -> collections.Counter:
-    c: collections.Counter = collections.Counter()
-    if os.path.exists(out):
-        with open(out) as fh:
-            for line in fh:
-                parts = line.split()
-                if len(parts) == 4:
-                    c[(parts[0], parts[1])] += 1
-    return c
 
 
 def records(c: Cluster) -> dict[tuple[str, str], dict]:

@@ -18,7 +18,8 @@ from agent.coordination.jobstore import EXISTS, JobConflict, JobStore
 from agent.coordination.keys import shard_of
 from agent.jobs.schedule import fire_id, format_rfc3339, parse_rfc3339
 from tests.integration.cluster import Cluster, wait_for
-from tests.integration.test_jobs import effects, job, records, templates
+from tests.support.jobs import effects, job, templates
+from tests.support.records import run_records
 
 SLOW = os.environ.get("MILLWRIGHT_SLOW") == "1"
 
@@ -244,7 +245,7 @@ def test_three_member_etcd_leader_kill_and_restart_during_1000_firings(etcd_clus
         print(f"leader restarted at {now().isoformat()[11:23]}; new leader {etcd_cluster.leader().index}")
         while now() < last_due + timedelta(seconds=12):
             time.sleep(1)
-        recs = records(c)
+        recs = run_records(c.client, c.keys)
         fx = effects(out)
         missing = [k for k in expected if k not in recs]
         twice = [k for k, n in fx.items() if n > 1]

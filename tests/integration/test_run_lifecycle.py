@@ -18,7 +18,8 @@ import pytest
 from agent.coordination.jobstore import JobStore
 from agent.coordination.keys import shard_of
 from agent.jobs.schedule import format_rfc3339
-from tests.conftest import require_kernel
+from agent.execute.guard import group_members
+from tests.support.kernel import require_kernel
 from tests.integration.cluster import Cluster, NftBlock, check_history, etcd_history, wait_for
 
 JOBS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jobs")
@@ -101,17 +102,7 @@ def last_beat(log: list, attempt: int) -> float:
 
 def group_alive(pgid: int) -> list[int]:
     """Live (non-zombie) processes of a process group."""
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                data = open(f"/proc/{name}/stat", "rb").read()
-            except OSError:
-                continue
-            rest = data[data.rfind(b")") + 2:].split()
-            if rest[0] not in (b"Z", b"X") and int(rest[2]) == pgid:
-                out.append(int(name))
-    return out
+    return group_members({pgid})
 
 
 def shards_of(c: Cluster, agent_id: str) -> set:

@@ -15,8 +15,8 @@ import pytest
 
 from agent.execute import Executor, RunSpec
 from agent.execute.backends import BackendUnavailable, Cgroup1Backend, Cgroup2Backend, RlimitBackend, probe
-from agent.execute.guard import RunGuard, kill_runs
-from tests.conftest import require_kernel
+from agent.execute.guard import RunGuard, group_members, kill_runs
+from tests.support.kernel import require_kernel
 from tests.integration.cluster import wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,17 +37,8 @@ time.sleep(120)
 
 
 def group_alive(pgid: int) -> list[int]:
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                data = open(f"/proc/{name}/stat", "rb").read()
-            except OSError:
-                continue
-            rest = data[data.rfind(b")") + 2:].split()
-            if rest[0] not in (b"Z", b"X") and int(rest[2]) == pgid:
-                out.append(int(name))
-    return out
+    """Live (non-zombie) processes of a process group."""
+    return group_members({pgid})
 
 
 def usable(name: str) -> bool:
