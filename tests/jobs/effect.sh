@@ -4,8 +4,8 @@
 # "end" line and exits 3 while its attempt is below $4 (a retrying job), else 0.
 # tests/support/history.py parse_effects reads the lines.
 out=$1 agent=$2
-echo "start $MILLWRIGHT_JOB_ID $MILLWRIGHT_RUN_ID $MILLWRIGHT_ATTEMPT $agent $$ $(date +%s.%N)" >> "$out"
+echo "start $MILLWRIGHT_JOB_ID $MILLWRIGHT_FIRE_ID $MILLWRIGHT_ATTEMPT $agent $$ $(date +%s.%N)" >> "$out"
 [ -n "$3" ] && [ "$3" != 0 ] && sleep "$3"
-echo "end $MILLWRIGHT_JOB_ID $MILLWRIGHT_RUN_ID $MILLWRIGHT_ATTEMPT $agent $$ $(date +%s.%N)" >> "$out"
+echo "end $MILLWRIGHT_JOB_ID $MILLWRIGHT_FIRE_ID $MILLWRIGHT_ATTEMPT $agent $$ $(date +%s.%N)" >> "$out"
 [ "$MILLWRIGHT_ATTEMPT" -lt "${4:-0}" ] && exit 3
 exit 0
