@@ -12,11 +12,13 @@ import sys
 import pytest
 import yaml
 
+import agent
 from agent.audit.events import config_digest, describe_config
 from agent.config import ConfigError, parse_config, regex_risk
 from agent.jobs.signing import KeyFileError, KeyRing, generate_hmac_secret, sign
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# where the `agent` under test lives (the checkout, or /usr/lib/millwright in the package tests)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(agent.__file__)))
 
 
 def problems(text: str) -> list[str]:
