@@ -332,18 +332,27 @@ class RunExecPolicy:
         self.launching = True
         self.launcher_execs = 0
         self.violations = 0
+        self.launch_ended_at: Optional[float] = None   # exec time of the job's own exec
 
     def check(self, filename: str, *, pid: Optional[int] = None, argv: Iterable[str] = (),
-              argv_source: str = "kernel") -> Optional[Violation]:
+              argv_source: str = "kernel", exec_ts: Optional[float] = None) -> Optional[Violation]:
         """``argv_source`` other than ``kernel`` means the argv was read later from /proc (the
         exec raced the pid's registration), so it may already show a later exec of the same
-        pid: such an argv never ends the launching phase at a launcher path."""
+        pid: such an argv never ends the launching phase at a launcher path.
+
+        Events may arrive out of order (an exec that raced the pid's registration is
+        delivered late): a launcher exec whose ``exec_ts`` is before the job's own exec
+        belongs to the launching phase however late it is judged."""
         path = normalise(filename)
+        if not self.launching and exec_ts is not None and self.launch_ended_at is not None \
+                and exec_ts < self.launch_ended_at and path in self.policy.launcher_paths:
+            return None
         if self.launching:
             argv = list(argv)
             if path == self.argv0 and (self._is_job_argv(argv) if argv_source == "kernel"
                                        else path not in self.policy.launcher_paths):
                 self.launching = False
+                self.launch_ended_at = exec_ts
                 if self.allow_argv0:
                     return None
             elif path in self.policy.launcher_paths and self.launcher_execs < LAUNCHER_MAX_EXECS:
@@ -366,4 +375,5 @@ class RunExecPolicy:
 
     def check_event(self, ev: Any) -> Optional[Violation]:
         """Same for an :class:`~agent.signals.ExecEvent`."""
-        return self.check(ev.filename, pid=ev.pid, argv=ev.argv, argv_source=getattr(ev, "argv_source", "kernel"))
+        return self.check(ev.filename, pid=ev.pid, argv=ev.argv, argv_source=getattr(ev, "argv_source", "kernel"),
+                          exec_ts=getattr(ev, "ts", None))

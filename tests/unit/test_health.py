@@ -249,6 +249,20 @@ def test_launcher_execs_before_the_job_program_are_allowed():
     assert r.check("/usr/lib/millwright/jobs/flush") is None  # the job re-executing itself
 
 
+def test_a_launcher_exec_delivered_after_the_job_exec_is_judged_by_its_exec_time():
+    """Seen in the flap test: the shim's exec raced the pid's registration and reached the
+    policy after setpriv and the job's own exec; judged by arrival it killed the run."""
+    r = ExecPolicy(["/bin/true"]).for_run("/bin/true", job_argv=["/bin/true"])
+    assert r.check("/usr/bin/setpriv", argv=["/usr/bin/setpriv", "--", "/bin/true"], exec_ts=100.002) is None
+    assert r.check("/bin/true", argv=["/bin/true"], exec_ts=100.003) is None
+    assert not r.launching
+    late = r.check("/bin/sh", argv=["/bin/sh", "-c", "shim"], exec_ts=100.001)  # the launch's first exec
+    assert late is None and r.violations == 0
+    # the job running a shell after its own exec is still a violation
+    v = r.check("/bin/sh", argv=["/bin/sh", "-c", "x"], exec_ts=100.010)
+    assert v is not None and r.violations == 1
+
+
 def test_launcher_exemption_is_bounded():
     r = ExecPolicy([]).for_run("/opt/job")
     for _ in range(LAUNCHER_MAX_EXECS):
