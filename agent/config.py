@@ -205,6 +205,9 @@ class Config:
     cluster: str = doc("Cluster name: etcd prefix and MQTT topic segment.", default="plant-a")
     agent_id: str = doc("Agent id (default: the host name).", default_factory=socket.gethostname)
     capacity: float = doc("Weight in shard assignment.", default=1.0)
+    labels: dict[str, str] = doc("Labels jobs can target (e.g. line: \"2\", cell: press); string values, "
+                                 "keys [A-Za-z0-9][A-Za-z0-9._/-]{0,62}, values [A-Za-z0-9._-]{1,63}, at most 32.",
+                                 default_factory=dict)
     shards: int = doc("Shard count, fixed per cluster.", default=64)
     state_dir: str = doc("Local state (outbox, run output).", default="/var/lib/millwright")
     drain_timeout_s: float = doc("On SIGTERM, wait this long for runs before handing shards over.", default=30.0)
@@ -315,6 +318,21 @@ def _endpoint_ok(url: str) -> bool:
     return m is not None and 0 < int(m.group(3)) < 65536
 
 
+def _validate_labels(labels: Any, bad: Any) -> None:
+    from agent.coordination.placement import TargetError, check_labels
+
+    if not isinstance(labels, dict):
+        return  # already reported by the type check
+    if len(labels) > 32:
+        bad("labels", f"has {len(labels)} labels; at most 32 are allowed")
+    for k, v in labels.items():  # one line per bad label
+        if isinstance(v, str):
+            try:
+                check_labels({k: v}, "labels")
+            except TargetError as exc:
+                bad(exc.field, exc.message)
+
+
 def _validate(cfg: Config, problems: list[str]) -> None:
     src = cfg.source
 
@@ -327,6 +345,7 @@ def _validate(cfg: Config, problems: list[str]) -> None:
         bad("agent_id", "must match [A-Za-z0-9._-]{1,128}")
     if not cfg.capacity > 0:
         bad("capacity", "must be greater than 0")
+    _validate_labels(cfg.labels, bad)
     if not 1 <= cfg.shards <= 4096:
         bad("shards", "must be between 1 and 4096")
     if not cfg.state_dir:

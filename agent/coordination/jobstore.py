@@ -24,6 +24,7 @@ import json
 from dataclasses import dataclass
 from typing import Optional
 
+from agent.coordination import placement
 from agent.coordination.etcd import KV, Create, EtcdClient, Get, Mod, Put
 from agent.coordination.keys import Keys, shard_of
 from agent.runtime.metrics import counter
@@ -124,7 +125,7 @@ class JobStore:
         stored = dict(doc)
         stored["_accepted"] = {"at": now_rfc3339(), "by": self.agent_id}
         value = json.dumps(stored, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-        r = self.client.txn([Create(key) == 0], [Put(key, value), *also], [Get(key)])
+        r = self.client.txn([Create(key) == 0], [Put(key, value), *self._pool_puts(doc), *also], [Get(key)])
         if r.succeeded:
             STORE_OPS.labels("create", "created").inc()
             return CREATED, StoredJob(shard, stored, r.revision, r.revision)
@@ -146,6 +147,19 @@ class JobStore:
             raise JobConflict(f"job {doc['id']} exists with different content")
         STORE_OPS.labels("create", "exists").inc()
         return EXISTS, existing
+
+    def _pool_puts(self, doc: dict) -> list:
+        """A targeted job registers its placement pool (pools/<pool>/spec), in the job's own
+        create transaction: agents learn of the pool before any could miss its jobs."""
+        spec = placement.pool_spec(doc.get("target"), str(doc.get("template", "")))
+        if spec is None:
+            return []
+        try:
+            spec = placement.pool_spec(placement.check_target(doc["target"]), str(doc.get("template", "")))
+        except placement.TargetError:
+            return []
+        text = json.dumps(spec, sort_keys=True, separators=(",", ":"))
+        return [Put(self.keys.pool_spec(placement.pool_id(spec)), text)]
 
     def get(self, job_id: str) -> Optional[StoredJob]:
         shard, key = self.key(job_id)

@@ -69,3 +69,28 @@ class Keys:
     def latest(self, shard: int, job_id: str) -> str:
         """A copy of the job's newest run record (by fire_id): depends_on reads one key."""
         return self.latest_prefix(shard) + job_id
+
+    # --- placement pools (targeting, contract v1.1) ------------------------------------
+    def pools_prefix(self) -> str:
+        return self.prefix + "pools/"
+
+    def pool_spec(self, pool: str) -> str:
+        """The pool's canonical target (JSON): written with the first job of the pool."""
+        return self.pools_prefix() + pool + "/spec"
+
+    def pool_shards_prefix(self, pool: str, agent: str | None = None) -> str:
+        """Lease-bound shard keys of a pool; a fan-out pool has a shard space per agent."""
+        p = self.pools_prefix() + pool + "/"
+        return p + "shards/" if agent is None else p + "agents/" + agent + "/shards/"
+
+
+class PoolKeys(Keys):
+    """Keys as seen by a pool's shard manager: its shard keys live under the pool."""
+
+    def __init__(self, cluster: str, pool: str, agent: str | None = None):
+        super().__init__(cluster)
+        self.pool = pool
+        self._shards = self.pool_shards_prefix(pool, agent)
+
+    def shards_prefix(self) -> str:
+        return self._shards

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from agent.coordination import hrw
@@ -44,6 +44,8 @@ class Member:
     capacity: float
     available: bool
     lease: int
+    labels: dict = field(default_factory=dict)        # targeting (agent/coordination/placement.py)
+    templates: frozenset = frozenset()                # template names this agent can run
 
 
 class ShardManager:
@@ -79,6 +81,7 @@ class ShardManager:
         self._last_busy: Optional[str] = None
         self._plan_key: tuple = ()
         self._plan_cache: dict[int, str] = {}
+        self.followers: list["ShardManager"] = []  # pool managers: reconcile when we do
 
     # --- views --------------------------------------------------------------------
     def available_members(self) -> dict[str, float]:
@@ -126,8 +129,11 @@ class ShardManager:
             cap = float(info.get("capacity", 1.0))
             available = bool(info.get("available", True))
         except (ValueError, TypeError, AttributeError):
-            cap, available = 1.0, True
-        self.members[agent] = Member(agent, cap if cap > 0 else 1.0, available, kv.lease)
+            cap, available, info = 1.0, True, {}
+        labels, templates = info.get("labels"), info.get("templates")
+        labels = {str(k): v for k, v in labels.items() if isinstance(v, str)} if isinstance(labels, dict) else {}
+        templates = frozenset(t for t in templates if isinstance(t, str)) if isinstance(templates, list) else frozenset()
+        self.members[agent] = Member(agent, cap if cap > 0 else 1.0, available, kv.lease, labels, templates)
         if agent == self.me and kv.lease == self.lease:
             self.registered = True
 
@@ -243,11 +249,20 @@ class ShardManager:
     def _changed(self) -> None:
         if self._reconcile_timer is None:
             self._reconcile_timer = self.loop.call_later(0.01, self.reconcile)
+        for f in self.followers:
+            f._changed()
+
+    def _count_owned(self) -> None:
+        SHARDS_OWNED.set(len(self.mine))
+
+    def may_claim(self) -> bool:
+        """Whether this agent may take an unowned shard at all (pools: only if eligible)."""
+        return True
 
     def reconcile(self) -> None:
         self._reconcile_timer = None
         MEMBERS.set(len(self.members))
-        SHARDS_OWNED.set(len(self.mine))
+        self._count_owned()
         if self.lease is None or not self.registered:
             return
         members = self.available_members()
@@ -256,7 +271,7 @@ class ShardManager:
             holder = self.holders.get(s)
             want = plan.get(s)
             if holder is None:
-                if self.draining or self.unavailable_reason or s in self._claiming:
+                if self.draining or self.unavailable_reason or s in self._claiming or not self.may_claim():
                     continue
                 if want == self.me or want is None:
                     self._claim(s)
@@ -273,7 +288,7 @@ class ShardManager:
     def _fallback_claim(self, s: int) -> None:
         self._fallback.pop(s, None)
         if s not in self.holders and s not in self._claiming and self.lease is not None \
-                and not self.draining and not self.unavailable_reason:
+                and not self.draining and not self.unavailable_reason and self.may_claim():
             self._claim(s)
 
     def _claim(self, s: int) -> None:
@@ -306,7 +321,7 @@ class ShardManager:
             return
         fence = Fence(s, self.keys.shard(s), token)
         self.mine[s] = fence
-        SHARDS_OWNED.set(len(self.mine))
+        self._count_owned()
         SHARD_EVENTS.labels("acquired").inc()
         log.debug("shard acquired", extra={"fields": {"shard": s, "token": token}})
         self.on_acquired(fence)
@@ -316,7 +331,7 @@ class ShardManager:
         self._releasing.discard(s)
         if fence is None:
             return
-        SHARDS_OWNED.set(len(self.mine))
+        self._count_owned()
         SHARD_EVENTS.labels("released" if reason == "released" else "lost").inc()
         self.on_lost(s, reason)
 

@@ -34,6 +34,7 @@ from datetime import datetime
 from typing import Any, Optional, Union
 
 from agent.config import RUN_PLACEHOLDERS, Resources, Template
+from agent.coordination import placement
 from agent.coordination.keys import shard_of
 from agent.jobs.schedule import (
     DEFAULT_RETRY_ON,
@@ -79,7 +80,7 @@ KIND_JOB = "job"
 KIND_CANCEL = "cancel"
 TOP_LEVEL_KEYS = (
     "v", "id", "cluster", "kind", "template", "params", "schedule", "misfire", "misfire_limit", "overlap",
-    "retry", "timeout_s", "resources", "depends_on", "not_after", "issued_at", "sig",
+    "retry", "timeout_s", "resources", "depends_on", "not_after", "issued_at", "target", "sig",
 )
 CANCEL_KEYS = ("v", "id", "cluster", "kind", "issued_at", "sig")
 
@@ -160,6 +161,7 @@ class Job:
     depends_on: list = field(default_factory=list)
     not_after: Optional[datetime] = None
     issued_at: Optional[datetime] = None
+    target: Optional[dict] = None  # canonical target (agent/coordination/placement.py); None: any agent
     doc: dict = field(default_factory=dict, repr=False, compare=False)
     canonical: bytes = field(default=b"", repr=False)  # canonical JSON of the full doc (with sig)
     content: bytes = field(default=b"", repr=False, compare=False)  # canonical JSON without sig (the signed bytes)
@@ -168,6 +170,15 @@ class Job:
 
     def shard(self, shards: int) -> int:
         return shard_of(self.id, shards)
+
+    @property
+    def pool(self) -> str:
+        """The job's placement pool id (``default`` when untargeted)."""
+        return placement.pool_id(placement.pool_spec(self.target, self.template))
+
+    @property
+    def fanout(self) -> bool:
+        return bool(self.target and self.target.get("fanout"))
 
     def same_content(self, other: "Job") -> bool:
         """Same signed content (ignores which key signed it)."""
@@ -505,6 +516,13 @@ def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyR
     if not_after is not None and schedule.kind == "at" and schedule.at is not None and schedule.at >= not_after:
         raise _bad("schedule.at", "is not before not_after: the job could never run")
 
+    target = None
+    if "target" in doc:
+        try:
+            target = placement.check_target(doc["target"])
+        except placement.TargetError as exc:
+            raise _bad(exc.field, exc.message) from None
+
     sig = doc.get("sig")
     if "sig" in doc:
         if not isinstance(sig, dict):
@@ -516,8 +534,9 @@ def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyR
             if not isinstance(sig.get(name), str) or not sig.get(name):
                 raise _bad(f"sig.{name}", "must be a non-empty string")
 
-    # ---- template and params (skipped for stored documents: templates is None)
-    if templates is not None:
+    # ---- template and params (skipped for stored documents: templates is None; a targeted
+    # job's template is checked by the agents it targets, which may not include this one)
+    if templates is not None and not (target is not None and tname not in templates):
         template = templates.get(tname)
         if template is None:
             known = ", ".join(sorted(templates)) or "none configured"
@@ -535,7 +554,7 @@ def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyR
     return Job(
         id=job_id, template=tname, params=dict(params), schedule=schedule, misfire=misfire,
         misfire_limit=misfire_limit, overlap=overlap, retry=retry, timeout_s=timeout_s, resources=resources,
-        depends_on=list(deps), not_after=not_after, issued_at=issued_at, doc=stored,
+        depends_on=list(deps), not_after=not_after, issued_at=issued_at, target=target, doc=stored,
         canonical=canonical_json(stored, with_sig=True), content=canonical_json(stored),
         kid=key.kid if key is not None else None,
         key_retired_after=key.retired_after if key is not None else None,

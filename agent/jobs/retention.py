@@ -254,7 +254,10 @@ class Retention:
         self._timer = self.loop.call_later(self.cfg.interval_s, self._tick)
         if self._busy:
             return
-        loaded = sorted(s for s in self.scheduler.loaded if self.agent.fence_for(s) is not None)
+        # cluster shards only: a storage shard's records (targeted jobs' too) are trimmed by
+        # the cluster shard's owner; pool units (>= shards) share their storage shard
+        loaded = sorted(s for s in self.scheduler.loaded
+                        if s < self.agent.cfg.shards and self.agent.fence_for(s) is not None)
         if loaded:  # one shard per tick, round robin
             shard = next((s for s in loaded if s >= self._cursor), loaded[0])
             self._cursor = shard + 1

@@ -36,11 +36,12 @@ import collections
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Optional, Sequence, cast
 
+from agent.coordination import placement
 from agent.coordination.etcd import Create, EtcdClient, EtcdError, EtcdUnavailable, Mod, Put
 from agent.coordination.fencing import Fence, StaleToken, fenced_txn
 from agent.coordination.jobstore import JobStore, StoredJob, public_doc
@@ -110,7 +111,7 @@ FENCE_WAIT_S = 0.1
 class JobEntry:
     job: Job
     stored: StoredJob
-    shard: int
+    shard: int               # the ownership unit (agent/coordination/pools.py); % shards: storage shard
     accepted_at: datetime
     last_due_done: Optional[datetime] = None
     next_timer: Any = None
@@ -212,7 +213,7 @@ class Scheduler:
                 else:
                     self._writes.pop(shard, None)
                     if not self.busy(shard):
-                        self.agent.shards.release_idle()
+                        self.agent.release_idle()
 
         self.workers.submit(op, finished)
 
@@ -233,12 +234,15 @@ class Scheduler:
 
     def _load(self, fence: Fence) -> None:
         shard = fence.shard
+        storage, pool = self._st(shard), self.agent.placement.pool_of_unit(shard)
 
         def op():
             # paged reads at one revision; records are parsed here, off the loop thread, so
-            # a shard with many records never delays due timers of the shards already held
-            jobs, rev = self.store.list_shard(shard)
-            runs = _records_by_job(self.client, self.keys.runs_prefix(shard), rev)
+            # a shard with many records never delays due timers of the shards already held.
+            # A unit holds the jobs of its storage shard that are in its placement pool.
+            jobs, rev = self.store.list_shard(storage)
+            jobs = [replace(j, shard=shard) for j in jobs if placement.pool_of_doc(j.doc) == pool]
+            runs = _records_by_job(self.client, self.keys.runs_prefix(storage), rev)
             return jobs, runs, rev
 
         def done(result, error):
@@ -258,11 +262,11 @@ class Scheduler:
         self.workers.submit(op, done)
 
     def _retry_load(self, fence: Fence) -> None:
-        if self.loading.get(fence.shard) == fence and self.agent.shards.mine.get(fence.shard) == fence:
+        if self.loading.get(fence.shard) == fence and self.agent.held(fence.shard) == fence:
             self._load(fence)
 
     def _reload(self, shard: int) -> None:
-        fence = self.agent.shards.mine.get(shard)
+        fence = self.agent.held(shard)
         if fence is None:
             return
         # keep running firings; reinstall jobs not yet known
@@ -303,28 +307,38 @@ class Scheduler:
             rest = ev.kv.key[len(self.keys.jobs_prefix()):]
             try:
                 shard_s, job_id = rest.split("/", 1)
-                shard = int(shard_s)
+                storage = int(shard_s)
             except ValueError:
                 continue
+            doc = None
+            if ev.kind == "put":
+                try:
+                    doc = json.loads(ev.kv.value)
+                except ValueError:
+                    continue
+            shard = self._unit_for(job_id, storage, doc)
+            if shard is None:
+                continue  # a pool this agent does not know (yet): its shards load it
             if shard in self.loading:
                 self._dirty[shard] = max(self._dirty.get(shard, 0), ev.kv.mod_revision)
                 continue
             if shard not in self.loaded or ev.kv.mod_revision <= self.loaded[shard]:
                 continue
-            if ev.kind == "delete":
+            if ev.kind == "delete" or doc is None:
                 e = self._pop_entry(job_id)
                 if e:
                     self._drop_entry(e, "deleted")
-                continue
-            try:
-                doc = json.loads(ev.kv.value)
-            except ValueError:
                 continue
             stored = StoredJob(shard, doc, ev.kv.mod_revision, ev.kv.create_revision)
             self.job_stored(stored)
 
     def job_stored(self, stored: StoredJob) -> None:
         """A job was created or changed in etcd (watch, or the ingest shortcut)."""
+        if stored.shard < self.cfg.shards:  # a storage shard: find the job's unit
+            unit = self._unit_for(stored.id, stored.shard, stored.doc)
+            if unit is None:
+                return
+            stored = replace(stored, shard=unit)
         shard = stored.shard
         if shard not in self.loaded:
             if shard in self.loading:
@@ -347,6 +361,25 @@ class Scheduler:
             return  # same id: content never changes (conflicts are refused at ingest)
         self._install_job(stored, {})
         JOBS_OWNED.set(len(self.entries))
+
+    def _st(self, unit: int) -> int:
+        """A unit's storage shard: where its jobs and run records live."""
+        return unit % self.cfg.shards
+
+    def _unit_for(self, job_id: str, storage: int, doc: Optional[dict]) -> Optional[int]:
+        """The unit a job belongs to: its entry's if installed (tombstones carry no target),
+        else from its document's placement pool."""
+        e = self.entries.get(job_id)
+        if e is not None:
+            return e.shard
+        if doc is None:
+            return storage
+        return self.agent.placement.unit_of(placement.pool_of_doc(doc), storage)
+
+    def _fire_id(self, e: JobEntry, due: datetime) -> str:
+        """A fan-out job's firing on this agent names the agent: ``<fire id>@<agent>``."""
+        fid = sch.fire_id(e.job.id, due)
+        return f"{fid}@{self.cfg.agent_id}" if e.job.fanout else fid
 
     def job_cancelled(self, job_id: str) -> None:
         e = self.entries.get(job_id)
@@ -403,9 +436,12 @@ class Scheduler:
             self._arm_retirement(e)
         now = utcnow()
         # 1. what earlier owners left behind
+        mine = "@" + self.cfg.agent_id
         for fire_id, (rec, rev) in sorted(records.items()):
+            if job.fanout and not fire_id.endswith(mine):
+                continue  # another agent's own firings of a fan-out job
             try:
-                due = sch.parse_fire_id(fire_id)
+                due = sch.parse_fire_id(fire_id[:-len(mine)] if job.fanout else fire_id)
             except Exception:
                 continue
             if e.last_due_done is None or due > e.last_due_done:
@@ -440,7 +476,7 @@ class Scheduler:
                 latest = []
             for due in latest:
                 if due not in recovery.run:
-                    f = Firing(e, due, sch.fire_id(job.id, due))
+                    f = Firing(e, due, self._fire_id(e, due))
                     e.firings[f.fire_id] = f
                     if e.last_due_done is None or due > e.last_due_done:
                         e.last_due_done = due
@@ -558,7 +594,7 @@ class Scheduler:
 
     # --- firing ---------------------------------------------------------------------------
     def _fire(self, e: JobEntry, due: datetime, lead: float = 0.0) -> None:
-        fid = sch.fire_id(e.job.id, due)
+        fid = self._fire_id(e, due)
         if fid in e.firings:
             return
         if e.last_due_done is None or due > e.last_due_done:
@@ -711,7 +747,7 @@ class Scheduler:
         if retry:
             f.attempt += 1
         f.move(FiringState.CLAIMING)
-        key = self.keys.run(e.shard, e.job.id, f.fire_id)
+        key = self.keys.run(self._st(e.shard), e.job.id, f.fire_id)
         rec = self._record(f, "running", started_at=rfc(max(utcnow(), f.due)))
         compare = [Mod(key) == f.record_rev] if retry else [Create(key) == 0]
         ops = self._record_ops(f, key, json.dumps(rec))
@@ -781,7 +817,7 @@ class Scheduler:
             if f.state != FiringState.CLAIMING or self.entries.get(f.entry.job.id) is not f.entry or f.entry.cancelled:
                 return
             if err is not None:
-                if self.agent.shards.owns(f.entry.shard) is not None:
+                if self.agent.owns(f.entry.shard) is not None:
                     self.loop.call_later(0.2, self._resolve_retry_claim, f, key, rec)
                 else:
                     self._abandon(f, "shard_lost")
@@ -899,7 +935,7 @@ class Scheduler:
         state = {"succeeded": "succeeded", "timed_out": "timed_out", "killed": "killed",
                  "cancelled": "cancelled", "replaced": "killed", "exec_policy": "killed",
                  "agent_stopped": "killed"}.get(reason, "failed")
-        if reason == "fenced" and self.agent.shards.owns(e.shard) is not None:
+        if reason == "fenced" and self.agent.owns(e.shard) is not None:
             self._resolve_lease_kill(f)
             return
         if reason in ("shard_lost", "fenced", "released", "deleted"):
@@ -943,7 +979,7 @@ class Scheduler:
             self._publish(doc, key)
             self._forget(f)
         if not self.busy(e.shard):
-            self.agent.shards.release_idle()
+            self.agent.release_idle()
 
     def _retry_due(self, f: Firing) -> None:
         f.timer = None
@@ -978,7 +1014,7 @@ class Scheduler:
         fence = self.agent.fence_for(e.shard)
         doc, answer_key = self._final_status(f, state, reason=reason)
         if fence is not None:
-            key = self.keys.run(e.shard, e.job.id, f.fire_id)
+            key = self.keys.run(self._st(e.shard), e.job.id, f.fire_id)
             rec = self._record(f, state, reason=reason, ended_at=rfc(utcnow()))
             if f.record_rev:
                 cmp = [Mod(key) == f.record_rev]
@@ -1008,7 +1044,11 @@ class Scheduler:
         e = f.entry
         base = dict(f.record or {})
         base.update({"v": 1, "job_id": e.job.id, "fire_id": f.fire_id, "due": rfc(f.due), "state": state,
-                     "attempt": f.attempt, "agent": self.cfg.agent_id, "shard": e.shard})
+                     "attempt": f.attempt, "agent": self.cfg.agent_id, "shard": self._st(e.shard)})
+        if e.job.target:  # the fence of this record is the pool's shard key (contract v1.1)
+            base["pool"] = e.job.pool
+            if e.job.fanout:
+                base["fanout"] = True
         base.setdefault("started_at", None)
         for k in ("ended_at", "exit_code", "reason", "health", "usage", "retry_at"):
             base.setdefault(k, None)
@@ -1026,7 +1066,7 @@ class Scheduler:
         ops = [Put(key, value)]
         if f.fire_id >= e.latest_fire:
             e.latest_fire = f.fire_id
-            ops.append(Put(self.keys.latest(e.shard, e.job.id), value))
+            ops.append(Put(self.keys.latest(self._st(e.shard), e.job.id), value))
         return ops
 
     def _write_record(self, f: Firing, state: str, answer: Optional[tuple] = None, **fields: Any) -> None:
@@ -1040,7 +1080,7 @@ class Scheduler:
                 f.writing += 1
                 self.loop.call_later(FENCE_WAIT_S, self._rewrite, f, state, fields, f.record_rev, answer)
             return
-        key = self.keys.run(e.shard, e.job.id, f.fire_id)
+        key = self.keys.run(self._st(e.shard), e.job.id, f.fire_id)
         rec = self._record(f, state, **fields)
         rev = f.record_rev
         f.record = rec
@@ -1074,7 +1114,7 @@ class Scheduler:
             self._writes[shard] = n
         else:
             self._writes.pop(shard, None)
-        if f.record_rev == rev and self.agent.shards.owns(shard) is not None:
+        if f.record_rev == rev and self.agent.owns(shard) is not None:
             self._write_record(f, state, answer=answer, **fields)
 
     def _resolve_lease_kill(self, f: Firing) -> None:
@@ -1105,7 +1145,7 @@ class Scheduler:
         owner (found by the fault test: a firing left unrun for 17 s on a live owner)."""
         e = f.entry
         return (self.entries.get(e.job.id) is e and not e.cancelled and f.state != FiringState.DONE
-                and self.agent.shards.owns(e.shard) is not None)
+                and self.agent.owns(e.shard) is not None)
 
     def _when_current(self, f: Firing, state: FiringState, fn: Any, *args: Any) -> None:
         """Call fn(*args) later only if the firing is still where it was (same entry, same state)."""
@@ -1118,7 +1158,7 @@ class Scheduler:
         doc = self._status_doc(f.entry, f, state, **fields)
         key = None
         if self.agent.answer_markers:
-            key = self.keys.answer(f.entry.shard, f.entry.job.id, "run." + f.fire_id)
+            key = self.keys.answer(self._st(f.entry.shard), f.entry.job.id, "run." + f.fire_id)
         return doc, key
 
     def _publish(self, doc: dict, answer_key: Optional[str] = None) -> None:
@@ -1131,7 +1171,7 @@ class Scheduler:
 
     def _status_doc(self, e: JobEntry, f: Optional[Firing], state: str, **fields: Any) -> dict:
         doc = {"v": 1, "job_id": e.job.id, "run_id": f.fire_id if f else None, "state": state,
-               "attempt": f.attempt if f else None, "agent": self.cfg.agent_id, "shard": e.shard,
+               "attempt": f.attempt if f else None, "agent": self.cfg.agent_id, "shard": self._st(e.shard),
                "ts": rfc(utcnow()), "exit_code": None, "reason": None, "usage": None}
         if f is not None:
             doc["due"] = rfc(f.due)

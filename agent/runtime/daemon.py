@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from agent import __version__
 from agent.config import FENCE_KILL_MARGIN_S, Config, load_config
+from agent.coordination import placement
 from agent.coordination.etcd import EtcdClient, Put
 from agent.coordination.fencing import Fence, fenced_txn
 from agent.coordination.keys import Keys
+from agent.coordination.pools import Placement
 from agent.coordination.session import Session
 from agent.coordination.shards import ShardManager
 from agent.coordination.watch import PrefixWatch
@@ -110,6 +112,10 @@ class Agent:
         self.shards = ShardManager(cfg.agent_id, cfg.shards, self.keys, self.client, self.workers, self.loop,
                                    on_acquired=self._shard_acquired, on_lost=self._shard_lost,
                                    busy=self._shard_busy, own_old_leases=lambda: set(self.session.abandoned))
+        # targeting: a shard space per placement pool, among its eligible agents
+        self.placement = Placement(self.shards, cfg.cluster, on_acquired=self._shard_acquired,
+                                   on_lost=self._shard_lost, busy=self._shard_busy,
+                                   own_old_leases=lambda: set(self.session.abandoned))
         self.session = Session(self.client, cfg.etcd.lease_ttl_s, cfg.etcd.renew_deadline_s,
                                cfg.etcd.retry_period_s, self.loop.post,
                                on_granted=self._session_granted, on_renewed=self._session_renewed,
@@ -161,7 +167,9 @@ class Agent:
             l.session_granted()
         self.shards.session_granted(lease_id, self.cfg.capacity,
                                     {"version": __version__, "host": socket.gethostname(),
-                                     "started_at": self.started_at})
+                                     "started_at": self.started_at, "labels": dict(self.cfg.labels),
+                                     "templates": sorted(self.cfg.templates),
+                                     "templates_hash": placement.templates_digest(self.cfg.templates)})
         if not self.watches:
             self._start_watches()
 
@@ -210,6 +218,7 @@ class Agent:
         self.record("lease", event="self_fence", reason=reason, lease=f"{lease:x}", shards=sorted(self.shards.mine))
         self.fenced_reason = reason
         self.shards.fence(reason)
+        self.placement.fence(reason)
         for w in self.watches:  # a stalled stream may never error: start clean on the new session
             w.stop(timeout=0.5)
         self.watches = []
@@ -222,14 +231,25 @@ class Agent:
     def _start_watches(self) -> None:
         post = self.loop.post
         m = PrefixWatch(self.client, self.keys.members_prefix(), "members",
-                        on_snapshot=lambda kvs, rev: post(self.shards.members_snapshot, kvs, rev),
-                        on_events=lambda evs, rev: post(self.shards.members_events, evs, rev))
+                        on_snapshot=lambda kvs, rev: post(self._members_snapshot, kvs, rev),
+                        on_events=lambda evs, rev: post(self._members_events, evs, rev))
         s = PrefixWatch(self.client, self.keys.shards_prefix(), "shards",
                         on_snapshot=lambda kvs, rev: post(self.shards.shards_snapshot, kvs, rev),
                         on_events=lambda evs, rev: post(self.shards.shards_events, evs, rev))
-        self.watches = [m.start(), s.start()]
+        p = PrefixWatch(self.client, self.keys.pools_prefix(), "pools",
+                        on_snapshot=lambda kvs, rev: post(self.placement.snapshot, kvs, rev),
+                        on_events=lambda evs, rev: post(self.placement.events, evs, rev))
+        self.watches = [m.start(), s.start(), p.start()]
         for source in self.watch_sources:
             self.watches.extend(source())
+
+    def _members_snapshot(self, kvs: list, rev: int) -> None:
+        self.shards.members_snapshot(kvs, rev)
+        self.placement.members_changed()
+
+    def _members_events(self, events: list, rev: int) -> None:
+        self.shards.members_events(events, rev)
+        self.placement.members_changed()
 
     # --- shards ------------------------------------------------------------------------
     def publish_status(self, doc: dict) -> None:
@@ -256,10 +276,22 @@ class Agent:
         return any(check(shard) for check in self.busy_checks)
 
     def fence_for(self, shard: int) -> Optional[Fence]:
-        """The fence for a shard if this agent may act for it now (session valid)."""
+        """The fence for a unit (a cluster shard or a pool shard: agent/coordination/pools.py)
+        if this agent may act for it now (session valid)."""
         if not self.session.is_valid():
             return None
-        return self.shards.owns(shard)
+        return self.placement.owns(shard)
+
+    def owns(self, unit: int) -> Optional[Fence]:
+        """The fence for a unit while held and not being released (session not checked)."""
+        return self.placement.owns(unit)
+
+    def held(self, unit: int) -> Optional[Fence]:
+        return self.placement.held(unit)
+
+    def release_idle(self) -> None:
+        """Runs ended: units waiting to move (cluster or pool shards) may go now."""
+        self.shards.release_idle()
 
     def _probe(self, fence: Fence) -> None:
         """Test knob: periodic fenced writes that the history checker audits."""
@@ -286,6 +318,8 @@ class Agent:
                         for m in self.shards.members.values()},
             "shards": {"owned": owned, "count": len(owned), "total": self.cfg.shards,
                        "draining": self.shards.draining},
+            "labels": dict(self.cfg.labels),
+            "pools": self.placement.status(),
         }
         for name, provider in self.status_providers.items():
             try:
@@ -313,7 +347,7 @@ class Agent:
         give_up: list[float] = []   # set once the remaining runs were told to stop
 
         def busy() -> bool:
-            return any(self._shard_busy(s) for s in self.shards.mine)
+            return any(self._shard_busy(s) for s in self.placement.units())
 
         def wait_runs() -> None:
             now = time.monotonic()
@@ -372,7 +406,7 @@ class Agent:
             w.stop(timeout=1.0)
         # ...unless a run may still be alive (a drain that gave up): then the lease expires by
         # itself, after the executor and the run guard have killed what is left
-        live = any(self._shard_busy(s) for s in self.shards.mine)
+        live = any(self._shard_busy(s) for s in self.placement.units())
         if live:
             log.warning("runs may still be alive: not revoking the lease, it expires by itself")
         self.session.stop(revoke=not live)
