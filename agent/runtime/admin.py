@@ -120,6 +120,14 @@ def render(doc: dict) -> str:
         f"shards    {sh.get('count', 0)}/{sh.get('total', '?')} owned{'  (draining)' if sh.get('draining') else ''}: "
         f"{_ranges(sh.get('owned', []))}",
     ]
+    if doc.get("labels"):
+        lines.append("labels    " + ", ".join(f"{k}={v}" for k, v in sorted(doc["labels"].items())))
+    for pool, p in sorted((doc.get("pools") or {}).items()):
+        # a targeted pool: who may run its jobs, or why they wait (no_eligible_agent)
+        state = p.get("state", "?")
+        why = f" ({p.get('reason')}{': ' + p['detail'] if p.get('detail') else ''})" if state == "waiting" else ""
+        lines.append(f"pool      {pool} {json.dumps(p.get('target', {}), sort_keys=True)}  {state}{why}  "
+                     f"eligible {', '.join(p.get('eligible', [])) or '-'}  owned {_ranges(p.get('owned', []))}")
     for section in ("quota", "sensor", "cloud", "health"):
         if section in doc:
             v = doc[section]

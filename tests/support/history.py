@@ -222,6 +222,7 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
     """
     rep = Report()
     shards_p, runs_p, probe_p = prefix + "shards/", prefix + "runs/", prefix + "test/probe/"
+    pools_p = prefix + "pools/"
     holder: dict[str, tuple[str, int]] = {}
     running_by: dict[tuple[str, str, int], list[tuple[str, int]]] = {}
     ended_by_record: dict[tuple[str, str, int], Optional[float]] = {}
@@ -230,7 +231,7 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
     for ev in events:
         counts["events"] += 1
         k = ev.key
-        if k.startswith(shards_p):
+        if k.startswith(shards_p) or (k.startswith(pools_p) and "/shards/" in k):
             if ev.kind == "delete":
                 holder.pop(k, None)
                 counts["releases"] += 1
@@ -270,7 +271,11 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
                 continue
             if rec.get("job_id", job) != job or rec.get("fire_id", fid) != fid:
                 rep.fail(f"rev {ev.rev}: {name(job, fid)} record names {rec.get('job_id')}/{rec.get('fire_id')}")
-            h = holder.get(shards_p + shard)
+            # a targeted job's record is fenced by its pool's shard key (fan-out: the agent's own)
+            pool = rec.get("pool")
+            sk = shards_p + shard if not pool else (
+                f"{pools_p}{pool}/agents/{agent}/shards/{shard}" if rec.get("fanout") else f"{pools_p}{pool}/shards/{shard}")
+            h = holder.get(sk)
             if h is None or h[0] != agent:
                 rep.fail(f"rev {ev.rev}: {name(job, fid)} attempt {attempt} written as {state!r} by {agent} "
                          f"while shard {shard} was held by {h[0] if h else 'nobody'}: an unfenced write")
