@@ -50,11 +50,11 @@ def check_labels(labels: Any, where: str, limit: int = MAX_LABELS) -> dict[str, 
         raise TargetError(where, f"has {len(labels)} labels; at most {limit} are allowed")
     out: dict[str, str] = {}
     for k, v in labels.items():
-        if not isinstance(k, str) or not LABEL_KEY_RE.match(k):
+        if not isinstance(k, str) or not LABEL_KEY_RE.fullmatch(k):
             raise TargetError(where, f"label key {_show(k)} must match {LABEL_KEY_RE.pattern}")
         if not isinstance(v, str):
             raise TargetError(f"{where}.{k}", f"must be a string, got {_show(v)} (quote numbers in YAML)")
-        if not LABEL_VALUE_RE.match(v):
+        if not LABEL_VALUE_RE.fullmatch(v):
             raise TargetError(f"{where}.{k}", f"value {_show(v)} must match {LABEL_VALUE_RE.pattern}")
         out[k] = v
     return out
@@ -75,7 +75,7 @@ def check_target(target: Any, where: str = "target") -> dict:
         raise TargetError(f"{where}.fanout", f"must be true or false, got {_show(fanout)}")
     if has_agent:
         agent = target["agent"]
-        if not isinstance(agent, str) or not AGENT_RE.match(agent):
+        if not isinstance(agent, str) or not AGENT_RE.fullmatch(agent):
             raise TargetError(f"{where}.agent", f"{_show(agent)} is not an agent id ([A-Za-z0-9._-]{{1,128}})")
         if fanout:
             raise TargetError(f"{where}.fanout", "is only allowed with labels (a pinned job runs on one agent)")
