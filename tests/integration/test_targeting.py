@@ -97,7 +97,7 @@ def test_targeted_pinned_and_fanout_jobs_run_only_on_eligible_agents(env):
         return len([r for r in recs.values() if r["state"] == "succeeded"]) == 232
     wait_for(lambda: done(run_records(c.client, c.keys)), 90, interval=0.5, what="232 runs succeeded")
     recs = run_records(c.client, c.keys)
-    for (jid, fid), r in recs.items():
+    for (jid, _fid), r in recs.items():
         if jid.startswith("line2-"):
             assert r["agent"] in LINE2, (jid, r["agent"])
             assert r["pool"] == pool_of({"labels": {"line": "2"}})
