@@ -233,6 +233,7 @@ class Placement:
         m = self.managers.get(pool)
         if m is None:
             self._add(pool, spec)
+            self.status()
         elif m.removed:
             m.removed = False
             m._changed()
@@ -247,6 +248,8 @@ class Placement:
 
     def members_changed(self) -> None:
         self.label_keys.update(k for m in self.parent.members.values() for k in m.labels)
+        if self.managers:
+            self.status()  # keeps the waiting gauge current
 
     # --- status -------------------------------------------------------------------------------
     def pool_state(self, pool: str) -> dict:

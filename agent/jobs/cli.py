@@ -105,9 +105,14 @@ def cli_jobs_show(args) -> int:
     lines = [f"job       {job['id']}  (shard {job['shard']})",
              f"template  {job.get('template')}  params {json.dumps(job['doc'].get('params', {}), sort_keys=True)}",
              f"schedule  {json.dumps(job['doc'].get('schedule', {}), sort_keys=True)}",
-             f"state     {job['state']}",
+             f"state     {job['state']}" + (f" ({job['reason']})" if job.get("reason") else ""),
              f"next due  {job.get('next_due') or '-'}",
              f"accepted  {acc.get('at', '-')} by {acc.get('by', '-')}"]
+    where = job.get("placement")
+    if where:
+        lines.append(f"target    {json.dumps(where.get('target'), sort_keys=True)}  pool {where.get('pool', '-')}  "
+                     f"eligible {', '.join(where.get('eligible') or []) or '-'}"
+                     + (f"  ({where['detail']})" if where.get("detail") else ""))
     if job.get("cancelled"):
         c = job["cancelled"]
         lines.append(f"cancelled {c.get('at')} by {c.get('by')} ({c.get('reason')})")

@@ -21,6 +21,7 @@ from typing import Iterable, Iterator, Optional
 import etcd3.etcdrpc as rpc
 from etcd3 import utils as etcd_utils
 
+from agent.coordination import placement
 from agent.coordination.etcd import KV, _kv
 from agent.coordination.keys import Keys, shard_of
 from agent.jobs import schedule as sch
@@ -125,18 +126,62 @@ def updated_at(doc: dict, runs: list[dict]) -> Optional[str]:
     return sch.format_rfc3339(max(parsed)) if parsed else None
 
 
+def read_members(client, keys: Keys) -> dict[str, dict]:
+    """Live members' records (labels, templates, availability), for placement views."""
+    out = {}
+    for kv in read_prefix(client, keys.members_prefix()):
+        try:
+            out[kv.key[len(keys.members_prefix()):]] = json.loads(kv.value)
+        except ValueError:
+            continue
+    return out
+
+
+def placement_view(doc: dict, members: Optional[dict[str, dict]]) -> Optional[dict]:
+    """A targeted job's pool and its eligible live agents; with none, the reason it waits
+    (and which selector keys no live member publishes). None for untargeted jobs."""
+    if not doc.get("target") or members is None:
+        return None
+    try:
+        target = placement.check_target(doc["target"])
+    except placement.TargetError as exc:
+        return {"target": doc.get("target"), "eligible": [], "reason": "bad_target", "detail": str(exc)}
+    spec = placement.pool_spec(target, str(doc.get("template", "")))
+    assert spec is not None
+    eligible = sorted(a for a, m in members.items() if isinstance(m, dict) and m.get("available", True)
+                      and placement.eligible(a, m.get("labels") or {}, m.get("templates") or [], spec))
+    out: dict = {"pool": placement.pool_id(spec), "target": target, "eligible": eligible}
+    if not eligible:
+        out["reason"] = "no_eligible_agent"
+        known = {k for m in members.values() if isinstance(m, dict) for k in (m.get("labels") or {})}
+        unknown = placement.unknown_keys(spec, known)
+        if unknown:
+            out["detail"] = f"no live agent publishes label key(s) {', '.join(unknown)}"
+    return out
+
+
 def view(doc: dict, shard: int, runs: list[dict], last_runs: int = LAST_RUNS,
-         now: Optional[datetime] = None) -> dict:
+         now: Optional[datetime] = None, members: Optional[dict[str, dict]] = None) -> dict:
     """A job's public view: its document (reserved keys and signature left out), state,
-    the last ``last_runs`` run records (oldest first) and the next due time."""
+    the last ``last_runs`` run records (oldest first) and the next due time. With
+    ``members``, a targeted job that could fire but has no eligible agent is ``waiting``
+    with reason ``no_eligible_agent``."""
     from agent.coordination.jobstore import public_doc
 
     due = next_due(doc, runs, now)
     pub = public_doc(doc)
     pub.pop("sig", None)
-    return {"id": doc.get("id"), "shard": shard, "template": doc.get("template"), "state": job_state(doc, runs, due),
-            "next_due": due, "accepted": doc.get("_accepted"), "cancelled": doc.get("_cancelled"),
-            "updated_at": updated_at(doc, runs), "runs": runs[-last_runs:] if last_runs else [], "doc": pub}
+    state = job_state(doc, runs, due)
+    out = {"id": doc.get("id"), "shard": shard, "template": doc.get("template"), "state": state,
+           "next_due": due, "accepted": doc.get("_accepted"), "cancelled": doc.get("_cancelled"),
+           "updated_at": updated_at(doc, runs), "runs": runs[-last_runs:] if last_runs else [], "doc": pub}
+    where = placement_view(doc, members)
+    if where is not None:
+        out["placement"] = where
+        if not where["eligible"] and state in ("scheduled", "accepted"):
+            out["state"] = "waiting"
+            out["reason"] = where["reason"]
+    return out
 
 
 def _runs_by_job(kvs: Iterable[KV], prefix: str) -> dict[str, list[dict]]:
@@ -179,7 +224,7 @@ def get_job(client, keys: Keys, shards: int, job_id: str, last_runs: int = LAST_
         return None
     # the state needs the latest record; next_due needs the latest fire id: both are the newest
     runs = job_runs(client, keys, shards, job_id, limit=max(1, last_runs))
-    return view(doc, shard, runs, last_runs)
+    return view(doc, shard, runs, last_runs, members=read_members(client, keys) if doc.get("target") else None)
 
 
 def list_jobs(client, keys: Keys, shards: int, in_shards: Optional[Iterable[int]] = None,
@@ -189,6 +234,7 @@ def list_jobs(client, keys: Keys, shards: int, in_shards: Optional[Iterable[int]
     since = _parse(updated_since) if updated_since else None
     now = datetime.now(timezone.utc)
     out: list[dict] = []
+    members = read_members(client, keys)
     for shard in sorted(in_shards) if in_shards is not None else range(shards):
         jobs_prefix = keys.jobs_prefix(shard)
         docs = []
@@ -206,7 +252,7 @@ def list_jobs(client, keys: Keys, shards: int, in_shards: Optional[Iterable[int]
         runs_prefix = keys.runs_prefix(shard)
         runs = _runs_by_job(read_prefix(client, runs_prefix), runs_prefix)
         for d in docs:
-            v = view(d, shard, runs.get(d.get("id"), []), last_runs, now)
+            v = view(d, shard, runs.get(d.get("id"), []), last_runs, now, members)
             if state is not None and v["state"] != state:
                 continue
             if since is not None and (_parse(v["updated_at"]) or now) < since:

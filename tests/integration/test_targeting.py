@@ -18,6 +18,7 @@ import pytest
 from agent.coordination import placement
 from agent.coordination.jobstore import JobStore
 from agent.jobs.schedule import format_rfc3339
+from agent.jobs.view import get_job
 from agent.runtime.admin import query, render
 from tests.integration.cluster import Cluster, wait_for
 from tests.support import history
@@ -184,6 +185,11 @@ def test_line2_jobs_wait_with_no_eligible_agent_then_run_by_misfire_policy(env):
     assert st[pool]["eligible"] == []
     assert st[nokey]["state"] == "waiting" and "camera" in st[nokey]["detail"]
     assert "no_eligible_agent" in render(status(c, "l1a"))
+    # the job view (`millwright jobs show`, jobs/get) says so too, from etcd alone
+    v = get_job(c.client, c.keys, c.shards, "w-nokey")
+    assert v["state"] == "waiting" and v["reason"] == "no_eligible_agent"
+    assert "camera" in v["placement"]["detail"]
+    assert get_job(c.client, c.keys, c.shards, "w-once")["placement"]["eligible"] == []
     time.sleep(3)  # the at-firings fall due while no agent may run them
     assert not [r for r in run_records(c.client, c.keys).values() if r["job_id"].startswith("w-")]
     start(c, "l2a")

@@ -180,3 +180,20 @@ def test_pool_manager_assigns_only_among_eligible_members():
     assert "/agents/b/shards/" in fan.keys.shard(0)
     m.removed = True
     assert m.available_members() == {}
+
+
+def test_job_view_waits_with_no_eligible_agent():
+    from agent.jobs.view import view
+
+    d = {"id": "j", "template": "t", "schedule": {}, "target": {"labels": {"line": "2"}},
+         "_accepted": {"at": "2026-12-02T11:00:00Z", "by": "x"}}
+    members = {"a": {"labels": {"line": "1"}, "templates": ["t"]}, "b": {"labels": {"line": "2"}, "templates": []}}
+    v = view(d, 3, [], members=members)
+    assert v["state"] == "waiting" and v["reason"] == "no_eligible_agent"
+    assert v["placement"]["eligible"] == [] and "detail" not in v["placement"]
+    members["b"]["templates"] = ["t"]
+    v = view(d, 3, [], members=members)
+    assert v["state"] != "waiting" and v["placement"]["eligible"] == ["b"]
+    v = view({**d, "target": {"labels": {"camera": "cam1"}}}, 3, [], members=members)
+    assert v["state"] == "waiting" and "camera" in v["placement"]["detail"]
+    assert "placement" not in view({k: x for k, x in d.items() if k != "target"}, 3, [], members=members)
