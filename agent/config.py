@@ -195,6 +195,8 @@ class RetentionConfig:
     interval_s: float = doc("One owned shard is trimmed per tick of this period (0 disables retention).",
                             default=10.0)
     disk_interval_s: float = doc("How often run directories are checked.", default=60.0)
+    pools_interval_s: float = doc("The owner of shard 0 removes placement pools that no longer have jobs "
+                                  "this often (their agents then hand the pool's shards back).", default=300.0)
     compact_interval_s: float = doc("The owner of shard 0 compacts etcd's history this often, to the "
                                     "revision seen one interval earlier (0: the operator runs compaction, "
                                     "e.g. etcd --auto-compaction-mode=revision).", default=300.0)

@@ -98,6 +98,7 @@ class Placement:
         self.raw: dict[str, dict[str, KV]] = {}    # pool shard keys seen, also of pools not yet known
         self.rev = 0
         self.label_keys: set[str] = set()
+        self._next_k = 1
 
     # --- units ----------------------------------------------------------------------------
     def unit_of(self, pool: str, storage_shard: int) -> Optional[int]:
@@ -156,7 +157,8 @@ class Placement:
             m._changed()
 
     def _add(self, pool: str, spec: dict) -> None:
-        k = len(self.index) + 1
+        k = self._next_k
+        self._next_k += 1
         self.index[pool] = k
         fanout = bool(spec.get("fanout"))
         keys = PoolKeys(self.cluster, pool, self.parent.me if fanout else None)
@@ -245,6 +247,21 @@ class Placement:
         if m is not None:
             m.removed = True
             m._changed()
+            self.parent.loop.call_later(0.5, self._forget, pool)
+
+    def _forget(self, pool: str) -> None:
+        """Drop a removed pool's manager once it holds nothing (bounded memory)."""
+        m = self.managers.get(pool)
+        if m is None or not m.removed:
+            return
+        if m.mine or m._claiming:
+            self.parent.loop.call_later(0.5, self._forget, pool)
+            return
+        del self.managers[pool]
+        self.by_index.pop(self.index.pop(pool), None)
+        self.parent.followers.remove(m)
+        log.info("placement pool removed", extra={"fields": {"pool": pool}})
+        self.status()
 
     def members_changed(self) -> None:
         self.label_keys.update(k for m in self.parent.members.values() for k in m.labels)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable, Optional
 
+from agent.coordination import placement
 from agent.coordination.etcd import Delete, Mod, Put
 from agent.coordination.fencing import Fence, StaleToken, fenced_txn
 from agent.coordination.jobstore import finished_tombstone
@@ -229,8 +230,10 @@ class Retention:
         self._started = False
         self._cursor = 0
         self._disk_at = 0.0
+        self._pools_at = time.monotonic()
         self.last: dict = {}
-        self.totals = {"runs": 0, "jobs_finished": 0, "tombstones": 0, "latest": 0, "answers": 0, "run_dirs": 0}
+        self.totals = {"runs": 0, "jobs_finished": 0, "tombstones": 0, "latest": 0, "answers": 0, "run_dirs": 0,
+                       "pools": 0}
         agent.status_providers["retention"] = self.status
 
     def start(self) -> None:
@@ -265,6 +268,10 @@ class Retention:
             self._busy = True
             self.workers.submit(lambda: self.run_shard(fence), lambda r, e: self._shard_done(fence, r, e))
         now = time.monotonic()
+        fence0 = self.agent.fence_for(0)
+        if fence0 is not None and self.cfg.pools_interval_s > 0 and now - self._pools_at >= self.cfg.pools_interval_s:
+            self._pools_at = now
+            self.workers.submit(lambda: self.run_pools(fence0), lambda r, e: self._shard_done(fence0, r, e, busy=False))
         if self.executor is not None and now - self._disk_at >= self.cfg.disk_interval_s:
             self._disk_at = now
             in_use = self._dirs_in_use()
@@ -279,8 +286,10 @@ class Retention:
                     used.add(os.path.basename(d))
         return used
 
-    def _shard_done(self, fence: Fence, result: Optional[dict], error: Optional[BaseException]) -> None:
-        self._busy = False
+    def _shard_done(self, fence: Fence, result: Optional[dict], error: Optional[BaseException],
+                    busy: bool = True) -> None:
+        if busy:
+            self._busy = False
         if error is not None:
             PASSES.labels("stale" if isinstance(error, StaleToken) else "error").inc()
             if not isinstance(error, StaleToken):
@@ -373,6 +382,44 @@ class Retention:
                     DELETED.labels(kind).inc(len(batch))
                 else:  # something changed since the read: the next pass decides again
                     result["conflicts"] += 1
+        return result
+
+    def run_pools(self, fence: Fence) -> dict:
+        """Remove the spec of every placement pool without a job (pools/<pool>/spec), fenced by
+        shard 0. Jobs are read at the revision the specs were read at, and each delete
+        compares the spec's mod revision: a job created since re-put its pool's spec in its
+        own transaction (jobstore), so its pool is never removed under it."""
+        result = {"pools": 0, "conflicts": 0}
+        specs: dict[str, tuple[str, int]] = {}
+        rev = 0
+        prefix = self.keys.pools_prefix()
+        for kvs, page_rev in self.client.range_pages(prefix, keys_only=True):
+            rev = rev or page_rev
+            for kv in kvs:
+                pool, _, tail = kv.key[len(prefix):].partition("/")
+                if tail == "spec":
+                    specs[pool] = (kv.key, kv.mod_revision)
+        if not specs:
+            return result
+        live: set[str] = set()
+        jobs_prefix = self.keys.jobs_prefix()
+        for kvs, _ in self.client.range_pages(jobs_prefix, revision=rev):
+            for kv in kvs:
+                try:
+                    doc = json.loads(kv.value)
+                except ValueError:
+                    continue
+                if isinstance(doc, dict) and doc.get("target") is not None:
+                    live.add(placement.pool_of_doc(doc))
+        for pool, (key, mrev) in sorted(specs.items()):
+            if pool in live or not self._throttle.take(1):
+                continue
+            r = fenced_txn(self.client, fence, compare=[Mod(key) == mrev], success=[Delete(key)])
+            if r.succeeded:
+                result["pools"] += 1
+                DELETED.labels("pools").inc()
+            else:
+                result["conflicts"] += 1
         return result
 
     def run_disk(self, in_use: set[str]) -> dict:

@@ -231,3 +231,37 @@ def test_agent_without_the_template_is_never_eligible_even_if_its_labels_match(e
     events = history_clean(c)
     assert not any(ev.value.decode() == "l2a" for ev in events
                    if ev.kind == "put" and ev.key.startswith(c.keys.pool_shards_prefix(pool)))
+
+
+def test_a_pool_without_jobs_is_removed_by_retention_and_its_shards_handed_back(etcd_server, tmp_path):
+    """Bound: pools/ does not grow with every target ever used. A finished targeted job
+    becomes a tombstone (no target); the shard-0 owner then removes the pool's spec and
+    the agents release the pool's shard keys."""
+    out = str(tmp_path / "effects.txt")
+    c = Cluster(etcd_server, str(tmp_path / "agents"), shards=8, ttl=4, renew_deadline=2.5, retry_period=0.5,
+                extra={"templates": templates(out),
+                       "retention": {"interval_s": 0.2, "finished_job_s": 1, "pools_interval_s": 0.5}})
+    try:
+        store = c.signing(JobStore(c.client, c.keys, c.shards, "test"))
+        start(c, "l2a")
+        start(c, "l2b")
+        wait_for(lambda: c.all_owned_by({"l2a", "l2b"}), 30, what="cluster shards")
+        t = format_rfc3339(now())
+        for i in range(5):
+            store.create(job(f"once-{i}", {}, issued_at=t, target={"labels": {"line": "2"}}))
+        store.create(job("stays", {"cron": "0 0 1 1 *"}, issued_at=t, target={"agent": "l2b"}))
+        gone = pool_of({"labels": {"line": "2"}})
+        stays = pool_of({"agent": "l2b"})
+        wait_for(lambda: len(pool_owners(c, gone)) == c.shards, 30, what="pool shards claimed")
+        wait_for(lambda: c.client.get(c.keys.pool_spec(gone)) is None, 60, interval=0.2, what="pool spec removed")
+        wait_for(lambda: pool_owners(c, gone) == {}, 30, interval=0.2, what="pool shards handed back")
+        assert c.client.get(c.keys.pool_spec(stays)) is not None  # a pool with a job stays
+        assert len(pool_owners(c, stays)) == c.shards
+        wait_for(lambda: gone not in status(c, "l2a")["pools"], 15, what="pool forgotten by the agents")
+        # the same target used again: the pool comes back and its jobs run
+        store.create(job("again", {}, issued_at=format_rfc3339(now()), target={"labels": {"line": "2"}}))
+        wait_for(lambda: any(r["job_id"] == "again" and r["state"] == "succeeded"
+                             for r in run_records(c.client, c.keys).values()), 30, interval=0.2, what="again ran")
+        history_clean(c)
+    finally:
+        c.close()
