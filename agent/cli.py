@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--kid", required=True, help="key id to sign with")
     sp.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the accepted/rejected status")
     sp.add_argument("--no-wait", action="store_true", help="publish without waiting for the status")
+    sp.add_argument("--target-agent", metavar="ID", help="run only on this agent (adds target.agent)")
+    sp.add_argument("--target-label", metavar="KEY=VALUE", action="append",
+                    help="run on an agent with this label (repeatable: all must match; adds target.labels)")
+    sp.add_argument("--fanout", action="store_true", help="with --target-label: run once on every matching agent")
 
     sp = cmd("cancel", "agent.cloud.cli:cli_cancel", "sign and publish a cancel for a job id")
     with_config(sp)

@@ -116,6 +116,13 @@ def _report(doc, job_id, timeout: float) -> int:
         redelivery += f" (published by {doc['published_by']})"
     if doc.get("state") in ("accepted", "cancelled"):
         print(f"{doc['state']} {doc.get('job_id')}{redelivery} by {doc.get('agent')} (shard {doc.get('shard')})")
+        where = doc.get("placement")
+        if isinstance(where, dict):
+            if where.get("eligible"):
+                print(f"target {json.dumps(where.get('target'), sort_keys=True)}: eligible {', '.join(where['eligible'])}")
+            else:
+                print(f"target {json.dumps(where.get('target'), sort_keys=True)}: waiting ({where.get('reason')}"
+                      + (f": {where['detail']}" if where.get("detail") else "") + ")")
         return EXIT_ACCEPTED
     print(f"rejected {doc.get('job_id') or job_id or ''}: {doc.get('reason')}: {doc.get('detail') or ''}"
           .replace("  ", " ").rstrip(": "))
@@ -135,6 +142,35 @@ def bind(doc: dict, cluster: str, kind: str, now=None) -> dict:
     return out
 
 
+def with_target(doc: dict, agent: Optional[str], labels: Optional[list], fanout: bool) -> dict:
+    """The document with the target the command line names (--target-agent, --target-label
+    k=v, --fanout). Raises UserError on a bad or conflicting target."""
+    from agent.coordination.placement import TargetError, check_target
+
+    if not agent and not labels and not fanout:
+        return doc
+    if "target" in doc:
+        raise UserError("target: the document already names a target; drop --target-*/--fanout or the key")
+    target: dict = {}
+    if agent:
+        target["agent"] = agent
+    if labels:
+        sel = {}
+        for item in labels:
+            k, sep, v = item.partition("=")
+            if not sep:
+                raise UserError(f"--target-label {item!r}: expected KEY=VALUE")
+            sel[k] = v
+        target["labels"] = sel
+    if fanout:
+        target["fanout"] = True
+    try:
+        check_target(target)
+    except TargetError as exc:
+        raise UserError(f"{exc.field}: {exc.message}") from None
+    return {**doc, "target": target}
+
+
 def cli_push(args) -> int:
     cfg = _config(args)
     ring = _keyring(args.key_file, args.kid)
@@ -148,6 +184,8 @@ def cli_push(args) -> int:
         raise UserError(f"{args.file}: not valid JSON ({str(exc)[:120]})") from None
     if not isinstance(doc, dict):
         raise UserError(f"{args.file}: a job document must be a JSON object")
+    doc = with_target(doc, getattr(args, "target_agent", None), getattr(args, "target_label", None),
+                      getattr(args, "fanout", False))
     payload = _sign(bind(doc, cfg.cluster, "job"), ring, args.kid)
     from agent.cloud.ingest import peek_id
     from agent.cloud.topics import Topics

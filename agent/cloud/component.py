@@ -109,7 +109,7 @@ class CloudComponent:
         self.ingest = Ingest(store=self.store, keyring=self.keyring, templates=cfg.templates, topics=self.topics,
                              agent_id=self.agent_id, max_bytes=m.max_payload_bytes, max_skew_s=m.max_skew_s,
                              cluster=cfg.cluster, max_age_s=m.max_age_s, outbox=self.outbox, record=agent.record,
-                             notify=self._notify, answers=self.answers)
+                             notify=self._notify, answers=self.answers, members=self._members)
         self.queries = JobQueries(agent.client, agent.keys, cfg.shards, self.agent_id, self.topics, self.link,
                                   owned, hold_s=cfg.etcd.lease_ttl_s + 5.0)
         self.dispatcher = Dispatcher(self.ingest, self.link, self.topics, lambda: agent.owned_shards,
@@ -122,6 +122,16 @@ class CloudComponent:
         agent.checkpoint_sinks.append(self.checkpoint_sink)
         agent.drain_hooks.append(self.drain)
         agent.status_providers["cloud"] = self.status
+
+    def _members(self) -> Optional[dict]:
+        """Live members as published (labels, templates), read from the ingest thread."""
+        for _ in range(3):
+            try:
+                return {m.agent: {"labels": m.labels, "templates": sorted(m.templates), "available": m.available}
+                        for m in list(self.agent.shards.members.values())}
+            except RuntimeError:  # changed size while the loop thread updated it: read again
+                continue
+        return None
 
     # --- sinks ------------------------------------------------------------------------
     def status_sink(self, doc: dict) -> None:

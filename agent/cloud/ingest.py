@@ -133,8 +133,12 @@ class Ingest:
                  record: Callable[..., None] = lambda *a, **k: None,
                  notify: Callable[[str, Any], None] = lambda kind, obj: None,
                  has_other_owner: Optional[Callable[[int], bool]] = None,
-                 reports: Optional[TokenBucket] = None, answers=None):
+                 reports: Optional[TokenBucket] = None, answers=None,
+                 members: Optional[Callable[[], Optional[dict]]] = None):
         self.store = store
+        # live members' records (labels, templates): an accepted targeted push says whether
+        # any agent can run it yet (agent/jobs/view.py placement_view)
+        self.members = members or (lambda: None)
         self.keyring = keyring
         self.templates = templates
         self.topics = topics if topics.agent_id else Topics(topics.cluster, agent_id)
@@ -276,6 +280,12 @@ class Ingest:
     def _push_store(self, payload: bytes, job, as_owner: bool) -> Outcome:
         shard = shard_of(job.id, self.shards)
         doc = self._status(job.id, "accepted", payload, shard=shard)
+        if job.target is not None:
+            from agent.jobs.view import placement_view
+
+            where = placement_view(job.doc, self.members())
+            if where is not None:
+                doc["placement"] = where
         marker: Optional[str] = None
         also: tuple = ()
         if self.answers is not None:  # the answer is durable with the job (agent/cloud/answers.py)

@@ -197,3 +197,20 @@ def test_job_view_waits_with_no_eligible_agent():
     v = view({**d, "target": {"labels": {"camera": "cam1"}}}, 3, [], members=members)
     assert v["state"] == "waiting" and "camera" in v["placement"]["detail"]
     assert "placement" not in view({k: x for k, x in d.items() if k != "target"}, 3, [], members=members)
+
+
+def test_push_command_line_target():
+    from agent.cli import UserError
+    from agent.cloud.cli import with_target
+
+    d = {"id": "j", "template": "t"}
+    assert with_target(d, None, None, False) is d
+    assert with_target(d, "gw-3", None, False)["target"] == {"agent": "gw-3"}
+    assert with_target(d, None, ["line=2", "cell=press"], True)["target"] == {
+        "labels": {"line": "2", "cell": "press"}, "fanout": True}
+    for args in [("gw-3", ["line=2"], False), (None, ["line"], False), (None, ["line=a b"], False),
+                 ("gw-3", None, True), (None, None, True), ("../x", None, False)]:
+        with pytest.raises(UserError):
+            with_target(d, *args)
+    with pytest.raises(UserError):
+        with_target({**d, "target": {"agent": "x"}}, "gw-3", None, False)
