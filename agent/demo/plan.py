@@ -43,21 +43,23 @@ def plan_jobs(t0: datetime, duration: float, kill_at: float) -> list[DemoJob]:
     stall_timeout = int(max(5, min(12, kill_at - 4)))
     jobs: list[DemoJob] = []
 
+    line1, line2 = {"labels": {"line": "1"}}, {"labels": {"line": "2"}}  # targets: the gateways of a line
+
     def add(jid, template, params, schedule, kind, expect="succeeded", **kw):
         doc = {"v": 1, "id": jid, "template": template, "params": params, "schedule": schedule,
                "issued_at": rfc(issued), "not_after": rfc(far), "timeout_s": 60,
                "retry": {"max_attempts": 2, "backoff_s": 1, "max_backoff_s": 5, "jitter": 0}}
-        doc.update(kw)
+        doc.update({k: v for k, v in kw.items() if v is not None})
         jobs.append(DemoJob(doc, kind, expect))
         return jobs[-1]
 
     # immediate
-    add("oil-check-line1", "oil-check", {"line": "1"}, {}, "immediate")
-    add("oil-check-line2", "oil-check", {"line": "2"}, {}, "immediate")
+    add("oil-check-line1", "oil-check", {"line": "1"}, {}, "immediate", target=line1)
+    add("oil-check-line2", "oil-check", {"line": "2"}, {}, "immediate", target=line2)
     add("firmware-fetch-press4", "firmware-fetch", {"image": "press-ctl-4.2"}, {}, "network stall", "any",
         timeout_s=stall_timeout, retry={"max_attempts": 1})
     add("line-diagnostics-line2", "line-diagnostics", {"line": "2"}, {}, "exec policy", "any",
-        retry={"max_attempts": 1})
+        retry={"max_attempts": 1}, target=line2)
     add("vision-warmup-cam1", "vision-warmup", {"mb": "256"}, {}, "memory limit", "not_succeeded",
         resources={"memory_mb": 48, "cpu": 0.5}, retry={"max_attempts": 1})
     # delayed (relative to issued_at)
@@ -69,14 +71,14 @@ def plan_jobs(t0: datetime, duration: float, kill_at: float) -> list[DemoJob]:
     for i in range(6):
         at = t0 + timedelta(seconds=5.0 + i * span / 5)
         add(f"filter-swap-press{i + 1}", "filter-swap", {"press": str(i + 1)}, {"at": rfc(at)},
-            f"at +{(at - t0).total_seconds():.0f} s")
+            f"at +{(at - t0).total_seconds():.0f} s", target=line2 if i % 2 else None)
     # a long run that is in progress when the agent is killed (if its agent is the victim)
     at = t0 + timedelta(seconds=kill_at - 2)
     # (calibration can be repeated safely: it opts into owner_lost retries, see retry.on)
     add("press-calibration-2", "press-calibration", {"press": "2", "seconds": "5"}, {"at": rfc(at)},
         f"at +{kill_at - 2:.0f} s, runs 5 s",
         retry={"max_attempts": 2, "backoff_s": 1, "max_backoff_s": 5, "jitter": 0,
-               "on": ["failed", "timed_out", "owner_lost"]})
+               "on": ["failed", "timed_out", "owner_lost"]}, target=line2)
     # cron with seconds, bounded by not_after
     end = t0 + timedelta(seconds=duration - 4)
     grid_end = datetime.fromtimestamp((int(end.timestamp()) // CRON_EVERY_S) * CRON_EVERY_S, timezone.utc)
@@ -84,7 +86,8 @@ def plan_jobs(t0: datetime, duration: float, kill_at: float) -> list[DemoJob]:
     for line in (1, 2, 3):
         j = add(f"vibration-sample-line{line}", "vibration-sample", {"line": str(line)},
                 {"cron": f"*/{CRON_EVERY_S} * * * * *", "tz": "Europe/Berlin"}, f"cron */{CRON_EVERY_S} s",
-                misfire="run_all", misfire_limit=3, overlap="forbid", not_after=rfc(not_after))
+                misfire="run_all", misfire_limit=3, overlap="forbid", not_after=rfc(not_after),
+                target={1: line1, 2: line2}.get(line))
         g = (int(issued.timestamp() // CRON_EVERY_S) + 1) * CRON_EVERY_S
         while g < not_after.timestamp():
             j.cron_expected.append(datetime.fromtimestamp(g, timezone.utc))

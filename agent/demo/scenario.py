@@ -139,6 +139,8 @@ class Demo:
         self.jobs: list[DemoJob] = []
         self.templates: dict = {}
         self.victim: Optional[str] = None
+        self.lines: dict[str, str] = {}                  # agent -> its line label
+        self.victim_pools: dict[str, list[int]] = {}     # pool -> the victim's shards of it
         self.kill_wall: Optional[datetime] = None
         self.kill_mono = 0.0
         self.failover: dict = {}
@@ -167,6 +169,7 @@ class Demo:
             self.push_jobs()
             self.scenario()
             self.settle()
+            self._check_targets()
             result = report.collect(self)
             self.stop_agents()
             result["audit"] = report.verify_audit(self)
@@ -263,9 +266,12 @@ class Demo:
 
         suffix = secrets.token_hex(2)
         ids = [f"gw{i}-{suffix}" for i in range(1, AGENTS + 1)]
+        # targeting: gw1 serves line 1, gw2 and gw3 line 2 (the demo's line jobs name a line)
+        self.lines = {aid: "1" if i == 0 else "2" for i, aid in enumerate(ids)}
         for aid in ids:
             port = free_port()
             cfg = json.loads(json.dumps(base_cfg))
+            cfg["labels"] = {"line": self.lines[aid]}
             cfg["etcd"] = {**cfg.get("etcd", {}), "endpoints": [self.etcd.endpoint]}
             cfg["mqtt"] = {**cfg.get("mqtt", {}), "url": self.mqtt.url}
             cfg["signing"] = {"keys_file": keys_file}
@@ -273,7 +279,8 @@ class Demo:
             a = AgentProcess(aid, os.path.join(self.base, "agents"), cfg).start()
             self.agents[aid] = a
             self.metrics_ports[aid] = port
-            live.line(aid, f"started `millwright run` (pid {a.pid}), metrics http://127.0.0.1:{port}/metrics")
+            live.line(aid, f"started `millwright run` (pid {a.pid}), labels line={self.lines[aid]}, "
+                           f"metrics http://127.0.0.1:{port}/metrics")
         self._await_convergence(ids)
 
     def _blackhole(self, port: int) -> None:
@@ -322,6 +329,36 @@ class Demo:
     def _owners(self) -> dict[int, str]:
         kvs, _ = self.client.get_prefix(self.keys.shards_prefix())
         return {self.keys.shard_number(kv.key): kv.value.decode() for kv in kvs}
+
+    def _pool_owners(self) -> dict[str, dict[int, str]]:
+        """pool -> shard -> holder, for every targeted pool (pools/<pool>/shards/)."""
+        kvs, _ = self.client.get_prefix(self.keys.pools_prefix())
+        out: dict[str, dict[int, str]] = {}
+        for kv in kvs:
+            pool, _, tail = kv.key[len(self.keys.pools_prefix()):].partition("/")
+            if tail.startswith("shards/"):
+                out.setdefault(pool, {})[int(tail[len("shards/"):])] = kv.value.decode()
+        return out
+
+    def _check_targets(self) -> None:
+        """Every run of a line-targeted job ran on a gateway of that line (etcd records)."""
+        from agent.coordination import placement
+
+        kvs, _ = self.client.get_prefix(self.keys.runs_prefix())
+        targets = {j.id: j.doc["target"] for j in self.jobs if j.doc.get("target")}
+        n, per_line = 0, collections.Counter[str]()
+        for kv in kvs:
+            rec = json.loads(kv.value)
+            target = targets.get(rec.get("job_id"))
+            if target is None or not rec.get("started_at"):
+                continue
+            n += 1
+            line = self.lines.get(rec.get("agent"))
+            if not placement.matches({"line": line or ""}, target.get("labels", {})):
+                raise DemoFailed(f"{rec['job_id']} targets {target} but ran on {rec.get('agent')} (line {line})")
+            per_line[line or "?"] += 1
+        self.live.line("etcd", f"targeting: {n} runs of line-targeted jobs, each on a gateway of its line (" +
+                       ", ".join(f"line {k}: {v}" for k, v in sorted(per_line.items())) + ")")
 
     # ----------------------------------------------------------------- push
     def push_jobs(self) -> None:
@@ -484,12 +521,21 @@ class Demo:
         return score
 
     def _kill(self) -> None:
+        from agent.coordination import placement
         from agent.coordination.keys import shard_of
 
         owners = self._owners()
-        owner_of = lambda j: owners.get(shard_of(j.id, self.shard_count))
+        pools = self._pool_owners()
+
+        def owner_of(j):
+            s = shard_of(j.id, self.shard_count)
+            if j.doc.get("target"):
+                return pools.get(placement.pool_of_doc(j.doc), {}).get(s)
+            return owners.get(s)
         score = self._future_firings(owner_of)
-        victim = max(sorted(self.agents), key=lambda a: score.get(a, 0))
+        # the victim serves line 2: its line's jobs must move to the other line-2 gateway only
+        victim = max(sorted(a for a in self.agents if self.lines[a] == "2"), key=lambda a: score.get(a, 0))
+        self.victim_pools = {p: sorted(s for s, a in o.items() if a == victim) for p, o in pools.items()}
         self.victim = victim
         mine = sorted(s for s, a in owners.items() if a == victim)
         running = [k[0] for k, d in self._running.items() if d.get("agent") == victim
@@ -546,10 +592,38 @@ class Demo:
                 self.live.line("etcd", f"failover complete: all {len(mine)} shards of {victim} owned by " +
                                ", ".join(f"{a} ({n})" for a, n in sorted(self.failover['taken'].items())) +
                                f", {self.failover['done_s']:.2f} s after the kill")
+                self._await_pool_failover(deadline)
                 return
             if now > deadline:
                 raise DemoFailed(f"failover did not complete: {len(mine) - len(taken)} of {victim}'s shards "
                                  "still unowned 40 s after the kill")
+            time.sleep(0.05)
+
+    def _await_pool_failover(self, deadline: float) -> None:
+        """The victim's shards of line 2's pool move to the other line-2 gateway, never to
+        line 1's (it is not eligible: the pool's shards are shared by eligible agents only)."""
+        victim = self.failover["victim"]
+        want = {p: set(s) for p, s in self.victim_pools.items() if s}
+        if not want:
+            return
+        while True:
+            pools = self._pool_owners()
+            moved = {p: {s: pools.get(p, {}).get(s) for s in ss} for p, ss in want.items()}
+            for p, got in moved.items():
+                wrong = {a for a in got.values() if a and self.lines.get(a) != "2"}
+                if wrong:
+                    raise DemoFailed(f"pool {p}: shards of {victim} went to {', '.join(sorted(wrong))}, not line 2")
+            if all(a and a != victim for got in moved.values() for a in got.values()):
+                took = collections.Counter(str(a) for got in moved.values() for a in got.values())
+                self.failover["pools_done_s"] = time.monotonic() - self.kill_mono
+                self.live.line("etcd", f"line 2's jobs: {sum(len(s) for s in want.values())} pool shards of {victim} "
+                               f"now held by " + ", ".join(f"{a} (line {self.lines[a]})" for a in sorted(took)) +
+                               f", {self.failover['pools_done_s']:.2f} s after the kill; line 1's gateway is "
+                               "never eligible")
+                return
+            if time.monotonic() > deadline:
+                raise DemoFailed(f"line 2's pool shards of {victim} still unowned 40 s after the kill")
+            self._pump()
             time.sleep(0.05)
 
     def _show_status(self) -> None:
