@@ -259,8 +259,8 @@ class Agent:
 
     def _shard_acquired(self, fence: Fence) -> None:
         self.owned_shards = frozenset(self.shards.mine)
-        self.record("shard", event="acquired", shard=fence.shard, token=fence.token,
-                    lease=f"{self.shards.lease:x}" if self.shards.lease else None)
+        self.record("shard", event="acquired", token=fence.token,
+                    lease=f"{self.shards.lease:x}" if self.shards.lease else None, **self._where(fence.shard))
         for l in self.shard_listeners:
             l.shard_acquired(fence)
         if self._probe_interval:
@@ -268,9 +268,16 @@ class Agent:
 
     def _shard_lost(self, shard: int, reason: str) -> None:
         self.owned_shards = frozenset(self.shards.mine)
-        self.record("shard", event="released" if reason == "released" else "lost", shard=shard, reason=reason)
+        self.record("shard", event="released" if reason == "released" else "lost", reason=reason,
+                    **self._where(shard))
         for l in self.shard_listeners:
             l.shard_lost(shard, reason)
+
+    def _where(self, unit: int) -> dict:
+        """A unit as an operator reads it: the shard, and its placement pool unless default."""
+        if unit < self.cfg.shards:
+            return {"shard": unit}
+        return {"shard": unit % self.cfg.shards, "pool": self.placement.pool_of_unit(unit)}
 
     def _shard_busy(self, shard: int) -> bool:
         return any(check(shard) for check in self.busy_checks)
