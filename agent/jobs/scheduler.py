@@ -241,7 +241,8 @@ class Scheduler:
             # a shard with many records never delays due timers of the shards already held.
             # A unit holds the jobs of its storage shard that are in its placement pool.
             jobs, rev = self.store.list_shard(storage)
-            jobs = [replace(j, shard=shard) for j in jobs if placement.pool_of_doc(j.doc) == pool]
+            jobs = [j if shard == storage else replace(j, shard=shard)
+                    for j in jobs if placement.pool_of_doc(j.doc) == pool]
             runs = _records_by_job(self.client, self.keys.runs_prefix(storage), rev)
             return jobs, runs, rev
 
@@ -311,7 +312,9 @@ class Scheduler:
             except ValueError:
                 continue
             doc = None
-            if ev.kind == "put":
+            if ev.kind == "put" and job_id not in self.entries and b'"target"' in ev.kv.value:
+                # maybe targeted: its unit depends on its pool (untargeted documents, the
+                # common case, are parsed only if their shard is ours, as before)
                 try:
                     doc = json.loads(ev.kv.value)
                 except ValueError:
@@ -324,11 +327,16 @@ class Scheduler:
                 continue
             if shard not in self.loaded or ev.kv.mod_revision <= self.loaded[shard]:
                 continue
-            if ev.kind == "delete" or doc is None:
+            if ev.kind == "delete":
                 e = self._pop_entry(job_id)
                 if e:
                     self._drop_entry(e, "deleted")
                 continue
+            if doc is None:
+                try:
+                    doc = json.loads(ev.kv.value)
+                except ValueError:
+                    continue
             stored = StoredJob(shard, doc, ev.kv.mod_revision, ev.kv.create_revision)
             self.job_stored(stored)
 
