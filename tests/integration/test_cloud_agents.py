@@ -357,3 +357,25 @@ def test_etcd_outage_never_acknowledges_a_push(world):
         assert "during-etcd-outage" in jobs_in_etcd(world.etcd)
     finally:
         pusher.stop()
+
+
+def test_cli_push_with_a_target_says_whether_an_agent_can_run_it(world, tmp_path):
+    """Issue 15: `push --target-label/--target-agent` sets the target; a target no live agent
+    matches is accepted (agents may join later) and the answer says why it waits."""
+    a = world.cluster.start("a1", extra={"labels": {"line": "1"}})
+    wait_for(lambda: world.cluster.all_owned_by({"a1"}), 30, what="a1 owns all shards")
+    wait_agent_connected(world.col, "a1")
+    cfg = a.config_path
+    f = tmp_path / "job.json"
+    f.write_text(json.dumps(job_doc("cli-t1")))
+    r = _cli("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID, "--target-label", "line=1")
+    assert r.returncode == 0 and "eligible a1" in r.stdout, (r.stdout, r.stderr)
+    f.write_text(json.dumps(job_doc("cli-t2")))
+    r = _cli("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID, "--target-label", "camera=cam1",
+             "--fanout")
+    assert r.returncode == 0 and r.stdout.startswith("accepted cli-t2"), (r.stdout, r.stderr)
+    assert "waiting (no_eligible_agent: no live agent publishes label key(s) camera)" in r.stdout, r.stdout
+    r = _cli("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID, "--target-label", "line")
+    assert r.returncode == 2 and "KEY=VALUE" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("jobs", "show", "-c", cfg, "cli-t2")
+    assert r.returncode == 0 and "waiting (no_eligible_agent)" in r.stdout, (r.stdout, r.stderr)
