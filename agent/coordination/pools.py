@@ -163,7 +163,7 @@ class Placement:
         fanout = bool(spec.get("fanout"))
         keys = PoolKeys(self.cluster, pool, self.parent.me if fanout else None)
         m = PoolShardManager(self.parent, pool, spec, keys,
-                             on_acquired=lambda f, m_=None, p=pool: self._acquired(p, f),
+                             on_acquired=lambda f, p=pool: self._acquired(p, f),
                              on_lost=lambda s, reason, kk=k: self.on_lost(kk * self.shards + s, reason),
                              busy=lambda s, kk=k: self.busy(kk * self.shards + s),
                              own_old_leases=self.own_old_leases)
@@ -202,6 +202,9 @@ class Placement:
             m.shards_snapshot([kv for key, kv in self.raw.get(pool, {}).items() if key.startswith(prefix)], rev)
         for pool, kv in specs:
             self._spec_put(pool, kv)
+        listed = {pool for pool, _ in specs}
+        for pool in [p for p, m in self.managers.items() if p not in listed and not m.removed]:
+            self._spec_gone(pool)  # removed while the watch was down
 
     def events(self, events: list[WatchEvent], rev: int) -> None:
         self.rev = rev
