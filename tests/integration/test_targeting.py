@@ -57,7 +57,16 @@ def pool_of(target: dict, template: str = "rec") -> str:
 
 
 def status(c: Cluster, agent: str) -> dict:
-    return query(c.agents[agent].config["admin"]["socket"])
+    """`millwright status --json` of an agent (waits for its admin socket: a loaded host
+    may start it after the agent already holds shards)."""
+    from agent.cli import UserError
+
+    def ask():
+        try:
+            return query(c.agents[agent].config["admin"]["socket"])
+        except UserError:
+            return None
+    return wait_for(ask, 30, interval=0.1, what=f"{agent}'s admin socket")
 
 
 def history_clean(c: Cluster) -> list:
