@@ -116,6 +116,52 @@ class Outbox:
             DEPTH.set(self._depth)
         return seq
 
+    def reserve_many(self, topics: list[str]) -> list[int]:
+        """:meth:`reserve` for a batch of pushes (the ingest group commit), in one transaction."""
+        if not topics:
+            return []
+        with self._lock:
+            with self._transaction():
+                first = self._seq + 1
+                now = time.time()
+                self._db.executemany("INSERT INTO outbox (seq, topic, payload, keep, ts, held) VALUES (?, ?, ?, 1, ?, 1)",
+                                     [(first + i, t, b"", now) for i, t in enumerate(topics)])
+                self._db.execute("INSERT OR REPLACE INTO meta VALUES ('seq', ?)", (first + len(topics) - 1,))
+            self._seq = first + len(topics) - 1
+            self._depth += len(topics)
+            DEPTH.set(self._depth)
+        return list(range(first, first + len(topics)))
+
+    def fill_many(self, items: list[tuple[int, str, dict, Optional[str], Optional[str]]]) -> None:
+        """:meth:`fill` for a batch, in one transaction: (seq, topic, doc, ledger_job_id, marker)."""
+        if not items:
+            return
+        now = time.time()
+        rows, ledger = [], []
+        for seq, topic, doc, ledger_job_id, marker in items:
+            body = dict(doc)
+            body["seq"] = seq
+            payload = json.dumps(body, separators=(",", ":"), ensure_ascii=False, default=str).encode()
+            rows.append((topic, payload, 1 if keep_state(doc) else 0, now, marker, seq))
+            if ledger_job_id:
+                ledger.append((ledger_job_id, now))
+        with self._lock, self._transaction():
+            self._db.executemany("UPDATE outbox SET topic=?, payload=?, keep=?, held=0, ts=?, marker=? WHERE seq=?",
+                                 rows)
+            self._db.executemany("INSERT OR REPLACE INTO ledger VALUES (?, ?)", ledger)
+        self.wake.set()
+
+    def release_many(self, seqs: list[int]) -> None:
+        """:meth:`release` for a batch."""
+        if not seqs:
+            return
+        with self._lock:
+            with self._transaction():
+                n = sum(self._db.execute("DELETE FROM outbox WHERE seq=? AND held=1", (s,)).rowcount for s in seqs)
+            self._depth -= n
+            DEPTH.set(self._depth)
+        self.wake.set()
+
     def fill(self, seq: int, topic: str, doc: dict, ledger_job_id: Optional[str] = None,
              marker: Optional[str] = None) -> int:
         """Turn a reservation into a publishable row (ledger entry in the same transaction)."""
