@@ -215,6 +215,42 @@ class Outbox:
         self.wake.set()
         return seq
 
+    def enqueue_many(self, items: list[tuple[str, dict, Optional[str]]]) -> None:
+        """:meth:`enqueue` for several documents (topic, doc, marker), in order, in ONE
+        transaction (the loop's statuses of a burst of pushes: one commit, not one each)."""
+        if not items:
+            return
+        dropped = 0
+        with self._lock:
+            seq0, depth0 = self._seq, self._depth
+            try:
+                with self._transaction():
+                    now = time.time()
+                    for topic, doc, marker in items:
+                        if self._depth >= self.max_rows:
+                            if self.policy == "reject_new":
+                                dropped += 1
+                                continue
+                            n = self._drop_locked(self._depth - self.max_rows + 1)
+                            dropped += n
+                            self._depth -= n
+                        self._seq += 1
+                        body = dict(doc)
+                        body["seq"] = self._seq
+                        payload = json.dumps(body, separators=(",", ":"), ensure_ascii=False, default=str).encode()
+                        self._db.execute("INSERT INTO outbox (seq, topic, payload, keep, ts, marker) "
+                                         "VALUES (?, ?, ?, ?, ?, ?)",
+                                         (self._seq, topic, payload, 1 if keep_state(doc) else 0, now, marker))
+                        self._depth += 1
+                    self._db.execute("INSERT OR REPLACE INTO meta VALUES ('seq', ?)", (self._seq,))
+            except BaseException:
+                self._seq, self._depth = seq0, depth0
+                raise
+            DEPTH.set(self._depth)
+        if dropped:
+            self._dropped(dropped)
+        self.wake.set()
+
     def _drop_locked(self, n: int) -> int:
         victims: list[int] = []
         if self.policy == "drop_oldest_terminal":
