@@ -68,7 +68,7 @@ def load_keyring(path: str, record=None) -> KeyRing:
 
 
 class CloudComponent:
-    def __init__(self, agent: Agent, workers: int = 4):
+    def __init__(self, agent: Agent, workers: int = 2):
         self.agent = agent
         cfg = agent.cfg
         self.cfg = cfg

@@ -494,7 +494,7 @@ class Dispatcher:
     """Threads between paho and Ingest: routing by shard ownership, grace, retries, acks."""
 
     def __init__(self, ingest: Ingest, link, topics: Topics, owned: Callable[[], frozenset], grace_s: float,
-                 workers: int = 4, recent_max: int = 100000, max_hold_s: float = 60.0):
+                 workers: int = 2, recent_max: int = 100000, max_hold_s: float = 60.0):
         self.ingest = ingest
         self.link = link
         self.topics = topics
@@ -511,6 +511,7 @@ class Dispatcher:
         self.max_hold_s = max_hold_s
         self._n = itertools.count()
         self._stop = threading.Event()
+        self._held_ev = threading.Event()  # set when the heap gets an entry (and on stop)
         self._threads: list[threading.Thread] = []
         self.inflight = 0
 
@@ -526,6 +527,7 @@ class Dispatcher:
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
+        self._held_ev.set()
         for _ in range(self.nworkers):
             self._q.put(None)
         for t in self._threads:
@@ -564,6 +566,7 @@ class Dispatcher:
                 done_already = False
                 p = _Pending(msg.received + self.grace_s, next(self._n), kind, msg, job_id, shard)
                 heapq.heappush(self._heap, p)
+                self._held_ev.set()
                 if job_id is not None:
                     self._by_id[(kind, job_id)].append(p)
         if done_already:  # another agent stored it (or cancelled it) already
@@ -627,12 +630,24 @@ class Dispatcher:
                 return False
             p = _Pending(time.monotonic() + self.grace_s, next(self._n), "push", msg, out.job_id, shard)
             heapq.heappush(self._heap, p)
+            self._held_ev.set()
             self._by_id[("answer", key)].append(p)
         return True
 
     # --- grace timer ------------------------------------------------------------------
     def _timer(self) -> None:
-        while not self._stop.wait(0.05):
+        """Every 50 ms while something is held (due holds, shards that became ours); with
+        nothing held it sleeps until a hold arrives (no idle wake-ups)."""
+        while not self._stop.is_set():
+            with self._lock:
+                idle = not self._heap
+                if idle:
+                    self._held_ev.clear()
+            if idle:
+                self._held_ev.wait()
+                continue
+            if self._stop.wait(0.05):
+                return
             now = time.monotonic()
             owned = self.owned()
             due = []

@@ -412,7 +412,9 @@ class OutboxPublisher:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.outbox.wake.wait(0.2)
+            # new rows and PUBACKs set wake; the timeout only paces the tick (gap reports,
+            # aggregated at most once a second) and the resend check (resend_after_s)
+            self.outbox.wake.wait(1.0)
             self.outbox.wake.clear()
             try:
                 self._step()
