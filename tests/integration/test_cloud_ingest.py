@@ -241,7 +241,7 @@ def test_group_commit_gives_each_push_its_own_outcome(env):
     depth = env.outbox.depth
     outs = env.ingest.push_many(items)
     assert [o.result for o in outs] == ["accepted"] * 5 + ["redelivery", "rejected", "rejected", "rejected",
-                                                           "redelivery"]
+                                                           "redelivery"], [vars(o) for o in outs]
     assert [o.reason for o in outs[6:9]] == ["conflict", "cancelled", "unknown_template"]
     for i in range(5):
         stored = env.store.get(f"g-new-{i}")
