@@ -13,10 +13,13 @@ of the figures; it adds 0.2 wake-ups/s).
 
     /usr/bin/python3 bench/bench_idle.py            # BPF on, then off
     BENCH_ROUNDS=2 bench/bench_idle.py              # alternated on/off rounds (shared host)
+    BENCH_NODE_ACTIVITY=0 bench/bench_idle.py       # bpf.node_activity off: host execs are no events
+    BENCH_MODES=off bench/bench_idle.py             # only BPF off (or: on)
 
 The load average is printed with each figure: the host is shared. With BPF on and
 ``bpf.node_activity`` (the default), every exec on the host is an event for the agent,
-so its "idle" CPU also follows what else runs on the machine.
+so its "idle" CPU also follows what else runs on the machine: the host's fork rate over
+the window is printed with each figure.
 """
 
 from __future__ import annotations
@@ -38,6 +41,13 @@ from tests.integration.cluster import Cluster, wait_for  # noqa: E402
 IDLE_S = float(os.environ.get("BENCH_IDLE_S", "60"))
 SETTLE_S = float(os.environ.get("BENCH_SETTLE_S", "15"))
 CLK = os.sysconf("SC_CLK_TCK")
+NODE_ACTIVITY = os.environ.get("BENCH_NODE_ACTIVITY", "1") != "0"
+
+
+def host_forks() -> int:
+    """Processes created on the host since boot (/proc/stat)."""
+    with open("/proc/stat") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("processes "))
 
 
 def threads(pid: int) -> dict[int, tuple[str, int, int]]:
@@ -84,7 +94,7 @@ def measure(bpf: bool) -> dict:
     with open(os.path.join(hook, "sitecustomize.py"), "w") as fh:
         fh.write(NAMES_HOOK)
     cl = Cluster(etcd, os.path.join(base, "agents"), shards=64, ttl=10, renew_deadline=6, retry_period=1,
-                 extra={"mqtt": {"url": mq.url}, "bpf": {"enabled": bpf}},
+                 extra={"mqtt": {"url": mq.url}, "bpf": {"enabled": bpf, "node_activity": NODE_ACTIVITY}},
                  env={"MW_BENCH_THREAD_NAMES": names_file, "PYTHONPATH": hook + os.pathsep + ROOT})
     try:
         a = cl.start("a0")
@@ -92,9 +102,9 @@ def measure(bpf: bool) -> dict:
         time.sleep(SETTLE_S)
         p = psutil.Process(a.proc.pid)
         load0 = os.getloadavg()[0]
-        t0, c0, th0 = time.monotonic(), p.cpu_times(), threads(p.pid)
+        t0, c0, th0, f0 = time.monotonic(), p.cpu_times(), threads(p.pid), host_forks()
         time.sleep(IDLE_S)
-        t1, c1, th1 = time.monotonic(), p.cpu_times(), threads(p.pid)
+        t1, c1, th1, f1 = time.monotonic(), p.cpu_times(), threads(p.pid), host_forks()
         mem = p.memory_full_info()
         names: dict[int, str] = {}
         try:
@@ -114,7 +124,7 @@ def measure(bpf: bool) -> dict:
         cpu = (c1.user - c0.user) + (c1.system - c0.system)
         return {"bpf": bpf, "cpu_pct": 100 * cpu / wall, "rss_mib": mem.rss / 2 ** 20, "uss_mib": mem.uss / 2 ** 20,
                 "threads": p.num_threads() - ("bench-thread-names" in names.values()), "wakeups_per_s": sum(v for _, v, _, _ in per) / wall,
-                "per": sorted(per, reverse=True), "wall": wall, "load": (load0, os.getloadavg()[0])}
+                "per": sorted(per, reverse=True), "wall": wall, "forks_per_s": (f1 - f0) / wall, "load": (load0, os.getloadavg()[0])}
     finally:
         cl.close()
         mq.close()
@@ -125,7 +135,8 @@ def measure(bpf: bool) -> dict:
 def report(r: dict) -> None:
     print(f"BPF {'on ' if r['bpf'] else 'off'}: CPU {r['cpu_pct']:.2f}% of a core over {r['wall']:.0f} s, "
           f"RSS {r['rss_mib']:.1f} MiB, USS {r['uss_mib']:.1f} MiB, {r['threads']} threads, "
-          f"{r['wakeups_per_s']:.0f} wake-ups/s  (load {r['load'][0]:.2f} -> {r['load'][1]:.2f})", flush=True)
+          f"{r['wakeups_per_s']:.0f} wake-ups/s; host forks {r['forks_per_s']:.0f}/s "
+          f"(load {r['load'][0]:.2f} -> {r['load'][1]:.2f})", flush=True)
     print(f"    {'cpu ms':>7} {'wake/s':>7}  thread")
     for ticks, vol, name, tid in sorted(r["per"], key=lambda x: (x[0], x[1]), reverse=True):
         if ticks or vol:
@@ -134,10 +145,12 @@ def report(r: dict) -> None:
 
 def main() -> int:
     rounds = int(os.environ.get("BENCH_ROUNDS", "1"))
+    modes = {"on": (True,), "off": (False,)}.get(os.environ.get("BENCH_MODES", ""), (True, False))
     print(f"idle benchmark: one agent, cloud on, no jobs, {IDLE_S:g} s after {SETTLE_S:g} s settling; "
-          f"cpus={os.cpu_count()} load={os.getloadavg()[0]:.2f}", flush=True)
+          f"bpf.node_activity {'on' if NODE_ACTIVITY else 'off'}; cpus={os.cpu_count()} "
+          f"load={os.getloadavg()[0]:.2f}", flush=True)
     for _ in range(rounds):
-        for bpf in (True, False):
+        for bpf in modes:
             report(measure(bpf))
     return 0
 
