@@ -362,7 +362,7 @@ class Outbox:
 class OutboxPublisher:
     """Sends outbox rows in order over a link (MqttLink), at most ``window`` unacknowledged."""
 
-    def __init__(self, outbox: Outbox, link, window: int = 64, resend_after_s: float = 60.0,
+    def __init__(self, outbox: Outbox, link, window: int = 256, resend_after_s: float = 60.0,
                  on_tick: Optional[Callable[[], None]] = None,
                  on_delivered: Optional[Callable[[list[str]], None]] = None,
                  on_handing: Optional[Callable[[list[tuple[str, bytes]]], None]] = None, hold: bool = False):
