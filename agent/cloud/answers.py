@@ -239,7 +239,7 @@ class Answers:
         pending: list[str] = []
         while not self._stop.is_set():
             try:
-                m = self._cleared.get(timeout=max(0.01, min(0.2, next_sweep - time.monotonic())))
+                m = self._cleared.get(timeout=max(0.01, next_sweep - time.monotonic()))
                 if m:
                     pending.append(m)
                 while len(pending) < CLEAR_BATCH:

@@ -2,7 +2,7 @@
 
 Integration with agent.runtime.daemon.Agent (all registered in __init__, nothing else to call):
 - ``agent.status_sinks``      += sink: every status document -> the durable outbox (loop thread;
-                                  one SQLite insert, no network)
+                                  one SQLite transaction per loop burst, no network)
 - ``agent.checkpoint_sinks``  += sink: audit checkpoints -> outbox, topic agents/<id>/audit/checkpoint
 - ``agent.drain_hooks``       += publishes presence ``draining``, then calls done()
 - ``agent.status_providers["cloud"]``: connection, outbox depth, pending pushes, paho version
@@ -68,7 +68,7 @@ def load_keyring(path: str, record=None) -> KeyRing:
 
 
 class CloudComponent:
-    def __init__(self, agent: Agent, workers: int = 4):
+    def __init__(self, agent: Agent, workers: int = 2):
         self.agent = agent
         cfg = agent.cfg
         self.cfg = cfg
@@ -86,6 +86,7 @@ class CloudComponent:
 
             raise UserError(f"state_dir: cannot open the status outbox {path}: {exc}") from None
         self._gap = 0
+        self._statuses: list = []  # (topic, doc, marker) for the outbox, loop thread only
         self._gap_lock = threading.Lock()
         self.link = MqttLink(m, client_id_for(cfg), clean_session=False,
                              will=(self.topics.presence(self.agent_id), will_doc(self.agent_id), 1, True),
@@ -135,12 +136,22 @@ class CloudComponent:
 
     # --- sinks ------------------------------------------------------------------------
     def status_sink(self, doc: dict) -> None:
-        """Loop thread: one SQLite insert; the publisher thread does the network. ``_answer``:
-        the etcd key of the document's durable answer marker, deleted once delivered."""
+        """Loop thread: queued, and written to the outbox by :meth:`_write_statuses`, posted
+        behind the events already waiting, so a burst of statuses (the ``scheduled`` of each
+        push of a batch) is one SQLite transaction; the publisher thread does the network.
+        ``_answer``: the etcd key of the document's durable answer marker, deleted once
+        delivered."""
         marker = doc.get("_answer")
         if marker is not None:
             doc = {k: v for k, v in doc.items() if k != "_answer"}
-        self.outbox.enqueue(self.topics.status(doc.get("job_id")), doc, marker=marker)
+        self._statuses.append((self.topics.status(doc.get("job_id")), doc, marker))
+        if len(self._statuses) == 1:
+            self.agent.loop.post(self._write_statuses)
+
+    def _write_statuses(self) -> None:
+        """Loop thread: the queued statuses, in order, in one outbox transaction."""
+        items, self._statuses = self._statuses, []
+        self.outbox.enqueue_many(items)
 
     def _republish(self, job_id, doc: dict, marker: str) -> None:
         """Answers' sweep thread: an answer whose writer is gone, published by this owner."""
@@ -232,6 +243,7 @@ class CloudComponent:
 
     def stop(self) -> None:
         self._stopping.set()
+        self._write_statuses()  # what the loop queued and had no turn left to write
         if self.link.connected:
             self.publisher.flush(1.0)  # best effort: the rest stays in the outbox for the next start
         if self.link.connected:
@@ -245,6 +257,7 @@ class CloudComponent:
                 w.stop(timeout=1.0)
         self.link.stop()
         self.publisher.stop()
+        self._write_statuses()
         self.outbox.close()
 
     def status(self) -> dict:

@@ -72,6 +72,11 @@ CONFLICT = "conflict"
 RETRY_TIME_REASONS = (jobs.EXPIRED, jobs.SKEW, jobs.TOO_OLD)
 REPORTS_PER_S = 5.0      # reports of unauthenticated input (status + audit), per agent
 REPORTS_BURST = 20.0
+# The group commit's bounds: etcd refuses a transaction of more than --max-txn-ops (128 by
+# default) ops per level, or larger than --max-request-bytes (1.5 MiB by default); a
+# push is one nested op, its stored value about its payload's size plus ~0.5 KiB of marker.
+BATCH_MAX = 64
+BATCH_BYTES = 512 * 1024
 # refused before (or by) the signature check: the sender is not known to be the cloud
 UNAUTHENTICATED_REASONS = frozenset({jobs.TOO_LARGE, jobs.BAD_JSON, jobs.UNSIGNED, jobs.UNKNOWN_KID,
                                      jobs.BAD_SIGNATURE, jobs.UNSUPPORTED_ALG})
@@ -173,7 +178,10 @@ class Ingest:
             return
         topic = self.topics.status(doc.get("job_id"))
         seq, self._tl.reserved = getattr(self._tl, "reserved", None), None
-        if seq is not None:
+        collect = getattr(self._tl, "collect", None)
+        if seq is not None and collect is not None:  # a batch: filled in one transaction (push_many)
+            collect.append((seq, topic, doc, ledger, marker))
+        elif seq is not None:
             self.outbox.fill(seq, topic, doc, ledger_job_id=ledger, marker=marker)
         else:
             self.outbox.enqueue(topic, doc, ledger_job_id=ledger, marker=marker)
@@ -243,14 +251,17 @@ class Ingest:
         return Outcome(kind, "rejected", job_id, reason, detail, doc, authenticated=authenticated)
 
     # --- push -------------------------------------------------------------------
-    def push(self, payload: bytes, as_owner: bool = True) -> Outcome:
-        """Raises EtcdUnavailable (retry; do not acknowledge). Never anything else for any payload."""
+    def push(self, payload: bytes, as_owner: bool = True, screened: bool = False) -> Outcome:
+        """Raises EtcdUnavailable (retry; do not acknowledge). Never anything else for any payload.
+        ``screened``: these very bytes passed :meth:`screen` (signature and binding checked at
+        arrival), so parse_job does not verify the signature a second time (an ed25519
+        verify costs ~0.1 ms: measured in bench/bench_ingest.py's notes)."""
         payload = bytes(payload)
         job_id = peek_id(payload, self.max_bytes)
         try:
             job = parse_job(payload, templates=self.templates, keyring=self.keyring,
                             now=datetime.now(timezone.utc), max_skew_s=self.max_skew_s, max_bytes=self.max_bytes,
-                            cluster=self.cluster, max_age_s=self.max_age_s)
+                            cluster=self.cluster, max_age_s=self.max_age_s, verify_signature=not screened)
         except JobRejected as exc:
             if not exc.bound:  # never a status on the job's topic for what is not authentic
                 return self._drop("push", payload, exc.reason, lambda shard: as_owner)
@@ -277,7 +288,8 @@ class Ingest:
             if seq is not None:
                 self.outbox.release(seq)
 
-    def _push_store(self, payload: bytes, job, as_owner: bool) -> Outcome:
+    def _answer_of(self, payload: bytes, job) -> tuple[dict, Optional[str], tuple]:
+        """The accepted status of a push, its marker key, and the marker's put (if markers are on)."""
         shard = shard_of(job.id, self.shards)
         doc = self._status(job.id, "accepted", payload, shard=shard)
         if job.target is not None:
@@ -286,21 +298,30 @@ class Ingest:
             where = placement_view(job.doc, self.members())
             if where is not None:
                 doc["placement"] = where
-        marker: Optional[str] = None
-        also: tuple = ()
-        if self.answers is not None:  # the answer is durable with the job (agent/cloud/answers.py)
-            marker = self.store.keys.answer(shard, job.id, "accepted")
-            also = (Put(marker, json.dumps(doc, separators=(",", ":"))),)
+        if self.answers is None:
+            return doc, None, ()
+        marker = self.store.keys.answer(shard, job.id, "accepted")  # durable with the job (answers.py)
+        return doc, marker, (Put(marker, json.dumps(doc, separators=(",", ":"))),)
+
+    def _push_store(self, payload: bytes, job, as_owner: bool) -> Outcome:
+        doc, marker, also = self._answer_of(payload, job)
         try:
-            result, stored = self.store.create(job.doc, also)
-        except JobCancelled:
+            created: Any = self.store.create(job.doc, also)
+        except (JobCancelled, JobConflict) as exc:
+            created = exc
+        return self._push_result(payload, job, as_owner, created, doc, marker)
+
+    def _push_result(self, payload: bytes, job, as_owner: bool, created: Any, doc: dict,
+                     marker: Optional[str]) -> Outcome:
+        """The answer once the create's outcome is known: (CREATED|EXISTS, stored) or the
+        JobCancelled/JobConflict it raised."""
+        if isinstance(created, JobCancelled):
             return self._reject("push", payload, job.id, CANCELLED, f"id: job {job.id} was cancelled; "
                                 "a cancelled id cannot be pushed again", as_owner)
-        except JobConflict:
+        if isinstance(created, JobConflict):
             return self._reject("push", payload, job.id, CONFLICT, f"id: job {job.id} already exists with "
                                 "different content", as_owner)
-        except (EtcdUnavailable, EtcdError):
-            raise
+        result, stored = created
         if result == CREATED:
             self._emit(doc, ledger=job.id, marker=marker)
             INGESTED.labels("push", "accepted").inc()
@@ -309,6 +330,79 @@ class Ingest:
             self.notify("stored", stored)
             return Outcome("push", "accepted", job.id, status=doc, stored=stored)
         return self._exists(payload, stored, as_owner)
+
+    # --- push: group commit -------------------------------------------------------------
+    def push_many(self, items: list[tuple[bytes, bool]], screened: bool = False) -> list:
+        """Several pushes (payload, as_owner) with ONE etcd transaction for their creates and
+        one outbox transaction each for reserving and filling their statuses (the group
+        commit). Returns, per item, its Outcome or the EtcdUnavailable/EtcdError that stopped
+        it (that item is not durable: do not acknowledge it, retry it). Each item's outcome
+        is its own: a rejection, a duplicate or a conflict does not touch the others. Pushes
+        refused by parse_job, and a second push of an id already in the batch, take the
+        one-push path (after the batch)."""
+        out: list = [None] * len(items)
+        batch: list = []
+        later: list[int] = []
+        ids: set = set()
+        now = datetime.now(timezone.utc)
+        for i, (payload, as_owner) in enumerate(items):
+            try:
+                job = parse_job(bytes(payload), templates=self.templates, keyring=self.keyring, now=now,
+                                max_skew_s=self.max_skew_s, max_bytes=self.max_bytes, cluster=self.cluster,
+                                max_age_s=self.max_age_s, verify_signature=not screened)
+            except Exception:  # rejected (or a bug): the one-push path answers it as before
+                later.append(i)
+                continue
+            if job.id in ids:
+                later.append(i)
+                continue
+            ids.add(job.id)
+            batch.append((i, bytes(payload), job, as_owner))
+        if batch:
+            self._commit_batch(batch, out)
+        for i in later:
+            try:
+                out[i] = self.push(*items[i], screened=screened)
+            except (EtcdUnavailable, EtcdError) as exc:
+                out[i] = exc
+        return out
+
+    def _commit_batch(self, batch: list, out: list) -> None:
+        answers = [self._answer_of(payload, job) for _, payload, job, _ in batch]
+        seqs: list = (self.outbox.reserve_many([self.topics.status(job.id) for _, _, job, _ in batch])
+                      if self.outbox is not None else [None] * len(batch))
+        unfilled: list[int] = []
+        try:
+            try:
+                created = self.store.create_many([(job.doc, also) for (_, _, job, _), (_, _, also)
+                                                  in zip(batch, answers)])
+            except (EtcdUnavailable, EtcdError) as exc:
+                unfilled = [q for q in seqs if q is not None]
+                for i, _, _, _ in batch:
+                    out[i] = exc
+                return
+            fills: list = []
+            self._tl.collect = fills
+            try:
+                for (i, payload, job, as_owner), (doc, marker, _), result, seq in zip(batch, answers, created, seqs):
+                    self._tl.reserved = seq
+                    try:
+                        out[i] = self._push_result(payload, job, as_owner, result, doc, marker)
+                    except (EtcdUnavailable, EtcdError) as exc:  # e.g. writing a rejection's marker
+                        out[i] = exc
+                    if self._tl.reserved is not None:
+                        unfilled.append(self._tl.reserved)
+                    self._tl.reserved = None
+            finally:
+                self._tl.collect = None
+            if self.outbox is not None:
+                self.outbox.fill_many(fills)  # before any of them is acknowledged
+        except BaseException:
+            unfilled = [q for q in seqs if q is not None]  # fill_many is one transaction: none filled
+            raise
+        finally:
+            if self.outbox is not None:
+                self.outbox.release_many(unfilled)
 
     def _stored_twin(self, payload: bytes):
         """The stored job if this payload is a valid, signed copy of it (ignoring the clock)."""
@@ -387,7 +481,10 @@ class Ingest:
 
 def _is_cancelled(value: bytes) -> bool:
     """The stored job carries the store's own top-level ``_cancelled`` mark (a job value that
-    merely contains the text, e.g. in a param, does not count)."""
+    merely contains the text, e.g. in a param, does not count). Without the text at all it
+    is not cancelled: no parse (this runs for every job written in the cluster)."""
+    if b'"_cancelled"' not in value:
+        return False
     try:
         doc = json.loads(value)
     except (ValueError, RecursionError):
@@ -413,7 +510,7 @@ class Dispatcher:
     """Threads between paho and Ingest: routing by shard ownership, grace, retries, acks."""
 
     def __init__(self, ingest: Ingest, link, topics: Topics, owned: Callable[[], frozenset], grace_s: float,
-                 workers: int = 4, recent_max: int = 100000, max_hold_s: float = 60.0):
+                 workers: int = 2, recent_max: int = 100000, max_hold_s: float = 60.0):
         self.ingest = ingest
         self.link = link
         self.topics = topics
@@ -430,6 +527,7 @@ class Dispatcher:
         self.max_hold_s = max_hold_s
         self._n = itertools.count()
         self._stop = threading.Event()
+        self._held_ev = threading.Event()  # set when the heap gets an entry (and on stop)
         self._threads: list[threading.Thread] = []
         self.inflight = 0
 
@@ -445,6 +543,7 @@ class Dispatcher:
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
+        self._held_ev.set()
         for _ in range(self.nworkers):
             self._q.put(None)
         for t in self._threads:
@@ -483,6 +582,7 @@ class Dispatcher:
                 done_already = False
                 p = _Pending(msg.received + self.grace_s, next(self._n), kind, msg, job_id, shard)
                 heapq.heappush(self._heap, p)
+                self._held_ev.set()
                 if job_id is not None:
                     self._by_id[(kind, job_id)].append(p)
         if done_already:  # another agent stored it (or cancelled it) already
@@ -546,12 +646,24 @@ class Dispatcher:
                 return False
             p = _Pending(time.monotonic() + self.grace_s, next(self._n), "push", msg, out.job_id, shard)
             heapq.heappush(self._heap, p)
+            self._held_ev.set()
             self._by_id[("answer", key)].append(p)
         return True
 
     # --- grace timer ------------------------------------------------------------------
     def _timer(self) -> None:
-        while not self._stop.wait(0.05):
+        """Every 50 ms while something is held (due holds, shards that became ours); with
+        nothing held it sleeps until a hold arrives (no idle wake-ups)."""
+        while not self._stop.is_set():
+            with self._lock:
+                idle = not self._heap
+                if idle:
+                    self._held_ev.clear()
+            if idle:
+                self._held_ev.wait()
+                continue
+            if self._stop.wait(0.05):
+                return
             now = time.monotonic()
             owned = self.owned()
             due = []
@@ -587,18 +699,53 @@ class Dispatcher:
 
     # --- workers ----------------------------------------------------------------------
     def _work(self) -> None:
+        """Group commit: a worker takes what queued up while the other workers' transactions
+        were in flight (up to BATCH_MAX pushes, BATCH_BYTES of payload) and stores the pushes
+        in one etcd transaction; each is acknowledged once ITS write is durable."""
         while True:
             item = self._q.get()
             if item is None:
                 return
-            kind, msg, as_owner = item
-            self.process(kind, msg, as_owner)
+            items, size = [item], len(item[1].payload)
+            while len(items) < BATCH_MAX and size < BATCH_BYTES:
+                try:
+                    nxt = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._q.put(None)  # a stop: this worker's (or another's) exit, after this batch
+                    break
+                items.append(nxt)
+                size += len(nxt[1].payload)
+            pushes = [(msg, as_owner) for kind, msg, as_owner in items if kind == "push"]
+            if len(pushes) > 1:
+                self.process_many(pushes)
+            elif pushes:
+                self.process("push", *pushes[0])
+            for kind, msg, as_owner in items:
+                if kind != "push":
+                    self.process(kind, msg, as_owner)
+
+    def process_many(self, pushes: list) -> None:
+        """Pushes (msg, as_owner) through Ingest.push_many; an item etcd did not take is
+        retried alone (process), never acknowledged before its write."""
+        try:
+            outs = self.ingest.push_many([(msg.payload, as_owner) for msg, as_owner in pushes], screened=True)
+        except Exception:
+            log.exception("ingest failed unexpectedly")  # a bug: nothing acknowledged (redelivered)
+            return
+        for (msg, as_owner), out in zip(pushes, outs):
+            if isinstance(out, BaseException):
+                ETCD_RETRIES.inc()
+                self.process("push", msg, as_owner)
+            else:
+                self._finish("push", msg, out)
 
     def process(self, kind: str, msg, as_owner: bool) -> Optional[Outcome]:
         backoff = 0.05
         while not self._stop.is_set():
             try:
-                out = self.ingest.push(msg.payload, as_owner) if kind == "push" else \
+                out = self.ingest.push(msg.payload, as_owner, screened=True) if kind == "push" else \
                     self.ingest.cancel(msg.payload, as_owner)
             except (EtcdUnavailable, EtcdError) as exc:
                 # nothing is acknowledged: retry; if the connection drops meanwhile, the broker
@@ -615,10 +762,14 @@ class Dispatcher:
                 # reconnect; never let it kill the worker
                 log.exception("ingest failed unexpectedly")
                 return None
-            if kind == "push" and out.result in ("accepted", "redelivery"):
-                INGEST_SECONDS.observe(time.monotonic() - msg.received)
-            if kind == "push" and out.result == "silent" and out.authenticated and self._hold_rejection(msg, out):
-                return out  # not acknowledged yet: see _hold_rejection
-            self.link.ack(msg)
-            return out
+            return self._finish(kind, msg, out)
         return None
+
+    def _finish(self, kind: str, msg, out: Outcome) -> Outcome:
+        """After the durable write: acknowledge (or hold a rejection for the shard's owner)."""
+        if kind == "push" and out.result in ("accepted", "redelivery"):
+            INGEST_SECONDS.observe(time.monotonic() - msg.received)
+        if kind == "push" and out.result == "silent" and out.authenticated and self._hold_rejection(msg, out):
+            return out  # not acknowledged yet: see _hold_rejection
+        self.link.ack(msg)
+        return out

@@ -77,7 +77,7 @@ class MqttLink:
                  subscriptions: tuple[tuple[str, int], ...] = (),
                  topic_kind: Callable[[str], str] = lambda t: "other",
                  reconnect_min_s: float = 0.5, reconnect_max_s: float = 30.0,
-                 max_inflight: int = 100):
+                 max_inflight: int = 256):
         self.cfg = cfg
         self.client_id = client_id
         self.clean_session = clean_session

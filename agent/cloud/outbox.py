@@ -116,6 +116,52 @@ class Outbox:
             DEPTH.set(self._depth)
         return seq
 
+    def reserve_many(self, topics: list[str]) -> list[int]:
+        """:meth:`reserve` for a batch of pushes (the ingest group commit), in one transaction."""
+        if not topics:
+            return []
+        with self._lock:
+            with self._transaction():
+                first = self._seq + 1
+                now = time.time()
+                self._db.executemany("INSERT INTO outbox (seq, topic, payload, keep, ts, held) VALUES (?, ?, ?, 1, ?, 1)",
+                                     [(first + i, t, b"", now) for i, t in enumerate(topics)])
+                self._db.execute("INSERT OR REPLACE INTO meta VALUES ('seq', ?)", (first + len(topics) - 1,))
+            self._seq = first + len(topics) - 1
+            self._depth += len(topics)
+            DEPTH.set(self._depth)
+        return list(range(first, first + len(topics)))
+
+    def fill_many(self, items: list[tuple[int, str, dict, Optional[str], Optional[str]]]) -> None:
+        """:meth:`fill` for a batch, in one transaction: (seq, topic, doc, ledger_job_id, marker)."""
+        if not items:
+            return
+        now = time.time()
+        rows, ledger = [], []
+        for seq, topic, doc, ledger_job_id, marker in items:
+            body = dict(doc)
+            body["seq"] = seq
+            payload = json.dumps(body, separators=(",", ":"), ensure_ascii=False, default=str).encode()
+            rows.append((topic, payload, 1 if keep_state(doc) else 0, now, marker, seq))
+            if ledger_job_id:
+                ledger.append((ledger_job_id, now))
+        with self._lock, self._transaction():
+            self._db.executemany("UPDATE outbox SET topic=?, payload=?, keep=?, held=0, ts=?, marker=? WHERE seq=?",
+                                 rows)
+            self._db.executemany("INSERT OR REPLACE INTO ledger VALUES (?, ?)", ledger)
+        self.wake.set()
+
+    def release_many(self, seqs: list[int]) -> None:
+        """:meth:`release` for a batch."""
+        if not seqs:
+            return
+        with self._lock:
+            with self._transaction():
+                n = sum(self._db.execute("DELETE FROM outbox WHERE seq=? AND held=1", (s,)).rowcount for s in seqs)
+            self._depth -= n
+            DEPTH.set(self._depth)
+        self.wake.set()
+
     def fill(self, seq: int, topic: str, doc: dict, ledger_job_id: Optional[str] = None,
              marker: Optional[str] = None) -> int:
         """Turn a reservation into a publishable row (ledger entry in the same transaction)."""
@@ -168,6 +214,42 @@ class Outbox:
             self._dropped(dropped)
         self.wake.set()
         return seq
+
+    def enqueue_many(self, items: list[tuple[str, dict, Optional[str]]]) -> None:
+        """:meth:`enqueue` for several documents (topic, doc, marker), in order, in ONE
+        transaction (the loop's statuses of a burst of pushes: one commit, not one each)."""
+        if not items:
+            return
+        dropped = 0
+        with self._lock:
+            seq0, depth0 = self._seq, self._depth
+            try:
+                with self._transaction():
+                    now = time.time()
+                    for topic, doc, marker in items:
+                        if self._depth >= self.max_rows:
+                            if self.policy == "reject_new":
+                                dropped += 1
+                                continue
+                            n = self._drop_locked(self._depth - self.max_rows + 1)
+                            dropped += n
+                            self._depth -= n
+                        self._seq += 1
+                        body = dict(doc)
+                        body["seq"] = self._seq
+                        payload = json.dumps(body, separators=(",", ":"), ensure_ascii=False, default=str).encode()
+                        self._db.execute("INSERT INTO outbox (seq, topic, payload, keep, ts, marker) "
+                                         "VALUES (?, ?, ?, ?, ?, ?)",
+                                         (self._seq, topic, payload, 1 if keep_state(doc) else 0, now, marker))
+                        self._depth += 1
+                    self._db.execute("INSERT OR REPLACE INTO meta VALUES ('seq', ?)", (self._seq,))
+            except BaseException:
+                self._seq, self._depth = seq0, depth0
+                raise
+            DEPTH.set(self._depth)
+        if dropped:
+            self._dropped(dropped)
+        self.wake.set()
 
     def _drop_locked(self, n: int) -> int:
         victims: list[int] = []
@@ -280,7 +362,7 @@ class Outbox:
 class OutboxPublisher:
     """Sends outbox rows in order over a link (MqttLink), at most ``window`` unacknowledged."""
 
-    def __init__(self, outbox: Outbox, link, window: int = 64, resend_after_s: float = 60.0,
+    def __init__(self, outbox: Outbox, link, window: int = 256, resend_after_s: float = 60.0,
                  on_tick: Optional[Callable[[], None]] = None,
                  on_delivered: Optional[Callable[[list[str]], None]] = None,
                  on_handing: Optional[Callable[[list[tuple[str, bytes]]], None]] = None, hold: bool = False):
@@ -330,7 +412,9 @@ class OutboxPublisher:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.outbox.wake.wait(0.2)
+            # new rows and PUBACKs set wake; the timeout only paces the tick (gap reports,
+            # aggregated at most once a second) and the resend check (resend_after_s)
+            self.outbox.wake.wait(1.0)
             self.outbox.wake.clear()
             try:
                 self._step()

@@ -128,6 +128,7 @@ class JobQueries:
         self._held_order: "collections.deque[Request]" = collections.deque()
         self._held_lock = threading.Lock()
         self._stop = threading.Event()
+        self._held_ev = threading.Event()  # set when a request is held (and on stop)
         self._threads: list[threading.Thread] = []
 
     def start(self) -> "JobQueries":
@@ -142,6 +143,7 @@ class JobQueries:
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
+        self._held_ev.set()
         for _ in range(self.nthreads):
             self._q.put(None)
         for t in self._threads:
@@ -235,6 +237,7 @@ class JobQueries:
         with self._held_lock:
             self._held.setdefault(req.shard, collections.deque()).append(req)
             self._held_order.append(req)
+            self._held_ev.set()
             while len(self._held_order) > MAX_PENDING:
                 self._drop_oldest_locked()
                 QUERIES.labels("dropped").inc()
@@ -251,8 +254,18 @@ class JobQueries:
                 del self._held[r.shard]
 
     def _recheck(self) -> None:
-        """Every 0.1 s: held requests whose shard became ours are answered; expired ones dropped."""
-        while not self._stop.wait(0.1):
+        """Every 0.1 s while requests are held: those whose shard became ours are answered,
+        expired ones dropped. With none held it sleeps until one is (no idle wake-ups)."""
+        while not self._stop.is_set():
+            with self._held_lock:
+                idle = not self._held_order
+                if idle:
+                    self._held_ev.clear()
+            if idle:
+                self._held_ev.wait()
+                continue
+            if self._stop.wait(0.1):
+                return
             self.recheck_once(time.monotonic())
 
     def recheck_once(self, now: float) -> None:

@@ -45,6 +45,7 @@ Create = tx.Create
 Mod = tx.Mod
 Version = tx.Version
 Value = tx.Value
+Txn = tx.Txn  # a nested transaction, as one op of another
 
 
 class EtcdUnavailable(Exception):
@@ -74,6 +75,21 @@ class TxnResult:
 
 def _kv(kv: Any) -> KV:
     return KV(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision, kv.version, kv.lease)
+
+
+def _txn_result(r: Any, revision: int) -> TxnResult:
+    """A TxnResponse as a TxnResult: ranges as lists of KV, nested transactions (ops of
+    kind Txn) as TxnResults of their own (same revision), other responses as they came."""
+    out: list = []
+    for resp in r.responses:
+        kind = resp.WhichOneof("response")
+        if kind == "response_range":
+            out.append([_kv(kv) for kv in resp.response_range.kvs])
+        elif kind == "response_txn":
+            out.append(_txn_result(resp.response_txn, revision))
+        else:
+            out.append(getattr(resp, kind))
+    return TxnResult(r.succeeded, revision, out)
 
 
 def _closed_channel(exc: ValueError) -> bool:
@@ -287,14 +303,7 @@ class EtcdClient:
                                  success=c._ops_to_requests(list(success)),
                                  failure=c._ops_to_requests(list(failure)))
             r = c.kvstub.Txn(req, t, **self._md(c))
-            out = []
-            for resp in r.responses:
-                kind = resp.WhichOneof("response")
-                if kind == "response_range":
-                    out.append([_kv(kv) for kv in resp.response_range.kvs])
-                else:
-                    out.append(getattr(resp, kind))
-            return TxnResult(r.succeeded, r.header.revision, out)
+            return _txn_result(r, r.header.revision)
         return self._call("txn", fn, timeout)
 
     # --- maintenance -------------------------------------------------------------------

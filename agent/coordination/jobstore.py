@@ -13,7 +13,9 @@ conflict; cancelled: cancelled). Tombstones go after ``retention.tombstone_s``.
 
 Create is idempotent and needs one round trip: a create-revision==0 transaction that
 reads the existing value in its failure branch. Same id + same canonical content is a
-no-op; different content is a conflict. Thread-safe: the MQTT ingest path calls it from
+no-op; different content is a conflict. ``create_many`` groups several such creates into
+one transaction (the ingest group commit: one etcd round trip and fsync for a batch of
+pushes). Thread-safe: the MQTT ingest path calls it from
 paho's thread (the durable write must finish before the PUBACK).
 """
 
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from agent.coordination import placement
-from agent.coordination.etcd import KV, Create, EtcdClient, Get, Mod, Put
+from agent.coordination.etcd import KV, Create, EtcdClient, Get, Mod, Put, Txn
 from agent.coordination.keys import Keys, shard_of
 from agent.runtime.metrics import counter
 from agent.runtime.timefmt import now_rfc3339
@@ -122,9 +124,7 @@ class JobStore:
         ``also``: more puts done in the same transaction only if the job is created (the
         answer marker, agent/cloud/answers.py). Raises JobConflict, JobCancelled, EtcdUnavailable."""
         shard, key = self.key(doc["id"])
-        stored = dict(doc)
-        stored["_accepted"] = {"at": now_rfc3339(), "by": self.agent_id}
-        value = json.dumps(stored, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        stored, value = self._accepted(doc)
         r = self.client.txn([Create(key) == 0], [Put(key, value), *self._pool_puts(doc), *also], [Get(key)])
         if r.succeeded:
             STORE_OPS.labels("create", "created").inc()
@@ -132,7 +132,51 @@ class JobStore:
         kvs = r.responses[0]
         if not kvs:  # deleted between compare and read: cannot happen in one txn, but be safe
             return self.create(doc, also)
-        existing = _stored(shard, kvs[0])
+        return self._judge(doc, _stored(shard, kvs[0]))
+
+    def create_many(self, items: list[tuple[dict, tuple]]) -> list:
+        """Group commit: store several validated job documents in ONE etcd transaction, each
+        as its own nested create-if-absent transaction, so each keeps its own outcome (one
+        id that exists, conflicts or was cancelled does not fail the others). Returns, per
+        item, (CREATED|EXISTS, stored) or the JobConflict/JobCancelled it raised. The ids
+        must be distinct (etcd refuses two puts of one key in a transaction) and the batch
+        within etcd's limits (--max-txn-ops, --max-request-bytes): the caller bounds it.
+        Raises EtcdUnavailable/EtcdError for the whole batch: then nothing was stored."""
+        if not items:
+            return []
+        prepared, ops, pools = [], [], {}
+        for doc, also in items:
+            shard, key = self.key(doc["id"])
+            stored, value = self._accepted(doc)
+            prepared.append((shard, key, stored))
+            ops.append(Txn([Create(key) == 0], [Put(key, value), *also], [Get(key)]))
+            for put in self._pool_puts(doc):  # once per batch: etcd refuses a key put twice in one txn
+                pools[put.key] = put
+        r = self.client.txn([], [*pools.values(), *ops], [])
+        responses = r.responses[len(pools):]
+        out: list = []
+        for (doc, also), (shard, _key, stored), resp in zip(items, prepared, responses):
+            if resp.succeeded:
+                STORE_OPS.labels("create", "created").inc()
+                out.append((CREATED, StoredJob(shard, stored, r.revision, r.revision)))
+                continue
+            kvs = resp.responses[0] if resp.responses else []
+            try:
+                if not kvs:  # as in create(): cannot happen within one transaction
+                    out.append(self.create(doc, also))
+                else:
+                    out.append(self._judge(doc, _stored(shard, kvs[0])))
+            except (JobConflict, JobCancelled) as exc:
+                out.append(exc)
+        return out
+
+    def _accepted(self, doc: dict) -> tuple[dict, str]:
+        stored = dict(doc)
+        stored["_accepted"] = {"at": now_rfc3339(), "by": self.agent_id}
+        return stored, json.dumps(stored, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+    def _judge(self, doc: dict, existing: StoredJob) -> tuple[str, StoredJob]:
+        """The answer to a create whose id is already stored: exists, conflict or cancelled."""
         if existing.finished and not existing.cancelled:
             if not existing.same_content(doc):
                 STORE_OPS.labels("create", "conflict").inc()

@@ -224,6 +224,65 @@ def test_etcd_outage_raises_and_leaves_nothing(env, etcd_server):
     assert env.ingest.push(signed(job_doc("during-outage"), env.ring)).result == "accepted"
 
 
+def test_group_commit_gives_each_push_its_own_outcome(env):
+    """One batch (one etcd transaction): new jobs, a job already stored, a conflict, a
+    cancelled id, a rejected document and an id twice in the batch each get the answer
+    they get alone, and every answer is in the outbox (ledger included) when it returns."""
+    ring = env.ring
+    assert env.ingest.push(signed(job_doc("g-old"), ring)).result == "accepted"
+    assert env.ingest.push(signed(job_doc("g-twin", line="1"), ring)).result == "accepted"
+    assert env.ingest.cancel(signed(cancel_doc("g-cancelled"), ring)).result == "cancelled"
+    items = [(signed(job_doc(f"g-new-{i}"), ring), True) for i in range(5)]
+    items += [(signed(job_doc("g-old"), ring), True),                     # stored before: a redelivery
+              (signed(job_doc("g-twin", line="2"), ring), True),          # other content: conflict
+              (signed(job_doc("g-cancelled"), ring), True),               # cancelled before
+              (signed(job_doc("g-bad", template="nope"), ring), True),    # refused by parse_job
+              (signed(job_doc("g-new-0"), ring), True)]                   # twice in this batch
+    depth = env.outbox.depth
+    outs = env.ingest.push_many(items)
+    assert [o.result for o in outs] == ["accepted"] * 5 + ["redelivery", "rejected", "rejected", "rejected",
+                                                           "redelivery"], [vars(o) for o in outs]
+    assert [o.reason for o in outs[6:9]] == ["conflict", "cancelled", "unknown_template"]
+    for i in range(5):
+        stored = env.store.get(f"g-new-{i}")
+        assert stored is not None and stored.doc["_accepted"]["by"] == "a1"
+        assert env.outbox.in_ledger(f"g-new-{i}")
+    assert env.store.get("g-bad") is None
+    assert env.outbox.depth == depth + len(items)  # one status each, no reservation left held
+    assert all(not r[3] for r in env.outbox.batch(0, 10 ** 6))  # nothing held: all publishable
+    firsts = [s for s in env.statuses() if s["state"] == "accepted" and s["job_id"].startswith("g-new-")
+              and not s.get("redelivery")]
+    assert sorted(s["job_id"] for s in firsts) == [f"g-new-{i}" for i in range(5)]
+
+
+def test_group_commit_during_etcd_outage_stores_and_answers_nothing(env, etcd_server):
+    items = [(signed(job_doc(f"o-{i}"), env.ring), True) for i in range(4)]
+    etcd_server.stop()
+    try:
+        outs = env.ingest.push_many(items)
+        assert all(isinstance(o, EtcdUnavailable) for o in outs)  # each item: retry, do not acknowledge
+        assert env.outbox.depth == 0  # every reservation given back
+    finally:
+        etcd_server.start()
+    assert [o.result for o in env.ingest.push_many(items)] == ["accepted"] * 4
+
+
+def test_create_many_matches_create(env):
+    """JobStore.create_many: per-item outcomes of one transaction, the same as create's."""
+    from agent.coordination.jobstore import CREATED, EXISTS, JobCancelled, JobConflict
+
+    ring = env.ring
+    env.store.create(json.loads(signed(job_doc("c-old"), ring)))
+    env.store.cancel("c-gone")
+    docs = [json.loads(signed(job_doc(j), ring)) for j in ("c-new", "c-old")]
+    docs += [json.loads(signed(job_doc("c-old", line="9"), ring)), json.loads(signed(job_doc("c-gone"), ring))]
+    res = env.store.create_many([(docs[0], ()), (docs[1], ()), (docs[3], ())])
+    assert res[0][0] == CREATED and res[1][0] == EXISTS and isinstance(res[2], JobCancelled)
+    assert res[0][1].revision == res[0][1].create_revision  # created in this transaction
+    res = env.store.create_many([(docs[2], ())])
+    assert isinstance(res[0], JobConflict)
+
+
 # --------------------------------------------------------------------------- fuzz
 
 FIELDS = ["v", "id", "cluster", "kind", "template", "params", "schedule", "misfire", "misfire_limit", "overlap", "retry", "timeout_s",

@@ -288,7 +288,7 @@ class _SlowIngest:
     def screen(self, kind, payload, responsible):
         return None  # authentic and bound (the screen itself is tested above)
 
-    def push(self, payload, as_owner):
+    def push(self, payload, as_owner, screened=False):
         time.sleep(0.2)
         self.durable.append((json.loads(payload)["id"], as_owner))
         return type("Outcome", (), {"result": "accepted"})()
@@ -308,3 +308,76 @@ def test_without_deferred_ack_the_push_is_durable_before_on_message_returns(owne
     d.on_message(msg)   # no worker threads started: only on_message itself can have stored it
     assert ingest.durable == [("j1", owned)]
     assert link.acked == [7] and d.pending == 0
+
+
+class _BatchIngest:
+    """Ingest stand-in (our own interface) that records when each push became durable;
+    the first attempt of the ids in ``fail`` meets an etcd outage."""
+
+    max_bytes, shards = 65536, 8
+
+    def __init__(self, events, fail=()):
+        self.events, self.fail, self.batches = events, set(fail), []
+
+    def screen(self, kind, payload, responsible):
+        return None
+
+    def push_many(self, items, screened=False):
+        from agent.cloud.ingest import Outcome
+        from agent.coordination.etcd import EtcdUnavailable
+
+        ids = [json.loads(p)["id"] for p, _ in items]
+        self.batches.append(ids)
+        out = []
+        for i in ids:
+            if i in self.fail:
+                self.fail.discard(i)
+                out.append(EtcdUnavailable("etcd down"))
+            else:
+                self.events.append(("durable", i))
+                out.append(Outcome("push", "accepted", i))
+        return out
+
+    def push(self, payload, as_owner, screened=False):
+        from agent.cloud.ingest import Outcome
+
+        i = json.loads(payload)["id"]
+        self.events.append(("durable-alone", i))
+        return Outcome("push", "accepted", i)
+
+
+def test_group_commit_acks_each_push_after_its_own_write():
+    """What queued while a transaction was in flight goes to the store as one batch; a push
+    whose write failed is retried alone and acknowledged only after that write."""
+    from agent.cloud.ingest import Dispatcher
+    from agent.cloud.mqtt import Message
+
+    events: list = []
+    ingest, topics = _BatchIngest(events, fail={"j2"}), Topics("t")
+    link = type("Link", (), {"deferred_ack": True, "ack": lambda self, m: events.append(("ack", m.mid))})()
+    d = Dispatcher(ingest, link, topics, owned=lambda: frozenset(range(8)), grace_s=1.5, workers=1)
+    for n in range(5):   # queued before the worker starts: as if a transaction was in flight
+        d.on_message(Message(topics.push, json.dumps({"id": f"j{n}"}).encode(), 1, n, False, 1, time.monotonic()))
+    d.start()
+    try:
+        deadline = time.monotonic() + 10
+        while sum(e[0] == "ack" for e in events) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        d.stop()
+    assert ingest.batches == [["j0", "j1", "j2", "j3", "j4"]]
+    assert ("durable-alone", "j2") in events
+    for n in range(5):
+        durable = next(k for k, e in enumerate(events) if e[0].startswith("durable") and e[1] == f"j{n}")
+        assert events.index(("ack", n)) > durable   # never acknowledged before its own write
+
+
+def test_outbox_enqueue_many_keeps_order_and_policy(tmp_path):
+    ob = Outbox(str(tmp_path / "m.sqlite"), 3, "reject_new", on_drop=lambda n, p: drops.append(n))
+    drops: list = []
+    ob.enqueue_many([("t/a", {"state": "scheduled", "i": i}, None) for i in range(2)])
+    ob.enqueue_many([("t/b", {"state": "scheduled", "i": i}, "m") for i in range(2, 5)])
+    rows = ob.batch(0, 10)
+    assert [json.loads(r[2])["i"] for r in rows] == [0, 1, 2] and [r[0] for r in rows] == [1, 2, 3]
+    assert drops == [2] and ob.depth == 3 and ob.has_marker("m")
+    ob.close()
