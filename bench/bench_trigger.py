@@ -13,17 +13,20 @@ exactly-once). The claim and the spawn happen up to execute.claim_lead_s ahead; 
 launcher then waits for its due time (agent/execute/launch.py). Also printed, as a
 diagnostic: the release time the executor reports (handle.started_at, the old "go byte"
 figure). Peer: APScheduler 3.9 (in memory, no persistence, thread pool) with the same
-schedule, starting the same script with subprocess.Popen. Both run in this script, one
-after the other, with the load average next to each; printed are p50/p99/max and the
-ratios. Also prints run-record writes per second.
+schedule, starting the same script with subprocess.Popen. Both run from this script,
+with the load average before and after; printed are p50/p99/max and the
+ratios. By default APScheduler runs at the same time, in its own process, its due times
+halfway between ours: both see the same machine load (this VM is shared); --sequential
+runs it afterwards instead. Also prints run-record writes per second.
 
-Usage: bench_trigger.py [--jobs 3000] [--over 30] [--backend auto|cgroup1|rlimit] [--lead 0.25] [--skip-peer]
+Usage: bench_trigger.py [--jobs 3000] [--over 30] [--backend auto|cgroup1|rlimit] [--lead 0.25] [--skip-peer | --sequential]
 Prerequisite: APScheduler 3.x for the peer (Debian: python3-apscheduler; scripts/setup-host.sh).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -33,6 +36,7 @@ import tempfile
 import threading
 import time
 from datetime import datetime, timedelta, timezone
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -87,7 +91,8 @@ def load() -> str:
     return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def ours(n: int, over: float, backend: str, lead: float) -> tuple[list[float], list[float]]:
+def ours(n: int, over: float, backend: str, lead: float,
+         with_peer: bool = False) -> tuple[list[float], list[float], Optional[subprocess.Popen]]:
     from agent.runtime.components import _JobsComponent
     from agent.runtime.daemon import Agent
 
@@ -113,6 +118,7 @@ templates:
   clock: {{argv: ["{script}"], user: root, allow_root: true}}
 """, "bench")
     delays: list[float] = []
+    failed: list[str] = []
 
     class Probe:
         """The release time (the launcher's go byte written; start() returned when not
@@ -124,6 +130,9 @@ templates:
         def run_ended(self, f):
             if f.attempt == 1 and f.handle is not None and f.handle.started_at:
                 delays.append(f.handle.started_at - f.due.timestamp())
+            res = getattr(f.handle, "result", None)
+            if res is not None and res.reason != "succeeded":
+                failed.append(f"{f.entry.job.id}: {res.reason} exit {res.exit_code} signal {res.signal} {res.error or ''}")
 
     agent = Agent(cfg, [lambda a: _JobsComponent(a, run_listeners=[Probe()])])
     t = threading.Thread(target=agent.run, daemon=True)
@@ -133,6 +142,14 @@ templates:
     store = SigningStore(JobStore(agent.client, agent.keys, 64, "bench"), ring, "bench")  # agents run only signed jobs
     t_create = time.monotonic()
     start = datetime.now(timezone.utc) + timedelta(seconds=5 + n * 0.004)
+    peer_proc = None
+    if with_peer:
+        # APScheduler in its own process, its due times halfway between ours: the same
+        # machine load, at the same moments, for both
+        peer_start = start.timestamp() + over / n / 2
+        peer_proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--peer-child",
+                                      "--jobs", str(n), "--over", str(over), "--start-ts", repr(peer_start)],
+                                     stdout=subprocess.PIPE, text=True)
     dues: dict[str, float] = {}
     for i in range(n):
         due = start + timedelta(seconds=over * i / n)
@@ -164,11 +181,13 @@ templates:
     t.join(30)
     etcd.close()
     clocks = job_clocks(out, dues)
+    if failed:
+        print(f"runs that did not succeed: {len(failed)}: {failed[:5]}")
     shutil.rmtree(tmp, ignore_errors=True)
-    return clocks, delays
+    return clocks, delays, peer_proc
 
 
-def peer(n: int, over: float) -> list[float]:
+def peer(n: int, over: float, start_ts: Optional[float] = None) -> tuple[list[float], list[float]]:
     from apscheduler.schedulers.background import BackgroundScheduler
 
     delays: list[float] = []
@@ -190,6 +209,8 @@ def peer(n: int, over: float) -> list[float]:
                                 executors={"default": {"type": "threadpool", "max_workers": 20}})
     sched.start()
     start = datetime.now(timezone.utc) + timedelta(seconds=5 + n * 0.0005)
+    if start_ts is not None:
+        start = datetime.fromtimestamp(start_ts, timezone.utc)
     for i in range(n):
         due = start + timedelta(seconds=over * i / n)
         dues[f"p{i:06d}"] = due.timestamp()
@@ -217,6 +238,13 @@ def peer(n: int, over: float) -> list[float]:
     return clocks, delays
 
 
+def report_peer(theirs: list[float], popen: list[float], n: int) -> None:
+    print(summary("apscheduler (memory) job clock", theirs))
+    print(summary("  diagnostic: Popen returned", popen))
+    if len(theirs) < n:
+        print(f"  MISSING: {n - len(theirs)} jobs did not record their clock")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=3000)
@@ -224,27 +252,39 @@ def main() -> None:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--lead", type=float, default=0.25, help="execute.claim_lead_s")
     ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--sequential", action="store_true",
+                    help="run APScheduler after Millwright instead of at the same time (interleaved due times)")
+    ap.add_argument("--peer-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--start-ts", type=float, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    print(f"{a.jobs} one-shot jobs over {a.over:g} s, BPF off, job body: sh exec date +%s.%N >> file", flush=True)
-    print(f"before millwright: {load()}", flush=True)
-    mine, go_byte = ours(a.jobs, a.over, a.backend, a.lead)
+    if a.peer_child:
+        clocks, popen = peer(a.jobs, a.over, a.start_ts)
+        print(json.dumps({"clocks": clocks, "popen": popen}))
+        return
+    together = not a.skip_peer and not a.sequential
+    print(f"{a.jobs} one-shot jobs over {a.over:g} s, BPF off, job body: sh exec date +%s.%N >> file; "
+          f"APScheduler {'at the same time, due times interleaved' if together else 'after'}", flush=True)
+    print(f"before: {load()}", flush=True)
+    mine, go_byte, child = ours(a.jobs, a.over, a.backend, a.lead, with_peer=together)
     print(f"after millwright:  {load()}", flush=True)
     name = f"millwright ({a.backend}, lead {a.lead:g} s)"
     print(summary(name + " job clock", mine), flush=True)
     print(summary("  diagnostic: release time", go_byte) + "  (handle.started_at, the old go-byte figure)", flush=True)
     if len(mine) < a.jobs:
         print(f"  MISSING: {a.jobs - len(mine)} jobs did not record their clock")
-    if not a.skip_peer:
+    if a.skip_peer:
+        return
+    if child is not None:
+        got = json.loads(child.communicate()[0].strip().splitlines()[-1])
+        theirs, popen = got["clocks"], got["popen"]
+    else:
         time.sleep(5)
         print(f"before apscheduler: {load()}", flush=True)
         theirs, popen = peer(a.jobs, a.over)
         print(f"after apscheduler:  {load()}", flush=True)
-        print(summary("apscheduler (memory) job clock", theirs))
-        print(summary("  diagnostic: Popen returned", popen))
-        if len(theirs) < a.jobs:
-            print(f"  MISSING: {a.jobs - len(theirs)} jobs did not record their clock")
-        print(f"ratio at the job's clock (millwright / apscheduler): p50 {pct(mine, 50) / pct(theirs, 50):.2f}x, "
-              f"p99 {pct(mine, 99) / pct(theirs, 99):.2f}x, max {max(mine) / max(theirs):.2f}x")
+    report_peer(theirs, popen, a.jobs)
+    print(f"ratio at the job's clock (millwright / apscheduler): p50 {pct(mine, 50) / pct(theirs, 50):.2f}x, "
+          f"p99 {pct(mine, 99) / pct(theirs, 99):.2f}x, max {max(mine) / max(theirs):.2f}x")
 
 
 if __name__ == "__main__":
