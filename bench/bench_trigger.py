@@ -19,7 +19,7 @@ ratios. By default APScheduler runs at the same time, in its own process, its du
 halfway between ours: both see the same machine load (this VM is shared); --sequential
 runs it afterwards instead. Also prints run-record writes per second.
 
-Usage: bench_trigger.py [--jobs 3000] [--over 30] [--backend auto|cgroup1|rlimit] [--lead 0.25] [--skip-peer | --sequential]
+Usage: bench_trigger.py [--jobs 3000] [--over 30] [--backend auto|cgroup1|rlimit] [--lead 0.25] [--bpf] [--skip-peer | --sequential]
 Prerequisite: APScheduler 3.x for the peer (Debian: python3-apscheduler; scripts/setup-host.sh).
 """
 
@@ -92,7 +92,7 @@ def load() -> str:
 
 
 def ours(n: int, over: float, backend: str, lead: float,
-         with_peer: bool = False) -> tuple[list[float], list[float], Optional[subprocess.Popen]]:
+         with_peer: bool = False, bpf: bool = False) -> tuple[list[float], list[float], Optional[subprocess.Popen]]:
     from agent.runtime.components import _JobsComponent
     from agent.runtime.daemon import Agent
 
@@ -112,10 +112,10 @@ etcd: {{endpoints: ["{etcd.endpoint}"], lease_ttl_s: 10, renew_deadline_s: 6, re
 audit: {{dir: {tmp}/audit, key_file: {tmp}/audit.key}}
 admin: {{socket: {tmp}/admin.sock}}
 metrics: {{listen: ""}}
-bpf: {{enabled: false}}
+bpf: {{enabled: {"true" if bpf else "false"}, mode: monitor}}
 execute: {{max_concurrent: 256, memory_mb: 65536, cpu: 256, quota_backend: {backend}, claim_lead_s: {lead}}}
 templates:
-  clock: {{argv: ["{script}"], user: root, allow_root: true}}
+  clock: {{argv: ["{script}"], user: root, allow_root: true, allow_exec: ["/bin/*", "/usr/bin/*"]}}
 """, "bench")
     delays: list[float] = []
     failed: list[str] = []
@@ -252,6 +252,7 @@ def main() -> None:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--lead", type=float, default=0.25, help="execute.claim_lead_s")
     ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--bpf", action="store_true", help="the agent's BPF sensor on (exec policy in monitor mode)")
     ap.add_argument("--sequential", action="store_true",
                     help="run APScheduler after Millwright instead of at the same time (interleaved due times)")
     ap.add_argument("--peer-child", action="store_true", help=argparse.SUPPRESS)
@@ -262,10 +263,10 @@ def main() -> None:
         print(json.dumps({"clocks": clocks, "popen": popen}))
         return
     together = not a.skip_peer and not a.sequential
-    print(f"{a.jobs} one-shot jobs over {a.over:g} s, BPF off, job body: sh exec date +%s.%N >> file; "
+    print(f"{a.jobs} one-shot jobs over {a.over:g} s, BPF {'on' if a.bpf else 'off'}, job body: sh exec date +%s.%N >> file; "
           f"APScheduler {'at the same time, due times interleaved' if together else 'after'}", flush=True)
     print(f"before: {load()}", flush=True)
-    mine, go_byte, child = ours(a.jobs, a.over, a.backend, a.lead, with_peer=together)
+    mine, go_byte, child = ours(a.jobs, a.over, a.backend, a.lead, with_peer=together, bpf=a.bpf)
     print(f"after millwright:  {load()}", flush=True)
     name = f"millwright ({a.backend}, lead {a.lead:g} s)"
     print(summary(name + " job clock", mine), flush=True)
