@@ -218,6 +218,9 @@ class Executor:
             run = self._live.get(handle.run_key)
             if run is None or run.handle is not handle or run.go is None or run.armed_at is None:
                 return
+        early = run.armed_at - time.time()
+        if early > 0:   # at most ARM_DISCARD_MARGIN_S: the go byte must not beat the due time
+            time.sleep(early)
         self._timed_release(run)
 
     def _start(self, spec: RunSpec, on_exit: Callable[[RunHandle, RunResult], Any], hold: bool,
