@@ -54,7 +54,9 @@ SHIM_SCRIPT = 'read -r _ || exit 126\nexec </dev/null\nunset PWD OLDPWD\nexec "$
 # pselect, woken by the kernel's timer: no agent thread, no GIL at the due time) and execs
 # the job directly, its user switch (setpriv) done before it waited. A "g" releases it
 # early; EOF (the agent discarded the run, or died) ends it without exec, also when the
-# EOF is already there as its due time comes. bash because dash has neither a read
+# EOF is already there as its due time comes. A read that times out keeps what it read
+# (bash): a "g" that arrived with the timeout counts (without that check 1 in ~1,500
+# launchers exited 126 when the release thread's "g" and close met the timer). bash because dash has neither a read
 # timeout nor a clock; printf -v and $(( )) are builtins: nothing forks. bash exports
 # SHLVL on exec, except an array: the job's environment stays exactly the clean one.
 ARMED_SH = "/bin/bash"
@@ -63,10 +65,11 @@ if [ "$m" = a ]; then
   d=$(( $1 - ${EPOCHREALTIME/./} ))
   if (( d > 0 )); then
     printf -v t '%d.%06d' $((d / 1000000)) $((d % 1000000))
+    m=
     read -r -t "$t" m
     r=$?
     if (( r > 128 )); then
-      if read -r -t 0; then read -r m || exit 126; fi
+      if [ "$m" != g ] && read -r -t 0; then read -r m || exit 126; fi
     elif (( r != 0 )); then exit 126
     fi
   elif read -r -t 0; then read -r m || exit 126

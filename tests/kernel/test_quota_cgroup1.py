@@ -489,6 +489,32 @@ def test_armed_launcher_whose_guard_fails_before_its_time_never_execs(executor, 
     assert not os.path.exists(never)
 
 
+def test_every_armed_launcher_execs_its_job_when_its_timer_and_the_go_byte_meet(base_dir):
+    """The release thread's "g" and close land at the armed launcher's due time: bash's
+    timed read may then consume the "g" and still report the timeout. Such a launcher
+    must exec the job, not take the following EOF for a discard (found by bench_trigger:
+    1 in ~1,500 runs exited 126 without exec). 600 runs, 100 a second, as root through
+    setpriv like the scheduler's; every one must succeed."""
+    from agent.execute.backends import RlimitBackend
+
+    ex = Executor(RlimitBackend(), base_dir, watch_interval_s=0.05)
+    c = Collector()
+    n = 600
+    try:
+        t0 = time.monotonic() + 0.5
+        for i in range(n):
+            at = t0 + i * 0.01
+            ex.prepare(RunSpec(f"meet-{i}", ["/bin/true"], user="root"), c, release_at=at,
+                       guard=lambda: True, guard_until=at + 60)
+            while time.monotonic() < at - 0.25:
+                time.sleep(0.002)
+        results = c.wait([f"meet-{i}" for i in range(n)], timeout=120)
+    finally:
+        ex.close(close_backend=False)
+    failed = [(r.run_key, r.reason, r.exit_code) for r in results if r.reason != "succeeded"]
+    assert failed == []
+
+
 def test_prepare_without_guard_until_is_not_armed(executor, base_dir):
     """No promise about the guard: the launcher waits for the release thread, which checks
     the guard at the due time (the pre-issue-18 path); a launcher is never armed then."""
