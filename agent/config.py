@@ -173,7 +173,8 @@ class ExecuteConfig:
                               "0.5 s margin it must fit in etcd.lease_ttl_s - etcd.renew_deadline_s.", default=3.0)
     claim_lead_s: float = doc("At most this long before its due time a firing's run record is claimed "
                               "and its process prepared (quota container, launcher waiting on its go "
-                              "pipe), so only a pipe write is left at the due time. The agent uses three times "
+                              "pipe, released at the due time by its own timer), so only the job's exec "
+                              "is left at the due time. The agent uses three times "
                               "its recent claim latency, within [0.05 s, this]. 0: claim and spawn at "
                               "the due time.", default=0.25)
 

@@ -1,22 +1,32 @@
 #!/usr/bin/env python3
-"""Trigger delay: the job's process started minus its due time (issue 3).
+"""Trigger delay at the job's own clock: when the job's first command ran minus its due
+time (issues 3 and 18).
+
+The job body is one small shell script, identical for both schedulers: it execs
+``date +%s.%N`` appending its own clock (and the job id) to one file. Delay = that clock
+minus the due time, so it includes everything between the scheduler's decision and the
+job running: release, launcher, user switch, exec, the shell's own start.
 
 Ours: one agent in this process, a real etcd, N one-shot jobs due over D seconds; each
-firing creates its fenced run record in etcd *before* the process is released, so the
-delay includes the etcd claim (durable, exactly-once). The claim and the spawn happen
-execute.claim_lead_s ahead (default 0.25 s); measured is the release: the launcher's go
-byte written at the due time, after which the job execs (--lead 0: claim and spawn at the
-due time, measured when Executor.start() returned). Peer: APScheduler (in memory, no persistence) with the
-same schedule, spawning the same program with subprocess.Popen, measured when Popen
-returned. Both run in this script, one after the other, and print p50/p99/max and the
-ratio. Also prints run-record writes per second.
+firing creates its fenced run record in etcd *before* its process can exec (durable,
+exactly-once). The claim and the spawn happen up to execute.claim_lead_s ahead; the
+launcher then waits for its due time (agent/execute/launch.py). Also printed, as a
+diagnostic: the release time the executor reports (handle.started_at, the old "go byte"
+figure). Peer: APScheduler 3.9 (in memory, no persistence, thread pool) with the same
+schedule, starting the same script with subprocess.Popen. Both run from this script,
+with the load average before and after; printed are p50/p99/max and the
+ratios. By default APScheduler runs at the same time, in its own process, its due times
+halfway between ours: both see the same machine load (this VM is shared); --sequential
+runs it afterwards instead. Also prints run-record writes per second.
 
-Usage: bench_trigger.py [--jobs 10000] [--over 60] [--backend auto|cgroup1|rlimit] [--lead 0.25] [--skip-peer]
+Usage: bench_trigger.py [--jobs 3000] [--over 30] [--backend auto|cgroup1|rlimit] [--lead 0.25] [--bpf] [--skip-peer | --sequential]
+Prerequisite: APScheduler 3.x for the peer (Debian: python3-apscheduler; scripts/setup-host.sh).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -26,13 +36,14 @@ import tempfile
 import threading
 import time
 from datetime import datetime, timedelta, timezone
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from agent.config import parse_config  # noqa: E402
 from agent.coordination.jobstore import JobStore  # noqa: E402
 from agent.demo.services import EtcdServer  # noqa: E402
-from agent.jobs.schedule import format_rfc3339  # noqa: E402
+from agent.jobs.schedule import format_rfc3339, parse_rfc3339  # noqa: E402
 
 
 def pct(xs, p):
@@ -46,11 +57,47 @@ def summary(name, xs):
             f"max {max(ms):8.2f} ms  mean {statistics.mean(ms):8.2f} ms")
 
 
-def ours(n: int, over: float, backend: str, lead: float) -> list[float]:
+JOB_SH = """#!/bin/sh
+exec /bin/date "+$MILLWRIGHT_JOB_ID %s.%N" >>{out}
+"""
+
+
+def job_script(tmp: str) -> tuple[str, str]:
+    """The job body both schedulers run, and the file it appends its clock to."""
+    out = os.path.join(tmp, "clock.txt")
+    path = os.path.join(tmp, "job.sh")
+    with open(path, "w") as fh:
+        fh.write(JOB_SH.format(out=out))
+    os.chmod(path, 0o755)
+    os.chmod(tmp, 0o755)
+    return path, out
+
+
+def job_clocks(out: str, due: dict[str, float]) -> list[float]:
+    """Delay per job: its own clock minus its due time (first line per job id)."""
+    seen: dict[str, float] = {}
+    try:
+        with open(out) as fh:
+            for line in fh:
+                jid, _, ts = line.strip().partition(" ")
+                if jid in due and jid not in seen:
+                    seen[jid] = float(ts) - due[jid]
+    except FileNotFoundError:
+        pass
+    return list(seen.values())
+
+
+def load() -> str:
+    return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def ours(n: int, over: float, backend: str, lead: float,
+         with_peer: bool = False, bpf: bool = False) -> tuple[list[float], list[float], Optional[subprocess.Popen]]:
     from agent.runtime.components import _JobsComponent
     from agent.runtime.daemon import Agent
 
     tmp = tempfile.mkdtemp(prefix="mw-bench-")
+    script, out = job_script(tmp)
     etcd = EtcdServer(os.path.join(tmp, "etcd")).start()
     from agent.cloud.testkit import SigningStore, write_keys
 
@@ -65,12 +112,13 @@ etcd: {{endpoints: ["{etcd.endpoint}"], lease_ttl_s: 10, renew_deadline_s: 6, re
 audit: {{dir: {tmp}/audit, key_file: {tmp}/audit.key}}
 admin: {{socket: {tmp}/admin.sock}}
 metrics: {{listen: ""}}
-bpf: {{enabled: false}}
+bpf: {{enabled: {"true" if bpf else "false"}, mode: monitor}}
 execute: {{max_concurrent: 256, memory_mb: 65536, cpu: 256, quota_backend: {backend}, claim_lead_s: {lead}}}
 templates:
-  noop: {{argv: ["/bin/true"], user: root, allow_root: true}}
+  clock: {{argv: ["{script}"], user: root, allow_root: true, allow_exec: ["/bin/*", "/usr/bin/*"]}}
 """, "bench")
     delays: list[float] = []
+    failed: list[str] = []
 
     class Probe:
         """The release time (the launcher's go byte written; start() returned when not
@@ -82,6 +130,9 @@ templates:
         def run_ended(self, f):
             if f.attempt == 1 and f.handle is not None and f.handle.started_at:
                 delays.append(f.handle.started_at - f.due.timestamp())
+            res = getattr(f.handle, "result", None)
+            if res is not None and res.reason != "succeeded":
+                failed.append(f"{f.entry.job.id}: {res.reason} exit {res.exit_code} signal {res.signal} {res.error or ''}")
 
     agent = Agent(cfg, [lambda a: _JobsComponent(a, run_listeners=[Probe()])])
     t = threading.Thread(target=agent.run, daemon=True)
@@ -91,9 +142,20 @@ templates:
     store = SigningStore(JobStore(agent.client, agent.keys, 64, "bench"), ring, "bench")  # agents run only signed jobs
     t_create = time.monotonic()
     start = datetime.now(timezone.utc) + timedelta(seconds=5 + n * 0.004)
+    peer_proc = None
+    if with_peer:
+        # APScheduler in its own process, its due times halfway between ours: the same
+        # machine load, at the same moments, for both
+        peer_start = start.timestamp() + over / n / 2
+        peer_proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--peer-child",
+                                      "--jobs", str(n), "--over", str(over), "--start-ts", repr(peer_start)],
+                                     stdout=subprocess.PIPE, text=True)
+    dues: dict[str, float] = {}
     for i in range(n):
         due = start + timedelta(seconds=over * i / n)
-        store.create({"v": 1, "id": f"b{i:06d}", "template": "noop", "params": {},
+        due = parse_rfc3339(format_rfc3339(due))  # as stored
+        dues[f"b{i:06d}"] = due.timestamp()
+        store.create({"v": 1, "id": f"b{i:06d}", "template": "clock", "params": {},
                       "schedule": {"at": format_rfc3339(due)}})
     create_s = time.monotonic() - t_create
     print(f"created {n} jobs in {create_s:.1f} s ({n / create_s:.0f} job-store writes/s)", flush=True)
@@ -118,19 +180,26 @@ templates:
     agent.request_stop()
     t.join(30)
     etcd.close()
+    clocks = job_clocks(out, dues)
+    if failed:
+        print(f"runs that did not succeed: {len(failed)}: {failed[:5]}")
     shutil.rmtree(tmp, ignore_errors=True)
-    return delays
+    return clocks, delays, peer_proc
 
 
-def peer(n: int, over: float) -> list[float]:
+def peer(n: int, over: float, start_ts: Optional[float] = None) -> tuple[list[float], list[float]]:
     from apscheduler.schedulers.background import BackgroundScheduler
 
     delays: list[float] = []
     procs = []
     lock = threading.Lock()
+    tmp = tempfile.mkdtemp(prefix="mw-bench-peer-")
+    script, out = job_script(tmp)
+    dues: dict[str, float] = {}
 
-    def fire(due_ts):
-        p = subprocess.Popen(["/bin/true"])
+    def fire(jid, due_ts):
+        p = subprocess.Popen([script], env={"PATH": "/usr/bin:/bin", "MILLWRIGHT_JOB_ID": jid},
+                             stdin=subprocess.DEVNULL, close_fds=True)
         d = time.time() - due_ts
         with lock:
             delays.append(d)
@@ -140,9 +209,12 @@ def peer(n: int, over: float) -> list[float]:
                                 executors={"default": {"type": "threadpool", "max_workers": 20}})
     sched.start()
     start = datetime.now(timezone.utc) + timedelta(seconds=5 + n * 0.0005)
+    if start_ts is not None:
+        start = datetime.fromtimestamp(start_ts, timezone.utc)
     for i in range(n):
         due = start + timedelta(seconds=over * i / n)
-        sched.add_job(fire, "date", run_date=due, args=[due.timestamp()])
+        dues[f"p{i:06d}"] = due.timestamp()
+        sched.add_job(fire, "date", run_date=due, args=[f"p{i:06d}", due.timestamp()])
 
     def reap():
         while True:
@@ -160,24 +232,60 @@ def peer(n: int, over: float) -> list[float]:
     while datetime.now(timezone.utc) < end and len(delays) < n:
         time.sleep(0.5)
     sched.shutdown(wait=True)
-    return delays
+    r.join(10)
+    clocks = job_clocks(out, dues)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return clocks, delays
+
+
+def report_peer(theirs: list[float], popen: list[float], n: int) -> None:
+    print(summary("apscheduler (memory) job clock", theirs))
+    print(summary("  diagnostic: Popen returned", popen))
+    if len(theirs) < n:
+        print(f"  MISSING: {n - len(theirs)} jobs did not record their clock")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--jobs", type=int, default=10000)
-    ap.add_argument("--over", type=float, default=60.0)
+    ap.add_argument("--jobs", type=int, default=3000)
+    ap.add_argument("--over", type=float, default=30.0)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--lead", type=float, default=0.25, help="execute.claim_lead_s")
     ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--bpf", action="store_true", help="the agent's BPF sensor on (exec policy in monitor mode)")
+    ap.add_argument("--sequential", action="store_true",
+                    help="run APScheduler after Millwright instead of at the same time (interleaved due times)")
+    ap.add_argument("--peer-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--start-ts", type=float, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    mine = ours(a.jobs, a.over, a.backend, a.lead)
-    print(summary(f"millwright ({a.backend}, lead {a.lead:g} s)", mine), flush=True)
-    if not a.skip_peer:
-        theirs = peer(a.jobs, a.over)
-        print(summary("apscheduler (memory)", theirs))
-        print(f"ratio p50 {pct(mine, 50) / pct(theirs, 50):.2f}x, p99 {pct(mine, 99) / pct(theirs, 99):.2f}x "
-              f"(millwright / apscheduler)")
+    if a.peer_child:
+        clocks, popen = peer(a.jobs, a.over, a.start_ts)
+        print(json.dumps({"clocks": clocks, "popen": popen}))
+        return
+    together = not a.skip_peer and not a.sequential
+    print(f"{a.jobs} one-shot jobs over {a.over:g} s, BPF {'on' if a.bpf else 'off'}, job body: sh exec date +%s.%N >> file; "
+          f"APScheduler {'at the same time, due times interleaved' if together else 'after'}", flush=True)
+    print(f"before: {load()}", flush=True)
+    mine, go_byte, child = ours(a.jobs, a.over, a.backend, a.lead, with_peer=together, bpf=a.bpf)
+    print(f"after millwright:  {load()}", flush=True)
+    name = f"millwright ({a.backend}, lead {a.lead:g} s)"
+    print(summary(name + " job clock", mine), flush=True)
+    print(summary("  diagnostic: release time", go_byte) + "  (handle.started_at, the old go-byte figure)", flush=True)
+    if len(mine) < a.jobs:
+        print(f"  MISSING: {a.jobs - len(mine)} jobs did not record their clock")
+    if a.skip_peer:
+        return
+    if child is not None:
+        got = json.loads(child.communicate()[0].strip().splitlines()[-1])
+        theirs, popen = got["clocks"], got["popen"]
+    else:
+        time.sleep(5)
+        print(f"before apscheduler: {load()}", flush=True)
+        theirs, popen = peer(a.jobs, a.over)
+        print(f"after apscheduler:  {load()}", flush=True)
+    report_peer(theirs, popen, a.jobs)
+    print(f"ratio at the job's clock (millwright / apscheduler): p50 {pct(mine, 50) / pct(theirs, 50):.2f}x, "
+          f"p99 {pct(mine, 99) / pct(theirs, 99):.2f}x, max {max(mine) / max(theirs):.2f}x")
 
 
 if __name__ == "__main__":

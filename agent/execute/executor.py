@@ -39,13 +39,19 @@ from typing import Any, Callable, Optional
 from agent.execute import metrics as m
 from agent.execute.backends import QuotaBackend, Usage, probe
 from agent.execute.guard import RunGuard
-from agent.execute.launch import DEFAULT_PATH, SHIM_SH, SpawnError, go, spawn
+from agent.execute.launch import ARMED_SH, DEFAULT_PATH, SHIM_SH, SpawnError, go, spawn
 from agent.execute.limits import Limits, default_limits
 from agent.execute.reaper import Reaper, _drain_stream, _kill, _killpg, _reap_group, _Run, _set_child_subreaper
 from agent.execute.release import Releaser
 from agent.execute.runs import REASONS, RunHandle, RunResult, RunSpec, rfc3339
 
 log = logging.getLogger("millwright.execute")
+
+# An armed launcher (prepare(..., guard_until=...)) is used only if its guard is known to
+# hold this long past the release time; and a discard this close to the release time is
+# not trusted to beat the launcher's own timer (the run is released, then terminated).
+ARM_MARGIN_S = 0.5
+ARM_DISCARD_MARGIN_S = 0.002
 
 __all__ = ["Executor", "RunSpec", "RunResult", "RunHandle", "REASONS", "rfc3339"]
 
@@ -72,6 +78,7 @@ class Executor:
         if spawn_mode not in ("shim", "fork"):
             raise ValueError(f"spawn_mode must be auto, shim or fork, not {spawn_mode!r}")
         self.spawn_mode = spawn_mode
+        self.can_arm = spawn_mode == "shim" and os.access(ARMED_SH, os.X_OK)
         self.base_dir = os.path.abspath(base_dir)
         self.output_max_bytes = int(output_max_bytes)
         self.kill_grace_s = float(kill_grace_s)
@@ -81,6 +88,7 @@ class Executor:
         self.drain_timeout_s = drain_timeout_s
         self._lock = threading.Lock()
         self._live: dict[str, _Run] = {}
+        self.armed: set[_Run] = set()   # prepared with an armed launcher, not released yet (under _lock)
         os.makedirs(self.base_dir, mode=0o711, exist_ok=True)
         try:
             os.chmod(self.base_dir, 0o711)   # job users traverse to their work dir, list nothing
@@ -122,15 +130,28 @@ class Executor:
     def prepare(self, spec: RunSpec, on_exit: Callable[[RunHandle, RunResult], Any], *,
                 release_at: Optional[float] = None,
                 on_release: Optional[Callable[[RunHandle, bool], Any]] = None,
-                guard: Optional[Callable[[], bool]] = None) -> RunHandle:
+                guard: Optional[Callable[[], bool]] = None,
+                guard_until: Optional[float] = None) -> RunHandle:
         """Everything start() does except letting the job exec: the launcher waits in its
         quota container (pid known, poststart hooks done) until release(). This takes the
         costly part (cgroup, fork, user lookup) off the due time. With ``release_at``
-        (time.monotonic()) the reaper thread releases it then, off the caller's busy loop,
+        (time.monotonic()) the release thread releases it then, off the caller's busy loop,
         and calls ``on_release(handle, ok)`` there; if ``guard()`` (thread-safe) is false at
         that moment the run is discarded with reason ``fenced`` instead. terminate() before
-        the release discards it; on_exit follows exactly once either way."""
-        handle = self._start(spec, on_exit, hold=True, guard=guard)
+        the release discards it; on_exit follows exactly once either way.
+
+        ``guard_until`` (time.monotonic()): guard() cannot turn false before then (e.g. the
+        lease's local validity, which only grows while the lease lives). If it covers
+        release_at with ARM_MARGIN_S to spare, the launcher is *armed*: it releases itself
+        at release_at on a kernel timer (agent/execute/launch.py, ARMED_SCRIPT), so no
+        thread of this busy process is on the due time's path; the release thread still
+        runs then, for on_release and as a backstop (its go byte releases the launcher if
+        it has not gone yet)."""
+        arm_at = None
+        if release_at is not None and self.can_arm and (
+                guard is None or (guard_until is not None and release_at + ARM_MARGIN_S <= guard_until)):
+            arm_at = time.time() + (release_at - time.monotonic())
+        handle = self._start(spec, on_exit, hold=True, guard=guard, arm_at=arm_at)
         if release_at is not None:
             with self._lock:
                 run = self._live.get(handle.run_key)
@@ -156,11 +177,14 @@ class Executor:
         # read both first: a discarded run may be finalised (fields cleared) by the reaper
         # before this thread gets to the callback
         guard, on_release = run.guard, run.on_release
-        if guard is not None and not guard():
+        if guard is not None and not guard() and self._discard_held(run.handle, "fenced"):
             ok = False
-            self._discard_held(run.handle, "fenced")
         else:
             ok = self.release(run.handle)
+            if ok and guard is not None and not guard():
+                # an armed launcher past its time (guard_until was wrong): it may have
+                # exec'd, so it counts as released and is terminated like a running run
+                self._reaper.post(self._terminate, run.handle, "fenced", None)
         if on_release is not None:
             try:
                 on_release(run.handle, ok)
@@ -172,8 +196,11 @@ class Executor:
             run = self._live.get(handle.run_key)
             if run is None or run.handle is not handle or run.go is None:
                 return False
+            if run.armed_at is not None and time.time() >= run.armed_at - ARM_DISCARD_MARGIN_S:
+                return False   # its own timer may have released it: released_armed() then terminate
             go_w, err_r, _, _ = run.go
             run.go = None
+            self.armed.discard(run)
         run.kill_reason = reason
         for fd in (go_w, err_r):
             if fd >= 0:
@@ -183,8 +210,21 @@ class Executor:
         self._reaper.post(self._register, run)
         return True
 
+    def release_armed(self, handle: RunHandle) -> None:
+        """An armed run whose launcher may have released itself and that the release
+        thread has not got to yet: account it as released now (on_release included), so
+        a terminate() that follows stops it like any running run."""
+        with self._lock:
+            run = self._live.get(handle.run_key)
+            if run is None or run.handle is not handle or run.go is None or run.armed_at is None:
+                return
+        early = run.armed_at - time.time()
+        if early > 0:   # at most ARM_DISCARD_MARGIN_S: the go byte must not beat the due time
+            time.sleep(early)
+        self._timed_release(run)
+
     def _start(self, spec: RunSpec, on_exit: Callable[[RunHandle, RunResult], Any], hold: bool,
-               guard: Optional[Callable[[], bool]] = None) -> RunHandle:
+               guard: Optional[Callable[[], bool]] = None, arm_at: Optional[float] = None) -> RunHandle:
         t0 = time.perf_counter()
         handle = RunHandle(self, spec)
         run = _Run(handle, on_exit)
@@ -195,7 +235,7 @@ class Executor:
                 raise ValueError(f"run {spec.run_key!r} is already live")
             self._live[spec.run_key] = run
         try:
-            spawn(self, run, hold)
+            spawn(self, run, hold, arm_at=arm_at)
         except SpawnError as exc:   # before fork: no process
             run.error = str(exc)
             m.SPAWN_ERRORS.labels(exc.stage).inc()
@@ -213,6 +253,7 @@ class Executor:
             _kill(handle.pid)       # a process exists: let the reaper reap it
             with self._lock:
                 go, run.go = run.go, None
+                self.armed.discard(run)
             for fd in (go or ())[:2]:
                 if fd >= 0:
                     os.close(fd)
@@ -296,6 +337,14 @@ class Executor:
         r = self._reaper
         for run in list(r.polled):
             self._poll_exit(run)
+        with self._lock:
+            armed = list(self.armed)
+        for run in armed:
+            # guard_until promised it could not happen before the due time; if it does
+            # (a lease revoked from outside), the armed launcher must not go by itself
+            guard = run.guard
+            if guard is not None and not guard():
+                self._discard_held(run.handle, "fenced")
         for run in list(r.running):
             # the lease this run was claimed under may have run out: kill it on this thread,
             # however busy the caller's loop is (self-fence timing, docs/execution.md)

@@ -47,6 +47,40 @@ _RESET_SIGNALS = tuple(getattr(signal, n) for n in (
 # ("$@"): never parsed by the shell.
 SHIM_SH = "/bin/sh"
 SHIM_SCRIPT = 'read -r _ || exit 126\nexec </dev/null\nunset PWD OLDPWD\nexec "$@"'
+# The launcher of a run prepared for a due time ("armed"): the kernel, not the agent,
+# releases the job. The agent writes "a" on the go pipe once the launcher is confined
+# (cgroup, rlimits, run guard, poststart hooks); the launcher then waits on that pipe with
+# a timeout ending at its due time ($1, wall clock in microseconds; bash's read -t is a
+# pselect, woken by the kernel's timer: no agent thread, no GIL at the due time) and execs
+# the job directly, its user switch (setpriv) done before it waited. A "g" releases it
+# early; EOF (the agent discarded the run, or died) ends it without exec, also when the
+# EOF is already there as its due time comes. A read that times out keeps what it read
+# (bash): a "g" that arrived with the timeout counts (without that check 1 in ~1,500
+# launchers exited 126 when the release thread's "g" and close met the timer). bash because dash has neither a read
+# timeout nor a clock; printf -v and $(( )) are builtins: nothing forks. bash exports
+# SHLVL on exec, except an array: the job's environment stays exactly the clean one.
+ARMED_SH = "/bin/bash"
+ARMED_SCRIPT = """read -r m || exit 126
+if [ "$m" = a ]; then
+  d=$(( $1 - ${EPOCHREALTIME/./} ))
+  if (( d > 0 )); then
+    printf -v t '%d.%06d' $((d / 1000000)) $((d % 1000000))
+    m=
+    read -r -t "$t" m
+    r=$?
+    if (( r > 128 )); then
+      if [ "$m" != g ] && read -r -t 0; then read -r m || exit 126; fi
+    elif (( r != 0 )); then exit 126
+    fi
+  elif read -r -t 0; then read -r m || exit 126
+  fi
+fi
+shift
+exec </dev/null
+unset PWD OLDPWD SHLVL
+declare -a SHLVL
+exec "$@"
+"""
 _MAXFD = os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536
 
 
@@ -191,7 +225,10 @@ def prepare_process(ex: "Executor", run: _Run) -> tuple:
                 "MILLWRIGHT_RUN_ID": spec.run_id or spec.run_key, "MILLWRIGHT_ATTEMPT": str(spec.attempt)})
     return ids, path, env, cwd, out, err
 
-def spawn(ex: "Executor", run: _Run, hold: bool = False) -> None:
+def spawn(ex: "Executor", run: _Run, hold: bool = False, arm_at: Optional[float] = None) -> None:
+    """Start the run's launcher, confine it, then let it exec (or, ``hold``, keep it
+    waiting for go()). ``arm_at`` (wall clock; shim mode with bash only): the launcher
+    releases itself then (ARMED_SCRIPT); go() before that releases it early."""
     spec = run.handle.spec
     ids, path, env, cwd, out_path, err_path = prepare_process(ex, run)
     if ex.spawn_mode == "shim":
@@ -223,12 +260,17 @@ def spawn(ex: "Executor", run: _Run, hold: bool = False) -> None:
     if ex.spawn_mode == "shim":
         os.close(err_r)
         os.close(err_w)
-        argv = [SHIM_SH, "-c", SHIM_SCRIPT, "millwright-run"]
+        switch: list[str] = []
         if ids is not None:
             uid, gid, groups = ids
             assert ex._setpriv is not None  # shim mode is chosen only when setpriv exists
-            argv += [ex._setpriv, f"--reuid={uid}", f"--regid={gid}",
-                     f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups", "--"]
+            switch = [ex._setpriv, f"--reuid={uid}", f"--regid={gid}",
+                      f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups", "--"]
+        if arm_at is not None:
+            # user switch first, then wait: at the due time only the job's own exec is left
+            argv = switch + [ARMED_SH, "-c", ARMED_SCRIPT, "millwright-run", str(int(arm_at * 1e6))]
+        else:
+            argv = [SHIM_SH, "-c", SHIM_SCRIPT, "millwright-run"] + switch
         argv += [path] + list(spec.argv[1:])
         try:
             popen = subprocess.Popen(argv, stdin=go_r, stdout=out_w, stderr=ep_w, cwd=cwd, env=env,
@@ -271,6 +313,12 @@ def spawn(ex: "Executor", run: _Run, hold: bool = False) -> None:
                 hook(run.handle)
             except Exception as exc:
                 raise SpawnError("poststart", f"poststart hook {getattr(hook, '__qualname__', hook)} failed: {exc}") from None
+        if arm_at is not None:
+            try:   # confined and known: from now on its own timer may release it
+                os.write(go_w, b"a\n")
+            except BrokenPipeError:
+                raise SpawnError("exec", "the launcher exited before it was armed") from None
+            run.armed_at = arm_at
     except (OSError, SpawnError) as exc:  # never exec a run we could not confine or track
         if not isinstance(exc, SpawnError):
             exc = SpawnError("cgroup", f"cannot confine the run: {exc.strerror or exc}")
@@ -281,6 +329,8 @@ def spawn(ex: "Executor", run: _Run, hold: bool = False) -> None:
         go_w = -1
     with ex._lock:
         run.go = (go_w, err_r, path, cwd)
+        if run.armed_at is not None and go_w >= 0:
+            ex.armed.add(run)
     if not hold or run.error:
         go(ex, run)
 
@@ -289,19 +339,26 @@ def go(ex: "Executor", run: _Run) -> None:
     exec error. Caller's thread."""
     with ex._lock:
         go, run.go = run.go, None
+        ex.armed.discard(run)
     if go is None:
         return
     go_w, err_r, path, cwd = go
     spec = run.handle.spec
     released = False
     if go_w >= 0:
-        run.handle.started_at = time.time()
-        run.t0 = time.monotonic()
+        now, run.t0 = time.time(), time.monotonic()
+        armed = run.armed_at
+        # an armed launcher went at its own due time, however late this thread is
+        run.handle.started_at = now if armed is None else min(now, armed)
+        if armed is not None and now > armed:
+            run.t0 -= now - armed
         try:
             os.write(go_w, b"g\n")
             released = True
         except BrokenPipeError:
-            pass   # the child died during setup: its reason is in the err pipe
+            # the child died during setup (its reason is in the err pipe), or an armed
+            # launcher passed its due time and exec'd the job (its stdin is /dev/null now)
+            released = armed is not None
         finally:
             os.close(go_w)
     msg = b""

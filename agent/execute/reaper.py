@@ -85,6 +85,7 @@ class _Run:
         self.go: Optional[tuple] = None  # (go_w, err_r, path, cwd) while prepared, not released
         self.on_release: Optional[Callable[[RunHandle, bool], Any]] = None
         self.guard: Optional[Callable[[], bool]] = None
+        self.armed_at: Optional[float] = None   # wall clock: its launcher releases itself then
 
 
 class _Timer:
@@ -180,7 +181,7 @@ class Reaper(threading.Thread):
                     fn, args = t.fn, t.args
                     t.fn, t.args = _noop, ()
                     self._safe(fn, *args)
-            if (self.running or self.polled or self.orphan_slots) and now >= next_watch:
+            if (self.running or self.polled or self.orphan_slots or ex.armed) and now >= next_watch:
                 self._safe(ex._watch)
                 next_watch = now + (0.02 if self.polled else ex.watch_interval_s)
             if self._stopping and not self.fds_for_runs():
@@ -188,7 +189,7 @@ class Reaper(threading.Thread):
             wait = 1.0
             if self.timers:
                 wait = min(wait, self.timers[0][0] - now)
-            if self.running or self.polled or self.orphan_slots:
+            if self.running or self.polled or self.orphan_slots or ex.armed:
                 wait = min(wait, next_watch - now)
             try:
                 events = self.poller.poll(max(0, int(wait * 1000) + (1 if wait > 0 else 0)))

@@ -94,6 +94,7 @@ class RunHandle:
         job, and the run ends with `reason`."""
         if self._executor._discard_held(self, reason):
             return
+        self._executor.release_armed(self)
         self._executor._reaper.post(self._executor._terminate, self, reason, grace_s)
 
     def wait(self, timeout: Optional[float] = None) -> Optional[RunResult]:

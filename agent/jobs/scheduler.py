@@ -16,10 +16,11 @@ takeover recomputes exactly the same firings.
 
 Precision: a firing is claimed shortly before its due time (agent/jobs/claimlead.py: three
 times the recent claim latency, at most ``execute.claim_lead_s``), and its process is
-prepared then (quota container, launcher waiting on its go pipe). At the due
-time the executor's release thread writes one byte to that pipe, so neither the etcd
-claim nor the spawn is on the critical path. A firing whose fate depends on what happens
-until its due time (depends_on, or an earlier run of the job still running: overlap) is
+prepared then (quota container, launcher waiting on its go pipe). At the due time the
+launcher releases itself on a kernel timer (armed while the lease is known to stay valid past
+the due time; else the executor's release thread writes one byte to that pipe), so neither
+the etcd claim, the spawn nor any thread of the agent is on the critical path. A firing
+whose fate depends on what happens until its due time (depends_on, or an earlier run of the job still running: overlap) is
 not claimed early. If the agent dies in between, the launcher exits with the agent (its
 go pipe closes) and the record is resolved like any run of a dead owner.
 
@@ -894,9 +895,13 @@ class Scheduler:
             self.claim_lead.observe(f.lead - ahead)
         prepare = getattr(self.executor, "prepare", None)
         if ahead > SPAWN_AHEAD_MIN_S and prepare is not None:
+            # the lease's local validity only grows while it lives: until then lease_valid()
+            # holds, so the launcher may release itself on a kernel timer (no thread of
+            # ours on the due time's path)
+            valid_until = session.valid_until if session.lease_id == lease else 0.0
             f.handle = prepare(spec, on_exit, release_at=time.monotonic() + ahead,
                                on_release=lambda h, ok: self.loop.post(self._released, f, h, ok, argv, tpl.user),
-                               guard=lease_valid)
+                               guard=lease_valid, guard_until=valid_until)
             # listeners (exec policy, sensor attribution) know the run before it can exec
             for l in self.run_listeners:
                 l.run_started(f)

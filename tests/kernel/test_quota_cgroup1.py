@@ -394,6 +394,140 @@ def test_timed_release_happens_at_its_time_unless_the_guard_says_fenced(executor
     assert h.started_at >= wall_at - 0.005
 
 
+# --------------------------------------------------------------------------- armed launcher (issue 18)
+
+
+def _clock_job(path: str) -> list:
+    return ["/bin/sh", "-c", 'date +%s.%N > "$0"', path]
+
+
+def test_armed_launcher_releases_itself_at_its_time_while_the_release_thread_is_stuck(executor, base_dir, job_user):
+    """guard_until covering the release time arms the launcher: the kernel's timer, not a
+    thread of the agent, lets the job exec. Shown by blocking the only release thread
+    (an on_release callback that does not return): the armed job still runs, at its time,
+    as its user, with exactly the clean environment; the release thread, once free,
+    reports it released."""
+    c = Collector()
+    os.chmod(base_dir, 0o777)
+    gate = threading.Event()
+    released = []
+    marker, env_out = os.path.join(base_dir, "armed"), os.path.join(base_dir, "armed-env")
+    now = time.monotonic()
+    executor.prepare(RunSpec("blocker", ["/bin/true"]), c, release_at=now + 0.2,
+                     on_release=lambda h, ok: gate.wait(30), guard=lambda: True, guard_until=now + 60)
+    at = now + 0.6
+    script = 'date +%s.%N > "$0"; id -un >> "$0"; env > "$1"'
+    h = executor.prepare(RunSpec("armed", ["/bin/sh", "-c", script, marker, env_out], user=job_user), c,
+                         release_at=at, on_release=lambda hh, ok: released.append(ok),
+                         guard=lambda: True, guard_until=now + 60)
+    wall_at = time.time() + (at - time.monotonic())
+    try:
+        deadline = time.monotonic() + 20
+        while not (os.path.exists(marker) and os.path.getsize(marker) and os.path.exists(env_out)) \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert released == [], "the release thread is still held by the blocker's callback"
+        ran_at, user = open(marker).read().split()
+    finally:
+        gate.set()
+    armed, _ = c.wait(["armed", "blocker"])
+    assert armed.reason == "succeeded" and float(ran_at) >= wall_at and user == job_user
+    env = dict(line.split("=", 1) for line in open(env_out).read().splitlines())
+    assert set(env) - {"PWD", "SHLVL", "_"} == {"PATH", "HOME", "LANG", "TMPDIR", "USER", "LOGNAME",
+                                                 "MILLWRIGHT_JOB_ID", "MILLWRIGHT_FIRE_ID", "MILLWRIGHT_RUN_ID",
+                                                 "MILLWRIGHT_ATTEMPT"}
+    assert released == [True] and h.started_at == pytest.approx(wall_at, abs=0.01)
+
+
+def test_armed_launcher_exports_exactly_the_clean_environment(executor, base_dir):
+    """The armed launcher is bash: nothing of it (SHLVL, _, PWD) reaches the job."""
+    c = Collector()
+    now = time.monotonic()
+    executor.prepare(RunSpec("armed-env", ["/usr/bin/env"], job_id="j1", run_id="f1.1", fire_id="f1", attempt=1),
+                     c, release_at=now + 0.3, guard=lambda: True, guard_until=now + 60)
+    (r,) = c.wait(["armed-env"])
+    env = dict(line.split("=", 1) for line in open(r.stdout_path).read().splitlines())
+    assert r.reason == "succeeded" and set(env) == {
+        "PATH", "HOME", "LANG", "TMPDIR", "USER", "LOGNAME", "MILLWRIGHT_JOB_ID", "MILLWRIGHT_FIRE_ID",
+        "MILLWRIGHT_RUN_ID", "MILLWRIGHT_ATTEMPT"}
+
+
+def test_armed_launcher_discarded_before_its_time_never_execs(executor, base_dir):
+    """A cancel (terminate) between the claim and the due time closes the armed launcher's
+    go pipe: it exits without exec'ing, as with the thread-released launcher."""
+    c = Collector()
+    never = os.path.join(base_dir, "armed-never")
+    released = []
+    now = time.monotonic()
+    h = executor.prepare(RunSpec("armed-cancel", _clock_job(never)), c, release_at=now + 1.5,
+                         on_release=lambda hh, ok: released.append(ok), guard=lambda: True, guard_until=now + 60)
+    time.sleep(0.2)
+    assert h.pid and alive(h.pid) and not os.path.exists(never)
+    h.terminate("cancelled")
+    (r,) = c.wait(["armed-cancel"])
+    time.sleep(1.6)   # past its due time: its timer would have fired by now
+    assert r.reason == "cancelled" and r.started_at is None and not os.path.exists(never)
+    assert released in ([], [False])
+
+
+def test_armed_launcher_whose_guard_fails_before_its_time_never_execs(executor, base_dir):
+    """guard_until is a promise (the lease's validity only grows); should the guard turn
+    false before the due time anyway (a lease revoked from outside), the reaper's watch
+    discards the armed launcher: the run ends ``fenced`` and the job never execs."""
+    c = Collector()
+    never = os.path.join(base_dir, "armed-fenced")
+    valid = threading.Event()
+    valid.set()
+    now = time.monotonic()
+    executor.prepare(RunSpec("armed-fenced", _clock_job(never)), c, release_at=now + 2.0,
+                     guard=valid.is_set, guard_until=now + 60)
+    time.sleep(0.2)
+    valid.clear()
+    (r,) = c.wait(["armed-fenced"])
+    assert r.reason == "fenced" and r.started_at is None
+    time.sleep(max(0.0, now + 2.2 - time.monotonic()))
+    assert not os.path.exists(never)
+
+
+def test_every_armed_launcher_execs_its_job_when_its_timer_and_the_go_byte_meet(base_dir):
+    """The release thread's "g" and close land at the armed launcher's due time: bash's
+    timed read may then consume the "g" and still report the timeout. Such a launcher
+    must exec the job, not take the following EOF for a discard (found by bench_trigger:
+    1 in ~1,500 runs exited 126 without exec). 600 runs, 100 a second, as root through
+    setpriv like the scheduler's; every one must succeed."""
+    from agent.execute.backends import RlimitBackend
+
+    ex = Executor(RlimitBackend(), base_dir, watch_interval_s=0.05)
+    c = Collector()
+    n = 600
+    try:
+        t0 = time.monotonic() + 0.5
+        for i in range(n):
+            at = t0 + i * 0.01
+            ex.prepare(RunSpec(f"meet-{i}", ["/bin/true"], user="root"), c, release_at=at,
+                       guard=lambda: True, guard_until=at + 60)
+            while time.monotonic() < at - 0.25:
+                time.sleep(0.002)
+        results = c.wait([f"meet-{i}" for i in range(n)], timeout=120)
+    finally:
+        ex.close(close_backend=False)
+    failed = [(r.run_key, r.reason, r.exit_code) for r in results if r.reason != "succeeded"]
+    assert failed == []
+
+
+def test_prepare_without_guard_until_is_not_armed(executor, base_dir):
+    """No promise about the guard: the launcher waits for the release thread, which checks
+    the guard at the due time (the pre-issue-18 path); a launcher is never armed then."""
+    c = Collector()
+    now = time.monotonic()
+    h = executor.prepare(RunSpec("not-armed", ["/bin/true"]), c, release_at=now + 0.3, guard=lambda: True)
+    short = executor.prepare(RunSpec("too-short", ["/bin/true"]), c, release_at=now + 0.3, guard=lambda: True,
+                             guard_until=now + 0.4)
+    cmds = [open(f"/proc/{x.pid}/cmdline").read().split("\0")[0] for x in (h, short)]
+    r = c.wait(["not-armed", "too-short"])
+    assert cmds == ["/bin/sh", "/bin/sh"] and [x.reason for x in r] == ["succeeded", "succeeded"]
+
+
 def test_effective_limits_reach_the_cgroup(executor):
     from agent.config import Resources
 

@@ -263,6 +263,17 @@ def test_a_launcher_exec_delivered_after_the_job_exec_is_judged_by_its_exec_time
     assert v is not None and r.violations == 1
 
 
+def test_armed_launcher_setpriv_then_bash_then_the_job_is_allowed_and_bash_after_it_is_not():
+    """The armed launcher (issue 18) execs setpriv, then /bin/bash with the armed script,
+    then the job; bash is a launcher path only until the job's own exec."""
+    r = ExecPolicy([]).for_run("/opt/job", job_argv=["/opt/job", "x"])
+    assert r.check("/usr/bin/setpriv", argv=["/usr/bin/setpriv", "--reuid=65534", "--", "/bin/bash"]) is None
+    assert r.check("/bin/bash", argv=["/bin/bash", "-c", "read -r m || exit 126", "millwright-run"]) is None
+    assert r.check("/opt/job", argv=["/opt/job", "x"]) is None and not r.launching
+    v = r.check("/bin/bash", argv=["/bin/bash", "-c", "x"])
+    assert v is not None and r.violations == 1
+
+
 def test_launcher_exemption_is_bounded():
     r = ExecPolicy([]).for_run("/opt/job")
     for _ in range(LAUNCHER_MAX_EXECS):
