@@ -4,7 +4,7 @@ PY ?= /usr/bin/python3
 PYTEST_ARGS ?=
 export PYTHONDONTWRITEBYTECODE = 1
 
-.PHONY: setup demo test test-unit test-integration test-kernel bench deb clean reference lint lint-tools chaos
+.PHONY: setup demo test test-unit test-integration test-kernel bench deb clean reference lint lint-tools chaos test-release
 
 setup:
 	@bash scripts/setup-host.sh
@@ -32,6 +32,14 @@ SEED ?=
 MINUTES ?= 2
 chaos: setup
 	$(PY) -m tests.support.chaos $(if $(SEED),--seed $(SEED)) --minutes $(MINUTES)
+
+# Before a release, on top of `make test`: the flap test's full 5 minutes, retention driven
+# to its larger bounds, a 30-minute fault run and ten 2-minute seeds (about 75 minutes).
+test-release: setup
+	MILLWRIGHT_FLAP_TEST_S=300 $(PY) -m pytest -p no:cacheprovider tests/kernel/test_health_e2e.py -k flapping $(PYTEST_ARGS)
+	MILLWRIGHT_SLOW=1 $(PY) -m pytest -p no:cacheprovider tests/integration/test_retention.py $(PYTEST_ARGS)
+	$(PY) -m tests.support.chaos --seed 20 --minutes 30
+	@for s in $$(seq 1 10); do $(PY) -m tests.support.chaos --seed $$s --minutes 2 || exit 1; done
 
 bench: setup
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
