@@ -34,7 +34,6 @@ published (counted in millwright_answers_expired_total, audit ``gap`` record).
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import queue
@@ -48,6 +47,7 @@ from agent.coordination.fencing import Fence, StaleToken, fenced_txn
 from agent.coordination.keys import Keys
 from agent.jobs.view import read_prefix
 from agent.runtime.metrics import counter
+from agent.runtime.recent import RecentMemory
 
 log = logging.getLogger("millwright.cloud.answers")
 
@@ -136,7 +136,7 @@ class Answers:
         self._thread: Optional[threading.Thread] = None
         self._republished: dict[str, float] = {}   # marker key -> when we last enqueued it
         # answers this agent saw on the broker (its status subscription): "<job>/<name>"
-        self._seen: "collections.OrderedDict[str, bool]" = collections.OrderedDict()
+        self._seen: RecentMemory[str, bool] = RecentMemory(SEEN_MAX)
         self._seen_lock = threading.Lock()
         self.watching_since: Optional[float] = None  # wall time since which nothing was missed
 
@@ -151,9 +151,7 @@ class Answers:
         if name is None or not isinstance(doc.get("job_id"), str):
             return
         with self._seen_lock:
-            self._seen[doc["job_id"] + "/" + name] = True
-            while len(self._seen) > SEEN_MAX:
-                self._seen.popitem(last=False)
+            self._seen.remember(doc["job_id"] + "/" + name, True)
 
     def watching(self, connected: bool) -> None:
         """On every (re)connect: only answers written after it (plus a margin) can be known

@@ -33,7 +33,6 @@ reason ``key_retired``).
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import time
@@ -55,6 +54,7 @@ from agent.jobs.document import Job, JobRejected, render_argv, run_id
 from agent.jobs.firing import ACTIVE, NOT_STARTED, RETRYABLE, TERMINAL, Firing, FiringState, RunListener
 from agent.runtime.gcpolicy import GcPolicy
 from agent.runtime.metrics import counter, gauge, histogram
+from agent.runtime.recent import RecentMemory
 from agent.runtime.timefmt import format_optional as rfc
 from agent.runtime.timefmt import parse_rfc3339, utcnow
 
@@ -156,7 +156,7 @@ class Scheduler:
         self.claim_lead = ClaimLead(self.cfg.execute.claim_lead_s)
         if agent.keyring is None:  # no cloud component: read the keys file here
             agent.keyring = _load_keyring(self.cfg.signing.keys_file)
-        self._rejected_seen: "collections.OrderedDict[tuple, None]" = collections.OrderedDict()
+        self._rejected_seen: RecentMemory[tuple, None] = RecentMemory(REJECTED_STORED_MEMORY)
         agent.shard_listeners.append(self)
         agent.busy_checks.append(self.busy)
         agent.drain_hooks.append(self._drain_started)
@@ -505,9 +505,7 @@ class Scheduler:
         seen = (job_id, stored.revision, reason)
         if seen in self._rejected_seen:
             return
-        self._rejected_seen[seen] = None
-        while len(self._rejected_seen) > REJECTED_STORED_MEMORY:
-            self._rejected_seen.popitem(last=False)
+        self._rejected_seen.remember(seen, None)
         REJECTED_STORED.labels(reason).inc()
         log.error("stored job refused: it is never run", extra={"fields": {
             "job": job_id, "shard": stored.shard, "reason": reason, "detail": detail}})
