@@ -17,7 +17,7 @@ or our module at the innermost frame) and by function (top 25, innermost agent f
 
     /usr/bin/python3 bench/profile_ingest.py            # BENCH_PUSHES=5000, paho 1.6
     /usr/bin/python3 bench/profile_ingest.py --paho2    # paho-mqtt 2.x (make paho2)
-    PROFILE_INTERVAL_MS=1 PROFILE_TOP=25 ...
+    PROFILE_INTERVAL_MS=1 PROFILE_TOP=25 ...        # PROFILE_INTERVAL_MS=0: CPU figures only
 """
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ def self_cpu() -> float:
 class Profiler:
     """bench_ingest.run's observer: starts and stops the agent's sampler per phase."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, sampling: bool = True):
         self.dir = directory
+        self.sampling = sampling
         self.pids: dict = {}
         self.phases: dict[str, dict] = {}
         self._t0: dict = {}
@@ -113,12 +114,14 @@ class Profiler:
         self._quiet()
         t1, c1 = time.monotonic(), self._cpus()
         self._control(f"stop {name}")
-        path = os.path.join(self.dir, f"{self.agent}.{name}.json")
-        deadline = time.monotonic() + 30
-        while not os.path.exists(path) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        with open(path) as fh:
-            prof = json.load(fh)
+        prof = None
+        if self.sampling:
+            path = os.path.join(self.dir, f"{self.agent}.{name}.json")
+            deadline = time.monotonic() + 30
+            while not os.path.exists(path) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            with open(path) as fh:
+                prof = json.load(fh)
         t0, c0 = self._t0[name]
         self.phases[name] = {**info, "wall_s": t1 - t0, "answered_s": t_answered - t0,
                              "cpu": {k: c1[k] - c0[k] for k in c1}, "profile": prof}
@@ -147,7 +150,7 @@ def table(title: str, rows: list[tuple[str, float]], total: float, top: int, per
 
 
 def report(name: str, ph: dict, idle_per_s: float) -> None:
-    prof, cpu = ph["profile"], ph["cpu"]
+    prof, cpu = ph["profile"], ph["cpu"]  # profile None: no sampler
     n = max(1, ph["pushes"])
     agent_s = cpu["agent"]
     rate = ph.get("per_s") or n / ph["answered_s"]
@@ -155,6 +158,13 @@ def report(name: str, ph: dict, idle_per_s: float) -> None:
           + (f"; p50 {ph['p50_ms']:.1f} ms p99 {ph['p99_ms']:.1f} ms" if "p50_ms" in ph
              else f"; p99 {ph['p99_ms']:.0f} ms"))
     print(f"  window {ph['wall_s']:.2f} s (answers done after {ph['answered_s']:.2f} s, then until the agent is quiet)")
+    if prof is None:  # PROFILE_INTERVAL_MS=0: the process figures only, no sampler
+        print(f"  agent CPU {agent_s:.2f} s = {1000 * agent_s / n:.3f} ms/push (no sampler; idle agent "
+              f"{idle_per_s * 100:.1f}% of a core)")
+        print(f"  same window: etcd {cpu['etcd']:.2f} s ({1000 * cpu['etcd'] / n:.3f} ms/push), mosquitto "
+              f"{cpu['mosquitto']:.2f} s ({1000 * cpu['mosquitto'] / n:.3f} ms/push), bench pusher+collector "
+              f"{cpu['bench']:.2f} s (cpus={os.cpu_count()}, load {os.getloadavg()[0]:.2f})")
+        return
     print(f"  agent CPU {agent_s:.2f} s = {1000 * agent_s / n:.3f} ms/push (user {prof['cpu_user_s']:.2f} s, "
           f"sys {prof['cpu_sys_s']:.2f} s; of it the sampler {prof['sampler_cpu_s']:.2f} s, "
           f"{prof['samples']} samples; gc {prof['gc_s']:.3f} s in {prof['gc_runs']} runs; "
@@ -193,12 +203,13 @@ def main() -> int:
     os.makedirs(site)
     with open(os.path.join(site, "sitecustomize.py"), "w") as fh:
         fh.write(SITECUSTOMIZE.format(here=HERE, dir=d, interval=INTERVAL_S))
-    path = [site] + ([bench_ingest.PAHO2] if paho2 else []) + [ROOT]
+    path = ([site] if INTERVAL_S > 0 else []) + ([bench_ingest.PAHO2] if paho2 else []) + [ROOT]
     env = {"PYTHONPATH": os.pathsep.join(path), "MW_SAMPLER_PARENT": str(os.getpid())}
     print(f"ingest profile: paho {'2.x' if paho2 else '1.6'}, 1 agent, paced {bench_ingest.RATE:g}/s x 5 s, "
-          f"burst of {bench_ingest.PUSHES}; sampling every {INTERVAL_S * 1000:g} ms; "
-          f"cpus={os.cpu_count()} load={os.getloadavg()[0]:.2f}", flush=True)
-    prof = Profiler(d)
+          f"burst of {bench_ingest.PUSHES}; "
+          + (f"sampling every {INTERVAL_S * 1000:g} ms; " if INTERVAL_S > 0 else "no sampler; ")
+          + f"cpus={os.cpu_count()} load={os.getloadavg()[0]:.2f}", flush=True)
+    prof = Profiler(d, sampling=INTERVAL_S > 0)
     r = bench_ingest.run(1, paho2, observe=prof, agent_env=env)
     print(f"bench_ingest figures of this run: burst {r['burst_per_s']:.0f}/s (p99 {r['burst_p99_ms']:.0f} ms), "
           f"paced p50 {r['p50_ms']:.1f} ms p99 {r['p99_ms']:.1f} ms")

@@ -242,13 +242,11 @@ class Answers:
                 m = self._cleared.get(timeout=max(0.01, next_sweep - time.monotonic()))
                 if m:
                     pending.append(m)
-                # off the answer's path (it is delivered): wait a little for more, so a
-                # trickle of answers costs one etcd write per CLEAR_LINGER_S, not one each
-                until = time.monotonic() + CLEAR_LINGER_S
-                while m and len(pending) < CLEAR_BATCH:
-                    m = self._cleared.get(timeout=max(0.0, until - time.monotonic()))
-                    if m:
-                        pending.append(m)
+                self._take(pending)
+                if m and len(pending) < CLEAR_BATCH and not self._stop.wait(CLEAR_LINGER_S):
+                    # off the answer's path (it is delivered): a trickle of answers costs one
+                    # etcd write per CLEAR_LINGER_S, not one each; a full batch goes at once
+                    self._take(pending)
             except queue.Empty:
                 pass
             if pending:
@@ -261,6 +259,16 @@ class Answers:
                 except Exception:
                     log.exception("answer sweep failed")
                 next_sweep = time.monotonic() + self.sweep_s
+
+    def _take(self, pending: list[str]) -> None:
+        """What is queued, up to a batch (without waiting)."""
+        try:
+            while len(pending) < CLEAR_BATCH:
+                m = self._cleared.get_nowait()
+                if m:
+                    pending.append(m)
+        except queue.Empty:
+            pass
 
     def _clear(self, keys: list[str]) -> list[str]:
         """Delete markers in one transaction; returns what is left to retry."""
