@@ -218,6 +218,20 @@ def test_created_push_hands_the_scheduler_its_verified_job(env):
     assert kind == "stored" and s.id == "p-lost" and s.parsed is None  # read from etcd: verified again
 
 
+def test_verified_job_carries_its_keys_retirement(env):
+    """The job handed to the scheduler names the key that signed it and that key's
+    retired_after, so the scheduler stops it at the retirement as it would a job it
+    verified itself (agent/jobs/scheduler.py _arm_retirement)."""
+    retire = datetime.now(timezone.utc).replace(microsecond=0) + timedelta(days=2)
+    ring = KeyRing.from_mapping({"rotating": {"alg": "hmac-sha256", "secret": generate_hmac_secret(),
+                                              "retired_after": rfc(retire)}})
+    env.ingest.keyring = ring
+    payload = json.dumps(sign(job_doc("p-rotating"), ring, "rotating"), separators=(",", ":")).encode()
+    assert env.ingest.push(payload, screened=True).result == "accepted"
+    [(kind, s)] = [n for n in env.notified if n[1].id == "p-rotating"]
+    assert s.parsed.kid == "rotating" and s.parsed.key_retired_after == retire
+
+
 def test_other_agents_job_is_silent_for_non_owner(env, etcd_server, tmp_path):
     b = Env(etcd_server, tmp_path, agent_id="b1")
     try:
