@@ -13,8 +13,9 @@ answers:
 
 The agent that wrote it also puts the status in its outbox with the marker's key. When
 the broker acknowledges that status (PUBACK), the marker is deleted (:meth:`Answers.delivered`,
-batched). A marker therefore exists only while its answer may not have reached the broker:
-the set is as small as the outbox, and empties itself as statuses flow. Deleting needs no
+batched: up to CLEAR_BATCH deletes, gathered for at most CLEAR_LINGER_S, in one transaction).
+A marker therefore exists only while its answer may not have reached the broker (or for
+those CLEAR_LINGER_S more): the set is as small as the outbox, and empties itself as statuses flow. Deleting needs no
 fence: it states a fact about the broker ("this document was delivered"), not a right to
 act for the shard; a stale delete can at worst remove a marker whose twin was delivered.
 
@@ -56,6 +57,7 @@ MARKERS = counter("millwright_answers_total", "Durable answer markers by event (
 
 KEEP_S = 7 * 86400
 CLEAR_BATCH = 64
+CLEAR_LINGER_S = 0.25  # how long delivered markers wait for company before their delete
 SEEN_MAX = 200000
 SEEN_MARGIN_S = 1.0  # subscribe -> SUBACK, generously
 TERMINAL = frozenset({"succeeded", "failed", "timed_out", "killed", "cancelled", "misfired"})
@@ -240,10 +242,11 @@ class Answers:
                 m = self._cleared.get(timeout=max(0.01, next_sweep - time.monotonic()))
                 if m:
                     pending.append(m)
-                while len(pending) < CLEAR_BATCH:
-                    m = self._cleared.get_nowait()
-                    if m:
-                        pending.append(m)
+                self._take(pending)
+                if m and len(pending) < CLEAR_BATCH and not self._stop.wait(CLEAR_LINGER_S):
+                    # off the answer's path (it is delivered): a trickle of answers costs one
+                    # etcd write per CLEAR_LINGER_S, not one each; a full batch goes at once
+                    self._take(pending)
             except queue.Empty:
                 pass
             if pending:
@@ -256,6 +259,16 @@ class Answers:
                 except Exception:
                     log.exception("answer sweep failed")
                 next_sweep = time.monotonic() + self.sweep_s
+
+    def _take(self, pending: list[str]) -> None:
+        """What is queued, up to a batch (without waiting)."""
+        try:
+            while len(pending) < CLEAR_BATCH:
+                m = self._cleared.get_nowait()
+                if m:
+                    pending.append(m)
+        except queue.Empty:
+            pass
 
     def _clear(self, keys: list[str]) -> list[str]:
         """Delete markers in one transaction; returns what is left to retry."""

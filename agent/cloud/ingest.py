@@ -31,6 +31,7 @@ so nothing is acknowledged before it is durable.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import heapq
 import itertools
@@ -328,9 +329,21 @@ class Ingest:
             INGESTED.labels("push", "accepted").inc()
             self.record("job", event="accepted", job_id=job.id, shard=stored.shard, template=job.template,
                         push_sha256=push_digest(payload), agent=self.agent_id)
-            self.notify("stored", stored)
+            self.notify("stored", self._with_parsed(stored, job))
             return Outcome("push", "accepted", job.id, status=doc, stored=stored)
         return self._exists(payload, stored, as_owner)
+
+    def _with_parsed(self, stored, job):
+        """``stored`` carrying the verified job for the scheduler (StoredJob.parsed): the
+        document this agent itself just verified and stored, with the key that signed it
+        (the screen verified it: parse_job then left ``kid`` unset)."""
+        if job.kid is None:
+            sig = job.doc.get("sig")
+            key = self.keyring.get(sig.get("kid")) if isinstance(sig, dict) and isinstance(sig.get("kid"), str) else None
+            if key is None:
+                return stored  # (keys reloaded meanwhile) the scheduler verifies it itself
+            job = dataclasses.replace(job, kid=key.kid, key_retired_after=key.retired_after)
+        return dataclasses.replace(stored, parsed=job)
 
     # --- push: group commit -------------------------------------------------------------
     def push_many(self, items: list[tuple[bytes, bool]], screened: bool = False) -> list:

@@ -45,8 +45,12 @@ class PrefixWatch:
                  on_snapshot: Callable[[list[KV], int], None],
                  on_events: Callable[[list[WatchEvent], int], None],
                  start_revision: Optional[int] = None,
-                 max_backoff_s: float = 2.0):
+                 max_backoff_s: float = 2.0, puts_only: bool = False):
+        """``puts_only``: etcd sends no delete events and no previous values (``prev`` is
+        None): for watchers that only look at what was written (less for etcd to send and
+        for this process to decode)."""
         self.client = client
+        self.puts_only = puts_only
         self.prefix = prefix
         self.name = name
         self.on_snapshot = on_snapshot
@@ -125,7 +129,8 @@ class PrefixWatch:
         key = self.prefix.encode()
         create = rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
             key=key, range_end=etcd_utils.increment_last_byte(key),
-            start_revision=self._next_rev, prev_kv=True))
+            start_revision=self._next_rev, prev_kv=not self.puts_only,
+            filters=[rpc.WatchCreateRequest.NODELETE] if self.puts_only else []))
         q: queue.SimpleQueue = queue.SimpleQueue()
         self._requests = q
         established = False

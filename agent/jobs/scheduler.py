@@ -424,12 +424,14 @@ class Scheduler:
 
     def _install_job(self, stored: StoredJob, records: dict[str, tuple[dict, int]]) -> None:
         self.gc.settle()  # job entries are long-lived: keep them out of full collections
-        try:
-            job = Job.from_stored(public_doc(stored.doc), keyring=self.agent.keyring, cluster=self.cfg.cluster,
-                                  now=utcnow())
-        except JobRejected as exc:
-            self._reject_stored(stored, exc.reason, exc.detail)
-            return
+        job = stored.parsed  # verified by this agent's ingest from the pushed bytes (StoredJob.parsed)
+        if job is None or (job.key_retired_after is not None and utcnow() >= job.key_retired_after):
+            try:
+                job = Job.from_stored(public_doc(stored.doc), keyring=self.agent.keyring, cluster=self.cfg.cluster,
+                                      now=utcnow())
+            except JobRejected as exc:
+                self._reject_stored(stored, exc.reason, exc.detail)
+                return
         try:
             accepted_at = parse_rfc3339(stored.accepted_at) if stored.accepted_at else utcnow()
         except Exception:

@@ -467,3 +467,34 @@ def test_push_exit_codes_no_answer_and_broker_unreachable(world, tmp_path):
     path.write_text(yaml.safe_dump(cfg))
     r = _cli("push", "-c", str(path), str(job), "--key-file", world.keys_file, "--kid", KID, "--timeout", "2")
     assert r.returncode == 4 and "cannot connect to the broker" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_delivered_markers_trickling_in_are_deleted_in_one_transaction(etcd_server):
+    """Deletes after PUBACK are off the answer's path: markers delivered within
+    CLEAR_LINGER_S of each other go in one etcd transaction (one revision), not one each."""
+    from agent.cloud.answers import CLEAR_LINGER_S, Answers, marker_value
+    from agent.config import EtcdConfig
+    from agent.coordination.etcd import EtcdClient
+    from agent.coordination.keys import Keys
+    from tests.integration.cluster import etcd_history
+
+    client = EtcdClient(EtcdConfig(endpoints=[etcd_server.endpoint], request_timeout_s=2.0))
+    keys = Keys("t")
+    markers = [keys.answer(3, f"trickle-{i}", "accepted") for i in range(4)]
+    for k in markers:
+        client.put(k, marker_value({"job_id": k, "state": "accepted"}))
+    ans = Answers(client, keys, "me", enqueue=None, in_outbox=lambda k: False, owned=frozenset,
+                  fence_for=lambda s: None).start()
+    try:
+        ans.delivered(markers[:1])
+        time.sleep(CLEAR_LINGER_S / 5)
+        ans.delivered(markers[1:3])
+        time.sleep(CLEAR_LINGER_S / 5)
+        ans.delivered(markers[3:])
+        wait_for(lambda: not client.get_prefix(keys.answers_prefix(3))[0], 10, what="markers deleted")
+        deletes = [e for e in etcd_history(client, keys.answers_prefix(3)) if e.type == 1]
+        assert sorted(e.kv.key.decode() for e in deletes) == sorted(markers)
+        assert len({e.kv.mod_revision for e in deletes}) == 1, [e.kv.mod_revision for e in deletes]
+    finally:
+        ans.stop()
+        client.close()

@@ -199,6 +199,39 @@ def test_created_but_status_lost_gets_its_first_status(env, etcd_server, tmp_pat
     assert env.ingest.push(payload).result == "redelivery"
 
 
+def test_created_push_hands_the_scheduler_its_verified_job(env):
+    """The job this agent just verified and created travels with the notification
+    (StoredJob.parsed, with the key that signed it), so the scheduler does not parse and
+    verify the same bytes again; a job read back from etcd never carries one."""
+    env.ingest.push(signed(job_doc("p-one"), env.ring), screened=True)
+    env.ingest.push_many([(signed(job_doc(f"p-many-{i}"), env.ring), True) for i in range(3)], screened=True)
+    stored = {o.id: o for kind, o in env.notified if kind == "stored"}
+    assert sorted(stored) == ["p-many-0", "p-many-1", "p-many-2", "p-one"]
+    for job_id, s in stored.items():
+        assert s.parsed is not None and s.parsed.id == job_id and s.parsed.kid == KID
+        assert s.parsed.doc == {k: v for k, v in s.doc.items() if not k.startswith("_")}
+    payload = signed(job_doc("p-lost"), env.ring)
+    env.store.create(json.loads(payload))  # stored, then the agent died before its status
+    env.notified.clear()
+    assert env.ingest.push(payload, screened=True).result == "accepted"
+    [(kind, s)] = env.notified
+    assert kind == "stored" and s.id == "p-lost" and s.parsed is None  # read from etcd: verified again
+
+
+def test_verified_job_carries_its_keys_retirement(env):
+    """The job handed to the scheduler names the key that signed it and that key's
+    retired_after, so the scheduler stops it at the retirement as it would a job it
+    verified itself (agent/jobs/scheduler.py _arm_retirement)."""
+    retire = datetime.now(timezone.utc).replace(microsecond=0) + timedelta(days=2)
+    ring = KeyRing.from_mapping({"rotating": {"alg": "hmac-sha256", "secret": generate_hmac_secret(),
+                                              "retired_after": rfc(retire)}})
+    env.ingest.keyring = ring
+    payload = json.dumps(sign(job_doc("p-rotating"), ring, "rotating"), separators=(",", ":")).encode()
+    assert env.ingest.push(payload, screened=True).result == "accepted"
+    [(kind, s)] = [n for n in env.notified if n[1].id == "p-rotating"]
+    assert s.parsed.kid == "rotating" and s.parsed.key_retired_after == retire
+
+
 def test_other_agents_job_is_silent_for_non_owner(env, etcd_server, tmp_path):
     b = Env(etcd_server, tmp_path, agent_id="b1")
     try:

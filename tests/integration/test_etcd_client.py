@@ -49,6 +49,32 @@ def test_watch_resumes_after_etcd_restart_without_missing_or_repeating_events(et
     writer.close()
 
 
+def test_puts_only_watch_gets_no_deletes_and_no_previous_values(etcd_server):
+    """The cloud's watches look only at writes: etcd sends them no delete events and no
+    previous values; a watch without the option still gets both."""
+    client = EtcdClient(EtcdConfig(endpoints=[etcd_server.endpoint], request_timeout_s=1.0))
+    got: dict[bool, list] = {True: [], False: []}
+    watches = [PrefixWatch(client, "/po/", f"po-{flag}", on_snapshot=lambda kvs, rev: None,
+                           on_events=lambda evs, rev, flag=flag: got[flag].extend(evs), puts_only=flag).start()
+               for flag in (True, False)]
+    try:
+        wait_for(lambda: all(w._call is not None for w in watches), 5, what="streams open")
+        time.sleep(0.3)
+        client.put("/po/a", "1")
+        client.put("/po/a", "2")
+        client.delete("/po/a")
+        client.put("/po/b", "3")
+        wait_for(lambda: len(got[False]) == 4 and len(got[True]) == 3, 5, what="events")
+        assert [(e.kind, e.kv.value, e.prev) for e in got[True]] == [("put", b"1", None), ("put", b"2", None),
+                                                                    ("put", b"3", None)]
+        assert [e.kind for e in got[False]] == ["put", "put", "delete", "put"]
+        assert got[False][1].prev is not None and got[False][1].prev.value == b"1"
+    finally:
+        for w in watches:
+            w.stop()
+        client.close()
+
+
 def test_watch_neither_leaks_threads_nor_spins_while_etcd_is_down(etcd_server):
     client = EtcdClient(EtcdConfig(endpoints=[etcd_server.endpoint], request_timeout_s=0.5))
     base = threading.active_count()
