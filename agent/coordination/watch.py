@@ -12,7 +12,8 @@ re-opens its stream in a tight loop (100% CPU) and drops its callbacks. Here:
   resumes from the last revision it delivered + 1 (no event missed, none repeated);
 - when a watch's revision was compacted, it lists again and delivers a fresh snapshot;
 - adding or stopping a watch re-opens the stream at once, the others resuming as above;
-  after stop() returns, the stopped watch's callbacks are not called again;
+  once stop() returns, the stopped watch's callbacks are not called again (unless one in
+  flight outlasted stop's timeout);
 - the thread ends when its last watch stops, and is joined by that stop().
 """
 
@@ -141,8 +142,10 @@ class _WatchStream:
             self._changed = True
             thread = self._thread if not self._watches else None
         self._interrupt()
-        with self._delivering:  # a callback of w in flight has returned (or is ours)
-            pass
+        # wait (up to timeout, like the join below) for a callback in flight to return: none
+        # starts after this (the thread checks w.stopped under this lock)
+        if self._delivering.acquire(timeout=timeout):
+            self._delivering.release()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 

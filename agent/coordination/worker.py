@@ -112,6 +112,7 @@ class EtcdWorkers:
                 with self._lock:
                     if self._spare:       # more waiting workers than queued work: leave
                         self._spare -= 1
+                        self._forget(threading.current_thread())  # in the same step: submit() may start another
                         return None
                 # a submission counted on this worker meanwhile: its item is queued
 
@@ -129,5 +130,10 @@ class EtcdWorkers:
                 self.post(self._done, callback, result, error)
         finally:
             with self._lock:
-                self._threads.remove(threading.current_thread())
-                self._live.set(len(self._threads))
+                self._forget(threading.current_thread())
+
+    def _forget(self, t: threading.Thread) -> None:
+        """This worker ends (lock held)."""
+        if t in self._threads:
+            self._threads.remove(t)
+            self._live.set(len(self._threads))
