@@ -239,11 +239,12 @@ class _WatchStream:
                 if resp.created and pending:
                     by_id[resp.watch_id] = pending.popleft()
                     established = True
-                w = by_id.get(resp.watch_id)
-                if w is None or w.stopped:
+                found = by_id.get(resp.watch_id)
+                if found is None or found.stopped:
                     if self._changed:
                         return established
                     continue
+                w = found
                 if resp.compact_revision:
                     log.warning("watch revision compacted; relisting",
                                 extra={"fields": {"watch": w.name, "compacted": resp.compact_revision}})
