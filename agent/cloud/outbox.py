@@ -411,19 +411,15 @@ class OutboxPublisher:
         self.outbox.wake.set()
 
     def _run(self) -> None:
-        failed = False
         while not self._stop.is_set():
-            # new rows, dropped rows (a gap to report), PUBACKs and reconnects set wake; the
-            # 1 s tick only serves the resend check (resend_after_s), so it runs only while
-            # statuses are unacknowledged (or after a failed step): idle, nothing wakes it
-            self.outbox.wake.wait(1.0 if self._inflight or failed else None)
+            # new rows and PUBACKs set wake; the timeout only paces the tick (gap reports,
+            # aggregated at most once a second) and the resend check (resend_after_s)
+            self.outbox.wake.wait(1.0)
             self.outbox.wake.clear()
-            failed = False
             try:
                 self._step()
             except Exception:
                 log.exception("outbox publisher step failed")
-                failed = True
                 time.sleep(0.5)
             if self.on_tick:
                 try:
