@@ -291,9 +291,11 @@ class Answers:
 
         Cheap when nothing changed: each call reads only the member ids (keys only); the
         markers are read when the members or this agent's shards changed since the last
-        full sweep (a writer died, a takeover), every ``full_every_s``, or when forced.
-        Nothing is read while the broker is unreachable (``connected``): the markers then
-        pile up by design and would only be re-queued behind the same outage."""
+        full sweep (a writer died, a takeover), every ``full_every_s``, or when forced, and
+        only after one count of all markers says there are any (an idle cluster has none:
+        one small request instead of one per owned shard). Nothing is read while the
+        broker is unreachable (``connected``): the markers then pile up by design and would
+        only be re-queued behind the same outage."""
         owned = self.owned()
         if not owned or not self.connected():
             return 0
@@ -304,6 +306,9 @@ class Answers:
         if not force and view == self._last_view and mono - self._last_full < self.full_every_s:
             return 0
         self._last_view, self._last_full = view, mono
+        if not self.client.count_prefix(self.keys.answers_prefix()):
+            self._republished.clear()
+            return 0
         by_shard = sorted(owned)
         candidates: list = []
         for shard in by_shard:

@@ -498,3 +498,44 @@ def test_delivered_markers_trickling_in_are_deleted_in_one_transaction(etcd_serv
     finally:
         ans.stop()
         client.close()
+
+
+def test_sweep_of_a_cluster_without_markers_reads_no_shard(etcd_server):
+    """An idle cluster has no answer markers: a full sweep over 64 owned shards costs one
+    count, not a read per shard; once a marker exists the owner's shard is read again and
+    a dead writer's answer is republished."""
+    from agent.cloud.answers import Answers, marker_value
+    from agent.config import EtcdConfig
+    from agent.coordination.etcd import EtcdClient
+    from agent.coordination.keys import Keys
+
+    class Counting:
+        """Our etcd client, with its requests counted by operation."""
+
+        def __init__(self, c):
+            self.c, self.ops = c, []
+
+        def _call(self, op, fn, timeout=None):
+            self.ops.append(op)
+            return self.c._call(op, fn, timeout)
+
+        def __getattr__(self, name):
+            return getattr(self.c, name)
+
+    real = EtcdClient(EtcdConfig(endpoints=[etcd_server.endpoint], request_timeout_s=2.0))
+    client = Counting(real)
+    keys = Keys("idle")
+    published = []
+    ans = Answers(client, keys, "me", enqueue=lambda j, d, k: published.append(j), in_outbox=lambda k: False,
+                  owned=lambda: frozenset(range(64)), fence_for=lambda s: None)
+    try:
+        assert ans.sweep(force=True) == 0
+        assert client.ops.count("range_page") == 1  # the member ids; no shard's markers
+        doc = {"job_id": "j1", "state": "accepted", "agent": "gone",
+               "ts": time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())}
+        real.put(keys.answer(7, "j1", "accepted"), marker_value(doc))
+        client.ops.clear()
+        assert ans.sweep(force=True) == 1 and published == ["j1"]
+        assert client.ops.count("range_page") == 1 + 64  # the members, then each owned shard
+    finally:
+        real.close()
