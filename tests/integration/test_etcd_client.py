@@ -54,12 +54,12 @@ def test_puts_only_watch_gets_no_deletes_and_no_previous_values(etcd_server):
     previous values; a watch without the option still gets both."""
     client = EtcdClient(EtcdConfig(endpoints=[etcd_server.endpoint], request_timeout_s=1.0))
     got: dict[bool, list] = {True: [], False: []}
-    watches = [PrefixWatch(client, "/po/", f"po-{flag}", on_snapshot=lambda kvs, rev: None,
+    listed: set = set()
+    watches = [PrefixWatch(client, "/po/", f"po-{flag}", on_snapshot=lambda kvs, rev, flag=flag: listed.add(flag),
                            on_events=lambda evs, rev, flag=flag: got[flag].extend(evs), puts_only=flag).start()
                for flag in (True, False)]
     try:
-        wait_for(lambda: all(w._call is not None for w in watches), 5, what="streams open")
-        time.sleep(0.3)
+        wait_for(lambda: listed == {True, False}, 5, what="both watches listed (events follow the snapshot)")
         client.put("/po/a", "1")
         client.put("/po/a", "2")
         client.delete("/po/a")
