@@ -52,14 +52,6 @@ log = logging.getLogger("millwright.execute")
 # not trusted to beat the launcher's own timer (the run is released, then terminated).
 ARM_MARGIN_S = 0.5
 ARM_DISCARD_MARGIN_S = 0.002
-# A finished run's cgroup is removed when no release time is near: removing a cgroup makes
-# the kernel take its cgroup locks and offline and free the controllers' state (memcg:
-# per-cpu stock drains, kworkers, RCU work) on every hierarchy, CPU that a job starting
-# then would wait for. The usage is read at once; only the rmdir waits, at most for
-# REMOVALS_MAX other runs' cgroups (then the oldest goes regardless: the list is bounded).
-REMOVAL_QUIET_BEFORE_S = 0.004   # no release time this close ahead
-REMOVAL_QUIET_AFTER_S = 0.004    # nor this recently passed (its job is starting)
-REMOVALS_MAX = 64
 
 __all__ = ["Executor", "RunSpec", "RunResult", "RunHandle", "REASONS", "rfc3339"]
 
@@ -297,7 +289,6 @@ class Executor:
         self._reaper.join(timeout=5)
         if self.guard is not None:
             self.guard.close()
-        self._remove_finished(flush=True)
         for _ in range(50):   # run cgroups the kernel did not let go of at once
             self._reaper.retry_orphan_slots()
             if not self._reaper.orphan_slots:
@@ -443,9 +434,7 @@ class Executor:
             # may report EBUSY for a moment after the last task exited: retry shortly
             if run.usage is None:
                 run.usage = self._read_usage(run)
-            if run.slot.paths:
-                self._remove_later(run.slot)
-            elif not self.backend.remove(run.slot) and time.monotonic() - run.drain_started < self.drain_timeout_s:
+            if not self.backend.remove(run.slot) and time.monotonic() - run.drain_started < self.drain_timeout_s:
                 run.timers.append(self._reaper.call_at(time.monotonic() + min(0.1, 0.002 * 2 ** n), self._drain, run, n + 1))
                 return
         self._finalize(run)
@@ -458,51 +447,6 @@ class Executor:
         except Exception:
             log.exception("reading usage failed")
             return Usage()
-
-    def _remove_later(self, slot: Any) -> None:
-        """Queue an empty run cgroup for removal at a quiet moment (reaper thread)."""
-        with self._lock:
-            self._reaper.removals[slot.name] = slot
-        self._remove_finished()
-
-    def take_removal(self, name: str) -> None:
-        """A new run is about to use the cgroup name `name` (a run key started again): an
-        earlier run's cgroup still queued under it goes now, so its counters are not reused."""
-        with self._lock:
-            slot = self._reaper.removals.pop(name, None)
-        if slot is not None and not self.backend.remove(slot):
-            m.CGROUP_CLEANUP_FAILURES.inc()
-
-    def _due_times(self) -> list[float]:
-        """Release times (time.monotonic()) of the runs prepared and not released yet."""
-        now_wall, now = time.time(), time.monotonic()
-        with self._lock:
-            out = [r.armed_at - now_wall + now for r in self.armed if r.armed_at is not None]
-        return out + self._releaser.times()
-
-    def _removal_wait(self, now: float) -> Optional[float]:
-        """Seconds until finished runs' cgroups may be removed (0: now), None: nothing to remove."""
-        if not self._reaper.removals:
-            return None
-        if len(self._reaper.removals) > REMOVALS_MAX:
-            return 0.0
-        near = [d for d in self._due_times() if now - REMOVAL_QUIET_AFTER_S <= d <= now + REMOVAL_QUIET_BEFORE_S]
-        return max(0.0, max(near) + REMOVAL_QUIET_AFTER_S - now) if near else 0.0
-
-    def _remove_finished(self, flush: bool = False) -> None:
-        """Remove queued run cgroups while no release time is near (all of them: flush; the
-        oldest beyond REMOVALS_MAX: always). One that will not go joins the orphans."""
-        pending = self._reaper.removals
-        while pending:
-            if not flush and len(pending) <= REMOVALS_MAX and self._removal_wait(time.monotonic()) != 0.0:
-                return
-            with self._lock:
-                if not pending:
-                    return
-                slot = pending.pop(next(iter(pending)))
-            if not self.backend.remove(slot):
-                m.CGROUP_CLEANUP_FAILURES.inc()
-                self._reaper.orphan_slots.append((slot, time.monotonic()))
 
     def _finalize(self, run: _Run) -> None:
         r = self._reaper
@@ -521,7 +465,7 @@ class Executor:
         if run.slot is not None:
             if run.usage is None:
                 usage = self._read_usage(run)
-            if not run.slot.removed and r.removals.get(run.slot.name) is not run.slot and not self.backend.remove(run.slot):
+            if not run.slot.removed and not self.backend.remove(run.slot):
                 m.CGROUP_CLEANUP_FAILURES.inc()
                 r.orphan_slots.append((run.slot, time.monotonic()))
         if self.guard is not None and handle.pgid:

@@ -239,7 +239,6 @@ def spawn(ex: "Executor", run: _Run, hold: bool = False, arm_at: Optional[float]
         if not (os.path.isfile(path) and st.st_mode & 0o111):
             raise SpawnError("exec", f"exec {path}: not an executable file")
     limits = spec.limits
-    ex.take_removal(safe_name(spec.run_key))
     try:
         run.slot = ex.backend.create(safe_name(spec.run_key), limits)
     except OSError as exc:

@@ -123,7 +123,6 @@ class Reaper(threading.Thread):
         self.running: set = set()
         self.polled: set = set()
         self.orphan_slots: list = []
-        self.removals: dict[str, Slot] = {}   # finished runs' empty cgroups by name, oldest first (Executor._remove_finished)
         self._stopping = False
 
     # any thread
@@ -185,14 +184,9 @@ class Reaper(threading.Thread):
             if (self.running or self.polled or self.orphan_slots or ex.armed) and now >= next_watch:
                 self._safe(ex._watch)
                 next_watch = now + (0.02 if self.polled else ex.watch_interval_s)
-            if self.removals:
-                self._safe(ex._remove_finished)
             if self._stopping and not self.fds_for_runs():
                 break
             wait = 1.0
-            removal = ex._removal_wait(time.monotonic())
-            if removal is not None:
-                wait = min(wait, removal)
             if self.timers:
                 wait = min(wait, self.timers[0][0] - now)
             if self.running or self.polled or self.orphan_slots or ex.armed:

@@ -39,11 +39,6 @@ class Releaser:
                 self.thread.start()
             self.cv.notify()
 
-    def times(self) -> list[float]:
-        """The release times waiting (time.monotonic())."""
-        with self.cv:
-            return [e[0] for e in self.heap]
-
     def stop(self) -> None:
         with self.cv:
             self.stopping = True

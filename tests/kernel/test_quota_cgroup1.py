@@ -596,29 +596,3 @@ def test_the_launcher_is_born_in_its_cgroups_and_the_spawning_thread_goes_home(e
     inside = {ctrl for _, ctrls, path in mine for ctrl in ctrls.split(",") if path.startswith(f"/{ROOT_NAME}/born-")}
     assert {"memory", "cpu", "pids", "cpuacct"} <= inside
     assert seen["joined"] == joined   # born inside where the limits leave room, else attached by pid
-
-
-def test_a_finished_runs_cgroup_waits_for_a_quiet_moment_and_a_rerun_gets_fresh_counters(backend, base_dir):
-    ex = Executor(backend, base_dir, kill_grace_s=1.0, watch_interval_s=0.05)
-    due_near = [True]
-    ex._due_times = lambda: [time.monotonic()] if due_near[0] else []  # type: ignore[method-assign]
-    try:
-        c = Collector()
-        lim = Limits(cpu=1.0, memory_mb=128, pids=64)
-        h1 = ex.start(RunSpec("again", ["/bin/sh", "-c", "i=0; while [ $i -lt 200000 ]; do i=$((i+1)); done"],
-                              limits=lim), c)
-        (r1,) = c.wait(["again"], timeout=120)
-        assert r1.reason == "succeeded" and r1.usage.cpu_s > 0
-        assert all(os.path.isdir(d) for d in h1.cgroup.values())   # queued: a release time is near
-        c.results.clear()
-        h2 = ex.start(RunSpec("again", ["/bin/true"], limits=lim), c)
-        (r2,) = c.wait(["again"])
-        assert r2.reason == "succeeded"
-        assert r2.usage.cpu_s < r1.usage.cpu_s / 2   # not the first run's counters
-        due_near[0] = False
-        deadline = time.monotonic() + 10
-        while any(os.path.isdir(d) for d in h2.cgroup.values()) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not any(os.path.isdir(d) for d in h2.cgroup.values())
-    finally:
-        ex.close(close_backend=False)
