@@ -558,3 +558,41 @@ def test_reclaim_kills_and_removes_stale_run_cgroups(backend):
         reaped.join(5)
     assert p.returncode == -9
     assert not any(os.path.exists(d) for d in slot.paths.values())
+
+
+# --------------------------------------------------------------------------- issue 18: cheaper cgroup work
+
+
+def _thread_cgroups() -> str:
+    with open(f"/proc/self/task/{threading.get_native_id()}/cgroup") as fh:
+        return fh.read()
+
+
+@pytest.mark.parametrize("limits,joined", [
+    (Limits(cpu=1.0, memory_mb=128, pids=64), {"memory", "cpu", "pids", "cpuacct"}),
+    (Limits(cpu=0.1, memory_mb=16, pids=4), set()),   # too tight for the spawning thread: pid attach
+])
+def test_the_launcher_is_born_in_its_cgroups_and_the_spawning_thread_goes_home(executor, limits, joined):
+    c = Collector()
+    seen = {}
+
+    def hook(h):
+        # before the job can exec: the launcher, and only it, is in every run cgroup
+        seen["procs"] = {k: open(os.path.join(d, "cgroup.procs")).read().split() for k, d in h.cgroup.items()}
+        seen["pid"] = str(h.pid)
+        seen["joined"] = set(executor._live[h.run_key].slot.joined)
+
+    home = _thread_cgroups()
+    executor.poststart.append(hook)
+    try:
+        h = executor.start(RunSpec("born", ["/bin/cat", "/proc/self/cgroup"], limits=limits), c)
+        (r,) = c.wait(["born"])
+    finally:
+        executor.poststart.remove(hook)
+    assert _thread_cgroups() == home
+    assert r.reason == "succeeded", r
+    assert seen["procs"] == {k: [seen["pid"]] for k in h.cgroup}
+    mine = [line.split(":", 2) for line in open(r.stdout_path).read().splitlines()]
+    inside = {ctrl for _, ctrls, path in mine for ctrl in ctrls.split(",") if path.startswith(f"/{ROOT_NAME}/born-")}
+    assert {"memory", "cpu", "pids", "cpuacct"} <= inside
+    assert seen["joined"] == joined   # born inside where the limits leave room, else attached by pid
