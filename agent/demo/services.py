@@ -529,6 +529,37 @@ class AgentProcess:
             p.kill()
             p.wait()
 
+    def remove_cgroups(self, wait_s: float = 2.0) -> int:
+        """After the agent is gone: remove the cgroup root it made for its runs (one per
+        agent id and state dir, in every hierarchy), so test and demo clusters leave the
+        host's cgroup trees as they found them. A kill -9 skips the agent's own cleanup;
+        its runs die with their guard shortly after, so empty directories are retried for
+        up to ``wait_s``. Returns how many directories were removed."""
+        import glob
+
+        from agent.execute.backends import run_root_name
+
+        root = run_root_name(self.agent_id, self.config["state_dir"])
+        tops = glob.glob(f"/sys/fs/cgroup/{root}") + glob.glob(f"/sys/fs/cgroup/*/{root}")
+        removed, deadline = 0, time.monotonic() + wait_s
+        while tops:
+            left = []
+            for top in tops:
+                for d in sorted((w[0] for w in os.walk(top)), key=len, reverse=True):  # children first
+                    try:
+                        os.rmdir(d)
+                        removed += 1
+                    except FileNotFoundError:
+                        pass
+                    except OSError:
+                        left.append(top)
+                        break
+            if not left or time.monotonic() > deadline:
+                break
+            tops = sorted(set(left))
+            time.sleep(0.1)
+        return removed
+
     def terminate(self, timeout: float = 30.0) -> Optional[int]:
         p = self.proc
         if p is None or p.poll() is not None:
