@@ -525,9 +525,36 @@ class AgentProcess:
     def kill(self) -> None:
         p = self.proc
         if p is not None and p.poll() is None:
+            kids = self._descendants()
             self.signal(signal.SIGCONT)
             p.kill()
             p.wait()
+            self._reap_adopted(kids)
+
+    def _descendants(self) -> list[int]:
+        import psutil
+
+        try:
+            return [c.pid for c in psutil.Process(self.pid).children(recursive=True)]
+        except psutil.Error:
+            return []
+
+    @staticmethod
+    def _reap_adopted(pids: list[int], wait_s: float = 5.0) -> None:
+        """A kill -9 orphans the agent's guard and runs (the guard then ends them). If this
+        process is a child subreaper (an Executor in the same process, e.g. in tests) they
+        become our children: reap exactly those, or they stay zombies for the rest of our
+        life. Orphans adopted by init raise ChildProcessError and are skipped at once."""
+        deadline = time.monotonic() + wait_s
+        for pid in pids:
+            while True:
+                try:
+                    done, _ = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if done == pid or time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
 
     def remove_cgroups(self, wait_s: float = 2.0) -> int:
         """After the agent is gone: remove the cgroup root it made for its runs (one per
