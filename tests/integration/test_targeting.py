@@ -188,7 +188,7 @@ def test_line2_jobs_wait_with_no_eligible_agent_then_run_by_misfire_policy(env):
     store.create(job("w-nokey", {}, issued_at=format_rfc3339(t), target={"labels": {"camera": "cam1"}}))
     pool = pool_of({"labels": {"line": "2"}})
     nokey = pool_of({"labels": {"camera": "cam1"}})
-    wait_for(lambda: pool in status(c, "l1a").get("pools", {}), 15, what="pool known")
+    wait_for(lambda: {pool, nokey} <= set(status(c, "l1a").get("pools", {})), 15, what="both pools known")
     st = status(c, "l1a")["pools"]
     assert st[pool]["state"] == "waiting" and st[pool]["reason"] == "no_eligible_agent"
     assert st[pool]["eligible"] == []
