@@ -114,6 +114,21 @@ class Cluster:
         self.client.close()
 
 
+def recording_cluster(etcd_server, tmp_path) -> tuple["Cluster", str]:
+    """A cluster whose agents run the side-effect recording templates (tests/support/jobs.py)
+    with room for many runs at once, and the effects file their runs append to."""
+    from tests.support.jobs import templates
+
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    os.chmod(out_dir, 0o777)
+    out = str(out_dir / "effects.txt")
+    c = Cluster(etcd_server, str(tmp_path / "agents"), ttl=4, renew_deadline=2.5, retry_period=0.5,
+                extra={"templates": templates(out), "execute": {"max_concurrent": 64, "memory_mb": 16384, "cpu": 64.0,
+                                                                "kill_grace_s": 1.0}})
+    return c, out
+
+
 class _KV:
     __slots__ = ("key", "value", "mod_revision", "create_revision", "version")
 

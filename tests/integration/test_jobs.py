@@ -18,20 +18,14 @@ import pytest
 from agent.coordination.jobstore import JobStore
 from agent.coordination.keys import shard_of
 from agent.jobs.schedule import fire_id, format_rfc3339
-from tests.integration.cluster import Cluster, wait_for
+from tests.integration.cluster import Cluster, recording_cluster, wait_for
 from tests.support.records import run_records
 from tests.support import history
-from tests.support.jobs import effects, job, now, templates
+from tests.support.jobs import effects, job, now
 
 @pytest.fixture
 def env(etcd_server, tmp_path):
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    os.chmod(out_dir, 0o777)
-    out = str(out_dir / "effects.txt")
-    c = Cluster(etcd_server, str(tmp_path / "agents"), ttl=4, renew_deadline=2.5, retry_period=0.5,
-                extra={"templates": templates(out), "execute": {"max_concurrent": 64, "memory_mb": 16384, "cpu": 64.0,
-                                                                "kill_grace_s": 1.0}})
+    c, out = recording_cluster(etcd_server, tmp_path)
     store = c.signing(JobStore(c.client, c.keys, c.shards, "test"))
     yield c, store, out, tmp_path
     c.close()

@@ -9,7 +9,6 @@ record was written by an eligible agent under the pool shard's fencing token.
 from __future__ import annotations
 
 import json
-import os
 import time
 from datetime import timedelta
 
@@ -20,7 +19,7 @@ from agent.coordination.jobstore import JobStore
 from agent.jobs.schedule import format_rfc3339
 from agent.jobs.view import get_job
 from agent.runtime.admin import query, render
-from tests.integration.cluster import Cluster, wait_for
+from tests.integration.cluster import Cluster, recording_cluster, wait_for
 from tests.support import history
 from tests.support.jobs import RECORD, effects, job, now, templates
 from tests.support.records import run_records
@@ -31,13 +30,7 @@ LABELS = {"l1a": {"line": "1"}, "l1b": {"line": "1"}, "l2a": {"line": "2"}, "l2b
 
 @pytest.fixture
 def env(etcd_server, tmp_path):
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    os.chmod(out_dir, 0o777)
-    out = str(out_dir / "effects.txt")
-    c = Cluster(etcd_server, str(tmp_path / "agents"), ttl=4, renew_deadline=2.5, retry_period=0.5,
-                extra={"templates": templates(out), "execute": {"max_concurrent": 64, "memory_mb": 16384,
-                                                                "cpu": 64.0, "kill_grace_s": 1.0}})
+    c, out = recording_cluster(etcd_server, tmp_path)
     store = c.signing(JobStore(c.client, c.keys, c.shards, "test"))
     yield c, store, out
     c.close()
