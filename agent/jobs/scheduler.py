@@ -481,7 +481,7 @@ class Scheduler:
                          f"{'+' if recovery.skipped_capped else ''} firing(s) skipped")
             # one record for the latest skipped firing, so the next owner does not decide again
             try:
-                latest = sch.missed_firings(job.schedule, e.last_due_done, now, "run_once", 1,
+                latest = sch.missed_firings(job.schedule, e.last_due_done, sch.window_end(job, now), "run_once", 1,
                                             first_due=sch.first_due(job, accepted_at))
             except ValueError:
                 latest = []

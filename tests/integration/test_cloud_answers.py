@@ -283,7 +283,11 @@ def test_jobs_get_answers_and_waits_for_a_takeover(world):
         t_kill = time.monotonic()
         corr = asker.ask(id=on1[0])  # its shard's owner is dead: answered after the takeover
         got = asker.wait(corr, timeout=40)
-        assert got, "no answer after the takeover"
+        shard = shard_of(on1[0], SHARDS)
+        assert got, (f"no answer after the takeover ({time.monotonic() - t_kill:.1f}s after the kill; the agents "
+                     f"hold a request lease TTL + 5 s): shard {shard} is owned by "
+                     f"{world.cluster.owners().get(shard)!r} now; load {os.getloadavg()[0]:.1f}; a2's log tail:\n"
+                     + "\n".join(a2.log_text().splitlines()[-30:]))
         t_ans, ans = got[0]
         assert ans["agent"] == "a2" and ans["found"] and ans["job"]["id"] == on1[0]
         assert world.cluster.owners()[shard_of(on1[0], SHARDS)] == "a2"
