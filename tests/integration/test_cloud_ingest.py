@@ -305,10 +305,12 @@ def test_create_many_matches_create(env):
     from agent.coordination.jobstore import CREATED, EXISTS, JobCancelled, JobConflict
 
     ring = env.ring
-    env.store.create(json.loads(signed(job_doc("c-old"), ring)))
+    now = datetime.now(timezone.utc)  # one clock for all: c-old pushed twice is the same document
+    env.store.create(json.loads(signed(job_doc("c-old", now=now), ring)))
     env.store.cancel("c-gone")
-    docs = [json.loads(signed(job_doc(j), ring)) for j in ("c-new", "c-old")]
-    docs += [json.loads(signed(job_doc("c-old", line="9"), ring)), json.loads(signed(job_doc("c-gone"), ring))]
+    docs = [json.loads(signed(job_doc(j, now=now), ring)) for j in ("c-new", "c-old")]
+    docs += [json.loads(signed(job_doc("c-old", line="9", now=now), ring)),
+             json.loads(signed(job_doc("c-gone", now=now), ring))]
     res = env.store.create_many([(docs[0], ()), (docs[1], ()), (docs[3], ())])
     assert res[0][0] == CREATED and res[1][0] == EXISTS and isinstance(res[2], JobCancelled)
     assert res[0][1].revision == res[0][1].create_revision  # created in this transaction
