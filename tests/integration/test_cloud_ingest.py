@@ -262,15 +262,16 @@ def test_group_commit_gives_each_push_its_own_outcome(env):
     cancelled id, a rejected document and an id twice in the batch each get the answer
     they get alone, and every answer is in the outbox (ledger included) when it returns."""
     ring = env.ring
-    assert env.ingest.push(signed(job_doc("g-old"), ring)).result == "accepted"
-    assert env.ingest.push(signed(job_doc("g-twin", line="1"), ring)).result == "accepted"
+    now = datetime.now(timezone.utc)  # one clock: a job pushed twice is the same document
+    assert env.ingest.push(signed(job_doc("g-old", now=now), ring)).result == "accepted"
+    assert env.ingest.push(signed(job_doc("g-twin", now=now, line="1"), ring)).result == "accepted"
     assert env.ingest.cancel(signed(cancel_doc("g-cancelled"), ring)).result == "cancelled"
-    items = [(signed(job_doc(f"g-new-{i}"), ring), True) for i in range(5)]
-    items += [(signed(job_doc("g-old"), ring), True),                     # stored before: a redelivery
-              (signed(job_doc("g-twin", line="2"), ring), True),          # other content: conflict
-              (signed(job_doc("g-cancelled"), ring), True),               # cancelled before
-              (signed(job_doc("g-bad", template="nope"), ring), True),    # refused by parse_job
-              (signed(job_doc("g-new-0"), ring), True)]                   # twice in this batch
+    items = [(signed(job_doc(f"g-new-{i}", now=now), ring), True) for i in range(5)]
+    items += [(signed(job_doc("g-old", now=now), ring), True),                     # stored before: a redelivery
+              (signed(job_doc("g-twin", now=now, line="2"), ring), True),          # other content: conflict
+              (signed(job_doc("g-cancelled", now=now), ring), True),               # cancelled before
+              (signed(job_doc("g-bad", now=now, template="nope"), ring), True),    # refused by parse_job
+              (signed(job_doc("g-new-0", now=now), ring), True)]                   # twice in this batch
     depth = env.outbox.depth
     outs = env.ingest.push_many(items)
     assert [o.result for o in outs] == ["accepted"] * 5 + ["redelivery", "rejected", "rejected", "rejected",
