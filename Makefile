@@ -13,7 +13,7 @@ demo: setup
 	$(PY) -m agent demo
 
 test: setup lint
-	$(PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
 	@$(MAKE) --no-print-directory test-cloud-paho2
 	@$(MAKE) --no-print-directory test-cloud-sync-ack
 

@@ -9,12 +9,14 @@ wall time, RSS and USS at the end (psutil), the thread count, and per thread the
 ticks and the voluntary context switches (each one a sleep that ended: a wake-up).
 Thread names: the bench puts a sitecustomize on the agent's PYTHONPATH that lists the
 agent's threads (native id, Python name) into a file every 5 s (its own thread is left out
-of the figures; it adds 0.2 wake-ups/s).
+of the figures; it adds 0.2 wake-ups/s). Each thread is listed as "Python name [comm]"
+(threads of gRPC's C core have no Python name).
 
     /usr/bin/python3 bench/bench_idle.py            # BPF on, then off
     BENCH_ROUNDS=2 bench/bench_idle.py              # alternated on/off rounds (shared host)
     BENCH_NODE_ACTIVITY=0 bench/bench_idle.py       # bpf.node_activity off: host execs are no events
     BENCH_MODES=off bench/bench_idle.py             # only BPF off (or: on)
+    BENCH_ALL_THREADS=0 bench/bench_idle.py         # list only the threads that woke up
 
 The load average is printed with each figure: the host is shared. With BPF on and
 ``bpf.node_activity`` (the default), every exec on the host is an event for the agent,
@@ -42,6 +44,7 @@ IDLE_S = float(os.environ.get("BENCH_IDLE_S", "60"))
 SETTLE_S = float(os.environ.get("BENCH_SETTLE_S", "15"))
 CLK = os.sysconf("SC_CLK_TCK")
 NODE_ACTIVITY = os.environ.get("BENCH_NODE_ACTIVITY", "1") != "0"
+ALL_THREADS = os.environ.get("BENCH_ALL_THREADS", "1") != "0"  # also list threads that never woke
 
 
 def host_forks() -> int:
@@ -119,7 +122,8 @@ def measure(bpf: bool) -> dict:
             if names.get(tid) == "bench-thread-names":
                 continue
             _, ticks0, vol0 = th0.get(tid, (comm, 0, 0))
-            per.append((ticks - ticks0, vol - vol0, names.get(tid, comm), tid))
+            name = names.get(tid)
+            per.append((ticks - ticks0, vol - vol0, f"{name} [{comm}]" if name else f"[{comm}]", tid))
         wall = t1 - t0
         cpu = (c1.user - c0.user) + (c1.system - c0.system)
         return {"bpf": bpf, "cpu_pct": 100 * cpu / wall, "rss_mib": mem.rss / 2 ** 20, "uss_mib": mem.uss / 2 ** 20,
@@ -139,7 +143,7 @@ def report(r: dict) -> None:
           f"(load {r['load'][0]:.2f} -> {r['load'][1]:.2f})", flush=True)
     print(f"    {'cpu ms':>7} {'wake/s':>7}  thread")
     for ticks, vol, name, tid in sorted(r["per"], key=lambda x: (x[0], x[1]), reverse=True):
-        if ticks or vol:
+        if ticks or vol or ALL_THREADS:
             print(f"    {ticks * 1000 / CLK:7.0f} {vol / r['wall']:7.1f}  {name} ({tid})")
 
 

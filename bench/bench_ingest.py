@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Callable, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -47,7 +48,13 @@ def pct(xs, p):
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
-def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True) -> dict:
+def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True,
+        observe: Optional[Callable[[str, dict], None]] = None, agent_env: Optional[dict] = None) -> dict:
+    """One run. ``observe(phase, info)`` is called at ready (info: the pids of the agents,
+    etcd and mosquitto), paced_start, paced_end, burst_start and burst_end (blocking the
+    run while it returns: bench/profile_ingest.py profiles the phases through it);
+    ``agent_env``: more environment for the agents."""
+    observe = observe or (lambda phase, info: None)
     base = tempfile.mkdtemp(prefix="mw-bench-ingest-")
     etcd = EtcdServer(os.path.join(base, "etcd"))
     mq = MosquittoServer(os.path.join(base, "mq"))  # (it runs as root itself when started by root)
@@ -57,6 +64,7 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True) -> dict:
     keys = os.path.join(base, "keys.yaml")
     ring = write_keys(keys)
     env = {"PYTHONPATH": PAHO2} if paho2 else {}
+    env.update(agent_env or {})
     cl = Cluster(etcd, os.path.join(base, "agents"), shards=64, ttl=10, renew_deadline=6, retry_period=1,
                  extra={"mqtt": {"url": mq.url}, "signing": {"keys_file": keys}, "templates": TEMPLATES,
                         "bpf": {"enabled": False}}, env=env)
@@ -83,12 +91,15 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True) -> dict:
         time.sleep(1.0)
         pusher.start()
         pusher.wait_connected(10)
+        observe("ready", {"agents": {a: cl.agents[a].pid for a in names}, "etcd": etcd.proc.pid,
+                          "mosquitto": mq.proc.pid})
         sent: dict[str, float] = {}
         lat: list = []
         # paced
         n = int(RATE * 5) if paced else 0
         pids = [f"paced-{i}" for i in range(n)]
         ppay = [signed(job_doc(j, line=str(i % 100)), ring) for i, j in enumerate(pids)]
+        observe("paced_start", {"pushes": n})
         start = time.monotonic()
         for i, (j, p) in enumerate(zip(pids, ppay)):
             due = start + i / RATE
@@ -99,6 +110,8 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True) -> dict:
             pusher.publish(topics.push, p, qos=1)
         wait_for(lambda: all(j in arrived for j in pids), 120, interval=0.05, what="paced accepted")
         lat = [arrived[j] - sent[j] for j in pids] or [float("nan")]
+        observe("paced_end", {"pushes": n, "p50_ms": statistics.median(lat) * 1000 if pids else float("nan"),
+                              "p99_ms": pct(lat, 99) * 1000})
         # burst
         ids = [f"burst-{i}" for i in range(PUSHES)]
         payloads = [signed(job_doc(j, line=str(i % 100)), ring) for i, j in enumerate(ids)]
@@ -121,6 +134,7 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True) -> dict:
                     junker.publish(topics.push, p, qos=1)
             flood = threading.Thread(target=flood_all, daemon=True)
             flood.start()
+        observe("burst_start", {"pushes": PUSHES})
         t0 = time.monotonic()
         for j, p in zip(ids, payloads):
             sent[j] = time.monotonic()
@@ -132,6 +146,7 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True) -> dict:
         t_last = max(arrived[j] for j in ids)
         burst_rate = PUSHES / (t_last - t0)
         burst_lat = [arrived[j] - sent[j] for j in ids]
+        observe("burst_end", {"pushes": PUSHES, "per_s": burst_rate, "p99_ms": pct(burst_lat, 99) * 1000})
         return {"agents": n_agents, "paho": "2.x" if paho2 else "1.6", "burst_per_s": burst_rate,
                 "burst_p99_ms": pct(burst_lat, 99) * 1000, "paced_rate": RATE,
                 "p50_ms": statistics.median(lat) * 1000, "p99_ms": pct(lat, 99) * 1000}

@@ -26,6 +26,7 @@ Prerequisite: APScheduler 3.x for the peer (Debian: python3-apscheduler; scripts
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import shutil
@@ -91,8 +92,75 @@ def load() -> str:
     return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+class CgroupTrace:
+    """--trace-cgroup: times every cgroup file operation of the agent (CgroupFS, patched in
+    this process) and tells whether the late jobs coincide with them."""
+
+    OPS = ("read", "write", "mkdir", "rmdir")
+
+    def __init__(self) -> None:
+        from agent.execute.backends import CgroupFS
+
+        self.ops: list[tuple[float, float, str]] = []
+        for op in self.OPS:
+            setattr(CgroupFS, op, self._wrap(getattr(CgroupFS, op), op))
+
+    def _wrap(self, fn, op):
+        ops = self.ops
+
+        def timed(fs, path, *args):
+            t0 = time.time()
+            try:
+                return fn(fs, path, *args)
+            finally:
+                kind = os.path.basename(path) if op in ("read", "write") else path.split("/")[4]
+                ops.append((t0, time.time(), f"{op} {kind} [{threading.current_thread().name}]"))
+        return timed
+
+    def report(self, jobs: list[tuple[float, float]]) -> None:
+        by: dict[str, list[float]] = {}
+        for t0, t1, what in self.ops:
+            by.setdefault(what, []).append(t1 - t0)
+        print("cgroup operations (duration):")
+        for what, xs in sorted(by.items(), key=lambda kv: -sum(kv[1])):
+            print("  " + summary(what[:60], xs))
+        if not jobs:
+            return
+        ds = sorted(d for _, d in jobs)
+        cut = ds[int(len(ds) * 0.99)]
+        starts = sorted(self.ops)
+        begins = [op[0] for op in starts]
+
+        def busy(due: float, delay: float) -> tuple[float, dict[str, int]]:
+            lo, hi = due - 0.002, due + max(delay, 0.0)
+            total, kinds = 0.0, {}
+            for t0, t1, what in starts[bisect.bisect_left(begins, lo - 0.1):]:
+                if t0 > hi:
+                    break
+                if t1 >= lo:
+                    total += min(t1, hi) - max(t0, lo)
+                    k = what.split(" [")[0]
+                    kinds[k] = kinds.get(k, 0) + 1
+            return total, kinds
+
+        for label, sel in (("late (>= p99)", [j for j in jobs if j[1] >= cut]),
+                           ("typical (p40-p60)", [j for j in jobs if ds[int(len(ds) * .4)] <= j[1] <= ds[int(len(ds) * .6)]][:200])):
+            agg: dict[str, int] = {}
+            tot = []
+            for due, d in sel:
+                t, kinds = busy(due, d)
+                tot.append(t / max(d + 0.002, 1e-6))
+                for k, v in kinds.items():
+                    agg[k] = agg.get(k, 0) + v
+            top = sorted(agg.items(), key=lambda kv: -kv[1])[:6]
+            print(f"  {label}: n={len(sel)} share of [due-2ms, job clock] with a cgroup op in flight: "
+                  f"mean {statistics.mean(tot) * 100:.1f}%; ops per job: "
+                  + ", ".join(f"{k} {v / max(1, len(sel)):.2f}" for k, v in top))
+
+
 def ours(n: int, over: float, backend: str, lead: float,
-         with_peer: bool = False, bpf: bool = False) -> tuple[list[float], list[float], Optional[subprocess.Popen]]:
+         with_peer: bool = False, bpf: bool = False,
+         trace: Optional[CgroupTrace] = None) -> tuple[list[float], list[float], Optional[subprocess.Popen]]:
     from agent.runtime.components import _JobsComponent
     from agent.runtime.daemon import Agent
 
@@ -181,6 +249,14 @@ templates:
     t.join(30)
     etcd.close()
     clocks = job_clocks(out, dues)
+    if trace is not None:
+        per_job: dict[str, float] = {}
+        with open(out) as fh:
+            for line in fh:
+                jid, _, ts = line.strip().partition(" ")
+                if jid in dues and jid not in per_job:
+                    per_job[jid] = float(ts) - dues[jid]
+        trace.report([(dues[j], d) for j, d in per_job.items()])
     if failed:
         print(f"runs that did not succeed: {len(failed)}: {failed[:5]}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -255,6 +331,8 @@ def main() -> None:
     ap.add_argument("--bpf", action="store_true", help="the agent's BPF sensor on (exec policy in monitor mode)")
     ap.add_argument("--sequential", action="store_true",
                     help="run APScheduler after Millwright instead of at the same time (interleaved due times)")
+    ap.add_argument("--trace-cgroup", action="store_true",
+                    help="time the agent's cgroup operations and relate the late jobs to them (profile)")
     ap.add_argument("--peer-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--start-ts", type=float, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -266,7 +344,8 @@ def main() -> None:
     print(f"{a.jobs} one-shot jobs over {a.over:g} s, BPF {'on' if a.bpf else 'off'}, job body: sh exec date +%s.%N >> file; "
           f"APScheduler {'at the same time, due times interleaved' if together else 'after'}", flush=True)
     print(f"before: {load()}", flush=True)
-    mine, go_byte, child = ours(a.jobs, a.over, a.backend, a.lead, with_peer=together, bpf=a.bpf)
+    mine, go_byte, child = ours(a.jobs, a.over, a.backend, a.lead, with_peer=together, bpf=a.bpf,
+                                trace=CgroupTrace() if a.trace_cgroup else None)
     print(f"after millwright:  {load()}", flush=True)
     name = f"millwright ({a.backend}, lead {a.lead:g} s)"
     print(summary(name + " job clock", mine), flush=True)

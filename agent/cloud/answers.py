@@ -13,8 +13,9 @@ answers:
 
 The agent that wrote it also puts the status in its outbox with the marker's key. When
 the broker acknowledges that status (PUBACK), the marker is deleted (:meth:`Answers.delivered`,
-batched). A marker therefore exists only while its answer may not have reached the broker:
-the set is as small as the outbox, and empties itself as statuses flow. Deleting needs no
+batched: up to CLEAR_BATCH deletes, gathered for at most CLEAR_LINGER_S, in one transaction).
+A marker therefore exists only while its answer may not have reached the broker (or for
+those CLEAR_LINGER_S more): the set is as small as the outbox, and empties itself as statuses flow. Deleting needs no
 fence: it states a fact about the broker ("this document was delivered"), not a right to
 act for the shard; a stale delete can at worst remove a marker whose twin was delivered.
 
@@ -34,7 +35,6 @@ published (counted in millwright_answers_expired_total, audit ``gap`` record).
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import queue
@@ -48,6 +48,7 @@ from agent.coordination.fencing import Fence, StaleToken, fenced_txn
 from agent.coordination.keys import Keys
 from agent.jobs.view import read_prefix
 from agent.runtime.metrics import counter
+from agent.runtime.recent import RecentMemory
 
 log = logging.getLogger("millwright.cloud.answers")
 
@@ -56,6 +57,7 @@ MARKERS = counter("millwright_answers_total", "Durable answer markers by event (
 
 KEEP_S = 7 * 86400
 CLEAR_BATCH = 64
+CLEAR_LINGER_S = 0.25  # how long delivered markers wait for company before their delete
 SEEN_MAX = 200000
 SEEN_MARGIN_S = 1.0  # subscribe -> SUBACK, generously
 TERMINAL = frozenset({"succeeded", "failed", "timed_out", "killed", "cancelled", "misfired"})
@@ -136,7 +138,7 @@ class Answers:
         self._thread: Optional[threading.Thread] = None
         self._republished: dict[str, float] = {}   # marker key -> when we last enqueued it
         # answers this agent saw on the broker (its status subscription): "<job>/<name>"
-        self._seen: "collections.OrderedDict[str, bool]" = collections.OrderedDict()
+        self._seen: RecentMemory[str, bool] = RecentMemory(SEEN_MAX)
         self._seen_lock = threading.Lock()
         self.watching_since: Optional[float] = None  # wall time since which nothing was missed
 
@@ -151,9 +153,7 @@ class Answers:
         if name is None or not isinstance(doc.get("job_id"), str):
             return
         with self._seen_lock:
-            self._seen[doc["job_id"] + "/" + name] = True
-            while len(self._seen) > SEEN_MAX:
-                self._seen.popitem(last=False)
+            self._seen.remember(doc["job_id"] + "/" + name, True)
 
     def watching(self, connected: bool) -> None:
         """On every (re)connect: only answers written after it (plus a margin) can be known
@@ -242,10 +242,11 @@ class Answers:
                 m = self._cleared.get(timeout=max(0.01, next_sweep - time.monotonic()))
                 if m:
                     pending.append(m)
-                while len(pending) < CLEAR_BATCH:
-                    m = self._cleared.get_nowait()
-                    if m:
-                        pending.append(m)
+                self._take(pending)
+                if m and len(pending) < CLEAR_BATCH and not self._stop.wait(CLEAR_LINGER_S):
+                    # off the answer's path (it is delivered): a trickle of answers costs one
+                    # etcd write per CLEAR_LINGER_S, not one each; a full batch goes at once
+                    self._take(pending)
             except queue.Empty:
                 pass
             if pending:
@@ -258,6 +259,16 @@ class Answers:
                 except Exception:
                     log.exception("answer sweep failed")
                 next_sweep = time.monotonic() + self.sweep_s
+
+    def _take(self, pending: list[str]) -> None:
+        """What is queued, up to a batch (without waiting)."""
+        try:
+            while len(pending) < CLEAR_BATCH:
+                m = self._cleared.get_nowait()
+                if m:
+                    pending.append(m)
+        except queue.Empty:
+            pass
 
     def _clear(self, keys: list[str]) -> list[str]:
         """Delete markers in one transaction; returns what is left to retry."""
@@ -280,9 +291,11 @@ class Answers:
 
         Cheap when nothing changed: each call reads only the member ids (keys only); the
         markers are read when the members or this agent's shards changed since the last
-        full sweep (a writer died, a takeover), every ``full_every_s``, or when forced.
-        Nothing is read while the broker is unreachable (``connected``): the markers then
-        pile up by design and would only be re-queued behind the same outage."""
+        full sweep (a writer died, a takeover), every ``full_every_s``, or when forced, and
+        only after one count of all markers says there are any (an idle cluster has none:
+        one small request instead of one per owned shard). Nothing is read while the
+        broker is unreachable (``connected``): the markers then pile up by design and would
+        only be re-queued behind the same outage."""
         owned = self.owned()
         if not owned or not self.connected():
             return 0
@@ -293,6 +306,9 @@ class Answers:
         if not force and view == self._last_view and mono - self._last_full < self.full_every_s:
             return 0
         self._last_view, self._last_full = view, mono
+        if not self.client.count_prefix(self.keys.answers_prefix()):
+            self._republished.clear()
+            return 0
         by_shard = sorted(owned)
         candidates: list = []
         for shard in by_shard:

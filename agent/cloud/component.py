@@ -226,12 +226,14 @@ class CloudComponent:
                 backoff = min(2.0, backoff * 2)
         else:
             return
+        # both only look at puts (a job stored or cancelled, a rejection's marker): deletes
+        # (e.g. every delivered answer's marker) and previous values are not sent
         self.watch = PrefixWatch(self.agent.client, self.agent.keys.jobs_prefix(), "cloud-jobs",
                                  on_snapshot=lambda kvs, rev: None, on_events=self.dispatcher.on_job_events,
-                                 start_revision=rev + 1).start()
+                                 start_revision=rev + 1, puts_only=True).start()
         self.answers_watch = PrefixWatch(self.agent.client, self.agent.keys.answers_prefix(), "cloud-answers",
                                          on_snapshot=lambda kvs, rev: None, on_events=self.dispatcher.on_answer_events,
-                                         start_revision=rev + 1).start()
+                                         start_revision=rev + 1, puts_only=True).start()
 
     def drain(self, done) -> None:
         self._state = "draining"

@@ -31,6 +31,7 @@ so nothing is acknowledged before it is durable.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import heapq
 import itertools
@@ -49,6 +50,7 @@ from agent.coordination.keys import shard_of
 from agent.jobs import document as jobs
 from agent.jobs.document import KIND_CANCEL, KIND_JOB, JobRejected, authenticate, parse_cancel, parse_job
 from agent.runtime.metrics import counter, histogram
+from agent.runtime.recent import RecentMemory
 from agent.runtime.timefmt import now_rfc3339
 
 from .topics import ID_RE, Topics
@@ -327,9 +329,21 @@ class Ingest:
             INGESTED.labels("push", "accepted").inc()
             self.record("job", event="accepted", job_id=job.id, shard=stored.shard, template=job.template,
                         push_sha256=push_digest(payload), agent=self.agent_id)
-            self.notify("stored", stored)
+            self.notify("stored", self._with_parsed(stored, job))
             return Outcome("push", "accepted", job.id, status=doc, stored=stored)
         return self._exists(payload, stored, as_owner)
+
+    def _with_parsed(self, stored, job):
+        """``stored`` carrying the verified job for the scheduler (StoredJob.parsed): the
+        document this agent itself just verified and stored, with the key that signed it
+        (the screen verified it: parse_job then left ``kid`` unset)."""
+        if job.kid is None:
+            sig = job.doc.get("sig")
+            key = self.keyring.get(sig.get("kid")) if isinstance(sig, dict) and isinstance(sig.get("kid"), str) else None
+            if key is None:
+                return stored  # (keys reloaded meanwhile) the scheduler verifies it itself
+            job = dataclasses.replace(job, kid=key.kid, key_retired_after=key.retired_after)
+        return dataclasses.replace(stored, parsed=job)
 
     # --- push: group commit -------------------------------------------------------------
     def push_many(self, items: list[tuple[bytes, bool]], screened: bool = False) -> list:
@@ -521,9 +535,8 @@ class Dispatcher:
         self._lock = threading.Lock()
         self._heap: list[_Pending] = []
         self._by_id: dict[tuple[str, str], list[_Pending]] = collections.defaultdict(list)
-        self._recent: "collections.OrderedDict[str, bool]" = collections.OrderedDict()  # job id -> cancelled
-        self._recent_max = recent_max
-        self._answered: "collections.OrderedDict[str, bool]" = collections.OrderedDict()  # "<job>/<digest>"
+        self._recent: RecentMemory[str, bool] = RecentMemory(recent_max)  # job id -> cancelled
+        self._answered: RecentMemory[str, bool] = RecentMemory(recent_max)  # "<job>/<digest>" rejected
         self.max_hold_s = max_hold_s
         self._n = itertools.count()
         self._stop = threading.Event()
@@ -598,15 +611,12 @@ class Dispatcher:
                     continue
                 job_id = ev.kv.key.rsplit("/", 1)[-1]
                 cancelled = _is_cancelled(ev.kv.value)
-                self._recent[job_id] = cancelled
-                self._recent.move_to_end(job_id)
+                self._recent.remember(job_id, cancelled)
                 kinds = ("push", "cancel") if cancelled else ("push",)
                 for kind in kinds:
                     for p in self._by_id.pop((kind, job_id), []):
                         p.done = True
                         release.append(p)
-            while len(self._recent) > self._recent_max:
-                self._recent.popitem(last=False)
         for p in release:
             INGESTED.labels(p.kind, "exists").inc()
             self.link.ack(p.msg)
@@ -623,13 +633,10 @@ class Dispatcher:
                 if len(parts) != 3 or not parts[2].startswith("rejected."):
                     continue
                 key = parts[1] + "/" + parts[2][len("rejected."):]
-                self._answered[key] = True
-                self._answered.move_to_end(key)
+                self._answered.remember(key, True)
                 for p in self._by_id.pop(("answer", key), []):
                     p.done = True
                     release.append(p)
-            while len(self._answered) > self._recent_max:
-                self._answered.popitem(last=False)
         for p in release:
             INGESTED.labels(p.kind, "exists").inc()
             self.link.ack(p.msg)

@@ -327,9 +327,10 @@ class Outbox:
             return out
 
     def mark_sent(self, seqs: list[int]) -> None:
+        """One transaction for the batch (in autocommit mode each UPDATE was its own commit)."""
         if not seqs:
             return
-        with self._lock:
+        with self._lock, self._transaction():
             self._db.executemany("UPDATE outbox SET sent=1 WHERE seq=? AND sent=0", [(s,) for s in seqs])
 
     def delete(self, seqs: list[int]) -> list[str]:

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 from agent.coordination import placement
 from agent.coordination.etcd import KV, Create, EtcdClient, Get, Mod, Put, Txn
@@ -75,6 +75,10 @@ class StoredJob:
     doc: dict            # as stored, reserved keys included
     revision: int        # mod revision (for compare-and-swap)
     create_revision: int
+    # the verified Job this agent just stored (set by ingest on the create path only, never
+    # for a document read back from etcd): the scheduler installs it without parsing and
+    # verifying the same bytes a second time
+    parsed: Any = field(default=None, compare=False, repr=False)
 
     @property
     def id(self) -> str:

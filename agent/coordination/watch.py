@@ -1,22 +1,30 @@
-"""A prefix watch that survives broken connections without leaking or spinning.
+"""Prefix watches that survive broken connections without leaking or spinning, all on one stream.
 
 python-etcd3's Watcher starts a thread that never ends and, after a broken connection,
-re-opens its stream in a tight loop (100% CPU) and drops its callbacks. This watch:
-- owns exactly one thread, joined by stop();
-- lists the prefix first and hands the loop a snapshot with its revision, then watches
-  from revision + 1, so nothing between the list and the watch is missed;
-- after a stream error, waits with capped exponential backoff and resumes from the last
-  revision it delivered + 1 (no event missed, none repeated);
-- when that revision was compacted, lists again and delivers a fresh snapshot.
+re-opens its stream in a tight loop (100% CPU) and drops its callbacks. Here:
+- every PrefixWatch of a client is served by one etcd watch stream and one thread (etcd
+  multiplexes watches on a stream by watch id). A thread per watch cost two threads each
+  (gRPC adds one per stream for its requests) and ten wake-ups a second each (gRPC polls
+  a blocked stream every 0.1 s): the agent's idle cost (issue 18);
+- a watch lists its prefix first and hands the loop a snapshot with its revision, then
+  watches from revision + 1, so nothing between the list and the watch is missed;
+- after a stream error the stream waits with capped exponential backoff and each watch
+  resumes from the last revision it delivered + 1 (no event missed, none repeated);
+- when a watch's revision was compacted, it lists again and delivers a fresh snapshot;
+- adding or stopping a watch re-opens the stream at once, the others resuming as above;
+  once stop() returns, the stopped watch's callbacks are not called again (unless one in
+  flight outlasted stop's timeout);
+- the thread ends when its last watch stops, and is joined by that stop().
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import etcd3.etcdrpc as rpc
 import grpc
@@ -39,24 +47,27 @@ class WatchEvent:
 
 
 class PrefixWatch:
-    """Calls on_snapshot(kvs, revision) and on_events(events, revision) from its thread."""
+    """Calls on_snapshot(kvs, revision) and on_events(events, revision) from the stream's
+    thread (shared by the client's watches: callbacks must not block)."""
 
     def __init__(self, client: EtcdClient, prefix: str, name: str,
                  on_snapshot: Callable[[list[KV], int], None],
                  on_events: Callable[[list[WatchEvent], int], None],
                  start_revision: Optional[int] = None,
-                 max_backoff_s: float = 2.0):
+                 max_backoff_s: float = 2.0, puts_only: bool = False):
+        """``puts_only``: etcd sends no delete events and no previous values (``prev`` is
+        None): for watchers that only look at what was written (less for etcd to send and
+        for this process to decode)."""
         self.client = client
+        self.puts_only = puts_only
         self.prefix = prefix
         self.name = name
         self.on_snapshot = on_snapshot
         self.on_events = on_events
         self.max_backoff_s = max_backoff_s
         self._next_rev = start_revision  # None: list first
-        self._stop = threading.Event()
-        self._call = None
-        self._requests: Optional[queue.SimpleQueue] = None
-        self._thread: Optional[threading.Thread] = None
+        self._stream: Optional[_WatchStream] = None
+        self.stopped = False
         self.restarts = 0
 
     @property
@@ -64,21 +75,90 @@ class PrefixWatch:
         return self._next_rev
 
     def start(self) -> "PrefixWatch":
-        self._thread = threading.Thread(target=self._run, name=f"watch-{self.name}", daemon=True)
-        self._thread.start()
+        self._stream = _WatchStream.of(self.client)
+        self._stream.add(self)
         return self
 
     def stop(self, timeout: float = 3.0) -> None:
-        self._stop.set()
-        self._cancel_stream()
-        if self._thread and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        if self._stream is not None:
+            self._stream.remove(self, timeout)
 
     def alive(self) -> bool:
-        return bool(self._thread and self._thread.is_alive())
+        """Started, not stopped, and its stream's thread runs."""
+        return bool(self._stream is not None and not self.stopped and self._stream.alive())
 
-    def _cancel_stream(self) -> None:
-        q, call = self._requests, self._call
+
+def _stream_owner(client: Any) -> Any:
+    """The client that opens the streams (a view such as the scheduler's keys-only
+    wrapper shares its client's stream)."""
+    return getattr(client.open_watch, "__self__", client)
+
+
+class _WatchStream:
+    """One watch stream and its thread for every PrefixWatch of one client."""
+
+    # the live stream of each client; a stream leaves when its last watch stops
+    _by_client: dict[Any, "_WatchStream"] = {}
+    _registry_lock = threading.Lock()  # taken before a stream's own lock
+
+    @classmethod
+    def of(cls, client: Any) -> "_WatchStream":
+        owner = _stream_owner(client)
+        with cls._registry_lock:
+            s = cls._by_client.get(owner)
+            if s is None:
+                s = cls._by_client[owner] = cls(owner)
+            return s
+
+    def __init__(self, owner: Any):
+        self.owner = owner
+        self._lock = threading.Lock()
+        self._delivering = threading.RLock()  # held while a watch's callback runs
+        self._watches: list[PrefixWatch] = []
+        self._changed = False                 # the set of watches changed: re-open
+        self._wake = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._call: Any = None
+        self._requests: Optional[queue.SimpleQueue] = None
+
+    def alive(self) -> bool:
+        t = self._thread
+        return bool(t and t.is_alive())
+
+    def add(self, w: PrefixWatch) -> None:
+        with self._registry_lock, self._lock:
+            self._watches.append(w)
+            self._changed = True
+            if self._thread is None:
+                self._by_client[self.owner] = self
+                self._thread = threading.Thread(target=self._run, name="etcd-watches", daemon=True)
+                WATCH_THREADS.inc()
+                self._thread.start()
+        self._interrupt()
+
+    def remove(self, w: PrefixWatch, timeout: float) -> None:
+        with self._lock:
+            if w.stopped:
+                return
+            w.stopped = True
+            if w in self._watches:
+                self._watches.remove(w)
+            self._changed = True
+            thread = self._thread if not self._watches else None
+        self._interrupt()
+        # wait (up to timeout, like the join below) for a callback in flight to return: none
+        # starts after this (the thread checks w.stopped under this lock)
+        if self._delivering.acquire(timeout=timeout):
+            self._delivering.release()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def _interrupt(self) -> None:
+        """Make the thread re-read the set of watches: end the stream it reads, end its
+        backoff wait."""
+        self._wake.set()
+        with self._lock:
+            q, call = self._requests, self._call
         if q is not None:
             q.put(None)
         if call is not None:
@@ -87,8 +167,9 @@ class PrefixWatch:
             except Exception:
                 pass
 
-    def _requests_iter(self, q: "queue.SimpleQueue", first):
-        yield first
+    @staticmethod
+    def _requests_iter(q: "queue.SimpleQueue", first: list):
+        yield from first
         while True:
             item = q.get()
             if item is None:
@@ -96,55 +177,84 @@ class PrefixWatch:
             yield item
 
     def _run(self) -> None:
-        WATCH_THREADS.inc()
         backoff = 0.1
         try:
-            while not self._stop.is_set():
+            while True:
+                with self._registry_lock, self._lock:
+                    if not self._watches:
+                        self._thread = None
+                        if self._by_client.get(self.owner) is self:
+                            del self._by_client[self.owner]
+                        return
+                    self._changed = False
+                    self._wake.clear()
+                    watches = list(self._watches)
+                error = False
                 try:
-                    if self._next_rev is None:
-                        kvs, rev = self.client.get_prefix(self.prefix)
-                        self.on_snapshot(kvs, rev)
-                        self._next_rev = rev + 1
-                    if self._stream_once():
-                        backoff = 0.1  # the stream was healthy before it broke
+                    for w in watches:
+                        if w._next_rev is None:
+                            kvs, rev = w.client.get_prefix(w.prefix)
+                            with self._delivering:
+                                if w.stopped:
+                                    continue
+                                w.on_snapshot(kvs, rev)
+                                w._next_rev = rev + 1
+                    if self._stream_once(watches):
+                        backoff = 0.1  # the stream was healthy before it ended
+                    with self._lock:
+                        error = not self._changed
                 except (EtcdUnavailable, EtcdError) as exc:
-                    log.debug("watch list failed", extra={"fields": {"watch": self.name, "error": str(exc)}})
-                except Exception:  # never let a watch thread die: the agent would go blind
-                    log.exception("watch failed unexpectedly; restarting it", extra={"fields": {"watch": self.name}})
-                if self._stop.is_set():
-                    break
-                self.restarts += 1
-                WATCH_RESTARTS.labels(self.name).inc()
-                self._stop.wait(backoff)
-                backoff = min(self.max_backoff_s, backoff * 2)
+                    error = True
+                    log.debug("watch list failed", extra={"fields": {"error": str(exc)}})
+                except Exception:  # never let the watch thread die: the agent would go blind
+                    error = True
+                    log.exception("watch failed unexpectedly; restarting it")
+                if not error:
+                    continue  # watches added or stopped: re-open at once
+                for w in watches:
+                    if not w.stopped:
+                        w.restarts += 1
+                        WATCH_RESTARTS.labels(w.name).inc()
+                self._wake.wait(backoff)
+                backoff = min(min((w.max_backoff_s for w in watches), default=2.0), backoff * 2)
         finally:
             WATCH_THREADS.dec()
 
-    def _stream_once(self) -> bool:
-        """Run one stream until it breaks; True if it was established."""
-        key = self.prefix.encode()
-        create = rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
-            key=key, range_end=etcd_utils.increment_last_byte(key),
-            start_revision=self._next_rev, prev_kv=True))
+    def _stream_once(self, watches: list[PrefixWatch]) -> bool:
+        """Run one stream for these watches until it ends; True if it was established."""
+        creates = []
+        for w in watches:
+            key = w.prefix.encode()
+            creates.append(rpc.WatchRequest(create_request=rpc.WatchCreateRequest(
+                key=key, range_end=etcd_utils.increment_last_byte(key),
+                start_revision=w._next_rev, prev_kv=not w.puts_only,
+                filters=[rpc.WatchCreateRequest.NODELETE] if w.puts_only else [])))
         q: queue.SimpleQueue = queue.SimpleQueue()
-        self._requests = q
+        pending = collections.deque(watches)  # etcd confirms creates in the order sent
+        by_id: dict[int, PrefixWatch] = {}
         established = False
         gen = None
         try:
-            call, gen = self.client.open_watch(self._requests_iter(q, create), self.prefix)
-            self._call = call
-            if self._stop.is_set():
-                return False
-            for resp in call:
-                if self._stop.is_set():
+            call, gen = self.owner.open_watch(self._requests_iter(q, creates), ",".join(w.prefix for w in watches))
+            with self._lock:
+                self._requests, self._call = q, call
+                if self._changed:
                     return established
+            for resp in call:
+                if resp.created and pending:
+                    by_id[resp.watch_id] = pending.popleft()
+                    established = True
+                found = by_id.get(resp.watch_id)
+                if found is None or found.stopped:
+                    if self._changed:
+                        return established
+                    continue
+                w = found
                 if resp.compact_revision:
                     log.warning("watch revision compacted; relisting",
-                                extra={"fields": {"watch": self.name, "compacted": resp.compact_revision}})
-                    self._next_rev = None
+                                extra={"fields": {"watch": w.name, "compacted": resp.compact_revision}})
+                    w._next_rev = None
                     return established
-                if resp.created:
-                    established = True
                 if resp.canceled:
                     return established
                 if resp.events:
@@ -152,21 +262,26 @@ class PrefixWatch:
                                          _kv(ev.prev_kv) if ev.HasField("prev_kv") else None)
                               for ev in resp.events]
                     last = max(ev.kv.mod_revision for ev in resp.events)
-                    self.on_events(events, last)
-                    self._next_rev = last + 1
+                    with self._delivering:
+                        if w.stopped:
+                            continue
+                        w.on_events(events, last)
+                    w._next_rev = last + 1
             return established
         except ValueError as exc:  # a call on a channel another thread closed
             if gen is not None:
-                self.client.report_stream_failure(gen)
-            log.debug("watch stream closed", extra={"fields": {"watch": self.name, "error": str(exc)}})
+                self.owner.report_stream_failure(gen)
+            log.debug("watch stream closed", extra={"fields": {"error": str(exc)}})
             return established
         except grpc.RpcError as exc:
-            if not self._stop.is_set():
-                log.debug("watch stream broke", extra={"fields": {"watch": self.name, "code": str(exc.code())}})
+            with self._lock:
+                changed = self._changed
+            if not changed:
+                log.debug("watch stream broke", extra={"fields": {"code": str(exc.code())}})
                 if gen is not None:
-                    self.client.report_stream_failure(gen)
+                    self.owner.report_stream_failure(gen)
             return established
         finally:
-            self._call = None
-            self._requests = None
+            with self._lock:
+                self._requests, self._call = None, None
             q.put(None)

@@ -525,9 +525,67 @@ class AgentProcess:
     def kill(self) -> None:
         p = self.proc
         if p is not None and p.poll() is None:
+            kids = self._descendants()
             self.signal(signal.SIGCONT)
             p.kill()
             p.wait()
+            self._reap_adopted(kids)
+
+    def _descendants(self) -> list[int]:
+        import psutil
+
+        try:
+            return [c.pid for c in psutil.Process(self.pid).children(recursive=True)]
+        except psutil.Error:
+            return []
+
+    @staticmethod
+    def _reap_adopted(pids: list[int], wait_s: float = 5.0) -> None:
+        """A kill -9 orphans the agent's guard and runs (the guard then ends them). If this
+        process is a child subreaper (an Executor in the same process, e.g. in tests) they
+        become our children: reap exactly those, or they stay zombies for the rest of our
+        life. Orphans adopted by init raise ChildProcessError and are skipped at once."""
+        deadline = time.monotonic() + wait_s
+        for pid in pids:
+            while True:
+                try:
+                    done, _ = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if done == pid or time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
+
+    def remove_cgroups(self, wait_s: float = 2.0) -> int:
+        """After the agent is gone: remove the cgroup root it made for its runs (one per
+        agent id and state dir, in every hierarchy), so test and demo clusters leave the
+        host's cgroup trees as they found them. A kill -9 skips the agent's own cleanup;
+        its runs die with their guard shortly after, so empty directories are retried for
+        up to ``wait_s``. Returns how many directories were removed."""
+        import glob
+
+        from agent.execute.backends import run_root_name
+
+        root = run_root_name(self.agent_id, self.config["state_dir"])
+        tops = glob.glob(f"/sys/fs/cgroup/{root}") + glob.glob(f"/sys/fs/cgroup/*/{root}")
+        removed, deadline = 0, time.monotonic() + wait_s
+        while tops:
+            left = []
+            for top in tops:
+                for d in sorted((w[0] for w in os.walk(top)), key=len, reverse=True):  # children first
+                    try:
+                        os.rmdir(d)
+                        removed += 1
+                    except FileNotFoundError:
+                        pass
+                    except OSError:
+                        left.append(top)
+                        break
+            if not left or time.monotonic() > deadline:
+                break
+            tops = sorted(set(left))
+            time.sleep(0.1)
+        return removed
 
     def terminate(self, timeout: float = 30.0) -> Optional[int]:
         p = self.proc

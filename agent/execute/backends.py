@@ -23,6 +23,7 @@ import os
 import re
 import resource
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
@@ -192,6 +193,8 @@ class Slot:
     peak_rss: int = 0
     nprocs: int = 0
     removed: bool = False
+    joined: set = field(default_factory=set)   # hierarchies the launcher was born in (QuotaBackend.enter)
+    cpu_offset_s: float = 0.0                  # the spawning thread's own cpu time while it was inside
 
 
 @dataclass
@@ -217,6 +220,14 @@ class QuotaBackend:
 
     def create(self, name: str, limits: Limits) -> Slot:
         return Slot(name, limits)
+
+    def enter(self, slot: Slot) -> Any:
+        """Move the calling thread into the slot, so that a process it creates now is born
+        there; leave(slot, token) right after the fork/vfork moves it back."""
+        return None
+
+    def leave(self, slot: Slot, token: Any) -> None:
+        """Undo enter(): the calling thread back where it was."""
 
     def attach(self, slot: Slot, pid: int) -> None:
         """Put the (not yet exec'ed) child into the slot. Runs in the parent."""
@@ -356,8 +367,9 @@ class _CgroupBackend(QuotaBackend):
 
     def attach(self, slot: Slot, pid: int) -> None:
         slot.pid = slot.pgid = pid
-        for d in slot.paths.values():
-            self.fs.write(os.path.join(d, "cgroup.procs"), str(pid))
+        for h, d in slot.paths.items():
+            if h not in slot.joined:   # born there already (enter)
+                self.fs.write(os.path.join(d, "cgroup.procs"), str(pid))
 
     def members(self, slot: Slot) -> list[int]:
         pids: set[int] = set()
@@ -449,6 +461,7 @@ class Cgroup1Backend(_CgroupBackend):
                         if c in opts:
                             mounts.setdefault(c, mnt)
         self.mounts = mounts
+        self._thread_homes: dict[int, dict[str, str]] = {}
 
     def check_available(self) -> None:
         missing = [c for c in NEEDED if c not in self.mounts]
@@ -518,6 +531,86 @@ class Cgroup1Backend(_CgroupBackend):
             raise
         return slot
 
+    # The launcher is born in its cgroups: the spawning thread moves *itself* into them
+    # (writing 0 to a v1 `tasks` file), forks, and moves back. A thread moving itself does
+    # not take the kernel's global cgroup_threadgroup_rwsem for writing, which writing the
+    # child's pid to cgroup.procs does, once per hierarchy: that write stalls every fork and
+    # exit on the host (and waits for an RCU grace period). Each hierarchy is joined only
+    # where the thread cannot trip the run's limit while inside (about a millisecond):
+    # memory at least JOIN_MIN_MEMORY (else a memcg OOM could pick the agent), pids at
+    # least JOIN_MIN_PIDS (the thread counts while inside), cpu at least JOIN_MIN_CPU (its
+    # quota must not throttle the thread); cpuacct together with cpu, whose move flushes
+    # the scheduler's accounting, so that the thread's own cpu time inside is known and
+    # subtracted (Slot.cpu_offset_s). The others get the child's pid as before.
+    JOIN_MIN_MEMORY = 64 << 20
+    JOIN_MIN_PIDS = 8
+    JOIN_MIN_CPU = 0.5
+
+    def _joinable(self, slot: Slot) -> list[str]:
+        lim = slot.limits
+        ok = {"memory": lim.memory_bytes is None or lim.memory_bytes >= self.JOIN_MIN_MEMORY,
+              "pids": lim.pids is None or lim.pids >= self.JOIN_MIN_PIDS,
+              "cpu": lim.cpu is None or lim.cpu >= self.JOIN_MIN_CPU}
+        ok["cpuacct"] = ok["cpu"] and "cpu" in slot.paths
+        # cpu right before cpuacct: the cpu move accounts the thread's time so far where it was
+        order = [h for h in ("memory", "pids") if h in slot.paths] + [h for h in ("cpu", "cpuacct") if h in slot.paths]
+        return [h for h in order if ok.get(h, False)]
+
+    def _homes(self) -> dict[str, str]:
+        """hierarchy -> cgroup dir of the calling thread."""
+        tid = threading.get_native_id()
+        home = self._thread_homes.get(tid)
+        if home is None:
+            mine = self_cgroups(f"/proc/self/task/{tid}/cgroup")
+            home = {h: os.path.join(self.mounts[h], mine.get(h, "/").lstrip("/")) for h in self.roots}
+            if len(self._thread_homes) > 64:
+                self._thread_homes.clear()
+            self._thread_homes[tid] = home
+        return home
+
+    def enter(self, slot: Slot) -> Any:
+        hs = self._joinable(slot)
+        if not hs:
+            return None
+        home = self._homes()
+        joined: list[str] = []
+        t_in = None
+        try:
+            for h in hs:
+                if h in ("cpu", "cpuacct") and t_in is None:
+                    t_in = time.thread_time()
+                self.fs.write(os.path.join(slot.paths[h], "tasks"), "0")
+                joined.append(h)
+        except OSError:
+            self.leave(slot, (joined, home, t_in))
+            raise
+        return joined, home, t_in
+
+    def leave(self, slot: Slot, token: Any) -> None:
+        if token is None:
+            return
+        joined, home, t_in = token
+        err: Optional[OSError] = None
+        t_out = None
+        # cpu first (its move accounts the thread's time inside to the run), cpuacct next
+        for h in sorted(joined, key=lambda h: {"cpu": 0, "cpuacct": 1}.get(h, 2)):
+            if t_out is None and h not in ("cpu", "cpuacct"):
+                t_out = time.thread_time()
+            try:
+                self.fs.write(os.path.join(home[h], "tasks"), "0")
+            except OSError as exc:
+                try:   # our own cgroup went away: the hierarchy's root, never a run's cgroup
+                    self.fs.write(os.path.join(self.mounts[h], "tasks"), "0")
+                except OSError:
+                    err = exc
+        if t_in is not None:
+            slot.cpu_offset_s += (t_out if t_out is not None else time.thread_time()) - t_in
+        slot.joined.update(joined)
+        if err is not None:
+            log.error("a thread of the agent could not leave a run's cgroup", extra={"fields": {
+                "run": slot.name, "error": err.strerror}})
+            raise err
+
     def check_all(self, slots: Iterable[Slot]) -> dict[str, str]:
         out = {}
         for s in slots:
@@ -534,7 +627,7 @@ class Cgroup1Backend(_CgroupBackend):
         u = super().usage(slot, rusage)
         acct = self._path(slot, "cpuacct")
         if acct and self.fs.exists(os.path.join(acct, "cpuacct.usage")):
-            u.cpu_s = self._read_int(os.path.join(acct, "cpuacct.usage")) / 1e9
+            u.cpu_s = max(0.0, self._read_int(os.path.join(acct, "cpuacct.usage")) / 1e9 - slot.cpu_offset_s)
         mem = self._path(slot, "memory")
         if mem:
             u.max_rss_bytes = max(u.max_rss_bytes, self._read_int(os.path.join(mem, "memory.max_usage_in_bytes")))

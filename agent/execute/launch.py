@@ -273,12 +273,20 @@ def spawn(ex: "Executor", run: _Run, hold: bool = False, arm_at: Optional[float]
             argv = [SHIM_SH, "-c", SHIM_SCRIPT, "millwright-run"] + switch
         argv += [path] + list(spec.argv[1:])
         try:
+            joined = ex.backend.enter(run.slot)   # the launcher is born in its cgroups
+        except OSError as exc:
+            for fd in (go_r, go_w, out_w, ep_w):
+                os.close(fd)
+            raise SpawnError("cgroup", f"cannot confine the run: {exc.strerror or exc}") from None
+        try:
             popen = subprocess.Popen(argv, stdin=go_r, stdout=out_w, stderr=ep_w, cwd=cwd, env=env,
                                      start_new_session=True, close_fds=True, restore_signals=True)
         except OSError as exc:
             for fd in (go_r, go_w, out_w, ep_w):
                 os.close(fd)
             raise SpawnError("exec", f"cannot start the launcher in {cwd}: {exc.strerror or exc}") from None
+        finally:
+            ex.backend.leave(run.slot, joined)
         run.popen = popen
         pid = popen.pid
         err_r = -1

@@ -544,6 +544,14 @@ def recover(schedule: Schedule, last_due_done: Optional[datetime], now: datetime
     return Recovery(run, skipped, head_capped, nxt)
 
 
+def window_end(job: Any, now: datetime) -> datetime:
+    """The last instant whose firings recovery may consider: ``now``, or just before the
+    job's not_after once that has passed (firings at or after not_after do not exist)."""
+    now = _utc(now, "now")
+    na = getattr(job, "not_after", None)
+    return na - timedelta(microseconds=1) if na is not None and now >= na else now
+
+
 def recover_job(job: Any, accepted_at: datetime, last_due_done: Optional[datetime], now: datetime,
                 grace_s: float = 0.0) -> Recovery:
     """:func:`recover` with the job's own schedule, misfire policy and not_after (firings
@@ -551,9 +559,7 @@ def recover_job(job: Any, accepted_at: datetime, last_due_done: Optional[datetim
     now = _utc(now, "now")
     na = getattr(job, "not_after", None)
     expired = na is not None and now >= na
-    # Firings at or after not_after are not part of the window at all.
-    window_end = na - timedelta(microseconds=1) if na is not None and expired else now
-    rec = recover(job.schedule, last_due_done, window_end, job.misfire, getattr(job, "misfire_limit", 1),
+    rec = recover(job.schedule, last_due_done, window_end(job, now), job.misfire, getattr(job, "misfire_limit", 1),
                   first_due=first_due(job, accepted_at), grace_s=grace_s)
     if expired:
         return Recovery(rec.run, rec.skipped, rec.skipped_capped, None)
@@ -642,7 +648,7 @@ def next_retry_at(job: Any, fire_id_: str, attempt: int, failed_at: datetime) ->
 
 __all__ = [
     "UTC", "Schedule", "ScheduleError", "RetryPolicy", "Recovery", "parse_rfc3339", "format_rfc3339",
-    "fire_id", "parse_fire_id", "next_due", "next_firing", "first_due", "anchor_time", "firings_between", "missed_firings",
+    "fire_id", "parse_fire_id", "next_due", "window_end", "next_firing", "first_due", "anchor_time", "firings_between", "missed_firings",
     "recover", "recover_job", "is_expired", "overlap_action", "retry_delay", "retry_rng", "next_retry_at", "RETRY_ON", "DEFAULT_RETRY_ON",
     "load_zone", "MISFIRE_POLICIES", "OVERLAP_POLICIES",
 ]

@@ -33,7 +33,6 @@ reason ``key_retired``).
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import time
@@ -55,6 +54,7 @@ from agent.jobs.document import Job, JobRejected, render_argv, run_id
 from agent.jobs.firing import ACTIVE, NOT_STARTED, RETRYABLE, TERMINAL, Firing, FiringState, RunListener
 from agent.runtime.gcpolicy import GcPolicy
 from agent.runtime.metrics import counter, gauge, histogram
+from agent.runtime.recent import RecentMemory
 from agent.runtime.timefmt import format_optional as rfc
 from agent.runtime.timefmt import parse_rfc3339, utcnow
 
@@ -156,7 +156,7 @@ class Scheduler:
         self.claim_lead = ClaimLead(self.cfg.execute.claim_lead_s)
         if agent.keyring is None:  # no cloud component: read the keys file here
             agent.keyring = _load_keyring(self.cfg.signing.keys_file)
-        self._rejected_seen: "collections.OrderedDict[tuple, None]" = collections.OrderedDict()
+        self._rejected_seen: RecentMemory[tuple, None] = RecentMemory(REJECTED_STORED_MEMORY)
         agent.shard_listeners.append(self)
         agent.busy_checks.append(self.busy)
         agent.drain_hooks.append(self._drain_started)
@@ -424,12 +424,14 @@ class Scheduler:
 
     def _install_job(self, stored: StoredJob, records: dict[str, tuple[dict, int]]) -> None:
         self.gc.settle()  # job entries are long-lived: keep them out of full collections
-        try:
-            job = Job.from_stored(public_doc(stored.doc), keyring=self.agent.keyring, cluster=self.cfg.cluster,
-                                  now=utcnow())
-        except JobRejected as exc:
-            self._reject_stored(stored, exc.reason, exc.detail)
-            return
+        job = stored.parsed  # verified by this agent's ingest from the pushed bytes (StoredJob.parsed)
+        if job is None or (job.key_retired_after is not None and utcnow() >= job.key_retired_after):
+            try:
+                job = Job.from_stored(public_doc(stored.doc), keyring=self.agent.keyring, cluster=self.cfg.cluster,
+                                      now=utcnow())
+            except JobRejected as exc:
+                self._reject_stored(stored, exc.reason, exc.detail)
+                return
         try:
             accepted_at = parse_rfc3339(stored.accepted_at) if stored.accepted_at else utcnow()
         except Exception:
@@ -479,7 +481,7 @@ class Scheduler:
                          f"{'+' if recovery.skipped_capped else ''} firing(s) skipped")
             # one record for the latest skipped firing, so the next owner does not decide again
             try:
-                latest = sch.missed_firings(job.schedule, e.last_due_done, now, "run_once", 1,
+                latest = sch.missed_firings(job.schedule, e.last_due_done, sch.window_end(job, now), "run_once", 1,
                                             first_due=sch.first_due(job, accepted_at))
             except ValueError:
                 latest = []
@@ -505,9 +507,7 @@ class Scheduler:
         seen = (job_id, stored.revision, reason)
         if seen in self._rejected_seen:
             return
-        self._rejected_seen[seen] = None
-        while len(self._rejected_seen) > REJECTED_STORED_MEMORY:
-            self._rejected_seen.popitem(last=False)
+        self._rejected_seen.remember(seen, None)
         REJECTED_STORED.labels(reason).inc()
         log.error("stored job refused: it is never run", extra={"fields": {
             "job": job_id, "shard": stored.shard, "reason": reason, "detail": detail}})

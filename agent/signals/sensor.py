@@ -19,6 +19,7 @@ import contextlib
 import ctypes as ct
 import json
 import logging
+import math
 import os
 import socket
 import subprocess
@@ -471,7 +472,9 @@ class Sensor:
                 now = time.monotonic()
                 if self._perf is not None:
                     wait = max(0.0, min(next_sample, next_proc) - now)
-                    self._perf.poll(int(wait * 1000))
+                    # round up: a timeout rounded down ends short of the tick, and the last
+                    # millisecond before it became a busy loop of poll(0) (issue 18: idle cost)
+                    self._perf.poll(math.ceil(wait * 1000))
                 else:
                     self._stop.wait(max(0.0, next_proc - now))
                 now = time.monotonic()

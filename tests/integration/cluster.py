@@ -109,6 +109,8 @@ class Cluster:
     def close(self) -> None:
         for a in self.agents.values():
             a.kill()
+        for a in self.agents.values():
+            a.remove_cgroups()  # the host's cgroup trees as we found them
         self.client.close()
 
 

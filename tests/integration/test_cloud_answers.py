@@ -283,7 +283,11 @@ def test_jobs_get_answers_and_waits_for_a_takeover(world):
         t_kill = time.monotonic()
         corr = asker.ask(id=on1[0])  # its shard's owner is dead: answered after the takeover
         got = asker.wait(corr, timeout=40)
-        assert got, "no answer after the takeover"
+        shard = shard_of(on1[0], SHARDS)
+        assert got, (f"no answer after the takeover ({time.monotonic() - t_kill:.1f}s after the kill; the agents "
+                     f"hold a request lease TTL + 5 s): shard {shard} is owned by "
+                     f"{world.cluster.owners().get(shard)!r} now; load {os.getloadavg()[0]:.1f}; a2's log tail:\n"
+                     + "\n".join(a2.log_text().splitlines()[-30:]))
         t_ans, ans = got[0]
         assert ans["agent"] == "a2" and ans["found"] and ans["job"]["id"] == on1[0]
         assert world.cluster.owners()[shard_of(on1[0], SHARDS)] == "a2"
@@ -467,3 +471,75 @@ def test_push_exit_codes_no_answer_and_broker_unreachable(world, tmp_path):
     path.write_text(yaml.safe_dump(cfg))
     r = _cli("push", "-c", str(path), str(job), "--key-file", world.keys_file, "--kid", KID, "--timeout", "2")
     assert r.returncode == 4 and "cannot connect to the broker" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_delivered_markers_trickling_in_are_deleted_in_one_transaction(etcd_server):
+    """Deletes after PUBACK are off the answer's path: markers delivered within
+    CLEAR_LINGER_S of each other go in one etcd transaction (one revision), not one each."""
+    from agent.cloud.answers import CLEAR_LINGER_S, Answers, marker_value
+    from agent.config import EtcdConfig
+    from agent.coordination.etcd import EtcdClient
+    from agent.coordination.keys import Keys
+    from tests.integration.cluster import etcd_history
+
+    client = EtcdClient(EtcdConfig(endpoints=[etcd_server.endpoint], request_timeout_s=2.0))
+    keys = Keys("t")
+    markers = [keys.answer(3, f"trickle-{i}", "accepted") for i in range(4)]
+    for k in markers:
+        client.put(k, marker_value({"job_id": k, "state": "accepted"}))
+    ans = Answers(client, keys, "me", enqueue=None, in_outbox=lambda k: False, owned=frozenset,
+                  fence_for=lambda s: None).start()
+    try:
+        ans.delivered(markers[:1])
+        time.sleep(CLEAR_LINGER_S / 5)
+        ans.delivered(markers[1:3])
+        time.sleep(CLEAR_LINGER_S / 5)
+        ans.delivered(markers[3:])
+        wait_for(lambda: not client.get_prefix(keys.answers_prefix(3))[0], 10, what="markers deleted")
+        deletes = [e for e in etcd_history(client, keys.answers_prefix(3)) if e.type == 1]
+        assert sorted(e.kv.key.decode() for e in deletes) == sorted(markers)
+        assert len({e.kv.mod_revision for e in deletes}) == 1, [e.kv.mod_revision for e in deletes]
+    finally:
+        ans.stop()
+        client.close()
+
+
+def test_sweep_of_a_cluster_without_markers_reads_no_shard(etcd_server):
+    """An idle cluster has no answer markers: a full sweep over 64 owned shards costs one
+    count, not a read per shard; once a marker exists the owner's shard is read again and
+    a dead writer's answer is republished."""
+    from agent.cloud.answers import Answers, marker_value
+    from agent.config import EtcdConfig
+    from agent.coordination.etcd import EtcdClient
+    from agent.coordination.keys import Keys
+
+    class Counting:
+        """Our etcd client, with its requests counted by operation."""
+
+        def __init__(self, c):
+            self.c, self.ops = c, []
+
+        def _call(self, op, fn, timeout=None):
+            self.ops.append(op)
+            return self.c._call(op, fn, timeout)
+
+        def __getattr__(self, name):
+            return getattr(self.c, name)
+
+    real = EtcdClient(EtcdConfig(endpoints=[etcd_server.endpoint], request_timeout_s=2.0))
+    client = Counting(real)
+    keys = Keys("idle")
+    published = []
+    ans = Answers(client, keys, "me", enqueue=lambda j, d, k: published.append(j), in_outbox=lambda k: False,
+                  owned=lambda: frozenset(range(64)), fence_for=lambda s: None)
+    try:
+        assert ans.sweep(force=True) == 0
+        assert client.ops.count("range_page") == 1  # the member ids; no shard's markers
+        doc = {"job_id": "j1", "state": "accepted", "agent": "gone",
+               "ts": time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())}
+        real.put(keys.answer(7, "j1", "accepted"), marker_value(doc))
+        client.ops.clear()
+        assert ans.sweep(force=True) == 1 and published == ["j1"]
+        assert client.ops.count("range_page") == 1 + 64  # the members, then each owned shard
+    finally:
+        real.close()

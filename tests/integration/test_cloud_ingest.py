@@ -199,6 +199,39 @@ def test_created_but_status_lost_gets_its_first_status(env, etcd_server, tmp_pat
     assert env.ingest.push(payload).result == "redelivery"
 
 
+def test_created_push_hands_the_scheduler_its_verified_job(env):
+    """The job this agent just verified and created travels with the notification
+    (StoredJob.parsed, with the key that signed it), so the scheduler does not parse and
+    verify the same bytes again; a job read back from etcd never carries one."""
+    env.ingest.push(signed(job_doc("p-one"), env.ring), screened=True)
+    env.ingest.push_many([(signed(job_doc(f"p-many-{i}"), env.ring), True) for i in range(3)], screened=True)
+    stored = {o.id: o for kind, o in env.notified if kind == "stored"}
+    assert sorted(stored) == ["p-many-0", "p-many-1", "p-many-2", "p-one"]
+    for job_id, s in stored.items():
+        assert s.parsed is not None and s.parsed.id == job_id and s.parsed.kid == KID
+        assert s.parsed.doc == {k: v for k, v in s.doc.items() if not k.startswith("_")}
+    payload = signed(job_doc("p-lost"), env.ring)
+    env.store.create(json.loads(payload))  # stored, then the agent died before its status
+    env.notified.clear()
+    assert env.ingest.push(payload, screened=True).result == "accepted"
+    [(kind, s)] = env.notified
+    assert kind == "stored" and s.id == "p-lost" and s.parsed is None  # read from etcd: verified again
+
+
+def test_verified_job_carries_its_keys_retirement(env):
+    """The job handed to the scheduler names the key that signed it and that key's
+    retired_after, so the scheduler stops it at the retirement as it would a job it
+    verified itself (agent/jobs/scheduler.py _arm_retirement)."""
+    retire = datetime.now(timezone.utc).replace(microsecond=0) + timedelta(days=2)
+    ring = KeyRing.from_mapping({"rotating": {"alg": "hmac-sha256", "secret": generate_hmac_secret(),
+                                              "retired_after": rfc(retire)}})
+    env.ingest.keyring = ring
+    payload = json.dumps(sign(job_doc("p-rotating"), ring, "rotating"), separators=(",", ":")).encode()
+    assert env.ingest.push(payload, screened=True).result == "accepted"
+    [(kind, s)] = [n for n in env.notified if n[1].id == "p-rotating"]
+    assert s.parsed.kid == "rotating" and s.parsed.key_retired_after == retire
+
+
 def test_other_agents_job_is_silent_for_non_owner(env, etcd_server, tmp_path):
     b = Env(etcd_server, tmp_path, agent_id="b1")
     try:
@@ -229,15 +262,16 @@ def test_group_commit_gives_each_push_its_own_outcome(env):
     cancelled id, a rejected document and an id twice in the batch each get the answer
     they get alone, and every answer is in the outbox (ledger included) when it returns."""
     ring = env.ring
-    assert env.ingest.push(signed(job_doc("g-old"), ring)).result == "accepted"
-    assert env.ingest.push(signed(job_doc("g-twin", line="1"), ring)).result == "accepted"
+    now = datetime.now(timezone.utc)  # one clock: a job pushed twice is the same document
+    assert env.ingest.push(signed(job_doc("g-old", now=now), ring)).result == "accepted"
+    assert env.ingest.push(signed(job_doc("g-twin", now=now, line="1"), ring)).result == "accepted"
     assert env.ingest.cancel(signed(cancel_doc("g-cancelled"), ring)).result == "cancelled"
-    items = [(signed(job_doc(f"g-new-{i}"), ring), True) for i in range(5)]
-    items += [(signed(job_doc("g-old"), ring), True),                     # stored before: a redelivery
-              (signed(job_doc("g-twin", line="2"), ring), True),          # other content: conflict
-              (signed(job_doc("g-cancelled"), ring), True),               # cancelled before
-              (signed(job_doc("g-bad", template="nope"), ring), True),    # refused by parse_job
-              (signed(job_doc("g-new-0"), ring), True)]                   # twice in this batch
+    items = [(signed(job_doc(f"g-new-{i}", now=now), ring), True) for i in range(5)]
+    items += [(signed(job_doc("g-old", now=now), ring), True),                     # stored before: a redelivery
+              (signed(job_doc("g-twin", now=now, line="2"), ring), True),          # other content: conflict
+              (signed(job_doc("g-cancelled", now=now), ring), True),               # cancelled before
+              (signed(job_doc("g-bad", now=now, template="nope"), ring), True),    # refused by parse_job
+              (signed(job_doc("g-new-0", now=now), ring), True)]                   # twice in this batch
     depth = env.outbox.depth
     outs = env.ingest.push_many(items)
     assert [o.result for o in outs] == ["accepted"] * 5 + ["redelivery", "rejected", "rejected", "rejected",
@@ -272,10 +306,12 @@ def test_create_many_matches_create(env):
     from agent.coordination.jobstore import CREATED, EXISTS, JobCancelled, JobConflict
 
     ring = env.ring
-    env.store.create(json.loads(signed(job_doc("c-old"), ring)))
+    now = datetime.now(timezone.utc)  # one clock for all: c-old pushed twice is the same document
+    env.store.create(json.loads(signed(job_doc("c-old", now=now), ring)))
     env.store.cancel("c-gone")
-    docs = [json.loads(signed(job_doc(j), ring)) for j in ("c-new", "c-old")]
-    docs += [json.loads(signed(job_doc("c-old", line="9"), ring)), json.loads(signed(job_doc("c-gone"), ring))]
+    docs = [json.loads(signed(job_doc(j, now=now), ring)) for j in ("c-new", "c-old")]
+    docs += [json.loads(signed(job_doc("c-old", line="9", now=now), ring)),
+             json.loads(signed(job_doc("c-gone", now=now), ring))]
     res = env.store.create_many([(docs[0], ()), (docs[1], ()), (docs[3], ())])
     assert res[0][0] == CREATED and res[1][0] == EXISTS and isinstance(res[2], JobCancelled)
     assert res[0][1].revision == res[0][1].create_revision  # created in this transaction

@@ -49,6 +49,32 @@ def test_watch_resumes_after_etcd_restart_without_missing_or_repeating_events(et
     writer.close()
 
 
+def test_puts_only_watch_gets_no_deletes_and_no_previous_values(etcd_server):
+    """The cloud's watches look only at writes: etcd sends them no delete events and no
+    previous values; a watch without the option still gets both."""
+    client = EtcdClient(EtcdConfig(endpoints=[etcd_server.endpoint], request_timeout_s=1.0))
+    got: dict[bool, list] = {True: [], False: []}
+    listed: set = set()
+    watches = [PrefixWatch(client, "/po/", f"po-{flag}", on_snapshot=lambda kvs, rev, flag=flag: listed.add(flag),
+                           on_events=lambda evs, rev, flag=flag: got[flag].extend(evs), puts_only=flag).start()
+               for flag in (True, False)]
+    try:
+        wait_for(lambda: listed == {True, False}, 5, what="both watches listed (events follow the snapshot)")
+        client.put("/po/a", "1")
+        client.put("/po/a", "2")
+        client.delete("/po/a")
+        client.put("/po/b", "3")
+        wait_for(lambda: len(got[False]) == 4 and len(got[True]) == 3, 5, what="events")
+        assert [(e.kind, e.kv.value, e.prev) for e in got[True]] == [("put", b"1", None), ("put", b"2", None),
+                                                                    ("put", b"3", None)]
+        assert [e.kind for e in got[False]] == ["put", "put", "delete", "put"]
+        assert got[False][1].prev is not None and got[False][1].prev.value == b"1"
+    finally:
+        for w in watches:
+            w.stop()
+        client.close()
+
+
 def test_watch_neither_leaks_threads_nor_spins_while_etcd_is_down(etcd_server):
     client = EtcdClient(EtcdConfig(endpoints=[etcd_server.endpoint], request_timeout_s=0.5))
     base = threading.active_count()
@@ -75,6 +101,69 @@ def test_watch_neither_leaks_threads_nor_spins_while_etcd_is_down(etcd_server):
     time.sleep(0.5)
     assert threading.active_count() <= base + 2
     client.close()
+
+
+def test_watches_of_a_client_share_one_stream_and_survive_each_others_start_and_stop(etcd_server):
+    """Several prefix watches on one client: one thread serves them all; starting and
+    stopping watches while events flow neither loses nor repeats another watch's events,
+    a stopped watch hears nothing more, and the thread ends with the last watch."""
+    client = EtcdClient(EtcdConfig(endpoints=[etcd_server.endpoint], request_timeout_s=2.0))
+    writer = EtcdClient(EtcdConfig(endpoints=[etcd_server.endpoint], request_timeout_s=2.0))
+    base = threading.active_count()
+    seen: dict[str, list[str]] = {"a": [], "b": [], "c": []}
+    snaps: dict[str, list[int]] = {"a": [], "b": [], "c": []}
+
+    def watch(name: str, start_revision=None) -> PrefixWatch:
+        return PrefixWatch(client, f"/s/{name}/", name, on_snapshot=lambda kvs, rev: snaps[name].append(len(kvs)),
+                           on_events=lambda evs, rev: seen[name].extend(e.kv.value.decode() for e in evs),
+                           start_revision=start_revision).start()
+
+    writer.put("/s/a/0", "a0")
+    wa = watch("a")
+    wait_for(lambda: snaps["a"], 5, what="a's snapshot")
+    assert snaps["a"] == [1]
+    stop = threading.Event()
+    written: list[str] = []
+
+    def write() -> None:
+        i = 1
+        while not stop.is_set():
+            for name in "abc":
+                writer.put(f"/s/{name}/{i}", f"{name}{i}")
+            written.append(str(i))
+            i += 1
+            time.sleep(0.005)
+
+    t = threading.Thread(target=write)
+    t.start()
+    try:
+        time.sleep(0.2)
+        wb = watch("b")            # joins the running stream: a re-open for a
+        time.sleep(0.2)
+        wc = watch("c")
+        time.sleep(0.2)
+        wb.stop()                  # leaves it: another re-open
+        heard_b = len(seen["b"])
+        time.sleep(0.3)
+    finally:
+        stop.set()
+        t.join()
+    n = int(written[-1])
+    wait_for(lambda: len(seen["a"]) == n and seen["c"][-1:] == [f"c{n}"], 10, what="the last events")
+    assert seen["a"] == [f"a{i}" for i in range(1, n + 1)]       # none lost, none repeated
+    first_c = int(seen["c"][0][1:])
+    assert seen["c"] == [f"c{i}" for i in range(first_c, n + 1)]  # from its snapshot on, in order
+    assert snaps["c"] == [first_c - 1]                            # the snapshot held what came before
+    assert len(seen["b"]) == heard_b                              # nothing after stop()
+    assert seen["b"] == [f"b{i}" for i in range(int(seen["b"][0][1:]), int(seen["b"][0][1:]) + heard_b)]
+    assert threading.active_count() <= base + 3  # one watch thread, gRPC's request thread and its channel poller
+    assert wa.alive() and wc.alive() and not wb.alive()
+    wa.stop()
+    wc.stop()
+    wait_for(lambda: threading.active_count() <= base, 5, what="the watch thread to end")
+    assert not wa.alive()
+    client.close()
+    writer.close()
 
 
 def test_client_fails_over_to_the_next_endpoint(etcd_server):

@@ -558,3 +558,75 @@ def test_reclaim_kills_and_removes_stale_run_cgroups(backend):
         reaped.join(5)
     assert p.returncode == -9
     assert not any(os.path.exists(d) for d in slot.paths.values())
+
+
+# --------------------------------------------------------------------------- issue 18: cheaper cgroup work
+
+
+def _thread_cgroups() -> str:
+    with open(f"/proc/self/task/{threading.get_native_id()}/cgroup") as fh:
+        return fh.read()
+
+
+@pytest.mark.parametrize("limits,joined", [
+    (Limits(cpu=1.0, memory_mb=128, pids=64), {"memory", "cpu", "pids", "cpuacct"}),
+    (Limits(cpu=0.1, memory_mb=16, pids=4), set()),   # too tight for the spawning thread: pid attach
+])
+def test_the_launcher_is_born_in_its_cgroups_and_the_spawning_thread_goes_home(executor, limits, joined):
+    c = Collector()
+    seen = {}
+
+    def hook(h):
+        # before the job can exec: the launcher, and only it, is in every run cgroup
+        seen["procs"] = {k: open(os.path.join(d, "cgroup.procs")).read().split() for k, d in h.cgroup.items()}
+        seen["pid"] = str(h.pid)
+        seen["joined"] = set(executor._live[h.run_key].slot.joined)
+
+    home = _thread_cgroups()
+    executor.poststart.append(hook)
+    try:
+        h = executor.start(RunSpec("born", ["/bin/cat", "/proc/self/cgroup"], limits=limits), c)
+        (r,) = c.wait(["born"])
+    finally:
+        executor.poststart.remove(hook)
+    assert _thread_cgroups() == home
+    assert r.reason == "succeeded", r
+    assert seen["procs"] == {k: [seen["pid"]] for k in h.cgroup}
+    mine = [line.split(":", 2) for line in open(r.stdout_path).read().splitlines()]
+    inside = {ctrl for _, ctrls, path in mine for ctrl in ctrls.split(",") if path.startswith(f"/{ROOT_NAME}/born-")}
+    assert {"memory", "cpu", "pids", "cpuacct"} <= inside
+    assert seen["joined"] == joined   # born inside where the limits leave room, else attached by pid
+
+
+def test_a_cluster_leaves_no_agent_cgroup_root_behind(etcd_server, tmp_path):
+    """Test clusters kill -9 their agents, which skips the agents' own cleanup: the fixture
+    removes each agent's cgroup root (every hierarchy), or months of CI runs on one host
+    would leave thousands of empty cgroups."""
+    import glob
+
+    from agent.coordination.jobstore import JobStore
+    from agent.execute.backends import run_root_name
+    from tests.integration.cluster import Cluster, wait_for
+    from tests.support.jobs import job, templates
+    from tests.support.records import run_records
+
+    _cgroup1().close()  # fails under MILLWRIGHT_REQUIRE_KERNEL=1 if cgroup v1 cannot be used
+    out = str(tmp_path / "effects.txt")
+    os.chmod(tmp_path, 0o777)
+    c = Cluster(etcd_server, str(tmp_path / "agents"), ttl=4, extra={
+        "templates": templates(out), "execute": {"quota_backend": "cgroup1"}})
+    try:
+        a = c.start("cg0")
+        wait_for(lambda: c.converged({"cg0": 1}), 20, what="shards")
+        store = c.signing(JobStore(c.client, c.keys, c.shards, "test"))
+        store.create(job("cg-long", {}, params={"sleep": "30", "code": "0"}))
+        wait_for(lambda: any(r["state"] == "running" for r in run_records(c.client, c.keys).values()), 20,
+                 what="a run in flight")
+        root = run_root_name("cg0", a.config["state_dir"])
+        made = glob.glob(f"/sys/fs/cgroup/*/{root}")
+        runs = [x for d in made for x in os.scandir(d) if x.is_dir()]
+        assert runs, "the agent made no run cgroup: the test proves nothing"
+    finally:
+        c.close()  # kill -9, then the fixture's cleanup
+    assert glob.glob(f"/sys/fs/cgroup/*/{root}") == []
+    assert glob.glob(f"/sys/fs/cgroup/*/{root}/*") == []

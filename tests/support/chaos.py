@@ -419,6 +419,8 @@ class ChaosRun:
             self.pusher.stop()
         for a in self.agents.values():
             a.kill()
+        for a in self.agents.values():
+            a.remove_cgroups()
         if self.client is not None:
             self.client.close()
         if self.mq is not None:

@@ -217,8 +217,9 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
       ``misfired`` with a policy reason; a cron firing may be skipped by its misfire policy
       only when ``affected(due)``: a fault, or the recovery after one, was going on;
       default: ``effective_due(due) > due``), nothing else ran,
-      within ``lateness_bound_s`` of ``effective_due(due)``; ``owner_lost`` and
-      ``misfired`` within ``budget``.
+      within ``lateness_bound_s`` of ``effective_due(due)``; ``owner_lost`` only for a run
+      a fault caught in flight (``affected`` at some time within ``max_run_s`` of its due
+      time); ``owner_lost`` and ``misfired`` within ``budget``.
     """
     rep = Report()
     shards_p, runs_p, probe_p = prefix + "shards/", prefix + "runs/", prefix + "test/probe/"
@@ -366,6 +367,11 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
                 rep.fail(f"{name(job, fid)}: a one-shot firing misfired ({reason!r}); its policy runs it once")
         if state == "failed" and reason == "owner_lost":
             owner_lost += 1
+            # a run is lost only to a fault that caught it in flight (due .. due + max_run_s)
+            steps = int(max_run_s / 0.5) + 1
+            if not any(affected(f.due + k * 0.5) for k in range(steps)):
+                rep.fail(f"{name(job, fid)}: failed/owner_lost with no fault in flight "
+                         f"(due {f.due:.3f}, runs last at most {max_run_s:.1f} s)")
         if state == "failed":
             key = (reason or "").split(":")[0]
             failed_reasons[key] = failed_reasons.get(key, 0) + 1

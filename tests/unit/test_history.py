@@ -204,8 +204,28 @@ def test_owner_lost_over_budget_fails():
     h.delete("shards/0001")
     h.shard(1, "a1")
     h.run("a1", "failed", reason="owner_lost", ended_at="2026-12-03T12:00:05.000Z")
-    assert not run_check(h, budget=Budget(1, 0)).problems
-    assert "owner_lost 1 over its budget 0" in problems(run_check(h, budget=Budget(0, 0)))
+    during_fault = lambda d: True  # noqa: E731
+    assert not run_check(h, budget=Budget(1, 0), affected=during_fault).problems
+    assert "owner_lost 1 over its budget 0" in problems(run_check(h, budget=Budget(0, 0), affected=during_fault))
+
+
+def test_owner_lost_without_a_fault_in_flight_fails():
+    """A run may be lost only to a fault that caught it running: a scheduler that loses
+    runs while nothing was wrong fails, whatever the budget."""
+    h = H()
+    h.shard(1, "a0")
+    h.run("a0", "running")
+    h.delete("shards/0001")
+    h.shard(1, "a1")
+    h.run("a1", "failed", reason="owner_lost", ended_at="2026-12-03T12:00:05.000Z")
+    fault_at = lambda t0, t1: (lambda d: t0 <= d <= t1)  # noqa: E731
+    big = Budget(100, 0)
+    msg = problems(run_check(h, budget=big, affected=fault_at(DUE + 10, DUE + 20)))
+    assert "(j, 20261203T120000.000Z): failed/owner_lost with no fault in flight" in msg
+    # a fault 3 s after the due time catches a run that may last 4 s; not one that lasts 1 s
+    assert not run_check(h, budget=big, affected=fault_at(DUE + 3, DUE + 5), max_run_s=4.0).problems
+    assert "no fault in flight" in problems(run_check(h, budget=big, affected=fault_at(DUE + 3, DUE + 5),
+                                                      max_run_s=1.0))
 
 
 def test_a_record_for_an_unscheduled_firing_fails():

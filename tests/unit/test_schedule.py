@@ -30,6 +30,7 @@ from agent.jobs.schedule import (
     parse_rfc3339,
     recover,
     recover_job,
+    window_end,
     retry_delay,
     retry_rng,
 )
@@ -362,6 +363,20 @@ def test_recover_job_respects_not_after_and_job_policy():
     assert rec.run == [u(2026, 1, 1, 12, 0), u(2026, 1, 1, 12, 1), u(2026, 1, 1, 12, 2)]
     assert rec.next_due is None
     assert is_expired(job, u(2026, 1, 1, 12, 3)) and not is_expired(job, u(2026, 1, 1, 12, 2, 59))
+
+
+def test_the_latest_missed_firing_of_an_expired_job_is_before_not_after():
+    """The scheduler records the latest skipped firing as misfired: after not_after that
+    must be the last real firing, not one the job never had (the seeded fault test found
+    a misfired record at a firing past not_after)."""
+    job = SimpleNamespace(schedule=EVERY_MIN, misfire="skip", issued_at=u(2026, 1, 1, 11, 59, 30),
+                          not_after=u(2026, 1, 1, 12, 3))
+    now = u(2026, 1, 1, 12, 10)
+    assert window_end(job, now) < job.not_after and window_end(job, u(2026, 1, 1, 12, 2)) == u(2026, 1, 1, 12, 2)
+    latest = missed_firings(job.schedule, None, window_end(job, now), "run_once",
+                            first_due=first_due(job, job.issued_at))
+    assert latest == [u(2026, 1, 1, 12, 2)]
+    assert recover_job(job, job.issued_at, None, now).skipped == 3
 
 
 # ---------------------------------------------------------------- overlap and retry
