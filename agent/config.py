@@ -164,7 +164,10 @@ class Template:
 
 @dataclass
 class ExecuteConfig:
-    max_concurrent: int = doc("Most runs at once on this node.", default=4)
+    max_concurrent: int = doc("Most runs at once on this node. On cgroup v2 also the CPU weight of the "
+                              "runs' cgroup against the agent's own: it weighs this many processes, so "
+                              "that with every run busy each weighs what the agent does (quotas still "
+                              "cap each run).", default=4)
     memory_mb: int = doc("Memory budget for all runs together.", default=512)
     cpu: float = doc("CPU budget for all runs together (cores).", default=1.0)
     quota_backend: str = doc("auto, cgroup2, cgroup1 or rlimit.", default="auto")

@@ -558,16 +558,18 @@ class AgentProcess:
 
     def remove_cgroups(self, wait_s: float = 2.0) -> int:
         """After the agent is gone: remove the cgroup root it made for its runs (one per
-        agent id and state dir, in every hierarchy), so test and demo clusters leave the
-        host's cgroup trees as they found them. A kill -9 skips the agent's own cleanup;
-        its runs die with their guard shortly after, so empty directories are retried for
-        up to ``wait_s``. Returns how many directories were removed."""
+        agent id and state dir, in every hierarchy) and its top-level run cgroups (cgroup
+        v1 cpu), so test and demo clusters leave the host's cgroup trees as they found
+        them. A kill -9 skips the agent's own cleanup; its runs die with their guard
+        shortly after, so empty directories are retried for up to ``wait_s``. Returns how
+        many directories were removed."""
         import glob
 
         from agent.execute.backends import run_root_name
 
         root = run_root_name(self.agent_id, self.config["state_dir"])
-        tops = glob.glob(f"/sys/fs/cgroup/{root}") + glob.glob(f"/sys/fs/cgroup/*/{root}")
+        tops = (glob.glob(f"/sys/fs/cgroup/{root}") + glob.glob(f"/sys/fs/cgroup/*/{root}")
+                + glob.glob(f"/sys/fs/cgroup/*/{root}@*"))   # cgroup v1 cpu: top-level run cgroups
         removed, deadline = 0, time.monotonic() + wait_s
         while tops:
             left = []

@@ -336,6 +336,9 @@ class RlimitBackend(QuotaBackend):
 
 
 class _CgroupBackend(QuotaBackend):
+    """Runs' cgroups under one root per agent (<root>/<run>), except where a backend puts
+    a hierarchy's run cgroups elsewhere (run_dir; cgroup v1's cpu: see Cgroup1Backend)."""
+
     enforces_cpu_rate = True
 
     def __init__(self, root_name: str = DEFAULT_ROOT, fs: Optional[CgroupFS] = None):
@@ -344,6 +347,22 @@ class _CgroupBackend(QuotaBackend):
         self.root_name = root_name.strip("/")
         self.fs = fs or CgroupFS()
         self.roots: dict[str, str] = {}     # hierarchy -> root cgroup dir
+
+    def hierarchies(self) -> list[str]:
+        """Every hierarchy a run has a cgroup in (after setup)."""
+        return list(self.roots)
+
+    def run_dir(self, hierarchy: str, name: str) -> str:
+        return os.path.join(self.roots[hierarchy], name)
+
+    def _stale_names(self) -> set[str]:
+        names: set[str] = set()
+        for root in self.roots.values():
+            try:
+                names.update(n for n in self.fs.listdir(root) if self.fs.isdir(os.path.join(root, n)))
+            except OSError:
+                pass
+        return names
 
     def check_available(self) -> None:
         """Raise BackendUnavailable with the reason when this host cannot use the backend."""
@@ -408,13 +427,8 @@ class _CgroupBackend(QuotaBackend):
 
     def stale_slots(self) -> list[Slot]:
         """Run cgroups left under our root (an agent that died): for reclaim()."""
-        names: set[str] = set()
-        for root in self.roots.values():
-            try:
-                names.update(n for n in self.fs.listdir(root) if self.fs.isdir(os.path.join(root, n)))
-            except OSError:
-                pass
-        return [Slot(n, Limits(), {h: os.path.join(r, n) for h, r in self.roots.items()}) for n in sorted(names)]
+        return [Slot(n, Limits(), {h: self.run_dir(h, n) for h in self.hierarchies()})
+                for n in sorted(self._stale_names())]
 
     def reclaim(self) -> int:
         """Kill processes in stale run cgroups and remove them; returns how many."""
@@ -445,10 +459,22 @@ class _CgroupBackend(QuotaBackend):
 
 
 class Cgroup1Backend(_CgroupBackend):
-    """memory, cpu, pids (and cpuacct for usage) v1 hierarchies, each with
-    <mount>/<root_name>/<run> directories."""
+    """memory, cpu, pids (and cpuacct for usage) v1 hierarchies: <mount>/<root_name>/<run>
+    directories in memory and pids, and top-level <mount>/<root_name>@<run> directories in
+    cpu and cpuacct.
+
+    Why the cpu cgroups are not under the root: the kernel gives a cgroup the weight of
+    one ordinary process (cpu.shares 1024) and divides it among its members, and the
+    root's scheduling entity lives on, carrying the CPU time all runs took. With every run
+    under one root, N busy runs together weighed one process, and a run waking at its due
+    time queued behind the agent, etcd and the rest of the host (issue 18: in the trigger
+    bench its processes spent 1.6 ms runnable but not running at p95-p99, APScheduler's
+    unconfined ones 0.6 ms). A top-level cgroup per run weighs exactly what a process
+    started by hand weighs and starts with no history, like a new process; the quota
+    (cpu.cfs_quota_us) still caps it."""
 
     name = "cgroup1"
+    FLAT = ("cpu", "cpuacct")    # hierarchies whose run cgroups are top-level <root_name>@<run>
 
     def __init__(self, mounts: Optional[dict[str, str]] = None, root_name: str = DEFAULT_ROOT,
                  fs: Optional[CgroupFS] = None):
@@ -461,6 +487,7 @@ class Cgroup1Backend(_CgroupBackend):
                         if c in opts:
                             mounts.setdefault(c, mnt)
         self.mounts = mounts
+        self.flat: dict[str, str] = {}      # hierarchy -> mount, for the FLAT ones
         self._thread_homes: dict[int, dict[str, str]] = {}
 
     def check_available(self) -> None:
@@ -482,6 +509,9 @@ class Cgroup1Backend(_CgroupBackend):
     def setup(self) -> None:
         self.check_available()
         for c, mnt in self._hierarchies().items():
+            if c in self.FLAT:
+                self.flat[c] = mnt
+                continue
             root = os.path.join(mnt, self.root_name)
             self.fs.mkdir(root)
             self.roots[c] = root
@@ -489,7 +519,26 @@ class Cgroup1Backend(_CgroupBackend):
 
     def location(self) -> str:
         return (f"cgroup v1 hierarchies {', '.join(sorted(set(self.mounts[c] for c in NEEDED)))}"
-                f", runs under /{self.root_name}/")
+                f", runs under /{self.root_name}/ (cpu: /{self.root_name}@<run>)")
+
+    def hierarchies(self) -> list[str]:
+        return list(self.roots) + list(self.flat)
+
+    def run_dir(self, hierarchy: str, name: str) -> str:
+        if hierarchy in self.flat:
+            return os.path.join(self.flat[hierarchy], f"{self.root_name}@{name}")
+        return super().run_dir(hierarchy, name)
+
+    def _stale_names(self) -> set[str]:
+        names = super()._stale_names()
+        prefix = f"{self.root_name}@"
+        for mnt in self.flat.values():
+            try:
+                names.update(n[len(prefix):] for n in self.fs.listdir(mnt)
+                             if n.startswith(prefix) and self.fs.isdir(os.path.join(mnt, n)))
+            except OSError:
+                pass
+        return names
 
     def _path(self, slot: Slot, ctrl: str) -> Optional[str]:
         mnt = self.mounts.get(ctrl)
@@ -507,8 +556,8 @@ class Cgroup1Backend(_CgroupBackend):
     def create(self, name: str, limits: Limits) -> Slot:
         slot = Slot(name, limits)
         try:
-            for h, root in self.roots.items():
-                d = os.path.join(root, name)
+            for h in self.hierarchies():
+                d = self.run_dir(h, name)
                 self.fs.mkdir(d)
                 slot.paths[h] = d
             mem = self._need(slot, "memory")
@@ -562,7 +611,7 @@ class Cgroup1Backend(_CgroupBackend):
         home = self._thread_homes.get(tid)
         if home is None:
             mine = self_cgroups(f"/proc/self/task/{tid}/cgroup")
-            home = {h: os.path.join(self.mounts[h], mine.get(h, "/").lstrip("/")) for h in self.roots}
+            home = {h: os.path.join(self.mounts[h], mine.get(h, "/").lstrip("/")) for h in self.hierarchies()}
             if len(self._thread_homes) > 64:
                 self._thread_homes.clear()
             self._thread_homes[tid] = home
@@ -649,6 +698,15 @@ class Cgroup2Backend(_CgroupBackend):
     a leaf with the agent itself, and <root_name>/<run> cgroups with memory.max,
     memory.oom.group=1, cpu.max and pids.max.
 
+    Delegation keeps every run under the agent's own cgroup, so the runs share one
+    weight there, against the agent's leaf: <root_name> gets cpu.weight = 100 (one
+    ordinary process) x runs_weight (execute.max_concurrent), so that with every run busy
+    each weighs what the agent does. That only orders the service's own CPU between its
+    jobs and the agent's preparation work; what the service weighs against the rest of
+    the host is the operator's (CPUWeight=), and quotas (cpu.max) still cap each run. An
+    agent in "/" (no service cgroup) leaves the weight alone: there the root would weigh
+    against the whole host.
+
     Moving the agent into the leaf first is what makes enabling controllers in its
     cgroup possible ("no internal processes": EBUSY otherwise). The root cgroup is exempt
     from that rule, so an agent in "/" creates <root_name> directly.
@@ -656,9 +714,13 @@ class Cgroup2Backend(_CgroupBackend):
 
     name = "cgroup2"
 
+    WEIGHT_PER_PROCESS = 100         # cpu.weight of an ordinary process's cgroup
+    WEIGHT_MAX = 10000
+
     def __init__(self, mount: Optional[str] = None, self_path: Optional[str] = None,
-                 root_name: str = DEFAULT_ROOT, fs: Optional[CgroupFS] = None):
+                 root_name: str = DEFAULT_ROOT, fs: Optional[CgroupFS] = None, runs_weight: int = 1):
         super().__init__(root_name, fs)
+        self.runs_weight = max(1, int(runs_weight))
         if mount is None:
             for mnt, fstype, _opts, _root in mountinfo():
                 if fstype == "cgroup2":
@@ -717,6 +779,9 @@ class Cgroup2Backend(_CgroupBackend):
         root = os.path.join(base, self.root_name)
         self.fs.mkdir(root)
         self._enable(root)
+        if self.self_path.strip("/"):   # beside the agent's leaf; an agent in "/" boosts nothing
+            self.fs.write(os.path.join(root, "cpu.weight"),
+                          str(min(self.WEIGHT_MAX, self.WEIGHT_PER_PROCESS * self.runs_weight)))
         self.root = root
         self.roots = {"unified": root}
         self.why = self.location()
@@ -788,9 +853,9 @@ class Cgroup2Backend(_CgroupBackend):
 # --------------------------------------------------------------------------- probing
 
 
-def _make(name: str, root_name: str) -> QuotaBackend:
+def _make(name: str, root_name: str, runs_weight: int) -> QuotaBackend:
     if name == "cgroup2":
-        return Cgroup2Backend(root_name=root_name)
+        return Cgroup2Backend(root_name=root_name, runs_weight=runs_weight)
     if name == "cgroup1":
         return Cgroup1Backend(root_name=root_name)
     if name == "rlimit":
@@ -799,11 +864,13 @@ def _make(name: str, root_name: str) -> QuotaBackend:
 
 
 def probe(preferred: str = "auto", root_name: str = DEFAULT_ROOT, setup: bool = True,
-          reclaim: bool = False) -> QuotaBackend:
+          reclaim: bool = False, runs_weight: int = 1) -> QuotaBackend:
     """The best usable backend, starting at `preferred` ('auto' = cgroup2).
 
     setup=False only checks (nothing is created: for `config check`). reclaim=True kills
     and removes run cgroups a previous agent left under root_name (the daemon at start).
+    runs_weight: on cgroup v2, how many ordinary processes the runs' root cgroup weighs
+    against the agent's own leaf (the daemon passes execute.max_concurrent).
     The returned backend has `.name` and `.why`.
     """
     if preferred not in ("auto",) + ORDER:
@@ -811,7 +878,7 @@ def probe(preferred: str = "auto", root_name: str = DEFAULT_ROOT, setup: bool = 
     order = ORDER if preferred == "auto" else ORDER[ORDER.index(preferred):]
     skipped: list[str] = []
     for name in order:
-        b = _make(name, root_name)
+        b = _make(name, root_name, runs_weight)
         try:
             if isinstance(b, _CgroupBackend):
                 b.check_available()

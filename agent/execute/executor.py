@@ -107,7 +107,8 @@ class Executor:
                     reclaim: bool = True, **kw: Any) -> "Executor":
         """The daemon's constructor: probe the configured backend (reclaiming run cgroups
         a dead predecessor left) and apply execute.* settings."""
-        backend = probe(execute_config.quota_backend, root_name=root_name, reclaim=reclaim)
+        backend = probe(execute_config.quota_backend, root_name=root_name, reclaim=reclaim,
+                        runs_weight=execute_config.max_concurrent)
         log.info("quota backend", extra={"fields": {"backend": backend.name, "why": backend.why}})
         ex = cls(backend, base_dir, output_max_bytes=execute_config.output_max_bytes,
                  kill_grace_s=execute_config.kill_grace_s, **kw)

@@ -35,6 +35,18 @@ def _cgroup1() -> Cgroup1Backend:
     return b
 
 
+def _run_dirs(b: Cgroup1Backend) -> list[str]:
+    """Every run cgroup of backend b that exists: under its roots, and its top-level
+    <root>@<run> cgroups in the cpu hierarchies."""
+    out = []
+    for root in b.roots.values():
+        if os.path.isdir(root):
+            out += [os.path.join(root, d) for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))]
+    for mnt in b.flat.values():
+        out += [os.path.join(mnt, d) for d in os.listdir(mnt) if d.startswith(f"{b.root_name}@")]
+    return out
+
+
 @pytest.fixture(scope="module")
 def backend():
     b = _cgroup1()
@@ -43,6 +55,7 @@ def backend():
     b.close()
     for root in b.roots.values():
         assert not os.path.exists(root), f"cgroup root {root} left behind"
+    assert _run_dirs(b) == []
 
 
 @pytest.fixture
@@ -91,26 +104,20 @@ def test_fork_bomb_is_stopped_by_the_pids_limit(executor):
 def test_cpu_hog_is_held_to_its_quota(executor):
     c = Collector()
     quota = 0.5
-    # The quota is a ceiling; this shared 2-core box is often saturated by other work in
-    # the root cgroup, which would starve the run *below* its quota. Give the test's own
-    # root a large weight (test only: the product leaves weights alone) so that the
-    # measurement shows the ceiling, not the neighbours.
-    shares = os.path.join(executor.backend.roots["cpu"], "cpu.shares")
-    old = open(shares).read().strip()
-    with open(shares, "w") as fh:
+    # The quota is a ceiling; this shared 2-core box is often saturated by other work,
+    # which would starve the run *below* its quota. Give the run's own cpu cgroup a large
+    # weight (test only: the product leaves it at one process's) so that the measurement
+    # shows the ceiling, not the neighbours.
+    h = executor.start(RunSpec("cpuhog", [PY, "-c", "while True: pass"],
+                               limits=Limits(cpu=quota, memory_mb=64, pids=8), timeout_s=60), c)
+    with open(os.path.join(h.cgroup["cpu"], "cpu.shares"), "w") as fh:
         fh.write("262144")
-    try:
-        h = executor.start(RunSpec("cpuhog", [PY, "-c", "while True: pass"],
-                                   limits=Limits(cpu=quota, memory_mb=64, pids=8), timeout_s=60), c)
-        time.sleep(0.5)                      # warm-up: interpreter start
-        u0, t0 = executor.usage(h).cpu_s, time.monotonic()
-        time.sleep(5.0)
-        u1, t1 = executor.usage(h).cpu_s, time.monotonic()
-        h.terminate("killed", grace_s=0.5)
-        (r,) = c.wait(["cpuhog"])
-    finally:
-        with open(shares, "w") as fh:
-            fh.write(old)
+    time.sleep(0.5)                      # warm-up: interpreter start
+    u0, t0 = executor.usage(h).cpu_s, time.monotonic()
+    time.sleep(5.0)
+    u1, t1 = executor.usage(h).cpu_s, time.monotonic()
+    h.terminate("killed", grace_s=0.5)
+    (r,) = c.wait(["cpuhog"])
     rate = (u1 - u0) / (t1 - t0)
     print(f"cpu hog: {rate:.3f} cores used over {t1 - t0:.2f} s with a quota of {quota}")
     assert quota * 0.85 <= rate <= quota * 1.15, rate
@@ -205,9 +212,8 @@ def test_a_thousand_short_runs_leave_no_cgroups_fds_or_zombies(backend, base_dir
         results = c.wait([f"short-{i}" for i in range(n)], timeout=300)
         assert all(r.reason == "succeeded" for r in results), {r.reason for r in results}
         assert not ex.live()
-        for root in backend.roots.values():
-            left = [d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))]
-            assert left == [], f"{root}: {left[:5]}"
+        left = _run_dirs(backend)
+        assert left == [], left[:5]
         assert _children_zombies() == []
         # only fds of the kinds the executor opens (pipes, pidfds, cgroup and run files): other
         # threads of this pytest process (watches, agents' fixtures) may open unrelated fds
@@ -546,6 +552,8 @@ def test_effective_limits_reach_the_cgroup(executor):
 
 def test_reclaim_kills_and_removes_stale_run_cgroups(backend):
     slot = backend.create("stale-run", Limits(0.1, 32, 8))
+    assert slot.paths["cpu"] == os.path.join(backend.mounts["cpu"], f"{ROOT_NAME}@stale-run")   # top level
+    assert slot.paths["memory"] == os.path.join(backend.roots["memory"], "stale-run")
     p = subprocess.Popen(["/bin/sleep", "60"])
     backend.attach(slot, p.pid)
     reaped = threading.Thread(target=p.wait)   # like init reaping a dead agent's orphans
@@ -593,7 +601,8 @@ def test_the_launcher_is_born_in_its_cgroups_and_the_spawning_thread_goes_home(e
     assert r.reason == "succeeded", r
     assert seen["procs"] == {k: [seen["pid"]] for k in h.cgroup}
     mine = [line.split(":", 2) for line in open(r.stdout_path).read().splitlines()]
-    inside = {ctrl for _, ctrls, path in mine for ctrl in ctrls.split(",") if path.startswith(f"/{ROOT_NAME}/born-")}
+    inside = {ctrl for _, ctrls, path in mine for ctrl in ctrls.split(",")
+              if path.startswith((f"/{ROOT_NAME}/born-", f"/{ROOT_NAME}@born-"))}
     assert {"memory", "cpu", "pids", "cpuacct"} <= inside
     assert seen["joined"] == joined   # born inside where the limits leave room, else attached by pid
 
@@ -626,7 +635,74 @@ def test_a_cluster_leaves_no_agent_cgroup_root_behind(etcd_server, tmp_path):
         made = glob.glob(f"/sys/fs/cgroup/*/{root}")
         runs = [x for d in made for x in os.scandir(d) if x.is_dir()]
         assert runs, "the agent made no run cgroup: the test proves nothing"
+        assert glob.glob(f"/sys/fs/cgroup/*/{root}@*"), "no top-level cpu cgroup of the run"
     finally:
         c.close()  # kill -9, then the fixture's cleanup
     assert glob.glob(f"/sys/fs/cgroup/*/{root}") == []
     assert glob.glob(f"/sys/fs/cgroup/*/{root}/*") == []
+    assert glob.glob(f"/sys/fs/cgroup/*/{root}@*") == []
+
+
+# --------------------------------------------------------------------------- issue 18: runs weigh as processes
+
+BUSY = """import os, sys, time
+os.sched_setaffinity(0, {int(sys.argv[1])})
+t0 = float(sys.argv[2]); t1 = t0 + float(sys.argv[3])
+while time.time() < t0:
+    time.sleep(0.005)
+c0 = time.process_time()
+while time.time() < t1:
+    pass
+print(time.process_time() - c0)
+"""
+
+
+class _NestedCpu(Cgroup1Backend):
+    """The layout before issue 18: every run's cpu cgroup under the agent's root."""
+
+    FLAT = ()
+
+
+@pytest.mark.parametrize("layout", ["product", "nested"])
+def test_a_busy_run_weighs_one_ordinary_process_on_a_contended_cpu(base_dir, layout):
+    """Four busy runs and one busy process started by hand share one CPU for 2 s. The
+    kernel divides a cgroup's weight among its members: with the runs' cpu cgroups under
+    one root (the old layout) the four together weigh one process, each getting a quarter
+    of the process's CPU time. With each run's cpu cgroup at the top level (the product),
+    each run gets about as much as the process."""
+    require_kernel(os.geteuid() == 0, "cgroup quota tests need root")
+    b = (Cgroup1Backend if layout == "product" else _NestedCpu)(root_name=f"{ROOT_NAME}-{layout}")
+    try:
+        b.setup()
+    except (BackendUnavailable, OSError) as exc:
+        require_kernel(False, f"cgroup v1 unusable: {exc}")
+    ex = Executor(b, base_dir, kill_grace_s=1.0, watch_interval_s=0.05)
+    ordinary = None
+    try:
+        cpu = str(max(os.sched_getaffinity(0)))
+        t0, span = repr(time.time() + 1.5), "2.0"     # every process spins in the same window
+        c = Collector()
+        keys = [f"busy{i}" for i in range(4)]
+        for k in keys:
+            h = ex.start(RunSpec(k, [PY, "-c", BUSY, cpu, t0, span], limits=Limits(cpu=1.0, memory_mb=64, pids=8),
+                                 timeout_s=30), c)
+            assert (os.path.dirname(h.cgroup["cpu"]) == b.mounts["cpu"]) == (layout == "product")
+        ordinary = subprocess.Popen([PY, "-c", BUSY, cpu, t0, span], stdout=subprocess.PIPE, text=True)
+        own = float(ordinary.communicate(timeout=30)[0])
+        runs = [float(open(r.stdout_path).read()) for r in c.wait(keys)]
+    finally:
+        if ordinary is not None and ordinary.poll() is None:
+            ordinary.kill()
+            ordinary.wait()
+        ex.close(close_backend=False)
+        b.reclaim()
+        b.close()
+    ratio = [r / own for r in runs]
+    print(f"{layout}: cpu s per run {[round(r, 3) for r in runs]}, ordinary {own:.3f}, "
+          f"run / ordinary {[round(x, 2) for x in ratio]}")
+    assert own > 0.1, "the ordinary process hardly ran: the measurement says nothing"
+    assert _run_dirs(b) == []
+    if layout == "nested":
+        assert max(ratio) < 0.5, ratio     # one weight shared by all four
+    else:
+        assert min(ratio) > 0.6, ratio     # each about as much as the ordinary process

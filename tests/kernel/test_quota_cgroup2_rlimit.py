@@ -40,7 +40,7 @@ class TreeFS(CgroupFS):
                  "cpu.stat": "usage_usec 1500000\nuser_usec 1000000\nsystem_usec 500000\nthrottled_usec 250000\n",
                  "memory.peak": "12345678\n", "memory.current": "4096\n", "pids.events": "max 0\n",
                  "memory.swap.max": "max\n", "memory.max": "max\n", "memory.oom.group": "0\n",
-                 "cpu.max": "max 100000\n", "pids.max": "max\n"}
+                 "cpu.max": "max 100000\n", "cpu.weight": "100\n", "pids.max": "max\n"}
         for prefix, extra in self.overrides.items():
             if os.path.basename(path).startswith(prefix):
                 files.update(extra)
@@ -126,6 +126,24 @@ def test_cgroup2_setup_moves_the_agent_to_a_leaf_then_enables_controllers(tree):
     assert set(open(os.path.join(svc, "cgroup.subtree_control")).read().split()) >= {"memory", "cpu", "pids"}
     assert set(open(os.path.join(svc, "mw-test", "cgroup.subtree_control")).read().split()) == {"memory", "cpu", "pids"}
     assert b.name == "cgroup2" and "mw-test" in b.why
+    assert open(os.path.join(svc, "mw-test", "cpu.weight")).read() == "100"   # runs_weight 1: one process
+
+
+@pytest.mark.parametrize("runs_weight,weight", [(4, "400"), (500, "10000")])
+def test_cgroup2_runs_root_weighs_runs_weight_processes(tree, runs_weight, weight):
+    mount, fs = tree
+    b = Cgroup2Backend(mount=mount, self_path="/system.slice/millwright.service", root_name="mw-test", fs=fs,
+                       runs_weight=runs_weight)
+    b.setup()
+    assert open(os.path.join(b.root, "cpu.weight")).read() == weight   # at most the kernel's 10000
+
+
+def test_cgroup2_agent_in_the_root_cgroup_leaves_the_runs_weight_alone(tree):
+    mount, fs = tree
+    b = Cgroup2Backend(mount=mount, self_path="/", root_name="mw-test", fs=fs, runs_weight=8)
+    b.setup()
+    assert b.root == os.path.join(mount, "mw-test")
+    assert open(os.path.join(b.root, "cpu.weight")).read() == "100\n"   # beside system.slice: no boost
 
 
 def test_cgroup2_without_delegated_controllers_is_unavailable(tree):

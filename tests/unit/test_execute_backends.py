@@ -7,7 +7,7 @@ import resource
 import pytest
 
 from agent.execute import Limits, describe_backend, probe
-from agent.execute.backends import (Cgroup1Backend, Cgroup2Backend, RlimitBackend, _kv, mountinfo, safe_name,
+from agent.execute.backends import (Cgroup1Backend, Cgroup2Backend, CgroupFS, RlimitBackend, _kv, mountinfo, safe_name,
                                     self_cgroups)
 from agent.execute.executor import RunResult, rfc3339
 
@@ -76,3 +76,45 @@ def test_config_check_names_the_quota_backend(tmp_path, capsys):
     assert main(["config", "check", str(cfg)]) == 0
     out = capsys.readouterr().out
     assert "quota backend: rlimit (last resort" in out
+
+
+class _DirFS(CgroupFS):
+    """Directories in a set, writes kept: enough for the backends' layout code."""
+
+    def __init__(self, dirs=()):
+        self.dirs: set[str] = set(dirs)
+        self.writes: dict[str, str] = {}
+
+    def mkdir(self, path: str) -> None:
+        self.dirs.add(path)
+
+    def rmdir(self, path: str) -> None:
+        self.dirs.discard(path)
+
+    def isdir(self, path: str) -> bool:
+        return path in self.dirs
+
+    def listdir(self, path: str) -> list[str]:
+        return [d.rsplit("/", 1)[1] for d in self.dirs if d.rsplit("/", 1)[0] == path]
+
+    def writable(self, path: str) -> bool:
+        return True
+
+    def write(self, path: str, data: str) -> None:
+        self.writes[path] = data
+
+
+def test_cgroup1_run_cpu_cgroups_are_top_level_and_found_again_when_stale():
+    fs = _DirFS({"/m", "/c", "/p", "/a"})
+    b = Cgroup1Backend(mounts={"memory": "/m", "cpu": "/c", "pids": "/p", "cpuacct": "/a"}, root_name="t", fs=fs)
+    b.setup()
+    assert b.roots == {"memory": "/m/t", "pids": "/p/t"}   # no root in cpu, cpuacct
+    slot = b.create("r1", Limits(cpu=0.5, memory_mb=64, pids=8))
+    assert slot.paths == {"memory": "/m/t/r1", "pids": "/p/t/r1", "cpu": "/c/t@r1", "cpuacct": "/a/t@r1"}
+    assert fs.writes["/c/t@r1/cpu.cfs_quota_us"] == "50000"
+    assert "/c/t/cpu.shares" not in fs.writes            # no weight of our own: one process's
+    fs.mkdir("/c/t@r2")                                  # a dead agent's run, cpu cgroup left alone
+    fs.mkdir("/c/t2@r3")                                 # another agent's run: not ours
+    assert {s.name: s.paths["cpu"] for s in b.stale_slots()} == {"r1": "/c/t@r1", "r2": "/c/t@r2"}
+    b.remove(slot)
+    assert not fs.dirs & {"/m/t/r1", "/p/t/r1", "/c/t@r1", "/a/t@r1"}
