@@ -7,19 +7,23 @@ The job body is one small shell script, identical for both schedulers: it execs
 minus the due time, so it includes everything between the scheduler's decision and the
 job running: release, launcher, user switch, exec, the shell's own start.
 
-Ours: one agent in this process, a real etcd, N one-shot jobs due over D seconds; each
-firing creates its fenced run record in etcd *before* its process can exec (durable,
-exactly-once). The claim and the spawn happen up to execute.claim_lead_s ahead; the
-launcher then waits for its due time (agent/execute/launch.py). Also printed, as a
-diagnostic: the release time the executor reports (handle.started_at, the old "go byte"
-figure). Peer: APScheduler 3.9 (in memory, no persistence, thread pool) with the same
-schedule, starting the same script with subprocess.Popen. Both run from this script,
-with the load average before and after; printed are p50/p99/max and the
-ratios. By default APScheduler runs at the same time, in its own process, its due times
-halfway between ours: both see the same machine load (this VM is shared); --sequential
-runs it afterwards instead. Also prints run-record writes per second.
+Ours: one agent in this process with the daemon's job path (audit log, scheduler,
+executor, sensing and supervision; not the cloud channel), a real etcd, N one-shot jobs
+due over D seconds; each firing creates its fenced run record in etcd *before* its
+process can exec (durable, exactly-once). The claim and the spawn happen up to
+execute.claim_lead_s ahead; the launcher then waits for its due time
+(agent/execute/launch.py). Also printed, as a diagnostic: the release time the executor
+reports (handle.started_at, the old "go byte" figure). With --bpf, a second witness: the
+sensor's sched_process_exec timestamp of the job's argv[0] (its script), from the audit
+log's `exec` records; BPF off, sensing polls /proc like the daemon does. Peer:
+APScheduler 3.9 (in memory, no persistence, thread pool) with the same schedule, starting
+the same script with subprocess.Popen. Both run from this script, with the load average
+before and after; printed are p50/p99/max and the ratios. By default APScheduler runs at
+the same time, in its own process, its due times halfway between ours: both see the same
+machine load (this VM is shared); --sequential runs it afterwards instead. Also prints
+run-record writes per second.
 
-Usage: bench_trigger.py [--jobs 3000] [--over 30] [--backend auto|cgroup1|rlimit] [--lead 0.25] [--bpf] [--skip-peer | --sequential]
+Usage: bench_trigger.py [--jobs 3000] [--over 30] [--backend auto|cgroup1|rlimit] [--lead 0.25] [--bpf] [--slim] [--skip-peer | --sequential]
 Prerequisite: APScheduler 3.x for the peer (Debian: python3-apscheduler; scripts/setup-host.sh).
 """
 
@@ -74,8 +78,8 @@ def job_script(tmp: str) -> tuple[str, str]:
     return path, out
 
 
-def job_clocks(out: str, due: dict[str, float]) -> list[float]:
-    """Delay per job: its own clock minus its due time (first line per job id)."""
+def job_clock_by_id(out: str, due: dict[str, float]) -> dict[str, float]:
+    """Delay per job id: its own clock minus its due time (first line per job id)."""
     seen: dict[str, float] = {}
     try:
         with open(out) as fh:
@@ -85,7 +89,25 @@ def job_clocks(out: str, due: dict[str, float]) -> list[float]:
                     seen[jid] = float(ts) - due[jid]
     except FileNotFoundError:
         pass
-    return list(seen.values())
+    return seen
+
+
+def job_clocks(out: str, due: dict[str, float]) -> list[float]:
+    return list(job_clock_by_id(out, due).values())
+
+
+def sensor_witness(audit_dir: str, script: str, due: dict[str, float]) -> dict[str, float]:
+    """With BPF on, a second witness of each job's start: the sensor's sched_process_exec
+    timestamp of the job's argv[0] (the audit log's `exec` record of the job's own script,
+    field exec_ts), minus the due time. First exec per job id."""
+    from agent.audit.show import Filter, records
+
+    seen: dict[str, float] = {}
+    for _, rec in records(audit_dir, Filter(types={"exec"})):
+        jid = rec.get("job")
+        if jid in due and jid not in seen and rec.get("filename") == script and "exec_ts" in rec:
+            seen[jid] = float(rec["exec_ts"]) - due[jid]
+    return seen
 
 
 def load() -> str:
@@ -159,9 +181,10 @@ class CgroupTrace:
 
 
 def ours(n: int, over: float, backend: str, lead: float,
-         with_peer: bool = False, bpf: bool = False,
-         trace: Optional[CgroupTrace] = None) -> tuple[list[float], list[float], Optional[subprocess.Popen]]:
-    from agent.runtime.components import _JobsComponent
+         with_peer: bool = False, bpf: bool = False, slim: bool = False,
+         trace: Optional[CgroupTrace] = None
+         ) -> tuple[list[float], list[float], Optional[subprocess.Popen], Optional[tuple[list[float], list[float]]]]:
+    from agent.runtime.components import _AuditComponent, _JobsComponent, _SupervisedJobs
     from agent.runtime.daemon import Agent
 
     tmp = tempfile.mkdtemp(prefix="mw-bench-")
@@ -202,7 +225,16 @@ templates:
             if res is not None and res.reason != "succeeded":
                 failed.append(f"{f.entry.job.id}: {res.reason} exit {res.exit_code} signal {res.signal} {res.error or ''}")
 
-    agent = Agent(cfg, [lambda a: _JobsComponent(a, run_listeners=[Probe()])])
+    def supervised_jobs(a):
+        """The daemon's job path: scheduler, executor, sensing (BPF, or /proc polling
+        when BPF is off) and supervision, with the probe as one more run listener."""
+        c = _SupervisedJobs(a)
+        c.jobs.scheduler.run_listeners.append(Probe())
+        return c
+
+    parts = ([lambda a: _JobsComponent(a, run_listeners=[Probe()])] if slim
+             else [_AuditComponent, supervised_jobs])
+    agent = Agent(cfg, parts)
     t = threading.Thread(target=agent.run, daemon=True)
     t.start()
     while len(agent.shards.mine) < 64:
@@ -249,18 +281,19 @@ templates:
     t.join(30)
     etcd.close()
     clocks = job_clocks(out, dues)
+    witness = None
+    if bpf and not slim:
+        seen = sensor_witness(f"{tmp}/audit", script, dues)
+        own = job_clock_by_id(out, dues)
+        # job clock minus the kernel's exec of its script: the shell's start and its exec of date
+        witness = (list(seen.values()), [own[j] - seen[j] for j in seen if j in own])
     if trace is not None:
-        per_job: dict[str, float] = {}
-        with open(out) as fh:
-            for line in fh:
-                jid, _, ts = line.strip().partition(" ")
-                if jid in dues and jid not in per_job:
-                    per_job[jid] = float(ts) - dues[jid]
+        per_job = job_clock_by_id(out, dues)
         trace.report([(dues[j], d) for j, d in per_job.items()])
     if failed:
         print(f"runs that did not succeed: {len(failed)}: {failed[:5]}")
     shutil.rmtree(tmp, ignore_errors=True)
-    return clocks, delays, peer_proc
+    return clocks, delays, peer_proc, witness
 
 
 def peer(n: int, over: float, start_ts: Optional[float] = None) -> tuple[list[float], list[float]]:
@@ -333,6 +366,9 @@ def main() -> None:
                     help="run APScheduler after Millwright instead of at the same time (interleaved due times)")
     ap.add_argument("--trace-cgroup", action="store_true",
                     help="time the agent's cgroup operations and relate the late jobs to them (profile)")
+    ap.add_argument("--slim", action="store_true",
+                    help="diagnostic: the scheduler and executor only (no audit log, no sensing or supervision; "
+                         "the agent these figures were taken with before 2026-12-04, where --bpf loaded nothing)")
     ap.add_argument("--peer-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--start-ts", type=float, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -341,17 +377,25 @@ def main() -> None:
         print(json.dumps({"clocks": clocks, "popen": popen}))
         return
     together = not a.skip_peer and not a.sequential
-    print(f"{a.jobs} one-shot jobs over {a.over:g} s, BPF {'on' if a.bpf else 'off'}, job body: sh exec date +%s.%N >> file; "
+    print(f"{a.jobs} one-shot jobs over {a.over:g} s, BPF {'on' if a.bpf else 'off'}, "
+          f"agent: {'scheduler and executor only (--slim)' if a.slim else 'audit, jobs, sensing, supervision'}, job body: sh exec date +%s.%N >> file; "
           f"APScheduler {'at the same time, due times interleaved' if together else 'after'}", flush=True)
     print(f"before: {load()}", flush=True)
-    mine, go_byte, child = ours(a.jobs, a.over, a.backend, a.lead, with_peer=together, bpf=a.bpf,
-                                trace=CgroupTrace() if a.trace_cgroup else None)
+    mine, go_byte, child, witness = ours(a.jobs, a.over, a.backend, a.lead, with_peer=together, bpf=a.bpf,
+                                         slim=a.slim, trace=CgroupTrace() if a.trace_cgroup else None)
     print(f"after millwright:  {load()}", flush=True)
     name = f"millwright ({a.backend}, lead {a.lead:g} s)"
     print(summary(name + " job clock", mine), flush=True)
     print(summary("  diagnostic: release time", go_byte) + "  (handle.started_at, the old go-byte figure)", flush=True)
     if len(mine) < a.jobs:
         print(f"  MISSING: {a.jobs - len(mine)} jobs did not record their clock")
+    if witness is not None:
+        execs, gaps = witness
+        if execs:
+            print(summary("  witness: sensor exec of argv[0]", execs) + "  (BPF sched_process_exec, audit exec_ts)")
+            print(summary("  job clock - sensor exec", gaps) + "  (the script's shell start and its exec of date)")
+        if len(execs) < a.jobs:
+            print(f"  the sensor's exec of argv[0] was in the audit log for {len(execs)} of {a.jobs} jobs")
     if a.skip_peer:
         return
     if child is not None:
