@@ -96,18 +96,29 @@ def job_clocks(out: str, due: dict[str, float]) -> list[float]:
     return list(job_clock_by_id(out, due).values())
 
 
-def sensor_witness(audit_dir: str, script: str, due: dict[str, float]) -> dict[str, float]:
+def sensor_witness(audit_dir: str, script: str, due: dict[str, float]) -> tuple[dict[str, float], int, list[int]]:
     """With BPF on, a second witness of each job's start: the sensor's sched_process_exec
     timestamp of the job's argv[0] (the audit log's `exec` record of the job's own script,
-    field exec_ts), minus the due time. First exec per job id."""
+    field exec_ts), minus the due time. First exec per job id. Also: how many of the jobs'
+    exec records reached the agent after their run had ended (after_run_ended), and how
+    many of its `date` execs were recorded under another job or none (the job body puts its
+    own job id in date's argv)."""
     from agent.audit.show import Filter, records
 
     seen: dict[str, float] = {}
+    after_end = 0
+    wrong = [0, 0]   # date execs recorded under no job, under another job
     for _, rec in records(audit_dir, Filter(types={"exec"})):
         jid = rec.get("job")
+        after_end += jid in due and rec.get("after_run_ended") is True
+        argv = rec.get("argv") or []
+        if rec.get("filename", "").endswith("/date") and len(argv) > 1 and argv[1].startswith("+b"):
+            named = argv[1][1:].split(" ")[0]           # the job body names its job in date's argv
+            if named != jid:
+                wrong[0 if jid is None else 1] += 1
         if jid in due and jid not in seen and rec.get("filename") == script and "exec_ts" in rec:
             seen[jid] = float(rec["exec_ts"]) - due[jid]
-    return seen
+    return seen, after_end, wrong
 
 
 def load() -> str:
@@ -183,7 +194,7 @@ class CgroupTrace:
 def ours(n: int, over: float, backend: str, lead: float,
          with_peer: bool = False, bpf: bool = False, slim: bool = False,
          trace: Optional[CgroupTrace] = None
-         ) -> tuple[list[float], list[float], Optional[subprocess.Popen], Optional[tuple[list[float], list[float]]]]:
+         ) -> tuple[list[float], list[float], Optional[subprocess.Popen], Optional[tuple[list[float], list[float], int, list[int]]]]:
     from agent.runtime.components import _AuditComponent, _JobsComponent, _SupervisedJobs
     from agent.runtime.daemon import Agent
 
@@ -283,10 +294,10 @@ templates:
     clocks = job_clocks(out, dues)
     witness = None
     if bpf and not slim:
-        seen = sensor_witness(f"{tmp}/audit", script, dues)
+        seen, after_end, wrong = sensor_witness(f"{tmp}/audit", script, dues)
         own = job_clock_by_id(out, dues)
         # job clock minus the kernel's exec of its script: the shell's start and its exec of date
-        witness = (list(seen.values()), [own[j] - seen[j] for j in seen if j in own])
+        witness = (list(seen.values()), [own[j] - seen[j] for j in seen if j in own], after_end, wrong)
     if trace is not None:
         per_job = job_clock_by_id(out, dues)
         trace.report([(dues[j], d) for j, d in per_job.items()])
@@ -390,7 +401,9 @@ def main() -> None:
     if len(mine) < a.jobs:
         print(f"  MISSING: {a.jobs - len(mine)} jobs did not record their clock")
     if witness is not None:
-        execs, gaps = witness
+        execs, gaps, after_end, wrong = witness
+        print(f"  jobs' exec records that reached the agent after their run ended: {after_end} "
+              f"(audit after_run_ended); date execs recorded under no job: {wrong[0]}, under another job: {wrong[1]}")
         if execs:
             print(summary("  witness: sensor exec of argv[0]", execs) + "  (BPF sched_process_exec, audit exec_ts)")
             print(summary("  job clock - sensor exec", gaps) + "  (the script's shell start and its exec of date)")

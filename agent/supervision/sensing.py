@@ -10,6 +10,7 @@ retransmits on the coordination path.
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
@@ -20,6 +21,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_SLOT = 1023
+# A finished run's slot is not given to another run for this long: its exec events may
+# still be on their way (perf buffer, poll thread, loop queue) and must name its job, not
+# the next run's. Under slot pressure the oldest such slot is reused early.
+SLOT_QUARANTINE_S = 10.0
 
 
 class ExecListener(Protocol):
@@ -47,6 +52,8 @@ class RunSensing:
         self.sensor = Sensor.from_config(agent.cfg.bpf, agent.loop.post, on_exec=self._on_exec,
                                          on_gap=self._on_gap, on_signals=self._on_signals)
         self.free = list(range(MAX_SLOT, 0, -1))
+        # slots of finished runs, oldest first: slot -> (reusable at, the run's info)
+        self.ended: "collections.OrderedDict[int, tuple[float, dict]]" = collections.OrderedDict()
         self.by_run_key: dict[str, int] = {}
         self.runs: dict[int, dict] = {}  # slot -> {job, run_id, attempt, run_key, firing}
         self.exec_listeners: list[ExecListener] = []
@@ -71,10 +78,10 @@ class RunSensing:
     def poststart(self, handle: Any) -> None:
         """Executor hook, loop thread, before the job execs: give the run a slot."""
         spec = handle.spec
-        if not self.free:
+        slot = self._take_slot()
+        if slot is None:
             log.warning("no free sensor slot; run not attributed", extra={"fields": {"run": spec.run_key}})
             return
-        slot = self.free.pop()
         self.by_run_key[spec.run_key] = slot
         self.runs[slot] = {"job": spec.job_id, "run_id": spec.fire_id or spec.run_id, "attempt": spec.attempt,
                            "run_key": spec.run_key, "argv0": spec.argv[0] if spec.argv else None,
@@ -95,9 +102,28 @@ class RunSensing:
         slot = self.by_run_key.pop(firing.handle.spec.run_key, None)
         if slot is None:
             return
-        self.runs.pop(slot, None)
+        info = self.runs.pop(slot, None)
         self.sensor.untrack(slot)
-        self.free.append(slot)
+        if info is None:
+            self.free.append(slot)
+        else:
+            info.pop("firing", None)
+            self.ended[slot] = (self.agent.loop.clock() + SLOT_QUARANTINE_S, info)
+
+    def _take_slot(self) -> Optional[int]:
+        """A free slot; the oldest finished run's before its quarantine ends if none is."""
+        now = self.agent.loop.clock()
+        while self.ended:
+            slot, (until, _) = next(iter(self.ended.items()))
+            if until > now:
+                break
+            del self.ended[slot]
+            self.free.append(slot)
+        if self.free:
+            return self.free.pop()
+        if self.ended:
+            return self.ended.popitem(last=False)[0]
+        return None
 
     # --- events -------------------------------------------------------------------------
     def _on_exec(self, ev: Any) -> None:
@@ -108,6 +134,11 @@ class RunSensing:
                            verdict="node", gid=ev.gid, source=ev.source)
             return
         info = self.runs.get(ev.slot)
+        late = None
+        if info is None and ev.slot in self.ended:
+            # the run ended before its exec event reached the loop: still its job's exec;
+            # the exec policy had nothing left to act on (supervision forgot the run)
+            info, late = self.ended[ev.slot][1], True
         verdict = "allowed"
         for l in self.exec_listeners:
             v = l.exec_event(info, ev)
@@ -117,7 +148,7 @@ class RunSensing:
             audit.exec(pid=ev.pid, ppid=ev.ppid, uid=ev.uid, filename=ev.filename, argv=ev.argv,
                        job=info["job"] if info else None, run_id=info["run_id"] if info else None,
                        verdict=verdict, gid=ev.gid, attempt=info["attempt"] if info else None,
-                       slot=ev.slot, source=ev.source, exec_ts=round(ev.ts, 6))
+                       slot=ev.slot, source=ev.source, exec_ts=round(ev.ts, 6), after_run_ended=late)
 
     def _on_gap(self, gap: Any) -> None:
         if self.agent.audit is not None:
