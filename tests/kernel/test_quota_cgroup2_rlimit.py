@@ -21,7 +21,7 @@ import pytest
 from agent.execute import Executor, Limits, RunSpec, probe
 from agent.execute.backends import BackendUnavailable, Cgroup2Backend, CgroupFS, RlimitBackend, alive
 from tests.support.kernel import require_kernel
-from tests.support.processes import PY, Collector, _children_zombies
+from tests.support.processes import PY, Collector, _zombies_left
 
 CONTROLLERS = "cpu io memory pids"
 
@@ -260,7 +260,7 @@ def test_rlimit_fork_bomb_is_stopped(rlimit_executor, job_user):
                                       timeout_s=60), c)
     (r,) = c.wait(["r-bomb"])
     assert r.reason == "pids_limit"
-    assert _children_zombies() == []
+    assert _zombies_left() == []
     assert not any(True for _ in _group(h.pgid))
 
 

@@ -55,3 +55,15 @@ def _children_zombies() -> list[int]:
         if rest[0] == b"Z" and int(rest[1]) == me:
             out.append(int(name))
     return out
+
+
+def _zombies_left(timeout: float = 5.0) -> list[int]:
+    """Zombie children of this process still there after ``timeout``: the executor sweeps a
+    finished run's process group again within 3 s (agent/execute/executor.py REAP_AGAIN_S)
+    for members that were still being re-parented to it at its last sweep."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = _children_zombies()
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
