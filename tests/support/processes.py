@@ -6,6 +6,7 @@ import os
 import sys
 import threading
 import time
+from typing import Collection, Optional
 
 PY = sys.executable if sys.executable.startswith("/usr/bin/") else "/usr/bin/python3"
 
@@ -40,7 +41,9 @@ def _executor_kind(fd: str) -> bool:
     return target.startswith(("pipe:", "anon_inode:[pidfd]", "/sys/fs/cgroup")) or "/runs/" in target
 
 
-def _children_zombies() -> list[int]:
+def _children_zombies(pgids: Optional[Collection[int]] = None) -> list[str]:
+    """Zombie children of this process (of the given process groups only, when given), each
+    as 'pid (comm) pgid N' so that a failure says whose."""
     me = os.getpid()
     out = []
     for name in os.listdir("/proc"):
@@ -51,19 +54,26 @@ def _children_zombies() -> list[int]:
                 data = fh.read()
         except OSError:
             continue
-        rest = data[data.rfind(b")") + 2:].split()
-        if rest[0] == b"Z" and int(rest[1]) == me:
-            out.append(int(name))
+        close = data.rfind(b")")
+        rest = data[close + 2:].split()
+        if rest[0] == b"Z" and int(rest[1]) == me and (pgids is None or int(rest[2]) in pgids):
+            comm = data[data.find(b"(") + 1:close].decode(errors="replace")
+            out.append(f"{name} ({comm}) pgid {int(rest[2])}")
     return out
 
 
-def _zombies_left(timeout: float = 5.0) -> list[int]:
-    """Zombie children of this process still there after ``timeout``: the executor sweeps a
-    finished run's process group again within 3 s (agent/execute/executor.py REAP_AGAIN_S)
-    for members that were still being re-parented to it at its last sweep."""
+def _zombies_left(pgids: Optional[Collection[int]] = None, timeout: float = 5.0) -> list[str]:
+    """Zombie children of this process, of the runs' process groups ``pgids``, still there
+    after ``timeout``: the executor sweeps a finished run's process group again within 3 s
+    (agent/execute/executor.py REAP_AGAIN_S) for members that were still being re-parented
+    to it at its last sweep.
+
+    Pass the runs' groups: once an executor made the test process a child subreaper, every
+    process orphaned by an earlier test (a kill -9'd agent's keeper and runs) re-parents to
+    it and stays a zombie here; those are not the run's."""
     deadline = time.monotonic() + timeout
     while True:
-        left = _children_zombies()
+        left = _children_zombies(pgids)
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.1)
