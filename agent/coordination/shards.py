@@ -82,6 +82,10 @@ class ShardManager:
         self._plan_key: tuple = ()
         self._plan_cache: dict[int, str] = {}
         self.followers: list["ShardManager"] = []  # pool managers: reconcile when we do
+        # shards the last reconcile wanted to hand over but kept for their runs: only these
+        # make a run's end worth a reconcile (release_idle), which at 100 runs/s would
+        # otherwise walk every shard after nearly every run
+        self._kept_busy: set[int] = set()
 
     # --- views --------------------------------------------------------------------
     def available_members(self) -> dict[str, float]:
@@ -267,6 +271,7 @@ class ShardManager:
             return
         members = self.available_members()
         plan = self._plan(members)
+        self._kept_busy.clear()
         for s in range(self.shards):
             holder = self.holders.get(s)
             want = plan.get(s)
@@ -282,8 +287,11 @@ class ShardManager:
             if holder.agent == self.me and holder.lease == self.lease:
                 if s not in self.mine:
                     self._acquire(s, holder.token)  # our claim's reply was lost; the key is ours
-                if (want != self.me or self.draining) and s not in self._releasing and not self.busy(s):
-                    self._release(s)
+                if (want != self.me or self.draining) and s not in self._releasing:
+                    if self.busy(s):
+                        self._kept_busy.add(s)
+                    else:
+                        self._release(s)
 
     def _fallback_claim(self, s: int) -> None:
         self._fallback.pop(s, None)
@@ -354,7 +362,8 @@ class ShardManager:
 
     def release_idle(self) -> None:
         """Called when runs end: shards waiting to move may go now."""
-        self._changed()
+        if self._kept_busy or any(f._kept_busy for f in self.followers):
+            self._changed()
 
     def drain(self) -> None:
         self.draining = True

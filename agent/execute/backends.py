@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 NEEDED = ("memory", "cpu", "pids")
 CPU_PERIOD_US = 100_000
+KERNEL_CFS_PERIOD_US = 100_000   # what a new cgroup v1 cpu.cfs_period_us holds (not inherited)
 ORDER = ("cgroup2", "cgroup1", "rlimit")
 DEFAULT_ROOT = "millwright"
 
@@ -49,8 +50,19 @@ class CgroupFS:
     """The few filesystem operations the cgroup backends use (overridable in tests)."""
 
     def read(self, path: str) -> str:
-        with open(path, "r") as fh:
-            return fh.read()
+        # os.read, not open(): a run's end reads a dozen small cgroup files, and the text
+        # layer costs several times the syscalls' own time on the reaper's path
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            chunks = []
+            while True:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        finally:
+            os.close(fd)
+        return b"".join(chunks).decode()
 
     def write(self, path: str, data: str) -> None:
         # one write(2) per call: cgroup files act on each write
@@ -489,6 +501,8 @@ class Cgroup1Backend(_CgroupBackend):
         self.mounts = mounts
         self.flat: dict[str, str] = {}      # hierarchy -> mount, for the FLAT ones
         self._thread_homes: dict[int, dict[str, str]] = {}
+        self._memsw: Optional[bool] = None   # memory.memsw.* present (swap accounting on)
+        self._cpuacct_usage: Optional[bool] = None
 
     def check_available(self) -> None:
         missing = [c for c in NEEDED if c not in self.mounts]
@@ -563,15 +577,17 @@ class Cgroup1Backend(_CgroupBackend):
             mem = self._need(slot, "memory")
             if limits.memory_bytes:
                 self.fs.write(os.path.join(mem, "memory.limit_in_bytes"), str(limits.memory_bytes))
-                sw = os.path.join(mem, "memory.memsw.limit_in_bytes")
-                if self.fs.exists(sw):   # no swap beyond the limit
+                if self._memsw is None:   # swap accounting is a boot option: look once
+                    self._memsw = self.fs.exists(os.path.join(mem, "memory.memsw.limit_in_bytes"))
+                if self._memsw:   # no swap beyond the limit
                     try:
-                        self.fs.write(sw, str(limits.memory_bytes))
+                        self.fs.write(os.path.join(mem, "memory.memsw.limit_in_bytes"), str(limits.memory_bytes))
                     except OSError:
                         pass
             cpu = self._need(slot, "cpu")
             if limits.cpu:
-                self.fs.write(os.path.join(cpu, "cpu.cfs_period_us"), str(CPU_PERIOD_US))
+                if CPU_PERIOD_US != KERNEL_CFS_PERIOD_US:   # a new v1 cpu cgroup starts with the kernel's
+                    self.fs.write(os.path.join(cpu, "cpu.cfs_period_us"), str(CPU_PERIOD_US))
                 self.fs.write(os.path.join(cpu, "cpu.cfs_quota_us"), str(max(1000, int(limits.cpu * CPU_PERIOD_US))))
             if limits.pids:
                 self.fs.write(os.path.join(self._need(slot, "pids"), "pids.max"), str(int(limits.pids)))
@@ -675,7 +691,9 @@ class Cgroup1Backend(_CgroupBackend):
     def usage(self, slot: Slot, rusage: Any = None) -> Usage:
         u = super().usage(slot, rusage)
         acct = self._path(slot, "cpuacct")
-        if acct and self.fs.exists(os.path.join(acct, "cpuacct.usage")):
+        if acct and not self._cpuacct_usage:   # remembered once seen (a run's end reads usage)
+            self._cpuacct_usage = self.fs.exists(os.path.join(acct, "cpuacct.usage"))
+        if acct and self._cpuacct_usage:
             u.cpu_s = max(0.0, self._read_int(os.path.join(acct, "cpuacct.usage")) / 1e9 - slot.cpu_offset_s)
         mem = self._path(slot, "memory")
         if mem:

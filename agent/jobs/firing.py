@@ -71,6 +71,7 @@ class Firing:
     health: str = "healthy"
     lead: float = 0.0        # how far ahead of `due` its claim was planned (0: at or after due)
     writing: int = 0         # record writes in flight: a retry's claim compares the revision they set
+    limits: Any = None       # the limits admission let in, which the run then gets
     seq: int = field(default_factory=lambda: next(_SEQ))
     state: FiringState = field(default=FiringState.PENDING, init=False)
 

@@ -708,7 +708,8 @@ class Scheduler:
             self._held.append(f)
             return
 
-        decision = self.admission.request(f.key, f.due.timestamp(), self._limits(f.entry))
+        f.limits = self._limits(f.entry)
+        decision = self.admission.request(f.key, f.due.timestamp(), f.limits)
         if decision == ADMITTED:
             self._claim(f)
         elif decision == REJECTED:
@@ -875,7 +876,7 @@ class Scheduler:
         except JobRejected as exc:
             self._run_failed_early(f, f"bad_param: {exc.detail}")
             return
-        spec = RunSpec(run_key=f"{f.key}.{f.attempt}", argv=argv, user=tpl.user, limits=self._limits(e),
+        spec = RunSpec(run_key=f"{f.key}.{f.attempt}", argv=argv, user=tpl.user, limits=f.limits or self._limits(e),
                        timeout_s=e.job.timeout_s, kill_grace_s=self.cfg.execute.kill_grace_s,
                        output_max_bytes=self.cfg.execute.output_max_bytes, job_id=e.job.id,
                        run_id=rid, fire_id=f.fire_id, attempt=f.attempt)
@@ -1004,7 +1005,8 @@ class Scheduler:
             return
         from agent.execute.admission import ADMITTED, REJECTED
 
-        decision = self.admission.request(f.key, f.due.timestamp(), self._limits(e))
+        f.limits = self._limits(e)
+        decision = self.admission.request(f.key, f.due.timestamp(), f.limits)
         if decision == ADMITTED:
             self._claim(f, retry=True)
         elif decision == REJECTED:

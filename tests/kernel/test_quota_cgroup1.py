@@ -229,6 +229,20 @@ def test_a_thousand_short_runs_leave_no_cgroups_fds_or_zombies(backend, base_dir
 # --------------------------------------------------------------------------- issue 3 execution
 
 
+def test_a_runs_work_dir_goes_with_the_run_whether_it_left_files_or_not(executor):
+    """The executor removes an empty work dir with one rmdir and falls back to a tree
+    removal; both must leave no work dir, and keep the run's output files."""
+    c = Collector()
+    empty = executor.start(RunSpec("wd-empty", ["/bin/true"], limits=Limits(0.1, 16, 8)), c)
+    full = executor.start(RunSpec("wd-full", ["/bin/sh", "-c", "mkdir -p a/b && echo x > a/b/f && echo y > g && echo ok"],
+                                  limits=Limits(0.1, 16, 8)), c)
+    r_empty, r_full = c.wait(["wd-empty", "wd-full"])
+    assert r_empty.reason == r_full.reason == "succeeded", (r_empty, r_full)
+    for h in (empty, full):
+        assert h.run_dir and not os.path.exists(os.path.join(h.run_dir, "work")), os.listdir(h.run_dir)
+    assert open(r_full.stdout_path).read() == "ok\n"
+
+
 def test_timeout_kills_a_process_tree_whose_child_ignores_sigterm(executor, base_dir):
     c = Collector()
     pidfile = os.path.join(base_dir, "child.pid")

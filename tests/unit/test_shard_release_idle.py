@@ -1,0 +1,73 @@
+"""A run's end triggers a shard reconcile only when a shard is waiting for its runs.
+
+At 100 runs/s every run's end used to schedule a reconcile that walks every shard
+(issue 18: agent CPU per firing); now only a shard the last reconcile kept for its runs
+makes release_idle() reconcile, and that shard still goes once its runs are over."""
+
+from agent.coordination.keys import Keys
+from agent.coordination.shards import Holder, Member, ShardManager
+
+
+class _Loop:
+    def __init__(self):
+        self.timers = []
+
+    def call_later(self, delay, fn, *args):
+        self.timers.append((fn, args))
+
+        class T:
+            def cancel(self):
+                pass
+        return T()
+
+    def run_timers(self):
+        timers, self.timers = self.timers, []
+        for fn, args in timers:
+            fn(*args)
+        return len(timers)
+
+
+def _manager(busy):
+    loop = _Loop()
+    m = ShardManager("a", 2, Keys("t"), None, None, loop, on_acquired=lambda f: None,
+                     on_lost=lambda s, r: None, busy=lambda s: s in busy)
+    m.members = {"a": Member("a", 1.0, True, 7), "b": Member("b", 1.0, True, 8)}
+    m.lease, m.registered = 7, True
+    for s in range(2):
+        m.holders[s] = Holder("a", 100 + s, 7)
+        m.mine[s] = object()
+    released = []
+
+    def release(s):
+        released.append(s)
+        m._releasing.add(s)
+    m._release = release
+    return m, loop, released
+
+
+def test_a_shard_kept_for_its_runs_goes_when_they_end_and_only_then_is_a_reconcile_due():
+    busy = {0, 1}
+    m, loop, released = _manager(busy)
+    m.draining = True                 # every shard wants to go
+    m.reconcile()
+    assert released == [] and m._kept_busy == {0, 1}
+    busy.discard(0)                   # shard 0's last run ended
+    m.release_idle()
+    assert loop.run_timers() == 1 and released == [0]
+    busy.discard(1)
+    m.release_idle()
+    assert loop.run_timers() == 1 and released == [0, 1]
+    assert m._kept_busy == set()
+    m.release_idle()                  # nothing waits for its runs: no reconcile
+    assert loop.timers == []
+
+
+def test_runs_ending_on_shards_that_stay_schedule_no_reconcile():
+    busy = {0}
+    m, loop, released = _manager(busy)
+    m.members = {"a": Member("a", 1.0, True, 7)}   # alone: both shards stay here
+    m.reconcile()
+    assert released == [] and m._kept_busy == set()
+    busy.clear()
+    m.release_idle()
+    assert loop.timers == []
