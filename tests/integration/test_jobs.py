@@ -24,6 +24,8 @@ from tests.support.records import run_records
 from tests.support import history
 from tests.support.jobs import effects, job, now
 
+CATCH_UP_PER_S = 100.0   # firings/s the 3-agent test cluster on 2 cores starts at least, catching up after faults
+
 @pytest.fixture
 def env(etcd_server, tmp_path):
     c, out = recording_cluster(etcd_server, tmp_path)
@@ -177,8 +179,20 @@ def test_exactly_once_2000_jobs_with_agent_kills_and_an_etcd_restart(env, etcd_s
     lost_budget = sum(n + 40 for n in cron_share.values()) + 3 * 40 + len(cron_jobs)
     print("owner_lost budget:", lost_budget, "victims' cron shares:", cron_share)
     budget = history.Budget(owner_lost=lost_budget, misfired=cron_near)
+    # lateness after the faults healed: the dead agent's lease outlives the etcd restart by a
+    # TTL (etcd renews every lease when it comes back), a hand-over takes up to another TTL,
+    # plus 2 s; and the firings that fell due during the last faults all become due at the
+    # heal, so a firing due then waits for them: they start at the cluster's catch-up rate
+    # (CATCH_UP_PER_S: one agent alone on this 2-core machine starts about 100 firings/s,
+    # issue 18; three share the same cores). With 2 x TTL + 2 = 10 s alone, CI-style runs
+    # 22, 23 and 27 on this machine failed: 15-32 firings started up to 17.3, 14.7 and
+    # 10.04 s after the heal; a run on 2026-12-04 had 427 firings due in the last faults.
+    healed = max(e for _, e in faults)
+    backlog = sum(1 for f in firings if any(s - 1 <= f.due <= e for s, e in faults if e == healed))
+    bound = 2 * ttl + 2 + backlog / CATCH_UP_PER_S
+    print(f"lateness bound {bound:.1f} s ({backlog} firings due during the last faults)")
     rep = history.check(history.read_history(c.client, c.keys.prefix, contiguous=True), c.keys.prefix,
-                        firings=firings, budget=budget, lateness_bound_s=2 * ttl + 2, effective_due=effective,
+                        firings=firings, budget=budget, lateness_bound_s=bound, effective_due=effective,
                         affected=affected)
     print("history check:", {k: v for k, v in rep.stats.items() if k != "states"})
     history.assert_clean(rep)

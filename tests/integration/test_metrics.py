@@ -75,11 +75,29 @@ def agent_config(etcd, mq, keys_file, out, port, ttl=4) -> dict:
             "hog": {"argv": ["/usr/bin/python3", "-c", "import sys; b = b'\\x01' * (int(sys.argv[1]) << 20)", "{mb}"],
                     "params": {"mb": r"^[0-9]+$"}, "user": "root", "allow_root": True, "resources": {"memory_mb": 32},
                     "allow_exec": ["/usr/bin/python3*"]},
-            "burst": {"argv": ["/bin/sh", "-c", "sleep 1; l() ( i=0; while [ $i -lt 300 ]; do /bin/true; "
+            "burst": {"argv": ["/bin/sh", "-c", f": {BURST_MARK}; sleep 1; l() ( i=0; while [ $i -lt 300 ]; do /bin/true; "
                                "i=$((i+1)); done ); l & l & l; wait"], "resources": {"cpu": 2.0},
                       "user": "root", "allow_root": True, "allow_exec": ["/bin/*", "/usr/bin/*"]},
         },
     }
+
+
+BURST_MARK = "millwright-test-burst"   # a no-op word in the burst's script: its shell's command line
+
+
+def _processes_with(mark: str) -> list[int]:
+    """Processes whose command line holds ``mark`` (the burst's shell and its subshells)."""
+    needle = mark.encode()
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as fh:
+                    if needle in fh.read():
+                        out.append(int(name))
+            except OSError:
+                pass
+    return out
 
 
 def audit_records(agent: AgentProcess, type_: str) -> list[dict]:
@@ -162,6 +180,11 @@ def sc(tmp_path_factory):
                 return any(r.get("job_id") == "burst-1" and r.get("state") == "running"
                            for r in (json.loads(kv.value) for kv in kvs))
             wait_for(burst_running, 20, "burst-1 to start (its run record)", interval=0.05)
+            # the `running` record is the claim, written before the spawn: a freeze right
+            # after it can catch the agent before it started the burst, which then execs
+            # after the freeze and loses nothing (CI-style runs 23 and 27). Freeze once the
+            # burst's own shell exists (it sleeps 1 s before its 900 execs).
+            wait_for(lambda: _processes_with(BURST_MARK), 20, "burst-1's shell", interval=0.02)
             a0.signal(signal.SIGSTOP)
             try:
                 time.sleep(1.8)
