@@ -428,8 +428,9 @@ class Executor:
                 self._hard_kill(run)
             run.timers.append(self._reaper.call_at(time.monotonic() + min(0.1, 0.002 * 2 ** n), self._drain, run, n + 1))
             return
-        if not left:
+        if not left and not known_empty:
             # what members() no longer lists may have turned zombie after the first sweep
+            # (with known_empty no listing came between: the sweep above is just as late)
             _reap_group(run.handle.pgid)
         if left:
             log.warning("processes of a run survived SIGKILL", extra={"fields": {
