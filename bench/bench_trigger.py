@@ -364,14 +364,19 @@ def report_peer(theirs: list[float], popen: list[float], n: int) -> None:
         print(f"  MISSING: {n - len(theirs)} jobs did not record their clock")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def add_workload_args(ap: argparse.ArgumentParser, backend: str = "auto") -> None:
+    """The options of ours()'s workload (also bench/profile_firing_stages.py's)."""
     ap.add_argument("--jobs", type=int, default=3000)
     ap.add_argument("--over", type=float, default=30.0)
-    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--backend", default=backend)
     ap.add_argument("--lead", type=float, default=0.25, help="execute.claim_lead_s")
-    ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--bpf", action="store_true", help="the agent's BPF sensor on (exec policy in monitor mode)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_workload_args(ap)
+    ap.add_argument("--skip-peer", action="store_true")
     ap.add_argument("--sequential", action="store_true",
                     help="run APScheduler after Millwright instead of at the same time (interleaved due times)")
     ap.add_argument("--trace-cgroup", action="store_true",

@@ -113,21 +113,17 @@ def instrument() -> None:
 def report() -> None:
     print("per step (ms):")
     for name in ORDER:
-        xs = sorted(STAGES.get(name) or [])
+        xs = STAGES.get(name)
         if not xs:
             continue
-        p = lambda q: xs[min(len(xs) - 1, int(q * (len(xs) - 1)))] * 1000  # noqa: E731
-        print(f"  {name:<26} n={len(xs):6d}  p50 {p(0.5):9.2f}  p90 {p(0.9):9.2f}  p99 {p(0.99):9.2f}  "
-              f"max {xs[-1] * 1000:9.2f}")
+        p = lambda q: bench_trigger.pct(xs, q) * 1000  # noqa: E731
+        print(f"  {name:<26} n={len(xs):6d}  p50 {p(50):9.2f}  p90 {p(90):9.2f}  p99 {p(99):9.2f}  "
+              f"max {max(xs) * 1000:9.2f}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--jobs", type=int, default=3000)
-    ap.add_argument("--over", type=float, default=30.0)
-    ap.add_argument("--backend", default="cgroup1")
-    ap.add_argument("--lead", type=float, default=0.25, help="execute.claim_lead_s")
-    ap.add_argument("--bpf", action="store_true")
+    bench_trigger.add_workload_args(ap, backend="cgroup1")
     ap.add_argument("--peer", action="store_true", help="APScheduler beside the agent, as bench_trigger runs it")
     a = ap.parse_args()
     instrument()
