@@ -43,7 +43,7 @@ from agent.execute.launch import ARMED_SH, DEFAULT_PATH, SHIM_SH, SpawnError, go
 from agent.execute.limits import Limits, default_limits
 from agent.execute.reaper import Reaper, _drain_stream, _kill, _killpg, _reap_group, _Run, _set_child_subreaper
 from agent.execute.release import Releaser
-from agent.execute.runs import REASONS, RunHandle, RunResult, RunSpec, rfc3339
+from agent.execute.runs import REASONS, RunHandle, RunResult, RunSpec, rfc3339, tail_text
 
 log = logging.getLogger("millwright.execute")
 
@@ -484,6 +484,7 @@ class Executor:
                 r.call_at(time.monotonic() + delay, _reap_group, handle.pgid)
         for s in run.streams:
             r.unwatch_fd(s.rfd)
+            s.open()   # the file exists also when the run wrote nothing
             _drain_stream(s)
             s.close()
         if run.work_dir_created and not self.keep_work_dir:
@@ -515,6 +516,7 @@ class Executor:
             ended_at=run.ended_at or time.time(), duration_s=max(0.0, t_end - run.t0) if handle.pid else 0.0,
             stdout_path=out.path if out else None, stderr_path=err.path if err else None,
             stdout_bytes=out.written if out else 0, stderr_bytes=err.written if err else 0,
+            stderr_tail=tail_text(bytes(err.tail), err.written) if err else None,
             output_dropped_bytes=(out.dropped + err.dropped) if out and err else 0,
             backend=self.backend.name)
         run.phase = "done"

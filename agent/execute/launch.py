@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from agent.execute import metrics as m
 from agent.execute.backends import safe_name
-from agent.execute.reaper import _kill, _Run, _Stream
+from agent.execute.reaper import _kill, _open_streams, _Run, _Stream
+from agent.execute.runs import STDERR_TAIL_BYTES
 
 if TYPE_CHECKING:  # pragma: no cover
     from agent.execute.executor import Executor
@@ -262,7 +263,7 @@ def spawn(ex: "Executor", run: _Run, hold: bool = False, arm_at: Optional[float]
         for _ in range(4):
             fds.extend(os.pipe())
         go_r, go_w, err_r, err_w, out_r, out_w, ep_r, ep_w = fds
-        run.streams = [_Stream(out_r, out_path, limit), _Stream(ep_r, err_path, limit)]
+        run.streams = [_Stream(out_r, out_path, limit), _Stream(ep_r, err_path, limit, tail=STDERR_TAIL_BYTES)]
     except OSError as exc:
         for fd in fds:
             os.close(fd)
@@ -311,6 +312,7 @@ def spawn(ex: "Executor", run: _Run, hold: bool = False, arm_at: Optional[float]
         os.close(fd)
     for s in run.streams:
         os.set_blocking(s.rfd, False)
+    ex._reaper.post(_open_streams, run)   # the log files: off this (the loop's) thread
     run.handle.pid = run.handle.pgid = pid
     if ex.spawn_mode == "fork":
         try:

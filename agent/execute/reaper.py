@@ -29,20 +29,43 @@ log = logging.getLogger("millwright.execute")
 
 
 class _Stream:
-    __slots__ = ("rfd", "wfd", "path", "written", "dropped", "limit")
+    """One output pipe of a run and the log file it is copied to (the first ``limit``
+    bytes). The reaper thread opens the file (open()), not the spawning one (the daemon's
+    loop, where each system call lets the adapter threads take the GIL and getting it back
+    costs more than the call: issue 18's profile). ``tail`` > 0 keeps the end of what was
+    written in memory: the final record's stderr_tail without reading the file back."""
 
-    def __init__(self, rfd: int, path: str, limit: int):
+    __slots__ = ("rfd", "wfd", "path", "written", "dropped", "limit", "tail", "_tail_max", "_unwritable")
+
+    def __init__(self, rfd: int, path: str, limit: int, tail: int = 0):
         self.rfd = rfd
         self.path = path
-        self.wfd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)  # state files are root-only (issue 16)
+        self.wfd = -1
         self.written = 0
         self.dropped = 0
         self.limit = limit
+        self.tail = bytearray()
+        self._tail_max = tail
+        self._unwritable = False
+
+    def open(self) -> bool:
+        """Create (truncate) the log file, once; reaper thread. False if it cannot be
+        created (logged once; the output is then counted as dropped)."""
+        if self.wfd < 0 and not self._unwritable:
+            try:
+                self.wfd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)  # state files are root-only (issue 16)
+            except OSError as exc:
+                self._unwritable = True
+                log.warning("cannot create a run's output file", extra={"fields": {"path": self.path, "error": exc.strerror}})
+        return self.wfd >= 0
 
     def feed(self, data: bytes) -> None:
-        keep = max(0, min(len(data), self.limit - self.written))
+        keep = max(0, min(len(data), self.limit - self.written)) if self.open() else 0
         if keep:
             view = memoryview(data)[:keep]
+            if self._tail_max:
+                self.tail += view[-self._tail_max:]
+                del self.tail[:-self._tail_max]
             while view:
                 n = os.write(self.wfd, view)
                 view = view[n:]
@@ -237,6 +260,11 @@ class Reaper(threading.Thread):
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _open_streams(run: _Run) -> None:
+    for s in run.streams:
+        s.open()
 
 
 def _drain_stream(s: _Stream) -> None:

@@ -15,6 +15,18 @@ if TYPE_CHECKING:  # pragma: no cover
     from agent.execute.executor import Executor
 
 REASONS = ("succeeded", "failed", "timed_out", "killed", "oom", "pids_limit", "spawn_error")
+STDERR_TAIL_BYTES = 4096        # the end of a run's stderr carried in its final record and status
+
+
+def tail_text(raw: bytes, total: int, limit: int = STDERR_TAIL_BYTES) -> Optional[str]:
+    """The last ``limit`` bytes of an output of ``total`` bytes whose end is ``raw``, cut
+    at a line start when there is one; None when there was no output."""
+    raw = raw[-limit:] if limit > 0 else b""
+    if not raw:
+        return None
+    if total > limit and b"\n" in raw[:-1]:
+        raw = raw[raw.index(b"\n") + 1:]
+    return raw.decode("utf-8", errors="replace")
 
 
 def rfc3339(ts: Optional[float]) -> Optional[str]:
@@ -59,6 +71,7 @@ class RunResult:
     stderr_path: Optional[str] = None
     stdout_bytes: int = 0
     stderr_bytes: int = 0
+    stderr_tail: Optional[str] = None     # its last STDERR_TAIL_BYTES (tail_text), kept in memory as it came
     output_dropped_bytes: int = 0
     backend: str = ""
 

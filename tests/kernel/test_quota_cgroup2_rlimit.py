@@ -242,6 +242,24 @@ def rlimit_executor(base_dir):
     ex.close()
 
 
+def test_a_runs_output_files_and_stderr_tail_come_from_the_reaper(rlimit_executor, job_user):
+    """The reaper creates a run's output files (also when it wrote nothing) and keeps the
+    end of its stderr in memory: the result's stderr_tail is what reading the file gives."""
+    from agent.jobs.scheduler import stderr_tail
+
+    c = Collector()
+    loud = "import sys\nfor i in range(900): sys.stderr.write(f'complaint {i:04d}\\n')\nsys.exit(3)\n"
+    rlimit_executor.start(RunSpec("r-silent", ["/bin/true"], user=job_user), c)
+    rlimit_executor.start(RunSpec("r-loud", [PY, "-c", loud], user=job_user), c)
+    silent, noisy = c.wait(["r-silent", "r-loud"])
+    assert silent.reason == "succeeded" and silent.stderr_tail is None and silent.stderr_bytes == 0
+    assert os.path.getsize(silent.stdout_path) == 0 and os.path.getsize(silent.stderr_path) == 0
+    assert noisy.exit_code == 3 and noisy.stderr_bytes == os.path.getsize(noisy.stderr_path) == 900 * 15
+    assert noisy.stderr_tail == stderr_tail(noisy.stderr_path)
+    assert noisy.stderr_tail.startswith("complaint ") and noisy.stderr_tail.endswith("complaint 0899\n")
+    assert os.stat(noisy.stderr_path).st_mode & 0o777 == 0o600
+
+
 def test_rlimit_memory_over_limit_is_killed_by_the_rss_poll(rlimit_executor, job_user):
     c = Collector()
     hog = "import time\nb=[]\nwhile True:\n    b.append(bytearray(4 << 20)); time.sleep(0.03)\n"

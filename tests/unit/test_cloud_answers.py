@@ -192,3 +192,44 @@ def test_held_get_requests_are_bounded_and_answered_when_the_shard_comes():
     jq.recheck_once(_time.monotonic())
     assert answered and all(r.shard == 3 for r in answered)
     assert jq.held == q.MAX_PENDING - len(answered) and 3 not in jq._held
+
+
+def test_the_stderr_tail_kept_in_memory_is_the_one_read_from_the_file(tmp_path):
+    """The reaper keeps the end of a run's stderr as it copies it (no file read on the
+    loop at the run's end); it must be exactly what reading the file back gives, also when
+    the output was cut at output_max_bytes and when it came in odd-sized chunks."""
+    import os
+
+    from agent.execute.reaper import _Stream
+    from agent.execute.runs import tail_text
+
+    lines = b"".join(b"line %05d of a long stderr\n" % i for i in range(600)) + b"\xff\xfe last"
+    cases = [(b"", 1 << 20), (b"short failure\n", 1 << 20), (b"no newline at all" * 400, 1 << 20),
+             (lines, 1 << 20), (lines, 10_000), (lines, 3_000), (lines, 0)]
+    for i, (data, limit) in enumerate(cases):
+        path = str(tmp_path / f"stderr-{i}.log")
+        r, w = os.pipe()
+        s = _Stream(r, path, limit, tail=STDERR_TAIL_BYTES)
+        s.open()
+        for at in range(0, len(data), 777):
+            s.feed(data[at:at + 777])
+        s.close()
+        os.close(w)
+        assert os.path.getsize(path) == min(len(data), limit) == s.written
+        assert tail_text(bytes(s.tail), s.written) == stderr_tail(path), (i, limit)
+    assert tail_text(bytes(s.tail), s.written) is None   # limit 0: nothing kept, nothing to show
+
+
+def test_a_runs_output_file_that_cannot_be_created_drops_the_output_and_says_so(tmp_path, caplog):
+    import os
+
+    from agent.execute.reaper import _Stream
+
+    r, w = os.pipe()
+    s = _Stream(r, str(tmp_path / "no-such-dir" / "stdout.log"), 1000)
+    assert s.open() is False
+    s.feed(b"lost output\n")
+    s.close()
+    os.close(w)
+    assert (s.written, s.dropped) == (0, 12)
+    assert "cannot create a run's output file" in caplog.text
