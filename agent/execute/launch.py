@@ -91,10 +91,11 @@ _users: dict[str, tuple[float, Any]] = {}
 _users_lock = threading.Lock()
 
 
-def _lookup_user(name: str) -> Optional[tuple[Any, tuple[int, ...]]]:
-    """(passwd entry, groups) of a run-as user, or None. Cached for USER_CACHE_S: NSS
-    reads /etc/passwd and /etc/group on every call (a quarter of a millisecond per spawn
-    on a busy gateway), and the few templates' users hardly ever change."""
+def _lookup_user(name: str) -> Optional[tuple[Any, tuple[int, ...], bool]]:
+    """(passwd entry, groups, whether its home is a directory) of a run-as user, or None.
+    Cached for USER_CACHE_S: NSS reads /etc/passwd and /etc/group on every call (a quarter
+    of a millisecond per spawn on a busy gateway), and the few templates' users hardly
+    ever change."""
     now = time.monotonic()
     with _users_lock:
         hit = _users.get(name)
@@ -102,7 +103,7 @@ def _lookup_user(name: str) -> Optional[tuple[Any, tuple[int, ...]]]:
             return hit[1]
     try:
         pw = pwd.getpwnam(name)
-        value = (pw, tuple(os.getgrouplist(pw.pw_name, pw.pw_gid)))
+        value = (pw, tuple(os.getgrouplist(pw.pw_name, pw.pw_gid)), bool(pw.pw_dir) and os.path.isdir(pw.pw_dir))
     except KeyError:
         value = None
     with _users_lock:
@@ -170,14 +171,16 @@ def _child(go_r: int, err_w: int, out_w: int, errp_w: int, cwd: str, ids: Option
 
 
 
-def _mkdir(path: str, mode: int) -> None:
-    """os.makedirs(exist_ok=True) with one syscall when the parent exists (every run)."""
+def _mkdir(path: str, mode: int) -> bool:
+    """os.makedirs(exist_ok=True) with one syscall when the parent exists (every run).
+    True if this call made it."""
     try:
         os.mkdir(path, mode)
     except FileExistsError:
-        pass
+        return False
     except FileNotFoundError:
         os.makedirs(path, mode=mode, exist_ok=True)
+    return True
 
 
 def prepare_process(ex: "Executor", run: _Run) -> tuple:
@@ -187,22 +190,25 @@ def prepare_process(ex: "Executor", run: _Run) -> tuple:
     ids = None
     home = None
     name = None
+    euid, egid = ex.ids   # the agent's own, read once (each getter is a system call on the loop)
     if spec.user is not None:
         looked_up = _lookup_user(spec.user)
         if looked_up is None:
             raise SpawnError("user", f"user {spec.user!r} does not exist on this node")
-        pw, groups = looked_up
-        if os.geteuid() != 0 and pw.pw_uid != os.geteuid():
+        pw, groups, has_home = looked_up
+        if euid != 0 and pw.pw_uid != euid:
             raise SpawnError("user", f"cannot run as {spec.user!r}: the agent is not root")
-        if pw.pw_uid != os.geteuid() or pw.pw_gid != os.getegid() or os.geteuid() == 0:
+        if pw.pw_uid != euid or pw.pw_gid != egid or euid == 0:
             ids = (pw.pw_uid, pw.pw_gid, list(groups))
-        home, name = pw.pw_dir, pw.pw_name
+        home, name = (pw.pw_dir if has_home else None), pw.pw_name
     else:
         try:
-            pw = pwd.getpwuid(os.geteuid())
+            pw = pwd.getpwuid(euid)
             home, name = pw.pw_dir, pw.pw_name
         except KeyError:
             pass
+        if home and not os.path.isdir(home):
+            home = None
     env = {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8"}
     path = spec.argv[0]
     if not os.path.isabs(path):
@@ -216,8 +222,8 @@ def prepare_process(ex: "Executor", run: _Run) -> tuple:
         cwd = spec.cwd
         if cwd is None:
             cwd = os.path.join(run_dir, "work")
-            _mkdir(cwd, 0o700)
-            if ids is not None:
+            made = _mkdir(cwd, 0o700)
+            if ids is not None and (not made or (ids[0], ids[1]) != (euid, egid)):   # made by us: ours already
                 os.chown(cwd, ids[0], ids[1])
             run.work_dir_created = cwd
         run.handle.run_dir = run_dir
@@ -225,7 +231,7 @@ def prepare_process(ex: "Executor", run: _Run) -> tuple:
         err = os.path.join(run_dir, "stderr.log")
     except OSError as exc:
         raise SpawnError("workdir", f"cannot prepare {run_dir}: {exc.strerror}") from None
-    if not home or not os.path.isdir(home):
+    if not home:
         home = cwd
     env.update({"HOME": home, "TMPDIR": cwd})
     if name:

@@ -243,6 +243,27 @@ def test_a_runs_work_dir_goes_with_the_run_whether_it_left_files_or_not(executor
     assert open(r_full.stdout_path).read() == "ok\n"
 
 
+def test_a_runs_work_dir_belongs_to_its_user_and_is_its_home_when_the_user_has_none(executor, job_user):
+    """The work dir is the run user's (chown'd for another user; made by the agent for its
+    own), writable by the job, its TMPDIR, and its HOME when the user's home is missing."""
+    import pwd
+
+    c = Collector()
+    script = 'stat -c "%U:%G %a" .; touch mine && echo "home=$HOME tmp=$TMPDIR pwd=$(pwd)"'
+    executor.start(RunSpec("wd-user", ["/bin/sh", "-c", script], user=job_user, limits=Limits(0.1, 16, 8)), c)
+    executor.start(RunSpec("wd-root", ["/bin/sh", "-c", script], user="root", limits=Limits(0.1, 16, 8)), c)
+    as_user, as_root = c.wait(["wd-user", "wd-root"])
+    assert as_user.reason == as_root.reason == "succeeded", (as_user, as_root, open(as_user.stderr_path).read())
+    pw = pwd.getpwnam(job_user)
+    group = __import__("grp").getgrgid(pw.pw_gid).gr_name
+    stat_line, env = open(as_user.stdout_path).read().splitlines()
+    assert stat_line == f"{job_user}:{group} 700"
+    vars_ = dict(kv.split("=", 1) for kv in env.split())
+    assert vars_["tmp"] == vars_["pwd"] and vars_["pwd"].endswith("/work")
+    assert vars_["home"] == (pw.pw_dir if os.path.isdir(pw.pw_dir) else vars_["pwd"])
+    assert open(as_root.stdout_path).read().splitlines()[0] == "root:root 700"
+
+
 def test_timeout_kills_a_process_tree_whose_child_ignores_sigterm(executor, base_dir):
     c = Collector()
     pidfile = os.path.join(base_dir, "child.pid")
