@@ -80,6 +80,7 @@ class _Stream:
                 except OSError:
                     pass
         self.rfd = self.wfd = -1
+        self._unwritable = True   # closed for good: a second (truncating) open would empty the file
 
 
 class _Run:

@@ -217,6 +217,7 @@ def test_the_stderr_tail_kept_in_memory_is_the_one_read_from_the_file(tmp_path):
         os.close(w)
         assert os.path.getsize(path) == min(len(data), limit) == s.written
         assert tail_text(bytes(s.tail), s.written) == stderr_tail(path), (i, limit)
+        assert s.open() is False and os.path.getsize(path) == s.written   # closed: never truncated again
     assert tail_text(bytes(s.tail), s.written) is None   # limit 0: nothing kept, nothing to show
 
 
