@@ -86,17 +86,21 @@ BURST_MARK = "millwright-test-burst"   # a no-op word in the burst's script: its
 
 
 def _processes_with(mark: str) -> list[int]:
-    """Processes whose command line holds ``mark`` (the burst's shell and its subshells)."""
-    needle = mark.encode()
+    """The burst's own shell and its subshells: processes whose script (``sh -c`` argument)
+    begins with ``: mark``. Not its launcher, whose command line also holds the job's argv
+    (after the launcher's own script) from before the agent released it (CI-style run 36:
+    a freeze then caught the agent before its go byte, and the burst lost nothing)."""
+    needle = f": {mark};".encode()
     out = []
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
                 with open(f"/proc/{name}/cmdline", "rb") as fh:
-                    if needle in fh.read():
-                        out.append(int(name))
+                    argv = fh.read().split(b"\0")
             except OSError:
-                pass
+                continue
+            if len(argv) > 2 and argv[1] == b"-c" and argv[2].startswith(needle):
+                out.append(int(name))
     return out
 
 
@@ -183,7 +187,7 @@ def sc(tmp_path_factory):
             # the `running` record is the claim, written before the spawn: a freeze right
             # after it can catch the agent before it started the burst, which then execs
             # after the freeze and loses nothing (CI-style runs 23 and 27). Freeze once the
-            # burst's own shell exists (it sleeps 1 s before its 900 execs).
+            # burst's own shell runs, past its launcher (it sleeps 1 s before its 900 execs).
             wait_for(lambda: _processes_with(BURST_MARK), 20, "burst-1's shell", interval=0.02)
             a0.signal(signal.SIGSTOP)
             try:
