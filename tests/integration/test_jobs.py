@@ -5,6 +5,7 @@ there by anyone else (issue 16: unsigned, forged, another cluster's, a retired k
 
 from __future__ import annotations
 
+import bisect
 import collections
 import glob
 import json
@@ -136,7 +137,17 @@ def test_exactly_once_2000_jobs_with_agent_kills_and_an_etcd_restart(env, etcd_s
     end = t0 + timedelta(seconds=horizon + 60)
     final = ("succeeded", "failed", "misfired")
     recover = c.ttl + 4.0
-    affected = lambda d: any(s - 1 <= d <= e + recover for s, e in faults)  # noqa: E731
+    # a firing is still in flight after its due time while the firings due with it (the
+    # second before it, its own batch included) start and are recorded: a kill 1.3 s after
+    # the 200 cron firings due together caught its victim's share of them unstarted or
+    # unrecorded (CI-style runs 31 and 38: owner_lost, or skipped by run_once, "with no
+    # fault in flight"). They start at CATCH_UP_PER_S at least, as the lateness bound assumes
+    dues = sorted(f.due for f in firings)
+
+    def in_flight_until(d: float) -> float:
+        return d + (bisect.bisect_right(dues, d) - bisect.bisect_left(dues, d - 1.0)) / CATCH_UP_PER_S
+
+    affected = lambda d: any(s - 1 <= in_flight_until(d) and d <= e + recover for s, e in faults)  # noqa: E731
     must = [(f.job, f.fire_id) for f in firings if not (f.may_skip and affected(f.due))]
     while now() < end:
         try:
@@ -169,8 +180,8 @@ def test_exactly_once_2000_jobs_with_agent_kills_and_an_etcd_restart(env, etcd_s
     # caught in flight, and owner_lost/misfired within the budget stated here. A kill -9
     # orphans what its agent had claimed or running: one-shots (about 55 due per second,
     # a third of them its own, claimed up to 0.25 s ahead and short: at most 40) and, when
-    # the kill comes just before a 5 s boundary, its share of the 200 cron firings due
-    # together there. The etcd restart fences all three agents at once: 3 x 40 one-shots
+    # the kill comes near a 5 s boundary (before it, or while that batch still starts), its
+    # share of the 200 cron firings due together there. The etcd restart fences all three agents at once: 3 x 40 one-shots
     # and at most one cron batch (200). misfired: every cron firing of the jobs whose shard
     # was affected, bounded by all cron firings due within TTL + 4 s of a fault
     ttl = c.ttl
