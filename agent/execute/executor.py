@@ -82,6 +82,8 @@ class Executor:
         self.can_arm = spawn_mode == "shim" and os.access(ARMED_SH, os.X_OK)
         self.base_dir = os.path.abspath(base_dir)
         self.ids = (os.geteuid(), os.getegid())   # the agent's own user and group
+        # ... and every group it acts with: a run user with exactly these needs no switch
+        self.group_set = frozenset(os.getgroups()) | {self.ids[1]}
         self.output_max_bytes = int(output_max_bytes)
         self.kill_grace_s = float(kill_grace_s)
         self.poststart: list[Callable[[RunHandle], Any]] = list(poststart or [])
