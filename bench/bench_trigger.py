@@ -23,7 +23,7 @@ the same time, in its own process, its due times halfway between ours: both see 
 machine load (this VM is shared); --sequential runs it afterwards instead. Also prints
 run-record writes per second.
 
-Usage: bench_trigger.py [--jobs 3000] [--over 30] [--backend auto|cgroup1|rlimit] [--lead 0.25] [--bpf] [--slim] [--skip-peer | --sequential]
+Usage: bench_trigger.py [--jobs 3000] [--over 30] [--backend auto|cgroup1|rlimit] [--lead 0.25] [--bpf] [--user root] [--slim] [--skip-peer | --sequential]
 Prerequisite: APScheduler 3.x for the peer (Debian: python3-apscheduler; scripts/setup-host.sh).
 """
 
@@ -75,6 +75,9 @@ def job_script(tmp: str) -> tuple[str, str]:
         fh.write(JOB_SH.format(out=out))
     os.chmod(path, 0o755)
     os.chmod(tmp, 0o755)
+    with open(out, "a"):
+        pass
+    os.chmod(out, 0o666)   # a job run as another user (--user) appends to it too
     return path, out
 
 
@@ -193,7 +196,7 @@ class CgroupTrace:
 
 def ours(n: int, over: float, backend: str, lead: float,
          with_peer: bool = False, bpf: bool = False, slim: bool = False,
-         trace: Optional[CgroupTrace] = None
+         trace: Optional[CgroupTrace] = None, user: str = "root"
          ) -> tuple[list[float], list[float], Optional[subprocess.Popen], Optional[tuple[list[float], list[float], int, list[int]]]]:
     from agent.runtime.components import _AuditComponent, _JobsComponent, _SupervisedJobs
     from agent.runtime.daemon import Agent
@@ -217,7 +220,7 @@ metrics: {{listen: ""}}
 bpf: {{enabled: {"true" if bpf else "false"}, mode: monitor}}
 execute: {{max_concurrent: 256, memory_mb: 65536, cpu: 256, quota_backend: {backend}, claim_lead_s: {lead}}}
 templates:
-  clock: {{argv: ["{script}"], user: root, allow_root: true, allow_exec: ["/bin/*", "/usr/bin/*"]}}
+  clock: {{argv: ["{script}"], user: {user}, allow_root: true, allow_exec: ["/bin/*", "/usr/bin/*"]}}
 """, "bench")
     delays: list[float] = []
     failed: list[str] = []
@@ -258,7 +261,7 @@ templates:
         # APScheduler in its own process, its due times halfway between ours: the same
         # machine load, at the same moments, for both
         peer_start = start.timestamp() + over / n / 2
-        peer_proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--peer-child",
+        peer_proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--peer-child", "--user", user,
                                       "--jobs", str(n), "--over", str(over), "--start-ts", repr(peer_start)],
                                      stdout=subprocess.PIPE, text=True)
     dues: dict[str, float] = {}
@@ -306,9 +309,17 @@ templates:
     return clocks, delays, peer_proc, witness
 
 
-def peer(n: int, over: float, start_ts: Optional[float] = None) -> tuple[list[float], list[float]]:
+def peer(n: int, over: float, start_ts: Optional[float] = None, user: str = "root") -> tuple[list[float], list[float]]:
+    import pwd
+
     from apscheduler.schedulers.background import BackgroundScheduler
 
+    # the job runs as `user`, switched the way a Python scheduler does it (subprocess's
+    # user/group/extra_groups: a fork instead of its vfork), unless this process is that user
+    pw = pwd.getpwnam(user)
+    switch: dict = {}
+    if (pw.pw_uid, pw.pw_gid) != (os.geteuid(), os.getegid()):
+        switch = {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": os.getgrouplist(user, pw.pw_gid)}
     delays: list[float] = []
     procs = []
     lock = threading.Lock()
@@ -318,7 +329,7 @@ def peer(n: int, over: float, start_ts: Optional[float] = None) -> tuple[list[fl
 
     def fire(jid, due_ts):
         p = subprocess.Popen([script], env={"PATH": "/usr/bin:/bin", "MILLWRIGHT_JOB_ID": jid},
-                             stdin=subprocess.DEVNULL, close_fds=True)
+                             stdin=subprocess.DEVNULL, close_fds=True, **switch)
         d = time.time() - due_ts
         with lock:
             delays.append(d)
@@ -371,6 +382,7 @@ def add_workload_args(ap: argparse.ArgumentParser, backend: str = "auto") -> Non
     ap.add_argument("--backend", default=backend)
     ap.add_argument("--lead", type=float, default=0.25, help="execute.claim_lead_s")
     ap.add_argument("--bpf", action="store_true", help="the agent's BPF sensor on (exec policy in monitor mode)")
+    ap.add_argument("--user", default="root", help="the job's user, for both schedulers (e.g. nobody: a user switch per job)")
 
 
 def main() -> None:
@@ -388,16 +400,16 @@ def main() -> None:
     ap.add_argument("--start-ts", type=float, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.peer_child:
-        clocks, popen = peer(a.jobs, a.over, a.start_ts)
+        clocks, popen = peer(a.jobs, a.over, a.start_ts, a.user)
         print(json.dumps({"clocks": clocks, "popen": popen}))
         return
     together = not a.skip_peer and not a.sequential
-    print(f"{a.jobs} one-shot jobs over {a.over:g} s, BPF {'on' if a.bpf else 'off'}, "
+    print(f"{a.jobs} one-shot jobs over {a.over:g} s, BPF {'on' if a.bpf else 'off'}, run as {a.user}, "
           f"agent: {'scheduler and executor only (--slim)' if a.slim else 'audit, jobs, sensing, supervision'}, job body: sh exec date +%s.%N >> file; "
           f"APScheduler {'at the same time, due times interleaved' if together else 'after'}", flush=True)
     print(f"before: {load()}", flush=True)
     mine, go_byte, child, witness = ours(a.jobs, a.over, a.backend, a.lead, with_peer=together, bpf=a.bpf,
-                                         slim=a.slim, trace=CgroupTrace() if a.trace_cgroup else None)
+                                         slim=a.slim, trace=CgroupTrace() if a.trace_cgroup else None, user=a.user)
     print(f"after millwright:  {load()}", flush=True)
     name = f"millwright ({a.backend}, lead {a.lead:g} s)"
     print(summary(name + " job clock", mine), flush=True)
@@ -421,7 +433,7 @@ def main() -> None:
     else:
         time.sleep(5)
         print(f"before apscheduler: {load()}", flush=True)
-        theirs, popen = peer(a.jobs, a.over)
+        theirs, popen = peer(a.jobs, a.over, user=a.user)
         print(f"after apscheduler:  {load()}", flush=True)
     report_peer(theirs, popen, a.jobs)
     print(f"ratio at the job's clock (millwright / apscheduler): p50 {pct(mine, 50) / pct(theirs, 50):.2f}x, "

@@ -129,7 +129,7 @@ def main() -> None:
     instrument()
     print(f"{a.jobs} one-shot jobs over {a.over:g} s, backend {a.backend}, BPF {'on' if a.bpf else 'off'}, "
           f"APScheduler {'beside it' if a.peer else 'not running'}; before: {bench_trigger.load()}", flush=True)
-    mine, _, child, _ = bench_trigger.ours(a.jobs, a.over, a.backend, a.lead, with_peer=a.peer, bpf=a.bpf)
+    mine, _, child, _ = bench_trigger.ours(a.jobs, a.over, a.backend, a.lead, with_peer=a.peer, bpf=a.bpf, user=a.user)
     print(bench_trigger.summary("millwright job clock", mine) if mine else "no job clock recorded")
     if child is not None:
         child.communicate()
