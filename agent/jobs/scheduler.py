@@ -48,7 +48,6 @@ from agent.coordination.jobstore import JobStore, StoredJob, public_doc
 from agent.coordination.keys import shard_of
 from agent.coordination.watch import PrefixWatch, WatchEvent
 from agent.coordination.worker import EtcdWorkers
-from agent.execute.runs import STDERR_TAIL_BYTES, tail_text
 from agent.jobs import schedule as sch
 from agent.jobs.claimlead import ClaimLead
 from agent.jobs.document import Job, JobRejected, render_argv, run_id
@@ -81,24 +80,6 @@ RECORD_WORKERS = 6         # threads writing run records (claims, final states) 
 DEPENDENCY_RECHECK_S = 1.0
 REJECTED_STORED_MEMORY = 10000  # (job, revision) pairs already reported, so reloads do not repeat them
 RETIRE_CHECK_MAX_S = 3600.0     # a retirement far ahead is re-armed at most this far out
-
-
-def stderr_tail(path: Optional[str], limit: int = STDERR_TAIL_BYTES) -> Optional[str]:
-    """The last ``limit`` bytes of a run's stderr file (so the cloud sees why it failed),
-    cut at a line start when there is one; None when there was no output. Only for results
-    without the tail the executor keeps in memory (RunResult.stderr_tail): reading the file
-    back is an open and three more system calls on the loop per run end."""
-    if not path:
-        return None
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, 2)
-            size = fh.tell()
-            fh.seek(max(0, size - limit))
-            raw = fh.read(limit)
-    except OSError:
-        return None
-    return tail_text(raw, size, limit)
 
 
 # How often a firing re-checks its fence while the session is past its renew deadline but
@@ -963,9 +944,7 @@ class Scheduler:
         detail = getattr(result, "error", None)
         fields: dict[str, Any] = dict(exit_code=getattr(result, "exit_code", None), reason=reason if detail is None else f"{reason}: {detail}",
                       usage=usage_doc, ended_at=rfc(now), health=f.health)
-        tail = getattr(result, "stderr_tail", None)
-        if tail is None and getattr(result, "stderr_bytes", None) != 0:   # a result without the in-memory tail
-            tail = stderr_tail(getattr(result, "stderr_path", None))
+        tail = getattr(result, "stderr_tail", None)   # kept by the reaper as the output came
         if tail is not None:
             fields["stderr_tail"] = tail
         released = getattr(result, "started_at", None)

@@ -21,7 +21,7 @@ import pytest
 from agent.execute import Executor, Limits, RunSpec, probe
 from agent.execute.backends import BackendUnavailable, Cgroup2Backend, CgroupFS, RlimitBackend, alive
 from tests.support.kernel import require_kernel
-from tests.support.processes import PY, Collector, _zombies_left
+from tests.support.processes import PY, Collector, _zombies_left, stderr_tail
 
 CONTROLLERS = "cpu io memory pids"
 
@@ -245,8 +245,6 @@ def rlimit_executor(base_dir):
 def test_a_runs_output_files_and_stderr_tail_come_from_the_reaper(rlimit_executor, job_user):
     """The reaper creates a run's output files (also when it wrote nothing) and keeps the
     end of its stderr in memory: the result's stderr_tail is what reading the file gives."""
-    from agent.jobs.scheduler import stderr_tail
-
     c = Collector()
     loud = "import sys\nfor i in range(900): sys.stderr.write(f'complaint {i:04d}\\n')\nsys.exit(3)\n"
     rlimit_executor.start(RunSpec("r-silent", ["/bin/true"], user=job_user), c)

@@ -8,7 +8,25 @@ import threading
 import time
 from typing import Collection, Optional
 
+from agent.execute.runs import STDERR_TAIL_BYTES, tail_text
+
 PY = sys.executable if sys.executable.startswith("/usr/bin/") else "/usr/bin/python3"
+
+
+def stderr_tail(path: Optional[str], limit: int = STDERR_TAIL_BYTES) -> Optional[str]:
+    """The reference for RunResult.stderr_tail: the same tail read back from the run's
+    stderr file (what the final record carried before the reaper kept it in memory)."""
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            size = fh.tell()
+            fh.seek(max(0, size - limit))
+            raw = fh.read(limit)
+    except OSError:
+        return None
+    return tail_text(raw, size, limit)
 
 
 class Collector:

@@ -13,8 +13,9 @@ from agent.cloud.answers import KEEP_S, decide
 from agent.cloud.outbox import Outbox, OutboxPublisher
 from agent.cloud.queries import BadRequest, parse_request
 from agent.cloud.topics import Topics
+from agent.execute.runs import STDERR_TAIL_BYTES
 from agent.jobs import view
-from agent.jobs.scheduler import STDERR_TAIL_BYTES, stderr_tail
+from tests.support.processes import stderr_tail
 
 T = Topics("c")
 
