@@ -47,7 +47,6 @@ from agent.execute.runs import REASONS, RunHandle, RunResult, RunSpec, rfc3339, 
 
 log = logging.getLogger("millwright.execute")
 
-REAP_AGAIN_S = (0.2, 1.0, 3.0)   # after a run ended, its process group is swept for zombies again
 # An armed launcher (prepare(..., guard_until=...)) is used only if its guard is known to
 # hold this long past the release time; and a discard this close to the release time is
 # not trusted to beat the launcher's own timer (the run is released, then terminated).
@@ -483,8 +482,7 @@ class Executor:
             # a member still being re-parented to us (its parent mid-exit) at the last sweep
             # turns zombie after it: sweep the group again shortly. The group's number is not
             # handed out again while any of its zombies exists, so this reaps only this run's.
-            for delay in REAP_AGAIN_S:
-                r.call_at(time.monotonic() + delay, _reap_group, handle.pgid)
+            r.reap_again(handle.pgid)
         for s in run.streams:
             r.unwatch_fd(s.rfd)
             s.open()   # the file exists also when the run wrote nothing

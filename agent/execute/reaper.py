@@ -6,6 +6,7 @@ process group, never touching the agent's other children."""
 
 from __future__ import annotations
 
+import collections
 import errno
 import heapq
 import itertools
@@ -26,6 +27,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from agent.execute.executor import Executor
 
 log = logging.getLogger("millwright.execute")
+
+REAP_AGAIN_S = (0.2, 1.0, 3.0)   # after a run ended, its process group is swept for zombies again
+RESWEEP_TICK_S = 0.1             # ... in sweeps of every group due, at most this often
 
 
 class _Stream:
@@ -147,6 +151,11 @@ class Reaper(threading.Thread):
         self.running: set = set()
         self.polled: set = set()
         self.orphan_slots: list = []
+        # process groups of ended runs to sweep for zombies again, REAP_AGAIN_S after their
+        # end: one FIFO per delay (so in time order), swept together every RESWEEP_TICK_S
+        # (three timers per run were a third of this thread's wake-ups at 100 runs/s)
+        self.resweeps: dict[float, collections.deque] = {d: collections.deque() for d in REAP_AGAIN_S}
+        self.next_resweep = 0.0
         self._stopping = False
 
     # any thread
@@ -163,6 +172,25 @@ class Reaper(threading.Thread):
     # reaper thread
     def _set_stop(self) -> None:
         self._stopping = True
+
+    def reap_again(self, pgid: int) -> None:
+        """Sweep an ended run's process group for zombies again later (REAP_AGAIN_S): a
+        member still being re-parented to us at its last sweep turns zombie after it."""
+        now = time.monotonic()
+        for delay, q in self.resweeps.items():
+            q.append((now + delay, pgid))
+
+    def _resweep(self, now: float) -> None:
+        for q in self.resweeps.values():
+            while q and q[0][0] <= now:
+                _reap_group(q.popleft()[1])
+
+    def _resweep_due(self) -> Optional[float]:
+        """When the next sweep tick is due (None: nothing to sweep)."""
+        heads = [q[0][0] for q in self.resweeps.values() if q]
+        if not heads:
+            return None
+        return max(min(heads), self.next_resweep)
 
     def call_at(self, when: float, fn: Callable, *args: Any) -> _Timer:
         t = _Timer(when, fn, args)
@@ -208,6 +236,11 @@ class Reaper(threading.Thread):
             if (self.running or self.polled or self.orphan_slots or ex.armed) and now >= next_watch:
                 self._safe(ex._watch)
                 next_watch = now + (0.02 if self.polled else ex.watch_interval_s)
+            resweep_at = self._resweep_due()
+            if resweep_at is not None and now >= resweep_at:
+                self._safe(self._resweep, now)
+                self.next_resweep = now + RESWEEP_TICK_S
+                resweep_at = self._resweep_due()
             if self._stopping and not self.fds_for_runs():
                 break
             wait = 1.0
@@ -215,6 +248,8 @@ class Reaper(threading.Thread):
                 wait = min(wait, self.timers[0][0] - now)
             if self.running or self.polled or self.orphan_slots or ex.armed:
                 wait = min(wait, next_watch - now)
+            if resweep_at is not None:
+                wait = min(wait, resweep_at - now)
             try:
                 events = self.poller.poll(max(0, int(wait * 1000) + (1 if wait > 0 else 0)))
             except InterruptedError:

@@ -616,6 +616,35 @@ def test_prepare_without_guard_until_is_not_armed(executor, base_dir):
     assert cmds == ["/bin/sh", "/bin/sh"] and [x.reason for x in r] == ["succeeded", "succeeded"]
 
 
+def test_an_ended_runs_group_is_swept_again_for_late_zombies(executor):
+    """A member of a run's process group that turns zombie after the run's last sweep
+    (still being re-parented then) is reaped by the later sweeps (REAP_AGAIN_S), which
+    the reaper makes for all ended runs together; once the last is due, none is left."""
+    from agent.execute.reaper import REAP_AGAIN_S
+
+    late = subprocess.Popen(["/bin/sh", "-c", "exit 0"], start_new_session=True)   # its own group
+    deadline = time.monotonic() + 5
+    while _state(late.pid) != "Z" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _state(late.pid) == "Z"
+    reaper = executor._reaper
+    reaper.post(reaper.reap_again, late.pid)
+    deadline = time.monotonic() + REAP_AGAIN_S[0] + 2
+    while _state(late.pid) is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _state(late.pid) is None, "the zombie was not swept"
+    time.sleep(REAP_AGAIN_S[-1] + 0.5)
+    assert all(not q for q in reaper.resweeps.values())
+
+
+def _state(pid: int):
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+
+
 def test_effective_limits_reach_the_cgroup(executor):
     from agent.config import Resources
 

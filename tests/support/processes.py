@@ -83,7 +83,7 @@ def _children_zombies(pgids: Optional[Collection[int]] = None) -> list[str]:
 def _zombies_left(pgids: Optional[Collection[int]] = None, timeout: float = 5.0) -> list[str]:
     """Zombie children of this process, of the runs' process groups ``pgids``, still there
     after ``timeout``: the executor sweeps a finished run's process group again within 3 s
-    (agent/execute/executor.py REAP_AGAIN_S) for members that were still being re-parented
+    (agent/execute/reaper.py REAP_AGAIN_S) for members that were still being re-parented
     to it at its last sweep.
 
     Pass the runs' groups: once an executor made the test process a child subreaper, every
