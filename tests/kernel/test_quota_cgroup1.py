@@ -17,7 +17,7 @@ from agent.execute import Admission, Budget, Executor, Limits, RunSpec, effectiv
 from agent.execute.backends import BackendUnavailable, Cgroup1Backend, alive
 from agent.runtime.loop import EventLoop
 from tests.support.kernel import require_kernel
-from tests.support.processes import PY, Collector, _zombies_left, _executor_kind
+from tests.support.processes import PY, Collector, _children_zombies, _zombies_left, _executor_kind
 
 ROOT_NAME = f"millwright-test-{os.getpid()}"
 
@@ -624,25 +624,14 @@ def test_an_ended_runs_group_is_swept_again_for_late_zombies(executor):
 
     late = subprocess.Popen(["/bin/sh", "-c", "exit 0"], start_new_session=True)   # its own group
     deadline = time.monotonic() + 5
-    while _state(late.pid) != "Z" and time.monotonic() < deadline:
+    while not _children_zombies([late.pid]) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert _state(late.pid) == "Z"
+    assert _children_zombies([late.pid]), "the test's process did not turn zombie"
     reaper = executor._reaper
     reaper.post(reaper.reap_again, late.pid)
-    deadline = time.monotonic() + REAP_AGAIN_S[0] + 2
-    while _state(late.pid) is not None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert _state(late.pid) is None, "the zombie was not swept"
+    assert _zombies_left([late.pid], timeout=REAP_AGAIN_S[0] + 2) == [], "the zombie was not swept"
     time.sleep(REAP_AGAIN_S[-1] + 0.5)
     assert all(not q for q in reaper.resweeps.values())
-
-
-def _state(pid: int):
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return None
 
 
 def test_effective_limits_reach_the_cgroup(executor):
