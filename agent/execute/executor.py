@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional
 from agent.execute import metrics as m
 from agent.execute.backends import QuotaBackend, Usage, probe
 from agent.execute.guard import RunGuard
-from agent.execute.launch import ARMED_SH, DEFAULT_PATH, SHIM_SH, SpawnError, go, spawn
+from agent.execute.launch import ARMED_SH, DEFAULT_PATH, SHIM_SH, SpawnError, Staged, go, spawn, stage
 from agent.execute.limits import Limits, default_limits
 from agent.execute.reaper import Reaper, _drain_stream, _kill, _killpg, _reap_group, _Run, _set_child_subreaper
 from agent.execute.release import Releaser
@@ -121,21 +121,47 @@ class Executor:
     default_limits = Limits()
 
     # --- public -------------------------------------------------------------------
+    def stage(self, spec: RunSpec) -> Staged:
+        """Make a run's directories and quota container now, on the calling thread (any
+        thread; its blocking file-system and cgroup steps then stay off the thread that
+        starts runs on time). Pass the result to start() or prepare() of the same spec, or
+        to unstage() if the run will not start. Never raises for the run's own errors:
+        start()/prepare() report them as the run's spawn_error."""
+        return stage(self, spec)
+
+    def unstage(self, staged: Staged) -> None:
+        """A staged run that will not start: its quota container and empty directories go
+        (on the reaper thread)."""
+        self._reaper.post(self._drop_staged, staged)
+
+    def _drop_staged(self, staged: Staged) -> None:
+        if staged.slot is not None and not staged.slot.removed and not self.backend.remove(staged.slot):
+            m.CGROUP_CLEANUP_FAILURES.inc()
+            self._reaper.orphan_slots.append((staged.slot, time.monotonic()))
+        dirs = [staged.work_dir_created] if staged.work_dir_created else []
+        if staged.process is not None:
+            dirs.append(staged.process[-1])   # the run dir: nothing was written into it
+        for d in dirs:
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+
     def start(self, spec: RunSpec, on_exit: Callable[[RunHandle, RunResult], Any], *,
-              guard: Optional[Callable[[], bool]] = None) -> RunHandle:
+              guard: Optional[Callable[[], bool]] = None, staged: Optional[Staged] = None) -> RunHandle:
         """Start a run; always returns a handle, on_exit(handle, result) follows exactly
         once on the reaper thread. Raises ValueError only for a run_key already live.
         ``guard()`` (thread-safe; e.g. "the lease this run was claimed under is valid") is
         checked by the reaper on every watch tick: once false, the run is terminated with
         reason ``fenced`` (kill_grace_s later SIGKILLed), independently of the caller's
-        thread."""
-        return self._start(spec, on_exit, hold=False, guard=guard)
+        thread. ``staged``: stage(spec)'s result, made earlier on another thread."""
+        return self._start(spec, on_exit, hold=False, guard=guard, staged=staged)
 
     def prepare(self, spec: RunSpec, on_exit: Callable[[RunHandle, RunResult], Any], *,
                 release_at: Optional[float] = None,
                 on_release: Optional[Callable[[RunHandle, bool], Any]] = None,
                 guard: Optional[Callable[[], bool]] = None,
-                guard_until: Optional[float] = None) -> RunHandle:
+                guard_until: Optional[float] = None, staged: Optional[Staged] = None) -> RunHandle:
         """Everything start() does except letting the job exec: the launcher waits in its
         quota container (pid known, poststart hooks done) until release(). This takes the
         costly part (cgroup, fork, user lookup) off the due time. With ``release_at``
@@ -155,7 +181,7 @@ class Executor:
         if release_at is not None and self.can_arm and (
                 guard is None or (guard_until is not None and release_at + ARM_MARGIN_S <= guard_until)):
             arm_at = time.time() + (release_at - time.monotonic())
-        handle = self._start(spec, on_exit, hold=True, guard=guard, arm_at=arm_at)
+        handle = self._start(spec, on_exit, hold=True, guard=guard, arm_at=arm_at, staged=staged)
         if release_at is not None:
             with self._lock:
                 run = self._live.get(handle.run_key)
@@ -228,8 +254,11 @@ class Executor:
         self._timed_release(run)
 
     def _start(self, spec: RunSpec, on_exit: Callable[[RunHandle, RunResult], Any], hold: bool,
-               guard: Optional[Callable[[], bool]] = None, arm_at: Optional[float] = None) -> RunHandle:
+               guard: Optional[Callable[[], bool]] = None, arm_at: Optional[float] = None,
+               staged: Optional[Staged] = None) -> RunHandle:
         t0 = time.perf_counter()
+        if staged is not None and staged.run_key != spec.run_key:
+            raise ValueError(f"staged run {staged.run_key!r} is not {spec.run_key!r}")
         handle = RunHandle(self, spec)
         run = _Run(handle, on_exit)
         run.guard = guard
@@ -239,7 +268,7 @@ class Executor:
                 raise ValueError(f"run {spec.run_key!r} is already live")
             self._live[spec.run_key] = run
         try:
-            spawn(self, run, hold, arm_at=arm_at)
+            spawn(self, run, hold, arm_at=arm_at, staged=staged)
         except SpawnError as exc:   # before fork: no process
             run.error = str(exc)
             m.SPAWN_ERRORS.labels(exc.stage).inc()

@@ -183,8 +183,9 @@ def _mkdir(path: str, mode: int) -> bool:
     return True
 
 
-def prepare_process(ex: "Executor", run: _Run) -> tuple:
-    spec = run.handle.spec
+def prepare_process(ex: "Executor", spec: Any, created: list) -> tuple:
+    """The run's user, executable, environment and directories (made now). ``created``
+    receives the work dir the agent provides (removed again at the run's end)."""
     if not spec.argv or not all(isinstance(a, str) and "\0" not in a for a in spec.argv):
         raise SpawnError("argv", "argv must be a non-empty list of strings without NUL")
     ids = None
@@ -227,10 +228,9 @@ def prepare_process(ex: "Executor", run: _Run) -> tuple:
         if cwd is None:
             cwd = os.path.join(run_dir, "work")
             made = _mkdir(cwd, 0o700)
+            created.append(cwd)
             if ids is not None and (not made or (ids[0], ids[1]) != (euid, egid)):   # made by us: ours already
                 os.chown(cwd, ids[0], ids[1])
-            run.work_dir_created = cwd
-        run.handle.run_dir = run_dir
         out = os.path.join(run_dir, "stdout.log")
         err = os.path.join(run_dir, "stderr.log")
     except OSError as exc:
@@ -245,26 +245,79 @@ def prepare_process(ex: "Executor", run: _Run) -> tuple:
             env[k] = v
     env.update({"MILLWRIGHT_JOB_ID": spec.job_id, "MILLWRIGHT_FIRE_ID": spec.fire_id,
                 "MILLWRIGHT_RUN_ID": spec.run_id or spec.run_key, "MILLWRIGHT_ATTEMPT": str(spec.attempt)})
-    return ids, path, env, cwd, out, err
+    return ids, path, env, cwd, out, err, run_dir
 
-def spawn(ex: "Executor", run: _Run, hold: bool = False, arm_at: Optional[float] = None) -> None:
-    """Start the run's launcher, confine it, then let it exec (or, ``hold``, keep it
-    waiting for go()). ``arm_at`` (wall clock; shim mode with bash only): the launcher
-    releases itself then (ARMED_SCRIPT); go() before that releases it early."""
-    spec = run.handle.spec
-    ids, path, env, cwd, out_path, err_path = prepare_process(ex, run)
-    if ex.spawn_mode == "shim":
-        try:
-            st = os.stat(path)
-        except OSError as exc:
-            raise SpawnError("exec", f"exec {path}: {exc.strerror}") from None
-        if not (stat.S_ISREG(st.st_mode) and st.st_mode & 0o111):
-            raise SpawnError("exec", f"exec {path}: not an executable file")
-    limits = spec.limits
+
+class Staged:
+    """What a run needs before its launcher starts, made ahead (Executor.stage) on any
+    thread: its run and work directories and its quota container. A filesystem or cgroup
+    step may block (a directory on the state disk waits for its journal behind etcd's
+    fsyncs), so it is done where a stall delays nothing due (the claim's own etcd worker),
+    not on the thread that spawns launchers on time. A failure is kept and reported by
+    the spawn, as if it had happened there."""
+
+    __slots__ = ("run_key", "process", "work_dir_created", "slot", "error")
+
+    def __init__(self, run_key: str):
+        self.run_key = run_key
+        self.process: Optional[tuple] = None   # prepare_process()'s result
+        self.work_dir_created: Optional[str] = None
+        self.slot: Any = None
+        self.error: Optional[SpawnError] = None
+
+
+def stage(ex: "Executor", spec: Any) -> Staged:
+    """Directories, the executable check and the quota container of a run (thread-safe:
+    only system calls and the user cache)."""
+    st = Staged(spec.run_key)
+    created: list[str] = []
     try:
-        run.slot = ex.backend.create(safe_name(spec.run_key), limits)
+        st.process = prepare_process(ex, spec, created)
+        if ex.spawn_mode == "shim":
+            _check_executable(st.process[1])
+        st.slot = _create_slot(ex, spec)
+    except SpawnError as exc:
+        st.error = exc
+    except Exception as exc:   # a bug or an unexpected OS error: the run's spawn_error, not the caller's
+        log.exception("staging a run failed", extra={"fields": {"run": spec.run_key}})
+        st.error = SpawnError("internal", f"internal error: {exc}")
+    finally:
+        st.work_dir_created = created[0] if created else None
+    return st
+
+
+def _check_executable(path: str) -> None:
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise SpawnError("exec", f"exec {path}: {exc.strerror}") from None
+    if not (stat.S_ISREG(st.st_mode) and st.st_mode & 0o111):
+        raise SpawnError("exec", f"exec {path}: not an executable file")
+
+
+def _create_slot(ex: "Executor", spec: Any) -> Any:
+    try:
+        return ex.backend.create(safe_name(spec.run_key), spec.limits)
     except OSError as exc:
         raise SpawnError("cgroup", f"cannot create the run's quota container: {exc.strerror or exc}") from None
+
+
+def spawn(ex: "Executor", run: _Run, hold: bool = False, arm_at: Optional[float] = None,
+          staged: Optional[Staged] = None) -> None:
+    """Start the run's launcher, confine it, then let it exec (or, ``hold``, keep it
+    waiting for go()). ``arm_at`` (wall clock; shim mode with bash only): the launcher
+    releases itself then (ARMED_SCRIPT); go() before that releases it early. ``staged``:
+    its directories and quota container, made ahead by stage() (else made here)."""
+    spec = run.handle.spec
+    if staged is None:
+        staged = stage(ex, spec)
+    run.work_dir_created = staged.work_dir_created
+    run.slot = staged.slot
+    if staged.error is not None:
+        raise staged.error
+    assert staged.process is not None and run.slot is not None
+    ids, path, env, cwd, out_path, err_path, run.handle.run_dir = staged.process
+    limits = spec.limits
     run.handle.cgroup = dict(run.slot.paths) or None
     rlimits = ex.backend.child_rlimits(limits, spec.timeout_s)
     limit = ex.output_max_bytes if spec.output_max_bytes is None else int(spec.output_max_bytes)

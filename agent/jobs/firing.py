@@ -72,6 +72,8 @@ class Firing:
     lead: float = 0.0        # how far ahead of `due` its claim was planned (0: at or after due)
     writing: int = 0         # record writes in flight: a retry's claim compares the revision they set
     limits: Any = None       # the limits admission let in, which the run then gets
+    run: Any = None          # (RunSpec, argv, template) of this attempt, or why it cannot start
+    staged: Any = None       # its directories and quota container, made with the claim (Executor.stage)
     seq: int = field(default_factory=lambda: next(_SEQ))
     state: FiringState = field(default=FiringState.PENDING, init=False)
 

@@ -271,6 +271,7 @@ class Scheduler:
         for f in list(e.firings.values()):
             if f.timer:
                 f.timer.cancel()
+            self._unstage(f)
             if f.state == FiringState.RUNNING and f.handle is not None:
                 # we may no longer write for this shard: stop the process so the new owner's
                 # policy never overlaps with it
@@ -740,12 +741,25 @@ class Scheduler:
         rec = self._record(f, "running", started_at=rfc(max(utcnow(), f.due)))
         compare = [Mod(key) == f.record_rev] if retry else [Create(key) == 0]
         ops = self._record_ops(f, key, json.dumps(rec))
+        f.run = self._run_spec(f)
+        stage = getattr(self.executor, "stage", None)
+        spec = f.run[0] if stage is not None and not isinstance(f.run, str) else None
 
         def op():
-            return fenced_txn(self.client, fence, compare=compare, success=ops)
+            r = fenced_txn(self.client, fence, compare=compare, success=ops)
+            staged = None
+            if spec is not None and stage is not None and r.succeeded:
+                # ours now: its directories and quota container are made here, on this
+                # worker, so the loop's spawn does no blocking file-system work
+                staged = stage(spec)
+            return r, staged
 
-        def done(r, error):
+        def done(result, error):
+            r: Any
+            r, staged = result if error is None else (None, None)
             if f.state != FiringState.CLAIMING:
+                if staged is not None:
+                    self.executor.unstage(staged)
                 return
             if retry and isinstance(error, StaleToken):
                 self._abandon(f, "shard_lost")
@@ -767,7 +781,7 @@ class Scheduler:
                 FIRINGS.labels("already_claimed").inc()
                 self._abandon(f, "already_claimed")
                 return
-            f.record, f.record_rev = rec, r.revision
+            f.record, f.record_rev, f.staged = rec, r.revision, staged
             self._spawn(f)
 
         self.workers.submit(op, done)
@@ -835,30 +849,55 @@ class Scheduler:
         self._forget(f)
         log.debug("firing abandoned", extra={"fields": {"job": f.entry.job.id, "fire_id": f.fire_id, "why": why}})
 
-    def _spawn(self, f: Firing) -> None:
+    def _run_spec(self, f: Firing) -> Any:
+        """(RunSpec, argv, template) of the firing's current attempt, or the reason it
+        cannot start (its run then fails early, after the claim)."""
         from agent.execute.runs import RunSpec
 
+        e = f.entry
+        tpl = self.cfg.templates.get(e.job.template)
+        if tpl is None:
+            return "unknown_template"
+        rid = run_id(f.fire_id, f.attempt)
+        try:
+            argv = render_argv(e.job, tpl, {"fire_id": f.fire_id, "attempt": f.attempt, "run_id": rid})
+        except JobRejected as exc:
+            return f"bad_param: {exc.detail}"
+        spec = RunSpec(run_key=f"{f.key}.{f.attempt}", argv=argv, user=tpl.user, limits=f.limits or self._limits(e),
+                       timeout_s=e.job.timeout_s, kill_grace_s=self.cfg.execute.kill_grace_s,
+                       output_max_bytes=self.cfg.execute.output_max_bytes, job_id=e.job.id,
+                       run_id=rid, fire_id=f.fire_id, attempt=f.attempt)
+        return spec, argv, tpl
+
+    def _unstage(self, f: Firing) -> None:
+        """The staged directories and quota container of a run that will not start go."""
+        staged, f.staged = f.staged, None
+        if staged is not None:
+            self.executor.unstage(staged)
+
+    def _spawn(self, f: Firing) -> None:
         e = f.entry
         if self.agent.fence_for(e.shard) is None:  # fenced while claiming: do not start
             if self._session_lapsed(f):
                 self.loop.call_later(FENCE_WAIT_S, self._when_current, f, FiringState.CLAIMING, self._spawn, f)
                 return
+            self._unstage(f)
             self._abandon(f, "fenced")
             return
-        tpl = self.cfg.templates.get(e.job.template)
-        if tpl is None:
-            self._run_failed_early(f, "unknown_template")
+        planned, f.run = f.run, None
+        if planned is None or (not isinstance(planned, str) and planned[0].attempt != f.attempt):
+            planned = self._run_spec(f)   # claimed by another path (a read-back): built now
+        staged, f.staged = f.staged, None
+        if isinstance(planned, str):
+            if staged is not None:
+                self.executor.unstage(staged)
+            self._run_failed_early(f, planned)
             return
-        rid = run_id(f.fire_id, f.attempt)
-        try:
-            argv = render_argv(e.job, tpl, {"fire_id": f.fire_id, "attempt": f.attempt, "run_id": rid})
-        except JobRejected as exc:
-            self._run_failed_early(f, f"bad_param: {exc.detail}")
-            return
-        spec = RunSpec(run_key=f"{f.key}.{f.attempt}", argv=argv, user=tpl.user, limits=f.limits or self._limits(e),
-                       timeout_s=e.job.timeout_s, kill_grace_s=self.cfg.execute.kill_grace_s,
-                       output_max_bytes=self.cfg.execute.output_max_bytes, job_id=e.job.id,
-                       run_id=rid, fire_id=f.fire_id, attempt=f.attempt)
+        spec, argv, tpl = planned
+        if staged is not None and staged.run_key != spec.run_key:
+            self.executor.unstage(staged)
+            staged = None
+        extra = {"staged": staged} if staged is not None else {}
         session = self.agent.session
         lease = session.lease_id
 
@@ -881,7 +920,7 @@ class Scheduler:
             valid_until = session.valid_until if session.lease_id == lease else 0.0
             f.handle = prepare(spec, on_exit, release_at=time.monotonic() + ahead,
                                on_release=lambda h, ok: self.loop.post(self._released, f, h, ok, argv, tpl.user),
-                               guard=lease_valid, guard_until=valid_until)
+                               guard=lease_valid, guard_until=valid_until, **extra)
             # listeners (exec policy, sensor attribution) know the run before it can exec
             for l in self.run_listeners:
                 l.run_started(f)
@@ -890,7 +929,7 @@ class Scheduler:
             # the claim took longer than its lead: the spawn is on the due time's path
             FIRINGS.labels("claimed_late").inc()
         try:
-            f.handle = self.executor.start(spec, on_exit, guard=lease_valid)
+            f.handle = self.executor.start(spec, on_exit, guard=lease_valid, **extra)
         except TypeError:   # an executor without lease guards (unit-test fakes)
             f.handle = self.executor.start(spec, on_exit)
         for l in self.run_listeners:
@@ -1145,6 +1184,8 @@ class Scheduler:
         """Call fn(*args) later only if the firing is still where it was (same entry, same state)."""
         if f.state == state and self.entries.get(f.entry.job.id) is f.entry and not f.entry.cancelled:
             fn(*args)
+        else:
+            self._unstage(f)   # it will not be spawned: its staged run goes
 
     def _final_status(self, f: Firing, state: str, **fields: Any) -> tuple[dict, Optional[str]]:
         """A run's final status document and the key of its durable answer marker (None when

@@ -806,3 +806,76 @@ def test_a_busy_run_weighs_one_ordinary_process_on_a_contended_cpu(base_dir, lay
         assert max(ratio) < 0.5, ratio     # one weight shared by all four
     else:
         assert min(ratio) > 0.6, ratio     # each about as much as the ordinary process
+
+
+# --------------------------------------------------------------------------- issue 18 staging
+
+
+def test_a_staged_run_starts_in_the_directories_and_cgroups_made_ahead_on_another_thread(executor, backend,
+                                                                                         monkeypatch):
+    """stage() on another thread makes the run's work dir and quota container; start()
+    with it runs the job there without making them on its own thread (the point: the
+    loop does no blocking file-system work), and the run's end removes both as for any
+    run."""
+    from agent.execute import launch
+
+    makers: list[str] = []
+    prepare, create = launch.prepare_process, backend.create
+    monkeypatch.setattr(launch, "prepare_process",
+                        lambda *a: (makers.append(threading.current_thread().name), prepare(*a))[1])
+    monkeypatch.setattr(backend, "create", lambda *a: (makers.append(threading.current_thread().name), create(*a))[1])
+    spec = RunSpec("st-used", ["/bin/sh", "-c", 'pwd; cat /proc/self/cgroup'], limits=Limits(0.1, 16, 8))
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(executor.stage(spec)), name="stager")
+    t.start()
+    t.join()
+    staged = out[0]
+    assert staged.error is None and staged.slot is not None
+    work = staged.work_dir_created
+    assert work and os.path.isdir(work)
+    cgroup_dirs = sorted(staged.slot.paths.values())
+    assert cgroup_dirs and all(os.path.isdir(d) for d in cgroup_dirs)
+    c = Collector()
+    h = executor.start(spec, c, staged=staged)
+    (r,) = c.wait(["st-used"])
+    assert r.reason == "succeeded", r
+    pwd, *cg = open(r.stdout_path).read().splitlines()
+    assert pwd == work
+    where = {line.split(":", 2)[1]: line.split(":", 2)[2] for line in cg}
+    for ctrl in ("memory", "pids"):   # the job's own /proc/self/cgroup: in the staged ones
+        assert os.path.join(backend.mounts[ctrl], where[ctrl].lstrip("/")) == staged.slot.paths[ctrl], \
+            (where, staged.slot.paths)
+    assert h.cgroup == staged.slot.paths
+    assert makers == ["stager", "stager"]
+    assert not os.path.exists(work) and not any(os.path.exists(d) for d in cgroup_dirs)
+
+
+def test_an_unstaged_run_leaves_no_cgroup_and_no_directory(executor):
+    """A run staged with its claim but never started (fenced, cancelled) gives back its
+    quota container and its empty run and work directories."""
+    spec = RunSpec("st-dropped", ["/bin/true"], limits=Limits(0.1, 16, 8))
+    staged = executor.stage(spec)
+    assert staged.error is None
+    run_dir, work = staged.process[-1], staged.work_dir_created
+    cgroup_dirs = list(staged.slot.paths.values())
+    assert os.path.isdir(work) and all(os.path.isdir(d) for d in cgroup_dirs)
+    executor.unstage(staged)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (os.path.exists(run_dir) or any(os.path.exists(d) for d in cgroup_dirs)):
+        time.sleep(0.01)
+    assert not os.path.exists(run_dir) and not any(os.path.exists(d) for d in cgroup_dirs)
+
+
+def test_a_staging_error_is_the_runs_spawn_error_and_nothing_is_left(executor):
+    """A user missing on this node, found while staging on another thread, is reported by
+    start() as the run's spawn_error (exactly one on_exit), as an unstaged start would."""
+    spec = RunSpec("st-nouser", ["/bin/true"], user="no-such-user-mw", limits=Limits(0.1, 16, 8))
+    staged = executor.stage(spec)
+    assert staged.error is not None and staged.error.stage == "user" and staged.slot is None
+    c = Collector()
+    calls = []
+    executor.start(spec, lambda h, r: (calls.append(r), c(h, r)), staged=staged)
+    (r,) = c.wait(["st-nouser"])
+    assert r.reason == "spawn_error" and "does not exist" in (r.error or ""), r
+    time.sleep(0.2)
+    assert len(calls) == 1
