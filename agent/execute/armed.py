@@ -19,23 +19,29 @@ from typing import Optional
 # A read that times out keeps what it read (bash): a "g" that arrived with the timeout
 # counts (without that check 1 in ~1,500 launchers exited 126 when the release thread's
 # "g" and close met the timer). bash because dash has neither a read timeout nor a
-# clock; printf -v and $(( )) are builtins. bash exports SHLVL on exec, except an array:
-# the job's environment stays exactly the clean one.
-BASH_SCRIPT = """read -r m || exit 126
-if [ "$m" = a ]; then
-  d=$(( $1 - ${EPOCHREALTIME/./} ))
-  if (( d > 0 )); then
-    printf -v t '%d.%06d' $((d / 1000000)) $((d % 1000000))
-    m=
-    read -r -t "$t" m
-    r=$?
-    if (( r > 128 )); then
-      if [ "$m" != g ] && read -r -t 0; then read -r m || exit 126; fi
-    elif (( r != 0 )); then exit 126
+# clock; printf -v and $(( )) are builtins. bash exports SHLVL on exec, except an array,
+# and the script's variables are a function's locals (a template env naming one is
+# exported: it would reach the job changed): the job's environment stays exactly the
+# clean one.
+BASH_SCRIPT = """w() {
+  local m d t r
+  read -r m || exit 126
+  if [ "$m" = a ]; then
+    d=$(( $1 - ${EPOCHREALTIME/./} ))
+    if (( d > 0 )); then
+      printf -v t '%d.%06d' $((d / 1000000)) $((d % 1000000))
+      m=
+      read -r -t "$t" m
+      r=$?
+      if (( r > 128 )); then
+        if [ "$m" != g ] && read -r -t 0; then read -r m || exit 126; fi
+      elif (( r != 0 )); then exit 126
+      fi
+    elif read -r -t 0; then read -r m || exit 126
     fi
-  elif read -r -t 0; then read -r m || exit 126
   fi
-fi
+}
+w "$1"
 shift
 exec </dev/null
 unset PWD OLDPWD SHLVL

@@ -527,17 +527,25 @@ def test_armed_launcher_releases_itself_at_its_time_while_the_release_thread_is_
     assert released == [True] and h.started_at == pytest.approx(wall_at, abs=0.01)
 
 
+# the armed scripts' own variable names: a template's env that names them reaches the job as given
+SCRIPT_NAMES = {k: f"job's {k}" for k in ("m", "d", "t", "r", "n", "s", "u", "nx")}
+
+
 def test_armed_launcher_exports_exactly_the_clean_environment(executor, base_dir):
-    """The armed launcher is bash: nothing of it (SHLVL, _, PWD) reaches the job."""
+    """Nothing of the armed launcher's shell (SHLVL, _, PWD) reaches the job, and nothing
+    of its script: the template's variables arrive as given, also those named like the
+    script's own."""
     c = Collector()
     now = time.monotonic()
-    executor.prepare(RunSpec("armed-env", ["/usr/bin/env"], job_id="j1", run_id="f1.1", fire_id="f1", attempt=1),
+    executor.prepare(RunSpec("armed-env", ["/usr/bin/env"], job_id="j1", run_id="f1.1", fire_id="f1", attempt=1,
+                             env=dict(SCRIPT_NAMES)),
                      c, release_at=now + 0.3, guard=lambda: True, guard_until=now + 60)
     (r,) = c.wait(["armed-env"])
     env = dict(line.split("=", 1) for line in open(r.stdout_path).read().splitlines())
-    assert r.reason == "succeeded" and set(env) == {
+    assert r.reason == "succeeded" and set(env) - set(SCRIPT_NAMES) == {
         "PATH", "HOME", "LANG", "TMPDIR", "USER", "LOGNAME", "MILLWRIGHT_JOB_ID", "MILLWRIGHT_FIRE_ID",
         "MILLWRIGHT_RUN_ID", "MILLWRIGHT_ATTEMPT"}
+    assert {k: env.get(k) for k in SCRIPT_NAMES} == SCRIPT_NAMES
 
 
 def test_armed_launcher_discarded_before_its_time_never_execs(executor, base_dir):
