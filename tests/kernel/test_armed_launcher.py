@@ -24,13 +24,18 @@ CLEAN_ENV = {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8", "HOME": "/tmp", "TMPDIR": 
 
 class Launcher:
     """One armed launcher: its go pipe's writer, the process, and the file its job (a
-    clock, unless given) writes when it runs."""
+    clock, unless given) writes when it runs. ``before``: on the pipe before it starts;
+    ``eof``: the pipe closed then too."""
 
-    def __init__(self, name: str, tmp_path, due: float, job=None, env=None):
+    def __init__(self, name: str, tmp_path, due: float, job=None, env=None, before: bytes = b"", eof: bool = False):
         shell, script = armed_launcher(name)
         self.marker = str(tmp_path / f"ran-{name}-{due}")
         job = job or ["/bin/sh", "-c", 'date +%s.%N > "$0"', self.marker]
         r, self.w = os.pipe()
+        if before:
+            os.write(self.w, before)
+        if eof:
+            self.close()
         self.proc = subprocess.Popen([shell, "-c", script, "millwright-run", str(int(due * 1e6))] + job,
                                      stdin=r, stdout=subprocess.PIPE, env=env or CLEAN_ENV, cwd="/tmp",
                                      start_new_session=True)
@@ -92,13 +97,11 @@ def test_a_late_launcher_sees_what_is_already_on_its_pipe(shell, tmp_path):
     20 rounds: a check that only sometimes looks (mksh's read -t 0 looks only when its
     two clock reads fall in the same microsecond) fails here."""
     for i in range(20):
-        discarded, released, waiting = (Launcher(shell, tmp_path, time.time() - 0.001 * (i + 1)) for _ in range(3))
-        discarded.send(b"a\n")
-        discarded.close()
-        released.send(b"a\ng\n")
-        released.close()
-        waiting.send(b"a\n")
         t0 = time.time()
+        due = t0 - 0.001 * (i + 1)
+        discarded = Launcher(shell, tmp_path, due, before=b"a\n", eof=True)
+        released = Launcher(shell, tmp_path, due - 1e-6, before=b"a\ng\n", eof=True)
+        waiting = Launcher(shell, tmp_path, due - 2e-6, before=b"a\n")
         assert discarded.wait()[0] == 126 and discarded.ran_at() is None, f"round {i}"
         assert released.wait()[0] == 0 and released.ran_at() is not None, f"round {i}"
         rc, ended, _ = waiting.wait()
