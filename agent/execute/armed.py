@@ -3,7 +3,7 @@
 The kernel, not the agent, releases the job. The agent writes "a" on the go pipe once the
 launcher is confined (cgroup, rlimits, run guard, poststart hooks); the launcher then
 waits on that pipe with a timeout ending at its due time ($1, wall clock in
-microseconds; the shell's read -t is a pselect, woken by the kernel's timer: no agent
+microseconds; the shell's read -t is a (p)select, woken by the kernel's timer: no agent
 thread, no GIL at the due time) and execs the job directly, its user switch (setpriv)
 done before it waited. A "g" releases it early; EOF (the agent discarded the run, or
 died) ends it without exec, also when the EOF is already there as its due time comes.
@@ -55,14 +55,14 @@ BASH = ("/bin/bash", BASH_SCRIPT)
 # exec of /bin/true cost 0.9-1.0 ms of CPU, with bash 2.4-3.3 (/bin/true alone 0.5-0.6;
 # README, dependencies). Its arithmetic is C long, 32-bit on 32-bit arches as mksh's
 # always is: the due time is split into seconds and microseconds, no number needs more.
-# mksh's read -t compares its deadline with the clock before each select and
-# gives up on one already past without looking at the pipe ("read -t 0" is no poll), and
-# drops the bytes of a line it was reading when the deadline passes between two of them.
-# So the wait reads "g\n" with one read(2) (-N 2; the agent writes it in one write) and is
-# never shorter than 0.1 ms: a launcher that gets its "a" later than that before its due
-# time looks at the pipe for 0.1 ms, where bash polls. The select looks at the pipe once
-# more when its timer fires: an EOF already there is seen as EOF (exit 126). Its status is
-# 142 on a timeout, 1 on EOF, 2 when a signal the shell catches interrupts it (SIGCHLD,
+# mksh's read -t compares its deadline with the clock before each select and gives up on
+# one already past without looking at the pipe ("read -t 0" is no poll), and drops the
+# bytes of a line it was reading when the deadline passes between two of them. So the wait
+# reads "g\n" with one read(2) (-N 2; the agent writes it in one write) and is never
+# shorter than 0.1 ms: a launcher that gets its "a" later than that before its due time
+# looks at the pipe for 0.1 ms, where bash polls. The select looks at the pipe once more
+# when its timer fires: an EOF already there is seen as EOF (exit 126). Its status is 142
+# on a timeout, 1 on EOF, 2 when a signal the shell catches interrupts it (SIGCHLD,
 # SIGWINCH, SIGALRM; nothing sends them to a launcher): exit 126, where bash would keep
 # waiting. mksh exports "_" (the command's path) with every exec, even exec -c; made a
 # name reference to an array element, it takes the assignment, and an array's elements
