@@ -77,7 +77,8 @@ t_update=$(mw_since "$t0")
 # The Recommends must resolve on Debian 12 too (simulated: BCC and kernel headers are
 # hundreds of MB, and the install below is about the hard dependencies).
 mw_root_sh "$root" "$arch" "apt-get install -s -qq ./tmp/$debname >/tmp/sim.log 2>&1 || { cat /tmp/sim.log; exit 1; }
-  grep -q '^Inst python3-bpfcc' /tmp/sim.log" || mw_die "Recommends do not resolve (python3-bpfcc)"
+  grep -q '^Inst python3-bpfcc' /tmp/sim.log && grep -q '^Inst mksh' /tmp/sim.log" ||
+  mw_die "Recommends do not resolve (python3-bpfcc, mksh)"
 
 t0=$(mw_now)
 mw_root_sh "$root" "$arch" "cd /tmp && apt-get install -y -qq --no-install-recommends -o Acquire::Retries=3 ./$debname >/tmp/install.log 2>&1 ||

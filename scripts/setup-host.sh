@@ -10,6 +10,7 @@ PKGS=(
   python3-yaml python3-croniter python3-bpfcc bpfcc-tools python3-pytest
   python3-hypothesis python3-cryptography python3-apscheduler python3-tz
   python3-pip  # make test-cloud-paho2: paho-mqtt 2.x into .cache/paho2 (tests only)
+  mksh  # the package's Recommends: lksh, the armed launcher (agent/execute/armed.py); kernel tests need it
   nftables iproute2 procps psmisc
   # packaging (make deb, tests/packaging): build, lint, chroot install tests, arm64 emulation
   debhelper dh-python dpkg-dev fakeroot help2man lintian debootstrap qemu-user-static binfmt-support

@@ -37,9 +37,10 @@ import time
 from typing import Any, Callable, Optional
 
 from agent.execute import metrics as m
+from agent.execute.armed import pick_launcher
 from agent.execute.backends import QuotaBackend, Usage, probe
 from agent.execute.guard import RunGuard
-from agent.execute.launch import ARMED_SH, DEFAULT_PATH, SHIM_SH, SpawnError, Staged, go, spawn, stage
+from agent.execute.launch import DEFAULT_PATH, SHIM_SH, SpawnError, Staged, go, spawn, stage
 from agent.execute.limits import Limits, default_limits
 from agent.execute.reaper import Reaper, _drain_stream, _kill, _killpg, _reap_group, _Run, _set_child_subreaper
 from agent.execute.release import Releaser
@@ -78,7 +79,9 @@ class Executor:
         if spawn_mode not in ("shim", "fork"):
             raise ValueError(f"spawn_mode must be auto, shim or fork, not {spawn_mode!r}")
         self.spawn_mode = spawn_mode
-        self.can_arm = spawn_mode == "shim" and os.access(ARMED_SH, os.X_OK)
+        # (shell, script) of the armed launcher, picked once; None: runs are never armed
+        self.armed_launcher = pick_launcher() if spawn_mode == "shim" else None
+        self.can_arm = self.armed_launcher is not None
         self.base_dir = os.path.abspath(base_dir)
         self.ids = (os.geteuid(), os.getegid())   # the agent's own user and group
         # ... and every group it acts with: a run user with exactly these needs no switch
@@ -173,7 +176,7 @@ class Executor:
         ``guard_until`` (time.monotonic()): guard() cannot turn false before then (e.g. the
         lease's local validity, which only grows while the lease lives). If it covers
         release_at with ARM_MARGIN_S to spare, the launcher is *armed*: it releases itself
-        at release_at on a kernel timer (agent/execute/launch.py, ARMED_SCRIPT), so no
+        at release_at on a kernel timer (agent/execute/armed.py), so no
         thread of this busy process is on the due time's path; the release thread still
         runs then, for on_release and as a backstop (its go byte releases the launcher if
         it has not gone yet)."""

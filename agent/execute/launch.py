@@ -49,40 +49,6 @@ _RESET_SIGNALS = tuple(getattr(signal, n) for n in (
 # ("$@"): never parsed by the shell.
 SHIM_SH = "/bin/sh"
 SHIM_SCRIPT = 'read -r _ || exit 126\nexec </dev/null\nunset PWD OLDPWD\nexec "$@"'
-# The launcher of a run prepared for a due time ("armed"): the kernel, not the agent,
-# releases the job. The agent writes "a" on the go pipe once the launcher is confined
-# (cgroup, rlimits, run guard, poststart hooks); the launcher then waits on that pipe with
-# a timeout ending at its due time ($1, wall clock in microseconds; bash's read -t is a
-# pselect, woken by the kernel's timer: no agent thread, no GIL at the due time) and execs
-# the job directly, its user switch (setpriv) done before it waited. A "g" releases it
-# early; EOF (the agent discarded the run, or died) ends it without exec, also when the
-# EOF is already there as its due time comes. A read that times out keeps what it read
-# (bash): a "g" that arrived with the timeout counts (without that check 1 in ~1,500
-# launchers exited 126 when the release thread's "g" and close met the timer). bash because dash has neither a read
-# timeout nor a clock; printf -v and $(( )) are builtins: nothing forks. bash exports
-# SHLVL on exec, except an array: the job's environment stays exactly the clean one.
-ARMED_SH = "/bin/bash"
-ARMED_SCRIPT = """read -r m || exit 126
-if [ "$m" = a ]; then
-  d=$(( $1 - ${EPOCHREALTIME/./} ))
-  if (( d > 0 )); then
-    printf -v t '%d.%06d' $((d / 1000000)) $((d % 1000000))
-    m=
-    read -r -t "$t" m
-    r=$?
-    if (( r > 128 )); then
-      if [ "$m" != g ] && read -r -t 0; then read -r m || exit 126; fi
-    elif (( r != 0 )); then exit 126
-    fi
-  elif read -r -t 0; then read -r m || exit 126
-  fi
-fi
-shift
-exec </dev/null
-unset PWD OLDPWD SHLVL
-declare -a SHLVL
-exec "$@"
-"""
 _MAXFD = os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536
 
 
@@ -305,8 +271,9 @@ def _create_slot(ex: "Executor", spec: Any) -> Any:
 def spawn(ex: "Executor", run: _Run, hold: bool = False, arm_at: Optional[float] = None,
           staged: Optional[Staged] = None) -> None:
     """Start the run's launcher, confine it, then let it exec (or, ``hold``, keep it
-    waiting for go()). ``arm_at`` (wall clock; shim mode with bash only): the launcher
-    releases itself then (ARMED_SCRIPT); go() before that releases it early. ``staged``:
+    waiting for go()). ``arm_at`` (wall clock; shim mode with an armed launcher only): the
+    launcher releases itself then (agent/execute/armed.py); go() before that releases it
+    early. ``staged``:
     its directories and quota container, made ahead by stage() (else made here)."""
     spec = run.handle.spec
     if staged is None:
@@ -343,7 +310,9 @@ def spawn(ex: "Executor", run: _Run, hold: bool = False, arm_at: Optional[float]
                       f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups", "--"]
         if arm_at is not None:
             # user switch first, then wait: at the due time only the job's own exec is left
-            argv = switch + [ARMED_SH, "-c", ARMED_SCRIPT, "millwright-run", str(int(arm_at * 1e6))]
+            assert ex.armed_launcher is not None  # arm_at is given only when one exists
+            shell, script = ex.armed_launcher
+            argv = switch + [shell, "-c", script, "millwright-run", str(int(arm_at * 1e6))]
         else:
             argv = [SHIM_SH, "-c", SHIM_SCRIPT, "millwright-run"] + switch
         argv += [path] + list(spec.argv[1:])

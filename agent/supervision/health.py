@@ -209,10 +209,12 @@ class JobHealth:
 # --------------------------------------------------------------------------- exec policy
 
 # What the executor's launcher execs before the job's own program (agent/execute/launch.py:
-# SHIM_SH, ARMED_SH and setpriv found on DEFAULT_PATH). Both spellings: merged-/usr or not.
+# SHIM_SH, the armed launcher's shells in agent/execute/armed.py, and setpriv found on
+# DEFAULT_PATH). Both spellings: merged-/usr or not.
 LAUNCHER_PATHS = ("/bin/sh", "/usr/bin/sh", "/bin/dash", "/usr/bin/dash", "/bin/bash", "/usr/bin/bash",
+                  "/bin/lksh", "/usr/bin/lksh",
                   "/usr/bin/setpriv", "/bin/setpriv", "/usr/sbin/setpriv", "/sbin/setpriv")
-LAUNCHER_MAX_EXECS = 4   # the shim execs at most: sh, setpriv (or setpriv, bash), then the job (slack for a re-exec)
+LAUNCHER_MAX_EXECS = 4   # the shim execs at most: sh, setpriv (or setpriv, bash or lksh), then the job (slack for a re-exec)
 
 
 @dataclass(frozen=True)

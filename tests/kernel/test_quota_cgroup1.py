@@ -16,7 +16,7 @@ import pytest
 from agent.execute import Admission, Budget, Executor, Limits, RunSpec, effective_limits
 from agent.execute.backends import BackendUnavailable, Cgroup1Backend, alive
 from agent.runtime.loop import EventLoop
-from tests.support.kernel import require_kernel
+from tests.support.kernel import armed_launcher, require_kernel
 from tests.support.processes import PY, Collector, _children_zombies, _zombies_left, _executor_kind
 
 ROOT_NAME = f"millwright-test-{os.getpid()}"
@@ -489,12 +489,54 @@ def _clock_job(path: str) -> list:
     return ["/bin/sh", "-c", 'date +%s.%N > "$0"', path]
 
 
-def test_armed_launcher_releases_itself_at_its_time_while_the_release_thread_is_stuck(executor, base_dir, job_user):
+# The executor's armed launcher shells (agent/execute/armed.py); the tests of launcher
+# semantics run with each (tests/kernel/test_armed_launcher.py: the scripts alone, and mksh)
+ARMED = ["bash", "lksh"]
+
+
+def test_the_executor_arms_with_lksh_when_mksh_is_installed(executor):
+    """mksh's lksh is the armed launcher where installed (a third of bash's CPU per run);
+    bash otherwise (tests/unit/test_armed.py)."""
+    from agent.execute import armed
+
+    armed_launcher("lksh")
+    c = Collector()
+    now = time.monotonic()
+    h = executor.prepare(RunSpec("armed-lksh", ["/bin/true"]), c, release_at=now + 0.5, guard=lambda: True,
+                         guard_until=now + 60)
+    argv = _launcher_argv(h.pid)
+    (r,) = c.wait(["armed-lksh"])
+    assert executor.armed_launcher == armed.LKSH and argv[:3] == ["/bin/lksh", "-c", armed.KSH_SCRIPT]
+    assert r.reason == "succeeded"
+
+
+@pytest.mark.parametrize("launcher", ARMED)
+def test_armed_launcher_released_early_execs_at_once(executor, base_dir, launcher):
+    """release() before the due time (the go byte) lets the armed job exec then, not at
+    its due time."""
+    executor.armed_launcher = armed_launcher(launcher)
+    c = Collector()
+    marker = os.path.join(base_dir, "armed-early")
+    now = time.monotonic()
+    h = executor.prepare(RunSpec("armed-early", _clock_job(marker)), c, release_at=now + 30, guard=lambda: True,
+                         guard_until=now + 90)
+    time.sleep(0.2)
+    assert h.pid and alive(h.pid) and not os.path.exists(marker)
+    released = time.time()
+    assert executor.release(h) is True
+    (r,) = c.wait(["armed-early"])
+    assert r.reason == "succeeded" and released <= float(open(marker).read()) < released + 1.0
+
+
+@pytest.mark.parametrize("launcher", ARMED)
+def test_armed_launcher_releases_itself_at_its_time_while_the_release_thread_is_stuck(executor, base_dir, job_user,
+                                                                                        launcher):
     """guard_until covering the release time arms the launcher: the kernel's timer, not a
     thread of the agent, lets the job exec. Shown by blocking the only release thread
     (an on_release callback that does not return): the armed job still runs, at its time,
     as its user, with exactly the clean environment; the release thread, once free,
     reports it released."""
+    executor.armed_launcher = armed_launcher(launcher)
     c = Collector()
     os.chmod(base_dir, 0o777)
     gate = threading.Event()
@@ -527,22 +569,34 @@ def test_armed_launcher_releases_itself_at_its_time_while_the_release_thread_is_
     assert released == [True] and h.started_at == pytest.approx(wall_at, abs=0.01)
 
 
-def test_armed_launcher_exports_exactly_the_clean_environment(executor, base_dir):
-    """The armed launcher is bash: nothing of it (SHLVL, _, PWD) reaches the job."""
+# the armed scripts' own variable names: a template's env that names them reaches the job as given
+SCRIPT_NAMES = {k: f"job's {k}" for k in ("m", "d", "t", "r", "n", "s", "u", "nx")}
+
+
+@pytest.mark.parametrize("launcher", ARMED)
+def test_armed_launcher_exports_exactly_the_clean_environment(executor, base_dir, launcher):
+    """Nothing of the armed launcher's shell (SHLVL, _, PWD) reaches the job, and nothing
+    of its script: the template's variables arrive as given, also those named like the
+    script's own."""
+    executor.armed_launcher = armed_launcher(launcher)
     c = Collector()
     now = time.monotonic()
-    executor.prepare(RunSpec("armed-env", ["/usr/bin/env"], job_id="j1", run_id="f1.1", fire_id="f1", attempt=1),
+    executor.prepare(RunSpec("armed-env", ["/usr/bin/env"], job_id="j1", run_id="f1.1", fire_id="f1", attempt=1,
+                             env=dict(SCRIPT_NAMES)),
                      c, release_at=now + 0.3, guard=lambda: True, guard_until=now + 60)
     (r,) = c.wait(["armed-env"])
     env = dict(line.split("=", 1) for line in open(r.stdout_path).read().splitlines())
-    assert r.reason == "succeeded" and set(env) == {
+    assert r.reason == "succeeded" and set(env) - set(SCRIPT_NAMES) == {
         "PATH", "HOME", "LANG", "TMPDIR", "USER", "LOGNAME", "MILLWRIGHT_JOB_ID", "MILLWRIGHT_FIRE_ID",
         "MILLWRIGHT_RUN_ID", "MILLWRIGHT_ATTEMPT"}
+    assert {k: env.get(k) for k in SCRIPT_NAMES} == SCRIPT_NAMES
 
 
-def test_armed_launcher_discarded_before_its_time_never_execs(executor, base_dir):
+@pytest.mark.parametrize("launcher", ARMED)
+def test_armed_launcher_discarded_before_its_time_never_execs(executor, base_dir, launcher):
     """A cancel (terminate) between the claim and the due time closes the armed launcher's
     go pipe: it exits without exec'ing, as with the thread-released launcher."""
+    executor.armed_launcher = armed_launcher(launcher)
     c = Collector()
     never = os.path.join(base_dir, "armed-never")
     released = []
@@ -558,10 +612,12 @@ def test_armed_launcher_discarded_before_its_time_never_execs(executor, base_dir
     assert released in ([], [False])
 
 
-def test_armed_launcher_whose_guard_fails_before_its_time_never_execs(executor, base_dir):
+@pytest.mark.parametrize("launcher", ARMED)
+def test_armed_launcher_whose_guard_fails_before_its_time_never_execs(executor, base_dir, launcher):
     """guard_until is a promise (the lease's validity only grows); should the guard turn
     false before the due time anyway (a lease revoked from outside), the reaper's watch
     discards the armed launcher: the run ends ``fenced`` and the job never execs."""
+    executor.armed_launcher = armed_launcher(launcher)
     c = Collector()
     never = os.path.join(base_dir, "armed-fenced")
     valid = threading.Event()
@@ -577,15 +633,19 @@ def test_armed_launcher_whose_guard_fails_before_its_time_never_execs(executor, 
     assert not os.path.exists(never)
 
 
-def test_every_armed_launcher_execs_its_job_when_its_timer_and_the_go_byte_meet(base_dir):
+@pytest.mark.parametrize("launcher", ARMED)
+def test_every_armed_launcher_execs_its_job_when_its_timer_and_the_go_byte_meet(base_dir, launcher):
     """The release thread's "g" and close land at the armed launcher's due time: bash's
-    timed read may then consume the "g" and still report the timeout. Such a launcher
-    must exec the job, not take the following EOF for a discard (found by bench_trigger:
-    1 in ~1,500 runs exited 126 without exec). 600 runs, 100 a second, as root through
-    setpriv like the scheduler's; every one must succeed."""
+    timed read may then consume the "g" and still report the timeout (lksh's reads the
+    two bytes at once). Such a launcher must exec the job, not take the following EOF for
+    a discard (found by bench_trigger: 1 in ~1,500 runs exited 126 without exec). 600
+    runs, 100 a second, as root through setpriv like the scheduler's; every one must
+    succeed."""
     from agent.execute.backends import RlimitBackend
 
+    shell = armed_launcher(launcher)
     ex = Executor(RlimitBackend(), base_dir, watch_interval_s=0.05)
+    ex.armed_launcher = shell
     c = Collector()
     n = 600
     try:

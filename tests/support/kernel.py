@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from agent.execute import armed
+
 REQUIRE_KERNEL = os.environ.get("MILLWRIGHT_REQUIRE_KERNEL") == "1"
 # What the CI host is known not to have, by name (README, testing: "what this host cannot
 # test"); .ci/run declares them. Only a named, declared limit may skip under CI.
@@ -31,3 +33,16 @@ def bpf_ok() -> tuple[bool, str]:
         return False, "needs root"
     r = subprocess.run([sys.executable, "-m", "agent", "bpf", "check"], capture_output=True, text=True)
     return r.returncode == 0, (r.stdout + r.stderr)[-500:]
+
+
+# The armed launchers under test (agent/execute/armed.py): the executor's candidates, and
+# mksh running lksh's script with 32-bit arithmetic, which is what lksh has on 32-bit arches.
+ARMED_LAUNCHERS = {"bash": armed.BASH, "lksh": armed.LKSH, "mksh": ("/bin/mksh", armed.KSH_SCRIPT)}
+
+
+def armed_launcher(name: str) -> tuple[str, str]:
+    """(shell, script) of an armed launcher; a shell that is not installed skips the test,
+    or fails it under MILLWRIGHT_REQUIRE_KERNEL=1 (scripts/setup-host.sh installs mksh)."""
+    shell, script = ARMED_LAUNCHERS[name]
+    require_kernel(os.access(shell, os.X_OK), f"{shell} is not installed (apt-get install mksh)")
+    return shell, script

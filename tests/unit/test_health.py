@@ -274,6 +274,16 @@ def test_armed_launcher_setpriv_then_bash_then_the_job_is_allowed_and_bash_after
     assert v is not None and r.violations == 1
 
 
+def test_armed_launcher_setpriv_then_lksh_then_the_job_is_allowed_and_lksh_after_it_is_not():
+    """With mksh installed the armed launcher's shell is /bin/lksh (agent/execute/armed.py)."""
+    r = ExecPolicy([]).for_run("/opt/job", job_argv=["/opt/job", "x"])
+    assert r.check("/usr/bin/setpriv", argv=["/usr/bin/setpriv", "--reuid=65534", "--", "/bin/lksh"]) is None
+    assert r.check("/usr/bin/lksh", argv=["/bin/lksh", "-c", "function w {", "millwright-run"]) is None
+    assert r.check("/opt/job", argv=["/opt/job", "x"]) is None and not r.launching
+    v = r.check("/bin/lksh", argv=["/bin/lksh", "-c", "x"])
+    assert v is not None and r.violations == 1
+
+
 def test_launcher_exemption_is_bounded():
     r = ExecPolicy([]).for_run("/opt/job")
     for _ in range(LAUNCHER_MAX_EXECS):
