@@ -72,6 +72,16 @@ class CgroupFS:
         finally:
             os.close(fd)
 
+    def open_writer(self, path: str) -> int:
+        """An fd of a cgroup file to write again and again (each write(2) acts on its own)."""
+        return os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+
+    def write_fd(self, fd: int, data: str) -> None:
+        os.write(fd, data.encode())
+
+    def close_fd(self, fd: int) -> None:
+        os.close(fd)
+
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
 
@@ -207,6 +217,7 @@ class Slot:
     removed: bool = False
     joined: set = field(default_factory=set)   # hierarchies the launcher was born in (QuotaBackend.enter)
     cpu_offset_s: float = 0.0                  # the spawning thread's own cpu time while it was inside
+    join_fds: dict = field(default_factory=dict)   # hierarchy -> its `tasks` file, opened by create() for enter()
 
 
 @dataclass
@@ -425,6 +436,9 @@ class _CgroupBackend(QuotaBackend):
                     pass
 
     def remove(self, slot: Slot) -> bool:
+        for fd in slot.join_fds.values():   # never entered (a staged run that did not start)
+            self.fs.close_fd(fd)
+        slot.join_fds.clear()
         ok = True
         for d in list(slot.paths.values()):
             try:
@@ -501,6 +515,8 @@ class Cgroup1Backend(_CgroupBackend):
         self.mounts = mounts
         self.flat: dict[str, str] = {}      # hierarchy -> mount, for the FLAT ones
         self._thread_homes: dict[int, dict[str, str]] = {}
+        self._home_fds: dict[tuple[int, str], int] = {}   # (thread, hierarchy) -> its home's `tasks`, for leave()
+        self._home_lock = threading.Lock()
         self._memsw: Optional[bool] = None   # memory.memsw.* present (swap accounting on)
         self._cpuacct_usage: Optional[bool] = None
 
@@ -591,6 +607,13 @@ class Cgroup1Backend(_CgroupBackend):
                 self.fs.write(os.path.join(cpu, "cpu.cfs_quota_us"), str(max(1000, int(limits.cpu * CPU_PERIOD_US))))
             if limits.pids:
                 self.fs.write(os.path.join(self._need(slot, "pids"), "pids.max"), str(int(limits.pids)))
+            # opened here (a staged run: on the claim's worker), so that enter() on the
+            # spawning thread only writes; enter() opens by path what is missing
+            for h in self._joinable(slot):
+                try:
+                    slot.join_fds[h] = self.fs.open_writer(os.path.join(slot.paths[h], "tasks"))
+                except OSError:
+                    break
         except OSError:
             self.remove(slot)
             raise
@@ -644,7 +667,14 @@ class Cgroup1Backend(_CgroupBackend):
             for h in hs:
                 if h in ("cpu", "cpuacct") and t_in is None:
                     t_in = time.thread_time()
-                self.fs.write(os.path.join(slot.paths[h], "tasks"), "0")
+                fd = slot.join_fds.pop(h, None)
+                if fd is None:
+                    self.fs.write(os.path.join(slot.paths[h], "tasks"), "0")
+                else:
+                    try:
+                        self.fs.write_fd(fd, "0")
+                    finally:
+                        self.fs.close_fd(fd)
                 joined.append(h)
         except OSError:
             self.leave(slot, (joined, home, t_in))
@@ -662,7 +692,7 @@ class Cgroup1Backend(_CgroupBackend):
             if t_out is None and h not in ("cpu", "cpuacct"):
                 t_out = time.thread_time()
             try:
-                self.fs.write(os.path.join(home[h], "tasks"), "0")
+                self._go_home(h, home[h])
             except OSError as exc:
                 try:   # our own cgroup went away: the hierarchy's root, never a run's cgroup
                     self.fs.write(os.path.join(self.mounts[h], "tasks"), "0")
@@ -675,6 +705,33 @@ class Cgroup1Backend(_CgroupBackend):
             log.error("a thread of the agent could not leave a run's cgroup", extra={"fields": {
                 "run": slot.name, "error": err.strerror}})
             raise err
+
+    def _go_home(self, h: str, home: str) -> None:
+        """The calling thread back to its own cgroup of hierarchy h, through an fd kept
+        open per thread (one write(2) instead of open, write and close at every spawn)."""
+        key = (threading.get_native_id(), h)
+        with self._home_lock:   # (spawning threads are few: the loop, and tests' own)
+            fd = self._home_fds.get(key)
+            if fd is None:
+                if len(self._home_fds) > 256:   # threads come and go: the cache stays small
+                    for old in self._home_fds.values():
+                        self.fs.close_fd(old)
+                    self._home_fds.clear()
+                fd = self._home_fds[key] = self.fs.open_writer(os.path.join(home, "tasks"))
+            try:
+                self.fs.write_fd(fd, "0")
+            except OSError:
+                self._home_fds.pop(key, None)   # the home went away: the caller goes to the root
+                self.fs.close_fd(fd)
+                raise
+
+    def close(self) -> None:
+        with self._home_lock:
+            for fd in self._home_fds.values():
+                self.fs.close_fd(fd)
+            self._home_fds.clear()
+        super().close()
+
 
     def check_all(self, slots: Iterable[Slot]) -> dict[str, str]:
         out = {}

@@ -917,16 +917,19 @@ def test_an_unstaged_run_leaves_no_cgroup_and_no_directory(executor):
     """A run staged with its claim but never started (fenced, cancelled) gives back its
     quota container and its empty run and work directories."""
     spec = RunSpec("st-dropped", ["/bin/true"], limits=Limits(0.1, 16, 8))
+    fds_before = set(os.listdir("/proc/self/fd"))
     staged = executor.stage(spec)
     assert staged.error is None
     run_dir, work = staged.process[-1], staged.work_dir_created
     cgroup_dirs = list(staged.slot.paths.values())
     assert os.path.isdir(work) and all(os.path.isdir(d) for d in cgroup_dirs)
+    assert staged.slot.join_fds   # the cgroups' tasks files, opened for the spawn
     executor.unstage(staged)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and (os.path.exists(run_dir) or any(os.path.exists(d) for d in cgroup_dirs)):
         time.sleep(0.01)
     assert not os.path.exists(run_dir) and not any(os.path.exists(d) for d in cgroup_dirs)
+    assert set(os.listdir("/proc/self/fd")) <= fds_before   # and their fds were closed
 
 
 def test_a_staging_error_is_the_runs_spawn_error_and_nothing_is_left(executor):
