@@ -141,14 +141,20 @@ class Executor:
         if staged.slot is not None and not staged.slot.removed and not self.backend.remove(staged.slot):
             m.CGROUP_CLEANUP_FAILURES.inc()
             self._reaper.orphan_slots.append((staged.slot, time.monotonic()))
+        for fd in staged.log_fds:
+            if fd >= 0:
+                os.close(fd)
+        staged.log_fds = []
+        files = list(staged.process[4:6]) if staged.process is not None else []   # its empty output files
         dirs = [staged.work_dir_created] if staged.work_dir_created else []
         if staged.process is not None:
-            dirs.append(staged.process[-1])   # the run dir: nothing was written into it
-        for d in dirs:
-            try:
-                os.rmdir(d)
-            except OSError:
-                pass
+            dirs.append(staged.process[-1])   # then the run dir
+        for fn, paths in ((os.unlink, files), (os.rmdir, dirs)):
+            for path in paths:
+                try:
+                    fn(path)
+                except OSError:
+                    pass
 
     def start(self, spec: RunSpec, on_exit: Callable[[RunHandle, RunResult], Any], *,
               guard: Optional[Callable[[], bool]] = None, staged: Optional[Staged] = None) -> RunHandle:

@@ -222,7 +222,7 @@ class Staged:
     not on the thread that spawns launchers on time. A failure is kept and reported by
     the spawn, as if it had happened there."""
 
-    __slots__ = ("run_key", "process", "work_dir_created", "slot", "error")
+    __slots__ = ("run_key", "process", "work_dir_created", "slot", "error", "log_fds")
 
     def __init__(self, run_key: str):
         self.run_key = run_key
@@ -230,6 +230,7 @@ class Staged:
         self.work_dir_created: Optional[str] = None
         self.slot: Any = None
         self.error: Optional[SpawnError] = None
+        self.log_fds: list[int] = []   # stdout.log, stderr.log, created here (-1: the reaper tries again)
 
 
 def stage(ex: "Executor", spec: Any) -> Staged:
@@ -242,6 +243,7 @@ def stage(ex: "Executor", spec: Any) -> Staged:
         if ex.spawn_mode == "shim":
             _check_executable(st.process[1])
         st.slot = _create_slot(ex, spec)
+        st.log_fds = [_create_log(p) for p in st.process[4:6]]   # last: nothing fails after them
     except SpawnError as exc:
         st.error = exc
     except Exception as exc:   # a bug or an unexpected OS error: the run's spawn_error, not the caller's
@@ -250,6 +252,16 @@ def stage(ex: "Executor", spec: Any) -> Staged:
     finally:
         st.work_dir_created = created[0] if created else None
     return st
+
+
+def _create_log(path: str) -> int:
+    """A run's output file, created (truncated) now: each is a journal update of the state
+    disk, off the reaper thread, whose every stall delays the ends of all runs. -1 if it
+    cannot be (the reaper tries once more, logs it and counts the output as dropped)."""
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)  # root-only (issue 16)
+    except OSError:
+        return -1
 
 
 def _check_executable(path: str) -> None:
@@ -294,8 +306,11 @@ def spawn(ex: "Executor", run: _Run, hold: bool = False, arm_at: Optional[float]
             fds.extend(os.pipe())
         go_r, go_w, err_r, err_w, out_r, out_w, ep_r, ep_w = fds
         run.streams = [_Stream(out_r, out_path, limit), _Stream(ep_r, err_path, limit, tail=STDERR_TAIL_BYTES)]
+        for stream, wfd in zip(run.streams, staged.log_fds):
+            stream.wfd = wfd
+        staged.log_fds = []
     except OSError as exc:
-        for fd in fds:
+        for fd in fds + [fd for fd in staged.log_fds if fd >= 0]:
             os.close(fd)
         raise SpawnError("pipes", f"cannot create pipes: {exc.strerror}") from None
     run.t0 = time.monotonic()   # started_at and t0 are set again at the release (_go)
@@ -344,7 +359,8 @@ def spawn(ex: "Executor", run: _Run, hold: bool = False, arm_at: Optional[float]
         os.close(fd)
     for s in run.streams:
         os.set_blocking(s.rfd, False)
-    ex._reaper.post(_open_streams, run)   # the log files: off this (the loop's) thread
+    if any(st.wfd < 0 for st in run.streams):
+        ex._reaper.post(_open_streams, run)   # the log files: off this (the loop's) thread
     run.handle.pid = run.handle.pgid = pid
     if ex.spawn_mode == "fork":
         try:

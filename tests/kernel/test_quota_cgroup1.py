@@ -876,8 +876,8 @@ def test_a_busy_run_weighs_one_ordinary_process_on_a_contended_cpu(base_dir, lay
 
 def test_a_staged_run_starts_in_the_directories_and_cgroups_made_ahead_on_another_thread(executor, backend,
                                                                                          monkeypatch):
-    """stage() on another thread makes the run's work dir and quota container; start()
-    with it runs the job there without making them on its own thread (the point: the
+    """stage() on another thread makes the run's work dir, output files and quota
+    container; start() with it runs the job there without making them on its own thread (the point: the
     loop does no blocking file-system work), and the run's end removes both as for any
     run."""
     from agent.execute import launch
@@ -898,6 +898,9 @@ def test_a_staged_run_starts_in_the_directories_and_cgroups_made_ahead_on_anothe
     assert work and os.path.isdir(work)
     cgroup_dirs = sorted(staged.slot.paths.values())
     assert cgroup_dirs and all(os.path.isdir(d) for d in cgroup_dirs)
+    # its output files too (each a journal update of the state disk: not on the reaper)
+    assert all(fd >= 0 for fd in staged.log_fds) and len(staged.log_fds) == 2
+    assert all(os.path.isfile(p) for p in staged.process[4:6])
     c = Collector()
     h = executor.start(spec, c, staged=staged)
     (r,) = c.wait(["st-used"])
