@@ -263,24 +263,20 @@ def test_a_launcher_exec_delivered_after_the_job_exec_is_judged_by_its_exec_time
     assert v is not None and r.violations == 1
 
 
-def test_armed_launcher_setpriv_then_bash_then_the_job_is_allowed_and_bash_after_it_is_not():
-    """The armed launcher (issue 18) execs setpriv, then /bin/bash with the armed script,
-    then the job; bash is a launcher path only until the job's own exec."""
+@pytest.mark.parametrize("shell,seen_as,script", [
+    ("/bin/bash", "/bin/bash", "read -r m || exit 126"),
+    # with mksh installed the armed launcher's shell is /bin/lksh (agent/execute/armed.py)
+    ("/bin/lksh", "/usr/bin/lksh", "function w {"),
+])
+def test_armed_launcher_setpriv_then_its_shell_then_the_job_is_allowed_and_the_shell_after_it_is_not(
+        shell, seen_as, script):
+    """The armed launcher (issue 18) execs setpriv, then its shell with the armed script,
+    then the job; the shell is a launcher path only until the job's own exec."""
     r = ExecPolicy([]).for_run("/opt/job", job_argv=["/opt/job", "x"])
-    assert r.check("/usr/bin/setpriv", argv=["/usr/bin/setpriv", "--reuid=65534", "--", "/bin/bash"]) is None
-    assert r.check("/bin/bash", argv=["/bin/bash", "-c", "read -r m || exit 126", "millwright-run"]) is None
+    assert r.check("/usr/bin/setpriv", argv=["/usr/bin/setpriv", "--reuid=65534", "--", shell]) is None
+    assert r.check(seen_as, argv=[shell, "-c", script, "millwright-run"]) is None
     assert r.check("/opt/job", argv=["/opt/job", "x"]) is None and not r.launching
-    v = r.check("/bin/bash", argv=["/bin/bash", "-c", "x"])
-    assert v is not None and r.violations == 1
-
-
-def test_armed_launcher_setpriv_then_lksh_then_the_job_is_allowed_and_lksh_after_it_is_not():
-    """With mksh installed the armed launcher's shell is /bin/lksh (agent/execute/armed.py)."""
-    r = ExecPolicy([]).for_run("/opt/job", job_argv=["/opt/job", "x"])
-    assert r.check("/usr/bin/setpriv", argv=["/usr/bin/setpriv", "--reuid=65534", "--", "/bin/lksh"]) is None
-    assert r.check("/usr/bin/lksh", argv=["/bin/lksh", "-c", "function w {", "millwright-run"]) is None
-    assert r.check("/opt/job", argv=["/opt/job", "x"]) is None and not r.launching
-    v = r.check("/bin/lksh", argv=["/bin/lksh", "-c", "x"])
+    v = r.check(shell, argv=[shell, "-c", "x"])
     assert v is not None and r.violations == 1
 
 
