@@ -125,16 +125,16 @@ class Executor:
 
     # --- public -------------------------------------------------------------------
     def stage(self, spec: RunSpec) -> Staged:
-        """Make a run's directories and quota container now, on the calling thread (any
-        thread; its blocking file-system and cgroup steps then stay off the thread that
-        starts runs on time). Pass the result to start() or prepare() of the same spec, or
+        """Make a run's directories, output files and quota container now, on the calling
+        thread (any thread; its blocking file-system and cgroup steps then stay off the
+        thread that starts runs on time). Pass the result to start() or prepare() of the same spec, or
         to unstage() if the run will not start. Never raises for the run's own errors:
         start()/prepare() report them as the run's spawn_error."""
         return stage(self, spec)
 
     def unstage(self, staged: Staged) -> None:
-        """A staged run that will not start: its quota container and empty directories go
-        (on the reaper thread)."""
+        """A staged run that will not start: its quota container, empty output files and
+        directories go (on the reaper thread)."""
         self._reaper.post(self._drop_staged, staged)
 
     def _drop_staged(self, staged: Staged) -> None:

@@ -216,7 +216,7 @@ def prepare_process(ex: "Executor", spec: Any, created: list) -> tuple:
 
 class Staged:
     """What a run needs before its launcher starts, made ahead (Executor.stage) on any
-    thread: its run and work directories and its quota container. A filesystem or cgroup
+    thread: its run and work directories, output files and quota container. A filesystem or cgroup
     step may block (a directory on the state disk waits for its journal behind etcd's
     fsyncs), so it is done where a stall delays nothing due (the claim's own etcd worker),
     not on the thread that spawns launchers on time. A failure is kept and reported by
@@ -285,8 +285,8 @@ def spawn(ex: "Executor", run: _Run, hold: bool = False, arm_at: Optional[float]
     """Start the run's launcher, confine it, then let it exec (or, ``hold``, keep it
     waiting for go()). ``arm_at`` (wall clock; shim mode with an armed launcher only): the
     launcher releases itself then (agent/execute/armed.py); go() before that releases it
-    early. ``staged``:
-    its directories and quota container, made ahead by stage() (else made here)."""
+    early. ``staged``: its directories, output files and quota container, made ahead by
+    stage() (else made here)."""
     spec = run.handle.spec
     if staged is None:
         staged = stage(ex, spec)
