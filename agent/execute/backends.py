@@ -66,11 +66,11 @@ class CgroupFS:
 
     def write(self, path: str, data: str) -> None:
         # one write(2) per call: cgroup files act on each write
-        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        fd = self.open_writer(path)
         try:
-            os.write(fd, data.encode())
+            self.write_fd(fd, data)
         finally:
-            os.close(fd)
+            self.close_fd(fd)
 
     def open_writer(self, path: str) -> int:
         """An fd of a cgroup file to write again and again (each write(2) acts on its own)."""

@@ -127,9 +127,9 @@ class Executor:
     def stage(self, spec: RunSpec) -> Staged:
         """Make a run's directories, output files and quota container now, on the calling
         thread (any thread; its blocking file-system and cgroup steps then stay off the
-        thread that starts runs on time). Pass the result to start() or prepare() of the same spec, or
-        to unstage() if the run will not start. Never raises for the run's own errors:
-        start()/prepare() report them as the run's spawn_error."""
+        thread that starts runs on time). Pass the result to start() or prepare() of the
+        same spec, or to unstage() if the run will not start. Never raises for the run's
+        own errors: start()/prepare() report them as the run's spawn_error."""
         return stage(self, spec)
 
     def unstage(self, staged: Staged) -> None:
@@ -138,17 +138,17 @@ class Executor:
         self._reaper.post(self._drop_staged, staged)
 
     def _drop_staged(self, staged: Staged) -> None:
-        if staged.slot is not None and not staged.slot.removed and not self.backend.remove(staged.slot):
-            m.CGROUP_CLEANUP_FAILURES.inc()
-            self._reaper.orphan_slots.append((staged.slot, time.monotonic()))
+        if staged.slot is not None:
+            self._remove_slot(staged.slot)
         for fd in staged.log_fds:
             if fd >= 0:
                 os.close(fd)
         staged.log_fds = []
-        files = list(staged.process[4:6]) if staged.process is not None else []   # its empty output files
+        prepared = staged.process
+        files = [prepared.out, prepared.err] if prepared is not None else []   # its empty output files
         dirs = [staged.work_dir_created] if staged.work_dir_created else []
-        if staged.process is not None:
-            dirs.append(staged.process[-1])   # then the run dir
+        if prepared is not None:
+            dirs.append(prepared.run_dir)   # then the run dir
         for fn, paths in ((os.unlink, files), (os.rmdir, dirs)):
             for path in paths:
                 try:
@@ -494,6 +494,13 @@ class Executor:
             log.exception("reading usage failed")
             return Usage()
 
+    def _remove_slot(self, slot: Any) -> None:
+        """A run's quota container goes; one the kernel does not let go of yet is retried
+        by the watch tick (orphan_slots). Reaper thread."""
+        if not slot.removed and not self.backend.remove(slot):
+            m.CGROUP_CLEANUP_FAILURES.inc()
+            self._reaper.orphan_slots.append((slot, time.monotonic()))
+
     def _finalize(self, run: _Run) -> None:
         r = self._reaper
         for t in run.timers:
@@ -511,9 +518,7 @@ class Executor:
         if run.slot is not None:
             if run.usage is None:
                 usage = self._read_usage(run)
-            if not run.slot.removed and not self.backend.remove(run.slot):
-                m.CGROUP_CLEANUP_FAILURES.inc()
-                r.orphan_slots.append((run.slot, time.monotonic()))
+            self._remove_slot(run.slot)
         if self.guard is not None and handle.pgid:
             self.guard.remove(handle.pgid)
         if handle.pgid:

@@ -20,7 +20,7 @@ import subprocess
 import threading
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 from agent.execute import metrics as m
 from agent.execute.backends import safe_name
@@ -149,7 +149,18 @@ def _mkdir(path: str, mode: int) -> bool:
     return True
 
 
-def prepare_process(ex: "Executor", spec: Any, created: list) -> tuple:
+class Prepared(NamedTuple):
+    """prepare_process()'s result: what the launcher is started with."""
+    ids: Optional[tuple]   # (uid, gid, groups) to switch to, or None
+    path: str              # the job's executable
+    env: dict
+    cwd: str
+    out: str               # stdout.log
+    err: str               # stderr.log
+    run_dir: str
+
+
+def prepare_process(ex: "Executor", spec: Any, created: list) -> Prepared:
     """The run's user, executable, environment and directories (made now). ``created``
     receives the work dir the agent provides (removed again at the run's end)."""
     if not spec.argv or not all(isinstance(a, str) and "\0" not in a for a in spec.argv):
@@ -211,22 +222,22 @@ def prepare_process(ex: "Executor", spec: Any, created: list) -> tuple:
             env[k] = v
     env.update({"MILLWRIGHT_JOB_ID": spec.job_id, "MILLWRIGHT_FIRE_ID": spec.fire_id,
                 "MILLWRIGHT_RUN_ID": spec.run_id or spec.run_key, "MILLWRIGHT_ATTEMPT": str(spec.attempt)})
-    return ids, path, env, cwd, out, err, run_dir
+    return Prepared(ids, path, env, cwd, out, err, run_dir)
 
 
 class Staged:
     """What a run needs before its launcher starts, made ahead (Executor.stage) on any
-    thread: its run and work directories, output files and quota container. A filesystem or cgroup
-    step may block (a directory on the state disk waits for its journal behind etcd's
-    fsyncs), so it is done where a stall delays nothing due (the claim's own etcd worker),
-    not on the thread that spawns launchers on time. A failure is kept and reported by
-    the spawn, as if it had happened there."""
+    thread: its run and work directories, output files and quota container. A file-system
+    or cgroup step may block (a directory on the state disk waits for its journal behind
+    etcd's fsyncs), so it is done where a stall delays nothing due (the claim's own etcd
+    worker), not on the thread that spawns launchers on time. A failure is kept and
+    reported by the spawn, as if it had happened there."""
 
     __slots__ = ("run_key", "process", "work_dir_created", "slot", "error", "log_fds")
 
     def __init__(self, run_key: str):
         self.run_key = run_key
-        self.process: Optional[tuple] = None   # prepare_process()'s result
+        self.process: Optional[Prepared] = None
         self.work_dir_created: Optional[str] = None
         self.slot: Any = None
         self.error: Optional[SpawnError] = None
@@ -241,9 +252,9 @@ def stage(ex: "Executor", spec: Any) -> Staged:
     try:
         st.process = prepare_process(ex, spec, created)
         if ex.spawn_mode == "shim":
-            _check_executable(st.process[1])
+            _check_executable(st.process.path)
         st.slot = _create_slot(ex, spec)
-        st.log_fds = [_create_log(p) for p in st.process[4:6]]   # last: nothing fails after them
+        st.log_fds = [_create_log(p) for p in (st.process.out, st.process.err)]   # last: nothing fails after them
     except SpawnError as exc:
         st.error = exc
     except Exception as exc:   # a bug or an unexpected OS error: the run's spawn_error, not the caller's

@@ -900,7 +900,7 @@ def test_a_staged_run_starts_in_the_directories_and_cgroups_made_ahead_on_anothe
     assert cgroup_dirs and all(os.path.isdir(d) for d in cgroup_dirs)
     # its output files too (each a journal update of the state disk: not on the reaper)
     assert all(fd >= 0 for fd in staged.log_fds) and len(staged.log_fds) == 2
-    assert all(os.path.isfile(p) for p in staged.process[4:6])
+    assert all(os.path.isfile(p) for p in (staged.process.out, staged.process.err))
     c = Collector()
     h = executor.start(spec, c, staged=staged)
     (r,) = c.wait(["st-used"])
@@ -923,7 +923,7 @@ def test_an_unstaged_run_leaves_no_cgroup_and_no_directory(executor):
     fds_before = set(os.listdir("/proc/self/fd"))
     staged = executor.stage(spec)
     assert staged.error is None
-    run_dir, work = staged.process[-1], staged.work_dir_created
+    run_dir, work = staged.process.run_dir, staged.work_dir_created
     cgroup_dirs = list(staged.slot.paths.values())
     assert os.path.isdir(work) and all(os.path.isdir(d) for d in cgroup_dirs)
     assert staged.slot.join_fds   # the cgroups' tasks files, opened for the spawn
