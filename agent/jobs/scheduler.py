@@ -887,16 +887,14 @@ class Scheduler:
         planned, f.run = f.run, None
         if planned is None or (not isinstance(planned, str) and planned[0].attempt != f.attempt):
             planned = self._run_spec(f)   # claimed by another path (a read-back): built now
-        staged, f.staged = f.staged, None
         if isinstance(planned, str):
-            if staged is not None:
-                self.executor.unstage(staged)
+            self._unstage(f)
             self._run_failed_early(f, planned)
             return
         spec, argv, tpl = planned
-        if staged is not None and staged.run_key != spec.run_key:
-            self.executor.unstage(staged)
-            staged = None
+        if f.staged is not None and f.staged.run_key != spec.run_key:
+            self._unstage(f)
+        staged, f.staged = f.staged, None
         extra = {"staged": staged} if staged is not None else {}
         session = self.agent.session
         lease = session.lease_id
