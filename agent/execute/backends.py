@@ -619,6 +619,8 @@ class Cgroup1Backend(_CgroupBackend):
             raise
         return slot
 
+    HOME_FDS_MAX = 256   # home `tasks` files kept open (per spawning thread and hierarchy)
+
     # The launcher is born in its cgroups: the spawning thread moves *itself* into them
     # (writing 0 to a v1 `tasks` file), forks, and moves back. A thread moving itself does
     # not take the kernel's global cgroup_threadgroup_rwsem for writing, which writing the
@@ -713,7 +715,7 @@ class Cgroup1Backend(_CgroupBackend):
         with self._home_lock:   # (spawning threads are few: the loop, and tests' own)
             fd = self._home_fds.get(key)
             if fd is None:
-                if len(self._home_fds) > 256:   # threads come and go: the cache stays small
+                if len(self._home_fds) >= self.HOME_FDS_MAX:   # threads come and go: the cache stays small
                     for old in self._home_fds.values():
                         self.fs.close_fd(old)
                     self._home_fds.clear()

@@ -125,7 +125,7 @@ class Executor:
 
     # --- public -------------------------------------------------------------------
     def stage(self, spec: RunSpec) -> Staged:
-        """Make a run's directories, output files and quota container now, on the calling
+        """Make a run's directories and quota container now, on the calling
         thread (any thread; its blocking file-system and cgroup steps then stay off the
         thread that starts runs on time). Pass the result to start() or prepare() of the
         same spec, or to unstage() if the run will not start. Never raises for the run's
@@ -133,28 +133,22 @@ class Executor:
         return stage(self, spec)
 
     def unstage(self, staged: Staged) -> None:
-        """A staged run that will not start: its quota container, empty output files and
-        directories go (on the reaper thread)."""
+        """A staged run that will not start: its quota container and directories go (on
+        the reaper thread)."""
         self._reaper.post(self._drop_staged, staged)
 
     def _drop_staged(self, staged: Staged) -> None:
         if staged.slot is not None:
             self._remove_slot(staged.slot)
-        for fd in staged.log_fds:
-            if fd >= 0:
-                os.close(fd)
-        staged.log_fds = []
         prepared = staged.process
-        files = [prepared.out, prepared.err] if prepared is not None else []   # its empty output files
         dirs = [staged.work_dir_created] if staged.work_dir_created else []
         if prepared is not None:
-            dirs.append(prepared.run_dir)   # then the run dir
-        for fn, paths in ((os.unlink, files), (os.rmdir, dirs)):
-            for path in paths:
-                try:
-                    fn(path)
-                except OSError:
-                    pass
+            dirs.append(prepared.run_dir)   # then the run dir (no output file is made before a start)
+        for path in dirs:
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
 
     def start(self, spec: RunSpec, on_exit: Callable[[RunHandle, RunResult], Any], *,
               guard: Optional[Callable[[], bool]] = None, staged: Optional[Staged] = None) -> RunHandle:
@@ -528,8 +522,7 @@ class Executor:
             r.reap_again(handle.pgid)
         for s in run.streams:
             r.unwatch_fd(s.rfd)
-            s.open()   # the file exists also when the run wrote nothing
-            _drain_stream(s)
+            _drain_stream(s)   # a file is made only for what comes (none for a silent run)
             s.close()
         if run.work_dir_created and not self.keep_work_dir:
             try:
@@ -558,7 +551,8 @@ class Executor:
             run_key=handle.run_key, reason=reason, exit_code=exit_code if not run.error else None,
             signal=sig, error=run.error, usage=usage, pid=handle.pid, started_at=handle.started_at,
             ended_at=run.ended_at or time.time(), duration_s=max(0.0, t_end - run.t0) if handle.pid else 0.0,
-            stdout_path=out.path if out else None, stderr_path=err.path if err else None,
+            stdout_path=out.path if out and out.created else None,   # None: it wrote nothing, no file
+            stderr_path=err.path if err and err.created else None,
             stdout_bytes=out.written if out else 0, stderr_bytes=err.written if err else 0,
             stderr_tail=tail_text(bytes(err.tail), err.written) if err else None,
             output_dropped_bytes=(out.dropped + err.dropped) if out and err else 0,

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 from agent.execute import metrics as m
 from agent.execute.backends import safe_name
-from agent.execute.reaper import _kill, _open_streams, _Run, _Stream
+from agent.execute.reaper import _kill, _Run, _Stream
 from agent.execute.runs import STDERR_TAIL_BYTES
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -227,13 +227,13 @@ def prepare_process(ex: "Executor", spec: Any, created: list) -> Prepared:
 
 class Staged:
     """What a run needs before its launcher starts, made ahead (Executor.stage) on any
-    thread: its run and work directories, output files and quota container. A file-system
+    thread: its run and work directories and quota container. A file-system
     or cgroup step may block (a directory on the state disk waits for its journal behind
     etcd's fsyncs), so it is done where a stall delays nothing due (the claim's own etcd
     worker), not on the thread that spawns launchers on time. A failure is kept and
     reported by the spawn, as if it had happened there."""
 
-    __slots__ = ("run_key", "process", "work_dir_created", "slot", "error", "log_fds")
+    __slots__ = ("run_key", "process", "work_dir_created", "slot", "error")
 
     def __init__(self, run_key: str):
         self.run_key = run_key
@@ -241,12 +241,13 @@ class Staged:
         self.work_dir_created: Optional[str] = None
         self.slot: Any = None
         self.error: Optional[SpawnError] = None
-        self.log_fds: list[int] = []   # stdout.log, stderr.log, created here (-1: the reaper tries again)
 
 
 def stage(ex: "Executor", spec: Any) -> Staged:
     """Directories, the executable check and the quota container of a run (thread-safe:
-    only system calls and the user cache)."""
+    only system calls and the user cache). Not the output files: the reaper creates each
+    when its first byte comes (_Stream.open), so a silent run costs the state disk no
+    file (each is an inode made now and freed again by retention)."""
     st = Staged(spec.run_key)
     created: list[str] = []
     try:
@@ -254,7 +255,6 @@ def stage(ex: "Executor", spec: Any) -> Staged:
         if ex.spawn_mode == "shim":
             _check_executable(st.process.path)
         st.slot = _create_slot(ex, spec)
-        st.log_fds = [_create_log(p) for p in (st.process.out, st.process.err)]   # last: nothing fails after them
     except SpawnError as exc:
         st.error = exc
     except Exception as exc:   # a bug or an unexpected OS error: the run's spawn_error, not the caller's
@@ -263,16 +263,6 @@ def stage(ex: "Executor", spec: Any) -> Staged:
     finally:
         st.work_dir_created = created[0] if created else None
     return st
-
-
-def _create_log(path: str) -> int:
-    """A run's output file, created (truncated) now: each is a journal update of the state
-    disk, off the reaper thread, whose every stall delays the ends of all runs. -1 if it
-    cannot be (the reaper tries once more, logs it and counts the output as dropped)."""
-    try:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)  # root-only (issue 16)
-    except OSError:
-        return -1
 
 
 def _check_executable(path: str) -> None:
@@ -317,11 +307,8 @@ def spawn(ex: "Executor", run: _Run, hold: bool = False, arm_at: Optional[float]
             fds.extend(os.pipe())
         go_r, go_w, err_r, err_w, out_r, out_w, ep_r, ep_w = fds
         run.streams = [_Stream(out_r, out_path, limit), _Stream(ep_r, err_path, limit, tail=STDERR_TAIL_BYTES)]
-        for stream, wfd in zip(run.streams, staged.log_fds):
-            stream.wfd = wfd
-        staged.log_fds = []
     except OSError as exc:
-        for fd in fds + [fd for fd in staged.log_fds if fd >= 0]:
+        for fd in fds:
             os.close(fd)
         raise SpawnError("pipes", f"cannot create pipes: {exc.strerror}") from None
     run.t0 = time.monotonic()   # started_at and t0 are set again at the release (_go)
@@ -370,8 +357,6 @@ def spawn(ex: "Executor", run: _Run, hold: bool = False, arm_at: Optional[float]
         os.close(fd)
     for s in run.streams:
         os.set_blocking(s.rfd, False)
-    if any(st.wfd < 0 for st in run.streams):
-        ex._reaper.post(_open_streams, run)   # the log files: off this (the loop's) thread
     run.handle.pid = run.handle.pgid = pid
     if ex.spawn_mode == "fork":
         try:

@@ -67,7 +67,7 @@ class RunResult:
     started_at: Optional[float] = None     # epoch seconds
     ended_at: Optional[float] = None
     duration_s: float = 0.0                # monotonic
-    stdout_path: Optional[str] = None
+    stdout_path: Optional[str] = None      # None: the run wrote nothing there (no file is made)
     stderr_path: Optional[str] = None
     stdout_bytes: int = 0
     stderr_bytes: int = 0

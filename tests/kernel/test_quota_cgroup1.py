@@ -898,9 +898,8 @@ def test_a_staged_run_starts_in_the_directories_and_cgroups_made_ahead_on_anothe
     assert work and os.path.isdir(work)
     cgroup_dirs = sorted(staged.slot.paths.values())
     assert cgroup_dirs and all(os.path.isdir(d) for d in cgroup_dirs)
-    # its output files too (each a journal update of the state disk: not on the reaper)
-    assert all(fd >= 0 for fd in staged.log_fds) and len(staged.log_fds) == 2
-    assert all(os.path.isfile(p) for p in (staged.process.out, staged.process.err))
+    # no output file yet: the reaper makes one when the run writes to it
+    assert not any(os.path.exists(p) for p in (staged.process.out, staged.process.err))
     c = Collector()
     h = executor.start(spec, c, staged=staged)
     (r,) = c.wait(["st-used"])
@@ -948,3 +947,41 @@ def test_a_staging_error_is_the_runs_spawn_error_and_nothing_is_left(executor):
     assert r.reason == "spawn_error" and "does not exist" in (r.error or ""), r
     time.sleep(0.2)
     assert len(calls) == 1
+
+
+def test_spawning_threads_home_files_stay_bounded(backend, monkeypatch):
+    """Each thread that moves itself into a run's cgroups keeps its home `tasks` files
+    open for the way back; threads come and go for months, so that cache is emptied at
+    its bound (HOME_FDS_MAX) and the agent's open files stay bounded with it."""
+    def tasks_fds() -> int:
+        n = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                n += os.readlink(f"/proc/self/fd/{fd}").endswith("/tasks")
+            except OSError:
+                pass
+        return n
+
+    monkeypatch.setattr(backend, "HOME_FDS_MAX", 6)
+    slot = backend.create("home-fds", Limits(1.0, 128, 64))
+    try:
+        joined = backend._joinable(slot)
+        assert len(joined) >= 2, joined   # memory and pids at least: more than one entry per thread
+        before = tasks_fds()
+        seen = []
+
+        def hop() -> None:
+            backend.leave(slot, backend.enter(slot))
+            seen.append(len(backend._home_fds))
+
+        for _ in range(12):   # 12 threads x the joined hierarchies: well past the bound
+            t = threading.Thread(target=hop)
+            t.start()
+            t.join()
+        assert len(seen) == 12 and max(seen) <= 6, seen
+        assert min(seen[3:]) < max(seen), seen   # emptied and refilled, not just capped once
+        assert tasks_fds() <= before + 6
+        with open(os.path.join(slot.paths["pids"], "tasks")) as fh:
+            assert fh.read().split() == []   # every thread went home
+    finally:
+        backend.remove(slot)

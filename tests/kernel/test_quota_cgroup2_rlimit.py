@@ -19,7 +19,7 @@ import tempfile
 import pytest
 
 from agent.execute import Executor, Limits, RunSpec, probe
-from agent.execute.backends import BackendUnavailable, Cgroup2Backend, CgroupFS, RlimitBackend, alive
+from agent.execute.backends import BackendUnavailable, Cgroup2Backend, CgroupFS, RlimitBackend, alive, safe_name
 from tests.support.kernel import require_kernel
 from tests.support.processes import PY, Collector, _zombies_left, stderr_tail
 
@@ -243,15 +243,20 @@ def rlimit_executor(base_dir):
 
 
 def test_a_runs_output_files_and_stderr_tail_come_from_the_reaper(rlimit_executor, job_user):
-    """The reaper creates a run's output files (also when it wrote nothing) and keeps the
-    end of its stderr in memory: the result's stderr_tail is what reading the file gives."""
+    """The reaper creates a run's output file when its first byte comes (a silent run has
+    none: no inode made and freed again per run) and keeps the end of its stderr in
+    memory: the result's stderr_tail is what reading the file gives."""
     c = Collector()
     loud = "import sys\nfor i in range(900): sys.stderr.write(f'complaint {i:04d}\\n')\nsys.exit(3)\n"
     rlimit_executor.start(RunSpec("r-silent", ["/bin/true"], user=job_user), c)
     rlimit_executor.start(RunSpec("r-loud", [PY, "-c", loud], user=job_user), c)
     silent, noisy = c.wait(["r-silent", "r-loud"])
     assert silent.reason == "succeeded" and silent.stderr_tail is None and silent.stderr_bytes == 0
-    assert os.path.getsize(silent.stdout_path) == 0 and os.path.getsize(silent.stderr_path) == 0
+    assert silent.stdout_path is None and silent.stderr_path is None
+    silent_dir = os.path.join(rlimit_executor.base_dir, safe_name("r-silent"))
+    assert os.path.isdir(silent_dir) and os.listdir(silent_dir) == []   # kept (for `millwright logs`), empty
+    assert noisy.stdout_path is None   # it wrote only to stderr
+    assert os.listdir(os.path.dirname(noisy.stderr_path)) == ["stderr.log"]
     assert noisy.exit_code == 3 and noisy.stderr_bytes == os.path.getsize(noisy.stderr_path) == 900 * 15
     assert noisy.stderr_tail == stderr_tail(noisy.stderr_path)
     assert noisy.stderr_tail.startswith("complaint ") and noisy.stderr_tail.endswith("complaint 0899\n")
