@@ -884,6 +884,17 @@ class Scheduler:
             self._unstage(f)
             self._abandon(f, "fenced")
             return
+        if self.entries.get(e.job.id) is not e or e.cancelled:
+            # cancelled, or dropped (deleted, retired, its shard lost and held again) while
+            # its claim was in flight: neither _cancel_entry nor _drop_entry ends a CLAIMING
+            # firing, so it must not start here (it ran, to its end, with nothing to stop it)
+            self._unstage(f)
+            if self.entries.get(e.job.id) is e:
+                self._release(f)
+                self._finish_without_run(f, "cancelled", "cancelled")
+            else:
+                self._abandon(f, "dropped")
+            return
         planned, f.run = f.run, None
         if planned is None or (not isinstance(planned, str) and planned[0].attempt != f.attempt):
             planned = self._run_spec(f)   # claimed by another path (a read-back): built now
