@@ -1,5 +1,5 @@
-"""Spawning a run's process: the launcher (a constant /bin/sh script started through
-subprocess's vfork path, or a forked child), user switch, clean environment, run dir,
+"""Spawning a run's process: the launcher (a constant shell script started with
+posix_spawn, agent/execute/pspawn.py, or subprocess's vfork path; or a forked child), user switch, clean environment, run dir,
 quota container, poststart hooks, and the go pipe that lets the job exec.
 
 Because the launcher waits for the go byte before exec, nothing the job does happens
@@ -23,6 +23,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 from agent.execute import metrics as m
+from agent.execute import pspawn
 from agent.execute.backends import safe_name
 from agent.execute.reaper import _kill, _Run, _Stream
 from agent.execute.runs import STDERR_TAIL_BYTES
@@ -336,16 +337,18 @@ def spawn(ex: "Executor", run: _Run, hold: bool = False, arm_at: Optional[float]
                 os.close(fd)
             raise SpawnError("cgroup", f"cannot confine the run: {exc.strerror or exc}") from None
         try:
-            popen = subprocess.Popen(argv, stdin=go_r, stdout=out_w, stderr=ep_w, cwd=cwd, env=env,
-                                     start_new_session=True, close_fds=True, restore_signals=True)
+            if pspawn.available():   # one GIL drop per spawn (agent/execute/pspawn.py)
+                pid = pspawn.spawn(argv, env, cwd, go_r, out_w, ep_w)
+            else:
+                run.popen = subprocess.Popen(argv, stdin=go_r, stdout=out_w, stderr=ep_w, cwd=cwd, env=env,
+                                             start_new_session=True, close_fds=True, restore_signals=True)
+                pid = run.popen.pid
         except OSError as exc:
             for fd in (go_r, go_w, out_w, ep_w):
                 os.close(fd)
             raise SpawnError("exec", f"cannot start the launcher in {cwd}: {exc.strerror or exc}") from None
         finally:
             ex.backend.leave(run.slot, joined)
-        run.popen = popen
-        pid = popen.pid
         err_r = -1
     else:
         pid = os.fork()

@@ -1,0 +1,64 @@
+"""agent/execute/pspawn.py: the launcher's child is the one subprocess.Popen made (fds,
+working directory, session, signals), and a failed chdir or exec is the call's error."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from agent.execute import pspawn
+
+pytestmark = pytest.mark.skipif(not pspawn.available(), reason="glibc without posix_spawn_file_actions_addclosefrom_np")
+
+
+def _run(argv: list[str], cwd: str) -> tuple[str, int]:
+    r, w = os.pipe()
+    try:
+        pid = pspawn.spawn(argv, {"PATH": "/usr/bin:/bin", "ONLY": "this"}, cwd, r, w, w)
+    finally:
+        os.close(w)
+    out = b""
+    while chunk := os.read(r, 65536):
+        out += chunk
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    return out.decode(), pid
+
+
+def test_the_child_gets_its_pipes_cwd_env_and_session_and_nothing_else(tmp_path):
+    leak = os.open("/dev/null", os.O_RDONLY)
+    os.dup2(leak, 61, inheritable=True)   # an inheritable fd of the agent's must not reach a job
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    old_pipe = signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    try:
+        out, pid = _run(["/bin/sh", "-c", 'pwd; ls /proc/$$/fd | sort -n | tr "\\n" " "; echo; '
+                         'env | sort | tr "\\n" " "; echo; cut -d" " -f6 /proc/$$/stat'], str(tmp_path))
+        # the signal state as exec left it (a shell would set its own mask)
+        status, _ = _run(["/bin/cat", "/proc/self/status"], str(tmp_path))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        signal.signal(signal.SIGPIPE, old_pipe)
+        os.close(61)
+        os.close(leak)
+    cwd, fds, env, session = out.splitlines()
+    sig = dict(line.split(":\t", 1) for line in status.splitlines() if line.startswith("Sig"))
+    assert cwd == str(tmp_path)
+    assert fds.split() == ["0", "1", "2"]
+    assert "ONLY=this" in env.split() and "PATH=/usr/bin:/bin" in env.split()
+    assert int(sig["SigBlk"], 16) == 0   # the spawning thread's mask is not inherited
+    assert not int(sig["SigIgn"], 16) & (1 << (signal.SIGPIPE - 1))   # SIGPIPE back to default
+    assert int(session) == pid   # a session (and process group) of its own
+
+
+def test_a_failed_exec_or_chdir_is_the_calls_error(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        pspawn.spawn([str(tmp_path / "no-such-launcher")], {}, str(tmp_path), 0, 1, 2)
+    with pytest.raises(FileNotFoundError):
+        pspawn.spawn(["/bin/true"], {}, str(tmp_path / "no-such-dir"), 0, 1, 2)
+    os.chmod(tmp_path, 0o755)
+    plain = tmp_path / "not-executable"
+    plain.write_text("#!/bin/sh\n")
+    with pytest.raises(PermissionError):
+        pspawn.spawn([str(plain)], {}, str(tmp_path), 0, 1, 2)
