@@ -817,7 +817,10 @@ class Scheduler:
             return self.client.get(key)
 
         def done(kv, err):
-            if f.state != FiringState.CLAIMING or self.entries.get(f.entry.job.id) is not f.entry or f.entry.cancelled:
+            if f.state != FiringState.CLAIMING:
+                return
+            if self.entries.get(f.entry.job.id) is not f.entry or f.entry.cancelled:
+                self._discard(f)
                 return
             if err is not None:
                 if self.agent.owns(f.entry.shard) is not None:
@@ -886,14 +889,9 @@ class Scheduler:
             return
         if self.entries.get(e.job.id) is not e or e.cancelled:
             # cancelled, or dropped (deleted, retired, its shard lost and held again) while
-            # its claim was in flight: neither _cancel_entry nor _drop_entry ends a CLAIMING
-            # firing, so it must not start here (it ran, to its end, with nothing to stop it)
-            self._unstage(f)
-            if self.entries.get(e.job.id) is e:
-                self._release(f)
-                self._finish_without_run(f, "cancelled", "cancelled")
-            else:
-                self._abandon(f, "dropped")
+            # its claim was in flight: it must not start here (it ran, to its end, with
+            # nothing to stop it)
+            self._discard(f)
             return
         planned, f.run = f.run, None
         if planned is None or (not isinstance(planned, str) and planned[0].attempt != f.attempt):
@@ -1191,10 +1189,25 @@ class Scheduler:
 
     def _when_current(self, f: Firing, state: FiringState, fn: Any, *args: Any) -> None:
         """Call fn(*args) later only if the firing is still where it was (same entry, same state)."""
-        if f.state == state and self.entries.get(f.entry.job.id) is f.entry and not f.entry.cancelled:
+        current = self.entries.get(f.entry.job.id) is f.entry and not f.entry.cancelled
+        if f.state == state and current:
             fn(*args)
+        elif f.state == state and f.state != FiringState.DONE:
+            self._discard(f)   # its job went meanwhile: it ends here, not never
         else:
             self._unstage(f)   # it will not be spawned: its staged run goes
+
+    def _discard(self, f: Firing) -> None:
+        """A firing whose job was cancelled or dropped (deleted, key retired, shard lost)
+        after its admission and before its spawn. _cancel_entry and _drop_entry do not end
+        one that is claiming or waiting to claim again: its staged run and its admission
+        are given back here (kept, they would hold node budget and keep its shard busy)."""
+        self._unstage(f)
+        if self.entries.get(f.entry.job.id) is f.entry:   # cancelled: its record says so
+            self._release(f)
+            self._finish_without_run(f, "cancelled", "cancelled")
+        else:
+            self._abandon(f, "dropped")
 
     def _final_status(self, f: Firing, state: str, **fields: Any) -> tuple[dict, Optional[str]]:
         """A run's final status document and the key of its durable answer marker (None when
