@@ -18,6 +18,7 @@ import glob
 import json
 import logging
 import os
+import sys
 import threading
 from datetime import datetime, timezone
 from typing import Any, Callable
@@ -263,3 +264,86 @@ def test_a_job_cancelled_or_deleted_while_its_claim_is_in_flight_never_runs(env,
         rec = wait_for(lambda: (lambda r: r if r["state"] != "running" else None)(
             run_records(c.client, c.keys)[(jid, fid)]), 20, interval=0.1, what="the record final")
         assert (rec["state"], rec["reason"]) == ("cancelled", "cancelled"), rec
+
+
+@pytest.mark.parametrize("quota_backend", ["cgroup1"], indirect=True)
+@pytest.mark.parametrize("how", ["cancelled", "deleted"])
+def test_a_firing_waiting_out_a_lapsed_session_to_spawn_ends_when_its_job_goes(env, quota_backend, how, caplog):
+    """The claim comes back while the agent has no fence for the shard only because its
+    session is past the renew deadline (the shard still held): _spawn waits for the fence
+    (FENCE_WAIT_S, through _when_current). The job was cancelled or deleted meanwhile, so
+    when that wait comes back the firing must end there (Scheduler._discard), not stay
+    claiming forever: the job never runs, its staged run goes, its admission slot is given
+    back, its shard is not kept busy, and a cancelled firing's record ends `cancelled`.
+
+    The lapse is made for the duration of that firing's first _spawn only (on the loop):
+    agent.fence_for gives None for its shard and _session_lapsed True; the delayed call
+    then runs against the real agent."""
+    c, la, store, gate, out = env
+    sch = la.scheduler
+    caplog.set_level(logging.DEBUG, logger="agent.jobs.scheduler")
+    jid = f"lapsed-{how}"
+    slots = la.on_loop(lambda: len(sch.admission.running))
+    g, f = held_claim(la, store, gate, jid)
+    shard, fid = f.entry.shard, f.fire_id
+    # abandons logged so far are of earlier firings of the job (seen: a `not_owner` one when
+    # the shard was lost and held again just after start, the job then installed anew)
+    earlier = len(abandoned(caplog, jid))
+    assert la.on_loop(lambda: (len(sch.admission.running), sch.busy(shard))) == (slots + 1, True)
+    before = leftovers(la, g.staged[0])
+    assert any(p.startswith(la.executor.base_dir) for p in before), before
+    assert any(p.startswith("/sys/fs/cgroup/") for p in before), before
+
+    real_spawn, real_lapsed, real_fence_for = sch._spawn, sch._session_lapsed, la.agent.fence_for
+    spawns: list[FiringState] = []     # the firing's state right after each of its _spawn calls
+    discarded_by: list[str] = []       # which scheduler method called _discard for it
+
+    def spawn(g2: Any) -> None:
+        if g2 is not f or spawns:
+            real_spawn(g2)
+            return
+        la.agent.fence_for = lambda s: None if s == shard else real_fence_for(s)   # type: ignore[method-assign]
+        sch._session_lapsed = lambda g3: True if g3 is f else real_lapsed(g3)     # type: ignore[method-assign]
+        try:
+            real_spawn(g2)
+        finally:
+            del la.agent.fence_for, sch._session_lapsed   # the real ones again (class attributes)
+        spawns.append(g2.state)
+
+    real_discard = sch._discard
+
+    def discard(g2: Any) -> None:
+        if g2 is f:
+            discarded_by.append(sys._getframe(1).f_code.co_name)
+        real_discard(g2)
+
+    la.on_loop(lambda: (setattr(sch, "_spawn", spawn), setattr(sch, "_discard", discard)))
+    try:
+        if how == "cancelled":
+            assert store.cancel(jid)[0] == "cancelled"
+            wait_for(lambda: la.on_loop(lambda: sch.entries[jid].cancelled), 20, interval=0.05,
+                     what="the cancel applied")
+        else:
+            c.client.delete(store.key(jid)[1])
+            wait_for(lambda: la.on_loop(lambda: jid not in sch.entries), 20, interval=0.05, what="the job dropped")
+        assert la.on_loop(lambda: f.state) == FiringState.CLAIMING
+        g.open()
+        settle(la, f)
+    finally:
+        la.on_loop(lambda: (sch.__dict__.pop("_spawn", None), sch.__dict__.pop("_discard", None)))
+    assert la.on_loop(lambda: la.agent.fence_for(shard)) is not None   # the patches are gone; still ours
+    # _spawn waited for the fence (the firing still claiming), and the wait ended it
+    assert spawns == [FiringState.CLAIMING]
+    assert discarded_by == ["_when_current"]
+    assert effects(out)[(jid, fid)] == 0, "the job ran"
+    assert abandoned(caplog, jid)[earlier:] == ([] if how == "cancelled" else ["dropped"])
+    assert la.on_loop(lambda: len(sch.admission.running)) == slots   # its node budget given back
+    assert leftovers(la, g.staged[0]) == [], f"staged: {before}"
+    if how == "cancelled":
+        rec = wait_for(lambda: (lambda r: r if r["state"] != "running" else None)(
+            run_records(c.client, c.keys)[(jid, fid)]), 20, interval=0.1, what="the record final")
+        assert (rec["state"], rec["reason"]) == ("cancelled", "cancelled"), rec
+    # not kept busy (its cancelled record's write, if still in flight, ends)
+    wait_for(lambda: la.on_loop(lambda: not sch.busy(shard)), 20, interval=0.05, what="the shard not busy")
+    assert la.on_loop(lambda: f.state) == FiringState.DONE
+    assert effects(out)[(jid, fid)] == 0, "the job ran"
