@@ -390,6 +390,9 @@ class Scheduler:
                 if f.key in self.waiting:
                     self.waiting.pop(f.key)
                     self._admit(self.admission.cancel(f.key))
+                else:   # admitted, its claim waiting for the fence: its slot goes (unknown keys: none)
+                    self._release(f)
+                self._unstage(f)
                 self._finish_without_run(f, "cancelled", "cancelled")
         self._status(e, None, "cancelled", reason="cancelled")
         self.agent.record("job", event="cancelled", job=e.job.id, shard=e.shard)
@@ -1189,9 +1192,9 @@ class Scheduler:
 
     def _when_current(self, f: Firing, state: FiringState, fn: Any, *args: Any) -> None:
         """Call fn(*args) later only if the firing is still where it was (same entry, same state)."""
-        current = self.entries.get(f.entry.job.id) is f.entry and not f.entry.cancelled
-        if f.state == state and current:
-            fn(*args)
+        here = self.entries.get(f.entry.job.id) is f.entry
+        if f.state == state and here and (not f.entry.cancelled or state == FiringState.FINISHING):
+            fn(*args)   # (a record being finished is written as it was, even for a job cancelled since)
         elif f.state == state and f.state != FiringState.DONE:
             self._discard(f)   # its job went meanwhile: it ends here, not never
         else:

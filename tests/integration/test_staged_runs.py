@@ -240,6 +240,7 @@ def test_a_job_cancelled_or_deleted_while_its_claim_is_in_flight_never_runs(env,
     caplog.set_level(logging.DEBUG, logger="agent.jobs.scheduler")
     jid = f"gone-{how}"
     g, f = held_claim(la, store, gate, jid)
+    earlier = len(abandoned(caplog, jid))   # a shard re-acquired at start-up may abandon an earlier claim
     before = leftovers(la, g.staged[0])
     assert any(p.startswith(la.executor.base_dir) for p in before), before
     if quota_backend == "cgroup1":
@@ -257,7 +258,7 @@ def test_a_job_cancelled_or_deleted_while_its_claim_is_in_flight_never_runs(env,
     g.open()
     settle(la, f)
     assert effects(out)[(jid, fid)] == 0, "the job ran"
-    assert abandoned(caplog, jid) == ([] if how == "cancelled" else ["dropped"])
+    assert abandoned(caplog, jid)[earlier:] == ([] if how == "cancelled" else ["dropped"])
     assert la.on_loop(lambda: f.key not in la.scheduler.admission.running)   # its node budget given back
     assert leftovers(la, g.staged[0]) == [], f"staged: {before}"
     if how == "cancelled":
