@@ -1,6 +1,7 @@
 """Spawning a run's process: the launcher (a constant shell script started with
-posix_spawn, agent/execute/pspawn.py, or subprocess's vfork path; or a forked child), user switch, clean environment, run dir,
-quota container, poststart hooks, and the go pipe that lets the job exec.
+posix_spawn, agent/execute/pspawn.py, or subprocess's vfork path; or a forked child),
+user switch, clean environment, run dir, quota container, poststart hooks, and the go
+pipe that lets the job exec.
 
 Because the launcher waits for the go byte before exec, nothing the job does happens
 before it is in its cgroup, registered with the run guard (agent/execute/guard.py) and
@@ -38,9 +39,7 @@ log = logging.getLogger("millwright.execute")
 warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks.*", category=DeprecationWarning)
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-_RESET_SIGNALS = tuple(getattr(signal, n) for n in (
-    "SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGPIPE", "SIGXFSZ", "SIGXCPU", "SIGUSR1", "SIGUSR2",
-    "SIGCHLD", "SIGALRM", "SIGTSTP", "SIGTTIN", "SIGTTOU") if hasattr(signal, n))
+_RESET_SIGNALS = pspawn.RESET_SIGNALS
 # The launcher of the default ("shim") spawn mode. Forking a large Python process costs
 # tens of milliseconds (page tables, copy-on-write faults); subprocess's vfork path costs
 # about one. But a vfork child cannot wait for our go-ahead or switch users, so it execs

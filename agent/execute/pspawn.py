@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import signal
 import threading
 from typing import Iterable, Mapping, Optional
 
@@ -31,9 +32,14 @@ POSIX_SPAWN_SETSIGDEF = 0x04
 POSIX_SPAWN_SETSIGMASK = 0x08
 POSIX_SPAWN_SETSID = 0x80          # glibc >= 2.26
 _OPAQUE = 1024                     # bytes for glibc's posix_spawn_file_actions_t (80) / attr_t (336)
+# set back to their default in a job's launcher: Python ignores SIGPIPE and SIGXFSZ (an
+# ignored signal stays ignored across exec), the agent handles the others
+RESET_SIGNALS = tuple(getattr(signal, n) for n in (
+    "SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGPIPE", "SIGXFSZ", "SIGXCPU", "SIGUSR1", "SIGUSR2",
+    "SIGCHLD", "SIGALRM", "SIGTSTP", "SIGTTIN", "SIGTTOU") if hasattr(signal, n))
 
 _lock = threading.Lock()
-_lib: Optional[tuple] = None       # (libc for quick calls, libc for the spawn, attr) once loaded
+_lib: Optional[tuple] = None       # (libc keeping the GIL, libc dropping it, attr and its buffers)
 _missing: Optional[str] = None
 
 
@@ -57,10 +63,9 @@ def _load() -> Optional[tuple]:
             attr = ctypes.create_string_buffer(_OPAQUE)
             sigdef = ctypes.create_string_buffer(_OPAQUE)
             empty = ctypes.create_string_buffer(_OPAQUE)
-            from agent.execute.launch import _RESET_SIGNALS
             ok = (quick.posix_spawnattr_init(attr) == 0 and quick.sigemptyset(sigdef) == 0
                   and quick.sigemptyset(empty) == 0
-                  and all(quick.sigaddset(sigdef, int(s)) == 0 for s in _RESET_SIGNALS)
+                  and all(quick.sigaddset(sigdef, int(s)) == 0 for s in RESET_SIGNALS)
                   and quick.posix_spawnattr_setsigdefault(attr, sigdef) == 0
                   and quick.posix_spawnattr_setsigmask(attr, empty) == 0
                   and quick.posix_spawnattr_setflags(
