@@ -890,10 +890,12 @@ class Scheduler:
             self._unstage(f)
             self._abandon(f, "fenced")
             return
-        if self.entries.get(e.job.id) is not e or e.cancelled:
-            # cancelled, or dropped (deleted, retired, its shard lost and held again) while
-            # its claim was in flight: it must not start here (it ran, to its end, with
-            # nothing to stop it)
+        if e.cancelled or e.job.id not in self.entries:
+            # cancelled, or its job gone (deleted, key retired) while its claim was in
+            # flight: it must not start here (it ran, to its end, with nothing to stop it).
+            # A job installed again meanwhile (its shard lost and held again) keeps this
+            # claim: it is fenced and durable, and the new entry's own claim of the same
+            # firing finds it (already_claimed), so it runs once, here.
             self._discard(f)
             return
         planned, f.run = f.run, None
