@@ -74,6 +74,7 @@ class Firing:
     limits: Any = None       # the limits admission let in, which the run then gets
     run: Any = None          # (RunSpec, argv, template) of this attempt, or why it cannot start
     staged: Any = None       # its directories and quota container, made with the claim (Executor.stage)
+    unsure: tuple = ()       # records of its earlier claims whose outcome was unknown (a few)
     seq: int = field(default_factory=lambda: next(_SEQ))
     state: FiringState = field(default=FiringState.PENDING, init=False)
 

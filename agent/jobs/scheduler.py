@@ -85,6 +85,7 @@ RETIRE_CHECK_MAX_S = 3600.0     # a retirement far ahead is re-armed at most thi
 # How often a firing re-checks its fence while the session is past its renew deadline but
 # the shard is still held (see Scheduler._session_lapsed).
 FENCE_WAIT_S = 0.1
+UNSURE_CLAIMS_MAX = 8   # earlier claims of one firing with an unknown outcome that are remembered
 
 
 @dataclass
@@ -392,7 +393,6 @@ class Scheduler:
                     self._admit(self.admission.cancel(f.key))
                 else:   # admitted, its claim waiting for the fence: its slot goes (unknown keys: none)
                     self._release(f)
-                self._unstage(f)
                 self._finish_without_run(f, "cancelled", "cancelled")
         self._status(e, None, "cancelled", reason="cancelled")
         self.agent.record("job", event="cancelled", job=e.job.id, shard=e.shard)
@@ -781,10 +781,15 @@ class Scheduler:
                 self._resolve_unknown_claim(f, key, rec, fence, str(error))
                 return
             if not r.succeeded:
+                if f.unsure:
+                    # an earlier claim of ours was read back as absent, then landed after
+                    # all (it was still queued in etcd): the record may be that one
+                    self._resolve_unknown_claim(f, key, rec, fence, "exists after an unknown outcome")
+                    return
                 FIRINGS.labels("already_claimed").inc()
                 self._abandon(f, "already_claimed")
                 return
-            f.record, f.record_rev, f.staged = rec, r.revision, staged
+            f.record, f.record_rev, f.staged, f.unsure = rec, r.revision, staged, ()
             self._spawn(f)
 
         self.workers.submit(op, done)
@@ -797,18 +802,23 @@ class Scheduler:
             if f.state != FiringState.CLAIMING:
                 return
             if err is not None:
-                if self.agent.fence_for(f.entry.shard) is None:
+                # the claim may have landed: give it up only with the shard (its next owner
+                # reads the record); a lapsed session may renew, and the record is ours then
+                if self.agent.owns(f.entry.shard) is None:
                     self._abandon(f, "shard_lost")
                 else:
                     self.loop.call_later(0.2, self._resolve_unknown_claim, f, key, rec, fence, error)
                 return
             if kv is None:
-                self._claim(f)  # the create did not happen: try again
+                # not there (yet): claim again; if this create then finds a record, it may be
+                # the one read back now, landed late (a request etcd still held)
+                f.unsure = (f.unsure + (rec,))[-UNSURE_CLAIMS_MAX:]
+                self._claim(f)
                 return
             cur = json.loads(kv.value)
-            if cur.get("agent") == self.cfg.agent_id and cur.get("started_at") == rec["started_at"] \
-                    and cur.get("attempt") == rec["attempt"]:
-                f.record, f.record_rev = cur, kv.mod_revision
+            if any(cur.get("agent") == self.cfg.agent_id and cur.get("started_at") == r["started_at"]
+                   and cur.get("attempt") == r["attempt"] for r in (rec,) + f.unsure):
+                f.record, f.record_rev, f.unsure = cur, kv.mod_revision, ()
                 self._spawn(f)
             else:
                 self._abandon(f, "already_claimed")
@@ -890,12 +900,13 @@ class Scheduler:
             self._unstage(f)
             self._abandon(f, "fenced")
             return
-        if e.cancelled or e.job.id not in self.entries:
-            # cancelled, or its job gone (deleted, key retired) while its claim was in
-            # flight: it must not start here (it ran, to its end, with nothing to stop it).
-            # A job installed again meanwhile (its shard lost and held again) keeps this
-            # claim: it is fenced and durable, and the new entry's own claim of the same
-            # firing finds it (already_claimed), so it runs once, here.
+        if e.cancelled or self.entries.get(e.job.id) is not e:
+            # cancelled, or its job dropped (deleted, key retired, shard lost) while its
+            # claim was in flight: it must not start here (it ran, to its end, with nothing
+            # to stop it). A job installed again meanwhile came with its shard held again
+            # under a new fence: that shard's load read this claim's record (the claim
+            # landed before the old fence's key went) and the new entry resolves it
+            # (owner_lost), so running it here as well could run the firing twice.
             self._discard(f)
             return
         planned, f.run = f.run, None
@@ -1048,8 +1059,9 @@ class Scheduler:
     def _finish_without_run(self, f: Firing, state: str, reason: str) -> None:
         """Record a firing that will not run (misfired, cancelled, failed before start)."""
         e = f.entry
-        if self.agent.fence_for(e.shard) is None and self._session_lapsed(f):
-            # the record must be written, not skipped, while we keep the shard (as in _claim)
+        if self._record_waits(e.shard):
+            # the record must be written, not skipped, while we keep the shard (a cancelled
+            # job's too: its record says cancelled)
             f.move(FiringState.FINISHING)
             self.loop.call_later(FENCE_WAIT_S, self._when_current, f, FiringState.FINISHING, self._finish_without_run,
                                  f, state, reason)
@@ -1120,7 +1132,7 @@ class Scheduler:
         e = f.entry
         fence = self.agent.fence_for(e.shard)
         if fence is None:
-            if self._session_lapsed(f):  # counted as in flight until _rewrite runs
+            if self._record_waits(e.shard):  # counted as in flight until _rewrite runs
                 self._writes[e.shard] = self._writes.get(e.shard, 0) + 1
                 f.writing += 1
                 self.loop.call_later(FENCE_WAIT_S, self._rewrite, f, state, fields, f.record_rev, answer)
@@ -1182,6 +1194,16 @@ class Scheduler:
             f.move(FiringState.DONE)
             self._forget(f)
             RUNS.labels("abandoned").inc()
+
+    def _record_waits(self, shard: int) -> bool:
+        """A record write for the shard has no fence only because the session is past its
+        renew deadline while the shard is still held: it waits for the renewal (or for the
+        self-fence, after which the shard's next owner resolves the record). Whatever the
+        firing's state: a final record (the run ended, an orphan resolved) dropped here
+        stays `running` for as long as the renewed session keeps the shard (CI, 2,000-job
+        fault test: a keepalive that came back after the renew deadline but before the
+        loop's fence timer ran, with the etcd restart)."""
+        return self.agent.fence_for(shard) is None and self.agent.owns(shard) is not None
 
     def _session_lapsed(self, f: Firing) -> bool:
         """No fence only because the session is past its renew deadline, while the shard is

@@ -15,7 +15,6 @@ it) on a thread of this process, so its executor's stage() can be wrapped; etcd 
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import os
 import sys
@@ -25,77 +24,15 @@ from typing import Any, Callable
 
 import pytest
 
-from agent.config import load_config
 from agent.coordination.jobstore import JobStore
-from agent.demo.services import AgentProcess
-from agent.execute.backends import Cgroup1Backend, run_root_name, safe_name
+from agent.execute.backends import Cgroup1Backend, safe_name
 from agent.jobs.firing import FiringState
 from agent.jobs.schedule import format_rfc3339
-from agent.runtime.components import default_components
-from agent.runtime.daemon import Agent
-from tests.integration.cluster import Cluster, wait_for
-from tests.support.jobs import effects, job, templates
+from tests.integration.cluster import wait_for
+from tests.integration.local_agent import LocalAgent, recording_agent
+from tests.support.jobs import effects, job
 from tests.support.kernel import require_kernel
 from tests.support.records import run_records
-
-# the agent fences itself RENEW_S after etcd stopped answering; the run guard's kill
-# (kill_grace_s) must fit in TTL_S - RENEW_S - 0.5 (config check)
-TTL_S, RENEW_S, KILL_GRACE_S = 3, 1.5, 0.5
-
-
-class LocalAgent:
-    """The daemon's Agent, with the components `millwright run` gives it, on a thread here.
-    Its config is the one a Cluster's agent process gets (AgentProcess writes it; that
-    process is never started)."""
-
-    def __init__(self, cluster: Cluster, agent_id: str, extra: dict):
-        cfg = json.loads(json.dumps(cluster.cfg))
-        for k, v in extra.items():
-            cfg[k] = {**cfg.get(k, {}), **v} if isinstance(v, dict) else v
-        self.files = AgentProcess(agent_id, cluster.base, cfg)   # config file and cgroup cleanup only
-        self.cfg = load_config(self.files.config_path)
-        self.agent = Agent(self.cfg, default_components(self.cfg))
-        jobs = next(c.jobs for c in self.agent.components if hasattr(c, "jobs"))
-        self.executor, self.scheduler = jobs.executor, jobs.scheduler
-        self.cgroup_root = run_root_name(agent_id, self.cfg.state_dir)
-        self.thread = threading.Thread(target=self.agent.run, name=f"agent-{agent_id}", daemon=True)
-
-    def start(self) -> "LocalAgent":
-        self.thread.start()
-        return self
-
-    def on_loop(self, fn: Callable[[], Any]) -> Any:
-        """fn() on the agent's loop thread (where the scheduler's state lives); its result."""
-        out: list = []
-        done = threading.Event()
-
-        def run():
-            try:
-                out.append((fn(), None))
-            except BaseException as exc:  # noqa: B036 - handed to the test thread
-                out.append((None, exc))
-            finally:
-                done.set()
-
-        self.agent.loop.post(run)
-        assert done.wait(10), "the agent's loop did not answer"
-        result, exc = out[0]
-        if exc is not None:
-            raise exc
-        return result
-
-    def reaper_idle(self) -> None:
-        """Wait until the executor's reaper thread has done everything posted to it so far
-        (an unstage() is such a post)."""
-        done = threading.Event()
-        self.executor._reaper.post(done.set)
-        assert done.wait(10), "the executor's reaper did not answer"
-
-    def stop(self) -> None:
-        if self.thread.is_alive():
-            self.agent.request_stop()
-            self.thread.join(30)
-        self.files.remove_cgroups()
 
 
 class StageGate:
@@ -144,15 +81,7 @@ def quota_backend(request) -> str:
 
 @pytest.fixture
 def env(etcd_server, tmp_path, quota_backend, monkeypatch):
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    os.chmod(out_dir, 0o777)
-    out = str(out_dir / "effects.txt")
-    c = Cluster(etcd_server, str(tmp_path / "agents"), shards=4, ttl=TTL_S, renew_deadline=RENEW_S,
-                retry_period=0.3)
-    la = LocalAgent(c, "st0", {"templates": templates(out), "mqtt": {"url": "mqtt://127.0.0.1:9"},
-                               "execute": {"quota_backend": quota_backend, "kill_grace_s": KILL_GRACE_S}})
-    assert la.executor.backend.name == quota_backend
+    c, la, out = recording_agent(etcd_server, tmp_path, "st0", quota_backend)
     store = c.signing(JobStore(c.client, c.keys, c.shards, "test"))
     gates: list[StageGate] = []
 
@@ -175,10 +104,13 @@ def env(etcd_server, tmp_path, quota_backend, monkeypatch):
         c.close()
 
 
-def held_claim(la: LocalAgent, store: Any, gate: Callable[[str], StageGate], job_id: str) -> tuple[StageGate, Any]:
-    """A job due now, its firing's claim held in stage() with the run staged: (gate, firing)."""
+def held_claim(la: LocalAgent, store: Any, gate: Callable[[str], StageGate], job_id: str,
+               **doc: Any) -> tuple[StageGate, Any]:
+    """A job due now (``doc``: more of its fields), its firing's claim held in stage() with
+    the run staged: (gate, firing)."""
     g = gate(job_id)
-    store.create(job(job_id, {}, issued_at=format_rfc3339(datetime.now(timezone.utc).replace(microsecond=0))))
+    store.create(job(job_id, {}, issued_at=format_rfc3339(datetime.now(timezone.utc).replace(microsecond=0)),
+                     **doc))
     assert g.entered.wait(20), "the firing was never claimed"
     (staged,) = g.staged
     assert staged.error is None, staged.error
@@ -227,6 +159,40 @@ def test_a_claim_fenced_in_flight_never_runs_and_its_staged_run_is_unstaged(env,
         run_records(c.client, c.keys)[("fenced", fid)]), 30, interval=0.2, what="the record resolved")
     assert (rec["state"], rec["reason"]) == ("failed", "owner_lost"), rec
     assert effects(out)[("fenced", fid)] == 0
+    assert leftovers(la, g.staged[0]) == []
+
+
+def test_a_claim_back_after_its_shard_was_held_again_does_not_run_beside_the_new_entry(env, etcd_server, caplog):
+    """The agent fences itself while a firing's claim is being staged (its `running` record
+    landed), takes its shards back under a new session and loads the job anew: that load
+    read the record, and the new entry resolves it as owner_lost; this job retries
+    owner_lost, so the new entry runs attempt 2. When the held claim then comes back (the
+    shard is held, under the new fence), its firing must not run as well: attempt 1 would
+    run beside attempt 2, the job twice (the claim path did so from ded4261 on)."""
+    c, la, store, gate, out = env
+    sch = la.scheduler
+    caplog.set_level(logging.DEBUG, logger="agent.jobs.scheduler")
+    jid = "held-again"
+    g, f = held_claim(la, store, gate, jid, retry={"max_attempts": 2, "backoff_s": 0, "on": ["owner_lost"]})
+    fid, shard = f.fire_id, f.entry.shard
+    old_fence = la.on_loop(lambda: la.agent.owns(shard))
+    assert run_records(c.client, c.keys)[(jid, fid)]["state"] == "running"   # the claim landed
+    etcd_server.pause()
+    wait_for(lambda: not la.agent.owned_shards, 20, interval=0.05, what="the agent fenced")
+    etcd_server.resume()
+    # held again, the job installed anew from the shard's load (which read the record)
+    wait_for(lambda: la.on_loop(lambda: sch.entries.get(jid, f.entry) is not f.entry), 30, interval=0.05,
+             what="the job installed again")
+    new_fence = la.on_loop(lambda: la.agent.fence_for(shard))
+    assert new_fence is not None and new_fence.token != old_fence.token
+    assert la.on_loop(lambda: f.state) == FiringState.CLAIMING
+    g.open()   # the held claim comes back; the new entry's attempt 2 stages and runs too
+    settle(la, f)
+    rec = wait_for(lambda: (lambda r: r if r["state"] not in ("running", "retrying") else None)(
+        run_records(c.client, c.keys)[(jid, fid)]), 30, interval=0.1, what="the record final")
+    assert (rec["state"], rec["attempt"]) == ("succeeded", 2), rec
+    assert effects(out)[(jid, fid)] == 1, "the firing ran twice (the held claim beside the new entry's retry)"
+    assert "dropped" in abandoned(caplog, jid)
     assert leftovers(la, g.staged[0]) == []
 
 

@@ -1,0 +1,94 @@
+"""The daemon's own Agent on a thread of the test process, so a test can wrap one of its
+methods at the point a fault is injected while etcd (and the agent's runs) stay real."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any, Callable
+
+from agent.config import load_config
+from agent.demo.services import AgentProcess
+from agent.execute.backends import run_root_name
+from agent.runtime.components import default_components
+from agent.runtime.daemon import Agent
+from tests.integration.cluster import Cluster
+
+
+class LocalAgent:
+    """The daemon's Agent, with the components `millwright run` gives it, on a thread here.
+    Its config is the one a Cluster's agent process gets (AgentProcess writes it; that
+    process is never started)."""
+
+    def __init__(self, cluster: Cluster, agent_id: str, extra: dict):
+        cfg = json.loads(json.dumps(cluster.cfg))
+        for k, v in extra.items():
+            cfg[k] = {**cfg.get(k, {}), **v} if isinstance(v, dict) else v
+        self.files = AgentProcess(agent_id, cluster.base, cfg)   # config file and cgroup cleanup only
+        self.cfg = load_config(self.files.config_path)
+        self.agent = Agent(self.cfg, default_components(self.cfg))
+        jobs = next(c.jobs for c in self.agent.components if hasattr(c, "jobs"))
+        self.executor, self.scheduler = jobs.executor, jobs.scheduler
+        self.cgroup_root = run_root_name(agent_id, self.cfg.state_dir)
+        self.thread = threading.Thread(target=self.agent.run, name=f"agent-{agent_id}", daemon=True)
+
+    def start(self) -> "LocalAgent":
+        self.thread.start()
+        return self
+
+    def on_loop(self, fn: Callable[[], Any]) -> Any:
+        """fn() on the agent's loop thread (where the scheduler's state lives); its result."""
+        out: list = []
+        done = threading.Event()
+
+        def run():
+            try:
+                out.append((fn(), None))
+            except BaseException as exc:  # noqa: B036 - handed to the test thread
+                out.append((None, exc))
+            finally:
+                done.set()
+
+        self.agent.loop.post(run)
+        assert done.wait(10), "the agent's loop did not answer"
+        result, exc = out[0]
+        if exc is not None:
+            raise exc
+        return result
+
+    def reaper_idle(self) -> None:
+        """Wait until the executor's reaper thread has done everything posted to it so far
+        (an unstage() is such a post)."""
+        done = threading.Event()
+        self.executor._reaper.post(done.set)
+        assert done.wait(10), "the executor's reaper did not answer"
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            self.agent.request_stop()
+            self.thread.join(30)
+        self.files.remove_cgroups()
+
+
+# the agent fences itself RENEW_S after etcd stopped answering; the run guard's kill
+# (kill_grace_s) must fit in TTL_S - RENEW_S - 0.5 (config check)
+TTL_S, RENEW_S, KILL_GRACE_S = 3, 1.5, 0.5
+
+
+def recording_agent(etcd_server: Any, tmp_path: Any, agent_id: str, quota_backend: str) -> tuple[Cluster, LocalAgent, str]:
+    """A 4-shard cluster for one local agent (not started) that runs the side-effect
+    recording templates (tests/support/jobs.py) on ``quota_backend``: (cluster, agent,
+    effects file)."""
+    from tests.support.jobs import templates
+
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    os.chmod(out_dir, 0o777)
+    out = str(out_dir / "effects.txt")
+    c = Cluster(etcd_server, str(tmp_path / "agents"), shards=4, ttl=TTL_S, renew_deadline=RENEW_S,
+                retry_period=0.3)
+    la = LocalAgent(c, agent_id, {"templates": templates(out), "mqtt": {"url": "mqtt://127.0.0.1:9"},
+                                  "execute": {"quota_backend": quota_backend, "kill_grace_s": KILL_GRACE_S}})
+    assert la.executor.backend.name == quota_backend
+    return c, la, out

@@ -1,0 +1,257 @@
+"""Scheduler decisions made on an answer that did not come: a session past its renew
+deadline (no fence) while the shard is still held, a claim's reply lost, a read-back that
+fails or comes before the claim landed (issue 18; the landing CI run's 2,000-job fault
+test left a firing `running` on a live owner after the etcd restart).
+
+Between the renew deadline and the loop's fence timer, a keepalive can still come back: the
+session is then valid again, no self-fence happens, and the agent keeps its shards under the
+same fence. Whatever the scheduler decided in that gap on "no fence" stays decided: a final
+record it dropped, or a claim whose outcome it gave up reading, leaves the record `running`
+for as long as the agent keeps the shard (no one else will resolve it). The same holds for
+a claim of its own that it took for someone else's.
+
+Each fault is made exactly where the scheduler meets it: agent.fence_for() gives None for
+the firing's shard while the shard stays held (owns()), as past the renew deadline; a
+claim's transaction lands but raises, or lands only after its read-back. The agent, its
+runs and etcd are real.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from datetime import datetime, timezone
+from typing import Any
+
+import pytest
+
+import agent.jobs.scheduler as scheduler_module
+from agent.coordination.etcd import EtcdUnavailable
+from agent.coordination.jobstore import JobStore
+from agent.jobs.schedule import format_rfc3339
+from tests.integration.cluster import Cluster, wait_for
+from tests.integration.local_agent import LocalAgent, recording_agent
+from tests.support.jobs import effects, job
+from tests.support.kernel import require_kernel
+from tests.support.records import run_records
+
+
+@pytest.fixture
+def env(etcd_server, tmp_path):
+    require_kernel(os.geteuid() == 0, "the agent's runs are root jobs in separate directories: needs root")
+    c, la, out = recording_agent(etcd_server, tmp_path, "sl0", "rlimit")
+    store = c.signing(JobStore(c.client, c.keys, c.shards, "test"))
+    la.start()
+    try:
+        wait_for(lambda: c.all_owned_by({"sl0"}), 20, what="the agent holding every shard")
+        wait_for(lambda: la.on_loop(lambda: all(la.agent.owns(s) for s in range(c.shards)) and
+                                    set(la.scheduler.loaded) == set(range(c.shards))), 20, interval=0.05,
+                 what="every shard loaded by the agent")
+        yield c, la, store, out
+    finally:
+        la.stop()
+        c.close()
+
+
+class Lapse:
+    """agent.fence_for() as past the renew deadline for one shard (None), from start() to
+    end(); owns() is untouched: the shard stays held. Either thread may call these."""
+
+    def __init__(self, la: LocalAgent):
+        self.agent = la.agent
+        self.real = la.agent.fence_for
+        self.seen: list[tuple[Any, Any]] = []   # (fence_for, owns) for the shard at start()
+
+    def start(self, shard: int) -> None:
+        self.agent.fence_for = lambda s: None if s == shard else self.real(s)   # type: ignore[method-assign]
+        self.seen.append((self.agent.fence_for(shard), self.agent.owns(shard)))
+
+    def end(self) -> None:
+        self.agent.__dict__.pop("fence_for", None)   # the class's own again
+
+
+def due_now(store: Any, job_id: str) -> None:
+    store.create(job(job_id, {}, issued_at=format_rfc3339(datetime.now(timezone.utc).replace(microsecond=0))))
+
+
+def final_record(c: Cluster, job_id: str) -> dict:
+    """The job's one run record, once it is no longer `running` (20 s at most)."""
+    def final():
+        recs = [r for (j, _), r in run_records(c.client, c.keys).items() if j == job_id]
+        return recs[0] if len(recs) == 1 and recs[0]["state"] != "running" else None
+    try:
+        return wait_for(final, 20, interval=0.1, what=f"{job_id}'s record final")
+    except AssertionError:
+        recs = {k: (r["state"], r["agent"], r["attempt"]) for k, r in run_records(c.client, c.keys).items()
+                if k[0] == job_id}
+        raise AssertionError(f"{job_id}'s record never became final: {recs}") from None
+
+
+def no_self_fence(la: LocalAgent, fences: dict) -> None:
+    """The agent kept every shard under the fence it held before (no self-fence, no loss)."""
+    assert la.on_loop(lambda: la.agent.fenced_reason) is None
+    assert la.on_loop(lambda: {s: la.agent.owns(s) for s in fences}) == fences
+
+
+def test_a_run_that_ends_in_the_gap_gets_its_final_record_when_the_session_renews(env):
+    """The run ends (Scheduler._ended) while the shard has no fence only because the session
+    is past its renew deadline. Its final record must wait for the renewal and be written
+    then, not be dropped: dropped, it stayed `running` under the renewed session."""
+    c, la, store, out = env
+    sch = la.scheduler
+    lapse = Lapse(la)
+    fences = la.on_loop(lambda: {s: la.agent.owns(s) for s in range(c.shards)})
+    real_ended = sch._ended
+
+    def ended(f: Any, result: Any) -> None:
+        if f.entry.job.id != "ends-in-gap" or lapse.seen:
+            real_ended(f, result)
+            return
+        lapse.start(f.entry.shard)
+        try:
+            real_ended(f, result)
+        finally:
+            lapse.end()
+
+    la.on_loop(lambda: setattr(sch, "_ended", ended))
+    try:
+        due_now(store, "ends-in-gap")
+        rec = final_record(c, "ends-in-gap")
+    finally:
+        la.on_loop(lambda: sch.__dict__.pop("_ended", None))
+    ((fence, held),) = lapse.seen
+    assert fence is None and held is not None   # the run did end in the gap
+    assert (rec["state"], rec["attempt"], rec["agent"], rec["exit_code"]) == ("succeeded", 1, "sl0", 0), rec
+    assert effects(out)[("ends-in-gap", rec["fire_id"])] == 1
+    no_self_fence(la, fences)
+
+
+def test_a_claim_whose_reply_and_read_back_fail_in_the_gap_runs_once(env, monkeypatch, caplog):
+    """The claim's create lands but its reply is lost (EtcdUnavailable), and the read-back
+    of the record fails too, in the gap. The claim may have landed and the shard is still
+    held: the scheduler reads again instead of giving the firing up (given up, its record
+    stayed `running` and the job never ran). The job then runs once, under its claim."""
+    c, la, store, out = env
+    sch = la.scheduler
+    caplog.set_level(logging.DEBUG, logger="agent.jobs.scheduler")
+    lapse = Lapse(la)
+    fences = la.on_loop(lambda: {s: la.agent.owns(s) for s in range(c.shards)})
+    jid = "lost-reply"
+    lost: list[int] = []        # the landed claim's revision (its reply was lost)
+    reads: list[str] = []       # the read-backs of the job's record: "failed", "real"
+    lock = threading.Lock()
+    real_txn = scheduler_module.fenced_txn
+
+    def fenced_txn(client: Any, fence: Any, compare: Any = (), success: Any = (), **kw: Any) -> Any:
+        r = real_txn(client, fence, compare=compare, success=success, **kw)
+        keys = [getattr(op, "key", b"") for op in success]
+        keys = [k.decode() if isinstance(k, bytes) else str(k) for k in keys]
+        with lock:
+            if not lost and r.succeeded and any(f"/{jid}/" in k for k in keys):
+                lost.append(r.revision)
+                raise EtcdUnavailable("the claim's reply was lost (injected)")
+        return r
+
+    class Client:
+        """The scheduler's etcd client: real, except the job's first record read-back fails."""
+
+        def __init__(self, real: Any):
+            self.real = real
+
+        def get(self, key: str, **kw: Any) -> Any:
+            if f"/{jid}/" in key and "/runs/" in key:
+                with lock:
+                    first = not reads
+                    reads.append("failed" if first else "real")
+                if first:
+                    shard = sch.entries[jid].shard
+                    lapse.start(shard)          # ends at the next read (0.2 s later)
+                    raise EtcdUnavailable("etcd unreachable (injected)")
+                lapse.end()
+            return self.real.get(key, **kw)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.real, name)
+
+    monkeypatch.setattr(scheduler_module, "fenced_txn", fenced_txn)
+    la.on_loop(lambda: setattr(sch, "client", Client(sch.client)))
+    try:
+        due_now(store, jid)
+        rec = final_record(c, jid)
+    finally:
+        lapse.end()
+        la.on_loop(lambda: setattr(sch, "client", sch.client.real) if isinstance(sch.client, Client) else None)
+    assert len(lost) == 1, "the claim's reply was not lost"
+    ((fence, held),) = lapse.seen
+    assert fence is None and held is not None   # the read-back failed in the gap
+    assert reads[:2] == ["failed", "real"], reads
+    abandons = [r.fields["why"] for r in caplog.records
+                if r.getMessage() == "firing abandoned" and getattr(r, "fields", {}).get("job") == jid]
+    assert abandons == []
+    assert (rec["state"], rec["attempt"], rec["agent"]) == ("succeeded", 1, "sl0"), rec
+    assert effects(out)[(jid, rec["fire_id"])] == 1
+    no_self_fence(la, fences)
+
+
+def test_a_claim_that_lands_after_its_read_back_found_nothing_is_still_ours(env, monkeypatch, caplog):
+    """The claim's create does not answer (EtcdUnavailable) and etcd applies it only after
+    the read-back found no record (a request it still held): the scheduler claims again,
+    and that create finds the first claim's record. It is ours (same agent, attempt and
+    start): the firing runs under it, once. Taken for someone else's, the record stayed
+    `running` and the job never ran."""
+    c, la, store, out = env
+    sch = la.scheduler
+    caplog.set_level(logging.DEBUG, logger="agent.jobs.scheduler")
+    fences = la.on_loop(lambda: {s: la.agent.owns(s) for s in range(c.shards)})
+    jid = "lands-late"
+    held: list[tuple] = []      # the first claim, not sent yet
+    landed: list[int] = []      # its revision, once applied after the read-back
+    claims: list[str] = []      # each claim's outcome: "held", "created", "exists"
+    lock = threading.Lock()
+    real_txn = scheduler_module.fenced_txn
+
+    def fenced_txn(client: Any, fence: Any, compare: Any = (), success: Any = (), **kw: Any) -> Any:
+        keys = [getattr(op, "key", b"") for op in success]
+        mine = any(f"/{jid}/" in (k.decode() if isinstance(k, bytes) else str(k)) for k in keys)
+        with lock:
+            if mine and not claims:
+                claims.append("held")
+                held.append((client, fence, compare, success, kw))
+                raise EtcdUnavailable("no answer (injected): the create is still queued")
+        r = real_txn(client, fence, compare=compare, success=success, **kw)
+        if mine and len(claims) == 1:
+            claims.append("created" if r.succeeded else "exists")
+        return r
+
+    class Client:
+        """The scheduler's etcd client: real; the first read-back of the job's record
+        returns what etcd had, then the held create is applied."""
+
+        def __init__(self, real: Any):
+            self.real = real
+
+        def get(self, key: str, **kw: Any) -> Any:
+            kv = self.real.get(key, **kw)
+            if f"/{jid}/" in key and "/runs/" in key and held and not landed:
+                client, fence, compare, success, kwargs = held[0]
+                landed.append(real_txn(client, fence, compare=compare, success=success, **kwargs).revision)
+            return kv
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.real, name)
+
+    monkeypatch.setattr(scheduler_module, "fenced_txn", fenced_txn)
+    la.on_loop(lambda: setattr(sch, "client", Client(sch.client)))
+    try:
+        due_now(store, jid)
+        rec = final_record(c, jid)
+    finally:
+        la.on_loop(lambda: setattr(sch, "client", sch.client.real) if isinstance(sch.client, Client) else None)
+    assert claims == ["held", "exists"] and len(landed) == 1   # the second create found the first's record
+    abandons = [r.fields["why"] for r in caplog.records
+                if r.getMessage() == "firing abandoned" and getattr(r, "fields", {}).get("job") == jid]
+    assert abandons == []
+    assert (rec["state"], rec["attempt"], rec["agent"]) == ("succeeded", 1, "sl0"), rec
+    assert effects(out)[(jid, rec["fire_id"])] == 1
+    no_self_fence(la, fences)
