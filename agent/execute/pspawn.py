@@ -38,6 +38,12 @@ RESET_SIGNALS = tuple(getattr(signal, n) for n in (
     "SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGPIPE", "SIGXFSZ", "SIGXCPU", "SIGUSR1", "SIGUSR2",
     "SIGCHLD", "SIGALRM", "SIGTSTP", "SIGTTIN", "SIGTTOU") if hasattr(signal, n))
 
+# glibc's own reserved signals (thread cancellation and setxid: 32 and 33, below its
+# SIGRTMIN): its posix_spawn child sets them to SIG_IGN before the exec unless they are in
+# the sigdefault set, and an ignored signal stays ignored across exec, so every job would
+# start with them ignored (Popen's child does not). sigaddset refuses them: _add_raw.
+LIBC_RESERVED = tuple(range(32, signal.SIGRTMIN)) if hasattr(signal, "SIGRTMIN") else ()
+
 _lock = threading.Lock()
 _lib: Optional[tuple] = None       # (libc keeping the GIL, libc dropping it, attr and its buffers)
 _missing: Optional[str] = None
@@ -66,6 +72,7 @@ def _load() -> Optional[tuple]:
             ok = (quick.posix_spawnattr_init(attr) == 0 and quick.sigemptyset(sigdef) == 0
                   and quick.sigemptyset(empty) == 0
                   and all(quick.sigaddset(sigdef, int(s)) == 0 for s in RESET_SIGNALS)
+                  and all(_add_raw(sigdef, s) for s in LIBC_RESERVED)
                   and quick.posix_spawnattr_setsigdefault(attr, sigdef) == 0
                   and quick.posix_spawnattr_setsigmask(attr, empty) == 0
                   and quick.posix_spawnattr_setflags(
@@ -76,6 +83,15 @@ def _load() -> Optional[tuple]:
         except (OSError, AttributeError) as exc:
             _missing = str(exc)
         return _lib
+
+
+def _add_raw(sigset: ctypes.Array, sig: int) -> bool:
+    """sigaddset without glibc's check: Linux's sigset_t is an array of unsigned longs,
+    signal n at bit n - 1."""
+    bits = ctypes.sizeof(ctypes.c_ulong) * 8
+    words = ctypes.cast(sigset, ctypes.POINTER(ctypes.c_ulong))
+    words[(sig - 1) // bits] |= 1 << ((sig - 1) % bits)
+    return True
 
 
 def available() -> bool:

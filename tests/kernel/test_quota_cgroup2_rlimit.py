@@ -289,3 +289,41 @@ def _group(pgid):
     from agent.execute.backends import group_members
 
     return group_members(pgid)
+
+
+@pytest.mark.parametrize("launcher", ["posix_spawn", "popen"])
+def test_the_launcher_gives_the_job_the_same_start_by_posix_spawn_and_by_its_popen_fallback(
+        rlimit_executor, job_user, base_dir, monkeypatch, launcher):
+    """The shim launcher is started with posix_spawn (agent/execute/pspawn.py), or with
+    subprocess.Popen where glibc lacks posix_spawn_file_actions_addclosefrom_np (< 2.34,
+    no machine here: the fallback is forced). Either way the job starts the same: only its
+    pipes on fds 0-2 (an inheritable fd of the agent's does not reach it), its work dir,
+    its own session, no blocked signals, none ignored (the agent's Python ignores SIGPIPE;
+    glibc's posix_spawn child ignores its reserved signals 32 and 33 unless told not to,
+    which this test found: pspawn.LIBC_RESERVED)."""
+    from agent.execute import pspawn
+
+    assert rlimit_executor.spawn_mode == "shim"   # the launcher path both starts take
+    if launcher == "popen":
+        monkeypatch.setattr(pspawn, "available", lambda: False)
+    else:
+        require_kernel(pspawn.available(), "glibc without posix_spawn_file_actions_addclosefrom_np")
+    script = ('pwd; echo "$$ $(cut -d" " -f6 /proc/$$/stat)"; grep -E "^Sig(Blk|Ign):" /proc/self/status; '
+              'exec ls /proc/self/fd')
+    leak_r, leak_w = os.pipe()
+    os.set_inheritable(leak_r, True)
+    try:
+        c = Collector()
+        rlimit_executor.start(RunSpec(f"r-{launcher}", ["/bin/sh", "-c", script], user=job_user), c)
+        (res,) = c.wait([f"r-{launcher}"])
+    finally:
+        for fd in (leak_r, leak_w):
+            os.close(fd)
+    assert res.reason == "succeeded", (res.reason, res.error)
+    cwd, ids, blk, ign, *fds = open(res.stdout_path).read().splitlines()
+    assert sorted(fds, key=int) == ["0", "1", "2", "3"]   # 3: the directory `ls` reads
+    assert cwd.startswith(base_dir) and cwd.endswith("/work"), cwd
+    pid, sid = ids.split()
+    assert pid == sid   # its own session
+    assert blk.split() == ["SigBlk:", "0000000000000000"]
+    assert ign.split() == ["SigIgn:", "0000000000000000"]

@@ -28,24 +28,27 @@ def _run(argv: list[str], cwd: str) -> tuple[str, int]:
 
 
 def test_the_child_gets_its_pipes_cwd_env_and_session_and_nothing_else(tmp_path):
+    # an inheritable fd of the agent's must not reach a job (a free number: a fixed one may
+    # be another thread's, or EBUSY while that thread opens it)
     leak = os.open("/dev/null", os.O_RDONLY)
-    os.dup2(leak, 61, inheritable=True)   # an inheritable fd of the agent's must not reach a job
+    os.set_inheritable(leak, True)
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     old_pipe = signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     try:
-        out, pid = _run(["/bin/sh", "-c", 'pwd; ls /proc/$$/fd | sort -n | tr "\\n" " "; echo; '
-                         'env | sort | tr "\\n" " "; echo; cut -d" " -f6 /proc/$$/stat'], str(tmp_path))
+        # the fds are listed last, by `ls` in the shell's own process (exec): while a pipeline
+        # starts, the shell holds the next pipe's fds (listing /proc/$$/fd then raced it)
+        out, pid = _run(["/bin/sh", "-c", 'pwd; env | sort | tr "\\n" " "; echo; cut -d" " -f6 /proc/$$/stat; '
+                         'exec ls /proc/self/fd'], str(tmp_path))
         # the signal state as exec left it (a shell would set its own mask)
         status, _ = _run(["/bin/cat", "/proc/self/status"], str(tmp_path))
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         signal.signal(signal.SIGPIPE, old_pipe)
-        os.close(61)
         os.close(leak)
-    cwd, fds, env, session = out.splitlines()
+    cwd, env, session, *fds = out.splitlines()
     sig = dict(line.split(":\t", 1) for line in status.splitlines() if line.startswith("Sig"))
     assert cwd == str(tmp_path)
-    assert fds.split() == ["0", "1", "2"]
+    assert sorted(fds, key=int) == ["0", "1", "2", "3"]   # 3: the directory `ls` reads
     assert "ONLY=this" in env.split() and "PATH=/usr/bin:/bin" in env.split()
     assert int(sig["SigBlk"], 16) == 0   # the spawning thread's mask is not inherited
     assert not int(sig["SigIgn"], 16) & (1 << (signal.SIGPIPE - 1))   # SIGPIPE back to default
