@@ -730,6 +730,11 @@ class Scheduler:
         The first attempt creates the record (create-revision==0: one record per firing);
         a retry swaps it in place (its mod revision must be the one we last wrote)."""
         e = f.entry
+        if self.entries.get(e.job.id) is not e:
+            # its entry went (shard lost, job dropped): a fence held now is not the one it
+            # was installed under, and the entry installed since decides for the firing
+            self._abandon(f, "dropped")
+            return
         fence = self.agent.fence_for(e.shard)
         if fence is None:
             if self._session_lapsed(f):
@@ -801,15 +806,24 @@ class Scheduler:
         def done(kv, err):
             if f.state != FiringState.CLAIMING:
                 return
+            lost = self.agent.owns(f.entry.shard) != fence
+            if lost or self.entries.get(f.entry.job.id) is not f.entry:
+                # the shard was lost since this claim (and maybe held again, under a new
+                # fence, its jobs installed anew), or the job was dropped: a record the
+                # claim landed was read by the shard's next load, which resolves it.
+                # Claiming again here would claim under a fence this firing never had, for
+                # an entry that is gone (CI-style run 50: seven records left `running`)
+                self._abandon(f, "shard_lost" if lost else "dropped")
+                return
             if err is not None:
-                # the claim may have landed: give it up only with the shard (its next owner
-                # reads the record); a lapsed session may renew, and the record is ours then
-                if self.agent.owns(f.entry.shard) is None:
-                    self._abandon(f, "shard_lost")
-                else:
-                    self.loop.call_later(0.2, self._resolve_unknown_claim, f, key, rec, fence, error)
+                # the claim may have landed and the shard is still held (a lapsed session
+                # may renew, and the record is ours then): read again
+                self.loop.call_later(0.2, self._resolve_unknown_claim, f, key, rec, fence, error)
                 return
             if kv is None:
+                if f.entry.cancelled:   # no claim landed: the record says cancelled
+                    self._discard(f)
+                    return
                 # not there (yet): claim again; if this create then finds a record, it may be
                 # the one read back now, landed late (a request etcd still held)
                 f.unsure = (f.unsure + (rec,))[-UNSURE_CLAIMS_MAX:]

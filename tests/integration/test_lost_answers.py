@@ -29,6 +29,8 @@ import pytest
 import agent.jobs.scheduler as scheduler_module
 from agent.coordination.etcd import EtcdUnavailable
 from agent.coordination.jobstore import JobStore
+from agent.coordination.keys import shard_of
+from agent.jobs.firing import FiringState
 from agent.jobs.schedule import format_rfc3339
 from tests.integration.cluster import Cluster, wait_for
 from tests.integration.local_agent import LocalAgent, recording_agent
@@ -255,3 +257,98 @@ def test_a_claim_that_lands_after_its_read_back_found_nothing_is_still_ours(env,
     assert (rec["state"], rec["attempt"], rec["agent"]) == ("succeeded", 1, "sl0"), rec
     assert effects(out)[(jid, rec["fire_id"])] == 1
     no_self_fence(la, fences)
+
+
+def test_a_claim_still_unresolved_when_its_shard_is_held_again_is_never_claimed_anew(
+        env, etcd_server, monkeypatch, caplog):
+    """The claim's create does not answer (it did not land) and its read-back is slow (it
+    waits in a worker, as behind a queue of others after an etcd restart); meanwhile the
+    agent fences itself, etcd comes back and the agent holds the shard again, under a new
+    fence. When the read-back then finds no record, the firing belongs to the entry the
+    fence took away: it must give up, not claim again under the new fence (it did, CI-style
+    run 50, and its `running` record was left for ever on a live owner). The new entry
+    runs the firing, once.
+
+    The shard's load after the re-acquire is held until that old firing has decided, so the
+    order is the bad one: old firing first, new entry second."""
+    c, la, store, out = env
+    sch = la.scheduler
+    caplog.set_level(logging.DEBUG, logger="agent.jobs.scheduler")
+    jid = "unresolved"
+    shard = shard_of(jid, c.shards)
+    reads_open, load_go, load_armed = threading.Event(), threading.Event(), threading.Event()
+    reading = threading.Event()
+    claims: list[tuple[int, bool]] = []   # (fence token, landed) of each claim of the job
+    lock = threading.Lock()
+    real_txn = scheduler_module.fenced_txn
+
+    def fenced_txn(client: Any, fence: Any, compare: Any = (), success: Any = (), **kw: Any) -> Any:
+        keys = [getattr(op, "key", b"") for op in success]
+        mine = any(f"/{jid}/" in (k.decode() if isinstance(k, bytes) else str(k)) for k in keys)
+        with lock:
+            first = mine and not claims
+            if first:
+                claims.append((fence.token, False))
+        if first:
+            raise EtcdUnavailable("no answer (injected): the create did not land")
+        r = real_txn(client, fence, compare=compare, success=success, **kw)
+        if mine:
+            with lock:
+                claims.append((fence.token, r.succeeded))
+        return r
+
+    class Client:
+        """The scheduler's etcd client: real, except the job's record read-backs wait for
+        reads_open."""
+
+        def __init__(self, real: Any):
+            self.real = real
+
+        def get(self, key: str, **kw: Any) -> Any:
+            if f"/{jid}/" in key and "/runs/" in key:
+                reading.set()
+                assert reads_open.wait(30), "the read-back was never let go"
+            return self.real.get(key, **kw)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.real, name)
+
+    real_list = sch.store.list_shard
+
+    def list_shard(storage: int, *a: Any, **kw: Any) -> Any:
+        if load_armed.is_set() and storage == shard_of(jid, c.shards):
+            assert load_go.wait(30), "the held load was never let go"
+        return real_list(storage, *a, **kw)
+
+    monkeypatch.setattr(scheduler_module, "fenced_txn", fenced_txn)
+    monkeypatch.setattr(sch.store, "list_shard", list_shard)
+    la.on_loop(lambda: setattr(sch, "client", Client(sch.client)))
+    try:
+        due_now(store, jid)
+        assert reading.wait(20), "the claim was never read back"
+        f = la.on_loop(lambda: next(iter(sch.entries[jid].firings.values())))
+        old_fence = la.on_loop(lambda: la.agent.owns(shard))
+        assert la.on_loop(lambda: f.state) == FiringState.CLAIMING   # its read-back waiting
+        load_armed.set()
+        etcd_server.pause()
+        wait_for(lambda: not la.agent.owned_shards, 20, interval=0.05, what="the agent fenced")
+        etcd_server.resume()
+        wait_for(lambda: la.on_loop(lambda: la.agent.owns(shard)) not in (None, old_fence), 30, interval=0.05,
+                 what="the shard held again")
+        reads_open.set()
+        # the old firing decides while the new entry is not installed yet (its load is held)
+        wait_for(lambda: la.on_loop(lambda: f.state) == FiringState.DONE, 20, interval=0.05,
+                 what="the old firing ended")
+        assert la.on_loop(lambda: sch.entries.get(jid)) is None   # the new entry is not there yet
+        held_again = list(claims)
+        load_go.set()
+        rec = final_record(c, jid)
+    finally:
+        load_go.set()
+        reads_open.set()
+        if etcd_server.paused:
+            etcd_server.resume()
+        la.on_loop(lambda: setattr(sch, "client", sch.client.real) if isinstance(sch.client, Client) else None)
+    assert held_again == [(old_fence.token, False)], f"the old firing claimed again: {held_again}"
+    assert (rec["state"], rec["attempt"], rec["agent"]) == ("succeeded", 1, "sl0"), rec
+    assert effects(out)[(jid, rec["fire_id"])] == 1
