@@ -1214,9 +1214,8 @@ class Scheduler:
         renew deadline while the shard is still held: it waits for the renewal (or for the
         self-fence, after which the shard's next owner resolves the record). Whatever the
         firing's state: a final record (the run ended, an orphan resolved) dropped here
-        stays `running` for as long as the renewed session keeps the shard (CI, 2,000-job
-        fault test: a keepalive that came back after the renew deadline but before the
-        loop's fence timer ran, with the etcd restart)."""
+        stays `running` for as long as the renewed session keeps the shard (a keepalive
+        can come back after the renew deadline, before the loop's fence timer runs)."""
         return self.agent.fence_for(shard) is None and self.agent.owns(shard) is not None
 
     def _session_lapsed(self, f: Firing) -> bool:
