@@ -92,3 +92,9 @@ def recording_agent(etcd_server: Any, tmp_path: Any, agent_id: str, quota_backen
                                   "execute": {"quota_backend": quota_backend, "kill_grace_s": KILL_GRACE_S}})
     assert la.executor.backend.name == quota_backend
     return c, la, out
+
+
+def abandoned(caplog: Any, job_id: str) -> list[str]:
+    """Why the scheduler gave up the job's firings (its debug log), in order."""
+    return [r.fields["why"] for r in caplog.records
+            if r.getMessage() == "firing abandoned" and getattr(r, "fields", {}).get("job") == job_id]

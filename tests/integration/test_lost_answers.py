@@ -18,11 +18,12 @@ runs and etcd are real.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -33,7 +34,7 @@ from agent.coordination.keys import shard_of
 from agent.jobs.firing import FiringState
 from agent.jobs.schedule import format_rfc3339
 from tests.integration.cluster import Cluster, wait_for
-from tests.integration.local_agent import LocalAgent, recording_agent
+from tests.integration.local_agent import LocalAgent, abandoned, recording_agent
 from tests.support.jobs import effects, job
 from tests.support.kernel import require_kernel
 from tests.support.records import run_records
@@ -75,6 +76,41 @@ class Lapse:
 
 def due_now(store: Any, job_id: str) -> None:
     store.create(job(job_id, {}, issued_at=format_rfc3339(datetime.now(timezone.utc).replace(microsecond=0))))
+
+
+def writes_job(success: Any, job_id: str) -> bool:
+    """Whether a transaction's operations write one of the job's run records."""
+    keys = (getattr(op, "key", b"") for op in success)
+    return any(f"/{job_id}/" in (k.decode() if isinstance(k, bytes) else str(k)) for k in keys)
+
+
+class ReadBacks:
+    """The scheduler's etcd client, real, except that a read of one of the job's run
+    records goes through ``hook(read)`` (``read()`` does the real read): the hook may fail
+    it, hold it, or act around it."""
+
+    def __init__(self, real: Any, job_id: str, hook: Callable[[Callable[[], Any]], Any]):
+        self.real, self.job_id, self.hook = real, job_id, hook
+
+    def get(self, key: str, **kw: Any) -> Any:
+        def read() -> Any:
+            return self.real.get(key, **kw)
+        return self.hook(read) if f"/{self.job_id}/" in key and "/runs/" in key else read()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+@contextlib.contextmanager
+def read_backs(la: LocalAgent, job_id: str, hook: Callable[[Callable[[], Any]], Any]) -> Iterator[None]:
+    """The scheduler reads the job's run records through ``hook`` (ReadBacks) meanwhile."""
+    sch = la.scheduler
+    proxy = ReadBacks(la.on_loop(lambda: sch.client), job_id, hook)
+    la.on_loop(lambda: setattr(sch, "client", proxy))
+    try:
+        yield
+    finally:
+        la.on_loop(lambda: setattr(sch, "client", proxy.real))
 
 
 def final_record(c: Cluster, job_id: str) -> dict:
@@ -147,50 +183,35 @@ def test_a_claim_whose_reply_and_read_back_fail_in_the_gap_runs_once(env, monkey
 
     def fenced_txn(client: Any, fence: Any, compare: Any = (), success: Any = (), **kw: Any) -> Any:
         r = real_txn(client, fence, compare=compare, success=success, **kw)
-        keys = [getattr(op, "key", b"") for op in success]
-        keys = [k.decode() if isinstance(k, bytes) else str(k) for k in keys]
         with lock:
-            if not lost and r.succeeded and any(f"/{jid}/" in k for k in keys):
+            if not lost and r.succeeded and writes_job(success, jid):
                 lost.append(r.revision)
                 raise EtcdUnavailable("the claim's reply was lost (injected)")
         return r
 
-    class Client:
-        """The scheduler's etcd client: real, except the job's first record read-back fails."""
-
-        def __init__(self, real: Any):
-            self.real = real
-
-        def get(self, key: str, **kw: Any) -> Any:
-            if f"/{jid}/" in key and "/runs/" in key:
-                with lock:
-                    first = not reads
-                    reads.append("failed" if first else "real")
-                if first:
-                    shard = sch.entries[jid].shard
-                    lapse.start(shard)          # ends at the next read (0.2 s later)
-                    raise EtcdUnavailable("etcd unreachable (injected)")
-                lapse.end()
-            return self.real.get(key, **kw)
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.real, name)
+    def read_back(read: Callable[[], Any]) -> Any:
+        """The first read-back fails, in the gap (which ends at the next read, 0.2 s later)."""
+        with lock:
+            first = not reads
+            reads.append("failed" if first else "real")
+        if first:
+            lapse.start(sch.entries[jid].shard)
+            raise EtcdUnavailable("etcd unreachable (injected)")
+        lapse.end()
+        return read()
 
     monkeypatch.setattr(scheduler_module, "fenced_txn", fenced_txn)
-    la.on_loop(lambda: setattr(sch, "client", Client(sch.client)))
     try:
-        due_now(store, jid)
-        rec = final_record(c, jid)
+        with read_backs(la, jid, read_back):
+            due_now(store, jid)
+            rec = final_record(c, jid)
     finally:
         lapse.end()
-        la.on_loop(lambda: setattr(sch, "client", sch.client.real) if isinstance(sch.client, Client) else None)
     assert len(lost) == 1, "the claim's reply was not lost"
     ((fence, held),) = lapse.seen
     assert fence is None and held is not None   # the read-back failed in the gap
     assert reads[:2] == ["failed", "real"], reads
-    abandons = [r.fields["why"] for r in caplog.records
-                if r.getMessage() == "firing abandoned" and getattr(r, "fields", {}).get("job") == jid]
-    assert abandons == []
+    assert abandoned(caplog, jid) == []
     assert (rec["state"], rec["attempt"], rec["agent"]) == ("succeeded", 1, "sl0"), rec
     assert effects(out)[(jid, rec["fire_id"])] == 1
     no_self_fence(la, fences)
@@ -203,7 +224,6 @@ def test_a_claim_that_lands_after_its_read_back_found_nothing_is_still_ours(env,
     start): the firing runs under it, once. Taken for someone else's, the record stayed
     `running` and the job never ran."""
     c, la, store, out = env
-    sch = la.scheduler
     caplog.set_level(logging.DEBUG, logger="agent.jobs.scheduler")
     fences = la.on_loop(lambda: {s: la.agent.owns(s) for s in range(c.shards)})
     jid = "lands-late"
@@ -214,8 +234,7 @@ def test_a_claim_that_lands_after_its_read_back_found_nothing_is_still_ours(env,
     real_txn = scheduler_module.fenced_txn
 
     def fenced_txn(client: Any, fence: Any, compare: Any = (), success: Any = (), **kw: Any) -> Any:
-        keys = [getattr(op, "key", b"") for op in success]
-        mine = any(f"/{jid}/" in (k.decode() if isinstance(k, bytes) else str(k)) for k in keys)
+        mine = writes_job(success, jid)
         with lock:
             if mine and not claims:
                 claims.append("held")
@@ -226,34 +245,20 @@ def test_a_claim_that_lands_after_its_read_back_found_nothing_is_still_ours(env,
             claims.append("created" if r.succeeded else "exists")
         return r
 
-    class Client:
-        """The scheduler's etcd client: real; the first read-back of the job's record
-        returns what etcd had, then the held create is applied."""
-
-        def __init__(self, real: Any):
-            self.real = real
-
-        def get(self, key: str, **kw: Any) -> Any:
-            kv = self.real.get(key, **kw)
-            if f"/{jid}/" in key and "/runs/" in key and held and not landed:
-                client, fence, compare, success, kwargs = held[0]
-                landed.append(real_txn(client, fence, compare=compare, success=success, **kwargs).revision)
-            return kv
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.real, name)
+    def read_back(read: Callable[[], Any]) -> Any:
+        """The first read-back returns what etcd had; then the held create is applied."""
+        kv = read()
+        if held and not landed:
+            client, fence, compare, success, kwargs = held[0]
+            landed.append(real_txn(client, fence, compare=compare, success=success, **kwargs).revision)
+        return kv
 
     monkeypatch.setattr(scheduler_module, "fenced_txn", fenced_txn)
-    la.on_loop(lambda: setattr(sch, "client", Client(sch.client)))
-    try:
+    with read_backs(la, jid, read_back):
         due_now(store, jid)
         rec = final_record(c, jid)
-    finally:
-        la.on_loop(lambda: setattr(sch, "client", sch.client.real) if isinstance(sch.client, Client) else None)
     assert claims == ["held", "exists"] and len(landed) == 1   # the second create found the first's record
-    abandons = [r.fields["why"] for r in caplog.records
-                if r.getMessage() == "firing abandoned" and getattr(r, "fields", {}).get("job") == jid]
-    assert abandons == []
+    assert abandoned(caplog, jid) == []
     assert (rec["state"], rec["attempt"], rec["agent"]) == ("succeeded", 1, "sl0"), rec
     assert effects(out)[(jid, rec["fire_id"])] == 1
     no_self_fence(la, fences)
@@ -283,8 +288,7 @@ def test_a_claim_still_unresolved_when_its_shard_is_held_again_is_never_claimed_
     real_txn = scheduler_module.fenced_txn
 
     def fenced_txn(client: Any, fence: Any, compare: Any = (), success: Any = (), **kw: Any) -> Any:
-        keys = [getattr(op, "key", b"") for op in success]
-        mine = any(f"/{jid}/" in (k.decode() if isinstance(k, bytes) else str(k)) for k in keys)
+        mine = writes_job(success, jid)
         with lock:
             first = mine and not claims
             if first:
@@ -297,21 +301,11 @@ def test_a_claim_still_unresolved_when_its_shard_is_held_again_is_never_claimed_
                 claims.append((fence.token, r.succeeded))
         return r
 
-    class Client:
-        """The scheduler's etcd client: real, except the job's record read-backs wait for
-        reads_open."""
-
-        def __init__(self, real: Any):
-            self.real = real
-
-        def get(self, key: str, **kw: Any) -> Any:
-            if f"/{jid}/" in key and "/runs/" in key:
-                reading.set()
-                assert reads_open.wait(30), "the read-back was never let go"
-            return self.real.get(key, **kw)
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.real, name)
+    def read_back(read: Callable[[], Any]) -> Any:
+        """Each read-back waits for reads_open."""
+        reading.set()
+        assert reads_open.wait(30), "the read-back was never let go"
+        return read()
 
     real_list = sch.store.list_shard
 
@@ -322,33 +316,32 @@ def test_a_claim_still_unresolved_when_its_shard_is_held_again_is_never_claimed_
 
     monkeypatch.setattr(scheduler_module, "fenced_txn", fenced_txn)
     monkeypatch.setattr(sch.store, "list_shard", list_shard)
-    la.on_loop(lambda: setattr(sch, "client", Client(sch.client)))
     try:
-        due_now(store, jid)
-        assert reading.wait(20), "the claim was never read back"
-        f = la.on_loop(lambda: next(iter(sch.entries[jid].firings.values())))
-        old_fence = la.on_loop(lambda: la.agent.owns(shard))
-        assert la.on_loop(lambda: f.state) == FiringState.CLAIMING   # its read-back waiting
-        load_armed.set()
-        etcd_server.pause()
-        wait_for(lambda: not la.agent.owned_shards, 20, interval=0.05, what="the agent fenced")
-        etcd_server.resume()
-        wait_for(lambda: la.on_loop(lambda: la.agent.owns(shard)) not in (None, old_fence), 30, interval=0.05,
-                 what="the shard held again")
-        reads_open.set()
-        # the old firing decides while the new entry is not installed yet (its load is held)
-        wait_for(lambda: la.on_loop(lambda: f.state) == FiringState.DONE, 20, interval=0.05,
-                 what="the old firing ended")
-        assert la.on_loop(lambda: sch.entries.get(jid)) is None   # the new entry is not there yet
-        held_again = list(claims)
-        load_go.set()
-        rec = final_record(c, jid)
+        with read_backs(la, jid, read_back):
+            due_now(store, jid)
+            assert reading.wait(20), "the claim was never read back"
+            f = la.on_loop(lambda: next(iter(sch.entries[jid].firings.values())))
+            old_fence = la.on_loop(lambda: la.agent.owns(shard))
+            assert la.on_loop(lambda: f.state) == FiringState.CLAIMING   # its read-back waiting
+            load_armed.set()
+            etcd_server.pause()
+            wait_for(lambda: not la.agent.owned_shards, 20, interval=0.05, what="the agent fenced")
+            etcd_server.resume()
+            wait_for(lambda: la.on_loop(lambda: la.agent.owns(shard)) not in (None, old_fence), 30,
+                     interval=0.05, what="the shard held again")
+            reads_open.set()
+            # the old firing decides while the new entry is not installed yet (its load is held)
+            wait_for(lambda: la.on_loop(lambda: f.state) == FiringState.DONE, 20, interval=0.05,
+                     what="the old firing ended")
+            assert la.on_loop(lambda: sch.entries.get(jid)) is None   # the new entry is not there yet
+            held_again = list(claims)
+            load_go.set()
+            rec = final_record(c, jid)
     finally:
         load_go.set()
         reads_open.set()
         if etcd_server.paused:
             etcd_server.resume()
-        la.on_loop(lambda: setattr(sch, "client", sch.client.real) if isinstance(sch.client, Client) else None)
     assert held_again == [(old_fence.token, False)], f"the old firing claimed again: {held_again}"
     assert (rec["state"], rec["attempt"], rec["agent"]) == ("succeeded", 1, "sl0"), rec
     assert effects(out)[(jid, rec["fire_id"])] == 1

@@ -29,7 +29,7 @@ from agent.execute.backends import Cgroup1Backend, safe_name
 from agent.jobs.firing import FiringState
 from agent.jobs.schedule import format_rfc3339
 from tests.integration.cluster import wait_for
-from tests.integration.local_agent import LocalAgent, recording_agent
+from tests.integration.local_agent import LocalAgent, abandoned, recording_agent
 from tests.support.jobs import effects, job
 from tests.support.kernel import require_kernel
 from tests.support.records import run_records
@@ -117,12 +117,6 @@ def held_claim(la: LocalAgent, store: Any, gate: Callable[[str], StageGate], job
     f = la.on_loop(lambda: next(iter(la.scheduler.entries[job_id].firings.values())))
     assert la.on_loop(lambda: f.state) == FiringState.CLAIMING
     return g, f
-
-
-def abandoned(caplog: Any, job_id: str) -> list[str]:
-    """Why the scheduler gave up the job's firings (its debug log), in order."""
-    return [r.fields["why"] for r in caplog.records
-            if r.getMessage() == "firing abandoned" and getattr(r, "fields", {}).get("job") == job_id]
 
 
 def settle(la: LocalAgent, f: Any) -> None:
