@@ -132,8 +132,13 @@ def test_kill_9_with_runs_in_flight_at_most_once_by_default_exactly_once_with_ow
                 store.create({"v": 1, "id": f"{group}{i:03d}", "template": tpl, "params": {"sleep": "1.5"},
                               "schedule": {"at": format_rfc3339(due)}, "retry": retry})
         victim = c.agents["a0"]
-        # kill -9 mid-way, once the victim has runs going
+        # kill -9 mid-way, once the victim has runs going: half the span in, and not before
+        # several of its `r` runs are in flight (creating the 600 jobs may take longer than
+        # the 2 s lead on a busy host: CI-style run 52 killed it after its runs had ended)
         time.sleep(max(0.0, (t0 - now()).total_seconds()) + span / 2)
+        wait_for(lambda: sum(1 for (j, _), r in records(c).items()
+                             if j[0] == "r" and r["agent"] == "a0" and r["state"] == "running") >= 3,
+                 20, interval=0.05, what="runs of the victim in flight")
         victim.kill()
         t_kill = time.time()
         ids = {f"{g}{i:03d}" for g in "rd" for i in range(300)}

@@ -133,6 +133,7 @@ class Firing:
     max_attempts: int = 1
     may_skip: bool = False        # cron run_once/skip: may be skipped (no record) by the misfire policy
     missed_at_store: bool = False  # due before the job was stored: its misfire policy decides
+    stored_at: float = 0.0        # when its job was stored (epoch s): it cannot start before
 
 
 @dataclass
@@ -388,7 +389,7 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
         if t is None:
             rep.fail(f"{name(job, fid)}: {state} without started_at or ended_at")
             continue
-        lateness = t - effective_due(f.due)
+        lateness = t - effective_due(max(f.due, f.stored_at))   # a job stored late is due when stored
         late.append(max(0.0, t - f.due))
         if lateness_bound_s is not None and lateness > lateness_bound_s:
             rep.fail(f"{name(job, fid)}: resolved {t - f.due:.2f} s after its due time, {lateness:.2f} s after the "
