@@ -746,7 +746,7 @@ class Scheduler:
             f.attempt += 1
         f.move(FiringState.CLAIMING)
         key = self.keys.run(self._st(e.shard), e.job.id, f.fire_id)
-        rec = self._record(f, "running", started_at=rfc(max(utcnow(), f.due)))
+        rec = self._record(f, "running", started_at=rfc(max(utcnow(), f.due)), fence=fence.token)
         compare = [Mod(key) == f.record_rev] if retry else [Create(key) == 0]
         ops = self._record_ops(f, key, json.dumps(rec))
         f.run = self._run_spec(f)
@@ -1086,7 +1086,7 @@ class Scheduler:
         doc, answer_key = self._final_status(f, state, reason=reason)
         if fence is not None:
             key = self.keys.run(self._st(e.shard), e.job.id, f.fire_id)
-            rec = self._record(f, state, reason=reason, ended_at=rfc(utcnow()))
+            rec = self._record(f, state, reason=reason, ended_at=rfc(utcnow()), fence=fence.token)
             if f.record_rev:
                 cmp = [Mod(key) == f.record_rev]
             else:
@@ -1152,7 +1152,7 @@ class Scheduler:
                 self.loop.call_later(FENCE_WAIT_S, self._rewrite, f, state, fields, f.record_rev, answer)
             return
         key = self.keys.run(self._st(e.shard), e.job.id, f.fire_id)
-        rec = self._record(f, state, **fields)
+        rec = self._record(f, state, fence=fence.token, **fields)
         rev = f.record_rev
         f.record = rec
         f.writing += 1
