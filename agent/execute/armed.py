@@ -17,8 +17,8 @@ import os
 from typing import Optional
 
 # A read that times out keeps what it read (bash): a "g" that arrived with the timeout
-# counts (without that check 1 in ~1,500 launchers exited 126 when the release thread's
-# "g" and close met the timer). bash because dash has neither a read timeout nor a
+# counts, so a launcher whose release thread's "g" and close meet its timer execs the job
+# rather than exiting 126. bash because dash has neither a read timeout nor a
 # clock; printf -v and $(( )) are builtins. bash exports SHLVL on exec, except an array,
 # and the script's variables are a function's locals (a template env naming one is
 # exported: it would reach the job changed): the job's environment stays exactly the
@@ -52,8 +52,8 @@ BASH = ("/bin/bash", BASH_SCRIPT)
 
 # The same protocol in mksh's legacy flavour, lksh (Debian package mksh): statically
 # linked on Debian (klibc: no dynamic loader), the launcher's exec and wait and the job's
-# exec of /bin/true cost 0.9-1.0 ms of CPU, with bash 2.4-3.3 (/bin/true alone 0.5-0.6;
-# README, dependencies). Its arithmetic is C long, 32-bit on 32-bit arches as mksh's
+# exec of /bin/true cost 0.9-1.0 ms of CPU, with bash 2.4-3.3 (/bin/true alone 0.5-0.6).
+# Its arithmetic is C long, 32-bit on 32-bit arches as mksh's
 # always is: the due time is split into seconds and microseconds, no number needs more.
 # mksh's read -t compares its deadline with the clock before each select and gives up on
 # one already past without looking at the pipe ("read -t 0" is no poll), and drops the

@@ -54,6 +54,11 @@ class RunGuard:
     def pid(self) -> Optional[int]:
         return self._proc.pid if self._proc is not None else None
 
+    def guarded(self) -> set[int]:
+        """The process groups of the runs registered now."""
+        with self._lock:
+            return set(self._live)
+
     def _start(self) -> None:
         r, w = os.pipe()   # both close-on-exec: no run (or later keeper) inherits the writer
         try:
@@ -144,6 +149,8 @@ def _system_python() -> str:
 
 
 # --------------------------------------------------------------------------- the keeper
+# The keeper runs this file as a script under -I -S: it imports nothing of the agent's
+# package, hence its own /proc readers beside agent/execute/processes.py.
 
 
 def _stat(pid: str) -> Optional[tuple]:

@@ -26,8 +26,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 from agent.execute import metrics as m
 from agent.execute import pspawn
 from agent.execute.backends import safe_name
-from agent.execute.reaper import _kill, _Run, _Stream
+from agent.execute.output import OutputStream
+from agent.execute.processes import kill
 from agent.execute.runs import STDERR_TAIL_BYTES
+from agent.execute.runstate import GoPipe, Run
 
 if TYPE_CHECKING:  # pragma: no cover
     from agent.execute.executor import Executor
@@ -246,7 +248,7 @@ class Staged:
 def stage(ex: "Executor", spec: Any) -> Staged:
     """Directories, the executable check and the quota container of a run (thread-safe:
     only system calls and the user cache). Not the output files: the reaper creates each
-    when its first byte comes (_Stream.open), so a silent run costs the state disk no
+    when its first byte comes (OutputStream.open), so a silent run costs the state disk no
     file (each is an inode made now and freed again by retention)."""
     st = Staged(spec.run_key)
     created: list[str] = []
@@ -281,7 +283,7 @@ def _create_slot(ex: "Executor", spec: Any) -> Any:
         raise SpawnError("cgroup", f"cannot create the run's quota container: {exc.strerror or exc}") from None
 
 
-def spawn(ex: "Executor", run: _Run, hold: bool = False, arm_at: Optional[float] = None,
+def spawn(ex: "Executor", run: Run, hold: bool = False, arm_at: Optional[float] = None,
           staged: Optional[Staged] = None) -> None:
     """Start the run's launcher, confine it, then let it exec (or, ``hold``, keep it
     waiting for go()). ``arm_at`` (wall clock; shim mode with an armed launcher only): the
@@ -306,7 +308,7 @@ def spawn(ex: "Executor", run: _Run, hold: bool = False, arm_at: Optional[float]
         for _ in range(4):
             fds.extend(os.pipe())
         go_r, go_w, err_r, err_w, out_r, out_w, ep_r, ep_w = fds
-        run.streams = [_Stream(out_r, out_path, limit), _Stream(ep_r, err_path, limit, tail=STDERR_TAIL_BYTES)]
+        run.streams = [OutputStream(out_r, out_path, limit), OutputStream(ep_r, err_path, limit, tail=STDERR_TAIL_BYTES)]
     except OSError as exc:
         for fd in fds:
             os.close(fd)
@@ -318,8 +320,8 @@ def spawn(ex: "Executor", run: _Run, hold: bool = False, arm_at: Optional[float]
         switch: list[str] = []
         if ids is not None:
             uid, gid, groups = ids
-            assert ex._setpriv is not None  # shim mode is chosen only when setpriv exists
-            switch = [ex._setpriv, f"--reuid={uid}", f"--regid={gid}",
+            assert ex.setpriv is not None  # shim mode is chosen only when setpriv exists
+            switch = [ex.setpriv, f"--reuid={uid}", f"--regid={gid}",
                       f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups", "--"]
         if arm_at is not None:
             # user switch first, then wait: at the due time only the job's own exec is left
@@ -389,27 +391,23 @@ def spawn(ex: "Executor", run: _Run, hold: bool = False, arm_at: Optional[float]
     except (OSError, SpawnError) as exc:  # never exec a run we could not confine or track
         if not isinstance(exc, SpawnError):
             exc = SpawnError("cgroup", f"cannot confine the run: {exc.strerror or exc}")
-        _kill(pid)
+        kill(pid)
         run.error = str(exc)
         m.SPAWN_ERRORS.labels(exc.stage).inc()
         os.close(go_w)
         go_w = -1
-    with ex._lock:
-        run.go = (go_w, err_r, path, cwd)
-        if run.armed_at is not None and go_w >= 0:
-            ex.armed.add(run)
+    ex.runs.hold(run, GoPipe(go_w, err_r, path, cwd))
     if not hold or run.error:
         go(ex, run)
 
-def go(ex: "Executor", run: _Run) -> None:
+
+def go(ex: "Executor", run: Run) -> None:
     """Release the launcher (one byte on the go pipe), then collect a fork-mode child's
     exec error. Caller's thread."""
-    with ex._lock:
-        go, run.go = run.go, None
-        ex.armed.discard(run)
-    if go is None:
+    pipe = ex.runs.take_go(run)
+    if pipe is None:
         return
-    go_w, err_r, path, cwd = go
+    go_w, err_r, path, cwd = pipe
     spec = run.handle.spec
     released = False
     if go_w >= 0:

@@ -1,5 +1,12 @@
 """The executor's one adapter thread, ``millwright-reaper``: poll() over the runs' pidfds
-and output pipes, a timer heap and a command queue; and the process helpers it uses.
+and output pipes, a timer heap and a command queue; and everything that happens to a run
+on it, from its registration to its end (on_exit).
+
+Life of a run here: registered once its launcher is released (or never held): pidfd and
+output pipes watched, its timeout timer set. A watch tick polls the backend for quota
+events (oom, pids) and the runs' guards. When the leader exits, what is left of the
+group and cgroup is SIGKILLed, orphans of the group are reaped, usage is read, the
+cgroup removed, and on_exit(handle, result) is called, exactly once per run.
 
 Orphans of a run re-parent to the agent (a child subreaper), and are collected by
 process group, never touching the agent's other children."""
@@ -7,123 +14,42 @@ process group, never touching the agent's other children."""
 from __future__ import annotations
 
 import collections
-import errno
 import heapq
 import itertools
 import logging
 import os
 import queue
 import select
+import shutil
 import signal
-import subprocess
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from agent.execute.backends import Slot, Usage
-from agent.execute.runs import RunHandle, RunResult
+from agent.execute import metrics as m
+from agent.execute.backends import QuotaBackend, Slot, Usage
+from agent.execute.output import OutputStream
+from agent.execute.processes import killpg, reap_group
+from agent.execute.runs import ExitReason, RunHandle, RunResult, tail_text
+from agent.execute.runstate import Run, RunPhase, RunTable
 
 if TYPE_CHECKING:  # pragma: no cover
-    from agent.execute.executor import Executor
+    from agent.execute.guard import RunGuard
+    from agent.execute.launch import Staged
 
 log = logging.getLogger("millwright.execute")
 
 REAP_AGAIN_S = (0.2, 1.0, 3.0)   # after a run ended, its process group is swept for zombies again
 RESWEEP_TICK_S = 0.1             # ... in sweeps of every group due, at most this often
+POLLED_WATCH_S = 0.02            # the watch tick while a leader is polled (no pidfd: kernel < 5.3)
 
 
-class _Stream:
-    """One output pipe of a run and the log file it is copied to (the first ``limit``
-    bytes). The reaper thread creates the file when the first byte comes (open()): a run
-    that writes nothing has none, and costs the state disk no inode (made, then freed by
-    retention: on ext4 without a journal every allocation scans past the inodes freed in
-    the last minutes, issue 18's profile). ``tail`` > 0 keeps the end of what was written
-    in memory: the final record's stderr_tail without reading the file back."""
+class Timer:
+    """An entry of the reaper's timer heap (call_at); cancel() from the reaper thread."""
 
-    __slots__ = ("rfd", "wfd", "path", "written", "dropped", "limit", "tail", "_tail_max", "_unwritable",
-                 "created")
-
-    def __init__(self, rfd: int, path: str, limit: int, tail: int = 0):
-        self.rfd = rfd
-        self.path = path
-        self.wfd = -1
-        self.written = 0
-        self.dropped = 0
-        self.limit = limit
-        self.tail = bytearray()
-        self._tail_max = tail
-        self._unwritable = False
-        self.created = False   # the log file exists (the run wrote something)
-
-    def open(self) -> bool:
-        """Create (truncate) the log file, once; reaper thread. False if it cannot be
-        created (logged once; the output is then counted as dropped)."""
-        if self.wfd < 0 and not self._unwritable:
-            try:
-                self.wfd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)  # state files are root-only (issue 16)
-                self.created = True
-            except OSError as exc:
-                self._unwritable = True
-                log.warning("cannot create a run's output file", extra={"fields": {"path": self.path, "error": exc.strerror}})
-        return self.wfd >= 0
-
-    def feed(self, data: bytes) -> None:
-        keep = max(0, min(len(data), self.limit - self.written)) if self.open() else 0
-        if keep:
-            view = memoryview(data)[:keep]
-            if self._tail_max:
-                self.tail += view[-self._tail_max:]
-                del self.tail[:-self._tail_max]
-            while view:
-                n = os.write(self.wfd, view)
-                view = view[n:]
-            self.written += keep
-        self.dropped += len(data) - keep
-
-    def close(self) -> None:
-        for fd in (self.rfd, self.wfd):
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        self.rfd = self.wfd = -1
-        self._unwritable = True   # closed for good: a second (truncating) open would empty the file
-
-
-class _Run:
-    """Reaper-owned state of one run."""
-
-    def __init__(self, handle: RunHandle, on_exit: Callable[[RunHandle, RunResult], Any]):
-        self.handle = handle
-        self.on_exit = on_exit
-        self.slot: Optional[Slot] = None
-        self.pidfd: Optional[int] = None
-        self.streams: list[_Stream] = []
-        self.phase = "starting"          # starting -> running -> draining -> done
-        self.kill_reason: Optional[str] = None
-        self.error: Optional[str] = None
-        self.status: Optional[int] = None
-        self.rusage: Any = None
-        self.t0 = time.monotonic()
-        self.t_end: Optional[float] = None
-        self.ended_at: Optional[float] = None
-        self.timers: list["_Timer"] = []
-        self.popen: Optional[subprocess.Popen] = None
-        self.usage: Optional[Usage] = None
-        self.drain_started = 0.0
-        self.work_dir_created: Optional[str] = None
-        self.grace = 5.0
-        self.go: Optional[tuple] = None  # (go_w, err_r, path, cwd) while prepared, not released
-        self.on_release: Optional[Callable[[RunHandle, bool], Any]] = None
-        self.guard: Optional[Callable[[], bool]] = None
-        self.armed_at: Optional[float] = None   # wall clock: its launcher releases itself then
-
-
-class _Timer:
     __slots__ = ("when", "fn", "args", "cancelled")
 
-    def __init__(self, when, fn, args):
+    def __init__(self, when: float, fn: Callable, args: tuple):
         self.when, self.fn, self.args, self.cancelled = when, fn, args, False
 
     def cancel(self) -> None:
@@ -135,14 +61,24 @@ def _noop(*_: Any) -> None:
     pass
 
 
-
 class Reaper(threading.Thread):
-    """The executor's one adapter thread: poll() over pidfds and output pipes, a timer
-    heap, and a command queue fed by post()."""
+    """The executor's one adapter thread. Its public methods that change runs (register,
+    terminate, finish, drop_staged) may be called from any thread: they post to it.
 
-    def __init__(self, ex: "Executor"):
+    ``discard_held(handle, reason)`` is the executor's: it discards a prepared run that
+    has not been released (True if it did), for armed runs whose guard turned false."""
+
+    def __init__(self, backend: QuotaBackend, runs: RunTable, guard: Optional["RunGuard"],
+                 discard_held: Callable[[RunHandle, str], bool], *, watch_interval_s: float = 0.2,
+                 drain_timeout_s: float = 5.0, keep_work_dir: bool = False):
         super().__init__(name="millwright-reaper", daemon=True)
-        self.ex = ex
+        self.backend = backend
+        self.runs = runs
+        self.guard = guard
+        self.discard_held = discard_held
+        self.watch_interval_s = watch_interval_s
+        self.drain_timeout_s = drain_timeout_s
+        self.keep_work_dir = keep_work_dir
         self.poller = select.poll()
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
@@ -152,19 +88,19 @@ class Reaper(threading.Thread):
         self.cmds: "queue.SimpleQueue" = queue.SimpleQueue()
         self.timers: list = []
         self.seq = itertools.count()
-        self.running: set = set()
-        self.polled: set = set()
-        self.orphan_slots: list = []
+        self.running: set[Run] = set()
+        self.polled: set[Run] = set()
+        self.orphan_slots: list[tuple[Slot, float]] = []
         # process groups of ended runs to sweep for zombies again, REAP_AGAIN_S after their
-        # end: one FIFO per delay (so in time order), swept together every RESWEEP_TICK_S
-        # (three timers per run cost ~50 of this thread's ~550 wake-ups/s at 100 runs/s:
-        # most of them fell together with a run event's wake-up anyway)
+        # end: one FIFO per delay (so in time order), swept together every RESWEEP_TICK_S,
+        # so that the sweeps cost no timer wake-ups of their own per run
         self.resweeps: dict[float, collections.deque] = {d: collections.deque() for d in REAP_AGAIN_S}
         self.next_resweep = 0.0
         self._stopping = False
 
-    # any thread
+    # --- any thread -------------------------------------------------------------------
     def post(self, fn: Callable, *args: Any) -> None:
+        """Run fn(*args) on the reaper thread, after everything posted before."""
         self.cmds.put((fn, args))
         try:
             os.write(self.wake_w, b"x")
@@ -172,15 +108,33 @@ class Reaper(threading.Thread):
             pass
 
     def stop(self) -> None:
+        """The thread ends once no run's pidfd or pipe is watched any more."""
         self.post(self._set_stop)
 
-    # reaper thread
+    def register(self, run: Run) -> None:
+        """A run whose job was released (or is not held): watch it until it ends."""
+        self.post(self._register, run)
+
+    def terminate(self, handle: RunHandle, reason: str, grace_s: Optional[float]) -> None:
+        """SIGTERM to a running run's group, SIGKILL ``grace_s`` (None: its own grace) later."""
+        self.post(self._terminate, handle, reason, grace_s)
+
+    def finish(self, run: Run) -> None:
+        """A run that never got a process (spawn error): its result and on_exit."""
+        self.post(self._finalize, run)
+
+    def drop_staged(self, staged: "Staged") -> None:
+        """A staged run that will not start: its quota container and directories go."""
+        self.post(self._drop_staged, staged)
+
+    # --- reaper thread ----------------------------------------------------------------
     def _set_stop(self) -> None:
         self._stopping = True
 
     def reap_again(self, pgid: int) -> None:
         """Sweep an ended run's process group for zombies again later (REAP_AGAIN_S): a
-        member still being re-parented to us at its last sweep turns zombie after it."""
+        member still being re-parented to us at its last sweep turns zombie after it.
+        Reaper thread."""
         now = time.monotonic()
         for delay, q in self.resweeps.items():
             q.append((now + delay, pgid))
@@ -188,7 +142,7 @@ class Reaper(threading.Thread):
     def _resweep(self, now: float) -> None:
         for q in self.resweeps.values():
             while q and q[0][0] <= now:
-                _reap_group(q.popleft()[1])
+                reap_group(q.popleft()[1])
 
     def _resweep_due(self) -> Optional[float]:
         """When the next sweep tick is due (None: nothing to sweep)."""
@@ -197,8 +151,9 @@ class Reaper(threading.Thread):
             return None
         return max(min(heads), self.next_resweep)
 
-    def call_at(self, when: float, fn: Callable, *args: Any) -> _Timer:
-        t = _Timer(when, fn, args)
+    def call_at(self, when: float, fn: Callable, *args: Any) -> Timer:
+        """fn(*args) on this thread at ``when`` (time.monotonic()). Reaper thread."""
+        t = Timer(when, fn, args)
         heapq.heappush(self.timers, (when, next(self.seq), t))
         return t
 
@@ -214,10 +169,12 @@ class Reaper(threading.Thread):
                 pass
 
     def retry_orphan_slots(self) -> None:
+        """Remove the run cgroups the kernel did not let go of at once (reaper thread, or
+        any thread once the reaper stopped)."""
         keep = []
         for slot, since in self.orphan_slots:
-            self.ex.backend.kill_all(slot)
-            if not self.ex.backend.remove(slot):
+            self.backend.kill_all(slot)
+            if not self.backend.remove(slot):
                 keep.append((slot, since))
         self.orphan_slots = keep
 
@@ -227,8 +184,10 @@ class Reaper(threading.Thread):
         except Exception:
             log.exception("reaper handler %s failed", getattr(fn, "__qualname__", fn))
 
+    def _watching(self) -> bool:
+        return bool(self.running or self.polled or self.orphan_slots or self.runs.any_armed())
+
     def run(self) -> None:
-        ex = self.ex
         next_watch = time.monotonic()
         while True:
             now = time.monotonic()
@@ -238,9 +197,9 @@ class Reaper(threading.Thread):
                     fn, args = t.fn, t.args
                     t.fn, t.args = _noop, ()
                     self._safe(fn, *args)
-            if (self.running or self.polled or self.orphan_slots or ex.armed) and now >= next_watch:
-                self._safe(ex._watch)
-                next_watch = now + (0.02 if self.polled else ex.watch_interval_s)
+            if self._watching() and now >= next_watch:
+                self._safe(self._watch)
+                next_watch = now + (POLLED_WATCH_S if self.polled else self.watch_interval_s)
             resweep_at = self._resweep_due()
             if resweep_at is not None and now >= resweep_at:
                 self._safe(self._resweep, now)
@@ -251,7 +210,7 @@ class Reaper(threading.Thread):
             wait = 1.0
             if self.timers:
                 wait = min(wait, self.timers[0][0] - now)
-            if self.running or self.polled or self.orphan_slots or ex.armed:
+            if self._watching():
                 wait = min(wait, next_watch - now)
             if resweep_at is not None:
                 wait = min(wait, resweep_at - now)
@@ -272,7 +231,7 @@ class Reaper(threading.Thread):
                     continue
                 kind, run, stream = what
                 if kind == "pid":
-                    self._safe(ex._on_pidfd, run)
+                    self._safe(self._on_pidfd, run)
                 else:
                     self._safe(self._on_output, run, stream, ev)
             while True:
@@ -287,7 +246,7 @@ class Reaper(threading.Thread):
     def fds_for_runs(self) -> bool:
         return bool(self.running or self.polled)
 
-    def _on_output(self, run: _Run, s: _Stream, ev: int) -> None:
+    def _on_output(self, run: Run, s: OutputStream, ev: int) -> None:
         try:
             data = os.read(s.rfd, 65536)
         except BlockingIOError:
@@ -299,73 +258,257 @@ class Reaper(threading.Thread):
         else:   # EOF: every writer is gone
             self.unwatch_fd(s.rfd)
 
+    # --- a run's life on the reaper thread --------------------------------------------
+    def _register(self, run: Run) -> None:
+        run.phase = RunPhase.RUNNING
+        if run.pidfd is not None:
+            self.watch_fd(run.pidfd, ("pid", run, None))
+        else:
+            self.polled.add(run)
+        for s in run.streams:
+            self.watch_fd(s.rfd, ("out", run, s))
+        t = run.handle.spec.timeout_s
+        if t and t > 0:
+            run.timers.append(self.call_at(run.t0 + t, self._terminate, run.handle, ExitReason.TIMED_OUT, None))
+        self.running.add(run)
 
-# --------------------------------------------------------------------------- helpers
-
-
-def _drain_stream(s: _Stream) -> None:
-    if s.rfd < 0:
-        return
-    for _ in range(64):
-        try:
-            data = os.read(s.rfd, 65536)
-        except (BlockingIOError, OSError):
+    def _terminate(self, handle: RunHandle, reason: str, grace_s: Optional[float]) -> None:
+        run = self.runs.get(handle.run_key)
+        if run is None or run.phase != RunPhase.RUNNING or run.handle is not handle:
             return
-        if not data:
-            return
-        s.feed(data)
+        if run.kill_reason is None:
+            run.kill_reason = reason
+        killpg(handle.pgid, signal.SIGTERM)
+        grace = run.grace if grace_s is None else float(grace_s)
+        run.timers.append(self.call_at(time.monotonic() + grace, self._hard_kill, run))
+        log.info("terminating run", extra={"fields": {"run": handle.run_key, "reason": reason, "grace_s": grace}})
 
+    def _hard_kill(self, run: Run) -> None:
+        if run.phase in (RunPhase.RUNNING, RunPhase.DRAINING):
+            killpg(run.handle.pgid, signal.SIGKILL)
+            if run.slot is not None:
+                self.backend.kill_all(run.slot)
 
-def _killpg(pgid: Optional[int], sig: int) -> None:
-    if not pgid:
-        return
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+    def _watch(self) -> None:
+        for run in list(self.polled):
+            self._poll_exit(run)
+        for run in self.runs.armed():
+            # guard_until promised it could not happen before the due time; if it does
+            # (a lease revoked from outside), the armed launcher must not go by itself
+            guard = run.guard
+            if guard is not None and not guard():
+                self.discard_held(run.handle, ExitReason.FENCED)
+        for run in list(self.running):
+            # the lease this run was claimed under may have run out: kill it on this thread,
+            # however busy the caller's loop is (self-fence timing, docs/execution.md)
+            guard = run.guard
+            if guard is not None and run.phase == RunPhase.RUNNING and run.kill_reason is None and not guard():
+                self._terminate(run.handle, ExitReason.FENCED, None)
+        running = [x for x in self.running if x.phase == RunPhase.RUNNING and x.slot is not None]
+        if running:
+            try:
+                hits = self.backend.check_all([x.slot for x in running if x.slot is not None])
+            except Exception:  # a backend read error must not stop the reaper
+                log.exception("quota check failed")
+                hits = {}
+            for run in running:
+                reason = hits.get(run.slot.name) if run.slot is not None else None
+                if reason and run.kill_reason is None:
+                    run.kill_reason = reason
+                    log.warning("run hit its quota", extra={"fields": {"run": run.handle.run_key, "reason": reason}})
+                    self._hard_kill(run)
+        self.retry_orphan_slots()
 
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _reap_group(pgid: Optional[int]) -> None:
-    """Reap zombies of the run's process group that became our children (we are a
-    child subreaper), never anyone else's children."""
-    if not pgid:
-        return
-    for _ in range(10000):
-        try:
-            res = os.waitid(os.P_PGID, pgid, os.WEXITED | os.WNOHANG)
+    def _poll_exit(self, run: Run) -> None:
+        leader, pgid = run.handle.pid, run.handle.pgid
+        assert leader is not None and pgid is not None  # polled only once spawned
+        try:   # exited? (not reaped yet: the guard must hear of it before the pid is freed)
+            if os.waitid(os.P_PID, leader, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+                return
         except ChildProcessError:
+            pass
+        if self.guard is not None:
+            self.guard.leader_exited(pgid)
+        try:
+            pid, status, ru = os.wait4(leader, os.WNOHANG)
+        except ChildProcessError:
+            pid, status, ru = leader, 0, None
+        if pid:
+            self.polled.discard(run)
+            self._leader_exited(run, status, ru)
+
+    def _on_pidfd(self, run: Run) -> None:
+        leader, pgid, pidfd = run.handle.pid, run.handle.pgid, run.pidfd
+        assert leader is not None and pgid is not None and pidfd is not None  # watched only once spawned
+        if self.guard is not None:   # the leader exited; its pid is freed by the wait4 below
+            self.guard.leader_exited(pgid)
+        try:
+            pid, status, ru = os.wait4(leader, os.WNOHANG)
+        except ChildProcessError:
+            pid, status, ru = leader, 0, None
+        if not pid:
             return
-        except OSError as exc:
-            if exc.errno == errno.EINTR:
-                continue
+        self.unwatch_fd(pidfd)
+        os.close(pidfd)
+        run.pidfd = None
+        self._leader_exited(run, status, ru)
+
+    def _leader_exited(self, run: Run, status: int, rusage: Any) -> None:
+        run.status, run.rusage = status, rusage
+        if run.popen is not None:   # we reaped it: subprocess must never waitpid() it again
+            run.popen.returncode = os.waitstatus_to_exitcode(status)
+        run.t_end = time.monotonic()
+        run.ended_at = time.time()
+        run.phase = RunPhase.DRAINING
+        self.running.discard(run)
+        run.drain_started = run.t_end
+        # the leader is gone: whatever it left behind is killed now
+        killpg(run.handle.pgid, signal.SIGKILL)
+        left = self.backend.members(run.slot) if run.slot is not None else []
+        if left and run.slot is not None:
+            self.backend.kill_all(run.slot)
+        # nothing alive in the run's cgroups: nothing can appear there any more, so the
+        # first drain round need not list them again (a run's end is the reaper's hot path)
+        self._drain(run, 0, known_empty=not left)
+
+    def _drain(self, run: Run, n: int, known_empty: bool = False) -> None:
+        reap_group(run.handle.pgid)
+        left = self.backend.members(run.slot) if run.slot is not None and not known_empty else []
+        if left and time.monotonic() - run.drain_started < self.drain_timeout_s:
+            if n % 5 == 4:
+                self._hard_kill(run)
+            run.timers.append(self.call_at(time.monotonic() + min(0.1, 0.002 * 2 ** n), self._drain, run, n + 1))
             return
-        if res is None:
-            return
+        if not left and not known_empty:
+            # what members() no longer lists may have turned zombie after the first sweep
+            # (with known_empty no listing came between: the sweep above is just as late)
+            reap_group(run.handle.pgid)
+        if left:
+            log.warning("processes of a run survived SIGKILL", extra={"fields": {
+                "run": run.handle.run_key, "pids": left[:10]}})
+        elif run.slot is not None and not run.slot.removed:
+            # usage first (it lives in the cgroup), then the cgroup itself; the kernel
+            # may report EBUSY for a moment after the last task exited: retry shortly
+            if run.usage is None:
+                run.usage = self._read_usage(run)
+            if not self.backend.remove(run.slot) and time.monotonic() - run.drain_started < self.drain_timeout_s:
+                run.timers.append(self.call_at(time.monotonic() + min(0.1, 0.002 * 2 ** n), self._drain, run, n + 1))
+                return
+        self._finalize(run)
+
+    def _read_usage(self, run: Run) -> Usage:
+        if run.slot is None:
+            return Usage()
+        try:
+            return self.backend.usage(run.slot, run.rusage)
+        except Exception:
+            log.exception("reading usage failed")
+            return Usage()
+
+    def _remove_slot(self, slot: Slot) -> None:
+        """A run's quota container goes; one the kernel does not let go of yet is retried
+        by the watch tick (orphan_slots)."""
+        if not slot.removed and not self.backend.remove(slot):
+            m.CGROUP_CLEANUP_FAILURES.inc()
+            self.orphan_slots.append((slot, time.monotonic()))
+
+    def _drop_staged(self, staged: "Staged") -> None:
+        if staged.slot is not None:
+            self._remove_slot(staged.slot)
+        prepared = staged.process
+        dirs = [staged.work_dir_created] if staged.work_dir_created else []
+        if prepared is not None:
+            dirs.append(prepared.run_dir)   # then the run dir (no output file is made before a start)
+        for path in dirs:
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
+
+    def _finalize(self, run: Run) -> None:
+        for t in run.timers:
+            t.cancel()
+        run.timers.clear()
+        run.on_release = run.guard = None
+        self.running.discard(run)
+        self.polled.discard(run)
+        if run.pidfd is not None:
+            self.unwatch_fd(run.pidfd)
+            os.close(run.pidfd)
+            run.pidfd = None
+        handle = run.handle
+        usage = run.usage or Usage()
+        if run.slot is not None:
+            if run.usage is None:
+                usage = self._read_usage(run)
+            self._remove_slot(run.slot)
+        if self.guard is not None and handle.pgid:
+            self.guard.remove(handle.pgid)
+        if handle.pgid:
+            # a member still being re-parented to us (its parent mid-exit) at the last sweep
+            # turns zombie after it: sweep the group again shortly. The group's number is not
+            # handed out again while any of its zombies exists, so this reaps only this run's.
+            self.reap_again(handle.pgid)
+        for s in run.streams:
+            self.unwatch_fd(s.rfd)
+            s.drain()   # a file is made only for what comes (none for a silent run)
+            s.close()
+        if run.work_dir_created and not self.keep_work_dir:
+            try:
+                os.rmdir(run.work_dir_created)   # most jobs leave it empty: one syscall
+            except OSError:
+                shutil.rmtree(run.work_dir_created, ignore_errors=True)
+        exit_code = sig = None
+        if run.status is not None:
+            code = os.waitstatus_to_exitcode(run.status)
+            exit_code, sig = (code, None) if code >= 0 else (None, -code)
+        reason = str(_exit_reason(run, usage, exit_code))
+        out, err = (run.streams + [None, None])[:2]
+        t_end = run.t_end or time.monotonic()
+        result = RunResult(
+            run_key=handle.run_key, reason=reason, exit_code=exit_code if not run.error else None,
+            signal=sig, error=run.error, usage=usage, pid=handle.pid, started_at=handle.started_at,
+            ended_at=run.ended_at or time.time(), duration_s=max(0.0, t_end - run.t0) if handle.pid else 0.0,
+            stdout_path=out.path if out and out.created else None,   # None: it wrote nothing, no file
+            stderr_path=err.path if err and err.created else None,
+            stdout_bytes=out.written if out else 0, stderr_bytes=err.written if err else 0,
+            stderr_tail=tail_text(bytes(err.tail), err.written) if err else None,
+            output_dropped_bytes=(out.dropped + err.dropped) if out and err else 0,
+            backend=self.backend.name)
+        run.phase = RunPhase.DONE
+        self.runs.remove(handle.run_key)
+        if handle.pid is not None:
+            m.RUNS_RUNNING.dec()
+        m.RUNS_FINISHED.labels(reason).inc()
+        if reason in (ExitReason.OOM, ExitReason.PIDS_LIMIT):
+            m.QUOTA_KILLS.labels(reason).inc()
+        m.RUN_CPU.inc(max(0.0, usage.cpu_s))
+        m.RUN_THROTTLED.inc(max(0.0, usage.throttled_s))
+        m.RUN_OOM_KILLS.inc(max(0, usage.oom_kills))
+        if usage.max_rss_bytes:
+            m.RUN_PEAK_MEM.observe(usage.max_rss_bytes)
+        if result.output_dropped_bytes:
+            m.OUTPUT_TRUNCATED.inc(result.output_dropped_bytes)
+        handle.result = result
+        log.debug("run ended", extra={"fields": {"run": handle.run_key, "reason": reason, "exit_code": exit_code}})
+        try:
+            run.on_exit(handle, result)
+        except Exception:
+            log.exception("on_exit callback failed", extra={"fields": {"run": handle.run_key}})
+        handle.done.set()
 
 
-_subreaper_done = False
-
-
-def _set_child_subreaper() -> None:
-    """Orphans of a run re-parent to the agent (not to an init that may never reap
-    them), so the reaper can collect them by process group."""
-    global _subreaper_done
-    if _subreaper_done:
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_CHILD_SUBREAPER = 36
-        if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl")
-        _subreaper_done = True
-    except Exception as exc:  # not fatal: orphans go to init instead
-        log.warning("cannot become a child subreaper", extra={"fields": {"error": str(exc)}})
+def _exit_reason(run: Run, usage: Usage, exit_code: Optional[int]) -> str:
+    """Why a run ended: a spawn error, then the reason it was killed for, then a quota
+    the kernel enforced by itself, then its exit code."""
+    if run.error:
+        return ExitReason.SPAWN_ERROR
+    if run.kill_reason:
+        return run.kill_reason
+    if usage.oom_kills > 0:
+        return ExitReason.OOM
+    if usage.pids_max_events > 0:
+        return ExitReason.PIDS_LIMIT
+    if exit_code == 0:
+        return ExitReason.SUCCEEDED
+    return ExitReason.FAILED

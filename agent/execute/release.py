@@ -7,11 +7,9 @@ import itertools
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import Callable, Optional
 
-if TYPE_CHECKING:  # pragma: no cover
-    from agent.execute.executor import Executor
-    from agent.execute.reaper import _Run
+from agent.execute.runstate import Run
 
 log = logging.getLogger("millwright.execute")
 
@@ -19,17 +17,20 @@ log = logging.getLogger("millwright.execute")
 class Releaser:
     """Releases prepared runs at their time. Its own thread, started on first use: a
     condition wait wakes within microseconds, where the reaper's poll() counts whole
-    milliseconds, and nothing else runs on it (a release is one pipe write)."""
+    milliseconds, and nothing else runs on it (a release is one pipe write).
 
-    def __init__(self, ex: "Executor"):
-        self.ex = ex
+    ``release(run)`` is the executor's: it releases (or discards) one prepared run."""
+
+    def __init__(self, release: Callable[[Run], None]):
+        self.release = release
         self.cv = threading.Condition()
         self.heap: list = []
         self.seq = itertools.count()
         self.thread: Optional[threading.Thread] = None
         self.stopping = False
 
-    def at(self, when: float, run: _Run) -> None:
+    def at(self, when: float, run: Run) -> None:
+        """release(run) at ``when`` (time.monotonic()); nothing once stopped."""
         with self.cv:
             if self.stopping:
                 return
@@ -56,7 +57,7 @@ class Releaser:
                     return
                 _, _, run = heapq.heappop(self.heap)
             try:
-                self.ex._timed_release(run)
+                self.release(run)
             except Exception:
                 log.exception("releasing a prepared run failed", extra={"fields": {"run": run.handle.run_key}})
 

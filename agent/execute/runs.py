@@ -1,20 +1,41 @@
 """What a run is to the executor's callers: the spec it starts from, the handle it
-returns, the result it reports (see docs/execution.md)."""
+returns, the result it reports, and the reasons a run ends with (see docs/execution.md)."""
 
 from __future__ import annotations
 
+import enum
 import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Optional
+from typing import Callable, Optional
 
 from agent.execute.backends import Usage
 from agent.execute.limits import Limits
 
-if TYPE_CHECKING:  # pragma: no cover
-    from agent.execute.executor import Executor
 
-REASONS = ("succeeded", "failed", "timed_out", "killed", "oom", "pids_limit", "spawn_error")
+class ExitReason(str, enum.Enum):
+    """Why a run ended, as the executor decides it. A member is its value: it compares
+    equal to the string and prints and serialises as it, on every Python."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"            # a non-zero exit (or a signal the executor did not send)
+    TIMED_OUT = "timed_out"      # RunSpec.timeout_s passed
+    KILLED = "killed"            # terminate()'s default (a cancel), and Executor.close()
+    OOM = "oom"                  # the run hit its memory limit
+    PIDS_LIMIT = "pids_limit"    # the run hit its pids limit
+    SPAWN_ERROR = "spawn_error"  # the job never executed (RunResult.error says why)
+    FENCED = "fenced"            # the guard given to start()/prepare() turned false
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+# what a run ends with when no caller terminates it with a reason of its own
+REASONS = (ExitReason.SUCCEEDED, ExitReason.FAILED, ExitReason.TIMED_OUT, ExitReason.KILLED, ExitReason.OOM,
+           ExitReason.PIDS_LIMIT, ExitReason.SPAWN_ERROR)
 STDERR_TAIL_BYTES = 4096        # the end of a run's stderr carried in its final record and status
 
 
@@ -33,9 +54,6 @@ def rfc3339(ts: Optional[float]) -> Optional[str]:
     if ts is None:
         return None
     return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-# --------------------------------------------------------------------------- data
 
 
 @dataclass
@@ -85,10 +103,12 @@ class RunResult:
 
 class RunHandle:
     """What start() returns. pid/pgid are set when start() returns (None on spawn_error);
-    `result` once the run ended. terminate() may be called from any thread."""
+    `result` once the run ended. terminate() may be called from any thread.
 
-    def __init__(self, executor: "Executor", spec: RunSpec):
-        self._executor = executor
+    ``terminate_run(handle, reason, grace_s)`` is the executor's, called by terminate()."""
+
+    def __init__(self, spec: RunSpec, terminate_run: Callable[["RunHandle", str, Optional[float]], None]):
+        self._terminate_run = terminate_run
         self.spec = spec
         self.run_key = spec.run_key
         self.pid: Optional[int] = None
@@ -99,16 +119,13 @@ class RunHandle:
         self.result: Optional[RunResult] = None
         self.done = threading.Event()
 
-    def terminate(self, reason: str = "killed", grace_s: Optional[float] = None) -> None:
+    def terminate(self, reason: str = ExitReason.KILLED, grace_s: Optional[float] = None) -> None:
         """SIGTERM to the process group; SIGKILL to the group and its cgroup after the
         grace period (the run's kill_grace_s by default). The run ends with `reason`
         (e.g. "killed" for a cancel, "timed_out"). No-op once the run ended. A prepared
         run that was never released is discarded: its launcher exits without exec'ing the
         job, and the run ends with `reason`."""
-        if self._executor._discard_held(self, reason):
-            return
-        self._executor.release_armed(self)
-        self._executor._reaper.post(self._executor._terminate, self, reason, grace_s)
+        self._terminate_run(self, reason, grace_s)
 
     def wait(self, timeout: Optional[float] = None) -> Optional[RunResult]:
         self.done.wait(timeout)
@@ -116,4 +133,3 @@ class RunHandle:
 
     def __repr__(self) -> str:
         return f"RunHandle({self.run_key!r}, pid={self.pid})"
-

@@ -61,7 +61,7 @@ class LocalAgent:
         """Wait until the executor's reaper thread has done everything posted to it so far
         (an unstage() is such a post)."""
         done = threading.Event()
-        self.executor._reaper.post(done.set)
+        self.executor.reaper.post(done.set)
         assert done.wait(10), "the executor's reaper did not answer"
 
     def stop(self) -> None:

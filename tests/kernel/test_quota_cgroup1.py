@@ -14,7 +14,8 @@ import time
 import pytest
 
 from agent.execute import Admission, Budget, Executor, Limits, RunSpec, effective_limits
-from agent.execute.backends import BackendUnavailable, Cgroup1Backend, alive
+from agent.execute.backends import BackendUnavailable, Cgroup1Backend
+from agent.execute.processes import alive
 from agent.runtime.loop import EventLoop
 from tests.support.kernel import armed_launcher, require_kernel
 from tests.support.processes import PY, Collector, _children_zombies, _zombies_left, _executor_kind
@@ -687,7 +688,7 @@ def test_an_ended_runs_group_is_swept_again_for_late_zombies(executor):
     while not _children_zombies([late.pid]) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert _children_zombies([late.pid]), "the test's process did not turn zombie"
-    reaper = executor._reaper
+    reaper = executor.reaper
     reaper.post(reaper.reap_again, late.pid)
     assert _zombies_left([late.pid], timeout=REAP_AGAIN_S[0] + 2) == [], "the zombie was not swept"
     time.sleep(REAP_AGAIN_S[-1] + 0.5)
@@ -748,7 +749,7 @@ def test_the_launcher_is_born_in_its_cgroups_and_the_spawning_thread_goes_home(e
         # before the job can exec: the launcher, and only it, is in every run cgroup
         seen["procs"] = {k: open(os.path.join(d, "cgroup.procs")).read().split() for k, d in h.cgroup.items()}
         seen["pid"] = str(h.pid)
-        seen["joined"] = set(executor._live[h.run_key].slot.joined)
+        seen["joined"] = set(executor.runs.get(h.run_key).slot.joined)
 
     home = _thread_cgroups()
     executor.poststart.append(hook)
@@ -965,14 +966,14 @@ def test_spawning_threads_home_files_stay_bounded(backend, monkeypatch):
     monkeypatch.setattr(backend, "HOME_FDS_MAX", 6)
     slot = backend.create("home-fds", Limits(1.0, 128, 64))
     try:
-        joined = backend._joinable(slot)
+        joined = backend.joinable(slot)
         assert len(joined) >= 2, joined   # memory and pids at least: more than one entry per thread
         before = tasks_fds()
         seen = []
 
         def hop() -> None:
             backend.leave(slot, backend.enter(slot))
-            seen.append(len(backend._home_fds))
+            seen.append(backend.home_fds_open())
 
         for _ in range(12):   # 12 threads x the joined hierarchies: well past the bound
             t = threading.Thread(target=hop)

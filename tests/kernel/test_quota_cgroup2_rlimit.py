@@ -20,7 +20,8 @@ import tempfile
 import pytest
 
 from agent.execute import Executor, Limits, RunSpec, probe
-from agent.execute.backends import BackendUnavailable, Cgroup2Backend, CgroupFS, RlimitBackend, alive, safe_name
+from agent.execute.backends import BackendUnavailable, Cgroup2Backend, CgroupFS, RlimitBackend, safe_name
+from agent.execute.processes import alive
 from tests.support.kernel import require_kernel
 from tests.support.processes import PY, Collector, _zombies_left, stderr_tail
 
@@ -287,7 +288,7 @@ def test_rlimit_fork_bomb_is_stopped(rlimit_executor, job_user):
 
 
 def _group(pgid):
-    from agent.execute.backends import group_members
+    from agent.execute.processes import group_members
 
     return group_members(pgid)
 

@@ -136,6 +136,6 @@ def test_run_guard_tells_the_keeper_in_order():
         g.leader_exited(123456789)
         g.remove(123456789)
         g.remove(42)   # unknown: nothing sent
-        assert g._live == {}
+        assert g.guarded() == set()
     finally:
         g.close()

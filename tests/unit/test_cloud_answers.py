@@ -201,7 +201,7 @@ def test_the_stderr_tail_kept_in_memory_is_the_one_read_from_the_file(tmp_path):
     the output was cut at output_max_bytes and when it came in odd-sized chunks."""
     import os
 
-    from agent.execute.reaper import _Stream
+    from agent.execute.output import OutputStream
     from agent.execute.runs import tail_text
 
     lines = b"".join(b"line %05d of a long stderr\n" % i for i in range(600)) + b"\xff\xfe last"
@@ -210,7 +210,7 @@ def test_the_stderr_tail_kept_in_memory_is_the_one_read_from_the_file(tmp_path):
     for i, (data, limit) in enumerate(cases):
         path = str(tmp_path / f"stderr-{i}.log")
         r, w = os.pipe()
-        s = _Stream(r, path, limit, tail=STDERR_TAIL_BYTES)
+        s = OutputStream(r, path, limit, tail=STDERR_TAIL_BYTES)
         s.open()
         for at in range(0, len(data), 777):
             s.feed(data[at:at + 777])
@@ -225,10 +225,10 @@ def test_the_stderr_tail_kept_in_memory_is_the_one_read_from_the_file(tmp_path):
 def test_a_runs_output_file_that_cannot_be_created_drops_the_output_and_says_so(tmp_path, caplog):
     import os
 
-    from agent.execute.reaper import _Stream
+    from agent.execute.output import OutputStream
 
     r, w = os.pipe()
-    s = _Stream(r, str(tmp_path / "no-such-dir" / "stdout.log"), 1000)
+    s = OutputStream(r, str(tmp_path / "no-such-dir" / "stdout.log"), 1000)
     assert s.open() is False
     s.feed(b"lost output\n")
     s.close()

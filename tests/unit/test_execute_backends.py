@@ -7,9 +7,9 @@ import resource
 import pytest
 
 from agent.execute import Limits, describe_backend, probe
-from agent.execute.backends import (Cgroup1Backend, Cgroup2Backend, CgroupFS, RlimitBackend, _kv, mountinfo, safe_name,
+from agent.execute.backends import (Cgroup1Backend, Cgroup2Backend, CgroupFS, RlimitBackend, mountinfo, parse_kv, safe_name,
                                     self_cgroups)
-from agent.execute.executor import RunResult, rfc3339
+from agent.execute.runs import RunResult, rfc3339
 
 
 def test_mountinfo_and_self_cgroup_parsing(tmp_path):
@@ -26,7 +26,7 @@ def test_mountinfo_and_self_cgroup_parsing(tmp_path):
     cg = tmp_path / "cgroup"
     cg.write_text("4:memory:/a/b\n2:cpu,cpuacct:/c\n0::/system.slice/millwright.service\n")
     assert self_cgroups(str(cg)) == {"memory": "/a/b", "cpu": "/c", "cpuacct": "/c", "": "/system.slice/millwright.service"}
-    assert _kv("max 3\noom_kill 1\nbad line here\n") == {"max": 3, "oom_kill": 1}
+    assert parse_kv("max 3\noom_kill 1\nbad line here\n") == {"max": 3, "oom_kill": 1}
 
 
 def test_safe_names_are_unique_and_harmless():
