@@ -47,8 +47,9 @@ from typing import Any, Callable, Optional
 from agent.coordination.etcd import EtcdError, EtcdUnavailable, Put
 from agent.coordination.jobstore import CREATED, JobCancelled, JobConflict, JobStore
 from agent.coordination.keys import shard_of
-from agent.jobs import document as jobs
-from agent.jobs.document import KIND_CANCEL, KIND_JOB, JobRejected, authenticate, parse_cancel, parse_job
+from agent.jobs import envelope as jobs
+from agent.jobs.document import parse_cancel, parse_job
+from agent.jobs.envelope import KIND_CANCEL, KIND_JOB, JobRejected, authenticate
 from agent.runtime.metrics import counter, histogram
 from agent.runtime.recent import RecentMemory
 from agent.runtime.timefmt import now_rfc3339

@@ -76,7 +76,8 @@ def _parse(text) -> Optional[datetime]:
 def next_due(doc: dict, runs: list[dict], now: Optional[datetime] = None) -> Optional[str]:
     """The next firing the owner will run: a missed one still to run (now), else the next."""
     from agent.coordination.jobstore import public_doc
-    from agent.jobs.document import Job, JobRejected
+    from agent.jobs.document import Job
+    from agent.jobs.envelope import JobRejected
 
     if "_cancelled" in doc or doc.get("_tombstone"):
         return None

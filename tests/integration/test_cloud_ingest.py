@@ -20,7 +20,7 @@ from agent.config import EtcdConfig, parse_config
 from agent.coordination.etcd import EtcdClient, EtcdUnavailable
 from agent.coordination.jobstore import JobStore
 from agent.coordination.keys import Keys
-from agent.jobs.document import REASONS
+from agent.jobs.envelope import REASONS
 from agent.jobs.signing import KeyRing, generate_hmac_secret, sign
 
 SHARDS = 8
