@@ -41,6 +41,8 @@ from typing import Callable, Iterator, Optional
 
 from agent.runtime.metrics import counter, gauge
 
+from .link import Link
+
 log = logging.getLogger(__name__)
 
 DEPTH = gauge("millwright_mqtt_outbox_depth", "Status documents waiting in the outbox")
@@ -361,9 +363,9 @@ class Outbox:
 
 
 class OutboxPublisher:
-    """Sends outbox rows in order over a link (MqttLink), at most ``window`` unacknowledged."""
+    """Sends outbox rows in order over a link, at most ``window`` unacknowledged."""
 
-    def __init__(self, outbox: Outbox, link, window: int = 256, resend_after_s: float = 60.0,
+    def __init__(self, outbox: Outbox, link: Link, window: int = 256, resend_after_s: float = 60.0,
                  on_tick: Optional[Callable[[], None]] = None,
                  on_delivered: Optional[Callable[[list[str]], None]] = None,
                  on_handing: Optional[Callable[[list[tuple[str, bytes]]], None]] = None, hold: bool = False):
