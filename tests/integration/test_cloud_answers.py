@@ -18,7 +18,7 @@ import yaml
 
 from agent.cloud.ingest import push_digest
 from agent.cloud.mqtt import MqttLink
-from agent.cloud.testkit import KID, TEMPLATES, StatusCollector, job_doc, signed, write_keys
+from tests.support.cloudkit import KID, TEMPLATES, StatusCollector, job_doc, signed, write_keys
 from agent.cloud.topics import Topics
 from agent.config import MqttConfig
 from agent.coordination.keys import shard_of

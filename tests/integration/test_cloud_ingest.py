@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from agent.cloud.ingest import Ingest
 from agent.cloud.outbox import Outbox
-from agent.cloud.testkit import KID, TEMPLATES, cancel_doc, job_doc, rfc, signed, write_keys
+from tests.support.cloudkit import KID, TEMPLATES, cancel_doc, job_doc, rfc, signed, write_keys
 from agent.cloud.topics import Topics
 from agent.config import EtcdConfig, parse_config
 from agent.coordination.etcd import EtcdClient, EtcdUnavailable

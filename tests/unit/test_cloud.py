@@ -232,13 +232,13 @@ def test_unauthenticated_input_is_acknowledged_at_once_and_never_held(tmp_path):
     """The screen runs before routing: a non-owner holds only authentic, bound pushes."""
     import types
 
-    from agent.cloud import testkit
+    from tests.support import cloudkit
     from agent.cloud.dispatch import Dispatcher
     from agent.cloud.ingest import Ingest
     from agent.jobs.signing import KeyRing, generate_hmac_secret
 
-    ring = testkit.write_keys(str(tmp_path / "keys.yaml"))
-    other = KeyRing.from_mapping({testkit.KID: {"alg": "hmac-sha256", "secret": generate_hmac_secret()}})
+    ring = cloudkit.write_keys(str(tmp_path / "keys.yaml"))
+    other = KeyRing.from_mapping({cloudkit.KID: {"alg": "hmac-sha256", "secret": generate_hmac_secret()}})
     topics = Topics("t", "a1")
     outbox = Outbox(str(tmp_path / "ob.sqlite"), 1000)
     ingest = Ingest(store=types.SimpleNamespace(shards=8), keyring=ring, templates={}, topics=topics, agent_id="a1",
@@ -247,14 +247,14 @@ def test_unauthenticated_input_is_acknowledged_at_once_and_never_held(tmp_path):
     acked = link.acked
     d = Dispatcher(ingest, link, topics, owned=lambda: frozenset(), grace_s=60.0)  # owns nothing: would hold
     msg = lambda payload: message(topics.push, payload, received=0.0)
-    junk = [b"x", json.dumps(testkit.job_doc("real")).encode(), testkit.signed(testkit.job_doc("real"), other),
-            testkit.signed(testkit.job_doc("real", cluster="u"), ring),
-            testkit.signed({**testkit.job_doc("real"), "kind": "cancel"}, ring)]
+    junk = [b"x", json.dumps(cloudkit.job_doc("real")).encode(), cloudkit.signed(cloudkit.job_doc("real"), other),
+            cloudkit.signed(cloudkit.job_doc("real", cluster="u"), ring),
+            cloudkit.signed({**cloudkit.job_doc("real"), "kind": "cancel"}, ring)]
     for p in junk:
         d.on_message(msg(p))
     assert len(acked) == len(junk) and d.pending == 0
     assert list(outbox.batch(0, 100)) == []   # only the owner of the digest's shard reports junk
-    valid = msg(testkit.signed(testkit.job_doc("real"), ring))
+    valid = msg(cloudkit.signed(cloudkit.job_doc("real"), ring))
     d.on_message(valid)
     assert d.pending == 1 and valid not in acked   # held for the owner, as before
     outbox.close()
