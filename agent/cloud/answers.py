@@ -46,6 +46,7 @@ from typing import Callable, Optional
 from agent.coordination.etcd import Delete, EtcdError, EtcdUnavailable, Put, Version
 from agent.coordination.fencing import Fence, StaleToken, fenced_txn
 from agent.coordination.keys import Keys
+from agent.jobs.states import TERMINAL, JobState
 from agent.jobs.view import read_prefix
 from agent.runtime.metrics import counter
 from agent.runtime.recent import RecentMemory
@@ -60,15 +61,14 @@ CLEAR_BATCH = 64
 CLEAR_LINGER_S = 0.25  # how long delivered markers wait for company before their delete
 SEEN_MAX = 200000
 SEEN_MARGIN_S = 1.0  # subscribe -> SUBACK, generously
-TERMINAL = frozenset({"succeeded", "failed", "timed_out", "killed", "cancelled", "misfired"})
 
 
 def answer_name(doc: dict) -> Optional[str]:
     """The marker name a status document answers (accepted, rejected.<digest>, run.<fire_id>)."""
     state = doc.get("state")
-    if state == "accepted" and doc.get("push_sha256"):
+    if state == JobState.ACCEPTED and doc.get("push_sha256"):
         return "accepted"
-    if state == "rejected" and doc.get("push_sha256") and doc.get("kind") is None:
+    if state == JobState.REJECTED and doc.get("push_sha256") and doc.get("kind") is None:
         return "rejected." + doc["push_sha256"]
     if state in TERMINAL and doc.get("run_id"):
         return "run." + doc["run_id"]

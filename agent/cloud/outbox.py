@@ -39,6 +39,7 @@ import threading
 import time
 from typing import Callable, Iterator, Optional
 
+from agent.jobs.states import TERMINAL, JobState
 from agent.runtime.metrics import counter, gauge
 
 from .link import Link
@@ -50,8 +51,7 @@ DROPPED = counter("millwright_mqtt_outbox_dropped_total", "Outbox documents drop
                   ("policy",))
 PUBLISHED = counter("millwright_mqtt_outbox_published_total", "Outbox documents acknowledged by the broker")
 
-KEEP_STATES = frozenset({"accepted", "rejected", "succeeded", "failed", "timed_out", "killed", "cancelled",
-                         "misfired"})
+KEEP_STATES = TERMINAL | {JobState.ACCEPTED, JobState.REJECTED}
 POLICIES = ("drop_oldest_terminal", "drop_oldest", "reject_new")
 LEDGER_KEEP_S = 7 * 86400
 

@@ -100,7 +100,7 @@ def parse_request(payload: bytes, topics: Topics, max_bytes: int = 8192) -> tupl
     for k in ("state", "template", "updated_since"):
         if k in flt and not isinstance(flt[k], str):
             raise BadRequest("bad_field", f"filter.{k}: must be a string")
-    if "updated_since" in flt and view._parse(flt["updated_since"]) is None:
+    if "updated_since" in flt and view.parse_time(flt["updated_since"]) is None:
         raise BadRequest("bad_field", "filter.updated_since: an RFC 3339 time with an offset")
     lim = flt.get("limit", FILTER_LIMIT)
     if not isinstance(lim, int) or isinstance(lim, bool) or not 0 < lim <= FILTER_LIMIT:
