@@ -15,8 +15,8 @@ The agent that wrote it also puts the status in its outbox with the marker's key
 the broker acknowledges that status (PUBACK), the marker is deleted (:meth:`Answers.delivered`,
 batched: up to CLEAR_BATCH deletes, gathered for at most CLEAR_LINGER_S, in one transaction).
 A marker therefore exists only while its answer may not have reached the broker (or for
-those CLEAR_LINGER_S more): the set is as small as the outbox, and empties itself as statuses flow. Deleting needs no
-fence: it states a fact about the broker ("this document was delivered"), not a right to
+those CLEAR_LINGER_S more): the set is as small as the outbox, and empties itself as
+statuses flow. Deleting needs no fence: it states a fact about the broker ("this document was delivered"), not a right to
 act for the shard; a stale delete can at worst remove a marker whose twin was delivered.
 
 Before a status with a marker is first handed to paho, its marker is stamped ``handed``
@@ -142,7 +142,7 @@ class Answers:
         self._seen_lock = threading.Lock()
         self.watching_since: Optional[float] = None  # wall time since which nothing was missed
 
-    # --- status subscription (paho thread) -------------------------------------------------
+    # --- status subscription (the link's thread) -------------------------------------------
     def saw(self, payload: bytes) -> None:
         """A status document went through the broker: its answer is delivered."""
         try:

@@ -253,8 +253,7 @@ class Ingest:
     def push(self, payload: bytes, as_owner: bool = True, screened: bool = False) -> Outcome:
         """Raises EtcdUnavailable (retry; do not acknowledge). Never anything else for any payload.
         ``screened``: these very bytes passed :meth:`screen` (signature and binding checked at
-        arrival), so parse_job does not verify the signature a second time (an ed25519
-        verify costs ~0.1 ms: measured in bench/bench_ingest.py's notes)."""
+        arrival), so parse_job does not verify the signature a second time."""
         payload = bytes(payload)
         job_id = peek_id(payload, self.max_bytes)
         try:

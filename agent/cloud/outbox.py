@@ -420,7 +420,7 @@ class OutboxPublisher:
             self.outbox.wake.wait(1.0)
             self.outbox.wake.clear()
             try:
-                self._step()
+                self.step()
             except Exception:
                 log.exception("outbox publisher step failed")
                 time.sleep(0.5)
@@ -430,7 +430,9 @@ class OutboxPublisher:
                 except Exception:
                     log.exception("outbox tick failed")
 
-    def _step(self) -> None:
+    def step(self) -> None:
+        """One pass (the publisher thread's loop body): delete what the broker acknowledged,
+        then send what the window allows, in order."""
         acked = []
         while self._acked_mids:
             entry = self._inflight.pop(self._acked_mids.popleft(), None)
@@ -441,16 +443,15 @@ class OutboxPublisher:
             self.on_delivered(markers)
         if not self.link.connected or self.hold:
             return
-        if True:
-            if self._inflight:
-                oldest = min(t for _, t in self._inflight.values())
-                if time.monotonic() - oldest > self.resend_after_s:
-                    # paho lost track of them (should not happen): send again from the table
-                    log.warning("outbox: unacknowledged messages re-sent",
-                                extra={"fields": {"count": len(self._inflight)}})
-                    self._inflight.clear()
-                    self._cursor = 0
-            room = self.window - len(self._inflight)
+        if self._inflight:
+            oldest = min(t for _, t in self._inflight.values())
+            if time.monotonic() - oldest > self.resend_after_s:
+                # the link lost track of them (should not happen): send again from the table
+                log.warning("outbox: unacknowledged messages re-sent",
+                            extra={"fields": {"count": len(self._inflight)}})
+                self._inflight.clear()
+                self._cursor = 0
+        room = self.window - len(self._inflight)
         if room <= 0:
             return
         rows = self.outbox.batch(self._cursor, room)

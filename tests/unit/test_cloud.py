@@ -174,13 +174,13 @@ def test_publisher_window_ack_and_redelivery_mark(tmp_path):
         ob.enqueue("t", {"i": i})
     link = FakeLink()
     pub = OutboxPublisher(ob, link, window=4)
-    pub._step()
+    pub.step()
     assert [d["i"] for _, _, d in link.sent] == [0, 1, 2, 3]
-    pub._step()
+    pub.step()
     assert len(link.sent) == 4  # window full until acknowledged
     for mid, _, _ in link.sent[:2]:
         pub.on_publish(mid)
-    pub._step()
+    pub.step()
     assert [d["i"] for _, _, d in link.sent] == [0, 1, 2, 3, 4, 5] and ob.depth == 8
     assert not any(d.get("redelivery") for _, _, d in link.sent)
     ob.close()
@@ -188,7 +188,7 @@ def test_publisher_window_ack_and_redelivery_mark(tmp_path):
     ob = Outbox(path, 1000)
     link2 = FakeLink()
     pub = OutboxPublisher(ob, link2, window=100)
-    pub._step()
+    pub.step()
     got = [(d["i"], d.get("redelivery", False)) for _, _, d in link2.sent]
     assert got == [(2, True), (3, True), (4, True), (5, True), (6, False), (7, False), (8, False), (9, False)]
 
@@ -198,7 +198,7 @@ def test_publisher_waits_while_disconnected(tmp_path):
     ob.enqueue("t", {"i": 0})
     link = FakeLink(connected=False)
     pub = OutboxPublisher(ob, link)
-    pub._step()
+    pub.step()
     assert link.sent == [] and ob.depth == 1
 
 

@@ -61,10 +61,10 @@ def test_outbox_markers_are_returned_on_delivery(tmp_path):
     delivered = []
     link = FakeLink()
     pub = OutboxPublisher(ob, link, on_delivered=delivered.extend)
-    pub._step()
+    pub.step()
     for mid, _, _ in link.sent:
         pub.on_publish(mid)
-    pub._step()
+    pub.step()
     assert sorted(delivered) == ["/m/answers/0001/j/accepted", "/m/answers/0001/j/run.x"]
     assert not ob.has_marker("/m/answers/0001/j/accepted") and ob.depth == 0
     assert all("marker" not in d for _, _, d in link.sent)  # the key never leaves the agent
@@ -88,7 +88,7 @@ def test_hold_knob_publishes_nothing(tmp_path):
     ob.enqueue("t", {"state": "succeeded"})
     link = FakeLink()
     pub = OutboxPublisher(ob, link, hold=True)
-    pub._step()
+    pub.step()
     assert link.sent == [] and ob.depth == 1
 
 
