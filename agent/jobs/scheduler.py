@@ -50,8 +50,10 @@ from agent.coordination.watch import PrefixWatch, WatchEvent
 from agent.coordination.worker import EtcdWorkers
 from agent.jobs import schedule as sch
 from agent.jobs.claimlead import ClaimLead
-from agent.jobs.document import Job, JobRejected, render_argv, run_id
+from agent.jobs.document import Job
+from agent.jobs.envelope import JobRejected
 from agent.jobs.firing import ACTIVE, NOT_STARTED, RETRYABLE, TERMINAL, Firing, FiringState, RunListener
+from agent.jobs.render import render_argv, run_id
 from agent.runtime.gcpolicy import GcPolicy
 from agent.runtime.metrics import counter, gauge, histogram
 from agent.runtime.recent import RecentMemory
