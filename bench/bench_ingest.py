@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from agent.cloud.mqtt import MqttLink  # noqa: E402
-from agent.cloud.testkit import TEMPLATES, StatusCollector, job_doc, signed, write_keys  # noqa: E402
+from tests.support.cloudkit import TEMPLATES, StatusCollector, job_doc, signed, write_keys  # noqa: E402
 from agent.cloud.topics import Topics  # noqa: E402
 from agent.config import MqttConfig  # noqa: E402
 from agent.demo.services import EtcdServer, MosquittoServer  # noqa: E402
@@ -120,7 +120,7 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True,
             import random
 
             from agent.jobs.signing import KeyRing, generate_hmac_secret
-            from agent.cloud.testkit import junk_payload as _junk
+            from tests.support.cloudkit import junk_payload as _junk
 
             other = KeyRing.from_mapping({"cloud-1": {"alg": "hmac-sha256", "secret": generate_hmac_secret()}})
             rnd = random.Random(16)

@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from agent.cloud.mqtt import MqttLink  # noqa: E402
-from agent.cloud.testkit import TEMPLATES, StatusCollector, job_doc, signed, write_keys  # noqa: E402
+from tests.support.cloudkit import TEMPLATES, StatusCollector, job_doc, signed, write_keys  # noqa: E402
 from agent.cloud.topics import Topics  # noqa: E402
 from agent.config import MqttConfig  # noqa: E402
 from agent.demo.services import EtcdServer, MosquittoServer  # noqa: E402

@@ -21,7 +21,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from agent.cloud.testkit import TEMPLATES, StatusCollector, job_doc, signed, write_keys  # noqa: E402
+from tests.support.cloudkit import TEMPLATES, StatusCollector, job_doc, signed, write_keys  # noqa: E402
 from agent.coordination.keys import shard_of  # noqa: E402
 from agent.demo.services import EtcdServer, MosquittoServer  # noqa: E402
 from tests.integration.cluster import Cluster, wait_for  # noqa: E402

@@ -204,7 +204,7 @@ def ours(n: int, over: float, backend: str, lead: float,
     tmp = tempfile.mkdtemp(prefix="mw-bench-")
     script, out = job_script(tmp)
     etcd = EtcdServer(os.path.join(tmp, "etcd")).start()
-    from agent.cloud.testkit import SigningStore, write_keys
+    from tests.support.cloudkit import SigningStore, write_keys
 
     ring = write_keys(f"{tmp}/keys.yaml")
     cfg = parse_config(f"""

@@ -15,8 +15,8 @@ The agent that wrote it also puts the status in its outbox with the marker's key
 the broker acknowledges that status (PUBACK), the marker is deleted (:meth:`Answers.delivered`,
 batched: up to CLEAR_BATCH deletes, gathered for at most CLEAR_LINGER_S, in one transaction).
 A marker therefore exists only while its answer may not have reached the broker (or for
-those CLEAR_LINGER_S more): the set is as small as the outbox, and empties itself as statuses flow. Deleting needs no
-fence: it states a fact about the broker ("this document was delivered"), not a right to
+those CLEAR_LINGER_S more): the set is as small as the outbox, and empties itself as
+statuses flow. Deleting needs no fence: it states a fact about the broker ("this document was delivered"), not a right to
 act for the shard; a stale delete can at worst remove a marker whose twin was delivered.
 
 Before a status with a marker is first handed to paho, its marker is stamped ``handed``
@@ -46,6 +46,7 @@ from typing import Callable, Optional
 from agent.coordination.etcd import Delete, EtcdError, EtcdUnavailable, Put, Version
 from agent.coordination.fencing import Fence, StaleToken, fenced_txn
 from agent.coordination.keys import Keys
+from agent.jobs.states import TERMINAL, JobState
 from agent.jobs.view import read_prefix
 from agent.runtime.metrics import counter
 from agent.runtime.recent import RecentMemory
@@ -60,15 +61,14 @@ CLEAR_BATCH = 64
 CLEAR_LINGER_S = 0.25  # how long delivered markers wait for company before their delete
 SEEN_MAX = 200000
 SEEN_MARGIN_S = 1.0  # subscribe -> SUBACK, generously
-TERMINAL = frozenset({"succeeded", "failed", "timed_out", "killed", "cancelled", "misfired"})
 
 
 def answer_name(doc: dict) -> Optional[str]:
     """The marker name a status document answers (accepted, rejected.<digest>, run.<fire_id>)."""
     state = doc.get("state")
-    if state == "accepted" and doc.get("push_sha256"):
+    if state == JobState.ACCEPTED and doc.get("push_sha256"):
         return "accepted"
-    if state == "rejected" and doc.get("push_sha256") and doc.get("kind") is None:
+    if state == JobState.REJECTED and doc.get("push_sha256") and doc.get("kind") is None:
         return "rejected." + doc["push_sha256"]
     if state in TERMINAL and doc.get("run_id"):
         return "run." + doc["run_id"]
@@ -142,7 +142,7 @@ class Answers:
         self._seen_lock = threading.Lock()
         self.watching_since: Optional[float] = None  # wall time since which nothing was missed
 
-    # --- status subscription (paho thread) -------------------------------------------------
+    # --- status subscription (the link's thread) -------------------------------------------
     def saw(self, payload: bytes) -> None:
         """A status document went through the broker: its answer is delivered."""
         try:

@@ -22,6 +22,7 @@ from datetime import datetime, timezone
 from typing import Optional
 
 from agent.cli import UserError
+from agent.jobs.states import JobState, RecordState
 
 EXIT_ACCEPTED, EXIT_REJECTED, EXIT_USAGE, EXIT_NO_ANSWER, EXIT_BROKER = 0, 1, 2, 3, 4
 
@@ -62,7 +63,7 @@ def _sign(doc: dict, ring, kid: str) -> bytes:
 
 
 def publish_and_wait(cfg, topic: str, payload: bytes, job_id, timeout: float, wait: bool = True,
-                     states=("accepted", "rejected")):
+                     states=(JobState.ACCEPTED, JobState.REJECTED)):
     """Publish one QoS 1 message and return the first status answering it (matched by the
     payload's sha256), or None on timeout."""
     from agent.cloud.ingest import push_digest
@@ -114,7 +115,7 @@ def _report(doc, job_id, timeout: float) -> int:
     redelivery = " (repeat: already accepted)" if doc.get("redelivery") else ""
     if doc.get("published_by") and doc.get("published_by") != doc.get("agent"):
         redelivery += f" (published by {doc['published_by']})"
-    if doc.get("state") in ("accepted", "cancelled"):
+    if doc.get("state") in (JobState.ACCEPTED, RecordState.CANCELLED):
         print(f"{doc['state']} {doc.get('job_id')}{redelivery} by {doc.get('agent')} (shard {doc.get('shard')})")
         where = doc.get("placement")
         if isinstance(where, dict):
@@ -208,7 +209,7 @@ def cli_cancel(args) -> int:
     ring = _keyring(args.key_file, args.kid)
     payload = _sign(bind({"v": 1, "id": args.id}, cfg.cluster, "cancel"), ring, args.kid)
     status = publish_and_wait(cfg, Topics(cfg.cluster).cancel, payload, args.id, args.timeout,
-                              states=("cancelled", "rejected"))
+                              states=(RecordState.CANCELLED, JobState.REJECTED))
     return _report(status, args.id, args.timeout)
 
 

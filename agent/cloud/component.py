@@ -25,7 +25,9 @@ from agent.coordination.watch import PrefixWatch
 from agent.jobs.signing import KeyFileError, KeyRing
 
 from .answers import Answers
-from .ingest import Dispatcher, Ingest
+from .dispatch import Dispatcher
+from .ingest import Ingest
+from .link import Link, Message
 from .mqtt import PAHO_VERSION, MqttLink
 from .outbox import Outbox, OutboxPublisher
 from .presence import presence_doc, will_doc
@@ -88,7 +90,7 @@ class CloudComponent:
         self._gap = 0
         self._statuses: list = []  # (topic, doc, marker) for the outbox, loop thread only
         self._gap_lock = threading.Lock()
-        self.link = MqttLink(m, client_id_for(cfg), clean_session=False,
+        self.link: Link = MqttLink(m, client_id_for(cfg), clean_session=False,
                              will=(self.topics.presence(self.agent_id), will_doc(self.agent_id), 1, True),
                              on_connect=self._connected, on_message=self._message,
                              on_publish=self._published,
@@ -185,13 +187,13 @@ class CloudComponent:
         for listener in list(self.agent.job_listeners):
             self.agent.loop.post(listener.job_stored if kind == "stored" else listener.job_cancelled, obj)
 
-    # --- link callbacks (paho thread) ---------------------------------------------------
+    # --- link callbacks (the link's thread) ---------------------------------------------
     def _connected(self, generation: int, session_present: bool) -> None:
         self.answers.watching(True)
         self.link.publish(self.topics.presence(self.agent_id), presence_doc(self.agent_id, self._state), 1, True)
         self.outbox.wake.set()
 
-    def _message(self, msg) -> None:
+    def _message(self, msg: Message) -> None:
         if msg.topic == self.topics.jobs_get:
             self.queries.on_message(msg)
         elif self.topics.kind(msg.topic) == "status":

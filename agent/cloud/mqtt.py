@@ -1,4 +1,5 @@
-"""One MQTT client adapter for paho-mqtt 1.6 (Debian) and 2.x (PyPI).
+"""One MQTT client adapter for paho-mqtt 1.6 (Debian) and 2.x (PyPI): the implementation of
+:class:`agent.cloud.link.Link`.
 
 What the rest of the cloud package relies on:
 - a persistent session (MQTT 3.1.1, clean_session=False, stable client id): QoS 1 pushes
@@ -9,7 +10,7 @@ What the rest of the cloud package relies on:
   defers it by replacing the client instance's ``_send_puback`` (a private method that is
   stable across all 1.x releases) and calling the original from :meth:`ack`. Without that
   method (an unknown paho) it falls back to synchronous mode: ``deferred_ack`` is False and
-  the caller must finish the durable write inside on_message, as the brief describes;
+  the caller must finish the durable write inside on_message;
 - an ack is only sent on the connection the message came from: message ids are per
   connection, so after a reconnect the broker redelivers instead (``generation``);
 - TLS (CA, client certificate), username/password, a last will, and reconnects with
@@ -25,7 +26,6 @@ import os
 import ssl
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 from urllib.parse import urlparse
 
@@ -33,6 +33,8 @@ import paho.mqtt as paho_pkg
 import paho.mqtt.client as paho
 
 from agent.runtime.metrics import counter, gauge
+
+from .link import Message
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +49,6 @@ CONNECTED = gauge("millwright_mqtt_connected", "1 while connected to the broker"
 CONNECTS = counter("millwright_mqtt_connects_total", "Connection attempts to the broker by result", ("result",))
 
 
-@dataclass(frozen=True)
-class Message:
-    topic: str
-    payload: bytes
-    qos: int
-    mid: int
-    dup: bool
-    generation: int
-    received: float  # time.monotonic() at arrival
-
-
 def _rc(value: Any) -> int:
     """paho 1.6 passes ints, 2.x ReasonCode objects."""
     v = getattr(value, "value", value)
@@ -68,6 +59,8 @@ def _rc(value: Any) -> int:
 
 
 class MqttLink:
+    """A :class:`~agent.cloud.link.Link` over paho (1.6 or 2.x)."""
+
     def __init__(self, cfg, client_id: str, *, clean_session: bool = False,
                  will: Optional[tuple[str, bytes, int, bool]] = None,
                  on_connect: Optional[Callable[[int, bool], None]] = None,

@@ -39,7 +39,10 @@ import threading
 import time
 from typing import Callable, Iterator, Optional
 
+from agent.jobs.states import TERMINAL, JobState
 from agent.runtime.metrics import counter, gauge
+
+from .link import Link
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +51,7 @@ DROPPED = counter("millwright_mqtt_outbox_dropped_total", "Outbox documents drop
                   ("policy",))
 PUBLISHED = counter("millwright_mqtt_outbox_published_total", "Outbox documents acknowledged by the broker")
 
-KEEP_STATES = frozenset({"accepted", "rejected", "succeeded", "failed", "timed_out", "killed", "cancelled",
-                         "misfired"})
+KEEP_STATES = TERMINAL | {JobState.ACCEPTED, JobState.REJECTED}
 POLICIES = ("drop_oldest_terminal", "drop_oldest", "reject_new")
 LEDGER_KEEP_S = 7 * 86400
 
@@ -361,9 +363,9 @@ class Outbox:
 
 
 class OutboxPublisher:
-    """Sends outbox rows in order over a link (MqttLink), at most ``window`` unacknowledged."""
+    """Sends outbox rows in order over a link, at most ``window`` unacknowledged."""
 
-    def __init__(self, outbox: Outbox, link, window: int = 256, resend_after_s: float = 60.0,
+    def __init__(self, outbox: Outbox, link: Link, window: int = 256, resend_after_s: float = 60.0,
                  on_tick: Optional[Callable[[], None]] = None,
                  on_delivered: Optional[Callable[[list[str]], None]] = None,
                  on_handing: Optional[Callable[[list[tuple[str, bytes]]], None]] = None, hold: bool = False):
@@ -418,7 +420,7 @@ class OutboxPublisher:
             self.outbox.wake.wait(1.0)
             self.outbox.wake.clear()
             try:
-                self._step()
+                self.step()
             except Exception:
                 log.exception("outbox publisher step failed")
                 time.sleep(0.5)
@@ -428,7 +430,9 @@ class OutboxPublisher:
                 except Exception:
                     log.exception("outbox tick failed")
 
-    def _step(self) -> None:
+    def step(self) -> None:
+        """One pass (the publisher thread's loop body): delete what the broker acknowledged,
+        then send what the window allows, in order."""
         acked = []
         while self._acked_mids:
             entry = self._inflight.pop(self._acked_mids.popleft(), None)
@@ -439,16 +443,15 @@ class OutboxPublisher:
             self.on_delivered(markers)
         if not self.link.connected or self.hold:
             return
-        if True:
-            if self._inflight:
-                oldest = min(t for _, t in self._inflight.values())
-                if time.monotonic() - oldest > self.resend_after_s:
-                    # paho lost track of them (should not happen): send again from the table
-                    log.warning("outbox: unacknowledged messages re-sent",
-                                extra={"fields": {"count": len(self._inflight)}})
-                    self._inflight.clear()
-                    self._cursor = 0
-            room = self.window - len(self._inflight)
+        if self._inflight:
+            oldest = min(t for _, t in self._inflight.values())
+            if time.monotonic() - oldest > self.resend_after_s:
+                # the link lost track of them (should not happen): send again from the table
+                log.warning("outbox: unacknowledged messages re-sent",
+                            extra={"fields": {"count": len(self._inflight)}})
+                self._inflight.clear()
+                self._cursor = 0
+        room = self.window - len(self._inflight)
         if room <= 0:
             return
         rows = self.outbox.batch(self._cursor, room)

@@ -38,6 +38,7 @@ from agent.coordination.keys import Keys, shard_of
 from agent.jobs import view
 from agent.runtime.metrics import counter, histogram
 
+from .link import Link, Message
 from .topics import ID_RE, Topics
 
 log = logging.getLogger("millwright.cloud.queries")
@@ -99,7 +100,7 @@ def parse_request(payload: bytes, topics: Topics, max_bytes: int = 8192) -> tupl
     for k in ("state", "template", "updated_since"):
         if k in flt and not isinstance(flt[k], str):
             raise BadRequest("bad_field", f"filter.{k}: must be a string")
-    if "updated_since" in flt and view._parse(flt["updated_since"]) is None:
+    if "updated_since" in flt and view.parse_time(flt["updated_since"]) is None:
         raise BadRequest("bad_field", "filter.updated_since: an RFC 3339 time with an offset")
     lim = flt.get("limit", FILTER_LIMIT)
     if not isinstance(lim, int) or isinstance(lim, bool) or not 0 < lim <= FILTER_LIMIT:
@@ -108,10 +109,10 @@ def parse_request(payload: bytes, topics: Topics, max_bytes: int = 8192) -> tupl
 
 
 class JobQueries:
-    """Answers jobs/get from etcd. on_message runs on paho's thread and only queues;
+    """Answers jobs/get from etcd. on_message runs on the link's thread and only queues;
     ``threads`` workers do the etcd reads and publish the answers."""
 
-    def __init__(self, client, keys: Keys, shards: int, agent_id: str, topics: Topics, link,
+    def __init__(self, client, keys: Keys, shards: int, agent_id: str, topics: Topics, link: Link,
                  owned: Callable[[], frozenset], hold_s: float, threads: int = 2):
         self.client = client
         self.keys = keys
@@ -153,8 +154,8 @@ class JobQueries:
     def held(self) -> int:
         return len(self._held_order)
 
-    # --- paho thread ----------------------------------------------------------------
-    def on_message(self, msg) -> None:
+    # --- link thread ----------------------------------------------------------------
+    def on_message(self, msg: Message) -> None:
         self.link.ack(msg)  # a query is not durable state: nothing to wait for
         self._q.put(msg)
 

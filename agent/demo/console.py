@@ -1,5 +1,5 @@
-"""The cloud side of the demo: a plain MQTT client that pushes signed jobs and watches
-every status and presence document, as the real cloud would."""
+"""The cloud side of the demo: the signer's key, and a plain MQTT client that pushes signed
+jobs and watches every status and presence document, as the real cloud would."""
 
 from __future__ import annotations
 
@@ -10,6 +10,22 @@ import threading
 import time
 
 from agent.demo.plan import DemoFailed
+from agent.jobs.signing import KeyRing, keygen_files, sign
+
+
+def write_signer_keys(signer_path: str, agents_path: str, kid: str) -> KeyRing:
+    """An ed25519 pair, as in production (`millwright keygen`): the cloud's file holds the
+    private key, the agents' keys file (0600) only the public one. Returns the cloud's ring."""
+    entry = keygen_files(kid, signer_path)
+    fd = os.open(agents_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(entry)
+    return KeyRing.load(signer_path, require_private=True)
+
+
+def signed_payload(doc: dict, ring: KeyRing, kid: str) -> bytes:
+    """``doc`` signed with the cloud's key, as the bytes of a push."""
+    return json.dumps(sign(doc, ring, kid), separators=(",", ":")).encode()
 
 
 class CloudConsole:

@@ -1,12 +1,15 @@
-"""The demo's live output: one line per notable event, and how it prints figures."""
+"""The demo's live output: one line per notable event, and how it reads times and prints
+figures."""
 
 from __future__ import annotations
 
 import sys
 import threading
 import time
+from datetime import datetime
+from typing import Optional
 
-from agent.runtime.timefmt import utcnow
+from agent.runtime.timefmt import parse_rfc3339, utcnow
 
 
 class Live:
@@ -39,3 +42,13 @@ def pct(values: list[float], p: float) -> float:
 
 def fmt_ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def parse_rfc(text: Optional[str]) -> Optional[datetime]:
+    """A time from a status document or run record; None when absent or unreadable."""
+    if not text:
+        return None
+    try:
+        return parse_rfc3339(text)
+    except ValueError:
+        return None

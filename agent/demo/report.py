@@ -1,5 +1,10 @@
 """The demo's checks and summary: run records, side effects, statuses, audit logs and
-metrics held against the invariants (exactly once, failover, health decisions)."""
+metrics held against the invariants (exactly once, failover, health decisions).
+
+Input is the :class:`~agent.demo.result.DemoResult` the scenario filled; :func:`collect`
+(while the survivors still run: it scrapes their metrics) and :func:`verify_audit` (after
+they stopped) produce the :class:`Checks` that :func:`summary` prints.
+"""
 
 from __future__ import annotations
 
@@ -9,28 +14,35 @@ import os
 import subprocess
 import sys
 import urllib.request
-from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Optional
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Optional
 
-from agent.demo.output import fmt_ms, pct
+from agent.demo.output import Live, fmt_ms, parse_rfc, pct
+from agent.demo.result import DemoResult
 from agent.demo.services import REPO_ROOT
-from agent.jobs.firing import TERMINAL
-from agent.runtime.timefmt import parse_rfc3339
-
-if TYPE_CHECKING:
-    from agent.demo.scenario import Demo
+from agent.jobs.states import TERMINAL, RecordState
 
 LAUNCHERS = ("setpriv",)  # the executor's own user switch, exec'd before the job (agent/execute)
+AUDIT_TYPES = {"exec", "policy_violation", "health", "lease", "gap", "job"}
 
 
-def parse_rfc(text: Optional[str]) -> Optional[datetime]:
-    """A time from a status document or run record; None when absent or unreadable."""
-    if not text:
-        return None
-    try:
-        return parse_rfc3339(text)
-    except ValueError:
-        return None
+@dataclass
+class Checks:
+    """What :func:`collect` found, and (``audit``) what `millwright audit verify` said."""
+
+    records: dict[tuple[str, str], dict]
+    effects: collections.Counter                 # (job, fire id, attempt) -> side-effect lines
+    problems: list[str]                          # broken invariants, worst first
+    firings: int
+    by_state: collections.Counter
+    retried: list[tuple]                         # (job, fire id, its record, resolving agent) after owner_lost
+    delays: list[float]                          # start minus due of scheduled first attempts
+    immediate: list[float]                       # the same for jobs without a schedule
+    late: list[tuple[str, float]]                # due during the failover, started late
+    metrics: dict[str, dict]                     # survivor -> scraped samples
+    audit_recs: dict[str, list[dict]]            # agent -> its audit records of AUDIT_TYPES
+    audit: dict[str, tuple[bool, str, list[str]]] = field(default_factory=dict)  # agent -> (ok, last line, notes)
 
 
 def scrape(port: int, timeout: float = 3.0) -> dict[tuple[str, tuple], float]:
@@ -59,9 +71,9 @@ def by_label(samples: dict, name: str, label: str) -> dict[str, float]:
     return dict(out)
 
 
-def effects(demo: Demo) -> collections.Counter:
+def effects(path: str) -> collections.Counter:
+    """(job, fire id, attempt) -> how many side-effect lines the job scripts wrote."""
     c: collections.Counter = collections.Counter()
-    path = os.path.join(demo.out_dir, "effects.log")
     if os.path.exists(path):
         with open(path) as fh:
             for line in fh:
@@ -70,27 +82,27 @@ def effects(demo: Demo) -> collections.Counter:
                     c[(p[0], p[1], p[2])] += 1
     return c
 
-def audit_records(demo: Demo, aid: str, types: set) -> list[dict]:
+
+def audit_records(agent_dir: str, types: set) -> list[dict]:
     from agent.audit.show import Filter, records
 
-    d = os.path.join(demo.agents[aid].dir, "audit")
+    d = os.path.join(agent_dir, "audit")
     try:
         return [rec for _, rec in records(d, Filter(types=types))]
     except Exception:
         return []
 
-def collect(demo: Demo) -> dict:
+
+def collect(res: DemoResult) -> Checks:
     from agent.jobs.schedule import fire_id
 
-    demo.live.phase("6/6 check the results against etcd, the side effects, the audit logs and the metrics")
-    demo._pump()
-    recs = demo._records()
-    fx = effects(demo)
+    recs = res.records
+    fx = effects(res.effects_log)
     problems: list[str] = []
     # 1. exactly once: one record per expected firing, side effects consistent with it
     firings = 0
     by_state: collections.Counter = collections.Counter()
-    for j in demo.jobs:
+    for j in res.jobs:
         mine = {f: r for (jid, f), r in recs.items() if jid == j.id}
         if j.cron_expected:
             want = [fire_id(j.id, d) for d in j.cron_expected]
@@ -115,18 +127,18 @@ def collect(demo: Demo) -> dict:
                 problems.append(f"ran twice: {j.id} {f} attempt {twice[0]} has {runs[twice[0]]} side effects")
             if any(a > attempt for a in runs):
                 problems.append(f"{j.id} {f}: side effect of attempt {max(runs)} but the record says {attempt}")
-            if state == "succeeded" and runs.get(attempt, 0) != 1:
+            if state == RecordState.SUCCEEDED and runs.get(attempt, 0) != 1:
                 problems.append(f"{j.id} {f}: succeeded without its side effect")
-            if state in ("misfired", "cancelled") and runs:
+            if state in (RecordState.MISFIRED, RecordState.CANCELLED) and runs:
                 problems.append(f"{j.id} {f}: {state} but it ran")
     orphan_fx = [k for k in fx if (k[0], k[1]) not in recs]
     for k in orphan_fx[:3]:
         problems.append(f"ran without a run record: {k[0]} {k[1]} attempt {k[2]}")
     # 2. on time: start minus due, from the records
     delays, late, immediate = [], [], []
-    now_jobs = {j.id for j in demo.jobs if not j.doc["schedule"]}
-    kill = demo.kill_wall
-    fo_end = kill + timedelta(seconds=demo.failover.get("done_s", 0)) if kill else None
+    now_jobs = {j.id for j in res.jobs if not j.doc["schedule"]}
+    kill = res.failover.kill_wall
+    fo_end = kill + timedelta(seconds=res.failover.done_s or 0) if kill else None
     for (jid, _f), r in recs.items():
         due, started = parse_rfc(r.get("due")), parse_rfc(r.get("started_at"))
         if not due or not started or int(r.get("attempt") or 1) != 1:
@@ -139,15 +151,14 @@ def collect(demo: Demo) -> dict:
         else:
             delays.append(d)
     metrics = {}
-    for aid, port in demo.metrics_ports.items():
-        if aid == demo.victim:
+    for aid, port in res.metrics_ports.items():
+        if aid == res.victim:
             continue
         try:
             metrics[aid] = scrape(port)
         except Exception as exc:
-            demo.notes.append(f"metrics of {aid} unreadable: {exc}")
-    audit_recs = {aid: audit_records(demo, aid, {"exec", "policy_violation", "health", "lease", "gap", "job"})
-                  for aid in demo.agents}
+            res.notes.append(f"metrics of {aid} unreadable: {exc}")
+    audit_recs = {aid: audit_records(d, AUDIT_TYPES) for aid, d in res.agent_dirs.items()}
     # firings left `running` by the dead agent: the new owner resolves them by policy
     retried_after_loss = []
     for aid, rs in audit_recs.items():
@@ -155,15 +166,16 @@ def collect(demo: Demo) -> dict:
             if e.get("type") == "job" and e.get("event") == "owner_lost":
                 r = recs.get((str(e.get("job")), str(e.get("fire_id"))), {})
                 retried_after_loss.append((e.get("job"), e.get("fire_id") or "", r, aid))
-    return {"records": recs, "effects": fx, "problems": problems, "firings": firings, "by_state": by_state,
-            "retried": retried_after_loss, "delays": delays, "immediate": immediate, "late": late, "metrics": metrics,
-            "audit_recs": audit_recs}
+    return Checks(records=recs, effects=fx, problems=problems, firings=firings, by_state=by_state,
+                  retried=retried_after_loss, delays=delays, immediate=immediate, late=late, metrics=metrics,
+                  audit_recs=audit_recs)
 
-def verify_audit(demo: Demo) -> dict[str, tuple[bool, str, list[str]]]:
+
+def verify_audit(res: DemoResult) -> dict[str, tuple[bool, str, list[str]]]:
     env = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     procs = {}
-    for aid, a in demo.agents.items():
-        procs[aid] = subprocess.Popen([sys.executable, "-m", "agent", "audit", "verify", "-c", a.config_path],
+    for aid, config_path in res.config_paths.items():
+        procs[aid] = subprocess.Popen([sys.executable, "-m", "agent", "audit", "verify", "-c", config_path],
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     out = {}
     for aid, p in procs.items():
@@ -176,16 +188,18 @@ def verify_audit(demo: Demo) -> dict[str, tuple[bool, str, list[str]]]:
         out[aid] = (p.returncode == 0, lines[-1] if lines else f"exit {p.returncode}", lines[:-1])
     return out
 
-def _final(demo: Demo, recs: dict, jid: str) -> Optional[dict]:
+
+def _final(recs: dict, jid: str) -> Optional[dict]:
     mine = [r for (j, _), r in recs.items() if j == jid]
     return mine[-1] if mine else None
 
-def _statuses(demo: Demo, jid: str) -> list[dict]:
-    return [d for d in demo.statuses if d.get("job_id") == jid]
 
-def summary(demo: Demo, res: dict) -> int:
-    live = demo.live
-    recs, problems = res["records"], list(res["problems"])
+def _statuses(res: DemoResult, jid: str) -> list[dict]:
+    return [d for d in res.statuses if d.get("job_id") == jid]
+
+
+def summary(res: DemoResult, ck: Checks, live: Live) -> int:
+    recs, problems = ck.records, list(ck.problems)
     live.phase("Summary")
     W = 13
 
@@ -196,95 +210,96 @@ def summary(demo: Demo, res: dict) -> int:
         live.raw(" " * W + text)
 
     # jobs
-    via = "MQTT" if not any(j.accepted_by == "(etcd)" for j in demo.jobs) else "MQTT + JobStore fallback"
-    kinds = collections.Counter(j.category for j in demo.jobs)
-    bad = [j.kind for j in demo.jobs if j.category == "misbehaving"]
-    row("jobs", f"{len(demo.jobs)} signed jobs pushed over {via}: " + ", ".join(
+    via = "MQTT" if not any(j.accepted_by == "(etcd)" for j in res.jobs) else "MQTT + JobStore fallback"
+    kinds = collections.Counter(j.category for j in res.jobs)
+    bad = [j.kind for j in res.jobs if j.category == "misbehaving"]
+    row("jobs", f"{len(res.jobs)} signed jobs pushed over {via}: " + ", ".join(
         f"{n} {k}" for k, n in kinds.items() if k != "misbehaving") +
         (f", {len(bad)} misbehaving ({', '.join(bad)})" if bad else ""))
     # exactly once
-    fx = res["effects"]
-    states = ", ".join(f"{n} {s}" for s, n in sorted(res["by_state"].items()))
+    fx = ck.effects
+    states = ", ".join(f"{n} {s}" for s, n in sorted(ck.by_state.items()))
     verdict = "OK " if not problems else "BROKEN"
-    row("exactly-once", f"{verdict} {res['firings']} firings -> {len(recs)} run records ({states}); "
+    row("exactly-once", f"{verdict} {ck.firings} firings -> {len(recs)} run records ({states}); "
                         f"{sum(fx.values())} side-effect lines, none twice for one (job, firing, attempt)"
         if not problems else f"{verdict} " + problems[0])
     for p in problems[1:6]:
         cont(p)
-    for jid, _f, r, aid in res["retried"]:
-        cont(f"{jid}: was running on {demo.victim} when it died (owner_lost); {aid} resolved it by "
+    for jid, _f, r, aid in ck.retried:
+        cont(f"{jid}: was running on {res.victim} when it died (owner_lost); {aid} resolved it by "
              f"its retry.on: attempt {r.get('attempt')} {r.get('state')} {r.get('reason') or ''} "
                  f"on {r.get('agent')}")
     # the cloud's view: a final status for every finished firing
-    finals = {(d.get("job_id"), d.get("run_id")) for d in demo.statuses if d.get("state") in TERMINAL}
+    finals = {(d.get("job_id"), d.get("run_id")) for d in res.statuses if d.get("state") in TERMINAL}
     missing = collections.Counter(r.get("agent") for (jid, f), r in recs.items()
-                                  if r.get("state") in TERMINAL and r.get("state") != "misfired"
+                                  if r.get("state") in TERMINAL and r.get("state") != RecordState.MISFIRED
                                   and (jid, f) not in finals)
     got = sum(1 for k, r in recs.items() if k in finals)
     row("statuses", f"the cloud received a final status for {got} of {len(recs)} run records over MQTT" +
         ("" if not missing else "; missing from " + ", ".join(f"{a} {n}" for a, n in sorted(missing.items()))))
-    lost_live = {a: n for a, n in missing.items() if a != demo.victim}
-    if missing.get(demo.victim):
-        cont(f"{demo.victim}'s undelivered statuses: not yet published by its shards' new owners "
+    lost_live = {a: n for a, n in missing.items() if a != res.victim}
+    if missing.get(res.victim):
+        cont(f"{res.victim}'s undelivered statuses: not yet published by its shards' new owners "
              "(they publish them from etcd answers/ after the takeover)")
     if lost_live:
-        demo.findings.append("final statuses of surviving agents never reached the broker: " +
+        res.findings.append("final statuses of surviving agents never reached the broker: " +
                              ", ".join(f"{a} {n}" for a, n in sorted(lost_live.items())) +
                              " (status outbox stalled?)")
     # on time
-    if res["delays"]:
-        d = res["delays"]
+    if ck.delays:
+        d = ck.delays
         row("on time", f"start minus due over {len(d)} scheduled firings: p50 {fmt_ms(pct(d, 50))}, "
                        f"p95 {fmt_ms(pct(d, 95))}, max {fmt_ms(max(d))}")
-    if res["immediate"]:
-        d = res["immediate"]
+    if ck.immediate:
+        d = ck.immediate
         cont(f"{len(d)} immediate jobs started {fmt_ms(min(d))} to {fmt_ms(max(d))} after issued_at "
              "(push, signature check, durable etcd write, ack, claim, spawn)")
-    for jid, dl in res["late"]:
+    for jid, dl in ck.late:
         cont(f"{jid}: due during the failover, started {fmt_ms(dl)} late on the new owner")
     # failover
-    fo = demo.failover
-    if fo.get("done_s") is not None:
-        row("failover", f"OK  {fo['victim']} SIGKILLed at +{demo.kill_at:g} s holding {len(fo['shards'])} shards; "
-                        f"lease expired after {fo['expired_s']:.2f} s; all its shards owned by " +
-            ", ".join(f"{a} ({n})" for a, n in sorted(fo["taken"].items())) +
-            f" {fo['done_s']:.2f} s after the kill (lease_ttl_s 4)")
+    fo = res.failover
+    if fo.done_s is not None:
+        row("failover", f"OK  {fo.victim} SIGKILLed at +{res.kill_at:g} s holding {len(fo.shards)} shards; "
+                        f"lease expired after {fo.expired_s:.2f} s; all its shards owned by " +
+            ", ".join(f"{a} ({n})" for a, n in sorted(fo.taken.items())) +
+            f" {fo.done_s:.2f} s after the kill (lease_ttl_s 4)")
     else:
         problems.append("failover did not complete")
         row("failover", "BROKEN did not complete")
     # health decisions
-    _health_summary(demo, res, row, cont, problems)
+    _health_summary(res, ck, row, cont, problems)
     # audit
     audit_ok = True
     first = True
-    for aid, (ok, last, notes) in sorted(res["audit"].items()):
+    for aid, (ok, last, notes) in sorted(ck.audit.items()):
         audit_ok &= ok
-        tag = " (SIGKILLed)" if aid == demo.victim else ""
+        tag = " (SIGKILLed)" if aid == res.victim else ""
         row("audit verify" if first else "", f"{'OK ' if ok else 'FAILED '} {aid}{tag}: {last}")
         for n in notes[:2]:
             cont("  " + n)
         first = False
     if not audit_ok:
         problems.append("`millwright audit verify` failed for " +
-                        ", ".join(a for a, (ok, _, _) in res["audit"].items() if not ok))
-    for n in demo.notes:
+                        ", ".join(a for a, (ok, _, _) in ck.audit.items() if not ok))
+    for n in res.notes:
         row("note", n)
-    for f in demo.findings:
+    for f in res.findings:
         row("not yet", f)
     live.raw("")
     if problems:
         live.raw(f"RESULT: FAILED - {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
         return 1
     live.raw("RESULT: OK - no job lost, none run twice, failover in "
-             f"{fo['done_s']:.1f} s, audit logs verified")
+             f"{fo.done_s:.1f} s, audit logs verified")
     return 0
 
-def _health_summary(demo: Demo, res: dict, row, cont, problems: list) -> None:
-    recs, metrics = res["records"], res["metrics"]
-    audit = res["audit_recs"]
+
+def _health_summary(res: DemoResult, ck: Checks, row, cont, problems: list) -> None:
+    recs, metrics = ck.records, ck.metrics
+    audit = ck.audit_recs
 
     def rec_line(jid: str) -> tuple[Optional[dict], str]:
-        r = _final(demo, recs, jid)
+        r = _final(recs, jid)
         if r is None:
             return None, "no run record"
         bits = [str(r.get("state"))]
@@ -300,7 +315,7 @@ def _health_summary(demo: Demo, res: dict, row, cont, problems: list) -> None:
     # memory
     r, text = rec_line("vision-warmup-cam1")
     qk = total("millwright_quota_kills_total")
-    ok = r is not None and r.get("state") != "succeeded"
+    ok = r is not None and r.get("state") != RecordState.SUCCEEDED
     row("memory", f"{'OK ' if ok else 'BROKEN'} vision-warmup-cam1 (256 MiB model, 48 MiB limit): {text}; "
                   f"millwright_quota_kills_total {qk:g} (survivors)")
     if not ok:
@@ -308,25 +323,25 @@ def _health_summary(demo: Demo, res: dict, row, cont, problems: list) -> None:
     # exec policy
     jid = "line-diagnostics-line2"
     r, text = rec_line(jid)
-    allow = demo.templates.get("line-diagnostics", {}).get("allow_exec", [])
+    allow = res.templates.get("line-diagnostics", {}).get("allow_exec", [])
     execs = [e for recs_ in audit.values() for e in recs_ if e.get("type") == "exec" and e.get("job") == jid]
     outside = [e for e in execs if not any(fnmatch.fnmatch(e.get("filename") or "", p) for p in allow)
                and os.path.basename(e.get("filename") or "") not in LAUNCHERS]
     viol = [e for recs_ in audit.values() for e in recs_ if e.get("type") == "policy_violation" and e.get("job") == jid]
     enforced = bool(viol) or any(e.get("verdict") in ("denied", "killed", "violation") for e in outside) or (
-        r is not None and r.get("state") == "killed")
+        r is not None and r.get("state") == RecordState.KILLED)
     seen = ", ".join(sorted({f"{e.get('filename')} (verdict {e.get('verdict')})" for e in outside})) or "none"
     row("exec policy", f"{'OK ' if enforced else 'NOT SHOWN'} {jid} execs uname outside allow_exec: {text}")
     cont(f"audit exec records outside allow_exec: {seen}; policy_violation records: {len(viol)}")
     if not execs:
         cont("the audit log has no exec record of this run (BPF sensor degraded or not attributing execs?)")
     if not enforced:
-        demo.findings.append("exec policy (bpf.mode enforce): an exec outside allow_exec is recorded "
+        res.findings.append("exec policy (bpf.mode enforce): an exec outside allow_exec is recorded "
                              "but the run is not stopped and no policy_violation is recorded")
     # network stall
     jid = "firmware-fetch-press4"
     r, text = rec_line(jid)
-    health_seen = sorted({str(d["health"]) for d in _statuses(demo, jid) if d.get("health")} |
+    health_seen = sorted({str(d["health"]) for d in _statuses(res, jid) if d.get("health")} |
                          ({str(r["health"])} if r and r.get("health") else set()))
     detected = any(h not in ("healthy", None) for h in health_seen) or (
         r is not None and "network_stall" in str(r.get("reason")))
@@ -336,12 +351,12 @@ def _health_summary(demo: Demo, res: dict, row, cont, problems: list) -> None:
         for k, v in by_label(s, "millwright_bpf_events_total", "kind").items():
             bpf[k] = bpf.get(k, 0) + v
     lost = total("millwright_bpf_lost_events_total")
-    mode = demo.sensor_mode
+    mode = res.sensor_mode
     cont(f"health values published for it: {', '.join(h for h in health_seen if h) or 'none'}; BPF sensor mode "
          f"{mode or '?'}, events (survivors) " + (", ".join(f"{k} {v:g}" for k, v in sorted(bpf.items())) or "none")
          + f", lost {lost:g}")
     if not detected:
-        demo.findings.append("health decisions: the stalled run's health stays 'healthy' (no run health "
+        res.findings.append("health decisions: the stalled run's health stays 'healthy' (no run health "
                              "from kernel signals in statuses or run records)")
     # lease decisions
     fences: dict[str, float] = {}
@@ -362,4 +377,4 @@ def _health_summary(demo: Demo, res: dict, row, cont, problems: list) -> None:
     if hm:
         cont("health metrics (survivors): " + ", ".join(f"{k} {v:g}" for k, v in sorted(hm.items())))
     else:
-        demo.findings.append("health metrics (run health changes, exec-policy violations) are not exported")
+        res.findings.append("health metrics (run health changes, exec-policy violations) are not exported")

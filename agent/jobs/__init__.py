@@ -1,6 +1,8 @@
 """Jobs: what the cloud asks for and when it runs.
 
-Modules: document (job document parsing, validation, templates, canonical form),
+Modules: envelope (size, JSON, signature, binding; JobRejected and the reason codes),
+document (the job model and its validation, canonical form), render (argv, run id,
+resources at run time),
 signing (key ring, HMAC and Ed25519 signatures), schedule (due times, misfire, retry
 backoff, fire ids), firing (a firing, its state Enum and transitions, the RunListener
 seam, the run-record states), scheduler (due firings -> fenced run records ->

@@ -27,7 +27,8 @@ from agent.coordination.jobstore import JobStore, StoredJob, public_doc
 from agent.coordination.keys import Keys
 from agent.coordination.watch import PrefixWatch, WatchEvent
 from agent.jobs import schedule as sch
-from agent.jobs.document import Job, JobRejected
+from agent.jobs.document import Job
+from agent.jobs.envelope import JobRejected
 from agent.jobs.firing import ACTIVE, FiringState
 from agent.jobs.metrics import JOBS_OWNED, REJECTED_STORED
 from agent.jobs.states import EndReason, JobState

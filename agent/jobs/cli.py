@@ -233,8 +233,10 @@ def cli_logs(args) -> int:
 
 
 def _follow(client, keys, cfg, rec: dict, paths: dict, as_json: bool) -> int:
-    """Print what the run writes until its record is final and nothing more comes."""
+    """Print what the run writes until its attempt ended (the record leaves ``running``, or
+    a later attempt replaced it) and nothing more comes."""
     from agent.coordination.keys import shard_of
+    from agent.jobs.states import RecordState
 
     key = keys.run(shard_of(rec["job_id"], cfg.shards), rec["job_id"], rec["fire_id"])
     offsets = {s: 0 for s in paths}
@@ -261,7 +263,7 @@ def _follow(client, keys, cfg, rec: dict, paths: dict, as_json: bool) -> int:
                     sinks[s].flush()
         if got:
             continue
-        if state not in ("running", "claiming") and state is not None:
+        if state is not None and state != RecordState.RUNNING:  # this attempt's process is gone
             if as_json:
                 print(json.dumps({"end": True, "state": state}), flush=True)
             return 0

@@ -1,4 +1,4 @@
-"""Job documents (cloud -> edge, contract v1): parsing, validation, templates.
+"""Job documents (cloud -> edge, contract v1): the job model and its validation.
 
 ``parse_job`` turns an untrusted push into a :class:`Job` or raises :class:`JobRejected`
 with a stable ``reason`` code and a ``detail`` that names the offending field. It never
@@ -6,10 +6,9 @@ raises anything else for any input (a property test checks this). Validation ord
 nothing an unauthenticated sender controls is looked at beyond its size, its JSON and its
 signature (no operator regex ever runs on attacker strings):
 
- 1. size (too_large)             2. JSON (bad_json)
- 3. signature (unsigned, unknown_kid, bad_signature, unsupported_alg, key_retired)
- 4. binding: ``cluster`` equals the agent's (wrong_cluster), ``kind`` is ``job`` or
-    ``cancel`` as expected (wrong_kind)
+ 1-4. the envelope (agent/jobs/envelope.py): size (too_large), JSON (bad_json), signature
+    (unsigned, unknown_kid, bad_signature, unsupported_alg, key_retired), binding to this
+    cluster and kind (wrong_cluster, wrong_kind)
  -- from here on the document is authentic and meant for us: ``JobRejected.bound`` is True --
  5. v == 1 (unsupported_version)
  6. unknown keys, then every field's type and range (bad_field), ids (bad_field)
@@ -18,7 +17,8 @@ signature (no operator regex ever runs on attacker strings):
     ahead of the clock by more than max_skew_s (skew)
 
 Stored documents (``Job.from_stored``) go through 1-6 again at every load: the signed bytes
-stay in etcd, so whoever can write etcd still cannot make an agent run anything.
+stay in etcd, so whoever can write etcd still cannot make an agent run anything. What a
+job becomes at run time (argv, run id, resources) is agent/jobs/render.py.
 
 Pure logic: the caller passes the clock (``now``), the templates and the key ring.
 """
@@ -26,58 +26,52 @@ Pure logic: the caller passes the clock (``now``), the templates and the key rin
 from __future__ import annotations
 
 import functools
-import json
 import math
 import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Optional, Union
 
-from agent.config import RUN_PLACEHOLDERS, Resources, Template
+from agent.config import Resources, Template
 from agent.coordination import placement
 from agent.coordination.keys import shard_of
+from agent.jobs import envelope
+from agent.jobs.envelope import (
+    BAD_FIELD,
+    BAD_JSON,
+    BAD_PARAM,
+    EXPIRED,
+    KIND_CANCEL,
+    KIND_JOB,
+    SKEW,
+    TOO_OLD,
+    UNKNOWN_TEMPLATE,
+    UNSUPPORTED_VERSION,
+    VERSION,
+    JobRejected,
+    as_utc,
+    bad,
+    check_binding,
+    clip,
+    decode,
+    field_name,
+    type_name,
+)
 from agent.jobs.schedule import (
     DEFAULT_RETRY_ON,
     MISFIRE_POLICIES,
     OVERLAP_POLICIES,
     RETRY_ON,
-    UTC,
     RetryPolicy,
     Schedule,
     ScheduleError,
     parse_rfc3339,
 )
-from agent.jobs.signing import KEY_RETIRED, KeyRing, SignatureError, canonical_json
-from agent.runtime.text import short as _short
+from agent.jobs.signing import KeyRing, canonical_json
+from agent.runtime.text import short
 
-VERSION = 1
 ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
-PLACEHOLDER_RE = re.compile(r"\{([^{}]*)\}")
 
-# Reason codes (stable: they are published in `rejected` statuses).
-TOO_LARGE = "too_large"
-BAD_JSON = "bad_json"
-BAD_FIELD = "bad_field"
-UNKNOWN_TEMPLATE = "unknown_template"
-BAD_PARAM = "bad_param"
-UNSIGNED = "unsigned"
-UNKNOWN_KID = "unknown_kid"
-BAD_SIGNATURE = "bad_signature"
-UNSUPPORTED_ALG = "unsupported_alg"
-EXPIRED = "expired"
-SKEW = "skew"
-UNSUPPORTED_VERSION = "unsupported_version"
-WRONG_CLUSTER = "wrong_cluster"
-WRONG_KIND = "wrong_kind"
-TOO_OLD = "too_old"
-REASONS = (
-    TOO_LARGE, BAD_JSON, BAD_FIELD, UNKNOWN_TEMPLATE, BAD_PARAM, UNSIGNED, UNKNOWN_KID,
-    BAD_SIGNATURE, UNSUPPORTED_ALG, EXPIRED, SKEW, UNSUPPORTED_VERSION,
-    WRONG_CLUSTER, WRONG_KIND, TOO_OLD, KEY_RETIRED,
-)
-
-KIND_JOB = "job"
-KIND_CANCEL = "cancel"
 TOP_LEVEL_KEYS = (
     "v", "id", "cluster", "kind", "template", "params", "schedule", "misfire", "misfire_limit", "overlap",
     "retry", "timeout_s", "resources", "depends_on", "not_after", "issued_at", "target", "sig",
@@ -85,7 +79,6 @@ TOP_LEVEL_KEYS = (
 CANCEL_KEYS = ("v", "id", "cluster", "kind", "issued_at", "sig")
 
 # Ranges (documented in docs/jobs.md).
-MAX_DEPTH = 16
 MAX_PARAMS = 64
 MAX_PARAM_NAME = 64
 MAX_PARAM_VALUE = 1024  # characters; checked before any regex runs
@@ -99,51 +92,6 @@ MAX_MISFIRE_LIMIT = 1000
 MAX_CPU = 1024.0
 MAX_MEMORY_MB = 1 << 20
 MAX_PIDS = 1 << 22
-
-
-class JobRejected(Exception):
-    """A document was refused. ``reason``: a stable code from REASONS; ``detail``: one
-    human line naming the field; ``field``: the field path ('' when not about one)."""
-
-    def __init__(self, reason: str, detail: str, field: str = ""):
-        self.reason = reason
-        self.detail = detail
-        self.field = field
-        # True once the signature verified and the document is bound to this cluster: only
-        # then may a rejection name the job or say more than the reason (set by _parse)
-        self.bound = False
-        super().__init__(f"{reason}: {detail}")
-
-
-def _bad(path: str, msg: str, reason: str = BAD_FIELD) -> JobRejected:
-    return JobRejected(reason, f"{path}: {msg}", path)
-
-
-def _clip(text: str, limit: int = 100) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _key(k: Any) -> str:
-    """A user-supplied key, safe to put into a field path (bounded, printable)."""
-    if isinstance(k, str) and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", k):
-        return k
-    return _short(k, 40)
-
-
-def _type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
 
 
 @dataclass(frozen=True)
@@ -194,7 +142,6 @@ class Job:
         return _parse(doc, templates=None, keyring=keyring, now=None, max_skew_s=None, max_bytes=None,
                       verify_signature=True, cluster=cluster, key_now=now)
 
-
     @classmethod
     def for_display(cls, doc: dict) -> "Job":
         """Parse a stored document only to describe it (``millwright jobs``, ``jobs/get``):
@@ -206,6 +153,7 @@ class Job:
         return _parse(shown, templates=None, keyring=None, now=None, max_skew_s=None, max_bytes=None,
                       verify_signature=False, cluster=shown["cluster"] if isinstance(shown["cluster"], str) else "")
 
+
 def parse_job(payload: Union[bytes, str, dict], *, templates: dict, keyring: Optional[KeyRing],
               now: Optional[datetime], max_skew_s: Optional[float], max_bytes: int, cluster: str,
               max_age_s: Optional[float] = None,
@@ -216,112 +164,20 @@ def parse_job(payload: Union[bytes, str, dict], *, templates: dict, keyring: Opt
                   key_now=now)
 
 
-# --------------------------------------------------------------------------- decoding
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _no_duplicates(pairs: list) -> dict:
-    out: dict = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {_short(k)}")
-        out[k] = v
-    return out
-
-
-def decode(payload: Union[bytes, bytearray, str, dict], max_bytes: Optional[int]) -> dict:
-    """bytes/str/dict -> a fresh JSON object (dict), enforcing size, strict JSON (no
-    NaN/Infinity, no duplicate keys, valid UTF-8 without unpaired surrogates) and a
-    nesting limit. Raises JobRejected(too_large | bad_json)."""
-    if isinstance(payload, dict):
-        try:
-            raw = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
-        except (TypeError, ValueError, RecursionError) as exc:
-            raise JobRejected(BAD_JSON, f"document is not representable as JSON: {_clip(str(exc))}") from None
-    elif isinstance(payload, str):
-        try:
-            raw = payload.encode("utf-8")
-        except UnicodeError:
-            raise JobRejected(BAD_JSON, "document is not valid UTF-8 (unpaired surrogate)") from None
-    elif isinstance(payload, (bytes, bytearray, memoryview)):
-        raw = bytes(payload)
-    else:
-        raise JobRejected(BAD_JSON, f"document must be JSON bytes or text, got {type(payload).__name__}")
-    if max_bytes is not None and len(raw) > max_bytes:
-        raise JobRejected(TOO_LARGE, f"document is {len(raw)} bytes; the limit is {max_bytes}")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise JobRejected(BAD_JSON, f"document is not valid UTF-8 (byte {exc.start})") from None
-    try:
-        doc = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
-    except json.JSONDecodeError as exc:
-        raise JobRejected(BAD_JSON, f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
-    except (ValueError, RecursionError) as exc:
-        raise JobRejected(BAD_JSON, f"invalid JSON: {_clip(str(exc) or type(exc).__name__)}") from None
-    if not isinstance(doc, dict):
-        raise JobRejected(BAD_JSON, f"document must be a JSON object, got {_type(doc)}")
-    _check_tree(doc, None, 0)
-    return doc
-
-
-def _check_tree(value: Any, path: Any, depth: int) -> None:
-    """Depth limit, finite numbers and encodable text everywhere. ``path`` is built lazily
-    (a tuple of parts) because it is only needed for the error message."""
-    if isinstance(value, str):
-        _check_text(value, path)
-    elif isinstance(value, dict):
-        if depth >= MAX_DEPTH:
-            raise JobRejected(BAD_JSON, f"{_path(path) or 'document'}: nested deeper than {MAX_DEPTH} levels")
-        for k, v in value.items():
-            _check_text(k, path)
-            _check_tree(v, (path, k), depth + 1)
-    elif isinstance(value, list):
-        if depth >= MAX_DEPTH:
-            raise JobRejected(BAD_JSON, f"{_path(path) or 'document'}: nested deeper than {MAX_DEPTH} levels")
-        for i, v in enumerate(value):
-            _check_tree(v, (path, i), depth + 1)
-    elif isinstance(value, float) and not math.isfinite(value):
-        raise _bad(_path(path), "numbers must be finite")
-
-
-def _path(parts: Any) -> str:
-    out: list[str] = []
-    while parts:
-        parts, last = parts
-        out.append(f"[{last}]" if isinstance(last, int) else _key(last))
-    text = ""
-    for piece in reversed(out):
-        text += piece if piece.startswith("[") or not text else "." + piece
-    return text
-
-
-def _check_text(s: str, path: Any) -> None:
-    if s.isascii():
-        return
-    try:
-        s.encode("utf-8")
-    except UnicodeError:
-        raise JobRejected(BAD_JSON, f"{_path(path) or 'document'}: invalid unicode (unpaired surrogate)") from None
-
-
 # --------------------------------------------------------------------------- field checks
 
 
 def _check_id(value: Any, path: str) -> str:
     if not isinstance(value, str):
-        raise _bad(path, f"must be a string, got {_type(value)}")
+        raise bad(path, f"must be a string, got {type_name(value)}")
     if not ID_RE.fullmatch(value):
         if not value:
-            raise _bad(path, "must not be empty")
+            raise bad(path, "must not be empty")
         if len(value) > 128:
-            raise _bad(path, f"is {len(value)} characters long; at most 128 are allowed")
-        raise _bad(path, f"{_short(value)} may contain only A-Z a-z 0-9 . _ - (1 to 128 characters)")
+            raise bad(path, f"is {len(value)} characters long; at most 128 are allowed")
+        raise bad(path, f"{short(value)} may contain only A-Z a-z 0-9 . _ - (1 to 128 characters)")
     if value.startswith("."):
-        raise _bad(path, f"{_short(value)} must not start with '.' (ids become etcd key segments)")
+        raise bad(path, f"{short(value)} must not start with '.' (ids become etcd key segments)")
     return value
 
 
@@ -332,20 +188,20 @@ def _number(doc: dict, key: str, path: str, lo: float, hi: float, default: Any, 
     v = doc[key]
     kind = "an integer" if integer else "a number"
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
-        raise _bad(path, f"must be {kind}, got {_type(v)} {_short(v)}")
+        raise bad(path, f"must be {kind}, got {type_name(v)} {short(v)}")
     if not math.isfinite(v) or v < lo or v > hi or (lo_open and v <= lo):
         rng = f"greater than {lo:g} and at most {hi:g}" if lo_open else f"between {lo:g} and {hi:g}"
-        raise _bad(path, f"must be {kind} {rng}, got {_short(v)}")
+        raise bad(path, f"must be {kind} {rng}, got {short(v)}")
     return v if integer else float(v)
 
 
 def _object(doc: dict, key: str, path: str, allowed: tuple) -> dict:
     v = doc.get(key, {})
     if not isinstance(v, dict):
-        raise _bad(path, f"must be an object, got {_type(v)}")
+        raise bad(path, f"must be an object, got {type_name(v)}")
     extra = [k for k in v if k not in allowed]
     if extra:
-        raise _bad(f"{path}.{_key(extra[0])}", f"unknown key (allowed: {', '.join(allowed)})")
+        raise bad(f"{path}.{field_name(extra[0])}", f"unknown key (allowed: {', '.join(allowed)})")
     return v
 
 
@@ -355,7 +211,7 @@ def _timestamp(doc: dict, key: str) -> Optional[datetime]:
     try:
         return parse_rfc3339(doc[key])
     except ValueError as exc:
-        raise _bad(key, f"{exc}, got {_short(doc[key])}") from None
+        raise bad(key, f"{exc}, got {short(doc[key])}") from None
 
 
 def _parse(payload: Any, *, templates: Optional[dict], keyring: Optional[KeyRing], now: Optional[datetime],
@@ -371,47 +227,18 @@ def _parse(payload: Any, *, templates: Optional[dict], keyring: Optional[KeyRing
     except RecursionError:
         raise JobRejected(BAD_JSON, "document is nested too deeply") from None
     except Exception as exc:  # defensive: never a traceback for user input
-        raise JobRejected(BAD_FIELD, f"invalid document ({type(exc).__name__}: {_clip(str(exc))})") from None
+        raise JobRejected(BAD_FIELD, f"invalid document ({type(exc).__name__}: {clip(str(exc))})") from None
 
 
-def _check_version(doc: dict) -> None:
+def check_version(doc: dict) -> None:
     """`v` must be the integer 1 (job documents and cancels alike)."""
     if "v" not in doc:
-        raise _bad("v", "is required (the contract version, 1)")
+        raise bad("v", "is required (the contract version, 1)")
     v = doc["v"]
     if isinstance(v, bool) or not isinstance(v, int):
-        raise _bad("v", f"must be the integer 1, got {_type(v)} {_short(v)}")
+        raise bad("v", f"must be the integer 1, got {type_name(v)} {short(v)}")
     if v != VERSION:
-        raise JobRejected(UNSUPPORTED_VERSION, f"v: version {_short(v)} is not supported (this agent speaks v1)", "v")
-
-
-def _authenticate(doc: dict, keyring: Optional[KeyRing], verify_signature: bool, key_now: Optional[datetime],
-                  what: str) -> Optional[Any]:
-    """The signature check (step 3): the key that signed ``doc``, or None when skipped."""
-    if not verify_signature:
-        return None
-    if keyring is None or len(keyring) == 0:
-        if "sig" not in doc:
-            raise JobRejected(UNSIGNED, f"sig: the {what} is not signed", "sig")
-        raise JobRejected(UNKNOWN_KID, "sig.kid: no signing keys are configured on this agent", "sig.kid")
-    try:
-        return keyring.verify(doc, now=_aware(key_now) if key_now is not None else None)
-    except SignatureError as exc:
-        raise JobRejected(exc.reason, f"sig: {exc.detail}", "sig") from None
-
-
-def _check_binding(doc: dict, cluster: str, kind: str) -> None:
-    """Step 4: the signed ``cluster`` and ``kind`` must be this agent's and this topic's."""
-    got = doc.get("cluster")
-    if got != cluster:
-        if "cluster" not in doc:
-            raise JobRejected(WRONG_CLUSTER, "cluster: is required (documents are bound to one cluster)", "cluster")
-        raise JobRejected(WRONG_CLUSTER, "cluster: the document is bound to another cluster", "cluster")
-    got = doc.get("kind")
-    if got != kind:
-        if "kind" not in doc:
-            raise JobRejected(WRONG_KIND, f"kind: is required (\"{kind}\" here)", "kind")
-        raise JobRejected(WRONG_KIND, f"kind: a {_short(got, 20)} document is not a {kind}", "kind")
+        raise JobRejected(UNSUPPORTED_VERSION, f"v: version {short(v)} is not supported (this agent speaks v1)", "v")
 
 
 def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyRing], now: Optional[datetime],
@@ -420,56 +247,56 @@ def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyR
     doc = decode(payload, max_bytes)
 
     # ---- signature, then binding: nothing else is read from an unauthenticated document
-    key = _authenticate(doc, keyring, verify_signature, key_now, "document")
-    _check_binding(doc, cluster, KIND_JOB)
+    key = envelope.verify_signature(doc, keyring, key_now, "document") if verify_signature else None
+    check_binding(doc, cluster, KIND_JOB)
     stage["bound"] = True
 
     # ---- version
-    _check_version(doc)
+    check_version(doc)
 
     # ---- shape
     unknown = [k for k in doc if k not in TOP_LEVEL_KEYS]
     if unknown:
-        raise _bad(_key(unknown[0]), f"unknown key (allowed: {', '.join(TOP_LEVEL_KEYS)})")
+        raise bad(field_name(unknown[0]), f"unknown key (allowed: {', '.join(TOP_LEVEL_KEYS)})")
     for req in ("id", "template"):
         if req not in doc:
-            raise _bad(req, "is required")
+            raise bad(req, "is required")
     job_id = _check_id(doc["id"], "id")
     tname = doc["template"]
     if not isinstance(tname, str):
-        raise _bad("template", f"must be a string, got {_type(tname)}")
+        raise bad("template", f"must be a string, got {type_name(tname)}")
     if not ID_RE.fullmatch(tname):
-        raise _bad("template", f"{_short(tname)} is not a template name ([A-Za-z0-9._-]{{1,128}})")
+        raise bad("template", f"{short(tname)} is not a template name ([A-Za-z0-9._-]{{1,128}})")
 
     params = doc.get("params", {})
     if not isinstance(params, dict):
-        raise _bad("params", f"must be an object of strings, got {_type(params)}")
+        raise bad("params", f"must be an object of strings, got {type_name(params)}")
     if len(params) > MAX_PARAMS:
-        raise _bad("params", f"has {len(params)} entries; at most {MAX_PARAMS} are allowed")
+        raise bad("params", f"has {len(params)} entries; at most {MAX_PARAMS} are allowed")
     for k, pv in params.items():
         if not isinstance(k, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", k):
-            raise _bad("params", f"parameter name {_short(k)} must match [A-Za-z_][A-Za-z0-9_]{{0,63}}")
+            raise bad("params", f"parameter name {short(k)} must match [A-Za-z_][A-Za-z0-9_]{{0,63}}")
         if not isinstance(pv, str):
-            raise _bad(f"params.{k}", f"must be a string, got {_type(pv)}")
+            raise bad(f"params.{k}", f"must be a string, got {type_name(pv)}")
         if len(pv) > MAX_PARAM_VALUE:
-            raise _bad(f"params.{k}", f"is {len(pv)} characters long; at most {MAX_PARAM_VALUE} are allowed")
+            raise bad(f"params.{k}", f"is {len(pv)} characters long; at most {MAX_PARAM_VALUE} are allowed")
 
     try:
         schedule = Schedule.parse(doc.get("schedule", {}))
     except ScheduleError as exc:
-        raise _bad(exc.field, exc.message) from None
+        raise bad(exc.field, exc.message) from None
 
     misfire = doc.get("misfire", "run_once")
     if not isinstance(misfire, str) or misfire not in MISFIRE_POLICIES:
-        raise _bad("misfire", f"must be one of {', '.join(MISFIRE_POLICIES)}, got {_short(misfire)}")
+        raise bad("misfire", f"must be one of {', '.join(MISFIRE_POLICIES)}, got {short(misfire)}")
     if "misfire_limit" in doc and misfire != "run_all":
-        raise _bad("misfire_limit", "is only allowed with \"misfire\": \"run_all\"")
+        raise bad("misfire_limit", "is only allowed with \"misfire\": \"run_all\"")
     misfire_limit = _number(doc, "misfire_limit", "misfire_limit", 1, MAX_MISFIRE_LIMIT,
                             DEFAULT_MISFIRE_LIMIT if misfire == "run_all" else 1, integer=True)
 
     overlap = doc.get("overlap", "forbid")
     if not isinstance(overlap, str) or overlap not in OVERLAP_POLICIES:
-        raise _bad("overlap", f"must be one of {', '.join(OVERLAP_POLICIES)}, got {_short(overlap)}")
+        raise bad("overlap", f"must be one of {', '.join(OVERLAP_POLICIES)}, got {short(overlap)}")
 
     r = _object(doc, "retry", "retry", ("max_attempts", "backoff_s", "max_backoff_s", "jitter", "on"))
     retry = RetryPolicy(
@@ -480,7 +307,7 @@ def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyR
         on=_retry_on(r),
     )
     if "max_backoff_s" in r and retry.max_backoff_s < retry.backoff_s:
-        raise _bad("retry.max_backoff_s", f"must be at least retry.backoff_s ({retry.backoff_s:g})")
+        raise bad("retry.max_backoff_s", f"must be at least retry.backoff_s ({retry.backoff_s:g})")
     if "max_backoff_s" not in r and retry.max_backoff_s < retry.backoff_s:
         retry = RetryPolicy(retry.max_attempts, retry.backoff_s, retry.backoff_s, retry.jitter, retry.on)
 
@@ -495,44 +322,44 @@ def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyR
 
     deps = doc.get("depends_on", [])
     if not isinstance(deps, list):
-        raise _bad("depends_on", f"must be a list of job ids, got {_type(deps)}")
+        raise bad("depends_on", f"must be a list of job ids, got {type_name(deps)}")
     if len(deps) > MAX_DEPENDS:
-        raise _bad("depends_on", f"has {len(deps)} entries; at most {MAX_DEPENDS} are allowed")
+        raise bad("depends_on", f"has {len(deps)} entries; at most {MAX_DEPENDS} are allowed")
     seen: set = set()
     for i, dep in enumerate(deps):
         _check_id(dep, f"depends_on[{i}]")
         if dep == job_id:
-            raise _bad(f"depends_on[{i}]", "a job cannot depend on itself")
+            raise bad(f"depends_on[{i}]", "a job cannot depend on itself")
         if dep in seen:
-            raise _bad(f"depends_on[{i}]", f"{_short(dep)} is listed twice")
+            raise bad(f"depends_on[{i}]", f"{short(dep)} is listed twice")
         seen.add(dep)
 
     not_after = _timestamp(doc, "not_after")
     if "issued_at" not in doc:
-        raise _bad("issued_at", "is required (the signer's clock; pushes older than max_age_s are refused)")
+        raise bad("issued_at", "is required (the signer's clock; pushes older than max_age_s are refused)")
     issued_at = _timestamp(doc, "issued_at")
     if not_after is not None and issued_at is not None and not_after <= issued_at:
-        raise _bad("not_after", "must be later than issued_at")
+        raise bad("not_after", "must be later than issued_at")
     if not_after is not None and schedule.kind == "at" and schedule.at is not None and schedule.at >= not_after:
-        raise _bad("schedule.at", "is not before not_after: the job could never run")
+        raise bad("schedule.at", "is not before not_after: the job could never run")
 
     target = None
     if "target" in doc:
         try:
             target = placement.check_target(doc["target"])
         except placement.TargetError as exc:
-            raise _bad(exc.field, exc.message) from None
+            raise bad(exc.field, exc.message) from None
 
     sig = doc.get("sig")
     if "sig" in doc:
         if not isinstance(sig, dict):
-            raise _bad("sig", f"must be an object with alg, kid and value, got {_type(sig)}")
+            raise bad("sig", f"must be an object with alg, kid and value, got {type_name(sig)}")
         extra = [k for k in sig if k not in ("alg", "kid", "value")]
         if extra:
-            raise _bad(f"sig.{_key(extra[0])}", "unknown key (allowed: alg, kid, value)")
+            raise bad(f"sig.{field_name(extra[0])}", "unknown key (allowed: alg, kid, value)")
         for name in ("alg", "kid", "value"):
             if not isinstance(sig.get(name), str) or not sig.get(name):
-                raise _bad(f"sig.{name}", "must be a non-empty string")
+                raise bad(f"sig.{name}", "must be a non-empty string")
 
     # ---- template and params (skipped for stored documents: templates is None; a targeted
     # job's template is checked by the agents it targets, which may not include this one)
@@ -540,12 +367,12 @@ def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyR
         template = templates.get(tname)
         if template is None:
             known = ", ".join(sorted(templates)) or "none configured"
-            raise JobRejected(UNKNOWN_TEMPLATE, f"template: {_short(tname)} is not a template of this agent (known: {_short(known, 200)})", "template")
+            raise JobRejected(UNKNOWN_TEMPLATE, f"template: {short(tname)} is not a template of this agent (known: {short(known, 200)})", "template")
         check_params(params, template, tname)
 
     # ---- time
     if now is not None:
-        now_utc = _aware(now)
+        now_utc = as_utc(now)
         if not_after is not None and not_after <= now_utc:
             raise JobRejected(EXPIRED, f"not_after: the job expired at {doc['not_after']}", "not_after")
         _check_age(doc, issued_at, now_utc, max_skew_s, max_age_s)
@@ -576,12 +403,6 @@ def _check_age(doc: dict, issued_at: Optional[datetime], now_utc: datetime, max_
                                    f"(allowed: {max_age_s:g} s)", "issued_at")
 
 
-def _aware(now: datetime) -> datetime:
-    if not isinstance(now, datetime) or now.tzinfo is None or now.utcoffset() is None:
-        raise TypeError("now must be a timezone-aware datetime")
-    return now.astimezone(UTC)
-
-
 # --------------------------------------------------------------------------- templates
 
 
@@ -590,25 +411,25 @@ def check_params(params: dict, template: Template, tname: str = "template") -> N
     full (and free of NUL, which no argv can carry). Raises JobRejected(bad_param)."""
     for name in template.params:
         if name not in params:
-            raise _bad(f"params.{name}", f"is required by template {tname}", BAD_PARAM)
+            raise bad(f"params.{name}", f"is required by template {tname}", BAD_PARAM)
     for name, value in params.items():
         rx = template.params.get(name)
         if rx is None:
             allowed = ", ".join(sorted(template.params)) or "none"
-            raise _bad(f"params.{name}", f"is not a parameter of template {tname} (its params: {allowed})", BAD_PARAM)
+            raise bad(f"params.{name}", f"is not a parameter of template {tname} (its params: {allowed})", BAD_PARAM)
         if not isinstance(value, str):
-            raise _bad(f"params.{name}", f"must be a string, got {_type(value)}", BAD_PARAM)
+            raise bad(f"params.{name}", f"must be a string, got {type_name(value)}", BAD_PARAM)
         if "\x00" in value:
-            raise _bad(f"params.{name}", "must not contain NUL", BAD_PARAM)
+            raise bad(f"params.{name}", "must not contain NUL", BAD_PARAM)
         if len(value) > MAX_PARAM_VALUE:  # bounds the regex's work before it runs
-            raise _bad(f"params.{name}", f"is {len(value)} characters long; at most {MAX_PARAM_VALUE} are allowed",
-                       BAD_PARAM)
+            raise bad(f"params.{name}", f"is {len(value)} characters long; at most {MAX_PARAM_VALUE} are allowed",
+                      BAD_PARAM)
         try:
             ok = param_regex(rx).fullmatch(value) is not None
         except re.error:
             ok = False
         if not ok:
-            raise _bad(f"params.{name}", f"{_short(value)} does not match {rx}", BAD_PARAM)
+            raise bad(f"params.{name}", f"{short(value)} does not match {rx}", BAD_PARAM)
 
 
 def _retry_on(r: dict) -> tuple:
@@ -619,18 +440,13 @@ def _retry_on(r: dict) -> tuple:
     on = r["on"]
     allowed = ", ".join(RETRY_ON)
     if not isinstance(on, list) or not on:
-        raise _bad("retry.on", f"must be a non-empty list of {allowed}, got {_short(on)}")
+        raise bad("retry.on", f"must be a non-empty list of {allowed}, got {short(on)}")
     for i, v in enumerate(on):
         if not isinstance(v, str) or v not in RETRY_ON:
-            raise _bad(f"retry.on[{i}]", f"must be one of {allowed}, got {_short(v)}")
+            raise bad(f"retry.on[{i}]", f"must be one of {allowed}, got {short(v)}")
     if len(set(on)) != len(on):
-        raise _bad("retry.on", f"lists an outcome twice: {_short(on)}")
+        raise bad("retry.on", f"lists an outcome twice: {short(on)}")
     return tuple(v for v in RETRY_ON if v in on)
-
-
-def run_id(fire_id_: str, attempt: int) -> str:
-    """Identity of one run (one attempt of one firing): ``<fire_id>.<attempt>``."""
-    return f"{fire_id_}.{int(attempt)}"
 
 
 @functools.lru_cache(maxsize=512)
@@ -638,60 +454,6 @@ def param_regex(rx: str) -> "re.Pattern":
     """A template's param regex, compiled with re.ASCII: \\d, \\w and \\s match ASCII only
     (a Unicode digit in a param never reaches an argv that expects 0-9)."""
     return re.compile(rx, re.ASCII)
-
-
-def render_argv(job: Job, template: Template, run: Optional[dict] = None) -> list[str]:
-    """The template's argv with each {param} replaced by the job's value, verbatim (one
-    pass: braces inside values are not expanded again; no shell is involved). Re-checks
-    the params against the template, which may have changed since ingest; raises
-    JobRejected(bad_param) when they no longer fit. ``run`` supplies the RUN_PLACEHOLDERS
-    ({job_id}, {fire_id}, {attempt}, {run_id}); {job_id} is always known."""
-    check_params(job.params, template, job.template)
-    builtin = {"job_id": job.id, **{k: str(v) for k, v in (run or {}).items() if k in RUN_PLACEHOLDERS}}
-
-    def sub(m: re.Match) -> str:
-        name = m.group(1)
-        if name in builtin:
-            return builtin[name]
-        if name not in job.params:
-            raise _bad(f"params.{name}", f"template {job.template} uses {{{name}}} but has no such param", BAD_PARAM)
-        return job.params[name]
-
-    return [PLACEHOLDER_RE.sub(sub, arg) for arg in template.argv]
-
-
-def effective_resources(job: Job, template: Template) -> Resources:
-    """The job's resources capped by the template's ceilings; unset values take the
-    template's (None: no limit from either)."""
-    def cap(j: Any, t: Any) -> Any:
-        if j is None:
-            return t
-        return j if t is None else min(j, t)
-
-    t = template.resources or Resources()
-    return Resources(cpu=cap(job.resources.cpu, t.cpu), memory_mb=cap(job.resources.memory_mb, t.memory_mb),
-                     pids=cap(job.resources.pids, t.pids))
-
-
-# --------------------------------------------------------------------------- screening
-
-
-def authenticate(payload: Union[bytes, str, dict], *, keyring: Optional[KeyRing], max_bytes: int, cluster: str,
-                 kind: str, now: Optional[datetime] = None) -> dict:
-    """Steps 1-4 only (size, JSON, signature, binding): the cheap screen that lets an agent
-    drop unauthenticated input at once, before it is routed, held or looked at further.
-    Returns the decoded document; raises JobRejected (``bound`` False)."""
-    try:
-        doc = decode(payload, max_bytes)
-        _authenticate(doc, keyring, True, now, "document" if kind == KIND_JOB else "cancel")
-        _check_binding(doc, cluster, kind)
-        return doc
-    except JobRejected:
-        raise
-    except RecursionError:
-        raise JobRejected(BAD_JSON, "document is nested too deeply") from None
-    except Exception as exc:  # defensive: never a traceback for user input
-        raise JobRejected(BAD_FIELD, f"invalid document ({type(exc).__name__})") from None
 
 
 # --------------------------------------------------------------------------- cancel
@@ -705,21 +467,22 @@ def parse_cancel(payload: Union[bytes, str, dict], keyring: Optional[KeyRing], m
     stage = {"bound": False}
     try:
         doc = decode(payload, max_bytes)
-        _authenticate(doc, keyring, verify_signature, now, "cancel")
-        _check_binding(doc, cluster, KIND_CANCEL)
+        if verify_signature:
+            envelope.verify_signature(doc, keyring, now, "cancel")
+        check_binding(doc, cluster, KIND_CANCEL)
         stage["bound"] = True
-        _check_version(doc)
+        check_version(doc)
         unknown = [k for k in doc if k not in CANCEL_KEYS]
         if unknown:
-            raise _bad(_key(unknown[0]), f"unknown key (a cancel has only: {', '.join(CANCEL_KEYS)})")
+            raise bad(field_name(unknown[0]), f"unknown key (a cancel has only: {', '.join(CANCEL_KEYS)})")
         if "id" not in doc:
-            raise _bad("id", "is required")
+            raise bad("id", "is required")
         job_id = _check_id(doc["id"], "id")
         if "issued_at" not in doc:
-            raise _bad("issued_at", "is required (cancels older than max_age_s are refused)")
+            raise bad("issued_at", "is required (cancels older than max_age_s are refused)")
         issued_at = _timestamp(doc, "issued_at")
         if now is not None:
-            _check_age(doc, issued_at, _aware(now), max_skew_s, max_age_s)
+            _check_age(doc, issued_at, as_utc(now), max_skew_s, max_age_s)
         return job_id
     except JobRejected as exc:
         exc.bound = stage["bound"]
@@ -727,10 +490,5 @@ def parse_cancel(payload: Union[bytes, str, dict], keyring: Optional[KeyRing], m
     except RecursionError:
         raise JobRejected(BAD_JSON, "document is nested too deeply") from None
     except Exception as exc:  # defensive
-        raise JobRejected(BAD_FIELD, f"invalid cancel ({type(exc).__name__}: {_clip(str(exc))})") from None
+        raise JobRejected(BAD_FIELD, f"invalid cancel ({type(exc).__name__}: {clip(str(exc))})") from None
 
-
-__all__ = [
-    "Job", "JobRejected", "parse_job", "authenticate", "parse_cancel", "render_argv", "check_params", "effective_resources",
-    "decode", "REASONS", "TOP_LEVEL_KEYS", "VERSION", "param_regex", "KIND_JOB", "KIND_CANCEL",
-]

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 from agent.execute.limits import Limits, effective_limits
 from agent.execute.runs import RunSpec
-from agent.jobs.document import JobRejected, render_argv, run_id
+from agent.jobs.envelope import JobRejected
 from agent.jobs.metrics import FIRINGS
+from agent.jobs.render import render_argv, run_id
 from agent.runtime.timefmt import utcnow
 
 if TYPE_CHECKING:

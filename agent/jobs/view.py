@@ -7,66 +7,33 @@ time is recomputed with the scheduler's own deterministic functions (agent/jobs/
 from the stored ``_accepted.at`` and the latest run record, which is what the shard's owner
 arms its timer with.
 
-Listings read etcd in pages (:func:`read_prefix`, range with limit + continuation). It is
-the one place that does so: issue 14 adds paged reads to the coordination layer, and this
-helper is what to swap for it.
+Listings read etcd in pages (``EtcdClient.range_pages``), each prefix at one revision.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 from datetime import datetime, timezone
 from typing import Iterable, Iterator, Optional
 
-import etcd3.etcdrpc as rpc
-from etcd3 import utils as etcd_utils
-
 from agent.coordination import placement
-from agent.coordination.etcd import KV, _kv
+from agent.coordination.etcd import KV, EtcdClient
 from agent.coordination.keys import Keys, shard_of
 from agent.jobs import schedule as sch
+from agent.jobs.states import IN_PROGRESS, JobState, RecordState
 
-PAGE = 500
 LAST_RUNS = 5
-ACTIVE = ("running", "retrying", "waiting")
 
 
-def read_prefix(client, prefix: str, page: int = PAGE, revision: int = 0,
-                limit: Optional[int] = None, newest_first: bool = False, keys_only: bool = False) -> Iterator[KV]:
-    """Every key under ``prefix`` in key order (or reverse), read ``page`` keys per request,
-    all pages at one revision. Stops after ``limit`` keys."""
-    start = prefix.encode()
-    end = etcd_utils.increment_last_byte(start)
-    got = 0
-    rev = revision
-    while True:
-        want = page if limit is None else min(page, limit - got)
-        if want <= 0:
-            return
-        lo, hi = start, end
-
-        def fn(c, t, lo=lo, hi=hi, want=want, rev=rev):
-            req = rpc.RangeRequest(key=lo, range_end=hi, limit=want, revision=rev, keys_only=keys_only,
-                                   sort_order=rpc.RangeRequest.DESCEND if newest_first else rpc.RangeRequest.ASCEND,
-                                   sort_target=rpc.RangeRequest.KEY)
-            r = c.kvstub.Range(req, t, **client._md(c))
-            return [_kv(kv) for kv in r.kvs], r.more, r.header.revision
-
-        kvs, more, head = client._call("range_page", fn, None)
-        rev = rev or head
-        for kv in kvs:
-            yield kv
-        got += len(kvs)
-        if not more or not kvs:
-            return
-        last = kvs[-1].key.encode()
-        if newest_first:
-            end = last                      # range_end is exclusive
-        else:
-            start = last + b"\0"
+def read_prefix(client: EtcdClient, prefix: str, keys_only: bool = False) -> Iterator[KV]:
+    """Every key under ``prefix`` in key order, read in pages at one revision."""
+    for kvs, _ in client.range_pages(prefix, keys_only=keys_only):
+        yield from kvs
 
 
-def _parse(text) -> Optional[datetime]:
+def parse_time(text) -> Optional[datetime]:
+    """An RFC 3339 time from a document; None when absent or not one."""
     try:
         return sch.parse_rfc3339(text) if text else None
     except (ValueError, TypeError):
@@ -76,7 +43,8 @@ def _parse(text) -> Optional[datetime]:
 def next_due(doc: dict, runs: list[dict], now: Optional[datetime] = None) -> Optional[str]:
     """The next firing the owner will run: a missed one still to run (now), else the next."""
     from agent.coordination.jobstore import public_doc
-    from agent.jobs.document import Job, JobRejected
+    from agent.jobs.document import Job
+    from agent.jobs.envelope import JobRejected
 
     if "_cancelled" in doc or doc.get("_tombstone"):
         return None
@@ -85,7 +53,7 @@ def next_due(doc: dict, runs: list[dict], now: Optional[datetime] = None) -> Opt
     except (JobRejected, Exception):
         return None
     now = now or datetime.now(timezone.utc)
-    accepted = _parse((doc.get("_accepted") or {}).get("at")) or now
+    accepted = parse_time((doc.get("_accepted") or {}).get("at")) or now
     last = None
     for r in runs:
         try:
@@ -103,18 +71,19 @@ def next_due(doc: dict, runs: list[dict], now: Optional[datetime] = None) -> Opt
 
 
 def job_state(doc: dict, runs: list[dict], due: Optional[str]) -> str:
-    """cancelled; else the latest run's state while it is live (running, retrying, waiting);
-    else scheduled when a firing is ahead; else the latest run's final state; else accepted."""
+    """cancelled; else the latest run's state while its firing is in progress (running,
+    retrying); else scheduled when a firing is ahead; else the latest run's final state;
+    else accepted."""
     if "_cancelled" in doc or doc.get("_tombstone"):
-        return "cancelled"
+        return RecordState.CANCELLED
     latest = runs[-1] if runs else None
-    if latest and latest.get("state") in ACTIVE:
+    if latest and latest.get("state") in IN_PROGRESS:
         return latest["state"]
     if due is not None:
-        return "scheduled"
+        return JobState.SCHEDULED
     if latest:
         return latest.get("state") or "unknown"
-    return "accepted"
+    return JobState.ACCEPTED
 
 
 def updated_at(doc: dict, runs: list[dict]) -> Optional[str]:
@@ -122,7 +91,7 @@ def updated_at(doc: dict, runs: list[dict]) -> Optional[str]:
     times = [(doc.get("_accepted") or {}).get("at"), (doc.get("_cancelled") or {}).get("at")]
     for r in runs[-1:]:
         times += [r.get("started_at"), r.get("ended_at")]
-    parsed = [t for t in (_parse(x) for x in times) if t is not None]
+    parsed = [t for t in (parse_time(x) for x in times) if t is not None]
     return sch.format_rfc3339(max(parsed)) if parsed else None
 
 
@@ -178,8 +147,8 @@ def view(doc: dict, shard: int, runs: list[dict], last_runs: int = LAST_RUNS,
     where = placement_view(doc, members)
     if where is not None:
         out["placement"] = where
-        if not where["eligible"] and state in ("scheduled", "accepted"):
-            out["state"] = "waiting"
+        if not where["eligible"] and state in (JobState.SCHEDULED, JobState.ACCEPTED):
+            out["state"] = JobState.WAITING
             out["reason"] = where["reason"]
     return out
 
@@ -198,12 +167,13 @@ def _runs_by_job(kvs: Iterable[KV], prefix: str) -> dict[str, list[dict]]:
     return out
 
 
-def job_runs(client, keys: Keys, shards: int, job_id: str, limit: Optional[int] = None) -> list[dict]:
-    """The job's run records, oldest first (fire ids sort by due time); the newest ``limit``."""
+def job_runs(client: EtcdClient, keys: Keys, shards: int, job_id: str, limit: Optional[int] = None) -> list[dict]:
+    """The job's run records, oldest first (fire ids sort by due time); the newest ``limit``
+    (retention bounds a job's records to ``retention.keep_runs``, so all are read)."""
     prefix = keys.runs_prefix(shard_of(job_id, shards), job_id)
-    kvs = list(read_prefix(client, prefix, limit=limit, newest_first=limit is not None))
+    kvs: Iterable[KV] = read_prefix(client, prefix)
     if limit is not None:
-        kvs.reverse()
+        kvs = collections.deque(kvs, maxlen=limit)
     out = []
     for kv in kvs:
         try:
@@ -231,7 +201,7 @@ def list_jobs(client, keys: Keys, shards: int, in_shards: Optional[Iterable[int]
               state: Optional[str] = None, template: Optional[str] = None, updated_since: Optional[str] = None,
               last_runs: int = 1, limit: Optional[int] = None) -> list[dict]:
     """Views of the jobs in ``in_shards`` (all shards by default) that match every filter."""
-    since = _parse(updated_since) if updated_since else None
+    since = parse_time(updated_since) if updated_since else None
     now = datetime.now(timezone.utc)
     out: list[dict] = []
     members = read_members(client, keys)
@@ -255,7 +225,7 @@ def list_jobs(client, keys: Keys, shards: int, in_shards: Optional[Iterable[int]
             v = view(d, shard, runs.get(d.get("id"), []), last_runs, now, members)
             if state is not None and v["state"] != state:
                 continue
-            if since is not None and (_parse(v["updated_at"]) or now) < since:
+            if since is not None and (parse_time(v["updated_at"]) or now) < since:
                 continue
             out.append(v)
             if limit is not None and len(out) >= limit:

@@ -50,7 +50,7 @@ class Cluster:
         for k, v in (extra or {}).items():
             self.cfg[k] = {**self.cfg.get(k, {}), **v} if isinstance(v, dict) else v
         # every agent verifies stored jobs against this ring; tests write through self.signing(store)
-        from agent.cloud import testkit
+        from tests.support import cloudkit as testkit
 
         os.makedirs(base_dir, exist_ok=True)
         self.keys_file = os.path.join(base_dir, "keys.yaml")
@@ -69,7 +69,7 @@ class Cluster:
 
     def signing(self, store):
         """``store`` wrapped so that create() binds and signs for this cluster."""
-        from agent.cloud.testkit import SigningStore
+        from tests.support.cloudkit import SigningStore
 
         return SigningStore(store, self.ring, self.cluster)
 

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from agent.cloud.ingest import push_digest
-from agent.cloud.testkit import KID, TEMPLATES, StatusCollector, cancel_doc, job_doc, junk_payload, signed, write_keys
+from tests.support.cloudkit import KID, TEMPLATES, StatusCollector, cancel_doc, job_doc, junk_payload, signed, write_keys
 from agent.coordination.keys import shard_of
 from tests.integration.cluster import Cluster, wait_for
 from tests.support.cloud import T, Pusher, accepted, jobs_in_etcd, wait_agent_connected
@@ -109,7 +109,7 @@ def test_5000_pushes_survive_two_kill9_and_a_broker_restart(world):
 def test_each_rejection_reason_over_mqtt(world):
     from datetime import datetime, timedelta, timezone
 
-    from agent.cloud.testkit import rfc
+    from tests.support.cloudkit import rfc
     from agent.jobs.signing import KeyRing, generate_hmac_secret, sign
 
     world.cluster.start("a1")

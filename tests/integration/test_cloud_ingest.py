@@ -14,13 +14,13 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from agent.cloud.ingest import Ingest
 from agent.cloud.outbox import Outbox
-from agent.cloud.testkit import KID, TEMPLATES, cancel_doc, job_doc, rfc, signed, write_keys
+from tests.support.cloudkit import KID, TEMPLATES, cancel_doc, job_doc, rfc, signed, write_keys
 from agent.cloud.topics import Topics
 from agent.config import EtcdConfig, parse_config
 from agent.coordination.etcd import EtcdClient, EtcdUnavailable
 from agent.coordination.jobstore import JobStore
 from agent.coordination.keys import Keys
-from agent.jobs.document import REASONS
+from agent.jobs.envelope import REASONS
 from agent.jobs.signing import KeyRing, generate_hmac_secret, sign
 
 SHARDS = 8

@@ -9,7 +9,7 @@ import time
 
 from agent.cloud.mqtt import MqttLink
 from agent.cloud.outbox import Outbox, OutboxPublisher
-from agent.cloud.testkit import StatusCollector
+from tests.support.cloudkit import StatusCollector
 from agent.cloud.topics import Topics
 from agent.config import MqttConfig
 

@@ -430,7 +430,7 @@ def _metric(port: int, name: str, labels: str) -> float:
 def test_jobs_written_into_etcd_unsigned_forged_or_for_another_cluster_never_run(env):
     """Acceptance 1: each case gives a status, a metric and an audit record, and never runs;
     a properly signed job next to them runs."""
-    from agent.cloud.testkit import SigningStore
+    from tests.support.cloudkit import SigningStore
     from agent.demo.services import free_port
 
     c, store, out, tmp = env
@@ -477,7 +477,7 @@ def test_retired_key_keeps_its_jobs_until_the_date_then_stops_them(env, tmp_path
     with status rejected / key_retired; jobs of the current key carry on."""
     import yaml
 
-    from agent.cloud.testkit import SigningStore
+    from tests.support.cloudkit import SigningStore
     from agent.jobs.signing import KeyRing, generate_hmac_secret
 
     c, store, out, tmp = env

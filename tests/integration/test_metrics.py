@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from agent.cloud import testkit
+from tests.support import cloudkit as testkit
 from agent.config import EtcdConfig
 from agent.coordination.etcd import EtcdClient
 from agent.coordination.jobstore import JobStore

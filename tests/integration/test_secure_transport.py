@@ -14,7 +14,7 @@ import time
 import pytest
 
 from agent.cloud.mqtt import MqttLink
-from agent.cloud.testkit import StatusCollector, TEMPLATES, job_doc, signed
+from tests.support.cloudkit import StatusCollector, TEMPLATES, job_doc, signed
 from agent.cloud.topics import Topics
 from agent.config import EtcdConfig, MqttConfig, TLSConfig
 from agent.coordination.etcd import EtcdClient, EtcdError, EtcdUnavailable

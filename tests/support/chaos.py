@@ -170,7 +170,7 @@ class ChaosRun:
     # --- setup -------------------------------------------------------------------------
     def setup(self) -> None:
         from agent.cloud.mqtt import MqttLink
-        from agent.cloud.testkit import write_keys
+        from tests.support.cloudkit import write_keys
 
         # ids unique on the host: an agent's run cgroups are named after its id, and an agent
         # starting removes "stale" ones, so a0 of another test run must never be ours

@@ -12,6 +12,7 @@ from agent.cloud.ingest import peek_id, push_digest
 from agent.cloud.outbox import Outbox, OutboxPublisher, keep_state
 from agent.cloud.presence import presence_doc, will_doc
 from agent.cloud.topics import INVALID_ID, Topics
+from tests.support.link import FakeLink, message
 
 
 def test_topics_and_kinds():
@@ -57,12 +58,12 @@ def test_unauthenticated_reports_are_rate_limited():
 
 
 def test_cancelled_mark_is_read_from_the_document_not_its_text():
-    from agent.cloud.ingest import _is_cancelled
+    from agent.cloud.dispatch import stored_cancelled
 
-    assert _is_cancelled(b'{"id":"j","_cancelled":{"at":"x"}}')
-    assert not _is_cancelled(json.dumps({"id": "j", "params": {"p": '"_cancelled"'}}).encode())
-    assert not _is_cancelled(b'{"id":"j","params":{"_cancelled":1}}')
-    assert not _is_cancelled(b"not json")
+    assert stored_cancelled(b'{"id":"j","_cancelled":{"at":"x"}}')
+    assert not stored_cancelled(json.dumps({"id": "j", "params": {"p": '"_cancelled"'}}).encode())
+    assert not stored_cancelled(b'{"id":"j","params":{"_cancelled":1}}')
+    assert not stored_cancelled(b"not json")
 
 
 def test_peek_id():
@@ -166,42 +167,28 @@ def test_keep_state():
     assert not keep_state({"state": "running"}) and not keep_state({"state": "retrying"})
 
 
-class _Link:
-    """A stand-in for MqttLink (our own interface) that records publishes."""
-
-    def __init__(self):
-        self.connected = True
-        self.sent = []
-        self.mid = 0
-
-    def publish(self, topic, payload, qos=1, retain=False):
-        self.mid += 1
-        self.sent.append((self.mid, topic, json.loads(payload)))
-        return 0, self.mid
-
-
 def test_publisher_window_ack_and_redelivery_mark(tmp_path):
     path = str(tmp_path / "ob.sqlite")
     ob = Outbox(path, 1000)
     for i in range(10):
         ob.enqueue("t", {"i": i})
-    link = _Link()
+    link = FakeLink()
     pub = OutboxPublisher(ob, link, window=4)
-    pub._step()
+    pub.step()
     assert [d["i"] for _, _, d in link.sent] == [0, 1, 2, 3]
-    pub._step()
+    pub.step()
     assert len(link.sent) == 4  # window full until acknowledged
     for mid, _, _ in link.sent[:2]:
         pub.on_publish(mid)
-    pub._step()
+    pub.step()
     assert [d["i"] for _, _, d in link.sent] == [0, 1, 2, 3, 4, 5] and ob.depth == 8
     assert not any(d.get("redelivery") for _, _, d in link.sent)
     ob.close()
     # a new process: rows handed to the broker before are marked as a redelivery
     ob = Outbox(path, 1000)
-    link2 = _Link()
+    link2 = FakeLink()
     pub = OutboxPublisher(ob, link2, window=100)
-    pub._step()
+    pub.step()
     got = [(d["i"], d.get("redelivery", False)) for _, _, d in link2.sent]
     assert got == [(2, True), (3, True), (4, True), (5, True), (6, False), (7, False), (8, False), (9, False)]
 
@@ -209,11 +196,19 @@ def test_publisher_window_ack_and_redelivery_mark(tmp_path):
 def test_publisher_waits_while_disconnected(tmp_path):
     ob = Outbox(str(tmp_path / "ob.sqlite"), 10)
     ob.enqueue("t", {"i": 0})
-    link = _Link()
-    link.connected = False
+    link = FakeLink(connected=False)
     pub = OutboxPublisher(ob, link)
-    pub._step()
+    pub.step()
     assert link.sent == [] and ob.depth == 1
+
+
+def test_the_paho_adapter_and_the_test_fake_implement_the_link_protocol():
+    from agent.cloud.link import Link
+    from agent.cloud.mqtt import MqttLink
+    from agent.config import MqttConfig
+
+    assert isinstance(MqttLink(MqttConfig(url="mqtt://127.0.0.1:1"), "x"), Link)
+    assert isinstance(FakeLink(), Link)
 
 
 def test_paho_under_test_is_the_expected_one():
@@ -237,44 +232,32 @@ def test_unauthenticated_input_is_acknowledged_at_once_and_never_held(tmp_path):
     """The screen runs before routing: a non-owner holds only authentic, bound pushes."""
     import types
 
-    from agent.cloud import testkit
-    from agent.cloud.ingest import Dispatcher, Ingest
+    from tests.support import cloudkit
+    from agent.cloud.dispatch import Dispatcher
+    from agent.cloud.ingest import Ingest
     from agent.jobs.signing import KeyRing, generate_hmac_secret
 
-    ring = testkit.write_keys(str(tmp_path / "keys.yaml"))
-    other = KeyRing.from_mapping({testkit.KID: {"alg": "hmac-sha256", "secret": generate_hmac_secret()}})
+    ring = cloudkit.write_keys(str(tmp_path / "keys.yaml"))
+    other = KeyRing.from_mapping({cloudkit.KID: {"alg": "hmac-sha256", "secret": generate_hmac_secret()}})
     topics = Topics("t", "a1")
     outbox = Outbox(str(tmp_path / "ob.sqlite"), 1000)
     ingest = Ingest(store=types.SimpleNamespace(shards=8), keyring=ring, templates={}, topics=topics, agent_id="a1",
                     max_bytes=4096, max_skew_s=300, cluster="t", outbox=outbox)
-    acked = []
-    link = types.SimpleNamespace(ack=lambda m: acked.append(m))
+    link = FakeLink()
+    acked = link.acked
     d = Dispatcher(ingest, link, topics, owned=lambda: frozenset(), grace_s=60.0)  # owns nothing: would hold
-    msg = lambda payload: types.SimpleNamespace(topic=topics.push, payload=payload, received=0.0, qos=1)
-    junk = [b"x", json.dumps(testkit.job_doc("real")).encode(), testkit.signed(testkit.job_doc("real"), other),
-            testkit.signed(testkit.job_doc("real", cluster="u"), ring),
-            testkit.signed({**testkit.job_doc("real"), "kind": "cancel"}, ring)]
+    msg = lambda payload: message(topics.push, payload, received=0.0)
+    junk = [b"x", json.dumps(cloudkit.job_doc("real")).encode(), cloudkit.signed(cloudkit.job_doc("real"), other),
+            cloudkit.signed(cloudkit.job_doc("real", cluster="u"), ring),
+            cloudkit.signed({**cloudkit.job_doc("real"), "kind": "cancel"}, ring)]
     for p in junk:
         d.on_message(msg(p))
     assert len(acked) == len(junk) and d.pending == 0
     assert list(outbox.batch(0, 100)) == []   # only the owner of the digest's shard reports junk
-    valid = msg(testkit.signed(testkit.job_doc("real"), ring))
+    valid = msg(cloudkit.signed(cloudkit.job_doc("real"), ring))
     d.on_message(valid)
     assert d.pending == 1 and valid not in acked   # held for the owner, as before
     outbox.close()
-
-
-class _SyncLink:
-    """A link whose paho acknowledges when on_message returns (no deferred ack)."""
-
-    deferred_ack = False
-
-    def __init__(self):
-        self.acked = []
-
-    def ack(self, msg):
-        self.acked.append(msg.mid)
-        return True
 
 
 class _SlowIngest:
@@ -298,16 +281,16 @@ class _SlowIngest:
 def test_without_deferred_ack_the_push_is_durable_before_on_message_returns(owned):
     """paho 1.x without _send_puback acks when the callback returns: the dispatcher must
     finish the durable write inside on_message (owner or not: it cannot hold the message)."""
-    from agent.cloud.ingest import Dispatcher
-    from agent.cloud.mqtt import Message
+    from agent.cloud.dispatch import Dispatcher
     from agent.cloud.topics import Topics
 
-    ingest, link, topics = _SlowIngest(), _SyncLink(), Topics("t")
+    # a link whose client acknowledges when on_message returns (no deferred ack)
+    ingest, link, topics = _SlowIngest(), FakeLink(deferred_ack=False), Topics("t")
     d = Dispatcher(ingest, link, topics, owned=lambda: frozenset(range(8)) if owned else frozenset(), grace_s=1.5)
-    msg = Message(topics.push, json.dumps({"id": "j1"}).encode(), 1, 7, False, 1, time.monotonic())
+    msg = message(topics.push, json.dumps({"id": "j1"}).encode(), mid=7)
     d.on_message(msg)   # no worker threads started: only on_message itself can have stored it
     assert ingest.durable == [("j1", owned)]
-    assert link.acked == [7] and d.pending == 0
+    assert [m.mid for m in link.acked] == [7] and d.pending == 0
 
 
 class _BatchIngest:
@@ -349,15 +332,14 @@ class _BatchIngest:
 def test_group_commit_acks_each_push_after_its_own_write():
     """What queued while a transaction was in flight goes to the store as one batch; a push
     whose write failed is retried alone and acknowledged only after that write."""
-    from agent.cloud.ingest import Dispatcher
-    from agent.cloud.mqtt import Message
+    from agent.cloud.dispatch import Dispatcher
 
     events: list = []
     ingest, topics = _BatchIngest(events, fail={"j2"}), Topics("t")
-    link = type("Link", (), {"deferred_ack": True, "ack": lambda self, m: events.append(("ack", m.mid))})()
+    link = FakeLink(on_ack=lambda m: events.append(("ack", m.mid)))
     d = Dispatcher(ingest, link, topics, owned=lambda: frozenset(range(8)), grace_s=1.5, workers=1)
     for n in range(5):   # queued before the worker starts: as if a transaction was in flight
-        d.on_message(Message(topics.push, json.dumps({"id": f"j{n}"}).encode(), 1, n, False, 1, time.monotonic()))
+        d.on_message(message(topics.push, json.dumps({"id": f"j{n}"}).encode(), mid=n))
     d.start()
     try:
         deadline = time.monotonic() + 10

@@ -15,22 +15,10 @@ from agent.cloud.queries import BadRequest, parse_request
 from agent.cloud.topics import Topics
 from agent.execute.runs import STDERR_TAIL_BYTES
 from agent.jobs import view
+from tests.support.link import FakeLink
 from tests.support.processes import stderr_tail
 
 T = Topics("c")
-
-
-class _Link:
-    connected = True
-
-    def __init__(self):
-        self.mid = 0
-        self.sent = []
-
-    def publish(self, topic, payload, qos=1, retain=False):
-        self.mid += 1
-        self.sent.append((self.mid, topic, json.loads(payload)))
-        return 0, self.mid
 
 
 @pytest.mark.parametrize("alive,in_outbox,age,want", [
@@ -71,12 +59,12 @@ def test_outbox_markers_are_returned_on_delivery(tmp_path):
     assert ob.has_marker("/m/answers/0001/j/accepted") and ob.has_marker("/m/answers/0001/j/run.x")
     assert not ob.has_marker("/m/answers/0001/other/accepted")
     delivered = []
-    link = _Link()
+    link = FakeLink()
     pub = OutboxPublisher(ob, link, on_delivered=delivered.extend)
-    pub._step()
+    pub.step()
     for mid, _, _ in link.sent:
         pub.on_publish(mid)
-    pub._step()
+    pub.step()
     assert sorted(delivered) == ["/m/answers/0001/j/accepted", "/m/answers/0001/j/run.x"]
     assert not ob.has_marker("/m/answers/0001/j/accepted") and ob.depth == 0
     assert all("marker" not in d for _, _, d in link.sent)  # the key never leaves the agent
@@ -98,9 +86,9 @@ def test_outbox_opens_a_database_from_before_markers(tmp_path):
 def test_hold_knob_publishes_nothing(tmp_path):
     ob = Outbox(str(tmp_path / "ob.sqlite"), 10)
     ob.enqueue("t", {"state": "succeeded"})
-    link = _Link()
+    link = FakeLink()
     pub = OutboxPublisher(ob, link, hold=True)
-    pub._step()
+    pub.step()
     assert link.sent == [] and ob.depth == 1
 
 

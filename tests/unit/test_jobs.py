@@ -12,7 +12,9 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from agent.config import Resources, Template
-from agent.jobs.document import Job, JobRejected, effective_resources, parse_cancel, parse_job, render_argv
+from agent.jobs.document import Job, parse_cancel, parse_job
+from agent.jobs.envelope import JobRejected
+from agent.jobs.render import effective_resources, render_argv
 from agent.jobs.schedule import Schedule
 from agent.jobs.signing import KeyRing, sign
 

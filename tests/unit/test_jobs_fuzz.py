@@ -10,7 +10,8 @@ from datetime import datetime, timezone
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from agent.config import Template
-from agent.jobs.document import ID_RE, REASONS, JobRejected, parse_cancel, parse_job
+from agent.jobs.document import ID_RE, parse_cancel, parse_job
+from agent.jobs.envelope import REASONS, JobRejected
 from agent.jobs.signing import KeyRing, sign
 
 UTC = timezone.utc

@@ -9,7 +9,7 @@ import pytest
 from agent.config import ConfigError, Template, parse_config
 from agent.coordination import placement
 from agent.coordination.placement import TargetError
-from agent.jobs.document import JobRejected
+from agent.jobs.envelope import JobRejected
 from tests.unit.test_jobs import parse, signed
 
 TPL = {"noargs": Template(argv=["/bin/true"])}

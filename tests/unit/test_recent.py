@@ -37,11 +37,11 @@ def test_the_answers_broker_memory_is_bounded(monkeypatch):
 
 
 def test_the_ingest_watch_memories_are_bounded(tmp_path):
-    from agent.cloud.ingest import Dispatcher
+    from agent.cloud.dispatch import Dispatcher
     from agent.cloud.topics import Topics
+    from tests.support.link import FakeLink
 
-    link = types.SimpleNamespace(ack=lambda m: None)
-    d = Dispatcher(types.SimpleNamespace(), link, Topics("t", "a1"), owned=frozenset, grace_s=1.0, recent_max=20)
+    d = Dispatcher(types.SimpleNamespace(), FakeLink(), Topics("t", "a1"), owned=frozenset, grace_s=1.0, recent_max=20)
     kv = lambda key: types.SimpleNamespace(key=key, value=b"{}")  # noqa: E731
     ev = lambda key: types.SimpleNamespace(kind="put", kv=kv(key))  # noqa: E731
     d.on_job_events([ev(f"/mw/jobs/0001/j{i}") for i in range(300)], 1)

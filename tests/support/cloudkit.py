@@ -1,9 +1,6 @@
-"""Helpers for the cloud channel's tests and benchmark (and for operators trying it out):
-signing keys, bound job and cancel documents, a signing job store for tests that write
-jobs straight into etcd, a status collector on a real broker.
-
-Not used by the agent itself.
-"""
+"""The cloud's side in tests and benchmarks: signing keys, bound job and cancel documents,
+unauthenticated junk, a signing job store for tests that write jobs straight into etcd, a
+status collector on a real broker."""
 
 from __future__ import annotations
 
@@ -18,6 +15,9 @@ from typing import Optional
 
 import yaml
 
+from agent.cloud.mqtt import MqttLink
+from agent.cloud.topics import Topics
+from agent.config import MqttConfig
 from agent.jobs.signing import KeyRing, generate_hmac_secret, sign
 from agent.runtime.timefmt import format_rfc3339
 
@@ -38,18 +38,6 @@ def write_keys(path: str, kid: str = KID, secret: Optional[str] = None) -> KeyRi
         yaml.safe_dump({kid: {"alg": "hmac-sha256", "secret": secret}}, fh)
     os.chmod(path, 0o600)
     return KeyRing.load(path)
-
-
-def write_ed25519_keys(signer_path: str, agents_path: str, kid: str = KID) -> KeyRing:
-    """An ed25519 pair via keygen: the signer's file (private) and the agents' keys file
-    (public key only, 0600). Returns the signer's ring."""
-    from agent.jobs.signing import keygen_files
-
-    entry = keygen_files(kid, signer_path)
-    fd = os.open(agents_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(entry)
-    return KeyRing.load(signer_path, require_private=True)
 
 
 TEMPLATES = {
@@ -111,10 +99,6 @@ class StatusCollector:
     real broker and keeps every message."""
 
     def __init__(self, url: str, cluster: str, extra_filters: tuple[str, ...] = (), mqtt_cfg=None):
-        from agent.cloud.mqtt import MqttLink
-        from agent.cloud.topics import Topics
-        from agent.config import MqttConfig
-
         self.topics = Topics(cluster)
         self.lock = threading.RLock()  # predicates passed to wait() may call docs()
         self.messages: list[tuple[float, str, dict]] = []
@@ -169,8 +153,6 @@ class StatusCollector:
 def junk_payload(rnd: random.Random, i: int, real_ids: list, ring, other_ring) -> bytes:
     """Unauthenticated input aimed at real job ids: unsigned, forged, signed by another
     fleet's key, a valid document of another cluster, bad JSON, noise."""
-    from agent.jobs.signing import sign
-
     jid = rnd.choice(real_ids)
     k = i % 6
     if k == 0:
