@@ -24,7 +24,7 @@ from agent.coordination import placement
 from agent.coordination.etcd import EtcdClient
 from agent.coordination.fencing import Fence
 from agent.coordination.jobstore import JobStore, StoredJob, public_doc
-from agent.coordination.keys import Keys
+from agent.coordination.keys import Keys, shard_of
 from agent.coordination.watch import PrefixWatch, WatchEvent
 from agent.jobs import schedule as sch
 from agent.jobs.document import Job
@@ -80,7 +80,7 @@ class CatalogListener(Protocol):
 
     def job_installed(self, e: JobEntry, records: Records) -> None: ...
 
-    def job_cancelled(self, e: JobEntry) -> None: ...
+    def job_cancelled(self, e: JobEntry, reason: str) -> None: ...
 
     def job_dropped(self, e: JobEntry, reason: str) -> None: ...
 
@@ -103,6 +103,7 @@ class JobCatalog:
         self.audit = audit
         self.statuses = statuses
         self.claim_lead_s = cfg.execute.claim_lead_s
+        self.max_age_s = cfg.mqtt.max_age_s
         self.listener: Optional[CatalogListener] = None
         self.store = JobStore(client, keys, cfg.shards, cfg.agent_id)
         self.entries: dict[str, JobEntry] = {}
@@ -193,7 +194,7 @@ class JobCatalog:
             del self.loading[unit]
             self.loaded[unit] = rev
             for stored in jobs:
-                if not (stored.cancelled or stored.tombstone or stored.id in self.entries):
+                if not (self._misplaced(stored) or stored.cancelled or stored.tombstone or stored.id in self.entries):
                     self._install(stored, runs.get(stored.id, {}))
             JOBS_OWNED.set(len(self.entries))
             if self._dirty.pop(unit, 0) > rev:
@@ -248,18 +249,20 @@ class JobCatalog:
             if unit not in self.loaded or ev.kv.mod_revision <= self.loaded[unit]:
                 continue
             if ev.kind == "delete":
-                if job_id in self.entries:
-                    self._drop(job_id, EndReason.DELETED)
+                if job_id in self.entries and ev.kv.key == self.keys.job(shard_of(job_id, self.shards), job_id):
+                    self._deleted(job_id)
                 continue
             if doc is None:
                 try:
                     doc = json.loads(ev.kv.value)
                 except ValueError:
                     continue
-            self.job_stored(StoredJob(unit, doc, ev.kv.mod_revision, ev.kv.create_revision))
+            self.job_stored(StoredJob(unit, doc, ev.kv.mod_revision, ev.kv.create_revision, key=ev.kv.key))
 
     def job_stored(self, stored: StoredJob) -> None:
         """A job was created or changed in etcd (watch, or the ingest shortcut)."""
+        if self._misplaced(stored):
+            return
         if stored.shard < self.shards:  # a storage shard: find the job's unit
             unit = self._unit_for(stored.id, stored.shard, stored.doc)
             if unit is None:
@@ -272,10 +275,13 @@ class JobCatalog:
             return
         e = self.entries.get(stored.id)
         if stored.finished and not stored.cancelled:
-            # retention replaced a job that can never fire again by its tombstone: forget it
-            # quietly (it is not a cancel)
-            if e is not None and all(f.state == FiringState.DONE for f in e.firings.values()):
+            # retention replaces a job that can never fire again by its tombstone: forget it
+            # quietly (it is not a cancel). A tombstone over a job with firings to come was
+            # not retention's: the job stops, and says so
+            if e is not None and e.next_due is None and all(f.state == FiringState.DONE for f in e.firings.values()):
                 self._drop(stored.id, EndReason.FINISHED)
+            elif e is not None:
+                self.job_cancelled(stored.id, "tombstoned")
             return
         if stored.cancelled or stored.tombstone:
             if e is not None:
@@ -286,10 +292,17 @@ class JobCatalog:
         self._install(stored, {})
         JOBS_OWNED.set(len(self.entries))
 
-    def job_cancelled(self, job_id: str) -> None:
+    def job_cancelled(self, job_id: str, reason: str = EndReason.CANCELLED) -> None:
         e = self.entries.get(job_id)
         if e is not None and self.listener is not None:
-            self.listener.job_cancelled(e)
+            self.listener.job_cancelled(e, reason)
+
+    def _deleted(self, job_id: str) -> None:
+        """The job's key was deleted. Retention deletes only tombstones (of cancelled or
+        finished jobs): a live job deleted is stopped like a cancel, with its final
+        statuses and an audit record saying so, then forgotten."""
+        self.job_cancelled(job_id, "deleted")
+        self._drop(job_id, EndReason.DELETED)
 
     def _unit_for(self, job_id: str, storage: int, doc: Optional[dict]) -> Optional[int]:
         """The unit a job belongs to: its entry's if installed (tombstones carry no target),
@@ -316,6 +329,10 @@ class JobCatalog:
             accepted_at = parse_rfc3339(stored.accepted_at) if stored.accepted_at else utcnow()
         except Exception:
             accepted_at = utcnow()
+        stale = self._replayed(job, accepted_at, records)
+        if stale is not None:
+            self._reject_stored(stored, "too_old", stale)
+            return
         # the entry keeps the parsed job, not a second copy of the stored document (~2 KB
         # a job: bench_scale.py memory)
         slim = StoredJob(stored.shard, {"id": stored.id}, stored.revision, stored.create_revision)
@@ -329,10 +346,38 @@ class JobCatalog:
             self.listener.job_installed(e, records)
 
     # --- trust ------------------------------------------------------------------------
+    def _misplaced(self, stored: StoredJob) -> bool:
+        """A document read from a key that is not its own is reported and never acted on:
+        a signed job copied under another key or shard would run beside the real one under
+        another fence, and a copy's cancel mark must not stop the real one."""
+        if not stored.key:
+            return False   # written by this agent's own ingest, at the key it computed
+        job_id = stored.id if isinstance(stored.id, str) else ""
+        expected = self.keys.job(shard_of(job_id, self.shards), job_id)
+        if stored.key == expected:
+            return False
+        self._reject_stored(stored, "misplaced", f"stored at {stored.key}, but job {job_id!r} lives at {expected}")
+        return True
+
+    def _replayed(self, job: Job, accepted_at: datetime, records: Records) -> Optional[str]:
+        """Why a stored one-shot can only be a replay, or None. A one-shot signed longer ago
+        than mqtt.max_age_s, already due and without any run record never ran in its
+        lifetime: re-put after retention removed it, it would run now (misfire recovery)."""
+        if records or job.schedule.kind == "cron" or job.issued_at is None:
+            return None
+        now = utcnow()
+        if (now - job.issued_at).total_seconds() <= self.max_age_s:
+            return None
+        due = sch.first_due(job, accepted_at)
+        if due is None or due > now:
+            return None
+        return (f"issued_at: a one-shot signed at {rfc(job.issued_at)}, due at {rfc(due)}, with no run record, is "
+                f"older than mqtt.max_age_s ({self.max_age_s:g} s): a replay is never run")
+
     def _reject_stored(self, stored: StoredJob, reason: str, detail: str) -> None:
         """A stored document that may not run: never installed; reported once per revision."""
         job_id = stored.id if isinstance(stored.id, str) else ""
-        seen = (job_id, stored.revision, reason)
+        seen = (job_id, stored.key, stored.revision, reason)
         if seen in self._rejected_seen:
             return
         self._rejected_seen.remember(seen, None)

@@ -63,7 +63,8 @@ class FiringEnd(Word):
     HANDED_OVER = "handed_over"            # its run ended with the shard: the next owner resolves it
     DROPPED = "dropped"                    # its job's entry went (shard lost, job deleted) before it ran
     NOT_OWNER = "not_owner"                # no fence, and the shard is not held
-    ALREADY_CLAIMED = "already_claimed"    # another claim holds its record
+    ALREADY_CLAIMED = "already_claimed"    # a record it may not replace holds its key
+    FOREIGN = "foreign"                    # its record was not believed: reported, handled, not run
     SHARD_LOST = "shard_lost"              # the shard went while it was claiming
     FENCED = "fenced"                      # the fence went between its claim and its spawn
     RETRY_CLAIM_FAILED = "retry_claim_failed"  # its record is not the one its retry expected
@@ -78,6 +79,7 @@ class ClaimState:
     rev: int = 0                    # its mod revision (0: no record of ours)
     writing: int = 0                # writes in flight: a retry's claim waits for the revision they set
     unsure: tuple = ()              # records of earlier claims whose outcome was unknown (a few)
+    taken_over: bool = False        # its claim replaced a foreign record (once at most)
 
 
 _SEQ = itertools.count(1)

@@ -39,7 +39,7 @@ from agent.jobs.claims import Claim, ClaimKind, ClaimWriter
 from agent.jobs.dependencies import DependencyCheck
 from agent.jobs.firing import ACTIVE, NOT_STARTED, Firing, FiringEnd, FiringState
 from agent.jobs.launching import SPAWN_AHEAD_MIN_S, Launcher, Planned
-from agent.jobs.metrics import ABANDONED, FIRINGS, JOB_DURATION, RUNS, TRIGGER_DELAY
+from agent.jobs.metrics import ABANDONED, FIRINGS, FOREIGN_RECORDS, JOB_DURATION, RUNS, TRIGGER_DELAY
 from agent.jobs.records import FENCE_WAIT_S, RunRecords
 from agent.jobs.states import EndReason, JobState, RecordState
 from agent.jobs.statuses import Statuses
@@ -127,6 +127,8 @@ class Scheduler:
             f.timer = self.loop.call_later((at - now).total_seconds(), self._retry_due, f)
         for f in r.orphans:
             self._orphan(f, now)
+        for f, why in r.foreign:
+            self._foreign_at_load(f, why, now)
         if r.error is not None:
             log.error("cannot compute the schedule; ignoring job", extra={"fields": {"job": e.job.id, "error": r.error}})
             return
@@ -144,7 +146,22 @@ class Scheduler:
         if r.announce:
             self.statuses.send(e, None, JobState.SCHEDULED, due=rfc(r.next_due))
 
-    def job_cancelled(self, e: JobEntry) -> None:
+    def _foreign_at_load(self, f: Firing, why: str, now: datetime) -> None:
+        """A record the signed job does not allow. For a firing already due it counts as
+        handled: its record is replaced by this agent's `failed` (foreign_record), and it
+        never runs from it. One for a future firing is removed: that firing runs when due."""
+        if f.due > now:
+            self._report_foreign(f, "load", why, JobState.SCHEDULED)
+            self.records.remove(f)
+            f.finish(F.FOREIGN)
+            self._forget(f)
+            return
+        self._report_foreign(f, "load", why, RecordState.FAILED)
+        self._finish(f, RecordState.FAILED, {"reason": "foreign_record", "ended_at": rfc(now), "detail": why})
+
+    def job_cancelled(self, e: JobEntry, reason: str = EndReason.CANCELLED) -> None:
+        """Its runs are stopped and every firing not started ends `cancelled`; ``reason``:
+        cancelled (a cancel), deleted or tombstoned (its key changed outside retention)."""
         if e.cancelled:
             return
         e.cancelled = True
@@ -160,8 +177,8 @@ class Scheduler:
                     # admitted, its claim waiting for the fence: its slot goes (unknown keys: none)
                     self.admitter.release(f)
                 self._finish_without_run(f, RecordState.CANCELLED, EndReason.CANCELLED)
-        self.statuses.send(e, None, RecordState.CANCELLED, reason=EndReason.CANCELLED)
-        self.audit.record("job", event="cancelled", job=e.job.id, shard=e.shard)
+        self.statuses.send(e, None, RecordState.CANCELLED, reason=reason)
+        self.audit.record("job", event=reason, job=e.job.id, shard=e.shard)
 
     def job_dropped(self, e: JobEntry, reason: str) -> None:
         """The job's entry went (shard lost, deleted, key retired, finished): its timers stop,
@@ -260,7 +277,7 @@ class Scheduler:
                            pid=getattr(f.handle, "pid", None))
 
     # --- claims -------------------------------------------------------------------------
-    def _claim(self, f: Firing, retry: bool = False) -> None:
+    def _claim(self, f: Firing, retry: bool = False, takeover: bool = False) -> None:
         """Claim the firing's run record (claims.py), then start its process."""
         e = f.entry
         if not self.catalog.current(e):
@@ -279,7 +296,8 @@ class Scheduler:
             f.attempt += 1
         f.move(S.CLAIMING)
         f.run = self.launcher.plan(f)
-        self.claims.claim(f, fence, retry, f.run.spec if isinstance(f.run, Planned) else None, self._claimed)
+        self.claims.claim(f, fence, retry, f.run.spec if isinstance(f.run, Planned) else None, self._claimed,
+                          takeover=takeover)
 
     def _claimed(self, f: Firing, c: Claim) -> None:
         if c.kind is ClaimKind.CLAIMED:
@@ -292,10 +310,41 @@ class Scheduler:
                 self._claim(f, c.retry)
         elif c.kind is ClaimKind.DISCARD:
             self._discard(f)
+        elif c.kind is ClaimKind.FOREIGN:
+            self._claimed_foreign(f, c)
         else:
             if c.why is F.ALREADY_CLAIMED:
                 FIRINGS.labels("already_claimed").inc()
             self._abandon(f, c.why or F.DROPPED)
+
+    def _claimed_foreign(self, f: Firing, c: Claim) -> None:
+        """A record this agent never claimed holds the firing's key. Written after this agent
+        took the shard, it is no agent's claim (they are fenced out): reported, and the
+        firing claimed over it, once. Older, it is reported and the firing ends there."""
+        f.claim.record, f.claim.rev = c.record if isinstance(c.record, dict) else None, c.rev
+        fence = self.fencing.fence_for(f.entry.shard)
+        over = fence is not None and c.rev > fence.token and not f.claim.taken_over
+        self._report_foreign(f, "claim", "a record this agent never claimed holds the firing's key",
+                             RecordState.RUNNING if over else RecordState.FAILED)
+        if over:
+            f.claim.record, f.claim.taken_over = None, True
+            self._claim(f, takeover=True)
+        else:
+            FIRINGS.labels("already_claimed").inc()
+            self._abandon(f, F.ALREADY_CLAIMED)
+
+    def _report_foreign(self, f: Firing, where: str, why: str, state: str) -> None:
+        """A run record not believed: a status, a metric and an audit record."""
+        rec = f.claim.record or {}
+        FOREIGN_RECORDS.labels(where).inc()
+        seen = {"agent": rec.get("agent"), "state": rec.get("state"), "attempt": rec.get("attempt"),
+                "revision": f.claim.rev}
+        log.warning("run record not believed", extra={"fields": {"job": f.entry.job.id, "fire_id": f.fire_id,
+                                                                  "where": where, "why": why}})
+        self.audit.record("job", event="foreign_record", job=f.entry.job.id, fire_id=f.fire_id, where=where,
+                          why=why, record=seen)
+        if state != RecordState.FAILED:   # a final one goes with the firing's final record
+            self.statuses.send(f.entry, f, state, reason="foreign_record", detail=why, record=seen)
 
     # --- runs ----------------------------------------------------------------------------
     def _spawn(self, f: Firing) -> None:
