@@ -1,9 +1,10 @@
 """Typed agent configuration loaded from YAML.
 
 Every section is a dataclass whose fields carry a ``doc`` string, so that the configuration
-reference (docs/configuration.md, `make reference`) is generated from this file and never drifts. Loading collects
-*every* problem (key path and file) instead of stopping at the first, because an
-operator fixing a gateway's config over a slow link wants the whole list at once.
+reference (docs/configuration.md, `make reference`) is generated from this file and never
+drifts. Loading collects *every* problem (key path and file) instead of stopping at the
+first, because an operator fixing a gateway's config over a slow link wants the whole list
+at once.
 """
 
 from __future__ import annotations
