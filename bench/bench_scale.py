@@ -320,9 +320,9 @@ def month(days: int, cron: int, oneshots: int, per_day: int = 150, shards: int =
 # --- what an agent's memory holds per owned job -------------------------------------------------
 
 def memory(jobs: int) -> None:
-    """Install `jobs` stored jobs through the real Scheduler._install_job (in this process,
-    no etcd: the stored values are what JobStore.create writes) and show with tracemalloc
-    which allocations dominate, and the RSS growth."""
+    """Install `jobs` stored jobs through the real job catalog and scheduler (in this
+    process, no etcd: the stored values are what JobStore.create writes, signed for the
+    cluster) and show with tracemalloc which allocations dominate, and the RSS growth."""
     import gc
     import tracemalloc
     from types import SimpleNamespace
@@ -330,24 +330,41 @@ def memory(jobs: int) -> None:
     from agent.config import parse_config
     from agent.coordination.jobstore import StoredJob
     from agent.coordination.keys import Keys
+    from agent.jobs.catalog import JobCatalog
     from agent.jobs.scheduler import Scheduler
+    from agent.jobs.signing import KeyRing, generate_hmac_secret, sign
     from agent.runtime.loop import EventLoop
 
-    cfg = parse_config("shards: 64\ntemplates: {noop: {argv: [/bin/true], user: root, allow_root: true}}\n")
-    agent = SimpleNamespace(cfg=cfg, loop=EventLoop(), keys=Keys("bench"), client=None, shard_listeners=[],
-                            busy_checks=[], status_providers={}, publish_status=lambda doc: None,
-                            record=lambda *a, **k: None, fence_for=lambda shard: None)
-    sched = Scheduler(agent, executor=None, admission=None)
-    values = [job_value(f"j{i:06d}", {"cron": "0 3 * * *", "tz": "Europe/Berlin"}, misfire="skip")
-              for i in range(jobs)]
+    cfg = parse_config("cluster: bench\nshards: 64\n"
+                       "templates: {noop: {argv: [/bin/true], user: root, allow_root: true}}\n")
+    ring = KeyRing.from_mapping({"bench": {"alg": "hmac-sha256", "secret": generate_hmac_secret()}})
+    loop, keys = EventLoop(), Keys(cfg.cluster)
+    # the agent's seams, inert: no shard is held, nothing is published
+    agent = SimpleNamespace(fence_for=lambda unit: None, owns=lambda unit: None, held=lambda unit: None,
+                            release_idle=lambda: None, publish_status=lambda doc: None,
+                            record=lambda *a, **k: None, pool_of_unit=lambda unit: "", unit_of=lambda p, s: s)
+    executor = SimpleNamespace(default_limits=None, stage=lambda spec: None, unstage=lambda staged: None)
+    lease = SimpleNamespace(lease_id=None, valid_until=0.0, is_valid=lambda: False)
+    catalog = JobCatalog(cfg, None, keys, agent, agent, loop, None, ring, audit=agent, statuses=agent)
+    catalog.listener = Scheduler(cfg, catalog, fencing=agent, lease=lease, loop=loop, client=None, keys=keys,
+                                 workers=None, executor=executor, admission=None, sink=agent, audit=agent)
+    catalog.loaded.update({s: 0 for s in range(cfg.shards)})   # every shard listed (as after its load)
+    issued = format_rfc3339(datetime.now(timezone.utc).replace(microsecond=0))
+    values = []
+    for i in range(jobs):
+        doc = json.loads(job_value(f"j{i:06d}", {"cron": "0 3 * * *", "tz": "Europe/Berlin"}, misfire="skip"))
+        accepted = doc.pop("_accepted")
+        doc.update({"cluster": cfg.cluster, "kind": "job", "issued_at": issued})
+        values.append(dict(sign(doc, ring, "bench"), _accepted=accepted))
     gc.collect()
     rss0 = rss_mb(os.getpid())
     tracemalloc.start(4)
     snap0 = tracemalloc.take_snapshot()
     t = time.monotonic()
     for i, v in enumerate(values):
-        sched._install_job(StoredJob(shard_of(f"j{i:06d}", 64), json.loads(v), i + 1, i + 1), {})
+        catalog.job_stored(StoredJob(shard_of(f"j{i:06d}", 64), v, i + 1, i + 1))
     took = time.monotonic() - t
+    assert len(catalog.entries) == jobs, f"{jobs - len(catalog.entries)} jobs refused (see the log)"
     snap1 = tracemalloc.take_snapshot()
     tracemalloc.stop()
     del values

@@ -282,7 +282,7 @@ templates:
     # run-record writes: every run writes its record twice (running, then final)
     kvs, _ = agent.client.get_prefix(agent.keys.runs_prefix(), keys_only=True)
     print(f"run records: {len(kvs)} ({2 * len(kvs) / over:.0f} fenced run-record writes/s sustained over {over:.0f} s)")
-    from agent.jobs.scheduler import FIRINGS
+    from agent.jobs.metrics import FIRINGS
 
     if lead > 0:
         from agent.jobs.claimlead import LEAD

@@ -1,9 +1,10 @@
 """A firing: one due time of one job, from due to its final run record.
 
 The scheduler owns every Firing and changes its state only through ``Firing.move``, so
-the life of a firing reads from one table (``TRANSITIONS``). The run-record and status
-states that the cloud sees (``TERMINAL``, ``RETRYABLE``) are the contract's; the firing
-states are the scheduler's own bookkeeping and never leave the agent.
+the life of a firing reads from one table (``TRANSITIONS``); a firing that is DONE says why
+(``FiringEnd``). The run-record and status states the cloud sees are the contract's
+(agent/jobs/states.py); the firing states are the scheduler's own bookkeeping and never
+leave the agent.
 """
 
 from __future__ import annotations
@@ -15,15 +16,15 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
+from agent.jobs.states import TERMINAL, Word
+
 if TYPE_CHECKING:
-    from agent.jobs.scheduler import JobEntry
+    from agent.jobs.catalog import JobEntry
 
 log = logging.getLogger(__name__)
 
-# run-record / status states after which nothing more happens to a firing (README contract)
-TERMINAL = frozenset({"succeeded", "failed", "timed_out", "killed", "cancelled", "misfired"})
-# final states the job's retry policy may turn into another attempt
-RETRYABLE = frozenset({"failed", "timed_out"})
+__all__ = ["TERMINAL", "FiringState", "FiringEnd", "ClaimState", "Firing", "RunListener", "TRANSITIONS",
+           "ACTIVE", "NOT_STARTED"]
 
 
 class FiringState(enum.Enum):
@@ -53,6 +54,32 @@ TRANSITIONS: dict[FiringState, frozenset[FiringState]] = {
 ACTIVE = frozenset({S.CLAIMING, S.RUNNING, S.FINISHING})  # a shard with such a firing is busy (a record to write)
 NOT_STARTED = frozenset({S.PENDING, S.HELD, S.WAITING, S.RETRYING, S.RETRYING_ADMISSION})  # a cancel ends these
 
+
+
+class FiringEnd(Word):
+    """Why a firing is DONE (the ``abandoned`` ones leave no record of this agent's)."""
+
+    RECORDED = "recorded"                  # its final record was written (or is being)
+    HANDED_OVER = "handed_over"            # its run ended with the shard: the next owner resolves it
+    DROPPED = "dropped"                    # its job's entry went (shard lost, job deleted) before it ran
+    NOT_OWNER = "not_owner"                # no fence, and the shard is not held
+    ALREADY_CLAIMED = "already_claimed"    # another claim holds its record
+    SHARD_LOST = "shard_lost"              # the shard went while it was claiming
+    FENCED = "fenced"                      # the fence went between its claim and its spawn
+    RETRY_CLAIM_FAILED = "retry_claim_failed"  # its record is not the one its retry expected
+
+
+@dataclass
+class ClaimState:
+    """What this agent knows of the firing's run record: the claim and every later write
+    compare against ``rev``."""
+
+    record: Optional[dict] = None   # the record as last written or read back
+    rev: int = 0                    # its mod revision (0: no record of ours)
+    writing: int = 0                # writes in flight: a retry's claim waits for the revision they set
+    unsure: tuple = ()              # records of earlier claims whose outcome was unknown (a few)
+
+
 _SEQ = itertools.count(1)
 
 
@@ -62,21 +89,19 @@ class Firing:
     due: datetime
     fire_id: str
     attempt: int = 1
-    record: Optional[dict] = None
-    record_rev: int = 0      # mod revision of the run record we last wrote
+    claim: ClaimState = field(default_factory=ClaimState)
     handle: Any = None
     timer: Any = None
     wait_reason: Optional[str] = None
     started_mono: float = 0.0
     health: str = "healthy"
     lead: float = 0.0        # how far ahead of `due` its claim was planned (0: at or after due)
-    writing: int = 0         # record writes in flight: a retry's claim compares the revision they set
     limits: Any = None       # the limits admission let in, which the run then gets
     run: Any = None          # (RunSpec, argv, template) of this attempt, or why it cannot start
     staged: Any = None       # its directories and quota container, made with the claim (Executor.stage)
-    unsure: tuple = ()       # records of its earlier claims whose outcome was unknown (a few)
     seq: int = field(default_factory=lambda: next(_SEQ))
     state: FiringState = field(default=FiringState.PENDING, init=False)
+    ended: Optional[FiringEnd] = field(default=None, init=False)
 
     @property
     def key(self) -> str:
@@ -93,6 +118,11 @@ class Firing:
         self.state = to
         if wait_reason is not None:
             self.wait_reason = wait_reason
+
+    def finish(self, why: FiringEnd) -> None:
+        """DONE, saying why."""
+        self.move(FiringState.DONE)
+        self.ended = why
 
 
 class RunListener(Protocol):

@@ -212,11 +212,11 @@ class _Throttle:
 class Retention:
     """Runs retention for the shards this agent holds; a daemon component (loop thread)."""
 
-    def __init__(self, agent: Any, scheduler: Any, executor: Any = None,
+    def __init__(self, agent: Any, catalog: Any, executor: Any = None,
                  clock: Callable[[], float] = time.time):
         self.agent = agent
         self.cfg = agent.cfg.retention
-        self.scheduler = scheduler
+        self.catalog = catalog
         self.executor = executor
         self.keys = agent.keys
         self.client = agent.client
@@ -259,7 +259,7 @@ class Retention:
             return
         # cluster shards only: a storage shard's records (targeted jobs' too) are trimmed by
         # the cluster shard's owner; pool units (>= shards) share their storage shard
-        loaded = sorted(s for s in self.scheduler.loaded
+        loaded = sorted(s for s in self.catalog.loaded
                         if s < self.agent.cfg.shards and self.agent.fence_for(s) is not None)
         if loaded:  # one shard per tick, round robin
             shard = next((s for s in loaded if s >= self._cursor), loaded[0])
@@ -279,7 +279,7 @@ class Retention:
 
     def _dirs_in_use(self) -> set[str]:
         used = set()
-        for e in self.scheduler.entries.values():
+        for e in self.catalog.entries.values():
             for f in e.firings.values():
                 d = getattr(f.handle, "run_dir", None)
                 if d:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 
 
-class _Word(str, enum.Enum):
+class Word(str, enum.Enum):
     """A member prints as its value (``f"{state}"`` is ``running``), on every Python."""
 
     def __str__(self) -> str:
@@ -17,7 +17,7 @@ class _Word(str, enum.Enum):
         return format(str(self.value), spec)
 
 
-class RecordState(_Word):
+class RecordState(Word):
     """``state`` of a run record (runs/<shard>/<job>/<fire_id>) and of a run's status."""
 
     RUNNING = "running"        # claimed under the shard's fence; the process may be alive
@@ -30,7 +30,7 @@ class RecordState(_Word):
     MISFIRED = "misfired"
 
 
-class JobState(_Word):
+class JobState(Word):
     """States a status document may carry besides a run's (README: MQTT topics)."""
 
     ACCEPTED = "accepted"
@@ -46,7 +46,7 @@ TERMINAL = frozenset({RecordState.SUCCEEDED, RecordState.FAILED, RecordState.TIM
 IN_PROGRESS = frozenset({RecordState.RUNNING, RecordState.RETRYING})
 
 
-class EndReason(_Word):
+class EndReason(Word):
     """Why a run ended: the executor's reasons, and those the scheduler adds."""
 
     # the executor's (agent/execute/runs.py REASONS)

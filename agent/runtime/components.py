@@ -15,8 +15,11 @@ from agent.config import Config
 
 log = logging.getLogger(__name__)
 
+RECORD_WORKERS = 6   # threads writing run records (claims, final states) to etcd
+
 if TYPE_CHECKING:
     from agent.jobs.firing import RunListener
+    from agent.jobs.signing import KeyRing
     from agent.runtime.daemon import Agent, Component, ComponentFactory
 
 
@@ -54,42 +57,76 @@ class _AuditComponent:
 
 
 class _JobsComponent:
-    """Executor (quotas), admission control and the scheduler that owns due firings."""
+    """Executor (quotas), admission control, the job catalog and the scheduler that owns
+    due firings, and retention."""
 
     def __init__(self, agent: Agent, run_listeners: Sequence[RunListener] = ()):
         import os
 
+        from agent.coordination.worker import EtcdWorkers
         from agent.execute.admission import Admission, Budget
         from agent.execute.backends import run_root_name
         from agent.execute.executor import Executor
+        from agent.jobs.catalog import JobCatalog
         from agent.jobs.retention import Retention
         from agent.jobs.scheduler import Scheduler
 
-        root = run_root_name(agent.cfg.agent_id, agent.cfg.state_dir)
-        self.executor = Executor.from_config(agent.cfg.execute, os.path.join(agent.cfg.state_dir, "runs"),
+        cfg = agent.cfg
+        root = run_root_name(cfg.agent_id, cfg.state_dir)
+        self.executor = Executor.from_config(cfg.execute, os.path.join(cfg.state_dir, "runs"),
                                              root_name=root, reclaim=True)
-        self.admission = Admission(Budget.from_config(agent.cfg.execute))
+        self.admission = Admission(Budget.from_config(cfg.execute))
         guard = self.executor.guard
         if guard is not None:
             # deadman: runs claimed under the lease die by validity + kill_grace_s even if this
             # process is frozen (the self-fence would have SIGKILLed them by then)
-            grace = agent.cfg.execute.kill_grace_s
+            grace = cfg.execute.kill_grace_s
             agent.session.validity_listeners.append(lambda until: guard.set_deadline(until + grace))
-        self.scheduler = Scheduler(agent, self.executor, self.admission, run_listeners)
-        self.retention = Retention(agent, self.scheduler, self.executor)
-        agent.watch_sources.append(self.scheduler.start_watches)
+        if agent.keyring is None:  # no cloud component: read the keys file here
+            agent.keyring = _load_keyring(cfg.signing.keys_file)
+        # run records are most of the etcd writes, and a firing's claim must not queue behind
+        # shard hand-overs (or they behind a burst of claims); several threads let etcd batch
+        # concurrent writes into one fsync
+        self.workers = EtcdWorkers(agent.loop.post, threads=RECORD_WORKERS, name="runs")
+        self.catalog = JobCatalog(cfg, agent.client, agent.keys, agent, agent.placement, agent.loop, self.workers,
+                                  agent.keyring, audit=agent, statuses=agent)
+        self.scheduler = Scheduler(cfg, self.catalog, fencing=agent, lease=agent.session, loop=agent.loop,
+                                   client=agent.client, keys=agent.keys, workers=self.workers,
+                                   executor=self.executor, admission=self.admission, sink=agent, audit=agent,
+                                   run_listeners=run_listeners)
+        self.scheduler.statuses.answer_markers = agent.answer_markers
+        self.catalog.listener = self.scheduler
+        agent.shard_listeners.append(self.catalog)
+        agent.job_listeners.append(self.catalog)
+        agent.watch_sources.append(self.catalog.start_watches)
+        agent.busy_checks.append(self.scheduler.busy)
+        agent.drain_hooks.append(self.scheduler.drain_started)
+        agent.run_stoppers.append(self.scheduler.stop_runs)
+        agent.status_providers["jobs"] = self.scheduler.status
+        self.retention = Retention(agent, self.catalog, self.executor)
         agent.status_providers["quota"] = lambda: {"backend": self.executor.backend.name,
                                                    "why": self.executor.backend.why}
 
     def start(self) -> None:
-        self.scheduler.workers.start()
+        self.workers.start()
         self.retention.start()
 
     def stop(self) -> None:
         self.retention.stop()
         self.scheduler.stop()
         self.executor.close()
-        self.scheduler.workers.stop()
+        self.workers.stop()
+
+
+def _load_keyring(path: str) -> KeyRing:
+    from agent.jobs.signing import KeyFileError, KeyRing
+
+    try:
+        return KeyRing.load(path)
+    except KeyFileError as exc:
+        for line in exc.problems:
+            log.error("signing keys unusable: no stored job will run", extra={"fields": {"problem": line}})
+        return KeyRing({}, source=path)
 
 
 def _compaction(agent: Agent) -> Component:

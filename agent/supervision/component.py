@@ -33,14 +33,14 @@ NODE_EVERY_S = 5.0
 
 
 class RunGate(Protocol):
-    """What the decisions do to runs (the scheduler): stop and resume starting runs
-    (early fence), and publish a run's changed health."""
+    """What the decisions do to runs (the scheduler, which owns firings): stop and resume
+    starting runs (early fence), and a run's changed health (kept and published)."""
 
     def pause(self, reason: str) -> None: ...
 
     def resume(self) -> None: ...
 
-    def publish_health(self, f: Firing, state: str, rule: Optional[str]) -> None: ...
+    def health_changed(self, f: Firing, state: str, rule: Optional[str]) -> None: ...
 
 
 class Supervision:
@@ -173,10 +173,9 @@ class Supervision:
         if d is None:
             return
         f = r["firing"]
-        f.health = d.state
         self.agent.record("job", event="health", job=f.entry.job.id, run_id=f.fire_id, attempt=f.attempt,
                           **d.to_record())
-        self.gate.publish_health(f, d.state, d.rule)
+        self.gate.health_changed(f, d.state, d.rule)
         if d.end_run and f.handle is not None:
             f.handle.terminate("network_stall")
 

@@ -27,7 +27,8 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-import agent.jobs.scheduler as scheduler_module
+import agent.jobs.claims as claims_module
+import agent.jobs.records as records_module
 from agent.coordination.etcd import EtcdUnavailable
 from agent.coordination.jobstore import JobStore
 from agent.coordination.keys import shard_of
@@ -49,7 +50,7 @@ def env(etcd_server, tmp_path):
     try:
         wait_for(lambda: c.all_owned_by({"sl0"}), 20, what="the agent holding every shard")
         wait_for(lambda: la.on_loop(lambda: all(la.agent.owns(s) for s in range(c.shards)) and
-                                    set(la.scheduler.loaded) == set(range(c.shards))), 20, interval=0.05,
+                                    set(la.scheduler.catalog.loaded) == set(range(c.shards))), 20, interval=0.05,
                  what="every shard loaded by the agent")
         yield c, la, store, out
     finally:
@@ -78,6 +79,12 @@ def due_now(store: Any, job_id: str) -> None:
     store.create(job(job_id, {}, issued_at=format_rfc3339(datetime.now(timezone.utc).replace(microsecond=0))))
 
 
+def patch_fenced_txn(monkeypatch: Any, fn: Callable[..., Any]) -> None:
+    """Every fenced transaction of the scheduler (claims and record writes) through ``fn``."""
+    for module in (claims_module, records_module):
+        monkeypatch.setattr(module, "fenced_txn", fn)
+
+
 def writes_job(success: Any, job_id: str) -> bool:
     """Whether a transaction's operations write one of the job's run records."""
     keys = (getattr(op, "key", b"") for op in success)
@@ -104,13 +111,13 @@ class ReadBacks:
 @contextlib.contextmanager
 def read_backs(la: LocalAgent, job_id: str, hook: Callable[[Callable[[], Any]], Any]) -> Iterator[None]:
     """The scheduler reads the job's run records through ``hook`` (ReadBacks) meanwhile."""
-    sch = la.scheduler
-    proxy = ReadBacks(la.on_loop(lambda: sch.client), job_id, hook)
-    la.on_loop(lambda: setattr(sch, "client", proxy))
+    claims = la.scheduler.claims
+    proxy = ReadBacks(la.on_loop(lambda: claims.client), job_id, hook)
+    la.on_loop(lambda: setattr(claims, "client", proxy))
     try:
         yield
     finally:
-        la.on_loop(lambda: setattr(sch, "client", proxy.real))
+        la.on_loop(lambda: setattr(claims, "client", proxy.real))
 
 
 def final_record(c: Cluster, job_id: str) -> dict:
@@ -179,7 +186,7 @@ def test_a_claim_whose_reply_and_read_back_fail_in_the_gap_runs_once(env, monkey
     lost: list[int] = []        # the landed claim's revision (its reply was lost)
     reads: list[str] = []       # the read-backs of the job's record: "failed", "real"
     lock = threading.Lock()
-    real_txn = scheduler_module.fenced_txn
+    real_txn = claims_module.fenced_txn
 
     def fenced_txn(client: Any, fence: Any, compare: Any = (), success: Any = (), **kw: Any) -> Any:
         r = real_txn(client, fence, compare=compare, success=success, **kw)
@@ -195,12 +202,12 @@ def test_a_claim_whose_reply_and_read_back_fail_in_the_gap_runs_once(env, monkey
             first = not reads
             reads.append("failed" if first else "real")
         if first:
-            lapse.start(sch.entries[jid].shard)
+            lapse.start(sch.catalog.entries[jid].shard)
             raise EtcdUnavailable("etcd unreachable (injected)")
         lapse.end()
         return read()
 
-    monkeypatch.setattr(scheduler_module, "fenced_txn", fenced_txn)
+    patch_fenced_txn(monkeypatch, fenced_txn)
     try:
         with read_backs(la, jid, read_back):
             due_now(store, jid)
@@ -231,7 +238,7 @@ def test_a_claim_that_lands_after_its_read_back_found_nothing_is_still_ours(env,
     landed: list[int] = []      # its revision, once applied after the read-back
     claims: list[str] = []      # each claim's outcome: "held", "created", "exists"
     lock = threading.Lock()
-    real_txn = scheduler_module.fenced_txn
+    real_txn = claims_module.fenced_txn
 
     def fenced_txn(client: Any, fence: Any, compare: Any = (), success: Any = (), **kw: Any) -> Any:
         mine = writes_job(success, jid)
@@ -253,7 +260,7 @@ def test_a_claim_that_lands_after_its_read_back_found_nothing_is_still_ours(env,
             landed.append(real_txn(client, fence, compare=compare, success=success, **kwargs).revision)
         return kv
 
-    monkeypatch.setattr(scheduler_module, "fenced_txn", fenced_txn)
+    patch_fenced_txn(monkeypatch, fenced_txn)
     with read_backs(la, jid, read_back):
         due_now(store, jid)
         rec = final_record(c, jid)
@@ -285,7 +292,7 @@ def test_a_claim_still_unresolved_when_its_shard_is_held_again_is_never_claimed_
     reading = threading.Event()
     claims: list[tuple[int, bool]] = []   # (fence token, landed) of each claim of the job
     lock = threading.Lock()
-    real_txn = scheduler_module.fenced_txn
+    real_txn = claims_module.fenced_txn
 
     def fenced_txn(client: Any, fence: Any, compare: Any = (), success: Any = (), **kw: Any) -> Any:
         mine = writes_job(success, jid)
@@ -307,20 +314,20 @@ def test_a_claim_still_unresolved_when_its_shard_is_held_again_is_never_claimed_
         assert reads_open.wait(30), "the read-back was never let go"
         return read()
 
-    real_list = sch.store.list_shard
+    real_list = sch.catalog.store.list_shard
 
     def list_shard(storage: int, *a: Any, **kw: Any) -> Any:
         if load_armed.is_set() and storage == shard_of(jid, c.shards):
             assert load_go.wait(30), "the held load was never let go"
         return real_list(storage, *a, **kw)
 
-    monkeypatch.setattr(scheduler_module, "fenced_txn", fenced_txn)
-    monkeypatch.setattr(sch.store, "list_shard", list_shard)
+    patch_fenced_txn(monkeypatch, fenced_txn)
+    monkeypatch.setattr(sch.catalog.store, "list_shard", list_shard)
     try:
         with read_backs(la, jid, read_back):
             due_now(store, jid)
             assert reading.wait(20), "the claim was never read back"
-            f = la.on_loop(lambda: next(iter(sch.entries[jid].firings.values())))
+            f = la.on_loop(lambda: next(iter(sch.catalog.entries[jid].firings.values())))
             old_fence = la.on_loop(lambda: la.agent.owns(shard))
             assert la.on_loop(lambda: f.state) == FiringState.CLAIMING   # its read-back waiting
             load_armed.set()
@@ -333,7 +340,7 @@ def test_a_claim_still_unresolved_when_its_shard_is_held_again_is_never_claimed_
             # the old firing decides while the new entry is not installed yet (its load is held)
             wait_for(lambda: la.on_loop(lambda: f.state) == FiringState.DONE, 20, interval=0.05,
                      what="the old firing ended")
-            assert la.on_loop(lambda: sch.entries.get(jid)) is None   # the new entry is not there yet
+            assert la.on_loop(lambda: sch.catalog.entries.get(jid)) is None   # the new entry is not there yet
             held_again = list(claims)
             load_go.set()
             rec = final_record(c, jid)

@@ -114,7 +114,7 @@ def held_claim(la: LocalAgent, store: Any, gate: Callable[[str], StageGate], job
     assert g.entered.wait(20), "the firing was never claimed"
     (staged,) = g.staged
     assert staged.error is None, staged.error
-    f = la.on_loop(lambda: next(iter(la.scheduler.entries[job_id].firings.values())))
+    f = la.on_loop(lambda: next(iter(la.scheduler.catalog.entries[job_id].firings.values())))
     assert la.on_loop(lambda: f.state) == FiringState.CLAIMING
     return g, f
 
@@ -142,11 +142,11 @@ def test_a_claim_fenced_in_flight_never_runs_and_its_staged_run_is_unstaged(env,
     assert run_records(c.client, c.keys)[("fenced", fid)]["state"] == "running"   # the claim landed
     etcd_server.pause()
     wait_for(lambda: not la.agent.owned_shards, 20, interval=0.05, what="the agent fenced")
-    assert la.on_loop(lambda: "fenced" not in la.scheduler.entries and la.agent.fence_for(f.entry.shard) is None)
+    assert la.on_loop(lambda: "fenced" not in la.scheduler.catalog.entries and la.agent.fence_for(f.entry.shard) is None)
     g.open()
     settle(la, f)
     assert abandoned(caplog, "fenced") == ["fenced"]   # _spawn found no fence
-    assert la.on_loop(lambda: f.key not in la.scheduler.admission.running)
+    assert la.on_loop(lambda: f.key not in la.scheduler.admitter.admission.running)
     assert leftovers(la, g.staged[0]) == [], f"staged: {before}"
     etcd_server.resume()
     rec = wait_for(lambda: (lambda r: r if r["state"] != "running" else None)(
@@ -175,7 +175,7 @@ def test_a_claim_back_after_its_shard_was_held_again_does_not_run_beside_the_new
     wait_for(lambda: not la.agent.owned_shards, 20, interval=0.05, what="the agent fenced")
     etcd_server.resume()
     # held again, the job installed anew from the shard's load (which read the record)
-    wait_for(lambda: la.on_loop(lambda: sch.entries.get(jid, f.entry) is not f.entry), 30, interval=0.05,
+    wait_for(lambda: la.on_loop(lambda: sch.catalog.entries.get(jid, f.entry) is not f.entry), 30, interval=0.05,
              what="the job installed again")
     new_fence = la.on_loop(lambda: la.agent.fence_for(shard))
     assert new_fence is not None and new_fence.token != old_fence.token
@@ -208,18 +208,18 @@ def test_a_job_cancelled_or_deleted_while_its_claim_is_in_flight_never_runs(env,
     fid = f.fire_id
     if how == "cancelled":
         assert store.cancel(jid)[0] == "cancelled"
-        wait_for(lambda: la.on_loop(lambda: la.scheduler.entries[jid].cancelled), 20, interval=0.05,
+        wait_for(lambda: la.on_loop(lambda: la.scheduler.catalog.entries[jid].cancelled), 20, interval=0.05,
                  what="the cancel applied")
     else:
         c.client.delete(store.key(jid)[1])
-        wait_for(lambda: la.on_loop(lambda: jid not in la.scheduler.entries), 20, interval=0.05,
+        wait_for(lambda: la.on_loop(lambda: jid not in la.scheduler.catalog.entries), 20, interval=0.05,
                  what="the job dropped")
     assert la.on_loop(lambda: la.agent.fence_for(f.entry.shard)) is not None   # still ours
     g.open()
     settle(la, f)
     assert effects(out)[(jid, fid)] == 0, "the job ran"
     assert abandoned(caplog, jid)[earlier:] == ([] if how == "cancelled" else ["dropped"])
-    assert la.on_loop(lambda: f.key not in la.scheduler.admission.running)   # its node budget given back
+    assert la.on_loop(lambda: f.key not in la.scheduler.admitter.admission.running)   # its node budget given back
     assert leftovers(la, g.staged[0]) == [], f"staged: {before}"
     if how == "cancelled":
         rec = wait_for(lambda: (lambda r: r if r["state"] != "running" else None)(
@@ -244,13 +244,13 @@ def test_a_firing_waiting_out_a_lapsed_session_to_spawn_ends_when_its_job_goes(e
     sch = la.scheduler
     caplog.set_level(logging.DEBUG, logger="agent.jobs.scheduler")
     jid = f"lapsed-{how}"
-    slots = la.on_loop(lambda: len(sch.admission.running))
+    slots = la.on_loop(lambda: len(sch.admitter.admission.running))
     g, f = held_claim(la, store, gate, jid)
     shard, fid = f.entry.shard, f.fire_id
     # abandons logged so far are of earlier firings of the job (seen: a `not_owner` one when
     # the shard was lost and held again just after start, the job then installed anew)
     earlier = len(abandoned(caplog, jid))
-    assert la.on_loop(lambda: (len(sch.admission.running), sch.busy(shard))) == (slots + 1, True)
+    assert la.on_loop(lambda: (len(sch.admitter.admission.running), sch.busy(shard))) == (slots + 1, True)
     before = leftovers(la, g.staged[0])
     assert any(p.startswith(la.executor.base_dir) for p in before), before
     assert any(p.startswith("/sys/fs/cgroup/") for p in before), before
@@ -282,11 +282,11 @@ def test_a_firing_waiting_out_a_lapsed_session_to_spawn_ends_when_its_job_goes(e
     try:
         if how == "cancelled":
             assert store.cancel(jid)[0] == "cancelled"
-            wait_for(lambda: la.on_loop(lambda: sch.entries[jid].cancelled), 20, interval=0.05,
+            wait_for(lambda: la.on_loop(lambda: sch.catalog.entries[jid].cancelled), 20, interval=0.05,
                      what="the cancel applied")
         else:
             c.client.delete(store.key(jid)[1])
-            wait_for(lambda: la.on_loop(lambda: jid not in sch.entries), 20, interval=0.05, what="the job dropped")
+            wait_for(lambda: la.on_loop(lambda: jid not in sch.catalog.entries), 20, interval=0.05, what="the job dropped")
         assert la.on_loop(lambda: f.state) == FiringState.CLAIMING
         g.open()
         settle(la, f)
@@ -298,7 +298,7 @@ def test_a_firing_waiting_out_a_lapsed_session_to_spawn_ends_when_its_job_goes(e
     assert discarded_by == ["_when_current"]
     assert effects(out)[(jid, fid)] == 0, "the job ran"
     assert abandoned(caplog, jid)[earlier:] == ([] if how == "cancelled" else ["dropped"])
-    assert la.on_loop(lambda: len(sch.admission.running)) == slots   # its node budget given back
+    assert la.on_loop(lambda: len(sch.admitter.admission.running)) == slots   # its node budget given back
     assert leftovers(la, g.staged[0]) == [], f"staged: {before}"
     if how == "cancelled":
         rec = wait_for(lambda: (lambda r: r if r["state"] != "running" else None)(

@@ -6,7 +6,8 @@ import logging
 from datetime import datetime, timezone
 from types import SimpleNamespace
 
-from agent.jobs.firing import ACTIVE, NOT_STARTED, RETRYABLE, TERMINAL, TRANSITIONS, Firing, FiringState
+from agent.jobs.firing import ACTIVE, NOT_STARTED, TERMINAL, TRANSITIONS, Firing, FiringState
+from agent.jobs.outcomes import RETRYABLE
 
 S = FiringState
 

@@ -1,0 +1,398 @@
+"""The jobs this agent may run: loaded with each unit (cluster or pool shard) it acquires,
+kept current from the jobs/ watch and the ingest shortcut, dropped with the unit.
+
+Trust: a stored job is installed only if its signature verifies against the agent's key
+ring and it is bound to this cluster, checked at every load (etcd is writable by more
+than ingest). A stored document that fails is never run: log, metric, audit
+``rejected_stored``, status. A job signed by a key with ``retired_after`` stops at that
+instant (status ``rejected``, reason ``key_retired``).
+
+What a job's firings do is the scheduler's: the catalog tells it through
+``CatalogListener`` when a job is installed (with the run records earlier owners left),
+cancelled, or dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Optional, Protocol, cast
+
+from agent.coordination import placement
+from agent.coordination.etcd import EtcdClient
+from agent.coordination.fencing import Fence
+from agent.coordination.jobstore import JobStore, StoredJob, public_doc
+from agent.coordination.keys import Keys
+from agent.coordination.watch import PrefixWatch, WatchEvent
+from agent.jobs import schedule as sch
+from agent.jobs.document import Job
+from agent.jobs.envelope import JobRejected
+from agent.jobs.firing import ACTIVE, FiringState
+from agent.jobs.metrics import JOBS_OWNED, REJECTED_STORED
+from agent.jobs.states import EndReason, JobState
+from agent.runtime.gcpolicy import GcPolicy
+from agent.runtime.recent import RecentMemory
+from agent.runtime.timefmt import format_optional as rfc
+from agent.runtime.timefmt import parse_rfc3339, utcnow
+
+if TYPE_CHECKING:
+    from agent.config import Config
+    from agent.coordination.worker import EtcdWorkers
+    from agent.jobs.firing import Firing
+    from agent.jobs.seams import AuditSink, Fencing, StatusSink, Units
+    from agent.jobs.signing import KeyRing
+    from agent.runtime.loop import EventLoop
+
+log = logging.getLogger(__name__)
+
+
+REJECTED_STORED_MEMORY = 10000  # (job, revision) pairs already reported, so reloads do not repeat them
+RETIRE_CHECK_MAX_S = 3600.0     # a retirement far ahead is re-armed at most this far out
+LOAD_RETRY_S = 0.5
+
+Records = dict[str, tuple[dict, int]]   # fire_id -> (run record, its mod revision)
+
+
+@dataclass
+class JobEntry:
+    job: Job
+    stored: StoredJob
+    shard: int               # the ownership unit (agent/coordination/pools.py); % shards: storage shard
+    accepted_at: datetime
+    last_due_done: Optional[datetime] = None
+    next_timer: Any = None
+    next_due: Optional[datetime] = None
+    firings: dict[str, Firing] = field(default_factory=dict)
+    cancelled: bool = False
+    backlog: list = field(default_factory=list)  # missed firings to run one after another
+    latest_fire: str = ""   # newest fire_id with a record: the one latest/<shard>/<job> copies
+
+    def fire_id(self, due: datetime, agent_id: str) -> str:
+        """A fan-out job's firing on this agent names the agent: ``<fire id>@<agent>``."""
+        fid = sch.fire_id(self.job.id, due)
+        return f"{fid}@{agent_id}" if self.job.fanout else fid
+
+
+class CatalogListener(Protocol):
+    """The scheduler: what happens to a job's firings when the job comes and goes."""
+
+    def job_installed(self, e: JobEntry, records: Records) -> None: ...
+
+    def job_cancelled(self, e: JobEntry) -> None: ...
+
+    def job_dropped(self, e: JobEntry, reason: str) -> None: ...
+
+
+class JobCatalog:
+    """Implements the daemon's ShardListener and the cloud's JobListener (loop thread)."""
+
+    def __init__(self, cfg: Config, client: Any, keys: Keys, fencing: Fencing, units: Units, loop: EventLoop,
+                 workers: EtcdWorkers, keyring: KeyRing, audit: AuditSink, statuses: StatusSink):
+        self.client = client
+        self.keys = keys
+        self.fencing = fencing
+        self.units = units
+        self.loop = loop
+        self.workers = workers
+        self.agent_id = cfg.agent_id
+        self.cluster = cfg.cluster
+        self.shards = cfg.shards
+        self.keyring = keyring
+        self.audit = audit
+        self.statuses = statuses
+        self.claim_lead_s = cfg.execute.claim_lead_s
+        self.listener: Optional[CatalogListener] = None
+        self.store = JobStore(client, keys, cfg.shards, cfg.agent_id)
+        self.entries: dict[str, JobEntry] = {}
+        self.by_shard: dict[int, dict[str, JobEntry]] = {}   # the same entries, by unit
+        self.loaded: dict[int, int] = {}          # unit -> revision its jobs were listed at
+        self.loading: dict[int, Fence] = {}
+        self._dirty: dict[int, int] = {}          # unit -> newest job revision seen while loading
+        self._rejected_seen: RecentMemory[tuple, None] = RecentMemory(REJECTED_STORED_MEMORY)
+        # job entries are long-lived: keep them out of full collections
+        self.gc = GcPolicy(loop, self.quiet_for).start()
+
+    def stop(self) -> None:
+        self.gc.stop()
+
+    def quiet_for(self) -> Optional[float]:
+        """Seconds until a process may be due to be released: the next armed due time, or a
+        firing prepared or claimed ahead of its due time (GcPolicy's full collections)."""
+        soonest = None
+        for e in self.entries.values():
+            if e.next_due is not None and (soonest is None or e.next_due < soonest):
+                soonest = e.next_due
+            for f in e.firings.values():
+                if f.state in ACTIVE and not f.started_mono and (soonest is None or f.due < soonest):
+                    soonest = f.due
+        if soonest is None:
+            return None
+        return (soonest - utcnow()).total_seconds() - self.claim_lead_s
+
+    def current(self, e: JobEntry) -> bool:
+        """Whether ``e`` is still the job's installed entry."""
+        return self.entries.get(e.job.id) is e
+
+    def in_unit(self, unit: int) -> list[JobEntry]:
+        return list(self.by_shard.get(unit, {}).values())
+
+    def start_watches(self) -> list[PrefixWatch]:
+        post = self.loop.post
+        w = PrefixWatch(self.client, self.keys.jobs_prefix(), "jobs",
+                        on_snapshot=lambda kvs, rev: None,   # units list their own jobs when acquired
+                        on_events=lambda evs, rev: post(self._jobs_events, evs, rev),
+                        start_revision=None)
+        # the snapshot of all jobs is not needed: list keys only
+        w.client = cast(EtcdClient, _KeysOnly(self.client))
+        return [w.start()]
+
+    def _pop(self, job_id: str) -> Optional[JobEntry]:
+        e = self.entries.pop(job_id, None)
+        if e is not None:
+            in_shard = self.by_shard.get(e.shard)
+            if in_shard is not None and in_shard.get(job_id) is e:
+                del in_shard[job_id]
+                if not in_shard:
+                    del self.by_shard[e.shard]
+        return e
+
+    def _drop(self, job_id: str, reason: str) -> None:
+        e = self._pop(job_id)
+        if e is not None and self.listener is not None:
+            self.listener.job_dropped(e, reason)
+        JOBS_OWNED.set(len(self.entries))
+
+    # --- units ------------------------------------------------------------------------
+    def shard_acquired(self, fence: Fence) -> None:
+        self.loading[fence.shard] = fence
+        self._load(fence)
+
+    def _load(self, fence: Fence) -> None:
+        unit = fence.shard
+        storage, pool = unit % self.shards, self.units.pool_of_unit(unit)
+
+        def op() -> Any:
+            # paged reads at one revision; records are parsed here, off the loop thread, so
+            # a shard with many records never delays due timers of the shards already held.
+            # A unit holds the jobs of its storage shard that are in its placement pool.
+            jobs, rev = self.store.list_shard(storage)
+            jobs = [j if unit == storage else replace(j, shard=unit)
+                    for j in jobs if placement.pool_of_doc(j.doc) == pool]
+            return jobs, records_by_job(self.client, self.keys.runs_prefix(storage), rev), rev
+
+        def done(result: Any, error: Optional[BaseException]) -> None:
+            if self.loading.get(unit) != fence:
+                return
+            if error is not None:
+                log.warning("loading shard failed; retrying", extra={"fields": {"shard": unit, "error": str(error)}})
+                self.loop.call_later(LOAD_RETRY_S, self._retry_load, fence)
+                return
+            jobs, runs, rev = result
+            del self.loading[unit]
+            self.loaded[unit] = rev
+            for stored in jobs:
+                if not (stored.cancelled or stored.tombstone or stored.id in self.entries):
+                    self._install(stored, runs.get(stored.id, {}))
+            JOBS_OWNED.set(len(self.entries))
+            if self._dirty.pop(unit, 0) > rev:
+                self._reload(unit)
+
+        self.workers.submit(op, done)
+
+    def _retry_load(self, fence: Fence) -> None:
+        if self.loading.get(fence.shard) == fence and self.fencing.held(fence.shard) == fence:
+            self._load(fence)
+
+    def _reload(self, unit: int) -> None:
+        """List the unit's jobs again (installed ones stay as they are; new ones install)."""
+        fence = self.fencing.held(unit)
+        if fence is None:
+            return
+        self.loading[unit] = fence
+        self.loaded.pop(unit, None)
+        self._load(fence)
+
+    def shard_lost(self, shard: int, reason: str) -> None:
+        self.loading.pop(shard, None)
+        self.loaded.pop(shard, None)
+        self._dirty.pop(shard, None)
+        why = EndReason.RELEASED if reason == EndReason.RELEASED else EndReason.SHARD_LOST
+        for jid in list(self.by_shard.get(shard, ())):
+            self._drop(jid, why)
+
+    # --- job store input --------------------------------------------------------------
+    def _jobs_events(self, events: list[WatchEvent], rev: int) -> None:
+        for ev in events:
+            rest = ev.kv.key[len(self.keys.jobs_prefix()):]
+            try:
+                shard_s, job_id = rest.split("/", 1)
+                storage = int(shard_s)
+            except ValueError:
+                continue
+            doc = None
+            if ev.kind == "put" and job_id not in self.entries and b'"target"' in ev.kv.value:
+                # maybe targeted: its unit depends on its pool (untargeted documents, the
+                # common case, are parsed only if their shard is ours)
+                try:
+                    doc = json.loads(ev.kv.value)
+                except ValueError:
+                    continue
+            unit = self._unit_for(job_id, storage, doc)
+            if unit is None:
+                continue  # a pool this agent does not know (yet): its units load it
+            if unit in self.loading:
+                self._dirty[unit] = max(self._dirty.get(unit, 0), ev.kv.mod_revision)
+                continue
+            if unit not in self.loaded or ev.kv.mod_revision <= self.loaded[unit]:
+                continue
+            if ev.kind == "delete":
+                if job_id in self.entries:
+                    self._drop(job_id, EndReason.DELETED)
+                continue
+            if doc is None:
+                try:
+                    doc = json.loads(ev.kv.value)
+                except ValueError:
+                    continue
+            self.job_stored(StoredJob(unit, doc, ev.kv.mod_revision, ev.kv.create_revision))
+
+    def job_stored(self, stored: StoredJob) -> None:
+        """A job was created or changed in etcd (watch, or the ingest shortcut)."""
+        if stored.shard < self.shards:  # a storage shard: find the job's unit
+            unit = self._unit_for(stored.id, stored.shard, stored.doc)
+            if unit is None:
+                return
+            stored = replace(stored, shard=unit)
+        unit = stored.shard
+        if unit not in self.loaded:
+            if unit in self.loading:
+                self._dirty[unit] = max(self._dirty.get(unit, 0), stored.revision)
+            return
+        e = self.entries.get(stored.id)
+        if stored.finished and not stored.cancelled:
+            # retention replaced a job that can never fire again by its tombstone: forget it
+            # quietly (it is not a cancel)
+            if e is not None and all(f.state == FiringState.DONE for f in e.firings.values()):
+                self._drop(stored.id, EndReason.FINISHED)
+            return
+        if stored.cancelled or stored.tombstone:
+            if e is not None:
+                self.job_cancelled(stored.id)
+            return
+        if e is not None:
+            return  # same id: content never changes (conflicts are refused at ingest)
+        self._install(stored, {})
+        JOBS_OWNED.set(len(self.entries))
+
+    def job_cancelled(self, job_id: str) -> None:
+        e = self.entries.get(job_id)
+        if e is not None and self.listener is not None:
+            self.listener.job_cancelled(e)
+
+    def _unit_for(self, job_id: str, storage: int, doc: Optional[dict]) -> Optional[int]:
+        """The unit a job belongs to: its entry's if installed (tombstones carry no target),
+        else from its document's placement pool."""
+        e = self.entries.get(job_id)
+        if e is not None:
+            return e.shard
+        if doc is None:
+            return storage
+        return self.units.unit_of(placement.pool_of_doc(doc), storage)
+
+    # --- install ----------------------------------------------------------------------
+    def _install(self, stored: StoredJob, records: Records) -> None:
+        self.gc.settle()
+        job = stored.parsed  # verified by this agent's ingest from the pushed bytes (StoredJob.parsed)
+        if job is None or (job.key_retired_after is not None and utcnow() >= job.key_retired_after):
+            try:
+                job = Job.from_stored(public_doc(stored.doc), keyring=self.keyring, cluster=self.cluster,
+                                      now=utcnow())
+            except JobRejected as exc:
+                self._reject_stored(stored, exc.reason, exc.detail)
+                return
+        try:
+            accepted_at = parse_rfc3339(stored.accepted_at) if stored.accepted_at else utcnow()
+        except Exception:
+            accepted_at = utcnow()
+        # the entry keeps the parsed job, not a second copy of the stored document (~2 KB
+        # a job: bench_scale.py memory)
+        slim = StoredJob(stored.shard, {"id": stored.id}, stored.revision, stored.create_revision)
+        e = JobEntry(job, slim, stored.shard, accepted_at)
+        self._pop(job.id)
+        self.entries[job.id] = e
+        self.by_shard.setdefault(e.shard, {})[job.id] = e
+        if job.key_retired_after is not None:
+            self._arm_retirement(e)
+        if self.listener is not None:
+            self.listener.job_installed(e, records)
+
+    # --- trust ------------------------------------------------------------------------
+    def _reject_stored(self, stored: StoredJob, reason: str, detail: str) -> None:
+        """A stored document that may not run: never installed; reported once per revision."""
+        job_id = stored.id if isinstance(stored.id, str) else ""
+        seen = (job_id, stored.revision, reason)
+        if seen in self._rejected_seen:
+            return
+        self._rejected_seen.remember(seen, None)
+        REJECTED_STORED.labels(reason).inc()
+        log.error("stored job refused: it is never run", extra={"fields": {
+            "job": job_id, "shard": stored.shard, "reason": reason, "detail": detail}})
+        self.audit.record("job", event="rejected_stored", job=job_id, shard=stored.shard, reason=reason,
+                          detail=detail, revision=stored.revision)
+        self.statuses.publish_status({
+            "v": 1, "job_id": job_id, "run_id": None, "state": JobState.REJECTED, "attempt": None,
+            "agent": self.agent_id, "shard": stored.shard, "ts": rfc(utcnow()), "exit_code": None,
+            "reason": reason, "detail": f"stored job refused: {detail}", "usage": None, "source": "store"})
+
+    def _arm_retirement(self, e: JobEntry) -> None:
+        if e.job.key_retired_after is None:
+            return
+        left = (e.job.key_retired_after - utcnow()).total_seconds()
+        if left <= 0:
+            self._retire(e)
+            return
+        self.loop.call_later(min(left, RETIRE_CHECK_MAX_S), self._check_retirement, e)
+
+    def _check_retirement(self, e: JobEntry) -> None:
+        if self.current(e):
+            self._arm_retirement(e)
+
+    def _retire(self, e: JobEntry) -> None:
+        """The key that signed this job was retired: it stops here (runs included)."""
+        if not self.current(e):
+            return
+        self._drop(e.job.id, EndReason.KEY_RETIRED)
+        when = rfc(e.job.key_retired_after)
+        self._reject_stored(e.stored, "key_retired", f"sig: key {e.job.kid} was retired at {when}")
+
+
+def records_by_job(client: Any, prefix: str, revision: int) -> dict[str, Records]:
+    """Run records under a shard's runs/ prefix, read in pages at `revision`:
+    {job_id: {fire_id: (record, mod_revision)}}. Unparseable records are skipped."""
+    by_job: dict[str, Records] = {}
+    for kvs, _ in client.range_pages(prefix, revision=revision):
+        for kv in kvs:
+            try:
+                job_id, fire_id = kv.key[len(prefix):].split("/", 1)
+                rec = json.loads(kv.value)
+            except ValueError:
+                continue
+            by_job.setdefault(job_id, {})[fire_id] = (rec, kv.mod_revision)
+    return by_job
+
+
+class _KeysOnly:
+    """Client view whose prefix listing returns keys only (the jobs watch needs no values
+    at start: each unit lists its own jobs when acquired)."""
+
+    def __init__(self, client: Any):
+        self._c = client
+
+    def get_prefix(self, prefix: str, **kw: Any) -> Any:
+        kw["keys_only"] = True
+        return self._c.get_prefix(prefix, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._c, name)

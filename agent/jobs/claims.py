@@ -1,0 +1,190 @@
+"""Claiming a firing: its run record written `running` under the shard's fence, before any
+process of it may run. The first attempt creates the record (create-revision==0: one
+record per firing); a retry swaps it in place (its mod revision must be the one this
+agent last wrote).
+
+A claim whose outcome is unknown (etcd did not answer) is read back before anything is
+decided, and every decision reaches the scheduler as one ``Claim``: claimed (run it),
+again (claim once more), discard (its job went: end it), or give up (the record is not
+ours to write). Nothing here starts a process.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from agent.coordination.etcd import Create, Mod
+from agent.coordination.fencing import Fence, StaleToken, fenced_txn
+from agent.jobs.firing import Firing, FiringEnd, FiringState
+from agent.jobs.metrics import CLAIMS
+from agent.jobs.states import RecordState
+from agent.runtime.timefmt import format_optional as rfc
+from agent.runtime.timefmt import utcnow
+
+if TYPE_CHECKING:
+    from agent.coordination.worker import EtcdWorkers
+    from agent.jobs.catalog import JobEntry
+    from agent.jobs.records import RunRecords
+    from agent.jobs.seams import Fencing, RunStarter
+    from agent.runtime.loop import EventLoop
+
+
+READ_BACK_S = 0.2        # a read-back that failed, or found a write of ours still to land, is made again after this
+UNSURE_CLAIMS_MAX = 8    # earlier claims of one firing with an unknown outcome that are remembered
+
+
+class ClaimKind(enum.Enum):
+    CLAIMED = "claimed"    # the record is ours, `running`: the firing may run
+    AGAIN = "again"        # claim once more (after ``delay``; ``retry``: as a retry's swap)
+    DISCARD = "discard"    # its job was cancelled or dropped meanwhile: it ends without running
+    GIVE_UP = "give_up"    # the record is not this agent's to write (``why``)
+
+
+@dataclass(frozen=True)
+class Claim:
+    kind: ClaimKind
+    why: Optional[FiringEnd] = None
+    staged: Any = None      # the run's directories and quota container, made once the claim landed
+    delay: float = 0.0
+    retry: bool = False
+
+
+Done = Callable[[Firing, Claim], None]
+
+
+class ClaimWriter:
+    """Writes claims and reads back those with an unknown outcome (loop thread; etcd on
+    the workers)."""
+
+    def __init__(self, client: Any, fencing: Fencing, records: RunRecords, loop: EventLoop, workers: EtcdWorkers,
+                 agent_id: str, is_current: Callable[[JobEntry], bool], executor: RunStarter):
+        self.client = client
+        self.fencing = fencing
+        self.records = records
+        self.loop = loop
+        self.workers = workers
+        self.agent_id = agent_id
+        self.is_current = is_current
+        self.executor = executor      # stages a claimed run (its directories, quota container)
+
+    def claim(self, f: Firing, fence: Fence, retry: bool, spec: Any, done: Done) -> None:
+        """Write the claim of ``f`` (in state CLAIMING, its attempt set) under ``fence``;
+        ``spec``: the run to stage once the claim landed (None: nothing to stage)."""
+        key = self.records.key(f)
+        rec = self.records.document(f, RecordState.RUNNING, fence, started_at=rfc(max(utcnow(), f.due)))
+        compare = [Mod(key) == f.claim.rev] if retry else [Create(key) == 0]
+        ops = self.records.ops(f, key, json.dumps(rec))
+
+        def op() -> Any:
+            r = fenced_txn(self.client, fence, compare=compare, success=ops)
+            # ours now: its directories and quota container are made here, on this worker,
+            # so the loop's spawn does no blocking file-system work
+            return r, (self.executor.stage(spec) if spec is not None and r.succeeded else None)
+
+        def landed(result: Any, error: Optional[BaseException]) -> None:
+            r: Any
+            r, staged = result if error is None else (None, None)
+            if f.state != FiringState.CLAIMING:
+                if staged is not None:
+                    self.executor.unstage(staged)
+                return
+            if isinstance(error, StaleToken):
+                self._give_up(f, FiringEnd.SHARD_LOST, done)
+            elif retry and (error is not None or not r.succeeded):
+                # etcd did not answer, or our own `retrying` write landed after this claim
+                # was built: read the record back before deciding
+                self._read_back_retry(f, key, rec, done)
+            elif error is not None:
+                # unknown outcome (timeout): the record may exist
+                self._read_back(f, key, rec, fence, done)
+            elif not r.succeeded:
+                if f.claim.unsure:
+                    # an earlier claim of ours was read back as absent, then landed after
+                    # all (it was still queued in etcd): the record may be that one
+                    self._read_back(f, key, rec, fence, done)
+                else:
+                    self._give_up(f, FiringEnd.ALREADY_CLAIMED, done)
+            else:
+                f.claim.record, f.claim.rev, f.claim.unsure = rec, r.revision, ()
+                CLAIMS.labels("claimed").inc()
+                done(f, Claim(ClaimKind.CLAIMED, staged=staged))
+
+        self.workers.submit(op, landed)
+
+    def _give_up(self, f: Firing, why: FiringEnd, done: Done) -> None:
+        CLAIMS.labels(why.value).inc()
+        done(f, Claim(ClaimKind.GIVE_UP, why=why))
+
+    def _read_back(self, f: Firing, key: str, rec: dict, fence: Fence, done: Done) -> None:
+        """A first attempt's claim with an unknown outcome: is the record there, and ours?"""
+        def landed(kv: Any, err: Optional[BaseException]) -> None:
+            if f.state != FiringState.CLAIMING:
+                return
+            lost = self.fencing.owns(f.entry.shard) != fence
+            if lost or not self.is_current(f.entry):
+                # the shard was lost since this claim (and maybe held again under a new
+                # fence, its jobs installed anew), or the job was dropped: a record the
+                # claim landed was read by the shard's next load, which resolves it. A claim
+                # made again here would be under a fence this firing never had.
+                self._give_up(f, FiringEnd.SHARD_LOST if lost else FiringEnd.DROPPED, done)
+            elif err is not None:
+                # the claim may have landed and the shard is still held (a lapsed session
+                # may renew, and the record is ours then): read again
+                self.loop.call_later(READ_BACK_S, self._read_back, f, key, rec, fence, done)
+            elif kv is None:
+                if f.entry.cancelled:   # no claim landed: its record will say cancelled
+                    done(f, Claim(ClaimKind.DISCARD))
+                    return
+                # not there (yet): claim again; if that create then finds a record, it may be
+                # the one read back now, landed late (a request etcd still held)
+                f.claim.unsure = (f.claim.unsure + (rec,))[-UNSURE_CLAIMS_MAX:]
+                done(f, Claim(ClaimKind.AGAIN))
+            else:
+                cur = json.loads(kv.value)
+                if any(cur.get("agent") == self.agent_id and cur.get("started_at") == r["started_at"]
+                       and cur.get("attempt") == r["attempt"] for r in (rec,) + f.claim.unsure):
+                    f.claim.record, f.claim.rev, f.claim.unsure = cur, kv.mod_revision, ()
+                    CLAIMS.labels("read_back").inc()
+                    done(f, Claim(ClaimKind.CLAIMED))
+                else:
+                    self._give_up(f, FiringEnd.ALREADY_CLAIMED, done)
+
+        self.workers.submit(lambda: self.client.get(key), landed)
+
+    def _read_back_retry(self, f: Firing, key: str, rec: dict, done: Done) -> None:
+        """A retry's swap that did not succeed: where does the record stand?"""
+        def landed(kv: Any, err: Optional[BaseException]) -> None:
+            if f.state != FiringState.CLAIMING:
+                return
+            if not self.is_current(f.entry) or f.entry.cancelled:
+                done(f, Claim(ClaimKind.DISCARD))
+                return
+            if err is not None:
+                if self.fencing.owns(f.entry.shard) is not None:
+                    self.loop.call_later(READ_BACK_S, self._read_back_retry, f, key, rec, done)
+                else:
+                    self._give_up(f, FiringEnd.SHARD_LOST, done)
+                return
+            cur = json.loads(kv.value) if kv is not None else {}
+            state, attempt = cur.get("state"), int(cur.get("attempt") or 0)
+            if state == RecordState.RUNNING and cur.get("agent") == self.agent_id \
+                    and cur.get("attempt") == rec["attempt"] and cur.get("started_at") == rec["started_at"]:
+                f.claim.record, f.claim.rev = cur, kv.mod_revision   # our claim did land
+                CLAIMS.labels("read_back").inc()
+                done(f, Claim(ClaimKind.CLAIMED))
+            elif state == RecordState.RUNNING and attempt == rec["attempt"] - 1:
+                # our `retrying` write for the previous attempt (or for an orphan of a dead
+                # owner) has not landed yet: read again; the claim stays fenced either way
+                self.loop.call_later(READ_BACK_S, self._read_back_retry, f, key, rec, done)
+            elif state == RecordState.RETRYING and attempt == rec["attempt"] - 1:
+                # still waiting for this attempt: claim again from the record read now
+                f.claim.record, f.claim.rev = cur, kv.mod_revision
+                f.attempt -= 1
+                done(f, Claim(ClaimKind.AGAIN, delay=READ_BACK_S, retry=True))
+            else:
+                self._give_up(f, FiringEnd.RETRY_CLAIM_FAILED, done)
+
+        self.workers.submit(lambda: self.client.get(key), landed)

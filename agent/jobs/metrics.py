@@ -1,0 +1,16 @@
+"""The jobs package's metrics, declared once (agent/runtime/metrics.py)."""
+
+from agent.runtime.metrics import counter, gauge, histogram
+
+RUNS = counter("millwright_runs_total", "Finished runs by result", ("result",))
+FIRINGS = counter("millwright_firings_total", "Firings by outcome", ("outcome",))
+ABANDONED = counter("millwright_firings_abandoned_total",
+                    "Firings this agent gave up without a record of its own, by why", ("why",))
+TRIGGER_DELAY = histogram("millwright_trigger_delay_seconds", "Process start minus due time",
+                          buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5))
+JOB_DURATION = histogram("millwright_job_duration_seconds", "Run duration",
+                         buckets=(0.01, 0.1, 0.5, 1, 5, 15, 60, 300, 1800, 7200))
+JOBS_OWNED = gauge("millwright_jobs_owned", "Jobs in shards this agent holds")
+REJECTED_STORED = counter("millwright_jobs_rejected_stored_total",
+                          "Stored jobs refused at load (signature, binding, retired key, invalid)", ("reason",))
+CLAIMS = counter("millwright_claims_total", "Claims of a firing's run record by outcome", ("outcome",))

@@ -1,0 +1,71 @@
+"""What a run's end means: the record state an end reason gives, which retry criterion
+(``retry.on``) it falls under, and whether another attempt follows. Pure: no etcd, no
+loop, the clock passed in; the scheduler asks, then writes what it is told.
+
+A new retry criterion is a new name in ``schedule.RETRY_ON`` (what a document may list)
+and a line in ``criterion`` here (which ends it covers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Optional
+
+from agent.jobs import schedule as sch
+from agent.jobs.states import EndReason as R
+from agent.jobs.states import RecordState as S
+
+# a run that ended for one of these is left to the shard's next owner: this agent may no
+# longer write for the shard, and the new owner resolves its record (owner_lost)
+HANDED_OVER = frozenset({R.FENCED, R.SHARD_LOST, R.RELEASED, R.DELETED})
+
+# record states the job's retry policy may turn into another attempt
+RETRYABLE = frozenset({S.FAILED, S.TIMED_OUT})
+
+_STATE_OF = {R.SUCCEEDED: S.SUCCEEDED, R.TIMED_OUT: S.TIMED_OUT, R.KILLED: S.KILLED, R.CANCELLED: S.CANCELLED,
+             R.REPLACED: S.KILLED, R.EXEC_POLICY: S.KILLED, R.AGENT_STOPPED: S.KILLED}
+
+
+def record_state(reason: str) -> S:
+    """The state a run that ended for ``reason`` is recorded in (anything else: failed)."""
+    return _STATE_OF.get(reason, S.FAILED)  # type: ignore[call-overload]
+
+
+def criterion(reason: str) -> Optional[str]:
+    """The ``retry.on`` name covering a run that ended for ``reason``, or None when no
+    criterion can retry it. A run this agent stopped on its way out was cut short: it is
+    retried only where a lost owner's run would be (owner_lost)."""
+    if reason == R.AGENT_STOPPED:
+        return R.OWNER_LOST
+    state = record_state(reason)
+    return state if state in RETRYABLE else None
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    state: S                          # how the run ended (its audit record, its metric)
+    retry_at: Optional[datetime]      # when the next attempt starts; None: `state` is final
+
+    @property
+    def record_state(self) -> S:
+        """What the firing's record says now: retrying while another attempt follows."""
+        return S.RETRYING if self.retry_at is not None else self.state
+
+
+def after_run(job: Any, reason: str, fire_id: str, attempt: int, now: datetime, cancelled: bool) -> RunOutcome:
+    """A run ended for ``reason``: its record state, and the next attempt's time if the
+    job's retry policy asks for one (never for a cancelled job)."""
+    state = record_state(reason)
+    name = criterion(reason)
+    nxt = None
+    if name is not None and job.retry.retries(name) and not cancelled:
+        nxt = sch.next_retry_at(job, fire_id, attempt, now)
+    return RunOutcome(state, nxt)
+
+
+def after_owner_lost(job: Any, fire_id: str, attempt: int, now: datetime) -> Optional[datetime]:
+    """A run left `running` by an owner that is gone may have run: another attempt only if
+    the job opted in (retry.on lists owner_lost) and attempts remain."""
+    if not job.retry.retries(R.OWNER_LOST):
+        return None
+    return sch.next_retry_at(job, fire_id, attempt, now)

@@ -1,0 +1,79 @@
+"""What the jobs package needs from the rest of the agent, each as a narrow Protocol.
+
+The daemon's Agent, its Session and Placement, and the Executor implement these
+structurally; agent/runtime/components.py passes them in. A unit test gives small fakes
+of exactly these and needs no etcd."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
+
+if TYPE_CHECKING:
+    from agent.coordination.fencing import Fence
+    from agent.execute.limits import Limits
+    from agent.execute.runs import RunHandle, RunSpec
+
+
+class Fencing(Protocol):
+    """Which units (cluster or pool shards) this agent may act for (the daemon's Agent)."""
+
+    def fence_for(self, unit: int) -> Optional[Fence]:
+        """The unit's fence if this agent may write for it now (held and session valid)."""
+
+    def owns(self, unit: int) -> Optional[Fence]:
+        """The unit's fence while held and not being released (session not checked)."""
+
+    def held(self, unit: int) -> Optional[Fence]:
+        """The unit's fence while held, also while it is being released."""
+
+    def release_idle(self) -> None:
+        """Units waiting to move may go now (their runs and record writes ended)."""
+
+
+class Lease(Protocol):
+    """The session lease runs are claimed under (agent/coordination/session.py)."""
+
+    lease_id: Optional[int]
+    valid_until: float   # monotonic time its local validity ends
+
+    def is_valid(self) -> bool: ...
+
+
+class Units(Protocol):
+    """Placement: which unit a job belongs to (agent/coordination/pools.py)."""
+
+    def pool_of_unit(self, unit: int) -> str: ...
+
+    def unit_of(self, pool: str, storage: int) -> Optional[int]: ...
+
+
+class StatusSink(Protocol):
+    """Where job status documents go (the cloud's outbox)."""
+
+    def publish_status(self, doc: dict) -> None: ...
+
+
+class AuditSink(Protocol):
+    """The tamper-evident audit log."""
+
+    def record(self, type_: str, **fields: Any) -> None: ...
+
+
+OnExit = Callable[[Any, Any], None]          # (handle, RunResult)
+OnRelease = Callable[[Any, bool], None]      # (handle, released)
+
+
+class RunStarter(Protocol):
+    """The executor: makes a claimed run's directories and quota container, prepares its
+    process to be released at its due time, or starts it now."""
+
+    default_limits: Limits
+
+    def stage(self, spec: RunSpec) -> Any: ...
+
+    def unstage(self, staged: Any) -> None: ...
+
+    def prepare(self, spec: RunSpec, on_exit: OnExit, *, release_at: float, on_release: OnRelease,
+                guard: Callable[[], bool], guard_until: float, staged: Any = None) -> RunHandle: ...
+
+    def start(self, spec: RunSpec, on_exit: OnExit, *, guard: Callable[[], bool], staged: Any = None) -> RunHandle: ...
