@@ -1,9 +1,10 @@
 """Typed agent configuration loaded from YAML.
 
-Every section is a dataclass whose fields carry a ``doc`` string, so that the README's
-configuration reference is generated from this file and never drifts. Loading collects
-*every* problem (key path and file) instead of stopping at the first, because an
-operator fixing a gateway's config over a slow link wants the whole list at once.
+Every section is a dataclass whose fields carry a ``doc`` string, so that the configuration
+reference (docs/configuration.md, `make reference`) is generated from this file and never
+drifts. Loading collects *every* problem (key path and file) instead of stopping at the
+first, because an operator fixing a gateway's config over a slow link wants the whole list
+at once.
 """
 
 from __future__ import annotations
@@ -588,7 +589,7 @@ def state_path(cfg: Config, *parts: str) -> str:
 
 
 def reference_markdown() -> str:
-    """The configuration reference, generated from the dataclasses (README section)."""
+    """The configuration reference, generated from the dataclasses (docs/configuration.md)."""
     lines = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
 
     def walk(cls: Any, prefix: str) -> None:

@@ -7,7 +7,7 @@
 # test builds "N+1" that way); --config replaces configs/agent.yaml as the shipped
 # conffile. The source tree for dpkg-buildpackage is laid out under OUT/.build/: agent/
 # (whatever it holds now, without bytecode), bpf/, configs/agent.yaml, README.md,
-# docs/packaging.md and packaging/debian/ with a changelog generated for the version.
+# CHANGELOG.md, docs/*.md and packaging/debian/ with a changelog generated for the version.
 # Then lintian runs on the result and must report no error and no warning.
 set -euo pipefail
 MW_PROG=build
@@ -52,8 +52,10 @@ if [ -d "$MW_REPO/bpf" ]; then
 fi
 cp "$config" "$src/configs/agent.yaml"
 [ ! -d "$MW_REPO/configs/demo" ] || cp -r "$MW_REPO/configs/demo" "$src/configs/demo"
-[ ! -f "$MW_REPO/README.md" ] || cp "$MW_REPO/README.md" "$src/"
-[ ! -f "$MW_REPO/docs/packaging.md" ] || cp "$MW_REPO/docs/packaging.md" "$src/docs/"
+for f in README.md CHANGELOG.md; do
+  [ ! -f "$MW_REPO/$f" ] || cp "$MW_REPO/$f" "$src/"
+done
+find "$MW_REPO/docs" -maxdepth 1 -name '*.md' -exec cp {} "$src/docs/" \;
 cp -r "$MW_PKG_DIR/debian" "$src/debian"
 
 # Reproducible timestamps: the last commit's time when the tree is a git checkout.

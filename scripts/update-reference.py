@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""Rewrite the configuration reference in README.md from agent/config.py (`make reference`)."""
+"""Rewrite the configuration reference in docs/configuration.md from agent/config.py (`make reference`)."""
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 from agent.config import reference_markdown  # noqa: E402
 
 START, END = "<!-- reference:start -->", "<!-- reference:end -->"
-path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+path = os.path.join(ROOT, "docs", "configuration.md")
 text = open(path, encoding="utf-8").read()
 head, rest = text.split(START, 1)
 _, tail = rest.split(END, 1)

@@ -1,14 +1,15 @@
 """etcd history compaction by one agent: the holder of shard 0.
 
 etcd keeps every revision until it is compacted; run records rewritten a few times per
-firing make that history grow by ~1 GB a month for 500 cron jobs at 1/min (see the
-README's operations guide), and etcd refuses all writes once its space quota is reached.
+firing make that history grow by ~1 GB a month for 500 cron jobs at 1/min (see
+docs/operations.md), and etcd refuses all writes once its space quota is reached.
 Holding shard 0 is already a leased, fenced election, so no second election is needed:
 its owner compacts every ``retention.compact_interval_s`` to the revision it saw one
 interval earlier, which keeps at least one interval of history for watches to resume
 from. Two agents compacting at a hand-over is harmless (etcd refuses an older revision;
 the client treats that as done). Compaction frees pages inside the DB file; giving the
-space back to the file system needs a defragmentation, an operator step (README).
+space back to the file system needs a defragmentation, an operator step
+(docs/operations.md).
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ class Keys:
         """A copy of the job's newest run record (by fire_id): depends_on reads one key."""
         return self.latest_prefix(shard) + job_id
 
-    # --- placement pools (targeting, contract v1.1) ------------------------------------
+    # --- placement pools (targeting) ----------------------------------------------------
     def pools_prefix(self) -> str:
         return self.prefix + "pools/"
 

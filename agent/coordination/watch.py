@@ -3,9 +3,9 @@
 python-etcd3's Watcher starts a thread that never ends and, after a broken connection,
 re-opens its stream in a tight loop (100% CPU) and drops its callbacks. Here:
 - every PrefixWatch of a client is served by one etcd watch stream and one thread (etcd
-  multiplexes watches on a stream by watch id). A thread per watch cost two threads each
-  (gRPC adds one per stream for its requests) and ten wake-ups a second each (gRPC polls
-  a blocked stream every 0.1 s): the agent's idle cost (issue 18);
+  multiplexes watches on a stream by watch id), because each stream costs two threads
+  (gRPC adds one per stream for its requests) and ten wake-ups a second (gRPC polls a
+  blocked stream every 0.1 s), whatever the agent is doing;
 - a watch lists its prefix first and hands the loop a snapshot with its revision, then
   watches from revision + 1, so nothing between the list and the watch is missed;
 - after a stream error the stream waits with capped exponential backoff and each watch

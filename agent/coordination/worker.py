@@ -6,7 +6,7 @@ jobs, the self-fence deadline) stay precise while etcd is slow or unreachable.
 
 Threads are started on demand: a submission that finds no idle worker starts one (up to
 ``threads``), and a worker idle for ``linger_s`` ends. A burst gets the whole pool at
-once; an idle agent keeps no worker threads (issue 18: idle cost).
+once; an idle agent keeps no worker threads, so idling costs no thread wake-ups.
 """
 
 from __future__ import annotations

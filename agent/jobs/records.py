@@ -66,7 +66,7 @@ class RunRecords:
         base.update({"v": 1, "job_id": e.job.id, "fire_id": f.fire_id, "due": rfc(f.due), "state": state,
                      "attempt": f.attempt, "agent": self.agent_id, "shard": e.shard % self.shards,
                      "fence": fence.token})
-        if e.job.target:  # the fence of this record is the pool's shard key (contract v1.1)
+        if e.job.target:  # the fence of this record is the pool's shard key (docs/contract.md)
             base["pool"] = e.job.pool
             if e.job.fanout:
                 base["fanout"] = True

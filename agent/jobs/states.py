@@ -31,7 +31,7 @@ class RecordState(Word):
 
 
 class JobState(Word):
-    """States a status document may carry besides a run's (README: MQTT topics)."""
+    """States a status document may carry besides a run's (docs/contract.md: MQTT topics)."""
 
     ACCEPTED = "accepted"
     REJECTED = "rejected"

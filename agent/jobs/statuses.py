@@ -1,4 +1,4 @@
-"""The status documents a job's firings produce (README contract: MQTT status), and the
+"""The status documents a job's firings produce (docs/contract.md: MQTT status), and the
 durable answer marker a final one is written with (agent/cloud/answers.py)."""
 
 from __future__ import annotations

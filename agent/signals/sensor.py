@@ -472,8 +472,8 @@ class Sensor:
                 now = time.monotonic()
                 if self._perf is not None:
                     wait = max(0.0, min(next_sample, next_proc) - now)
-                    # round up: a timeout rounded down ends short of the tick, and the last
-                    # millisecond before it became a busy loop of poll(0) (issue 18: idle cost)
+                    # round up: a timeout rounded down ends short of the tick, which turns
+                    # the last millisecond before every tick into a busy loop of poll(0)
                     self._perf.poll(math.ceil(wait * 1000))
                 else:
                     self._stop.wait(max(0.0, next_proc - now))
