@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 S, F = FiringState, FiringEnd
+QUEUED = frozenset({S.HELD, S.WAITING, S.RETRYING_ADMISSION})   # due, not started, not yet claimable
 
 
 class Scheduler:
@@ -84,7 +85,8 @@ class Scheduler:
                                   executor)
         self.admitter = Admitter(admission, self.launcher, self.statuses, catalog.current, self._claim,
                                  lambda f: self._finish_without_run(f, RecordState.FAILED, "quota_never_fits"))
-        self.dependencies = DependencyCheck(client, keys, cfg.shards, loop, workers, self.statuses, catalog.current)
+        self.dependencies = DependencyCheck(client, keys, cfg.shards, loop, workers, self.statuses, catalog.current,
+                                            catalog.keyring, cfg.cluster)
 
     # --- the daemon's hooks -------------------------------------------------------------
     def busy(self, shard: int) -> bool:
@@ -114,6 +116,7 @@ class Scheduler:
 
     def stop(self) -> None:
         self.catalog.stop()
+        self.dependencies.stop()
         self.stop_runs()
 
     # --- the catalog's --------------------------------------------------------------------
@@ -171,14 +174,19 @@ class Scheduler:
             if f.state == S.RUNNING and f.handle is not None:
                 f.handle.terminate(EndReason.CANCELLED)
             elif f.state in NOT_STARTED:
-                if f.timer:
-                    f.timer.cancel()
-                if not self.admitter.withdraw(f):
-                    # admitted, its claim waiting for the fence: its slot goes (unknown keys: none)
-                    self.admitter.release(f)
+                self._unqueue(f)
                 self._finish_without_run(f, RecordState.CANCELLED, EndReason.CANCELLED)
         self.statuses.send(e, None, RecordState.CANCELLED, reason=reason)
         self.audit.record("job", event=reason, job=e.job.id, shard=e.shard)
+
+    def _unqueue(self, f: Firing) -> None:
+        """A firing that has not started leaves its timer and admission's queue (admitted,
+        its claim waiting for the fence: its slot goes; an unknown key frees nothing)."""
+        if f.timer:
+            f.timer.cancel()
+        self.dependencies.forget(f)
+        if not self.admitter.withdraw(f):
+            self.admitter.release(f)
 
     def job_dropped(self, e: JobEntry, reason: str) -> None:
         """The job's entry went (shard lost, deleted, key retired, finished): its timers stop,
@@ -188,6 +196,7 @@ class Scheduler:
         for f in list(e.firings.values()):
             if f.timer:
                 f.timer.cancel()
+            self.dependencies.forget(f)
             self.launcher.unstage(f)
             if f.state == S.RUNNING and f.handle is not None:
                 f.handle.terminate(reason)
@@ -241,6 +250,17 @@ class Scheduler:
         if sch.is_expired(job, now):
             self._finish_without_run(f, RecordState.MISFIRED, "expired")
             return
+        queued = [g for g in e.firings.values() if g.state in QUEUED and g is not f]
+        if queued:
+            # at most one firing of a job waits (dependencies, node quota, a pause): a
+            # per-second cron must not pile up a firing a second while it cannot start
+            if job.overlap != "replace":
+                FIRINGS.labels("overlap_skipped").inc()
+                self._finish_without_run(f, RecordState.MISFIRED, "overlap")
+                return
+            for g in queued:
+                self._unqueue(g)
+                self._finish_without_run(g, RecordState.MISFIRED, EndReason.REPLACED)
         if running and job.schedule.kind == "cron":
             action = sch.overlap_action(job.overlap, True)
             if action == "skip":

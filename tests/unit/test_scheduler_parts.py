@@ -231,7 +231,7 @@ def test_recovery_believes_no_record_the_signed_job_does_not_allow(forge, why):
 def test_recovery_believes_no_record_of_a_firing_off_the_schedule_or_far_ahead():
     e = entry("j1", {"cron": "*/10 * * * *", "tz": "UTC"}, misfire="run_once", issued_at=EARLIER)
     on = NOW.replace(second=0) - timedelta(minutes=NOW.minute % 10)
-    off, ahead = on + timedelta(minutes=3), on + timedelta(hours=2)
+    off, ahead = on - timedelta(minutes=7), on + timedelta(hours=2)
     r = recovery.recover(e, {fire_id("j1", off): (record("j1", off, "succeeded"), 5),
                              fire_id("j1", ahead): (record("j1", ahead, "succeeded"), 6)}, CFG.agent_id, NOW)
     whys = sorted(w for _, w in r.foreign)
