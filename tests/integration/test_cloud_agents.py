@@ -18,10 +18,10 @@ import time
 import pytest
 
 from agent.cloud.ingest import push_digest
-from agent.cloud.testkit import KID, TEMPLATES, StatusCollector, cancel_doc, job_doc, junk_payload, signed, write_keys
+from agent.cloud.testkit import KID, TEMPLATES, StatusCollector, cancel_doc, job_doc, junk_payload, signed
 from agent.coordination.keys import shard_of
-from tests.integration.cluster import Cluster, wait_for
-from tests.support.cloud import T, Pusher, accepted, jobs_in_etcd, wait_agent_connected
+from tests.support.cloud import T, CloudWorld, Pusher, accepted, jobs_in_etcd, wait_agent_connected
+from tests.support.waiting import wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICK = os.environ.get("MILLWRIGHT_CLOUD_QUICK") == "1"
@@ -33,18 +33,9 @@ SHARDS = 8
 def world(etcd_server, mosquitto_server, tmp_path):
     """The shared mosquitto fixture keeps a writable persistence file, so persistent
     sessions survive the broker restart below."""
-    keys = str(tmp_path / "keys.yaml")
-    ring = write_keys(keys)
-    cl = Cluster(etcd_server, str(tmp_path / "agents"), shards=SHARDS, ttl=4, renew_deadline=2.5, retry_period=0.5,
-                 extra={"mqtt": {"url": mosquitto_server.url, "reconnect_min_s": 0.2, "reconnect_max_s": 1.0,
-                                 "ingest_grace_s": 1.5},
-                        "signing": {"keys_file": keys}, "templates": TEMPLATES, "bpf": {"enabled": False}})
-    col = StatusCollector(mosquitto_server.url, "t", extra_filters=("millwright/t/agents/#",)).start()
-    w = type("World", (), {})()
-    w.ring, w.keys_file, w.cluster, w.col, w.mq, w.etcd = ring, keys, cl, col, mosquitto_server, etcd_server
+    w = CloudWorld(etcd_server, mosquitto_server, tmp_path, TEMPLATES, SHARDS)
     yield w
-    col.stop()
-    cl.close()
+    w.close()
 
 
 def test_5000_pushes_survive_two_kill9_and_a_broker_restart(world):

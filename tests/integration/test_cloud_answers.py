@@ -18,15 +18,14 @@ import yaml
 
 from agent.cloud.ingest import push_digest
 from agent.cloud.mqtt import MqttLink
-from agent.cloud.testkit import KID, TEMPLATES, StatusCollector, job_doc, signed, write_keys
-from agent.cloud.topics import Topics
+from agent.cloud.testkit import KID, TEMPLATES, job_doc, signed
 from agent.config import MqttConfig
 from agent.coordination.keys import shard_of
-from tests.integration.cluster import Cluster, wait_for
+from tests.support.cloud import T, CloudWorld, Pusher
+from tests.support.waiting import wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARDS = 8
-T = Topics("t")
 TICK = {"argv": ["/bin/sh", "-c", "for i in 1 2 3 4 5 6 7 8; do echo tick $i; sleep 0.5; done; "
                  "echo why-it-failed >&2; exit 3"], "params": {}, "user": "root", "allow_root": True,
         "allow_exec": ["/bin/sh", "/bin/dash", "/usr/bin/dash", "/bin/sleep", "/usr/bin/sleep"]}
@@ -36,33 +35,9 @@ FAIL = {"argv": ["/bin/sh", "-c", "echo out; echo boom-on-stderr >&2; exit 3"], 
 
 @pytest.fixture
 def world(etcd_server, mosquitto_server, tmp_path):
-    keys = str(tmp_path / "keys.yaml")
-    ring = write_keys(keys)
-    cl = Cluster(etcd_server, str(tmp_path / "agents"), shards=SHARDS, ttl=4, renew_deadline=2.5, retry_period=0.5,
-                 extra={"mqtt": {"url": mosquitto_server.url, "reconnect_min_s": 0.2, "reconnect_max_s": 1.0,
-                                 "ingest_grace_s": 1.5},
-                        "signing": {"keys_file": keys}, "bpf": {"enabled": False},
-                        "templates": {**TEMPLATES, "tick": TICK, "fail": FAIL}})
-    col = StatusCollector(mosquitto_server.url, "t", extra_filters=("millwright/t/agents/#",)).start()
-    w = type("World", (), {})()
-    w.ring, w.keys_file, w.cluster, w.col, w.mq, w.etcd = ring, keys, cl, col, mosquitto_server, etcd_server
+    w = CloudWorld(etcd_server, mosquitto_server, tmp_path, {**TEMPLATES, "tick": TICK, "fail": FAIL}, SHARDS)
     yield w
-    col.stop()
-    cl.close()
-
-
-class Pusher:
-    def __init__(self, url: str, client_id: str):
-        self.link = MqttLink(MqttConfig(url=url), client_id, clean_session=False, reconnect_min_s=0.2,
-                             reconnect_max_s=1.0, max_inflight=100)
-        self.link.start()
-        assert self.link.wait_connected(10)
-
-    def push(self, payload: bytes, topic: str = T.push) -> None:
-        self.link.publish(topic, payload, qos=1)
-
-    def stop(self):
-        self.link.stop()
+    w.close()
 
 
 class Asker:
@@ -218,11 +193,9 @@ def test_final_status_reaches_the_cloud_from_a_peer(world):
     try:
         pusher.push(signed(doc, world.ring))
         keys = world.cluster.keys
-        run_prefix = keys.runs_prefix(shard_of(jid, SHARDS), jid)
 
         def final_record():
-            kvs, _ = world.cluster.client.get_prefix(run_prefix)
-            recs = [json.loads(kv.value) for kv in kvs]
+            recs = list(world.cluster.job_runs(jid).values())
             return recs and recs[-1]["state"] == "failed" and recs[-1]
         rec = wait_for(final_record, 60, what="the run's final record")
         assert "boom-on-stderr" in rec["stderr_tail"]
@@ -322,9 +295,8 @@ def test_cli_jobs_runs_logs_against_a_running_cluster(world, tmp_path):
         tick["params"], tick["schedule"] = {}, {}
         pusher.push(signed(tick, world.ring))
         pusher.push(signed(job_doc("cli-later"), world.ring))
-        run_prefix = world.cluster.keys.runs_prefix(shard_of("cli-tick", SHARDS), "cli-tick")
-        wait_for(lambda: any(json.loads(kv.value)["state"] == "running"
-                             for kv in world.cluster.client.get_prefix(run_prefix)[0]), 60, what="tick running")
+        wait_for(lambda: any(r["state"] == "running" for r in world.cluster.job_runs("cli-tick").values()), 60,
+                 what="tick running")
 
         follow = subprocess.Popen([sys.executable, "-m", "agent", "logs", "-c", cfg, "cli-tick", "-f"],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
@@ -335,12 +307,12 @@ def test_cli_jobs_runs_logs_against_a_running_cluster(world, tmp_path):
         first = lines.get(timeout=30)
         assert first.startswith("tick ")
         # still running when the first line arrived: -f follows a live run
-        assert json.loads(world.cluster.client.get_prefix(run_prefix)[0][-1].value)["state"] == "running"
+        assert list(world.cluster.job_runs("cli-tick").values())[-1]["state"] == "running"
         assert follow.wait(60) == 0
         reader.join(10)
         err = follow.stderr.read()
         out = "".join(lines.get_nowait() for _ in range(lines.qsize()))
-        recs = [json.loads(kv.value) for kv in world.cluster.client.get_prefix(run_prefix)[0]]
+        recs = list(world.cluster.job_runs("cli-tick").values())
         assert first + out == "".join(f"tick {i}\n" for i in range(int(first.split()[1]), 9)) and "why-it-failed" in err, (err, [{k: r.get(k) for k in ("state", "reason", "exit_code", "stderr_tail")} for r in recs])
 
         r = _cli("jobs", "list", "-c", cfg, "--json")
@@ -480,7 +452,7 @@ def test_delivered_markers_trickling_in_are_deleted_in_one_transaction(etcd_serv
     from agent.config import EtcdConfig
     from agent.coordination.etcd import EtcdClient
     from agent.coordination.keys import Keys
-    from tests.integration.cluster import etcd_history
+    from tests.support.history import read_history
 
     client = EtcdClient(EtcdConfig(endpoints=[etcd_server.endpoint], request_timeout_s=2.0))
     keys = Keys("t")
@@ -496,9 +468,9 @@ def test_delivered_markers_trickling_in_are_deleted_in_one_transaction(etcd_serv
         time.sleep(CLEAR_LINGER_S / 5)
         ans.delivered(markers[3:])
         wait_for(lambda: not client.get_prefix(keys.answers_prefix(3))[0], 10, what="markers deleted")
-        deletes = [e for e in etcd_history(client, keys.answers_prefix(3)) if e.type == 1]
-        assert sorted(e.kv.key.decode() for e in deletes) == sorted(markers)
-        assert len({e.kv.mod_revision for e in deletes}) == 1, [e.kv.mod_revision for e in deletes]
+        deletes = [e for e in read_history(client, keys.answers_prefix(3)) if e.kind == "delete"]
+        assert sorted(e.key for e in deletes) == sorted(markers)
+        assert len({e.rev for e in deletes}) == 1, [e.rev for e in deletes]
     finally:
         ans.stop()
         client.close()

@@ -18,7 +18,7 @@ from agent.config import EtcdConfig
 from agent.coordination.etcd import EtcdClient, EtcdError, EtcdUnavailable
 from agent.coordination.watch import PrefixWatch
 from agent.demo.services import AgentProcess, free_port
-from tests.integration.cluster import wait_for
+from tests.support.waiting import wait_for
 
 
 def test_watch_resumes_after_etcd_restart_without_missing_or_repeating_events(etcd_server):

@@ -22,7 +22,7 @@ import pytest
 from agent.execute import Executor, Limits, RunSpec, probe
 from agent.execute.backends import BackendUnavailable, Cgroup2Backend, CgroupFS, RlimitBackend, alive, safe_name
 from tests.support.kernel import require_kernel
-from tests.support.processes import PY, Collector, _zombies_left, stderr_tail
+from tests.support.processes import PY, Collector, zombies_left, stderr_tail
 
 CONTROLLERS = "cpu io memory pids"
 
@@ -282,7 +282,7 @@ def test_rlimit_fork_bomb_is_stopped(rlimit_executor, job_user):
                                       timeout_s=60), c)
     (r,) = c.wait(["r-bomb"])
     assert r.reason == "pids_limit"
-    assert _zombies_left([h.pgid]) == []
+    assert zombies_left([h.pgid]) == []
     assert not any(True for _ in _group(h.pgid))
 
 

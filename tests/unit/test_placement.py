@@ -10,9 +10,10 @@ from agent.config import ConfigError, Template, parse_config
 from agent.coordination import placement
 from agent.coordination.placement import TargetError
 from agent.jobs.document import JobRejected
-from tests.unit.test_jobs import parse, signed
+from tests.support.documents import parser, signed
 
 TPL = {"noargs": Template(argv=["/bin/true"])}
+parse = parser(TPL)
 
 
 def doc(**kw) -> dict:
@@ -135,7 +136,7 @@ def test_targeted_job_with_a_template_this_agent_lacks_is_accepted():
     job = parse(signed({"v": 1, "id": "j", "template": "camera-warmup", "schedule": {},
                         "target": {"labels": {"camera": "cam1"}}}), templates=TPL)
     assert job.template == "camera-warmup"
-    with pytest.raises(JobRejected) as ei:  # untargeted: as before
+    with pytest.raises(JobRejected) as ei:  # untargeted: the ingesting agent needs the template
         parse(signed({"v": 1, "id": "j", "template": "camera-warmup", "schedule": {}}), templates=TPL)
     assert ei.value.reason == "unknown_template"
 

@@ -1,8 +1,8 @@
 """A run's end triggers a shard reconcile only when a shard is waiting for its runs.
 
-At 100 runs/s every run's end used to schedule a reconcile that walks every shard
-(issue 18: agent CPU per firing); now only a shard the last reconcile kept for its runs
-makes release_idle() reconcile, and that shard still goes once its runs are over."""
+A reconcile walks every shard: at 100 runs/s one per run's end would cost the agent CPU
+per firing. Only a shard the last reconcile kept for its runs makes release_idle()
+reconcile, and that shard still goes once its runs are over."""
 
 from agent.coordination.keys import Keys
 from agent.coordination.shards import Holder, Member, ShardManager
