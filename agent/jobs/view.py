@@ -22,7 +22,7 @@ import etcd3.etcdrpc as rpc
 from etcd3 import utils as etcd_utils
 
 from agent.coordination import placement
-from agent.coordination.etcd import KV, _kv
+from agent.coordination.etcd import KV, as_kv
 from agent.coordination.keys import Keys, shard_of
 from agent.jobs import schedule as sch
 
@@ -50,7 +50,7 @@ def read_prefix(client, prefix: str, page: int = PAGE, revision: int = 0,
                                    sort_order=rpc.RangeRequest.DESCEND if newest_first else rpc.RangeRequest.ASCEND,
                                    sort_target=rpc.RangeRequest.KEY)
             r = c.kvstub.Range(req, t, **client._md(c))
-            return [_kv(kv) for kv in r.kvs], r.more, r.header.revision
+            return [as_kv(kv) for kv in r.kvs], r.more, r.header.revision
 
         kvs, more, head = client._call("range_page", fn, None)
         rev = rev or head
