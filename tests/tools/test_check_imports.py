@@ -1,5 +1,6 @@
 """scripts/check-imports.py: each import rule fails on a small source tree that breaks it,
-and passes the same tree without the breach."""
+and passes the same tree without the breach. (tests/tools: tests of the checkout's own
+tools, which the package and its tests/unit run do not ship.)"""
 
 from __future__ import annotations
 
