@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 import threading
 import time
 
@@ -20,10 +18,10 @@ import pytest
 from agent.cloud.ingest import push_digest
 from agent.cloud.testkit import KID, TEMPLATES, StatusCollector, cancel_doc, job_doc, junk_payload, signed
 from agent.coordination.keys import shard_of
+from tests.support.commands import millwright
 from tests.support.cloud import T, CloudWorld, Pusher, accepted, jobs_in_etcd, wait_agent_connected
 from tests.support.waiting import wait_for
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICK = os.environ.get("MILLWRIGHT_CLOUD_QUICK") == "1"
 N_PUSHES = 1000 if QUICK else 5000
 SHARDS = 8
@@ -231,7 +229,7 @@ def test_junk_flood_never_delays_or_fakes_valid_pushes(world):
                 assert d["state"] in ("accepted", "scheduled") and not d.get("reason"), (topic, d)
         # nothing held: both agents have no push waiting for the grace period
         for agent in (a1, a2):
-            r = _cli("status", "-c", agent.config_path, "--json")
+            r = millwright("status", "-c", agent.config_path, "--json")
             assert r.returncode == 0, r.stderr
             assert json.loads(r.stdout)["cloud"]["pending_pushes"] == 0
         reported = [d for _, topic, d in world.col.messages if T.kind(topic) == "rejected"]
@@ -289,11 +287,6 @@ def test_presence_will_drain_and_offline(world):
         late.stop()
 
 
-def _cli(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "agent", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=60, env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
-
-
 def test_cli_push_and_cancel(world, tmp_path):
     a = world.cluster.start("a1")
     wait_for(lambda: world.cluster.all_owned_by({"a1"}), 30, what="a1 owns all shards")
@@ -301,29 +294,29 @@ def test_cli_push_and_cancel(world, tmp_path):
     cfg = a.config_path
     f = tmp_path / "job.json"
     f.write_text(json.dumps(job_doc("cli-1")))
-    r = _cli("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID)
+    r = millwright("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID)
     assert r.returncode == 0 and r.stdout.startswith("accepted cli-1"), (r.stdout, r.stderr)
-    r = _cli("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID)
+    r = millwright("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID)
     assert r.returncode == 0 and "repeat" in r.stdout, (r.stdout, r.stderr)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(job_doc("cli-2", line="no")))
-    r = _cli("push", "-c", cfg, str(bad), "--key-file", world.keys_file, "--kid", KID)
+    r = millwright("push", "-c", cfg, str(bad), "--key-file", world.keys_file, "--kid", KID)
     assert r.returncode == 1 and r.stdout.startswith("rejected cli-2: bad_param"), (r.stdout, r.stderr)
-    r = _cli("cancel", "-c", cfg, "cli-1", "--key-file", world.keys_file, "--kid", KID)
+    r = millwright("cancel", "-c", cfg, "cli-1", "--key-file", world.keys_file, "--kid", KID)
     assert r.returncode == 0 and r.stdout.startswith("cancelled cli-1"), (r.stdout, r.stderr)
-    r = _cli("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID)
+    r = millwright("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID)
     assert r.returncode == 1 and "cancelled" in r.stdout
     for args, needle in [((str(tmp_path / "nope.json"), "--key-file", world.keys_file, "--kid", KID), "nope.json"),
                          ((str(f), "--key-file", world.keys_file, "--kid", "nokid"), "nokid"),
                          ((str(f), "--key-file", str(tmp_path / "none.yaml"), "--kid", KID), "none.yaml")]:
-        r = _cli("push", "-c", cfg, *args)
+        r = millwright("push", "-c", cfg, *args)
         assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
     notjson = tmp_path / "nj.json"
     notjson.write_text("{nope")
-    r = _cli("push", "-c", cfg, str(notjson), "--key-file", world.keys_file, "--kid", KID)
+    r = millwright("push", "-c", cfg, str(notjson), "--key-file", world.keys_file, "--kid", KID)
     assert r.returncode == 2 and "not valid JSON" in r.stderr
-    r = _cli("cancel", "-c", cfg, "../etc", "--key-file", world.keys_file, "--kid", KID)
+    r = millwright("cancel", "-c", cfg, "../etc", "--key-file", world.keys_file, "--kid", KID)
     assert r.returncode == 2 and "Traceback" not in r.stderr
 
 
@@ -359,14 +352,14 @@ def test_cli_push_with_a_target_says_whether_an_agent_can_run_it(world, tmp_path
     cfg = a.config_path
     f = tmp_path / "job.json"
     f.write_text(json.dumps(job_doc("cli-t1")))
-    r = _cli("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID, "--target-label", "line=1")
+    r = millwright("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID, "--target-label", "line=1")
     assert r.returncode == 0 and "eligible a1" in r.stdout, (r.stdout, r.stderr)
     f.write_text(json.dumps(job_doc("cli-t2")))
-    r = _cli("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID, "--target-label", "camera=cam1",
+    r = millwright("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID, "--target-label", "camera=cam1",
              "--fanout")
     assert r.returncode == 0 and r.stdout.startswith("accepted cli-t2"), (r.stdout, r.stderr)
     assert "waiting (no_eligible_agent: no live agent publishes label key(s) camera)" in r.stdout, r.stdout
-    r = _cli("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID, "--target-label", "line")
+    r = millwright("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID, "--target-label", "line")
     assert r.returncode == 2 and "KEY=VALUE" in r.stderr and "Traceback" not in r.stderr
-    r = _cli("jobs", "show", "-c", cfg, "cli-t2")
+    r = millwright("jobs", "show", "-c", cfg, "cli-t2")
     assert r.returncode == 0 and "waiting (no_eligible_agent)" in r.stdout, (r.stdout, r.stderr)

@@ -21,6 +21,7 @@ from agent.cloud.mqtt import MqttLink
 from agent.cloud.testkit import KID, TEMPLATES, job_doc, signed
 from agent.config import MqttConfig
 from agent.coordination.keys import shard_of
+from tests.support.commands import millwright, millwright_env
 from tests.support.cloud import T, CloudWorld, Pusher
 from tests.support.waiting import wait_for
 
@@ -273,12 +274,6 @@ def test_jobs_get_answers_and_waits_for_a_takeover(world):
         pusher.stop()
 
 
-def _cli(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "agent", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
-
-
 def test_cli_jobs_runs_logs_against_a_running_cluster(world, tmp_path):
     """Acceptance 4: the operator verbs read etcd (and the run's directory), --json parses."""
     # a per-run agent id: its runs' cgroups (/millwright-<id>/) must not collide with another
@@ -300,7 +295,7 @@ def test_cli_jobs_runs_logs_against_a_running_cluster(world, tmp_path):
 
         follow = subprocess.Popen([sys.executable, "-m", "agent", "logs", "-c", cfg, "cli-tick", "-f"],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                  env={**os.environ, "PYTHONPATH": ROOT})
+                                  env=millwright_env())
         lines: "queue.Queue" = queue.Queue()
         reader = threading.Thread(target=lambda: [lines.put(line) for line in follow.stdout], daemon=True)
         reader.start()
@@ -315,45 +310,45 @@ def test_cli_jobs_runs_logs_against_a_running_cluster(world, tmp_path):
         recs = list(world.cluster.job_runs("cli-tick").values())
         assert first + out == "".join(f"tick {i}\n" for i in range(int(first.split()[1]), 9)) and "why-it-failed" in err, (err, [{k: r.get(k) for k in ("state", "reason", "exit_code", "stderr_tail")} for r in recs])
 
-        r = _cli("jobs", "list", "-c", cfg, "--json")
+        r = millwright("jobs", "list", "-c", cfg, "--json")
         assert r.returncode == 0, r.stderr
         jobs = {j["id"]: j for j in json.loads(r.stdout)}
         assert jobs["cli-tick"]["state"] == "failed" and jobs["cli-later"]["state"] == "scheduled"
-        r = _cli("jobs", "list", "-c", cfg, "--state", "scheduled", "--json")
+        r = millwright("jobs", "list", "-c", cfg, "--state", "scheduled", "--json")
         assert [j["id"] for j in json.loads(r.stdout)] == ["cli-later"]
-        r = _cli("jobs", "list", "-c", cfg, "--template", "tick")
+        r = millwright("jobs", "list", "-c", cfg, "--template", "tick")
         assert r.returncode == 0 and "cli-tick" in r.stdout and "cli-later" not in r.stdout and "STATE" in r.stdout
-        r = _cli("jobs", "show", "cli-tick", "-c", cfg, "--json")
+        r = millwright("jobs", "show", "cli-tick", "-c", cfg, "--json")
         shown = json.loads(r.stdout)
         assert shown["runs"][-1]["exit_code"] == 3 and "why-it-failed" in shown["runs"][-1]["stderr_tail"]
-        r = _cli("jobs", "show", "cli-later", "-c", cfg)
+        r = millwright("jobs", "show", "cli-later", "-c", cfg)
         assert r.returncode == 0 and "next due" in r.stdout and "cli-later" in r.stdout
-        r = _cli("runs", "cli-tick", "-c", cfg, "--json")
+        r = millwright("runs", "cli-tick", "-c", cfg, "--json")
         runs = json.loads(r.stdout)
         assert len(runs) == 1 and runs[0]["state"] == "failed"
-        r = _cli("runs", "cli-tick", "-c", cfg)
+        r = millwright("runs", "cli-tick", "-c", cfg)
         assert "FIRE_ID" in r.stdout and runs[0]["fire_id"] in r.stdout
-        r = _cli("logs", f"cli-tick/{runs[0]['fire_id']}", "-c", cfg, "--json")
+        r = millwright("logs", f"cli-tick/{runs[0]['fire_id']}", "-c", cfg, "--json")
         logs = json.loads(r.stdout)
         assert logs["stdout"].count("tick") == 8 and "why-it-failed" in logs["stderr"]
         # the terminal status carried the stderr tail to the cloud too
         assert any(d.get("job_id") == "cli-tick" and "why-it-failed" in (d.get("stderr_tail") or "")
                    for d in world.col.docs("failed"))
         # errors: one line, no traceback
-        r = _cli("jobs", "show", "nope", "-c", cfg)
+        r = millwright("jobs", "show", "nope", "-c", cfg)
         assert r.returncode == 1 and "no job nope" in r.stderr and "Traceback" not in r.stderr
-        r = _cli("runs", "../x", "-c", cfg)
+        r = millwright("runs", "../x", "-c", cfg)
         assert r.returncode == 2 and "Traceback" not in r.stderr
         elsewhere = tmp_path / "elsewhere.yaml"
         c = yaml.safe_load(open(cfg))
         c["agent_id"] = "another-gateway"
         elsewhere.write_text(yaml.safe_dump(c))
-        r = _cli("logs", "cli-tick", "-c", str(elsewhere))
+        r = millwright("logs", "cli-tick", "-c", str(elsewhere))
         assert r.returncode == 1 and f"agent {aid}" in r.stderr and "Traceback" not in r.stderr, r.stderr
         c["etcd"]["endpoints"] = ["http://127.0.0.1:1"]
         c["etcd"]["request_timeout_s"] = 0.5
         elsewhere.write_text(yaml.safe_dump(c))
-        r = _cli("jobs", "list", "-c", str(elsewhere))
+        r = millwright("jobs", "list", "-c", str(elsewhere))
         assert r.returncode == 4 and "cannot read etcd" in r.stderr and "Traceback" not in r.stderr, r.stderr
     finally:
         pusher.stop()
@@ -437,11 +432,11 @@ def test_push_exit_codes_no_answer_and_broker_unreachable(world, tmp_path):
     path.write_text(yaml.safe_dump(cfg))
     job = tmp_path / "job.json"
     job.write_text(json.dumps(job_doc("nobody-home")))
-    r = _cli("push", "-c", str(path), str(job), "--key-file", world.keys_file, "--kid", KID, "--timeout", "2")
+    r = millwright("push", "-c", str(path), str(job), "--key-file", world.keys_file, "--kid", KID, "--timeout", "2")
     assert r.returncode == 3 and "no status for nobody-home" in r.stderr and "Traceback" not in r.stderr, r.stderr
     cfg["mqtt"]["url"] = f"mqtt://127.0.0.1:{free_port()}"
     path.write_text(yaml.safe_dump(cfg))
-    r = _cli("push", "-c", str(path), str(job), "--key-file", world.keys_file, "--kid", KID, "--timeout", "2")
+    r = millwright("push", "-c", str(path), str(job), "--key-file", world.keys_file, "--kid", KID, "--timeout", "2")
     assert r.returncode == 4 and "cannot connect to the broker" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
