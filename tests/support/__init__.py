@@ -10,6 +10,8 @@ files (a real etcd, a 3-member etcd cluster, a real mosquitto). One home per hel
 - documents: a fixed clock, key and cluster for unit tests of job documents.
 - cloud: agents wired to a broker (``CloudWorld``), a pusher, what agents answered.
 - network: cutting an address off with nftables.
+- fakes: a manual clock and a manual event loop for unit tests of pure logic.
+- commands: running the `millwright` command under test.
 - processes: job processes seen from the test (results, fds, zombies, process groups).
 - kernel: what kernel tests need from the machine (``require_kernel``).
 - history, chaos: the strict history checker and the seeded fault test.

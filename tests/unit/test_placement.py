@@ -11,6 +11,7 @@ from agent.coordination import placement
 from agent.coordination.placement import TargetError
 from agent.jobs.document import JobRejected
 from tests.support.documents import parser, signed
+from tests.support.fakes import ManualLoop
 
 TPL = {"noargs": Template(argv=["/bin/true"])}
 parse = parser(TPL)
@@ -144,20 +145,12 @@ def test_targeted_job_with_a_template_this_agent_lacks_is_accepted():
 # --- a pool's eligible members ------------------------------------------------------------------
 
 
-class _Loop:
-    def call_later(self, delay, fn, *args):
-        class T:
-            def cancel(self):
-                pass
-        return T()
-
-
 def test_pool_manager_assigns_only_among_eligible_members():
     from agent.coordination.keys import Keys, PoolKeys
     from agent.coordination.pools import PoolShardManager
     from agent.coordination.shards import Member, ShardManager
 
-    parent = ShardManager("a", 8, Keys("t"), None, None, _Loop(), on_acquired=lambda f: None,
+    parent = ShardManager("a", 8, Keys("t"), None, None, ManualLoop(), on_acquired=lambda f: None,
                           on_lost=lambda s, r: None)
     parent.members = {
         "a": Member("a", 1.0, True, 1, {"line": "1"}, frozenset({"t"})),
