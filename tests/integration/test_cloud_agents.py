@@ -36,6 +36,17 @@ def world(etcd_server, mosquitto_server, tmp_path):
     w.close()
 
 
+def _two_agents(world):
+    """Agents a1 and a2, both holding shards and connected to the broker."""
+    a1 = world.cluster.start("a1")
+    a2 = world.cluster.start("a2")
+    wait_for(lambda: world.cluster.all_owned_by({"a1", "a2"}) and len(set(world.cluster.owners().values())) == 2,
+             40, what="two agents share the shards")
+    wait_agent_connected(world.col, "a1")
+    wait_agent_connected(world.col, "a2")
+    return a1, a2
+
+
 def test_5000_pushes_survive_two_kill9_and_a_broker_restart(world):
     a = world.cluster.start("a1")
     wait_for(lambda: world.cluster.all_owned_by({"a1"}), 30, what="a1 owns all shards")
@@ -196,12 +207,7 @@ def test_junk_flood_never_delays_or_fakes_valid_pushes(world):
     The throughput comparison with a quiet run is bench/bench_ingest.py --junk."""
     from agent.jobs.signing import KeyRing, generate_hmac_secret
 
-    a1 = world.cluster.start("a1")
-    a2 = world.cluster.start("a2")
-    wait_for(lambda: world.cluster.all_owned_by({"a1", "a2"}) and len(set(world.cluster.owners().values())) == 2,
-             40, what="two agents share the shards")
-    wait_agent_connected(world.col, "a1")
-    wait_agent_connected(world.col, "a2")
+    a1, a2 = _two_agents(world)
     other = KeyRing.from_mapping({KID: {"alg": "hmac-sha256", "secret": generate_hmac_secret()}})
     ids = [f"real-{i:04d}" for i in range(500)]
     valid = [signed(job_doc(j, line=str(i % 100)), world.ring) for i, j in enumerate(ids)]
@@ -243,12 +249,7 @@ def test_junk_flood_never_delays_or_fakes_valid_pushes(world):
 
 
 def test_push_reaches_etcd_while_an_agent_is_gone_for_good(world):
-    a1 = world.cluster.start("a1")
-    a2 = world.cluster.start("a2")
-    wait_for(lambda: world.cluster.all_owned_by({"a1", "a2"}) and len(set(world.cluster.owners().values())) == 2,
-             40, what="two agents share the shards")
-    wait_agent_connected(world.col, "a1")
-    wait_agent_connected(world.col, "a2")
+    a1, a2 = _two_agents(world)
     owners = world.cluster.owners()
     jid = next(f"gone-{i}" for i in range(10000) if owners[shard_of(f"gone-{i}", SHARDS)] == "a2")
     a2.kill()  # gone for good: its persistent session stays on the broker and queues the push
