@@ -20,6 +20,13 @@ from tests.support.jobs import effects_file, templates
 from tests.support.records import agent_audit, agent_statuses, job_runs, run_records
 
 
+def merge_sections(cfg: dict, extra: Optional[dict]) -> dict:
+    """``cfg`` with ``extra``'s sections merged in (a dict section key by key, else replaced)."""
+    for k, v in (extra or {}).items():
+        cfg[k] = {**cfg.get(k, {}), **v} if isinstance(v, dict) else v
+    return cfg
+
+
 class Cluster:
     """Agents of one cluster (``start``), their shared config, and a client of their etcd."""
 
@@ -42,8 +49,7 @@ class Cluster:
                     "execute": {"kill_grace_s": round(max(0.1, min(1.0, ttl - renew_deadline - 0.5)), 3)},
                     # history checks replay etcd from revision 1: no compaction unless a test asks
                     "retention": {"compact_interval_s": 0}}
-        for k, v in (extra or {}).items():
-            self.cfg[k] = {**self.cfg.get(k, {}), **v} if isinstance(v, dict) else v
+        merge_sections(self.cfg, extra)
         # every agent verifies stored jobs against this ring; tests write through self.signing(store)
         os.makedirs(base_dir, exist_ok=True)
         self.keys_file = os.path.join(base_dir, "keys.yaml")
@@ -66,14 +72,18 @@ class Cluster:
         """The job store of this cluster's etcd, signing what it creates (as the cloud would)."""
         return self.signing(JobStore(self.client, self.keys, self.shards, writer))
 
+    def agent_config(self, extra: Optional[dict] = None) -> dict:
+        """A copy of the agents' shared config with ``extra``'s sections merged in."""
+        return merge_sections(json.loads(json.dumps(self.cfg)), extra)
+
     def start(self, agent_id: str, capacity: float = 1.0, endpoint_host: Optional[str] = None,
               extra: Optional[dict] = None) -> AgentProcess:
-        cfg = json.loads(json.dumps(self.cfg))
+        """Start agent ``agent_id`` (a `millwright run` process) with this cluster's config."""
+        cfg = self.agent_config()
         cfg["capacity"] = capacity
         if endpoint_host:
             cfg["etcd"]["endpoints"] = [self.etcd.endpoint_on(endpoint_host)]
-        for k, v in (extra or {}).items():
-            cfg[k] = {**cfg.get(k, {}), **v} if isinstance(v, dict) else v
+        merge_sections(cfg, extra)
         a = AgentProcess(agent_id, self.base, cfg, env=self.env).start()
         self.agents[agent_id] = a
         return a
@@ -131,9 +141,7 @@ def recording_cluster(etcd_server: Any, tmp_path: Any, extra: Optional[dict] = N
     with room for many runs at once, and the effects file their runs append to. ``extra``
     config sections are merged over those; ``kw`` goes to Cluster."""
     out = effects_file(tmp_path)
-    cfg: dict = {"templates": templates(out), "execute": dict(RECORDING_EXECUTE)}
-    for k, v in (extra or {}).items():
-        cfg[k] = {**cfg.get(k, {}), **v} if isinstance(v, dict) else v
+    cfg = merge_sections({"templates": templates(out), "execute": dict(RECORDING_EXECUTE)}, extra)
     c = Cluster(etcd_server, str(tmp_path / "agents"), ttl=4, renew_deadline=2.5, retry_period=0.5, extra=cfg, **kw)
     return c, out
 

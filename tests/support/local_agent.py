@@ -3,7 +3,6 @@ methods at the point a fault is injected while etcd (and the agent's runs) stay 
 
 from __future__ import annotations
 
-import json
 import threading
 from typing import Any, Callable
 
@@ -22,10 +21,7 @@ class LocalAgent:
     process is never started)."""
 
     def __init__(self, cluster: Cluster, agent_id: str, extra: dict):
-        cfg = json.loads(json.dumps(cluster.cfg))
-        for k, v in extra.items():
-            cfg[k] = {**cfg.get(k, {}), **v} if isinstance(v, dict) else v
-        self.files = AgentProcess(agent_id, cluster.base, cfg)   # config file and cgroup cleanup only
+        self.files = AgentProcess(agent_id, cluster.base, cluster.agent_config(extra))   # config file and cgroup cleanup only
         self.cfg = load_config(self.files.config_path)
         self.agent = Agent(self.cfg, default_components(self.cfg))
         jobs = next(c.jobs for c in self.agent.components if hasattr(c, "jobs"))
