@@ -61,10 +61,10 @@ COMMAND_MAY_IMPORT = {"cli"}
 # Nothing outside runtime imports these at run time (runtime/__init__).
 RUNTIME_ONLY = {"runtime.daemon", "runtime.components"}
 
-# a part or module -> the only parts that may import it
+# a part or module -> the only parts that may import it (a part imports its own modules)
 ONLY_FROM = {
-    "demo": {"cli", "demo"},              # demo/__init__: nothing in the product but the CLI
-    "cloud.testkit": {"cloud", "demo"},   # cloud/testkit.py: not used by the agent itself
+    "demo": {"cli"},                      # demo/__init__: nothing in the product but the CLI
+    "cloud.testkit": {"demo"},            # cloud/testkit.py: not used by the agent itself
 }
 
 # a third-party module -> the only modules of agent/ that may import it
@@ -212,9 +212,11 @@ def layer_problem(importer: str, target: str) -> Optional[str]:
     src, rel = Tree.part(importer), Tree.rel(target)
     if rel in RUNTIME_ONLY and src != "runtime":
         return f"imports {target} at run time: only runtime does (a TYPE_CHECKING import may)"
-    only = ONLY_FROM.get(rel, ONLY_FROM.get(Tree.part(target)))
+    only = ONLY_FROM.get(rel)
+    if only is None and src != Tree.part(target):
+        only = ONLY_FROM.get(Tree.part(target))
     if only is not None:
-        if src in only or src == Tree.part(target):
+        if src in only:
             return None
         return f"imports {target}, which only {', '.join(sorted(only))} may import"
     if not may_import(importer, target):
