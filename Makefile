@@ -44,12 +44,14 @@ test-release: setup
 bench: setup
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
-# ruff (pyflakes, import order, bugbear) over the tree and mypy over agent/; config in
-# pyproject.toml, pinned tools in requirements-lint.txt (installed into .cache/lint)
+# ruff (pyflakes, import order, bugbear) over the tree, mypy over agent/, and agent/'s import
+# rules (scripts/check-imports.py: what each package may import, no private names across
+# modules); config in pyproject.toml, pinned tools in requirements-lint.txt (in .cache/lint)
 LINT_DIR ?= .cache/lint
 lint: lint-tools
 	$(LINT_DIR)/bin/ruff check .
 	PYTHONPATH=$(LINT_DIR) $(PY) -m mypy
+	$(PY) scripts/check-imports.py
 
 lint-tools:
 	@PY=$(PY) bash scripts/lint-tools.sh

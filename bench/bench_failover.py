@@ -25,7 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from agent.coordination import hrw  # noqa: E402
 from agent.demo.services import EtcdServer  # noqa: E402
-from tests.integration.cluster import Cluster, NftBlock, wait_for  # noqa: E402
+from tests.support.cluster import Cluster  # noqa: E402
+from tests.support.network import NftBlock  # noqa: E402
+from tests.support.waiting import wait_for  # noqa: E402
 
 
 def pct(xs, p):

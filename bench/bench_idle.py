@@ -38,7 +38,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from agent.demo.services import EtcdServer, MosquittoServer  # noqa: E402
-from tests.integration.cluster import Cluster, wait_for  # noqa: E402
+from tests.support.cluster import Cluster  # noqa: E402
+from tests.support.waiting import wait_for  # noqa: E402
 
 IDLE_S = float(os.environ.get("BENCH_IDLE_S", "60"))
 SETTLE_S = float(os.environ.get("BENCH_SETTLE_S", "15"))

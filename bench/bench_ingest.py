@@ -36,7 +36,8 @@ from tests.support.cloudkit import TEMPLATES, StatusCollector, job_doc, signed, 
 from agent.cloud.topics import Topics  # noqa: E402
 from agent.config import MqttConfig  # noqa: E402
 from agent.demo.services import EtcdServer, MosquittoServer  # noqa: E402
-from tests.integration.cluster import Cluster, wait_for  # noqa: E402
+from tests.support.cluster import Cluster  # noqa: E402
+from tests.support.waiting import wait_for  # noqa: E402
 
 PUSHES = int(os.environ.get("BENCH_PUSHES", "2000"))
 RATE = float(os.environ.get("BENCH_RATE", "100"))

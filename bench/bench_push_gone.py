@@ -24,7 +24,8 @@ sys.path.insert(0, ROOT)
 from tests.support.cloudkit import TEMPLATES, StatusCollector, job_doc, signed, write_keys  # noqa: E402
 from agent.coordination.keys import shard_of  # noqa: E402
 from agent.demo.services import EtcdServer, MosquittoServer  # noqa: E402
-from tests.integration.cluster import Cluster, wait_for  # noqa: E402
+from tests.support.cluster import Cluster  # noqa: E402
+from tests.support.waiting import wait_for  # noqa: E402
 from tests.support.cloud import Pusher, accepted, wait_agent_connected  # noqa: E402
 
 TRIALS = int(os.environ.get("BENCH_TRIALS", "5"))

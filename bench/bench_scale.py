@@ -38,7 +38,8 @@ from agent.coordination.keys import shard_of  # noqa: E402
 from agent.demo.services import EtcdServer  # noqa: E402
 from agent.jobs.schedule import fire_id, format_rfc3339  # noqa: E402
 from agent.runtime.admin import query  # noqa: E402
-from tests.integration.cluster import Cluster, wait_for  # noqa: E402
+from tests.support.cluster import Cluster  # noqa: E402
+from tests.support.waiting import wait_for  # noqa: E402
 
 TEMPLATES = {"noop": {"argv": ["/bin/true"], "user": "root", "allow_root": True}}
 # accepted a minute ago: a daily job then has no missed firing to record at install

@@ -24,7 +24,8 @@ from agent.coordination import placement  # noqa: E402
 from agent.coordination.jobstore import JobStore  # noqa: E402
 from agent.demo.services import EtcdServer  # noqa: E402
 from agent.runtime.timefmt import format_rfc3339  # noqa: E402
-from tests.integration.cluster import Cluster, wait_for  # noqa: E402
+from tests.support.cluster import Cluster  # noqa: E402
+from tests.support.waiting import wait_for  # noqa: E402
 from tests.support.jobs import job, now, templates  # noqa: E402
 
 LABELS = {"l1a": "1", "l1b": "1", "l2a": "2", "l2b": "2"}

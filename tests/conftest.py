@@ -18,34 +18,25 @@ from hypothesis import settings  # noqa: E402
 # timing threshold, and a loaded 2-core gateway or CI host misses it for no fault of the code.
 settings.register_profile("millwright", deadline=None)
 settings.load_profile("millwright")
-# test modules import helpers from tests/support, not from here; kept for older imports
-from tests.support.kernel import HOST_LIMITS, REQUIRE_KERNEL, require_kernel  # noqa: E402, F401
 
 
 @pytest.fixture
 def etcd_server(tmp_path):
     """A fresh etcd per test; supports stop(), start(), restart(), pause(), resume()."""
-    srv = EtcdServer(str(tmp_path / "etcd"))
-    os.makedirs(srv.dir, exist_ok=True)
-    srv.start()
-    yield srv
-    srv.close()
+    with EtcdServer(str(tmp_path / "etcd")) as srv:
+        yield srv
 
 
 @pytest.fixture
 def etcd_cluster(tmp_path):
     """A real 3-member etcd cluster on loopback; members can be killed, paused and restarted
     (``cluster.leader()``, ``member.kill()``, ``member.start()``, ``cluster.wait_healthy()``)."""
-    cluster = EtcdCluster(3, str(tmp_path / "etcd-cluster"))
-    cluster.start()
-    yield cluster
-    cluster.close()
+    with EtcdCluster(3, str(tmp_path / "etcd-cluster")) as cluster:
+        yield cluster
 
 
 @pytest.fixture
 def mosquitto_server(tmp_path):
-    srv = MosquittoServer(str(tmp_path / "mosquitto"))
-    os.makedirs(srv.dir, exist_ok=True)
-    srv.start()
-    yield srv
-    srv.close()
+    """A fresh mosquitto per test, with persistence: persistent sessions survive restart()."""
+    with MosquittoServer(str(tmp_path / "mosquitto")) as srv:
+        yield srv

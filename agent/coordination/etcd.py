@@ -73,7 +73,8 @@ class TxnResult:
     responses: list
 
 
-def _kv(kv: Any) -> KV:
+def as_kv(kv: Any) -> KV:
+    """The KV of an etcd KeyValue message."""
     return KV(kv.key.decode(), kv.value, kv.create_revision, kv.mod_revision, kv.version, kv.lease)
 
 
@@ -84,7 +85,7 @@ def _txn_result(r: Any, revision: int) -> TxnResult:
     for resp in r.responses:
         kind = resp.WhichOneof("response")
         if kind == "response_range":
-            out.append([_kv(kv) for kv in resp.response_range.kvs])
+            out.append([as_kv(kv) for kv in resp.response_range.kvs])
         elif kind == "response_txn":
             out.append(_txn_result(resp.response_txn, revision))
         else:
@@ -211,7 +212,7 @@ class EtcdClient:
     def get(self, key: str, timeout: Optional[float] = None) -> Optional[KV]:
         def fn(c, t):
             r = c.kvstub.Range(rpc.RangeRequest(key=key.encode()), t, **self._md(c))
-            return _kv(r.kvs[0]) if r.kvs else None
+            return as_kv(r.kvs[0]) if r.kvs else None
         return self._call("get", fn, timeout)
 
     def get_prefix(self, prefix: str, keys_only: bool = False, revision: int = 0,
@@ -246,7 +247,7 @@ class EtcdClient:
                 # etcd read the whole range before applying the limit
                 req = rpc.RangeRequest(key=key, range_end=end, keys_only=keys_only, revision=rev, limit=lim)
                 r = c.kvstub.Range(req, t, **self._md(c))
-                return [_kv(kv) for kv in r.kvs], r.header.revision, r.more, r.ByteSize()
+                return [as_kv(kv) for kv in r.kvs], r.header.revision, r.more, r.ByteSize()
             try:
                 kvs, rev, more, size = self._call("range_page", fn, timeout)
             except EtcdError as exc:
@@ -274,7 +275,7 @@ class EtcdClient:
             req = rpc.RangeRequest(key=key, range_end=etcd_utils.increment_last_byte(key), limit=1,
                                    sort_order=rpc.RangeRequest.DESCEND, sort_target=rpc.RangeRequest.KEY)
             r = c.kvstub.Range(req, t, **self._md(c))
-            return _kv(r.kvs[0]) if r.kvs else None
+            return as_kv(r.kvs[0]) if r.kvs else None
         return self._call("get_last", fn, timeout)
 
     def count_prefix(self, prefix: str, timeout: Optional[float] = None) -> int:

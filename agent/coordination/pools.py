@@ -154,7 +154,7 @@ class Placement:
 
     def changed(self) -> None:
         for m in self.managers.values():
-            m._changed()
+            m.reconcile_soon()
 
     def _add(self, pool: str, spec: dict) -> None:
         k = self._next_k
@@ -241,7 +241,7 @@ class Placement:
             self.status()
         elif m.removed:
             m.removed = False
-            m._changed()
+            m.reconcile_soon()
 
     def _spec_gone(self, pool: str) -> None:
         """Retention removed a pool without jobs: hand its shards back (nothing runs there)."""
@@ -249,7 +249,7 @@ class Placement:
         m = self.managers.get(pool)
         if m is not None:
             m.removed = True
-            m._changed()
+            m.reconcile_soon()
             self.parent.loop.call_later(0.5, self._forget, pool)
 
     def _forget(self, pool: str) -> None:

@@ -112,7 +112,7 @@ class ShardManager:
         for kv in kvs:
             self._member_put(kv)
         self.members_rev = rev
-        self._changed()
+        self.reconcile_soon()
 
     def members_events(self, events: list[WatchEvent], rev: int) -> None:
         for ev in events:
@@ -124,7 +124,7 @@ class ShardManager:
                 if agent == self.me:
                     self.registered = False
         self.members_rev = rev
-        self._changed()
+        self.reconcile_soon()
 
     def _member_put(self, kv: KV) -> None:
         agent = kv.key[len(self.keys.members_prefix()):]
@@ -153,7 +153,7 @@ class ShardManager:
             if h is None or h.token != self.mine[s].token:
                 self._lose(s, "key_gone")
         del old
-        self._changed()
+        self.reconcile_soon()
 
     def shards_events(self, events: list[WatchEvent], rev: int) -> None:
         for ev in events:
@@ -170,7 +170,7 @@ class ShardManager:
                 if s in self.mine:
                     self._lose(s, "key_gone")
         self.shards_rev = rev
-        self._changed()
+        self.reconcile_soon()
 
     # --- session input -------------------------------------------------------------------
     def session_granted(self, lease_id: int, capacity: float, info: dict) -> None:
@@ -218,7 +218,7 @@ class ShardManager:
             self._last_busy = None
             self.registered = True
             log.info("registered as member", extra={"fields": {"lease": f"{lease:x}"}})
-            self._changed()
+            self.reconcile_soon()
 
         self.workers.submit(op, done)
 
@@ -250,11 +250,12 @@ class ShardManager:
         self._fallback.clear()
 
     # --- reconcile ---------------------------------------------------------------------
-    def _changed(self) -> None:
+    def reconcile_soon(self) -> None:
+        """Reconcile within 10 ms (once, however often asked); the followers too."""
         if self._reconcile_timer is None:
             self._reconcile_timer = self.loop.call_later(0.01, self.reconcile)
         for f in self.followers:
-            f._changed()
+            f.reconcile_soon()
 
     def _count_owned(self) -> None:
         SHARDS_OWNED.set(len(self.mine))
@@ -316,7 +317,7 @@ class ShardManager:
                 return
             if error is not None:
                 log.debug("claim failed", extra={"fields": {"shard": s, "error": str(error)}})
-                self._changed()
+                self.reconcile_soon()
                 return
             if r.succeeded:
                 self._acquire(s, r.revision)
@@ -356,14 +357,14 @@ class ShardManager:
                     self._lose(s, "released")
                 return
             self._releasing.discard(s)
-            self._changed()
+            self.reconcile_soon()
 
         self.workers.submit(op, done)
 
     def release_idle(self) -> None:
         """Called when runs end: shards waiting to move may go now."""
         if self._kept_busy or any(f._kept_busy for f in self.followers):
-            self._changed()
+            self.reconcile_soon()
 
     def drain(self) -> None:
         self.draining = True
@@ -371,4 +372,4 @@ class ShardManager:
             t.cancel()
         self._fallback.clear()
         self.update_member()
-        self._changed()
+        self.reconcile_soon()

@@ -30,7 +30,7 @@ import etcd3.etcdrpc as rpc
 import grpc
 from etcd3 import utils as etcd_utils
 
-from agent.coordination.etcd import KV, EtcdClient, EtcdError, EtcdUnavailable, _kv
+from agent.coordination.etcd import KV, EtcdClient, EtcdError, EtcdUnavailable, as_kv
 from agent.runtime.metrics import counter, gauge
 
 log = logging.getLogger(__name__)
@@ -258,8 +258,8 @@ class _WatchStream:
                 if resp.canceled:
                     return established
                 if resp.events:
-                    events = [WatchEvent("delete" if ev.type == 1 else "put", _kv(ev.kv),
-                                         _kv(ev.prev_kv) if ev.HasField("prev_kv") else None)
+                    events = [WatchEvent("delete" if ev.type == 1 else "put", as_kv(ev.kv),
+                                         as_kv(ev.prev_kv) if ev.HasField("prev_kv") else None)
                               for ev in resp.events]
                     last = max(ev.kv.mod_revision for ev in resp.events)
                     with self._delivering:

@@ -10,20 +10,18 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
 from agent.cloud.ingest import push_digest
-from tests.support.cloudkit import KID, TEMPLATES, StatusCollector, cancel_doc, job_doc, junk_payload, signed, write_keys
+from tests.support.cloudkit import KID, TEMPLATES, StatusCollector, cancel_doc, job_doc, junk_payload, signed
 from agent.coordination.keys import shard_of
-from tests.integration.cluster import Cluster, wait_for
-from tests.support.cloud import T, Pusher, accepted, jobs_in_etcd, wait_agent_connected
+from tests.support.commands import millwright
+from tests.support.cloud import T, CloudWorld, Pusher, accepted, jobs_in_etcd, wait_agent_connected
+from tests.support.waiting import wait_for
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICK = os.environ.get("MILLWRIGHT_CLOUD_QUICK") == "1"
 N_PUSHES = 1000 if QUICK else 5000
 SHARDS = 8
@@ -33,18 +31,20 @@ SHARDS = 8
 def world(etcd_server, mosquitto_server, tmp_path):
     """The shared mosquitto fixture keeps a writable persistence file, so persistent
     sessions survive the broker restart below."""
-    keys = str(tmp_path / "keys.yaml")
-    ring = write_keys(keys)
-    cl = Cluster(etcd_server, str(tmp_path / "agents"), shards=SHARDS, ttl=4, renew_deadline=2.5, retry_period=0.5,
-                 extra={"mqtt": {"url": mosquitto_server.url, "reconnect_min_s": 0.2, "reconnect_max_s": 1.0,
-                                 "ingest_grace_s": 1.5},
-                        "signing": {"keys_file": keys}, "templates": TEMPLATES, "bpf": {"enabled": False}})
-    col = StatusCollector(mosquitto_server.url, "t", extra_filters=("millwright/t/agents/#",)).start()
-    w = type("World", (), {})()
-    w.ring, w.keys_file, w.cluster, w.col, w.mq, w.etcd = ring, keys, cl, col, mosquitto_server, etcd_server
+    w = CloudWorld(etcd_server, mosquitto_server, tmp_path, TEMPLATES, SHARDS)
     yield w
-    col.stop()
-    cl.close()
+    w.close()
+
+
+def _two_agents(world):
+    """Agents a1 and a2, both holding shards and connected to the broker."""
+    a1 = world.cluster.start("a1")
+    a2 = world.cluster.start("a2")
+    wait_for(lambda: world.cluster.all_owned_by({"a1", "a2"}) and len(set(world.cluster.owners().values())) == 2,
+             40, what="two agents share the shards")
+    wait_agent_connected(world.col, "a1")
+    wait_agent_connected(world.col, "a2")
+    return a1, a2
 
 
 def test_5000_pushes_survive_two_kill9_and_a_broker_restart(world):
@@ -207,12 +207,7 @@ def test_junk_flood_never_delays_or_fakes_valid_pushes(world):
     The throughput comparison with a quiet run is bench/bench_ingest.py --junk."""
     from agent.jobs.signing import KeyRing, generate_hmac_secret
 
-    a1 = world.cluster.start("a1")
-    a2 = world.cluster.start("a2")
-    wait_for(lambda: world.cluster.all_owned_by({"a1", "a2"}) and len(set(world.cluster.owners().values())) == 2,
-             40, what="two agents share the shards")
-    wait_agent_connected(world.col, "a1")
-    wait_agent_connected(world.col, "a2")
+    a1, a2 = _two_agents(world)
     other = KeyRing.from_mapping({KID: {"alg": "hmac-sha256", "secret": generate_hmac_secret()}})
     ids = [f"real-{i:04d}" for i in range(500)]
     valid = [signed(job_doc(j, line=str(i % 100)), world.ring) for i, j in enumerate(ids)]
@@ -240,7 +235,7 @@ def test_junk_flood_never_delays_or_fakes_valid_pushes(world):
                 assert d["state"] in ("accepted", "scheduled") and not d.get("reason"), (topic, d)
         # nothing held: both agents have no push waiting for the grace period
         for agent in (a1, a2):
-            r = _cli("status", "-c", agent.config_path, "--json")
+            r = millwright("status", "-c", agent.config_path, "--json")
             assert r.returncode == 0, r.stderr
             assert json.loads(r.stdout)["cloud"]["pending_pushes"] == 0
         reported = [d for _, topic, d in world.col.messages if T.kind(topic) == "rejected"]
@@ -254,12 +249,7 @@ def test_junk_flood_never_delays_or_fakes_valid_pushes(world):
 
 
 def test_push_reaches_etcd_while_an_agent_is_gone_for_good(world):
-    a1 = world.cluster.start("a1")
-    a2 = world.cluster.start("a2")
-    wait_for(lambda: world.cluster.all_owned_by({"a1", "a2"}) and len(set(world.cluster.owners().values())) == 2,
-             40, what="two agents share the shards")
-    wait_agent_connected(world.col, "a1")
-    wait_agent_connected(world.col, "a2")
+    a1, a2 = _two_agents(world)
     owners = world.cluster.owners()
     jid = next(f"gone-{i}" for i in range(10000) if owners[shard_of(f"gone-{i}", SHARDS)] == "a2")
     a2.kill()  # gone for good: its persistent session stays on the broker and queues the push
@@ -298,11 +288,6 @@ def test_presence_will_drain_and_offline(world):
         late.stop()
 
 
-def _cli(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "agent", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=60, env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
-
-
 def test_cli_push_and_cancel(world, tmp_path):
     a = world.cluster.start("a1")
     wait_for(lambda: world.cluster.all_owned_by({"a1"}), 30, what="a1 owns all shards")
@@ -310,29 +295,29 @@ def test_cli_push_and_cancel(world, tmp_path):
     cfg = a.config_path
     f = tmp_path / "job.json"
     f.write_text(json.dumps(job_doc("cli-1")))
-    r = _cli("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID)
+    r = millwright("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID)
     assert r.returncode == 0 and r.stdout.startswith("accepted cli-1"), (r.stdout, r.stderr)
-    r = _cli("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID)
+    r = millwright("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID)
     assert r.returncode == 0 and "repeat" in r.stdout, (r.stdout, r.stderr)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(job_doc("cli-2", line="no")))
-    r = _cli("push", "-c", cfg, str(bad), "--key-file", world.keys_file, "--kid", KID)
+    r = millwright("push", "-c", cfg, str(bad), "--key-file", world.keys_file, "--kid", KID)
     assert r.returncode == 1 and r.stdout.startswith("rejected cli-2: bad_param"), (r.stdout, r.stderr)
-    r = _cli("cancel", "-c", cfg, "cli-1", "--key-file", world.keys_file, "--kid", KID)
+    r = millwright("cancel", "-c", cfg, "cli-1", "--key-file", world.keys_file, "--kid", KID)
     assert r.returncode == 0 and r.stdout.startswith("cancelled cli-1"), (r.stdout, r.stderr)
-    r = _cli("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID)
+    r = millwright("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID)
     assert r.returncode == 1 and "cancelled" in r.stdout
     for args, needle in [((str(tmp_path / "nope.json"), "--key-file", world.keys_file, "--kid", KID), "nope.json"),
                          ((str(f), "--key-file", world.keys_file, "--kid", "nokid"), "nokid"),
                          ((str(f), "--key-file", str(tmp_path / "none.yaml"), "--kid", KID), "none.yaml")]:
-        r = _cli("push", "-c", cfg, *args)
+        r = millwright("push", "-c", cfg, *args)
         assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
     notjson = tmp_path / "nj.json"
     notjson.write_text("{nope")
-    r = _cli("push", "-c", cfg, str(notjson), "--key-file", world.keys_file, "--kid", KID)
+    r = millwright("push", "-c", cfg, str(notjson), "--key-file", world.keys_file, "--kid", KID)
     assert r.returncode == 2 and "not valid JSON" in r.stderr
-    r = _cli("cancel", "-c", cfg, "../etc", "--key-file", world.keys_file, "--kid", KID)
+    r = millwright("cancel", "-c", cfg, "../etc", "--key-file", world.keys_file, "--kid", KID)
     assert r.returncode == 2 and "Traceback" not in r.stderr
 
 
@@ -368,14 +353,14 @@ def test_cli_push_with_a_target_says_whether_an_agent_can_run_it(world, tmp_path
     cfg = a.config_path
     f = tmp_path / "job.json"
     f.write_text(json.dumps(job_doc("cli-t1")))
-    r = _cli("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID, "--target-label", "line=1")
+    r = millwright("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID, "--target-label", "line=1")
     assert r.returncode == 0 and "eligible a1" in r.stdout, (r.stdout, r.stderr)
     f.write_text(json.dumps(job_doc("cli-t2")))
-    r = _cli("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID, "--target-label", "camera=cam1",
+    r = millwright("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID, "--target-label", "camera=cam1",
              "--fanout")
     assert r.returncode == 0 and r.stdout.startswith("accepted cli-t2"), (r.stdout, r.stderr)
     assert "waiting (no_eligible_agent: no live agent publishes label key(s) camera)" in r.stdout, r.stdout
-    r = _cli("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID, "--target-label", "line")
+    r = millwright("push", "-c", cfg, str(f), "--key-file", world.keys_file, "--kid", KID, "--target-label", "line")
     assert r.returncode == 2 and "KEY=VALUE" in r.stderr and "Traceback" not in r.stderr
-    r = _cli("jobs", "show", "-c", cfg, "cli-t2")
+    r = millwright("jobs", "show", "-c", cfg, "cli-t2")
     assert r.returncode == 0 and "waiting (no_eligible_agent)" in r.stdout, (r.stdout, r.stderr)

@@ -18,15 +18,15 @@ import yaml
 
 from agent.cloud.ingest import push_digest
 from agent.cloud.mqtt import MqttLink
-from tests.support.cloudkit import KID, TEMPLATES, StatusCollector, job_doc, signed, write_keys
-from agent.cloud.topics import Topics
+from tests.support.cloudkit import KID, TEMPLATES, job_doc, signed
 from agent.config import MqttConfig
 from agent.coordination.keys import shard_of
-from tests.integration.cluster import Cluster, wait_for
+from tests.support.commands import millwright, millwright_env
+from tests.support.cloud import T, CloudWorld, Pusher
+from tests.support.waiting import wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHARDS = 8
-T = Topics("t")
 TICK = {"argv": ["/bin/sh", "-c", "for i in 1 2 3 4 5 6 7 8; do echo tick $i; sleep 0.5; done; "
                  "echo why-it-failed >&2; exit 3"], "params": {}, "user": "root", "allow_root": True,
         "allow_exec": ["/bin/sh", "/bin/dash", "/usr/bin/dash", "/bin/sleep", "/usr/bin/sleep"]}
@@ -36,33 +36,9 @@ FAIL = {"argv": ["/bin/sh", "-c", "echo out; echo boom-on-stderr >&2; exit 3"], 
 
 @pytest.fixture
 def world(etcd_server, mosquitto_server, tmp_path):
-    keys = str(tmp_path / "keys.yaml")
-    ring = write_keys(keys)
-    cl = Cluster(etcd_server, str(tmp_path / "agents"), shards=SHARDS, ttl=4, renew_deadline=2.5, retry_period=0.5,
-                 extra={"mqtt": {"url": mosquitto_server.url, "reconnect_min_s": 0.2, "reconnect_max_s": 1.0,
-                                 "ingest_grace_s": 1.5},
-                        "signing": {"keys_file": keys}, "bpf": {"enabled": False},
-                        "templates": {**TEMPLATES, "tick": TICK, "fail": FAIL}})
-    col = StatusCollector(mosquitto_server.url, "t", extra_filters=("millwright/t/agents/#",)).start()
-    w = type("World", (), {})()
-    w.ring, w.keys_file, w.cluster, w.col, w.mq, w.etcd = ring, keys, cl, col, mosquitto_server, etcd_server
+    w = CloudWorld(etcd_server, mosquitto_server, tmp_path, {**TEMPLATES, "tick": TICK, "fail": FAIL}, SHARDS)
     yield w
-    col.stop()
-    cl.close()
-
-
-class Pusher:
-    def __init__(self, url: str, client_id: str):
-        self.link = MqttLink(MqttConfig(url=url), client_id, clean_session=False, reconnect_min_s=0.2,
-                             reconnect_max_s=1.0, max_inflight=100)
-        self.link.start()
-        assert self.link.wait_connected(10)
-
-    def push(self, payload: bytes, topic: str = T.push) -> None:
-        self.link.publish(topic, payload, qos=1)
-
-    def stop(self):
-        self.link.stop()
+    w.close()
 
 
 class Asker:
@@ -218,11 +194,9 @@ def test_final_status_reaches_the_cloud_from_a_peer(world):
     try:
         pusher.push(signed(doc, world.ring))
         keys = world.cluster.keys
-        run_prefix = keys.runs_prefix(shard_of(jid, SHARDS), jid)
 
         def final_record():
-            kvs, _ = world.cluster.client.get_prefix(run_prefix)
-            recs = [json.loads(kv.value) for kv in kvs]
+            recs = list(world.cluster.job_runs(jid).values())
             return recs and recs[-1]["state"] == "failed" and recs[-1]
         rec = wait_for(final_record, 60, what="the run's final record")
         assert "boom-on-stderr" in rec["stderr_tail"]
@@ -300,12 +274,6 @@ def test_jobs_get_answers_and_waits_for_a_takeover(world):
         pusher.stop()
 
 
-def _cli(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "agent", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
-
-
 def test_cli_jobs_runs_logs_against_a_running_cluster(world, tmp_path):
     """Acceptance 4: the operator verbs read etcd (and the run's directory), --json parses."""
     # a per-run agent id: its runs' cgroups (/millwright-<id>/) must not collide with another
@@ -322,66 +290,65 @@ def test_cli_jobs_runs_logs_against_a_running_cluster(world, tmp_path):
         tick["params"], tick["schedule"] = {}, {}
         pusher.push(signed(tick, world.ring))
         pusher.push(signed(job_doc("cli-later"), world.ring))
-        run_prefix = world.cluster.keys.runs_prefix(shard_of("cli-tick", SHARDS), "cli-tick")
-        wait_for(lambda: any(json.loads(kv.value)["state"] == "running"
-                             for kv in world.cluster.client.get_prefix(run_prefix)[0]), 60, what="tick running")
+        wait_for(lambda: any(r["state"] == "running" for r in world.cluster.job_runs("cli-tick").values()), 60,
+                 what="tick running")
 
         follow = subprocess.Popen([sys.executable, "-m", "agent", "logs", "-c", cfg, "cli-tick", "-f"],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                  env={**os.environ, "PYTHONPATH": ROOT})
+                                  env=millwright_env())
         lines: "queue.Queue" = queue.Queue()
         reader = threading.Thread(target=lambda: [lines.put(line) for line in follow.stdout], daemon=True)
         reader.start()
         first = lines.get(timeout=30)
         assert first.startswith("tick ")
         # still running when the first line arrived: -f follows a live run
-        assert json.loads(world.cluster.client.get_prefix(run_prefix)[0][-1].value)["state"] == "running"
+        assert list(world.cluster.job_runs("cli-tick").values())[-1]["state"] == "running"
         assert follow.wait(60) == 0
         reader.join(10)
         err = follow.stderr.read()
         out = "".join(lines.get_nowait() for _ in range(lines.qsize()))
-        recs = [json.loads(kv.value) for kv in world.cluster.client.get_prefix(run_prefix)[0]]
+        recs = list(world.cluster.job_runs("cli-tick").values())
         assert first + out == "".join(f"tick {i}\n" for i in range(int(first.split()[1]), 9)) and "why-it-failed" in err, (err, [{k: r.get(k) for k in ("state", "reason", "exit_code", "stderr_tail")} for r in recs])
 
-        r = _cli("jobs", "list", "-c", cfg, "--json")
+        r = millwright("jobs", "list", "-c", cfg, "--json")
         assert r.returncode == 0, r.stderr
         jobs = {j["id"]: j for j in json.loads(r.stdout)}
         assert jobs["cli-tick"]["state"] == "failed" and jobs["cli-later"]["state"] == "scheduled"
-        r = _cli("jobs", "list", "-c", cfg, "--state", "scheduled", "--json")
+        r = millwright("jobs", "list", "-c", cfg, "--state", "scheduled", "--json")
         assert [j["id"] for j in json.loads(r.stdout)] == ["cli-later"]
-        r = _cli("jobs", "list", "-c", cfg, "--template", "tick")
+        r = millwright("jobs", "list", "-c", cfg, "--template", "tick")
         assert r.returncode == 0 and "cli-tick" in r.stdout and "cli-later" not in r.stdout and "STATE" in r.stdout
-        r = _cli("jobs", "show", "cli-tick", "-c", cfg, "--json")
+        r = millwright("jobs", "show", "cli-tick", "-c", cfg, "--json")
         shown = json.loads(r.stdout)
         assert shown["runs"][-1]["exit_code"] == 3 and "why-it-failed" in shown["runs"][-1]["stderr_tail"]
-        r = _cli("jobs", "show", "cli-later", "-c", cfg)
+        r = millwright("jobs", "show", "cli-later", "-c", cfg)
         assert r.returncode == 0 and "next due" in r.stdout and "cli-later" in r.stdout
-        r = _cli("runs", "cli-tick", "-c", cfg, "--json")
+        r = millwright("runs", "cli-tick", "-c", cfg, "--json")
         runs = json.loads(r.stdout)
         assert len(runs) == 1 and runs[0]["state"] == "failed"
-        r = _cli("runs", "cli-tick", "-c", cfg)
+        r = millwright("runs", "cli-tick", "-c", cfg)
         assert "FIRE_ID" in r.stdout and runs[0]["fire_id"] in r.stdout
-        r = _cli("logs", f"cli-tick/{runs[0]['fire_id']}", "-c", cfg, "--json")
+        r = millwright("logs", f"cli-tick/{runs[0]['fire_id']}", "-c", cfg, "--json")
         logs = json.loads(r.stdout)
         assert logs["stdout"].count("tick") == 8 and "why-it-failed" in logs["stderr"]
         # the terminal status carried the stderr tail to the cloud too
         assert any(d.get("job_id") == "cli-tick" and "why-it-failed" in (d.get("stderr_tail") or "")
                    for d in world.col.docs("failed"))
         # errors: one line, no traceback
-        r = _cli("jobs", "show", "nope", "-c", cfg)
+        r = millwright("jobs", "show", "nope", "-c", cfg)
         assert r.returncode == 1 and "no job nope" in r.stderr and "Traceback" not in r.stderr
-        r = _cli("runs", "../x", "-c", cfg)
+        r = millwright("runs", "../x", "-c", cfg)
         assert r.returncode == 2 and "Traceback" not in r.stderr
         elsewhere = tmp_path / "elsewhere.yaml"
         c = yaml.safe_load(open(cfg))
         c["agent_id"] = "another-gateway"
         elsewhere.write_text(yaml.safe_dump(c))
-        r = _cli("logs", "cli-tick", "-c", str(elsewhere))
+        r = millwright("logs", "cli-tick", "-c", str(elsewhere))
         assert r.returncode == 1 and f"agent {aid}" in r.stderr and "Traceback" not in r.stderr, r.stderr
         c["etcd"]["endpoints"] = ["http://127.0.0.1:1"]
         c["etcd"]["request_timeout_s"] = 0.5
         elsewhere.write_text(yaml.safe_dump(c))
-        r = _cli("jobs", "list", "-c", str(elsewhere))
+        r = millwright("jobs", "list", "-c", str(elsewhere))
         assert r.returncode == 4 and "cannot read etcd" in r.stderr and "Traceback" not in r.stderr, r.stderr
     finally:
         pusher.stop()
@@ -465,11 +432,11 @@ def test_push_exit_codes_no_answer_and_broker_unreachable(world, tmp_path):
     path.write_text(yaml.safe_dump(cfg))
     job = tmp_path / "job.json"
     job.write_text(json.dumps(job_doc("nobody-home")))
-    r = _cli("push", "-c", str(path), str(job), "--key-file", world.keys_file, "--kid", KID, "--timeout", "2")
+    r = millwright("push", "-c", str(path), str(job), "--key-file", world.keys_file, "--kid", KID, "--timeout", "2")
     assert r.returncode == 3 and "no status for nobody-home" in r.stderr and "Traceback" not in r.stderr, r.stderr
     cfg["mqtt"]["url"] = f"mqtt://127.0.0.1:{free_port()}"
     path.write_text(yaml.safe_dump(cfg))
-    r = _cli("push", "-c", str(path), str(job), "--key-file", world.keys_file, "--kid", KID, "--timeout", "2")
+    r = millwright("push", "-c", str(path), str(job), "--key-file", world.keys_file, "--kid", KID, "--timeout", "2")
     assert r.returncode == 4 and "cannot connect to the broker" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
@@ -480,7 +447,7 @@ def test_delivered_markers_trickling_in_are_deleted_in_one_transaction(etcd_serv
     from agent.config import EtcdConfig
     from agent.coordination.etcd import EtcdClient
     from agent.coordination.keys import Keys
-    from tests.integration.cluster import etcd_history
+    from tests.support.history import read_history
 
     client = EtcdClient(EtcdConfig(endpoints=[etcd_server.endpoint], request_timeout_s=2.0))
     keys = Keys("t")
@@ -496,9 +463,9 @@ def test_delivered_markers_trickling_in_are_deleted_in_one_transaction(etcd_serv
         time.sleep(CLEAR_LINGER_S / 5)
         ans.delivered(markers[3:])
         wait_for(lambda: not client.get_prefix(keys.answers_prefix(3))[0], 10, what="markers deleted")
-        deletes = [e for e in etcd_history(client, keys.answers_prefix(3)) if e.type == 1]
-        assert sorted(e.kv.key.decode() for e in deletes) == sorted(markers)
-        assert len({e.kv.mod_revision for e in deletes}) == 1, [e.kv.mod_revision for e in deletes]
+        deletes = [e for e in read_history(client, keys.answers_prefix(3)) if e.kind == "delete"]
+        assert sorted(e.key for e in deletes) == sorted(markers)
+        assert len({e.rev for e in deletes}) == 1, [e.rev for e in deletes]
     finally:
         ans.stop()
         client.close()

@@ -9,7 +9,9 @@ import time
 import pytest
 
 from tests.support.kernel import require_kernel
-from tests.integration.cluster import Cluster, NftBlock, check_history, wait_for
+from tests.support.cluster import Cluster, check_history
+from tests.support.network import NftBlock
+from tests.support.waiting import wait_for
 
 FENCED_WRITES = {"MILLWRIGHT_TEST_FENCED_WRITES_S": "1.0"}
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -18,7 +17,8 @@ from agent.config import EtcdConfig
 from agent.coordination.etcd import EtcdClient, EtcdError, EtcdUnavailable
 from agent.coordination.watch import PrefixWatch
 from agent.demo.services import AgentProcess, free_port
-from tests.integration.cluster import wait_for
+from tests.support.commands import millwright
+from tests.support.waiting import wait_for
 
 
 def test_watch_resumes_after_etcd_restart_without_missing_or_repeating_events(etcd_server):
@@ -212,15 +212,14 @@ def test_agent_with_username_and_password(etcd_server, tmp_path):
 def test_bad_config_gives_one_line_per_problem_and_exit_2(tmp_path):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("cluster: 'a b'\nshards: 0\netcd: {lease_ttl_s: 5, renew_deadline_s: 6}\nnope: 1\n")
-    r = subprocess.run([sys.executable, "-m", "agent", "run", "-c", str(cfg)], capture_output=True, text=True)
+    r = millwright("run", "-c", str(cfg))
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 4, r.stderr
     assert all(str(cfg) in l for l in lines)
     assert "Traceback" not in r.stderr
     assert any("etcd.renew_deadline_s" in l for l in lines)
-    r = subprocess.run([sys.executable, "-m", "agent", "config", "check", str(tmp_path / "missing.yaml")],
-                       capture_output=True, text=True)
+    r = millwright("config", "check", str(tmp_path / "missing.yaml"))
     assert r.returncode == 2 and "cannot read" in r.stderr and "Traceback" not in r.stderr
 
 

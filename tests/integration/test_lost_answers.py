@@ -34,8 +34,9 @@ from agent.coordination.jobstore import JobStore
 from agent.coordination.keys import shard_of
 from agent.jobs.firing import FiringState
 from agent.jobs.schedule import format_rfc3339
-from tests.integration.cluster import Cluster, wait_for
-from tests.integration.local_agent import LocalAgent, abandoned, recording_agent
+from tests.support.cluster import Cluster
+from tests.support.waiting import wait_for
+from tests.support.local_agent import LocalAgent, abandoned, recording_agent
 from tests.support.jobs import effects, job
 from tests.support.kernel import require_kernel
 from tests.support.records import run_records

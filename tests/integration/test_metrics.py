@@ -34,26 +34,19 @@ from agent.coordination.jobstore import JobStore
 from agent.coordination.keys import Keys
 from agent.demo.report import msum, scrape
 from agent.demo.services import AgentProcess, EtcdServer, MosquittoServer, free_port
+from tests.support.jobs import effects_file, templates
 from tests.support.kernel import require_kernel
-from tests.support.records import agent_audit
+from tests.support.records import agent_audit, run_records
+from tests.support.waiting import wait_for
 
-RECORD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jobs", "record.sh")
 SHARDS = 16
 CLUSTER = "m"
 
 
-def wait_for(pred, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            v = pred()
-        except Exception:
-            v = None
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+def scenario_wait(pred, timeout: float, what: str, interval: float = 0.1):
+    """wait_for where a scrape or read that fails counts as "not yet": the scenario stops
+    the broker and freezes etcd and the agent on purpose."""
+    return wait_for(pred, timeout, interval=interval, what=what, errors=(Exception,))
 
 
 def agent_config(etcd, mq, keys_file, out, port, ttl=4) -> dict:
@@ -69,9 +62,7 @@ def agent_config(etcd, mq, keys_file, out, port, ttl=4) -> dict:
         "bpf": {"perf_pages": 1},
         "execute": {"max_concurrent": 8, "memory_mb": 2048, "cpu": 4.0, "kill_grace_s": 1.0},
         "templates": {
-            "rec": {"argv": [RECORD, out, "{sleep}", "{code}"],
-                    "params": {"sleep": r"^[0-9.]+$", "code": r"^[0-9]+$"}, "user": "root", "allow_root": True,
-                    "allow_exec": ["/bin/*", "/usr/bin/*", RECORD]},
+            "rec": templates(out)["rec"],
             "hog": {"argv": ["/usr/bin/python3", "-c", "import sys; b = b'\\x01' * (int(sys.argv[1]) << 20)", "{mb}"],
                     "params": {"mb": r"^[0-9]+$"}, "user": "root", "allow_root": True, "resources": {"memory_mb": 32},
                     "allow_exec": ["/usr/bin/python3*"]},
@@ -88,8 +79,8 @@ BURST_MARK = "millwright-test-burst"   # a no-op word in the burst's script: its
 def _processes_with(mark: str) -> list[int]:
     """The burst's own shell and its subshells: processes whose script (``sh -c`` argument)
     begins with ``: mark``. Not its launcher, whose command line also holds the job's argv
-    (after the launcher's own script) from before the agent released it (CI-style run 36:
-    a freeze then caught the agent before its go byte, and the burst lost nothing)."""
+    (after the launcher's own script) from before the agent released it: a freeze while
+    only the launcher runs catches the agent before its go byte, and the burst loses nothing."""
     needle = f": {mark};".encode()
     out = []
     for name in os.listdir("/proc"):
@@ -102,10 +93,6 @@ def _processes_with(mark: str) -> list[int]:
             if len(argv) > 2 and argv[1] == b"-c" and argv[2].startswith(needle):
                 out.append(int(name))
     return out
-
-
-def audit_records(agent: AgentProcess, type_: str) -> list[dict]:
-    return agent_audit(agent, {type_})
 
 
 class Scenario:
@@ -128,14 +115,9 @@ def sc(tmp_path_factory):
     if os.geteuid() != 0:
         require_kernel(False, "the metrics scenario runs jobs in cgroups and loads BPF: needs root")
     tmp = tmp_path_factory.mktemp("metrics")
-    out_dir = tmp / "out"
-    out_dir.mkdir()
-    os.chmod(out_dir, 0o777)
-    out = str(out_dir / "effects.txt")
+    out = effects_file(tmp)
     etcd = EtcdServer(str(tmp / "etcd"))
-    os.makedirs(etcd.dir, exist_ok=True)
     mq = MosquittoServer(str(tmp / "mq"))
-    os.makedirs(mq.dir, exist_ok=True)
     etcd.start()
     mq.start()
     ring = testkit.write_keys(str(tmp / "keys.yaml"))
@@ -157,7 +139,7 @@ def sc(tmp_path_factory):
                     "\n".join(a0.log_text().splitlines()[-25:])
 
         def start():
-            wait_for(lambda: not a0.alive() or msum(m(), "millwright_shards_owned") == SHARDS and
+            scenario_wait(lambda: not a0.alive() or msum(m(), "millwright_shards_owned") == SHARDS and
                      msum(m(), "millwright_lease_renewals_total", result="ok") > 0, 40,
                      "m0 to own every shard and renew its lease")
             assert a0.alive(), f"agent m0 exited with {a0.proc.returncode}"
@@ -180,15 +162,14 @@ def sc(tmp_path_factory):
             # Its run record says it started (its `running` status may be one the 4-row
             # outbox drops: four pushes answered in one group commit fill it at once)
             def burst_running() -> bool:
-                kvs, _ = client.get_prefix(keys.runs_prefix())
                 return any(r.get("job_id") == "burst-1" and r.get("state") == "running"
-                           for r in (json.loads(kv.value) for kv in kvs))
-            wait_for(burst_running, 20, "burst-1 to start (its run record)", interval=0.05)
+                           for r in run_records(client, keys).values())
+            scenario_wait(burst_running, 20, "burst-1 to start (its run record)", interval=0.05)
             # the `running` record is the claim, written before the spawn: a freeze right
             # after it can catch the agent before it started the burst, which then execs
-            # after the freeze and loses nothing (CI-style runs 23 and 27). Freeze once the
+            # after the freeze and loses nothing. Freeze once the
             # burst's own shell runs, past its launcher (it sleeps 1 s before its 900 execs).
-            wait_for(lambda: _processes_with(BURST_MARK), 20, "burst-1's shell", interval=0.02)
+            scenario_wait(lambda: _processes_with(BURST_MARK), 20, "burst-1's shell", interval=0.02)
             a0.signal(signal.SIGSTOP)
             try:
                 time.sleep(1.8)
@@ -207,7 +188,7 @@ def sc(tmp_path_factory):
                 subprocess.run(["/bin/true"])
                 return msum(m(), "millwright_bpf_lost_events_total") > 0
             try:
-                wait_for(lost, 8, "lost BPF events", interval=0.3)
+                scenario_wait(lost, 8, "lost BPF events", interval=0.3)
             except AssertionError:
                 pass
             s.snap["a1"] = m()
@@ -217,7 +198,7 @@ def sc(tmp_path_factory):
             s.snap["b0"] = m()
             mq.stop()
             # every status of the offline jobs is born while the agent knows the broker is gone
-            wait_for(lambda: msum(m(), "millwright_mqtt_connected") == 0, 10, "the agent to see the broker gone")
+            scenario_wait(lambda: msum(m(), "millwright_mqtt_connected") == 0, 10, "the agent to see the broker gone")
             store = testkit.SigningStore(JobStore(client, keys, SHARDS, "test"), ring, CLUSTER)
             ids = [f"offline-{i}" for i in range(4)]
             for jid in ids:
@@ -225,14 +206,13 @@ def sc(tmp_path_factory):
                               "schedule": {}})
 
             def done():
-                kvs, _ = client.get_prefix(keys.runs_prefix())
-                recs = [json.loads(kv.value) for kv in kvs]
+                recs = run_records(client, keys).values()
                 return sum(1 for r in recs if r["job_id"] in ids and r["state"] == "succeeded") == len(ids)
-            wait_for(done, 20, "the offline jobs to finish")
-            wait_for(lambda: msum(m(), "millwright_mqtt_outbox_dropped_total") > 0, 10, "outbox drops")
+            scenario_wait(done, 20, "the offline jobs to finish")
+            scenario_wait(lambda: msum(m(), "millwright_mqtt_outbox_dropped_total") > 0, 10, "outbox drops")
             s.snap["b1"] = m()
             try:  # the drop must become an audit gap record (aggregated once per second)
-                wait_for(lambda: any(g.get("source") == "mqtt_outbox" for g in audit_records(a0, "gap")),
+                scenario_wait(lambda: any(g.get("source") == "mqtt_outbox" for g in agent_audit(a0, {"gap"})),
                          6, "an audit gap record (source mqtt_outbox) for the dropped statuses")
             except AssertionError as exc:
                 s.info["outbox_gap_error"] = str(exc) + "\n--- agent log tail ---\n" + \
@@ -240,7 +220,7 @@ def sc(tmp_path_factory):
             s.snap["b1_gap"] = m()
             mq.start()
             try:
-                wait_for(lambda: msum(m(), "millwright_mqtt_outbox_depth") == 0, 20,
+                scenario_wait(lambda: msum(m(), "millwright_mqtt_outbox_depth") == 0, 20,
                          "the outbox to drain after the broker came back")
             finally:
                 s.snap["b2"] = m()
@@ -253,7 +233,7 @@ def sc(tmp_path_factory):
                 time.sleep(3.5)
             finally:
                 etcd.resume()
-            wait_for(lambda: msum(m(), "millwright_shards_owned") == SHARDS and
+            scenario_wait(lambda: msum(m(), "millwright_shards_owned") == SHARDS and
                      msum(m(), "millwright_lease_renewals_total", result="granted") >
                      msum(s.snap["c0"], "millwright_lease_renewals_total", result="granted"),
                      30, "a new lease and every shard again after etcd came back")
@@ -271,7 +251,7 @@ def sc(tmp_path_factory):
                 mine, theirs = (msum(s.snap[k], "millwright_shards_owned") for k in ("d1", "m1"))
                 return (0 < mine < SHARDS and mine + theirs == SHARDS and
                         msum(s.snap["m1"], "millwright_lease_renewals_total", result="ok") > 0)
-            wait_for(shared, 40, "m1 to take shards from m0 and renew its lease")
+            scenario_wait(shared, 40, "m1 to take shards from m0 and renew its lease")
         step("D", d_join)
         s.info["a0"] = a0
         s.info["ports"] = (port0, port1)
@@ -367,7 +347,7 @@ def test_bpf_events_and_losses(sc):
     # a one-page perf buffer cannot hold a burst of 900 execs made while nobody reads it: events are lost and the loss
     # is an audit gap (source bpf)
     assert msum(snap, "millwright_bpf_lost_events_total") > 0
-    assert any(g.get("source") == "bpf" for g in audit_records(sc.info["a0"], "gap"))
+    assert any(g.get("source") == "bpf" for g in agent_audit(sc.info["a0"], {"gap"}))
 
 
 # ---------------------------------------------------------------- audit
@@ -379,7 +359,7 @@ def test_audit_records_and_gaps(sc):
     # the BPF events lost while the agent was frozen -> gap records (source bpf), counted
     require_kernel(msum(sc.snap["a1"], "millwright_bpf_degraded") == 0, "BPF sensor degraded on this machine")
     assert delta(sc, "a0", "a1", "millwright_audit_gaps_total") >= 1
-    assert any(g.get("source") == "bpf" for g in audit_records(sc.info["a0"], "gap"))
+    assert any(g.get("source") == "bpf" for g in agent_audit(sc.info["a0"], {"gap"}))
 
 
 def test_outbox_drops_become_audit_gaps(sc):

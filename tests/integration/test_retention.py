@@ -14,36 +14,20 @@ import pytest
 
 from agent.config import EtcdConfig
 from agent.coordination.etcd import EtcdClient, Put
-from agent.coordination.jobstore import EXISTS, JobConflict, JobStore
+from agent.coordination.jobstore import EXISTS, JobConflict
 from agent.coordination.keys import shard_of
 from agent.jobs.schedule import fire_id, format_rfc3339, parse_rfc3339
-from tests.integration.cluster import Cluster, wait_for
-from tests.support.jobs import effects, job, templates
+from tests.support.cluster import Cluster, recording_cluster
+from tests.support.waiting import wait_for
+from tests.support.jobs import effects, job, now
 from tests.support.records import run_records
 
 SLOW = os.environ.get("MILLWRIGHT_SLOW") == "1"
 
 
-def now() -> datetime:
-    return datetime.now(timezone.utc)
-
-
 def make_env(etcd, tmp_path, retention: dict, **kw):
-    out_dir = tmp_path / "out"
-    out_dir.mkdir(exist_ok=True)
-    os.chmod(out_dir, 0o777)
-    out = str(out_dir / "effects.txt")
-    c = Cluster(etcd, str(tmp_path / "agents"), ttl=4, renew_deadline=2.5, retry_period=0.5,
-                extra={"templates": templates(out), "retention": retention,
-                       "execute": {"max_concurrent": 64, "memory_mb": 16384, "cpu": 64.0, "kill_grace_s": 1.0}},
-                **kw)
-    return c, c.signing(JobStore(c.client, c.keys, c.shards, "test")), out
-
-
-def runs_of(c: Cluster, job_id: str) -> dict[str, dict]:
-    s = shard_of(job_id, c.shards)
-    kvs, _ = c.client.get_prefix(c.keys.runs_prefix(s, job_id))
-    return {kv.key.rsplit("/", 1)[1]: json.loads(kv.value) for kv in kvs}
+    c, out = recording_cluster(etcd, tmp_path, extra={"retention": retention}, **kw)
+    return c, c.job_store(), out
 
 
 def run_dirs(c: Cluster, agent_id: str, job_id: str) -> list[str]:
@@ -67,15 +51,15 @@ def test_keep_runs_bounds_records_and_run_dirs_and_misfire_recovery_and_depends_
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             time.sleep(1)
-            n = len(runs_of(c, "every-s"))
+            n = len(c.job_runs("every-s"))
             high = max(high, n)
         fx = effects(out)
         fired = sum(n for (j, _), n in fx.items() if j == "every-s")
         assert fired >= seconds // 2, fired                    # it kept firing (overlap may skip a few under load)
         assert max(fx.values()) == 1                           # never twice
         # records: at most keep + in flight (a pass runs every 64 x 0.2 s at worst)
-        wait_for(lambda: len(runs_of(c, "every-s")) <= keep + 1, 30, what="records trimmed")
-        recs = runs_of(c, "every-s")
+        wait_for(lambda: len(c.job_runs("every-s")) <= keep + 1, 30, what="records trimmed")
+        recs = c.job_runs("every-s")
         # under load a firing can be skipped for overlap or fail to spawn: final states all the same
         assert not [f for f, r in recs.items()
                     if r["state"] not in ("succeeded", "running", "misfired", "failed", "killed")]
@@ -90,12 +74,12 @@ def test_keep_runs_bounds_records_and_run_dirs_and_misfire_recovery_and_depends_
         # missed firing once (it needs the newest record, which retention never deletes)
         c.agents["a0"].kill()
         time.sleep(c.ttl + 4)
-        before = set(runs_of(c, "every-s"))
+        before = set(c.job_runs("every-s"))
         restart = now()
         c.start("a1")
         wait_for(lambda: c.converged({"a1": 1}), 15, what="shards")
         time.sleep(2)
-        new = {f: r for f, r in runs_of(c, "every-s").items() if f not in before}
+        new = {f: r for f, r in c.job_runs("every-s").items() if f not in before}
         t_install = min(parse_rfc3339(r["started_at"]) for r in new.values() if r.get("started_at"))
         caught = [f for f, r in new.items() if parse_rfc3339(r["due"]) < t_install and r["state"] != "misfired"]
         assert len(caught) == 1, (caught, restart)
@@ -103,12 +87,12 @@ def test_keep_runs_bounds_records_and_run_dirs_and_misfire_recovery_and_depends_
         # depends_on as before, on a dependency whose older records retention trimmed: it
         # reads the dependency's latest/ copy (one key), which is its newest record
         store.create(job("src", {}, issued_at=format_rfc3339(now())))
-        wait_for(lambda: any(r["state"] == "succeeded" for r in runs_of(c, "src").values()), 20, what="src ran")
+        wait_for(lambda: any(r["state"] == "succeeded" for r in c.job_runs("src").values()), 20, what="src ran")
         write_old_records(c.client, c.keys, shard_of("src", c.shards), ["src"], 30, state="failed")
-        wait_for(lambda: len(runs_of(c, "src")) <= keep, 30, what="src records trimmed")
-        assert max(runs_of(c, "src").items())[1]["state"] == "succeeded"
+        wait_for(lambda: len(c.job_runs("src")) <= keep, 30, what="src records trimmed")
+        assert max(c.job_runs("src").items())[1]["state"] == "succeeded"
         store.create(job("after-src", {}, depends_on=["src"], issued_at=format_rfc3339(now())))
-        wait_for(lambda: any(r["state"] == "succeeded" for r in runs_of(c, "after-src").values()), 20,
+        wait_for(lambda: any(r["state"] == "succeeded" for r in c.job_runs("after-src").values()), 20,
                  what="dependent job ran")
     finally:
         c.close()
@@ -122,7 +106,7 @@ def test_finished_one_shot_becomes_a_tombstone_that_answers_a_redelivered_push_t
         doc = job("once", {}, issued_at=format_rfc3339(now()))
         store.create(doc)
         s = shard_of("once", c.shards)
-        wait_for(lambda: any(r["state"] == "succeeded" for r in runs_of(c, "once").values()), 15, what="ran")
+        wait_for(lambda: any(r["state"] == "succeeded" for r in c.job_runs("once").values()), 15, what="ran")
         ended = time.monotonic()
         wait_for(lambda: json.loads(c.client.get(c.keys.job(s, "once")).value).get("_finished"), 20,
                  what="tombstone")
@@ -130,7 +114,7 @@ def test_finished_one_shot_becomes_a_tombstone_that_answers_a_redelivered_push_t
         tomb = json.loads(c.client.get(c.keys.job(s, "once")).value)
         assert set(tomb) <= {"id", "_tombstone", "_finished", "_digest", "_accepted"}
         assert len(json.dumps(tomb)) < 400
-        wait_for(lambda: not runs_of(c, "once"), 10, what="run records gone")
+        wait_for(lambda: not c.job_runs("once"), 10, what="run records gone")
         assert c.client.get(c.keys.latest(s, "once")) is None
         # a redelivered push of the same job: answered as before (exists), never run again
         state, stored = store.create(doc)
@@ -139,7 +123,7 @@ def test_finished_one_shot_becomes_a_tombstone_that_answers_a_redelivered_push_t
             store.create(dict(doc, params={"sleep": "0", "code": "1"}))
         time.sleep(1.5)
         assert sum(n for (j, _), n in effects(out).items() if j == "once") == 1
-        assert not runs_of(c, "once")
+        assert not c.job_runs("once")
         # and the tombstone itself is bounded
         wait_for(lambda: c.client.get(c.keys.job(s, "once")) is None, 20, what="tombstone gone")
         kvs, _ = c.client.get_prefix(c.keys.prefix)
@@ -191,9 +175,9 @@ def test_a_shard_with_20000_old_records_is_taken_over_and_its_due_job_fires_on_t
         store.create(job("due-soon", {"at": format_rfc3339(due)}))
         c.start("a0")
         wait_for(lambda: c.converged({"a0": 1}), 20, what="shards")
-        wait_for(lambda: any(r["state"] == "succeeded" for r in runs_of(c, "due-soon").values()), 20,
+        wait_for(lambda: any(r["state"] == "succeeded" for r in c.job_runs("due-soon").values()), 20,
                  what="due job ran")
-        rec = next(iter(runs_of(c, "due-soon").values()))
+        rec = next(iter(c.job_runs("due-soon").values()))
         delay = (parse_rfc3339(rec["started_at"]) - due).total_seconds()
         print(f"due {(due - t_start).total_seconds():.1f} s after the agent start: started {delay * 1000:.1f} ms "
               f"after its due time (load {os.getloadavg()[0]:.2f})")
@@ -202,7 +186,7 @@ def test_a_shard_with_20000_old_records_is_taken_over_and_its_due_job_fires_on_t
         wait_for(lambda: c.client.count_prefix(c.keys.runs_prefix(shard)) <= 20 * 100 + 1, 60,
                  what="old records trimmed")
         for j in olds[:3]:
-            fids = sorted(runs_of(c, j))
+            fids = sorted(c.job_runs(j))
             assert len(fids) == 100 and fids[-1] == fire_id(j, datetime(2026, 1, 1, 0, 16, 40, tzinfo=timezone.utc))
     finally:
         c.close()
@@ -217,7 +201,7 @@ def test_three_member_etcd_leader_kill_and_restart_during_1000_firings(etcd_clus
     c, store, out = make_env(_Endpoint(etcd_cluster.endpoints[0]), tmp_path, {})
     c.cfg["etcd"]["endpoints"] = list(etcd_cluster.endpoints)
     c.client = EtcdClient(EtcdConfig(endpoints=list(etcd_cluster.endpoints), request_timeout_s=2.0))
-    store = c.signing(JobStore(c.client, c.keys, c.shards, "test"))
+    store = c.job_store()
     try:
         # agent ids of our own: the executor's cgroup root is named after the agent id, and
         # other suites on this host run agents called a0, a1, a2
@@ -319,9 +303,9 @@ def test_the_owner_of_shard_0_compacts_etcd_history_and_jobs_keep_firing(etcd_se
                 return "compacted" in str(exc)
 
         wait_for(compacted, 20, interval=0.2, what="history compacted")
-        n = len(runs_of(c, "tick"))
+        n = len(c.job_runs("tick"))
         time.sleep(3)  # watches resumed or relisted: the job keeps firing, shards stay owned
-        assert len(runs_of(c, "tick")) > n
+        assert len(c.job_runs("tick")) > n
         assert c.all_owned_by({"a0", "a1"})
         assert max(effects(out).values()) == 1
     finally:

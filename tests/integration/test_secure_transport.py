@@ -18,10 +18,10 @@ from tests.support.cloudkit import StatusCollector, TEMPLATES, job_doc, signed
 from agent.cloud.topics import Topics
 from agent.config import EtcdConfig, MqttConfig, TLSConfig
 from agent.coordination.etcd import EtcdClient, EtcdError, EtcdUnavailable
-from agent.coordination.jobstore import JobStore
 from agent.coordination.keys import Keys
 from agent.demo.services import EtcdServer, MosquittoServer, make_pki
-from tests.integration.cluster import Cluster, wait_for
+from tests.support.cluster import Cluster
+from tests.support.waiting import wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ACL_EXAMPLE = os.path.join(ROOT, "packaging", "debian", "examples", "mosquitto-acl.conf")
@@ -37,23 +37,17 @@ def pki(tmp_path):
 
 @pytest.fixture
 def secure_etcd(tmp_path, pki):
-    srv = EtcdServer(str(tmp_path / "etcd"), tls=pki)
-    os.makedirs(srv.dir, exist_ok=True)
-    srv.start()
-    srv.enable_auth("t", "agents-t", "pw-t", "root-pw")
-    srv.enable_auth("u", "agents-u", "pw-u", "root-pw")
-    yield srv
-    srv.close()
+    with EtcdServer(str(tmp_path / "etcd"), tls=pki) as srv:
+        srv.enable_auth("t", "agents-t", "pw-t", "root-pw")
+        srv.enable_auth("u", "agents-u", "pw-u", "root-pw")
+        yield srv
 
 
 @pytest.fixture
 def secure_mqtt(tmp_path, pki):
     acl = open(ACL_EXAMPLE).read().replace("plant-a", "t")
-    srv = MosquittoServer(str(tmp_path / "mosquitto"), tls=pki, users=USERS, acl=acl)
-    os.makedirs(srv.dir, exist_ok=True)
-    srv.start()
-    yield srv
-    srv.close()
+    with MosquittoServer(str(tmp_path / "mosquitto"), tls=pki, users=USERS, acl=acl) as srv:
+        yield srv
 
 
 def etcd_access(pki, user="agents-t", password="pw-t") -> dict:
@@ -79,13 +73,12 @@ def test_coordination_and_stored_jobs_over_tls_etcd_with_auth(secure_etcd, pki, 
         c.start("a1")
         c.start("a2")
         wait_for(lambda: c.converged({"a1": 1, "a2": 1}), 40, interval=0.2, what="2-way plan over TLS + auth")
-        store = c.signing(JobStore(c.client, c.keys, c.shards, "test"))
+        store = c.job_store()
         for i in range(6):
             store.create({"v": 1, "id": f"tls-{i}", "template": "run", "params": {}, "schedule": {}})
 
         def done():
-            kvs, _ = c.client.get_prefix(c.keys.runs_prefix())
-            return {json.loads(kv.value)["job_id"] for kv in kvs if json.loads(kv.value)["state"] == "succeeded"}
+            return {r["job_id"] for r in c.run_records().values() if r["state"] == "succeeded"}
         wait_for(lambda: done() == {f"tls-{i}" for i in range(6)}, 40, interval=0.2, what="every job ran once")
         c.agents["a1"].kill()
         wait_for(lambda: c.all_owned_by({"a2"}), 30, interval=0.2, what="failover over TLS + auth")

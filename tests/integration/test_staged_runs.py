@@ -28,8 +28,8 @@ from agent.coordination.jobstore import JobStore
 from agent.execute.backends import Cgroup1Backend, safe_name
 from agent.jobs.firing import FiringState
 from agent.jobs.schedule import format_rfc3339
-from tests.integration.cluster import wait_for
-from tests.integration.local_agent import LocalAgent, abandoned, recording_agent
+from tests.support.waiting import wait_for
+from tests.support.local_agent import LocalAgent, abandoned, recording_agent
 from tests.support.jobs import effects, job
 from tests.support.kernel import require_kernel
 from tests.support.records import run_records

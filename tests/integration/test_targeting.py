@@ -15,14 +15,13 @@ from datetime import timedelta
 import pytest
 
 from agent.coordination import placement
-from agent.coordination.jobstore import JobStore
 from agent.jobs.schedule import format_rfc3339
 from agent.jobs.view import get_job
 from agent.runtime.admin import query, render
-from tests.integration.cluster import Cluster, recording_cluster, wait_for
+from tests.support.cluster import Cluster, recording_cluster
+from tests.support.waiting import wait_for
 from tests.support import history
 from tests.support.jobs import RECORD, effects, job, now, templates
-from tests.support.records import run_records
 
 LINE1, LINE2 = ("l1a", "l1b"), ("l2a", "l2b")
 LABELS = {"l1a": {"line": "1"}, "l1b": {"line": "1"}, "l2a": {"line": "2"}, "l2b": {"line": "2"}}
@@ -31,7 +30,7 @@ LABELS = {"l1a": {"line": "1"}, "l1b": {"line": "1"}, "l2a": {"line": "2"}, "l2b
 @pytest.fixture
 def env(etcd_server, tmp_path):
     c, out = recording_cluster(etcd_server, tmp_path)
-    store = c.signing(JobStore(c.client, c.keys, c.shards, "test"))
+    store = c.job_store()
     yield c, store, out
     c.close()
 
@@ -92,14 +91,14 @@ def test_targeted_pinned_and_fanout_jobs_run_only_on_eligible_agents(env):
     for i in range(20):
         store.create(job(f"pinned-{i:02d}", {}, issued_at=t, target={"agent": "l1a"}))
     store.create(job("rotate-logs", {}, issued_at=t, target={"labels": {"line": "1"}, "fanout": True}))
-    # and untargeted jobs still run anywhere, as before
+    # and untargeted jobs run on any agent
     for i in range(10):
         store.create(job(f"any-{i}", {}, issued_at=t))
 
     def done(recs):
         return len([r for r in recs.values() if r["state"] == "succeeded"]) == 232
-    wait_for(lambda: done(run_records(c.client, c.keys)), 90, interval=0.5, what="232 runs succeeded")
-    recs = run_records(c.client, c.keys)
+    wait_for(lambda: done(c.run_records()), 90, interval=0.5, what="232 runs succeeded")
+    recs = c.run_records()
     for (jid, _fid), r in recs.items():
         if jid.startswith("line2-"):
             assert r["agent"] in LINE2, (jid, r["agent"])
@@ -149,7 +148,7 @@ def test_kill_of_a_line2_agent_moves_its_jobs_only_within_line2(env):
     # the contract bound is TTL + 1 s; a loaded shared host adds scheduling delay
     assert moved_s < c.ttl + 5
     time.sleep(6)
-    recs = run_records(c.client, c.keys)
+    recs = c.run_records()
     after = [r for r in recs.values() if r["job_id"].startswith("cron2-") and r.get("started_at")
              and r["agent"] == "l2b"]
     assert after
@@ -193,11 +192,11 @@ def test_line2_jobs_wait_with_no_eligible_agent_then_run_by_misfire_policy(env):
     assert "camera" in v["placement"]["detail"]
     assert get_job(c.client, c.keys, c.shards, "w-once")["placement"]["eligible"] == []
     time.sleep(3)  # the at-firings fall due while no agent may run them
-    assert not [r for r in run_records(c.client, c.keys).values() if r["job_id"].startswith("w-")]
+    assert not [r for r in c.run_records().values() if r["job_id"].startswith("w-")]
     start(c, "l2a")
     recs = wait_for(lambda: (lambda rs: rs if {"w-once", "w-skip"} <= {r["job_id"] for r in rs.values()
                                                                          if r["state"] in ("succeeded", "misfired")}
-                             else None)(run_records(c.client, c.keys)), 30, interval=0.3, what="misfire handled")
+                             else None)(c.run_records()), 30, interval=0.3, what="misfire handled")
     by_job = {r["job_id"]: r for r in recs.values()}
     assert by_job["w-once"]["state"] == "succeeded" and by_job["w-once"]["agent"] == "l2a"
     assert by_job["w-skip"]["state"] == "misfired" and by_job["w-skip"]["reason"] == "misfire_skip"
@@ -220,9 +219,9 @@ def test_agent_without_the_template_is_never_eligible_even_if_its_labels_match(e
         store.create({**job(f"x-{i:02d}", {}, issued_at=t, target={"labels": {"line": "2"}}), "template": "rx"})
     # and a pinned one at the agent that lacks the template: it waits
     store.create({**job("x-pinned", {}, issued_at=t, target={"agent": "l2a"}), "template": "rx"})
-    wait_for(lambda: len([r for r in run_records(c.client, c.keys).values() if r["state"] == "succeeded"]) == 30,
+    wait_for(lambda: len([r for r in c.run_records().values() if r["state"] == "succeeded"]) == 30,
              60, interval=0.3, what="30 rx runs")
-    recs = run_records(c.client, c.keys)
+    recs = c.run_records()
     assert {r["agent"] for r in recs.values()} == {"l2b"}
     assert "x-pinned" not in {r["job_id"] for r in recs.values()}
     pool = placement.pool_id({"template": "rx", "labels": {"line": "2"}})
@@ -244,7 +243,7 @@ def test_a_pool_without_jobs_is_removed_by_retention_and_its_shards_handed_back(
                 extra={"templates": templates(out),
                        "retention": {"interval_s": 0.2, "finished_job_s": 1, "pools_interval_s": 0.5}})
     try:
-        store = c.signing(JobStore(c.client, c.keys, c.shards, "test"))
+        store = c.job_store()
         start(c, "l2a")
         start(c, "l2b")
         wait_for(lambda: c.all_owned_by({"l2a", "l2b"}), 30, what="cluster shards")
@@ -263,7 +262,7 @@ def test_a_pool_without_jobs_is_removed_by_retention_and_its_shards_handed_back(
         # the same target used again: the pool comes back and its jobs run
         store.create(job("again", {}, issued_at=format_rfc3339(now()), target={"labels": {"line": "2"}}))
         wait_for(lambda: any(r["job_id"] == "again" and r["state"] == "succeeded"
-                             for r in run_records(c.client, c.keys).values()), 30, interval=0.2, what="again ran")
+                             for r in c.run_records().values()), 30, interval=0.2, what="again ran")
         history_clean(c)
     finally:
         c.close()

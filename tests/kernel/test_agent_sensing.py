@@ -11,12 +11,13 @@ import pytest
 
 from agent.coordination.jobstore import JobStore
 from tests.support.kernel import bpf_ok, require_kernel
-from tests.support.records import agent_audit, latest_by_job, run_records
-from tests.integration.cluster import Cluster, wait_for
+from tests.support.records import agent_audit, latest_by_job
+from tests.support.cluster import Cluster
+from tests.support.waiting import wait_for
 
 
 def records(c: Cluster) -> dict[str, dict]:
-    return latest_by_job(run_records(c.client, c.keys))
+    return latest_by_job(c.run_records())
 
 
 SCRIPT = "sleep 0.3; /bin/echo one; /usr/bin/id -u; /bin/true; sleep {tail}"
@@ -49,7 +50,7 @@ def cluster(etcd_server, tmp_path):
 def start(c: Cluster) -> JobStore:
     c.start("a0")
     wait_for(lambda: c.converged({"a0": 1}), 60, what="shards (BPF compile included)")
-    return c.signing(JobStore(c.client, c.keys, c.shards, "test"))
+    return c.job_store()
 
 
 def test_exec_events_of_a_job_are_audited_with_job_and_run_id(cluster):

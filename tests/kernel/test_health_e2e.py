@@ -13,11 +13,11 @@ import time
 import pytest
 
 from agent.runtime.admin import query
-from agent.coordination.jobstore import JobStore
-from tests.support.kernel import require_kernel
-from tests.integration.cluster import Cluster, NftBlock, etcd_history, wait_for
-from tests.support.kernel import bpf_ok
-from tests.support.records import run_records
+from tests.support.cluster import Cluster
+from tests.support.history import read_history
+from tests.support.kernel import bpf_ok, require_kernel
+from tests.support.network import NftBlock
+from tests.support.waiting import wait_for
 
 CONNECT = ("import socket, sys\n"
            "s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60)\n"
@@ -63,10 +63,6 @@ def kernel_ready():
     require_kernel(shutil.which("nft") is not None, "nftables (nft) is not installed")
 
 
-def runs(c: Cluster) -> dict:
-    return run_records(c.client, c.keys)
-
-
 def test_etcd_blackhole_pauses_runs_before_the_renew_deadline(etcd_server, tmp_path, kernel_ready):
     echo = EchoServer()
     tpl = {"tick": {"argv": ["/bin/true"], "user": "nobody", "allow_exec": ["/bin/true"]}}
@@ -76,7 +72,7 @@ def test_etcd_blackhole_pauses_runs_before_the_renew_deadline(etcd_server, tmp_p
         c.start("peer")
         cut = c.start("cut", endpoint_host="127.0.0.2", extra={"bpf": {"enabled": True}})
         wait_for(lambda: c.converged({"peer": 1, "cut": 1}), 60, what="plan")
-        store = c.signing(JobStore(c.client, c.keys, c.shards, "test"))
+        store = c.job_store()
         for i in range(24):
             store.create({"v": 1, "id": f"tick-{i}", "template": "tick", "params": {},
                           "schedule": {"cron": "* * * * * *"}})
@@ -95,11 +91,11 @@ def test_etcd_blackhole_pauses_runs_before_the_renew_deadline(etcd_server, tmp_p
         # no firing was ever started by two agents: every run key got its `running` put
         # (attempt 1) from exactly one agent, as the whole etcd history shows
         starts: dict[str, set] = {}
-        for ev in etcd_history(c.client, c.keys.runs_prefix()):
-            if ev.type == 0:
-                r = json.loads(ev.kv.value)
+        for ev in read_history(c.client, c.keys.runs_prefix()):
+            if ev.kind == "put":
+                r = json.loads(ev.value)
                 if r["state"] == "running" and r["attempt"] == 1:
-                    starts.setdefault(ev.kv.key.decode(), set()).add(r["agent"])
+                    starts.setdefault(ev.key, set()).add(r["agent"])
         assert starts and all(len(a) == 1 for a in starts.values())
         assert {a for s in starts.values() for a in s} == {"peer", "cut"}
     finally:
@@ -114,13 +110,13 @@ def test_stalled_job_network_is_retried_and_hands_shards_to_a_healthy_peer(etcd_
         # the same template name points at a blackholed target on one agent only
         sick = c.start("sick", extra={"bpf": {"enabled": True}, "templates": {"net": net_template("127.0.0.3", echo.port)}})
         wait_for(lambda: c.converged({"sick": 1}), 60, what="sick owns all shards")
-        store = c.signing(JobStore(c.client, c.keys, c.shards, "test"))
+        store = c.job_store()
         with NftBlock("127.0.0.3", echo.port):
             for i in range(3):
                 store.create({"v": 1, "id": f"net-{i}", "template": "net", "params": {}, "schedule": {},
                               "retry": {"max_attempts": 6, "backoff_s": 0.5, "max_backoff_s": 2, "jitter": 0}})
             # its runs stall, are ended with network_stall and retried
-            wait_for(lambda: any(r.get("reason", "") and "network_stall" in r["reason"] for r in runs(c).values()),
+            wait_for(lambda: any(r.get("reason", "") and "network_stall" in r["reason"] for r in c.run_records().values()),
                      30, interval=0.2, what="a network_stall")
             c.start("healthy", extra={"templates": {"net": net_template("127.0.0.1", echo.port)}})
             # after repeated stalls the sick agent hands its shards over and keeps its membership
@@ -129,9 +125,9 @@ def test_stalled_job_network_is_retried_and_hands_shards_to_a_healthy_peer(etcd_
             st = query(sick.config["admin"]["socket"])
             assert st["health"]["handoff"]["available"] is False
             # the healthy peer completes the jobs
-            wait_for(lambda: sum(1 for r in runs(c).values() if r["state"] == "succeeded") == 3, 60, interval=0.2,
+            wait_for(lambda: sum(1 for r in c.run_records().values() if r["state"] == "succeeded") == 3, 60, interval=0.2,
                      what="jobs completed by the peer")
-            assert all(r["agent"] == "healthy" for r in runs(c).values() if r["state"] == "succeeded")
+            assert all(r["agent"] == "healthy" for r in c.run_records().values() if r["state"] == "succeeded")
     finally:
         c.close()
         echo.close()
@@ -159,7 +155,7 @@ def test_a_flapping_link_causes_at_most_one_hand_off_in_five_minutes(etcd_server
         c.start("steady", extra={"templates": {**tpl, "net": net_template("127.0.0.1", echo.port)}})
         flappy = c.start("flappy", endpoint_host="127.0.0.2", extra={"bpf": {"enabled": True}})
         wait_for(lambda: c.converged({"steady": 1, "flappy": 1}), 60, what="plan")
-        store = c.signing(JobStore(c.client, c.keys, c.shards, "test"))
+        store = c.job_store()
         for i in range(16):
             store.create({"v": 1, "id": f"flap-net-{i}", "template": "net", "params": {},
                           "schedule": {"cron": "*/2 * * * * *"}, "overlap": "forbid",

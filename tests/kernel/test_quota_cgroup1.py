@@ -18,7 +18,7 @@ from agent.execute.backends import BackendUnavailable, Cgroup1Backend
 from agent.execute.processes import alive
 from agent.runtime.loop import EventLoop
 from tests.support.kernel import armed_launcher, require_kernel
-from tests.support.processes import PY, Collector, _children_zombies, _zombies_left, _executor_kind
+from tests.support.processes import PY, Collector, children_zombies, zombies_left, executor_kind
 
 ROOT_NAME = f"millwright-test-{os.getpid()}"
 
@@ -99,7 +99,7 @@ def test_fork_bomb_is_stopped_by_the_pids_limit(executor):
     assert r.reason == "pids_limit", r
     assert r.usage.pids_max_events > 0
     assert not os.path.exists(h.cgroup["pids"])   # all forks gone, cgroup removed
-    assert _zombies_left([h.pgid]) == []
+    assert zombies_left([h.pgid]) == []
 
 
 def test_cpu_hog_is_held_to_its_quota(executor):
@@ -217,11 +217,11 @@ def test_a_thousand_short_runs_leave_no_cgroups_fds_or_zombies(backend, base_dir
         assert not ex.live()
         left = _run_dirs(backend)
         assert left == [], left[:5]
-        assert _zombies_left(pgids) == []
+        assert zombies_left(pgids) == []
         # only fds of the kinds the executor opens (pipes, pidfds, cgroup and run files): other
         # threads of this pytest process (watches, agents' fixtures) may open unrelated fds
         new = set(os.listdir("/proc/self/fd")) - fds_before
-        assert [fd for fd in new if _executor_kind(fd)] == []
+        assert [fd for fd in new if executor_kind(fd)] == []
         assert c.threads == {"millwright-reaper"}
     finally:
         ex.close(close_backend=False)
@@ -268,7 +268,7 @@ def test_a_runs_work_dir_belongs_to_its_user_and_is_its_home_when_the_user_has_n
 def _launcher_argv(pid: int) -> list:
     """A held launcher's argv. Popen returns once the child's exec began (its close-on-exec
     pipe closed), a moment before the new image's arguments are in place: /proc then shows
-    an empty command line (seen once under a full kernel run)."""
+    an empty command line."""
     deadline = time.monotonic() + 5
     while True:
         argv = open(f"/proc/{pid}/cmdline").read().split("\0")
@@ -321,7 +321,7 @@ def test_timeout_kills_a_process_tree_whose_child_ignores_sigterm(executor, base
     assert r.reason == "timed_out", r
     child = int(open(pidfile).read())
     assert child != h.pid and not alive(child)
-    assert _zombies_left([h.pgid]) == []
+    assert zombies_left([h.pgid]) == []
     assert not os.path.exists(h.cgroup["memory"])
 
 
@@ -331,7 +331,7 @@ def test_leader_ignoring_sigterm_is_killed_after_the_grace_period(executor, base
     script = ("import signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
               "open(sys.argv[1], 'w').close()\ntime.sleep(60)")
     h = executor.start(RunSpec("stubborn", [PY, "-c", script, ready], kill_grace_s=0.3, limits=Limits(0.5, 64, 8)), c)
-    # SIGTERM only once the handler is installed (a fixed sleep raced Python's start under load)
+    # SIGTERM only once the handler is installed (Python's start takes longer on a loaded host)
     deadline = time.monotonic() + 30
     while not os.path.exists(ready):
         assert time.monotonic() < deadline, "the job never installed its SIGTERM handler"
@@ -455,7 +455,7 @@ def test_prepared_run_execs_only_when_released_and_a_discarded_one_never(backend
         assert rel.reason == "succeeded" and os.path.exists(marker)
         assert dis.reason == "shard_lost" and not os.path.exists(never)
         assert {h.run_key, d.run_key}.isdisjoint(k.run_key for k in ex.live())
-        assert _zombies_left([h.pgid, d.pgid]) == []
+        assert zombies_left([h.pgid, d.pgid]) == []
     finally:
         os.chmod(base_dir, 0o711)
         ex.close(close_backend=False)
@@ -685,12 +685,12 @@ def test_an_ended_runs_group_is_swept_again_for_late_zombies(executor):
 
     late = subprocess.Popen(["/bin/sh", "-c", "exit 0"], start_new_session=True)   # its own group
     deadline = time.monotonic() + 5
-    while not _children_zombies([late.pid]) and time.monotonic() < deadline:
+    while not children_zombies([late.pid]) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert _children_zombies([late.pid]), "the test's process did not turn zombie"
+    assert children_zombies([late.pid]), "the test's process did not turn zombie"
     reaper = executor.reaper
     reaper.post(reaper.reap_again, late.pid)
-    assert _zombies_left([late.pid], timeout=REAP_AGAIN_S[0] + 2) == [], "the zombie was not swept"
+    assert zombies_left([late.pid], timeout=REAP_AGAIN_S[0] + 2) == [], "the zombie was not swept"
     time.sleep(REAP_AGAIN_S[-1] + 0.5)
     assert all(not q for q in reaper.resweeps.values())
 
@@ -774,11 +774,10 @@ def test_a_cluster_leaves_no_agent_cgroup_root_behind(etcd_server, tmp_path):
     would leave thousands of empty cgroups."""
     import glob
 
-    from agent.coordination.jobstore import JobStore
     from agent.execute.backends import run_root_name
-    from tests.integration.cluster import Cluster, wait_for
+    from tests.support.cluster import Cluster
     from tests.support.jobs import job, templates
-    from tests.support.records import run_records
+    from tests.support.waiting import wait_for
 
     # fails under MILLWRIGHT_REQUIRE_KERNEL=1 if cgroup v1 cannot be used; require_kernel,
     # not _cgroup1(): closing a second backend of ROOT_NAME would remove the module
@@ -791,9 +790,9 @@ def test_a_cluster_leaves_no_agent_cgroup_root_behind(etcd_server, tmp_path):
     try:
         a = c.start("cg0")
         wait_for(lambda: c.converged({"cg0": 1}), 20, what="shards")
-        store = c.signing(JobStore(c.client, c.keys, c.shards, "test"))
+        store = c.job_store()
         store.create(job("cg-long", {}, params={"sleep": "30", "code": "0"}))
-        wait_for(lambda: any(r["state"] == "running" for r in run_records(c.client, c.keys).values()), 20,
+        wait_for(lambda: any(r["state"] == "running" for r in c.run_records().values()), 20,
                  what="a run in flight")
         root = run_root_name("cg0", a.config["state_dir"])
         # the running record is the claim, written before the run's cgroups are made

@@ -23,7 +23,7 @@ from agent.execute import Executor, Limits, RunSpec, probe
 from agent.execute.backends import BackendUnavailable, Cgroup2Backend, CgroupFS, RlimitBackend, safe_name
 from agent.execute.processes import alive
 from tests.support.kernel import require_kernel
-from tests.support.processes import PY, Collector, _zombies_left, stderr_tail
+from tests.support.processes import PY, Collector, zombies_left, stderr_tail
 
 CONTROLLERS = "cpu io memory pids"
 
@@ -283,7 +283,7 @@ def test_rlimit_fork_bomb_is_stopped(rlimit_executor, job_user):
                                       timeout_s=60), c)
     (r,) = c.wait(["r-bomb"])
     assert r.reason == "pids_limit"
-    assert _zombies_left([h.pgid]) == []
+    assert zombies_left([h.pgid]) == []
     assert not any(True for _ in _group(h.pgid))
 
 

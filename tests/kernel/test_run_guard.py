@@ -15,9 +15,10 @@ import pytest
 
 from agent.execute import Executor, RunSpec
 from agent.execute.backends import BackendUnavailable, Cgroup1Backend, Cgroup2Backend, RlimitBackend, probe
-from agent.execute.guard import RunGuard, group_members, kill_runs
+from agent.execute.guard import RunGuard, kill_runs
 from tests.support.kernel import require_kernel
-from tests.integration.cluster import wait_for
+from tests.support.processes import group_alive
+from tests.support.waiting import wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TREE = "trap '' TERM; (trap '' TERM; sleep 60) & (trap '' TERM; sh -c 'sleep 60') & echo ready; sleep 60"
@@ -34,11 +35,6 @@ h = ex.start(RunSpec("t", ["/bin/sh", "-c", {TREE!r}]), lambda h, r: None)
 print(h.pgid, flush=True)
 time.sleep(120)
 """
-
-
-def group_alive(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of a process group."""
-    return group_members({pgid})
 
 
 def usable(name: str) -> bool:

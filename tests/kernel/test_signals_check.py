@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
-from agent.demo.services import REPO_ROOT as ROOT
+from tests.support.commands import millwright
 from tests.support.kernel import require_kernel
 
 from agent.signals import check
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "-m", "agent", "bpf", "check", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    return millwright("bpf", "check", *args)
 
 
 def test_check_names_missing_headers_with_empty_dir(tmp_path):

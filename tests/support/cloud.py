@@ -1,17 +1,42 @@
-"""The cloud's side of the MQTT channel in tests and benchmarks: a pusher, what the
-agents answered, what reached etcd."""
+"""The cloud's side of the MQTT channel in tests and benchmarks: agents wired to a broker,
+a pusher, what the agents answered, what reached etcd."""
 
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from agent.cloud.mqtt import MqttLink
+from tests.support.cloudkit import StatusCollector, write_keys
 from agent.cloud.topics import Topics
 from agent.config import EtcdConfig, MqttConfig
 from agent.coordination.etcd import EtcdClient
 from agent.coordination.keys import Keys
+from tests.support.cluster import Cluster
 
 T = Topics("t")
+
+
+class CloudWorld:
+    """Agents of cluster "t" (not started) that take pushes from a real broker and verify
+    them with ``ring``, and a collector of every message they publish (statuses,
+    rejections, presence)."""
+
+    def __init__(self, etcd: Any, mq: Any, tmp_path: Any, templates: dict, shards: int):
+        self.etcd, self.mq = etcd, mq
+        self.keys_file = str(tmp_path / "keys.yaml")
+        self.ring = write_keys(self.keys_file)
+        self.cluster = Cluster(etcd, str(tmp_path / "agents"), shards=shards, ttl=4, renew_deadline=2.5,
+                               retry_period=0.5,
+                               extra={"mqtt": {"url": mq.url, "reconnect_min_s": 0.2, "reconnect_max_s": 1.0,
+                                               "ingest_grace_s": 1.5},
+                                      "signing": {"keys_file": self.keys_file}, "templates": templates,
+                                      "bpf": {"enabled": False}})
+        self.col = StatusCollector(mq.url, "t", extra_filters=("millwright/t/agents/#",)).start()
+
+    def close(self) -> None:
+        self.col.stop()
+        self.cluster.close()
 
 
 class Pusher:

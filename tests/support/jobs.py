@@ -6,8 +6,10 @@ from __future__ import annotations
 import collections
 import os
 from datetime import datetime, timezone
+from typing import Any
 
-RECORD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jobs", "record.sh")
+JOBS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jobs")   # tests/jobs/*.sh
+RECORD = os.path.join(JOBS, "record.sh")
 
 
 def templates(out: str) -> dict:
@@ -21,7 +23,17 @@ def templates(out: str) -> dict:
                      "allow_root": True}}
 
 
+def effects_file(tmp_path: Any) -> str:
+    """The file a test's recording runs append their effects to, in a directory the job
+    users can write (``tmp_path``/out)."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir(exist_ok=True)
+    os.chmod(out_dir, 0o777)
+    return str(out_dir / "effects.txt")
+
+
 def now() -> datetime:
+    """The wall clock in UTC, as job documents and run records carry it."""
     return datetime.now(timezone.utc)
 
 

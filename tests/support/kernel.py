@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
 from agent.execute import armed
+from tests.support.commands import millwright
 
 REQUIRE_KERNEL = os.environ.get("MILLWRIGHT_REQUIRE_KERNEL") == "1"
 # What the CI host is known not to have, by name (README, testing: "what this host cannot
@@ -31,7 +30,7 @@ def bpf_ok() -> tuple[bool, str]:
     """Whether `millwright bpf check` passes here (root, headers, tracefs, BCC)."""
     if os.geteuid() != 0:
         return False, "needs root"
-    r = subprocess.run([sys.executable, "-m", "agent", "bpf", "check"], capture_output=True, text=True)
+    r = millwright("bpf", "check", timeout=120)
     return r.returncode == 0, (r.stdout + r.stderr)[-500:]
 
 

@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Collection, Optional
 
+from agent.execute.guard import group_members
 from agent.execute.runs import STDERR_TAIL_BYTES, tail_text
 
 PY = sys.executable if sys.executable.startswith("/usr/bin/") else "/usr/bin/python3"
@@ -29,7 +30,15 @@ def stderr_tail(path: Optional[str], limit: int = STDERR_TAIL_BYTES) -> Optional
     return tail_text(raw, size, limit)
 
 
+def group_alive(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a process group."""
+    return group_members({pgid})
+
+
 class Collector:
+    """An executor's on_exit callback that keeps each run's result by run key (and the
+    threads it was called on); wait() blocks until the given runs ended."""
+
     def __init__(self):
         self.results = {}
         self.cv = threading.Condition()
@@ -51,7 +60,9 @@ class Collector:
         return [self.results[k] for k in keys]
 
 
-def _executor_kind(fd: str) -> bool:
+def executor_kind(fd: str) -> bool:
+    """Whether this process's fd ``fd`` is of a kind the executor opens (pipes, pidfds,
+    cgroup files, run files)."""
     try:
         target = os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
@@ -59,7 +70,7 @@ def _executor_kind(fd: str) -> bool:
     return target.startswith(("pipe:", "anon_inode:[pidfd]", "/sys/fs/cgroup")) or "/runs/" in target
 
 
-def _children_zombies(pgids: Optional[Collection[int]] = None) -> list[str]:
+def children_zombies(pgids: Optional[Collection[int]] = None) -> list[str]:
     """Zombie children of this process (of the given process groups only, when given), each
     as 'pid (comm) pgid N' so that a failure says whose."""
     me = os.getpid()
@@ -80,7 +91,7 @@ def _children_zombies(pgids: Optional[Collection[int]] = None) -> list[str]:
     return out
 
 
-def _zombies_left(pgids: Optional[Collection[int]] = None, timeout: float = 5.0) -> list[str]:
+def zombies_left(pgids: Optional[Collection[int]] = None, timeout: float = 5.0) -> list[str]:
     """Zombie children of this process, of the runs' process groups ``pgids``, still there
     after ``timeout``: the executor sweeps a finished run's process group again within 3 s
     (agent/execute/reaper.py REAP_AGAIN_S) for members that were still being re-parented
@@ -91,7 +102,7 @@ def _zombies_left(pgids: Optional[Collection[int]] = None, timeout: float = 5.0)
     it and stays a zombie here; those are not the run's."""
     deadline = time.monotonic() + timeout
     while True:
-        left = _children_zombies(pgids)
+        left = children_zombies(pgids)
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.1)

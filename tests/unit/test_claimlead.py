@@ -5,18 +5,11 @@ from __future__ import annotations
 import pytest
 
 from agent.jobs.claimlead import LEAD, MARGIN, ClaimLead
-
-
-class Clock:
-    def __init__(self):
-        self.t = 1000.0
-
-    def __call__(self):
-        return self.t
+from tests.support.fakes import ManualClock
 
 
 def test_starts_at_the_ceiling_then_follows_a_margin_over_the_worst_recent_latency():
-    clock = Clock()
+    clock = ManualClock()
     c = ClaimLead(0.25, floor_s=0.02, half_life_s=30, clock=clock)
     assert c.lead() == 0.25                      # nothing measured yet: be generous
     clock.t += 600                               # long after: the initial guess has decayed

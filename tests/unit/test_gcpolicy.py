@@ -10,28 +10,7 @@ import weakref
 import pytest
 
 from agent.runtime.gcpolicy import FULL, GcPolicy
-
-
-class ManualLoop:
-    """Records call_later; the test runs the callbacks (the policy's own logic is under test)."""
-
-    def __init__(self):
-        self.calls = []
-
-    def call_later(self, delay, fn, *args):
-        entry = [delay, fn, args, False]
-        self.calls.append(entry)
-
-        class T:
-            def cancel(self_inner):
-                entry[3] = True
-        return T()
-
-    def run_next(self):
-        entry = self.calls.pop(0)
-        assert not entry[3]
-        entry[1](*entry[2])
-        return entry[0]
+from tests.support.fakes import ManualLoop
 
 
 class Node:

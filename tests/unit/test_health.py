@@ -315,8 +315,8 @@ def test_check_event():
 
 
 def test_launcher_sh_does_not_end_the_launch_phase_of_a_job_whose_program_is_sh():
-    """The executor's shim is /bin/sh too; the phase ends only at the job's own argv
-    (seen once in CI: the shim's sh ended it and the following setpriv was flagged)."""
+    """The executor's shim is /bin/sh too; the phase ends only at the job's own argv, so
+    the shim's sh does not end it and the setpriv that follows is not flagged."""
     from agent.supervision.health import ExecPolicy
 
     job_argv = ["/bin/sh", "-c", "sleep 0.3; /usr/bin/id -u"]

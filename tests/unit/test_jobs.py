@@ -7,21 +7,18 @@ from __future__ import annotations
 import base64
 import copy
 import json
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 
 import pytest
 
 from agent.config import Resources, Template
-from agent.jobs.document import Job, parse_cancel, parse_job
+from agent.jobs.document import Job, parse_cancel
 from agent.jobs.envelope import JobRejected
 from agent.jobs.render import effective_resources, render_argv
 from agent.jobs.schedule import Schedule
 from agent.jobs.signing import KeyRing, sign
+from tests.support.documents import CLUSTER, ISSUED_AT, KEYS, NOW, SECRET, UTC, parser, signed
 
-UTC = timezone.utc
-NOW = datetime(2026, 12, 2, 11, 0, 30, tzinfo=UTC)
-SECRET = base64.b64encode(bytes(range(32))).decode()
-KEYS = KeyRing.from_mapping({"cloud-1": {"alg": "hmac-sha256", "secret": SECRET}})
 TEMPLATES = {
     "coolant-flush": Template(
         argv=["/usr/lib/millwright/jobs/coolant-flush", "--line", "{line}", "--tag=l{line}-{mode}"],
@@ -30,7 +27,6 @@ TEMPLATES = {
     ),
     "noargs": Template(argv=["/bin/true"]),
 }
-CLUSTER = "plant-a"
 BASE = {
     "v": 1,
     "id": "coolant-flush-line3-20261202",
@@ -46,20 +42,11 @@ BASE = {
     "resources": {"cpu": 0.5, "memory_mb": 128, "pids": 64},
     "depends_on": [],
     "not_after": "2026-12-03T00:00:00Z",
-    "issued_at": "2026-12-02T11:00:00Z",
+    "issued_at": ISSUED_AT,
 }
 
 
-def signed(doc: dict) -> dict:
-    """Signed, with the binding and issued_at of BASE unless the document sets its own."""
-    return sign({"cluster": CLUSTER, "kind": "job", "issued_at": BASE["issued_at"], **doc}, KEYS, "cloud-1")
-
-
-def parse(payload, **kw) -> Job:
-    args = dict(templates=TEMPLATES, keyring=KEYS, now=NOW, max_skew_s=300, max_bytes=65536, cluster=CLUSTER,
-                max_age_s=86400)
-    args.update(kw)
-    return parse_job(payload, **args)
+parse = parser(TEMPLATES)
 
 
 def rejected(payload, **kw) -> JobRejected:

@@ -5,18 +5,15 @@ from __future__ import annotations
 
 import base64
 import json
-from datetime import datetime, timezone
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from agent.config import Template
-from agent.jobs.document import ID_RE, parse_cancel, parse_job
+from agent.jobs.document import ID_RE, parse_cancel
 from agent.jobs.envelope import REASONS, JobRejected
 from agent.jobs.signing import KeyRing, sign
+from tests.support.documents import CLUSTER, KEYS, NOW, parser
 
-UTC = timezone.utc
-NOW = datetime(2026, 12, 2, 11, 0, 30, tzinfo=UTC)
-KEYS = KeyRing.from_mapping({"cloud-1": {"alg": "hmac-sha256", "secret": base64.b64encode(bytes(range(32))).decode()}})
 TEMPLATES = {"t": Template(argv=["/bin/echo", "{line}"], params={"line": "^[0-9]{1,2}$"})}
 FUZZ = settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
@@ -25,7 +22,6 @@ scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.flo
 json_ish = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
                                                          st.dictionaries(st.text(max_size=6), inner, max_size=3)),
                         max_leaves=6)
-CLUSTER = "plant-a"
 VALID = {
     "v": 1, "id": "job-1", "cluster": CLUSTER, "kind": "job", "template": "t", "params": {"line": "3"}, "schedule": {"cron": "0 */5 * * * *", "tz": "Europe/Berlin"},
     "misfire": "run_all", "misfire_limit": 3, "overlap": "forbid",
@@ -79,11 +75,7 @@ def documents(draw):
     return doc
 
 
-def call(payload, **kw):
-    args = dict(templates=TEMPLATES, keyring=KEYS, now=NOW, max_skew_s=300, max_bytes=8192, cluster=CLUSTER,
-                max_age_s=86400)
-    args.update(kw)
-    return parse_job(payload, **args)
+call = parser(TEMPLATES, max_bytes=8192)
 
 
 def check_accepted(job, doc):

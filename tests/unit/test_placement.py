@@ -10,9 +10,11 @@ from agent.config import ConfigError, Template, parse_config
 from agent.coordination import placement
 from agent.coordination.placement import TargetError
 from agent.jobs.envelope import JobRejected
-from tests.unit.test_jobs import parse, signed
+from tests.support.documents import parser, signed
+from tests.support.fakes import ManualLoop
 
 TPL = {"noargs": Template(argv=["/bin/true"])}
+parse = parser(TPL)
 
 
 def doc(**kw) -> dict:
@@ -135,7 +137,7 @@ def test_targeted_job_with_a_template_this_agent_lacks_is_accepted():
     job = parse(signed({"v": 1, "id": "j", "template": "camera-warmup", "schedule": {},
                         "target": {"labels": {"camera": "cam1"}}}), templates=TPL)
     assert job.template == "camera-warmup"
-    with pytest.raises(JobRejected) as ei:  # untargeted: as before
+    with pytest.raises(JobRejected) as ei:  # untargeted: the ingesting agent needs the template
         parse(signed({"v": 1, "id": "j", "template": "camera-warmup", "schedule": {}}), templates=TPL)
     assert ei.value.reason == "unknown_template"
 
@@ -143,20 +145,12 @@ def test_targeted_job_with_a_template_this_agent_lacks_is_accepted():
 # --- a pool's eligible members ------------------------------------------------------------------
 
 
-class _Loop:
-    def call_later(self, delay, fn, *args):
-        class T:
-            def cancel(self):
-                pass
-        return T()
-
-
 def test_pool_manager_assigns_only_among_eligible_members():
     from agent.coordination.keys import Keys, PoolKeys
     from agent.coordination.pools import PoolShardManager
     from agent.coordination.shards import Member, ShardManager
 
-    parent = ShardManager("a", 8, Keys("t"), None, None, _Loop(), on_acquired=lambda f: None,
+    parent = ShardManager("a", 8, Keys("t"), None, None, ManualLoop(), on_acquired=lambda f: None,
                           on_lost=lambda s, r: None)
     parent.members = {
         "a": Member("a", 1.0, True, 1, {"line": "1"}, frozenset({"t"})),

@@ -10,19 +10,12 @@ from agent.config import parse_config
 from agent.signals.model import ExecEvent
 from agent.supervision import sensing as sensing_mod
 from agent.supervision.sensing import RunSensing
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.support.fakes import ManualClock
 
 
 def _sensing():
     cfg = parse_config("bpf: {enabled: false}\n", "test")
-    clock = Clock()
+    clock = ManualClock()
     agent = SimpleNamespace(cfg=cfg, loop=SimpleNamespace(post=lambda fn, *a: None, clock=clock),
                             audit=MemoryAudit(), status_providers={})
     return RunSensing(agent), agent, clock

@@ -1,34 +1,16 @@
 """A run's end triggers a shard reconcile only when a shard is waiting for its runs.
 
-At 100 runs/s every run's end used to schedule a reconcile that walks every shard
-(issue 18: agent CPU per firing); now only a shard the last reconcile kept for its runs
-makes release_idle() reconcile, and that shard still goes once its runs are over."""
+A reconcile walks every shard: at 100 runs/s one per run's end would cost the agent CPU
+per firing. Only a shard the last reconcile kept for its runs makes release_idle()
+reconcile, and that shard still goes once its runs are over."""
 
 from agent.coordination.keys import Keys
 from agent.coordination.shards import Holder, Member, ShardManager
-
-
-class _Loop:
-    def __init__(self):
-        self.timers = []
-
-    def call_later(self, delay, fn, *args):
-        self.timers.append((fn, args))
-
-        class T:
-            def cancel(self):
-                pass
-        return T()
-
-    def run_timers(self):
-        timers, self.timers = self.timers, []
-        for fn, args in timers:
-            fn(*args)
-        return len(timers)
+from tests.support.fakes import ManualLoop
 
 
 def _manager(busy):
-    loop = _Loop()
+    loop = ManualLoop()
     m = ShardManager("a", 2, Keys("t"), None, None, loop, on_acquired=lambda f: None,
                      on_lost=lambda s, r: None, busy=lambda s: s in busy)
     m.members = {"a": Member("a", 1.0, True, 7), "b": Member("b", 1.0, True, 8)}
@@ -53,13 +35,13 @@ def test_a_shard_kept_for_its_runs_goes_when_they_end_and_only_then_is_a_reconci
     assert released == [] and m._kept_busy == {0, 1}
     busy.discard(0)                   # shard 0's last run ended
     m.release_idle()
-    assert loop.run_timers() == 1 and released == [0]
+    assert loop.run_all() == 1 and released == [0]
     busy.discard(1)
     m.release_idle()
-    assert loop.run_timers() == 1 and released == [0, 1]
+    assert loop.run_all() == 1 and released == [0, 1]
     assert m._kept_busy == set()
     m.release_idle()                  # nothing waits for its runs: no reconcile
-    assert loop.timers == []
+    assert loop.calls == []
 
 
 def test_runs_ending_on_shards_that_stay_schedule_no_reconcile():
@@ -70,4 +52,4 @@ def test_runs_ending_on_shards_that_stay_schedule_no_reconcile():
     assert released == [] and m._kept_busy == set()
     busy.clear()
     m.release_idle()
-    assert loop.timers == []
+    assert loop.calls == []

@@ -6,19 +6,14 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
-import sys
 
 import pytest
 import yaml
 
-import agent
 from agent.audit.events import config_digest, describe_config
 from agent.config import ConfigError, parse_config, regex_risk
 from agent.jobs.signing import KeyFileError, KeyRing, generate_hmac_secret, sign
-
-# where the `agent` under test lives (the checkout, or /usr/lib/millwright in the package tests)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(agent.__file__)))
+from tests.support.commands import millwright
 
 
 def problems(text: str) -> list[str]:
@@ -83,9 +78,7 @@ def test_retired_after_in_the_keys_file():
 
 def test_keygen_writes_a_private_pair_and_prints_the_public_entry(tmp_path):
     out = tmp_path / "signer.yaml"
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    r = subprocess.run([sys.executable, "-m", "agent", "keygen", "--kid", "cloud-7", "--out", str(out)],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    r = millwright("keygen", "--kid", "cloud-7", "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert stat.S_IMODE(os.stat(out).st_mode) == 0o600
     entry = yaml.safe_load(r.stdout)
@@ -95,6 +88,5 @@ def test_keygen_writes_a_private_pair_and_prints_the_public_entry(tmp_path):
     doc = sign({"v": 1, "id": "x"}, signer, "cloud-7")
     assert gateway.verify(doc).kid == "cloud-7"
     assert not gateway.get("cloud-7").can_sign
-    again = subprocess.run([sys.executable, "-m", "agent", "keygen", "--kid", "cloud-7", "--out", str(out)],
-                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=60)
+    again = millwright("keygen", "--kid", "cloud-7", "--out", str(out))
     assert again.returncode == 2 and "never overwrites" in again.stderr and "Traceback" not in again.stderr

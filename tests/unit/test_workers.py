@@ -9,6 +9,7 @@ import threading
 import time
 
 from agent.coordination.worker import EtcdWorkers
+from tests.support.waiting import wait_for
 
 
 class Loop:
@@ -31,13 +32,6 @@ class Loop:
             fn(*args)
 
 
-def wait_until(cond, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.01)
-
-
 def test_a_burst_gets_the_whole_pool_and_every_item_is_answered_once():
     loop = Loop()
     w = EtcdWorkers(loop.post, threads=4, name="t-burst", linger_s=30)
@@ -55,7 +49,7 @@ def test_a_burst_gets_the_whole_pool_and_every_item_is_answered_once():
 
     for i in range(20):
         w.submit(lambda i=i: job(i), lambda r, e: answers.append(r))
-    wait_until(lambda: len(running) == 4)   # four blocked at once: the pool grew to its size
+    wait_for(lambda: len(running) == 4, 10, interval=0.01, what="four blocked at once: the pool grew to its size")
     assert w.threads == 4
     gate.set()
     loop.run_until(lambda: len(answers) == 20)
@@ -103,7 +97,7 @@ def test_idle_workers_end_and_come_back_on_demand():
     for i in range(10):
         w.submit(lambda i=i: i, lambda r, e: done.append(r))
     loop.run_until(lambda: len(done) == 10)
-    wait_until(lambda: w.threads == 0)
+    wait_for(lambda: w.threads == 0, 10, interval=0.01, what="the idle pool's threads to end")
     for i in range(10, 20):        # after they ended, work starts threads again
         w.submit(lambda i=i: i, lambda r, e: done.append(r))
     loop.run_until(lambda: len(done) == 20)

@@ -3,8 +3,6 @@ methods at the point a fault is injected while etcd (and the agent's runs) stay 
 
 from __future__ import annotations
 
-import json
-import os
 import threading
 from typing import Any, Callable
 
@@ -13,7 +11,8 @@ from agent.demo.services import AgentProcess
 from agent.execute.backends import run_root_name
 from agent.runtime.components import default_components
 from agent.runtime.daemon import Agent
-from tests.integration.cluster import Cluster
+from tests.support.cluster import Cluster
+from tests.support.jobs import effects_file, templates
 
 
 class LocalAgent:
@@ -22,10 +21,7 @@ class LocalAgent:
     process is never started)."""
 
     def __init__(self, cluster: Cluster, agent_id: str, extra: dict):
-        cfg = json.loads(json.dumps(cluster.cfg))
-        for k, v in extra.items():
-            cfg[k] = {**cfg.get(k, {}), **v} if isinstance(v, dict) else v
-        self.files = AgentProcess(agent_id, cluster.base, cfg)   # config file and cgroup cleanup only
+        self.files = AgentProcess(agent_id, cluster.base, cluster.agent_config(extra))   # config file and cgroup cleanup only
         self.cfg = load_config(self.files.config_path)
         self.agent = Agent(self.cfg, default_components(self.cfg))
         jobs = next(c.jobs for c in self.agent.components if hasattr(c, "jobs"))
@@ -80,12 +76,7 @@ def recording_agent(etcd_server: Any, tmp_path: Any, agent_id: str, quota_backen
     """A 4-shard cluster for one local agent (not started) that runs the side-effect
     recording templates (tests/support/jobs.py) on ``quota_backend``: (cluster, agent,
     effects file)."""
-    from tests.support.jobs import templates
-
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    os.chmod(out_dir, 0o777)
-    out = str(out_dir / "effects.txt")
+    out = effects_file(tmp_path)
     c = Cluster(etcd_server, str(tmp_path / "agents"), shards=4, ttl=TTL_S, renew_deadline=RENEW_S,
                 retry_period=0.3)
     la = LocalAgent(c, agent_id, {"templates": templates(out), "mqtt": {"url": "mqtt://127.0.0.1:9"},

@@ -1,33 +1,35 @@
-"""Helpers for multi-agent tests: start agents, read ownership, check etcd history."""
+"""A cluster of real `millwright run` agent processes on one etcd, for multi-agent tests
+and benchmarks: start agents, store signed jobs, read shard ownership, check the history."""
 
 from __future__ import annotations
 
 import collections
 import json
 import os
-import subprocess
-import time
-from typing import Callable, Optional
+from typing import Any, Optional
 
+from tests.support.cloudkit import SigningStore, write_keys
+from agent.config import EtcdConfig, TLSConfig
+from agent.coordination import hrw
 from agent.coordination.etcd import EtcdClient
-from agent.config import EtcdConfig
+from agent.coordination.jobstore import JobStore
 from agent.coordination.keys import Keys
 from agent.demo.services import AgentProcess
 from tests.support import history
+from tests.support.jobs import effects_file, templates
+from tests.support.records import agent_audit, agent_statuses, job_runs, run_records
 
 
-def wait_for(pred: Callable[[], object], timeout: float, interval: float = 0.02, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+def merge_sections(cfg: dict, extra: Optional[dict]) -> dict:
+    """``cfg`` with ``extra``'s sections merged in (a dict section key by key, else replaced)."""
+    for k, v in (extra or {}).items():
+        cfg[k] = {**cfg.get(k, {}), **v} if isinstance(v, dict) else v
+    return cfg
 
 
 class Cluster:
+    """Agents of one cluster (``start``), their shared config, and a client of their etcd."""
+
     def __init__(self, etcd, base_dir: str, cluster: str = "t", shards: int = 64, ttl: int = 4,
                  renew_deadline: float = 2.5, retry_period: float = 0.5, extra: Optional[dict] = None,
                  env: Optional[dict] = None, etcd_access: Optional[dict] = None):
@@ -47,40 +49,41 @@ class Cluster:
                     "execute": {"kill_grace_s": round(max(0.1, min(1.0, ttl - renew_deadline - 0.5)), 3)},
                     # history checks replay etcd from revision 1: no compaction unless a test asks
                     "retention": {"compact_interval_s": 0}}
-        for k, v in (extra or {}).items():
-            self.cfg[k] = {**self.cfg.get(k, {}), **v} if isinstance(v, dict) else v
+        merge_sections(self.cfg, extra)
         # every agent verifies stored jobs against this ring; tests write through self.signing(store)
-        from tests.support import cloudkit as testkit
-
         os.makedirs(base_dir, exist_ok=True)
         self.keys_file = os.path.join(base_dir, "keys.yaml")
-        self.ring = testkit.write_keys(self.keys_file)
+        self.ring = write_keys(self.keys_file)
         self.cfg.setdefault("signing", {"keys_file": self.keys_file})
         self.env = env or {}
         self.agents: dict[str, AgentProcess] = {}
         access = dict(etcd_access or {})
         self.cfg["etcd"].update(access)
         if "tls" in access:
-            from agent.config import TLSConfig
-
             access["tls"] = TLSConfig(**access["tls"])
         self.client = EtcdClient(EtcdConfig(endpoints=[etcd.endpoint], request_timeout_s=2.0, **access))
         self.shards = shards
 
-    def signing(self, store):
+    def signing(self, store: Any) -> SigningStore:
         """``store`` wrapped so that create() binds and signs for this cluster."""
-        from tests.support.cloudkit import SigningStore
-
         return SigningStore(store, self.ring, self.cluster)
+
+    def job_store(self, writer: str = "test") -> SigningStore:
+        """The job store of this cluster's etcd, signing what it creates (as the cloud would)."""
+        return self.signing(JobStore(self.client, self.keys, self.shards, writer))
+
+    def agent_config(self, extra: Optional[dict] = None) -> dict:
+        """A copy of the agents' shared config with ``extra``'s sections merged in."""
+        return merge_sections(json.loads(json.dumps(self.cfg)), extra)
 
     def start(self, agent_id: str, capacity: float = 1.0, endpoint_host: Optional[str] = None,
               extra: Optional[dict] = None) -> AgentProcess:
-        cfg = json.loads(json.dumps(self.cfg))
+        """Start agent ``agent_id`` (a `millwright run` process) with this cluster's config."""
+        cfg = self.agent_config()
         cfg["capacity"] = capacity
         if endpoint_host:
             cfg["etcd"]["endpoints"] = [self.etcd.endpoint_on(endpoint_host)]
-        for k, v in (extra or {}).items():
-            cfg[k] = {**cfg.get(k, {}), **v} if isinstance(v, dict) else v
+        merge_sections(cfg, extra)
         a = AgentProcess(agent_id, self.base, cfg, env=self.env).start()
         self.agents[agent_id] = a
         return a
@@ -98,9 +101,23 @@ class Cluster:
 
     def converged(self, capacities: dict[str, float]) -> bool:
         """Ownership equals the bounded-load rendezvous plan for these members."""
-        from agent.coordination import hrw
-
         return self.owners() == hrw.assignment(self.shards, capacities)
+
+    def run_records(self) -> dict[tuple[str, str], dict]:
+        """Every run record in etcd: (job_id, fire_id) -> record."""
+        return run_records(self.client, self.keys)
+
+    def job_runs(self, job_id: str) -> dict[str, dict]:
+        """The run records of one job: fire_id -> record, oldest firing first."""
+        return job_runs(self.client, self.keys, self.shards, job_id)
+
+    def audit(self, *agent_ids: str) -> list[dict]:
+        """The audit records of these agents (default: every agent started), agent by agent."""
+        return [r for a in agent_ids or list(self.agents) for r in agent_audit(self.agents[a])]
+
+    def statuses(self, *agent_ids: str) -> list[dict]:
+        """The status documents in these agents' outboxes (default: every agent started)."""
+        return [d for a in agent_ids or list(self.agents) for d in agent_statuses(self.agents[a])]
 
     def members(self) -> set[str]:
         kvs, _ = self.client.get_prefix(self.keys.members_prefix())
@@ -114,44 +131,19 @@ class Cluster:
         self.client.close()
 
 
-def recording_cluster(etcd_server, tmp_path) -> tuple["Cluster", str]:
+# room for many recording runs at once (tests/support/jobs.py), and a quick kill of a run
+RECORDING_EXECUTE = {"max_concurrent": 64, "memory_mb": 16384, "cpu": 64.0, "kill_grace_s": 1.0}
+
+
+def recording_cluster(etcd_server: Any, tmp_path: Any, extra: Optional[dict] = None,
+                      **kw: Any) -> tuple[Cluster, str]:
     """A cluster whose agents run the side-effect recording templates (tests/support/jobs.py)
-    with room for many runs at once, and the effects file their runs append to."""
-    from tests.support.jobs import templates
-
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    os.chmod(out_dir, 0o777)
-    out = str(out_dir / "effects.txt")
-    c = Cluster(etcd_server, str(tmp_path / "agents"), ttl=4, renew_deadline=2.5, retry_period=0.5,
-                extra={"templates": templates(out), "execute": {"max_concurrent": 64, "memory_mb": 16384, "cpu": 64.0,
-                                                                "kill_grace_s": 1.0}})
+    with room for many runs at once, and the effects file their runs append to. ``extra``
+    config sections are merged over those; ``kw`` goes to Cluster."""
+    out = effects_file(tmp_path)
+    cfg = merge_sections({"templates": templates(out), "execute": dict(RECORDING_EXECUTE)}, extra)
+    c = Cluster(etcd_server, str(tmp_path / "agents"), ttl=4, renew_deadline=2.5, retry_period=0.5, extra=cfg, **kw)
     return c, out
-
-
-class _KV:
-    __slots__ = ("key", "value", "mod_revision", "create_revision", "version")
-
-    def __init__(self, e):
-        self.key, self.value = e.key.encode(), e.value
-        self.mod_revision, self.create_revision, self.version = e.rev, e.create_rev, e.version
-
-
-class _Ev:
-    """An event shaped like etcd's (type 0 put / 1 delete, kv.*) for the older callers."""
-
-    __slots__ = ("type", "kv")
-
-    def __init__(self, e):
-        self.type = 1 if e.kind == "delete" else 0
-        self.kv = _KV(e)
-
-
-def etcd_history(client: EtcdClient, prefix: str) -> list:
-    """Every event under prefix since revision 1, complete or an AssertionError
-    (tests/support/history.py read_history: an error, a compaction or an incomplete
-    stream fails the test instead of returning what arrived)."""
-    return [_Ev(e) for e in history.read_history(client, prefix)]
 
 
 def check_history(client: EtcdClient, keys: Keys) -> dict:
@@ -162,37 +154,3 @@ def check_history(client: EtcdClient, keys: Keys) -> dict:
     revision is a gap and fails."""
     rep = history.check(history.read_history(client, keys.prefix, contiguous=True), keys.prefix)
     return {"problems": rep.problems, **rep.stats}
-
-
-class NftBlock:
-    """Drop TCP traffic to and from one loopback address:port, in a table of our own.
-
-    Dropped in the input hook: the sender's transmit succeeds and the segment is lost
-    on the way in, as on a real broken link, so the kernel retransmits (tcp_retransmit_skb,
-    RetransSegs). Dropping in the output hook fails the transmit locally instead and the
-    kernel counts no retransmit at all."""
-
-    def __init__(self, addr: str, port: int):
-        self.table = f"mw_test_{os.getpid()}_{port}"
-        self.addr, self.port = addr, port
-        self.active = False
-
-    def __enter__(self):
-        rules = f"""
-table inet {self.table} {{
-  chain inp {{ type filter hook input priority -10; policy accept;
-    ip daddr {self.addr} tcp dport {self.port} drop
-    ip saddr {self.addr} tcp sport {self.port} drop
-  }}
-}}"""
-        subprocess.run(["nft", "-f", "-"], input=rules.encode(), check=True)
-        self.active = True
-        return self
-
-    def remove(self):
-        if self.active:
-            subprocess.run(["nft", "delete", "table", "inet", self.table], check=False)
-            self.active = False
-
-    def __exit__(self, *exc):
-        self.remove()

@@ -1,0 +1,202 @@
+"""scripts/check-imports.py: each import rule fails on a small source tree that breaks it,
+and passes the same tree without the breach. (tests/tools: tests of the checkout's own
+tools, which the package and its tests/unit run do not ship.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_spec = importlib.util.spec_from_file_location("check_imports", os.path.join(ROOT, "scripts", "check-imports.py"))
+assert _spec is not None and _spec.loader is not None
+checker = importlib.util.module_from_spec(_spec)
+sys.modules["check_imports"] = checker   # dataclasses look their module up there
+_spec.loader.exec_module(checker)
+
+# a tree shaped like agent/: every part the rules name, each with one module
+SKELETON = {
+    "agent/__init__.py": '__version__ = "0"\n',
+    "agent/config.py": "",
+    "agent/cli.py": "class UserError(Exception):\n    pass\n",
+    "agent/__main__.py": "from agent.cli import UserError\n",
+    "agent/runtime/__init__.py": "",
+    "agent/runtime/daemon.py": "class Agent:\n    pass\n",
+    "agent/runtime/components.py": "",
+    "agent/runtime/metrics.py": "",
+    "agent/runtime/gcpolicy.py": "",
+    "agent/runtime/admin.py": "",
+    "agent/jobs/__init__.py": "",
+    "agent/jobs/view.py": "def _parse(x):\n    return x\n\n\ndef parse(x):\n    return _parse(x)\n",
+    "agent/jobs/cli.py": "",
+    "agent/cloud/__init__.py": "",
+    "agent/cloud/ingest.py": "",
+    "agent/coordination/__init__.py": "",
+    "agent/coordination/etcd.py": "class EtcdClient:\n    def _call(self):\n        return 1\n",
+    "agent/execute/__init__.py": "",
+    "agent/execute/reaper.py": "class _Run:\n    pass\n",
+    "agent/execute/executor.py": "",
+    "agent/signals/__init__.py": "",
+    "agent/signals/loader.py": "",
+    "agent/signals/sensor.py": "",
+    "agent/supervision/__init__.py": "",
+    "agent/supervision/health.py": "",
+    "agent/audit/__init__.py": "",
+    "agent/demo/__init__.py": "",
+    "agent/demo/scenario.py": "",
+}
+
+
+def check(tmp_path, **changes: str) -> list[str]:
+    """Findings ("path: rule: message", without line numbers) of the skeleton with these
+    modules changed or added (``jobs__view`` or ``"jobs/view"``: agent/jobs/view.py)."""
+    files = dict(SKELETON)
+    for name, source in changes.items():
+        files["agent/" + (name if "/" in name else name.replace("__", "/")) + ".py"] = textwrap.dedent(source)
+    for rel, source in files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(source)
+    findings, _ = checker.check(str(tmp_path))
+    return [f"{f.path}: {f.rule}: {f.message}" for f in findings]
+
+
+def test_the_skeleton_itself_is_clean(tmp_path):
+    assert check(tmp_path) == []
+
+
+def test_main_exits_1_on_a_finding_and_0_without(tmp_path, capsys):
+    check(tmp_path)
+    assert checker.main(["--root", str(tmp_path)]) == 0
+    check(tmp_path, jobs__view="from agent.cloud import ingest\n")
+    assert checker.main(["--root", str(tmp_path)]) == 1
+    assert "agent/jobs/view.py:1: layers: jobs imports agent.cloud.ingest" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("source", [
+    "from agent.cloud import ingest\n",                              # module level
+    "import agent.cloud.ingest\n",
+    "def f():\n    from agent.cloud.ingest import x\n",              # function level counts too
+    "from agent.supervision import health\n",
+])
+def test_a_package_importing_outside_its_row_fails(tmp_path, source):
+    (finding,) = check(tmp_path, jobs__view=source)
+    assert finding.startswith("agent/jobs/view.py: layers: jobs imports agent.")
+
+
+def test_what_a_row_names_passes(tmp_path):
+    assert check(tmp_path, jobs__view="""
+        from agent.coordination.etcd import EtcdClient
+        from agent.execute import executor
+        from agent.runtime import gcpolicy, metrics
+        from agent import config
+        """) == []
+    assert check(tmp_path, supervision__health="from agent.signals import sensor\n") == []
+
+
+def test_the_daemon_is_imported_at_run_time_only_by_runtime(tmp_path):
+    assert check(tmp_path, cloud__ingest="""
+        from typing import TYPE_CHECKING
+        if TYPE_CHECKING:
+            from agent.runtime.daemon import Agent
+        """) == []
+    assert check(tmp_path, runtime__admin="from agent.runtime.daemon import Agent\n") == []
+    (finding,) = check(tmp_path, cloud__ingest="from agent.runtime.daemon import Agent\n")
+    assert "imports agent.runtime.daemon at run time: only runtime does" in finding
+    (finding,) = check(tmp_path, demo__scenario="from agent.runtime import components\n")
+    assert "agent/demo/scenario.py: layers: imports agent.runtime.components at run time" in finding
+
+
+def test_only_the_cli_imports_the_demo(tmp_path):
+    assert check(tmp_path, cli="def demo():\n    from agent.demo import scenario\n") == []
+    assert check(tmp_path, **{"demo/report": "from agent.demo import scenario\n"}) == []
+    (finding,) = check(tmp_path, runtime__admin="from agent.demo import scenario\n")
+    assert "imports agent.demo.scenario, which only cli may import" in finding
+
+
+def test_only_the_loader_imports_bcc(tmp_path):
+    assert check(tmp_path, signals__loader="def load():\n    from bcc import BPF\n") == []
+    (finding,) = check(tmp_path, signals__sensor="import bcc\n")
+    assert finding == "agent/signals/sensor.py: layers: imports bcc, which only agent.signals.loader may"
+
+
+def test_only_a_command_module_imports_the_cli(tmp_path):
+    assert check(tmp_path, jobs__cli="from agent.cli import UserError\n") == []
+    (finding,) = check(tmp_path, jobs__view="from agent.cli import UserError\n")
+    assert finding.startswith("agent/jobs/view.py: layers: jobs imports agent.cli")
+
+
+def test_a_part_without_a_row_fails(tmp_path):
+    (finding,) = check(tmp_path, **{"newpart/__init__": "", "newpart/x": ""})
+    assert finding == ("agent/newpart/__init__.py: layers: newpart has no row in MAY_IMPORT "
+                       "(scripts/check-imports.py): say what it may import")
+
+
+@pytest.mark.parametrize("source", [
+    "from agent.execute.reaper import _Run\n",
+    "from .reaper import _Run\n",
+    "def f():\n    from agent.execute.reaper import _Run as Run\n",
+])
+def test_importing_a_private_name_of_another_module_fails(tmp_path, source):
+    (finding,) = check(tmp_path, execute__executor=source)
+    assert finding == ("agent/execute/executor.py: private: imports _Run from agent.execute.reaper: "
+                       "a private name of another module")
+
+
+@pytest.mark.parametrize("source", [
+    "from agent.jobs import view\nview._parse(1)\n",
+    "from . import view\nview._parse(1)\n",
+    "import agent.jobs.view as v\nx = v._parse\n",
+    "import agent.jobs.view\nagent.jobs.view._parse(1)\n",
+])
+def test_reaching_a_private_name_through_a_module_fails(tmp_path, source):
+    (finding,) = check(tmp_path, jobs__cli=source)
+    assert "agent/jobs/cli.py: private: reaches _parse of module agent.jobs.view through" in finding
+
+
+def test_a_module_using_its_own_private_names_passes(tmp_path):
+    assert check(tmp_path, jobs__view="""
+        import os
+        from collections import namedtuple
+
+        P = namedtuple("P", "a")
+
+
+        def _parse(x):
+            return x
+
+
+        class Thing:
+            def _step(self, other):
+                return other._step(self) if other else self._step(None)
+
+            def go(self):
+                os._exit(0) if False else super()._x()
+                return _parse(P(1)._replace(a=2)._asdict())
+        """) == []
+
+
+def test_calling_a_private_method_another_module_defines_fails(tmp_path):
+    (finding,) = check(tmp_path, jobs__view="""
+        def page(client):
+            return client._call()
+        """)
+    assert finding == ("agent/jobs/view.py: private-call: calls _call() of client: a private method of "
+                       "agent.coordination.etcd")
+    (finding,) = check(tmp_path, jobs__view="""
+        class Pager:
+            def page(self):
+                return self.client._call()
+        """)
+    assert "calls _call() of self.client: a private method of agent.coordination.etcd" in finding
+
+
+def test_private_methods_of_other_libraries_are_notes_not_findings(tmp_path):
+    check(tmp_path, coordination__etcd="def txn(c):\n    return c._ops_to_requests([])\n")
+    findings, notes = checker.check(str(tmp_path))
+    assert findings == []
+    assert [n.message for n in notes] == ["calls _ops_to_requests() of c: a private method of another library"]
