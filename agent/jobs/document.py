@@ -57,11 +57,10 @@ from agent.jobs.envelope import (
     field_name,
     type_name,
 )
+from agent.jobs.outcomes import DEFAULT_RETRY_ON, RETRY_ON
 from agent.jobs.schedule import (
-    DEFAULT_RETRY_ON,
     MISFIRE_POLICIES,
     OVERLAP_POLICIES,
-    RETRY_ON,
     RetryPolicy,
     Schedule,
     ScheduleError,

@@ -2,8 +2,8 @@
 (``retry.on``) it falls under, and whether another attempt follows. Pure: no etcd, no
 loop, the clock passed in; the scheduler asks, then writes what it is told.
 
-A new retry criterion is a new name in ``schedule.RETRY_ON`` (what a document may list)
-and a line in ``criterion`` here (which ends it covers)."""
+A new retry criterion is a new name in ``RETRY_ON`` (what a document's retry.on may list)
+and a line in ``criterion`` (which run ends it covers), both here."""
 
 from __future__ import annotations
 
@@ -18,6 +18,12 @@ from agent.jobs.states import RecordState as S
 # a run that ended for one of these is left to the shard's next owner: this agent may no
 # longer write for the shard, and the new owner resolves its record (owner_lost)
 HANDED_OVER = frozenset({R.FENCED, R.SHARD_LOST, R.RELEASED, R.DELETED})
+
+# What a retry may be asked for (retry.on): a run that failed (non-zero exit, oom,
+# pids_limit, network_stall, spawn_error), that timed out, or whose outcome is unknown
+# because its agent died, fenced itself or was cut off (owner_lost: it may have run).
+RETRY_ON = ("failed", "timed_out", "owner_lost")
+DEFAULT_RETRY_ON = ("failed", "timed_out")
 
 # record states the job's retry policy may turn into another attempt
 RETRYABLE = frozenset({S.FAILED, S.TIMED_OUT})

@@ -603,7 +603,8 @@ def overlap_action(policy: str, running: bool) -> str:
 @dataclass(frozen=True)
 class RetryPolicy:
     """max_attempts counts the first run (1 = no retry). ``on``: the outcomes that may be
-    retried (RETRY_ON); by default not ``owner_lost``, a firing that may have run."""
+    retried (agent/jobs/outcomes.py RETRY_ON); by default not ``owner_lost``, a firing
+    that may have run."""
 
     max_attempts: int = 1
     backoff_s: float = 1.0
@@ -617,11 +618,6 @@ class RetryPolicy:
         return outcome in self.on
 
 
-# What a retry may be asked for (retry.on): a run that failed (non-zero exit, oom,
-# pids_limit, network_stall, spawn_error), that timed out, or whose outcome is unknown
-# because its agent died, fenced itself or was cut off (owner_lost: it may have run).
-RETRY_ON = ("failed", "timed_out", "owner_lost")
-DEFAULT_RETRY_ON = ("failed", "timed_out")
 
 
 def retry_delay(policy: RetryPolicy, attempt: int, rng: Optional[random.Random] = None) -> float:
@@ -664,6 +660,6 @@ def next_retry_at(job: Any, fire_id_: str, attempt: int, failed_at: datetime) ->
 __all__ = [
     "UTC", "Schedule", "ScheduleError", "RetryPolicy", "Recovery", "parse_rfc3339", "format_rfc3339",
     "fire_id", "parse_fire_id", "next_due", "window_end", "next_firing", "first_due", "anchor_time", "firings_between", "missed_firings",
-    "recover", "recover_job", "is_firing", "is_expired", "overlap_action", "retry_delay", "retry_rng", "next_retry_at", "RETRY_ON", "DEFAULT_RETRY_ON",
+    "recover", "recover_job", "is_firing", "is_expired", "overlap_action", "retry_delay", "retry_rng", "next_retry_at",
     "load_zone", "MISFIRE_POLICIES", "OVERLAP_POLICIES",
 ]
