@@ -89,6 +89,8 @@ class Workers:
 def stored(job_id: str, schedule: dict, **kw: Any) -> StoredJob:
     doc = {"v": 1, "id": job_id, "cluster": CFG.cluster, "kind": "job", "template": "noop", "params": {},
            "schedule": schedule, "issued_at": format_rfc3339(NOW), **kw}
+    if "cron" in schedule:
+        doc.setdefault("not_after", None)   # a recurring job's lifetime is signed (here: until cancelled)
     signed = dict(sign(doc, RING, "cloud-1"), _accepted={"at": format_rfc3339(NOW - timedelta(hours=1)), "by": "x"})
     return StoredJob(shard_of(job_id, CFG.shards), signed, 7, 7)
 
