@@ -14,7 +14,7 @@ reported in the waiting status (``not_believed``) and satisfies nothing.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from agent.coordination.jobstore import public_doc
@@ -24,12 +24,14 @@ from agent.jobs import schedule as sch
 from agent.jobs.document import Job
 from agent.jobs.envelope import JobRejected
 from agent.jobs.firing import Firing, FiringState
+from agent.jobs.metrics import FOREIGN_RECORDS
 from agent.jobs.states import JobState, RecordState
 from agent.runtime.timefmt import parse_rfc3339, utcnow
 
 if TYPE_CHECKING:
     from agent.coordination.worker import EtcdWorkers
     from agent.jobs.catalog import JobEntry
+    from agent.jobs.seams import AuditSink
     from agent.jobs.signing import KeyRing
     from agent.jobs.statuses import Statuses
     from agent.runtime.loop import EventLoop
@@ -104,13 +106,15 @@ class _Waiter:
     again: bool = False         # an event came while it was: read once more
     timer: Any = None           # the safety look
     expiry: Any = None          # the job's not_after
+    reported: set = field(default_factory=set)   # dependencies whose records were reported not believed
 
 
 class DependencyCheck:
     """Owns the firings waiting for their dependencies (loop thread)."""
 
     def __init__(self, client: Any, keys: Keys, shards: int, loop: EventLoop, workers: EtcdWorkers,
-                 statuses: Statuses, is_current: Callable[[JobEntry], bool], keyring: KeyRing, cluster: str):
+                 statuses: Statuses, is_current: Callable[[JobEntry], bool], keyring: KeyRing, cluster: str,
+                 audit: AuditSink):
         self.client = client
         self.keys = keys
         self.shards = shards
@@ -120,6 +124,7 @@ class DependencyCheck:
         self.is_current = is_current
         self.keyring = keyring
         self.cluster = cluster
+        self.audit = audit
         self.waiting: dict[str, _Waiter] = {}        # firing key -> waiter
         self.by_dep: dict[str, set[str]] = {}        # dependency job id -> firing keys
         self.watch: Optional[PrefixWatch] = None
@@ -166,10 +171,16 @@ class DependencyCheck:
             self.forget(f)
             w.expired(f)
             return
-        if f.wait_reason != "dependencies":
+        doubts = {k: st.not_believed for k, st in standing.items() if st.not_believed}
+        new = sorted(set(doubts) - w.reported)
+        for dep in new:
+            FOREIGN_RECORDS.labels("dependency").inc()
+            self.audit.record("job", event="foreign_record", job=f.entry.job.id, fire_id=f.fire_id, where="dependency",
+                              dependency=dep, why=doubts[dep])
+        w.reported.update(new)
+        if f.wait_reason != "dependencies" or new:
             f.move(FiringState.WAITING, wait_reason="dependencies")
             pending = sorted(k for k, st in standing.items() if not st.succeeded)
-            doubts = {k: st.not_believed for k, st in standing.items() if st.not_believed}
             self.statuses.send(f.entry, f, JobState.WAITING, reason="dependencies", waiting_for=pending,
                                **({"not_believed": doubts} if doubts else {}))
         if revision:

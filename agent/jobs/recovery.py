@@ -114,11 +114,14 @@ def foreign(job: Any, accepted_at: datetime, fire_id: str, due: datetime, rec: A
         return f"attempt {attempt!r} is outside 1..{most} (retry.max_attempts)"
     if state == RecordState.RETRYING and attempt >= most:
         return f"`retrying` after attempt {attempt} of {most}"
-    if (due - now).total_seconds() > FUTURE_SLACK_S:
+    ahead = (due - now).total_seconds()
+    if ahead > FUTURE_SLACK_S:
         return f"its firing is due at {format_rfc3339(due)}: no claim is made that far ahead"
+    fence = rec.get("fence")
+    if ahead > 0 and fence is None:
+        return f"its firing is due at {format_rfc3339(due)} and it names no fence: every claim ahead does"
     if not sch.is_firing(job, due, accepted_at):
         return f"{fire_id} is not a firing of the job's schedule"
-    fence = rec.get("fence")
     if fence is not None and (type(fence) is not int or not 0 < fence <= rev):
         return f"fence {fence!r} cannot have fenced a write made at revision {rev}"
     return None

@@ -86,7 +86,7 @@ class Scheduler:
         self.admitter = Admitter(admission, self.launcher, self.statuses, catalog.current, self._claim,
                                  lambda f: self._finish_without_run(f, RecordState.FAILED, "quota_never_fits"))
         self.dependencies = DependencyCheck(client, keys, cfg.shards, loop, workers, self.statuses, catalog.current,
-                                            catalog.keyring, cfg.cluster)
+                                            catalog.keyring, cfg.cluster, audit)
 
     # --- the daemon's hooks -------------------------------------------------------------
     def busy(self, shard: int) -> bool:
