@@ -82,6 +82,7 @@ class StoredJob:
     # the etcd key it was read from ("" when written by this agent): a document runs only
     # under its own key (agent/jobs/catalog.py), so a copy elsewhere is refused
     key: str = field(default="", compare=False)
+    size: int = field(default=0, compare=False)   # bytes of the stored value (0: not read from etcd)
 
     @property
     def id(self) -> str:
@@ -112,7 +113,8 @@ class StoredJob:
 
 
 def _stored(shard: int, kv: KV) -> StoredJob:
-    return StoredJob(shard, json.loads(kv.value), kv.mod_revision, kv.create_revision, key=kv.key)
+    return StoredJob(shard, json.loads(kv.value), kv.mod_revision, kv.create_revision, key=kv.key,
+                     size=len(kv.value))
 
 
 class JobStore:

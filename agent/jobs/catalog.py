@@ -14,6 +14,7 @@ cancelled, or dropped.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass, field, replace
@@ -21,8 +22,8 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Optional, Protocol, cast
 
 from agent.coordination import placement
-from agent.coordination.etcd import EtcdClient
-from agent.coordination.fencing import Fence
+from agent.coordination.etcd import EtcdClient, Put
+from agent.coordination.fencing import Fence, fenced_txn
 from agent.coordination.jobstore import JobStore, StoredJob, public_doc
 from agent.coordination.keys import Keys, shard_of
 from agent.coordination.watch import PrefixWatch, WatchEvent
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 REJECTED_STORED_MEMORY = 10000  # (job, revision) pairs already reported, so reloads do not repeat them
 RETIRE_CHECK_MAX_S = 3600.0     # a retirement far ahead is re-armed at most this far out
 LOAD_RETRY_S = 0.5
+USAGE_PUBLISH_S = 1.0
 
 Records = dict[str, tuple[dict, int]]   # fire_id -> (run record, its mod revision)
 
@@ -112,6 +114,11 @@ class JobCatalog:
         self.loading: dict[int, Fence] = {}
         self._dirty: dict[int, int] = {}          # unit -> newest job revision seen while loading
         self._rejected_seen: RecentMemory[tuple, None] = RecentMemory(REJECTED_STORED_MEMORY)
+        # what the job documents of each cluster shard held here take: [documents, bytes],
+        # published to usage/<shard> for ingest's cluster quotas (agent/coordination/quota.py)
+        self.usage: dict[int, list[int]] = {}
+        self._usage_dirty: set[int] = set()
+        self._usage_timer: Any = None
         # job entries are long-lived: keep them out of full collections
         self.gc = GcPolicy(loop, self.quiet_for).start()
 
@@ -178,10 +185,11 @@ class JobCatalog:
             # paged reads at one revision; records are parsed here, off the loop thread, so
             # a shard with many records never delays due timers of the shards already held.
             # A unit holds the jobs of its storage shard that are in its placement pool.
-            jobs, rev = self.store.list_shard(storage)
+            listed, rev = self.store.list_shard(storage)
             jobs = [j if unit == storage else replace(j, shard=unit)
-                    for j in jobs if placement.pool_of_doc(j.doc) == pool]
-            return jobs, records_by_job(self.client, self.keys.runs_prefix(storage), rev), rev
+                    for j in listed if placement.pool_of_doc(j.doc) == pool]
+            usage = [len(listed), sum(j.size for j in listed)]
+            return jobs, records_by_job(self.client, self.keys.runs_prefix(storage), rev), rev, usage
 
         def done(result: Any, error: Optional[BaseException]) -> None:
             if self.loading.get(unit) != fence:
@@ -190,9 +198,12 @@ class JobCatalog:
                 log.warning("loading shard failed; retrying", extra={"fields": {"shard": unit, "error": str(error)}})
                 self.loop.call_later(LOAD_RETRY_S, self._retry_load, fence)
                 return
-            jobs, runs, rev = result
+            jobs, runs, rev, usage = result
             del self.loading[unit]
             self.loaded[unit] = rev
+            if unit < self.shards:   # the cluster shard's owner accounts for its storage shard
+                self.usage[unit] = usage
+                self._usage_changed(unit)
             for stored in jobs:
                 if not (self._misplaced(stored) or stored.cancelled or stored.tombstone or stored.id in self.entries):
                     self._install(stored, runs.get(stored.id, {}))
@@ -216,12 +227,42 @@ class JobCatalog:
         self._load(fence)
 
     def shard_lost(self, shard: int, reason: str) -> None:
+        self.usage.pop(shard, None)
         self.loading.pop(shard, None)
         self.loaded.pop(shard, None)
         self._dirty.pop(shard, None)
         why = EndReason.RELEASED if reason == EndReason.RELEASED else EndReason.SHARD_LOST
         for jid in list(self.by_shard.get(shard, ())):
             self._drop(jid, why)
+
+    # --- usage --------------------------------------------------------------------------
+    def _account(self, storage: int, ev: WatchEvent) -> None:
+        u = self.usage[storage]
+        before = len(ev.prev.value) if ev.prev is not None else 0
+        if ev.kind == "delete":
+            u[0], u[1] = max(0, u[0] - 1), max(0, u[1] - before)
+        else:
+            u[0] += ev.prev is None
+            u[1] = max(0, u[1] + len(ev.kv.value) - before)
+        self._usage_changed(storage)
+
+    def _usage_changed(self, storage: int) -> None:
+        self._usage_dirty.add(storage)
+        if self._usage_timer is None:
+            self._usage_timer = self.loop.call_later(USAGE_PUBLISH_S, self._publish_usage)
+
+    def _publish_usage(self) -> None:
+        """usage/<shard> for each cluster shard whose account changed, fenced (at most one
+        write a shard per USAGE_PUBLISH_S)."""
+        self._usage_timer = None
+        dirty, self._usage_dirty = self._usage_dirty, set()
+        for shard in sorted(dirty):
+            fence, u = self.fencing.fence_for(shard), self.usage.get(shard)
+            if fence is None or u is None:
+                continue
+            value = json.dumps({"jobs": u[0], "bytes": u[1], "agent": self.agent_id})
+            self.workers.submit(functools.partial(fenced_txn, self.client, fence, success=[Put(self.keys.usage(shard), value)]),
+                                lambda r, e: None)
 
     # --- job store input --------------------------------------------------------------
     def _jobs_events(self, events: list[WatchEvent], rev: int) -> None:
@@ -232,6 +273,8 @@ class JobCatalog:
                 storage = int(shard_s)
             except ValueError:
                 continue
+            if storage in self.usage and ev.kv.mod_revision > self.loaded.get(storage, ev.kv.mod_revision):
+                self._account(storage, ev)
             doc = None
             if ev.kind == "put" and job_id not in self.entries and b'"target"' in ev.kv.value:
                 # maybe targeted: its unit depends on its pool (untargeted documents, the

@@ -370,3 +370,57 @@ def test_the_scheduler_resolves_a_run_left_running_by_an_owner_that_is_gone(retr
     st = [d for d in agent.statuses if d["job_id"] == "orphaned"]
     assert [(d["state"], d["reason"], d.get("previous_agent")) for d in st] == [(state, "owner_lost", "gw-0")]
     assert [f["event"] for t, f in agent.audit] == ["owner_lost"]
+
+
+# --- cluster quotas ------------------------------------------------------------------------------
+
+def test_the_shard_owner_accounts_for_its_documents_and_publishes_them_fenced(monkeypatch):
+    from agent.coordination.watch import WatchEvent
+    from agent.jobs import catalog as catalog_module
+
+    fence = Fence(3, KEYS.shard(3), 9)
+    agent = Agent(fence)
+    c = catalog_with(agent)
+    c.loaded.pop(3)
+    listed = [dataclasses.replace(stored("a", {"delay_s": 60}), shard=3, size=100),
+              dataclasses.replace(stored("b", {"delay_s": 60}), shard=3, size=50)]
+    c.store = SimpleNamespace(list_shard=lambda storage: (listed, 20))
+    monkeypatch.setattr(catalog_module, "records_by_job", lambda client, prefix, rev: {})
+    writes: list = []
+    monkeypatch.setattr(catalog_module, "fenced_txn", lambda client, f, success=(): writes.append((f, success)))
+    c.shard_acquired(fence)
+    assert c.usage[3] == [2, 150]
+    kv = lambda key, value, rev: KV(key, value, rev, rev, 1, 0)   # noqa: E731
+    k = KEYS.job(3, "c")
+    c._jobs_events([WatchEvent("put", kv(k, b"x" * 30, 21), None),                 # created
+                    WatchEvent("put", kv(k, b"x" * 40, 22), kv(k, b"x" * 30, 21)),  # rewritten
+                    WatchEvent("delete", kv(KEYS.job(3, "a"), b"", 23), kv(KEYS.job(3, "a"), b"y" * 100, 7)),
+                    WatchEvent("put", kv(KEYS.job(3, "old"), b"z" * 9, 19), None)], 23)  # before the load: counted
+    assert c.usage[3] == [2, 90]
+    c._publish_usage()
+    ((f, (put,)),) = writes
+    assert f == fence and put.key == KEYS.usage(3) and json.loads(put.value)["jobs"] == 2
+
+
+def test_cluster_quota_refuses_what_would_pass_it_and_counts_its_own_stores():
+    from agent.coordination.quota import ClusterQuota
+
+    usage = {KEYS.usage(0): {"jobs": 3, "bytes": 1000}, KEYS.usage(1): {"jobs": 4, "bytes": 2000}}
+    reads: list = []
+
+    class Client:
+        def get_prefix(self, prefix: str) -> Any:
+            reads.append(prefix)
+            return [KV(k, json.dumps(v).encode(), 1, 1, 1, 0) for k, v in usage.items()], 5
+
+    t = [0.0]
+    q = ClusterQuota(Client(), KEYS, max_jobs=9, max_mb=1, refresh_s=2.0, clock=lambda: t[0])
+    assert q.check(100) is None
+    q.stored(100)
+    assert q.check(100) is None
+    q.stored(100)
+    assert "quotas.jobs is 9" in q.check(100)          # 7 published + 2 stored since
+    assert len(reads) == 1                              # read once per refresh period
+    t[0] = 3.0
+    usage[KEYS.usage(1)] = {"jobs": 1, "bytes": 1024 * 1024 - 1000 - 500}   # 500 bytes left
+    assert "quotas.stored_mb" in q.check(600) and q.check(100) is None and len(reads) == 2
