@@ -75,6 +75,13 @@ def mount(source: Optional[str], target: str, fstype: Optional[str], flags: int,
     _check(libc().mount(enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
 
 
+MNT_DETACH = 2
+
+
+def umount(target: str, flags: int = 0) -> None:
+    _check(libc().umount2(os.fsencode(target), flags), f"umount {target}")
+
+
 def prctl(option: int, a: int = 0, b: int = 0, c: int = 0, d: int = 0) -> int:
     return _check(libc().prctl(option, a, b, c, d), f"prctl {option}")
 

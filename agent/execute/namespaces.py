@@ -37,6 +37,7 @@ SHARED_DIRS = frozenset({"/", "/etc", "/var", "/var/lib", "/var/log", "/run", "/
                          "/root", "/srv", "/opt", "/dev", "/proc", "/sys", "/mnt", "/media"})
 PROC_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus")
 SYS_COVERED = ("/sys/kernel/debug", "/sys/kernel/tracing", "/sys/fs/bpf")
+BLANK_DIR = "/tmp"
 RO = k.MS_RDONLY | k.MS_NOSUID | k.MS_NODEV | k.MS_NOEXEC
 
 
@@ -104,23 +105,28 @@ class JobNamespaces:
     def _make_mount_ns(self, hide: list[str], expose: list[str]) -> int:
         k.unshare(k.CLONE_NEWNS)
         k.mount(None, "/", None, k.MS_REC | k.MS_SLAVE)
-        blank = os.memfd_create("millwright-hidden", os.MFD_CLOEXEC)
-        os.fchmod(blank, 0)
         keep = {p: os.open(p, os.O_PATH | os.O_CLOEXEC) for p in expose if os.path.isdir(p)}
+        paths = sorted({os.path.realpath(p) for p in hide if p})
+        files = {p: os.open(p, os.O_PATH | os.O_CLOEXEC) for p in paths if os.path.isfile(p)}
         try:
+            # the empty mode-000 file bound over each hidden file (by fd: it may be under
+            # /tmp), made on a tmpfs over /tmp for the set-up only (its binds outlive it)
+            k.mount("none", BLANK_DIR, "tmpfs", k.MS_NOSUID | k.MS_NODEV | k.MS_NOEXEC, "mode=700,size=4k")
+            try:
+                blank = os.path.join(BLANK_DIR, "hidden")
+                os.close(os.open(blank, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0))
+                for fd in files.values():
+                    k.mount(blank, f"/proc/self/fd/{fd}", None, k.MS_BIND)
+            finally:
+                k.umount(BLANK_DIR, k.MNT_DETACH)
+            for path in files:
+                k.mount(None, path, None, k.MS_REMOUNT | k.MS_BIND | RO)
+                self.hidden.append(path)
             mounts = _mountpoints()
-            for path in sorted({os.path.realpath(p) for p in hide if p}):
-                if os.path.isdir(path):
-                    if path in SHARED_DIRS:
-                        continue
-                    inside = [e for e in keep if _under(e, path)]
-                    if any(_under(path, e) for e in keep):
-                        continue   # inside what runs must reach: never covered
-                    self._cover_dir(path, inside, keep)
-                elif os.path.exists(path):
-                    k.mount(f"/proc/self/fd/{blank}", path, None, k.MS_BIND)
-                    k.mount(None, path, None, k.MS_REMOUNT | k.MS_BIND | RO)
-                    self.hidden.append(path)
+            for path in paths:
+                if os.path.isdir(path) and path not in SHARED_DIRS and not any(_under(path, e) for e in keep):
+                    # (a directory inside what runs must reach is never covered)
+                    self._cover_dir(path, [e for e in keep if _under(e, path)], keep)
             for path in SYS_COVERED:
                 if path in mounts:
                     k.mount("none", path, "tmpfs", RO, "mode=000,size=4k")
@@ -134,8 +140,7 @@ class JobNamespaces:
                     k.mount(None, path, None, k.MS_REMOUNT | k.MS_BIND | RO)
             return os.open("/proc/thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
         finally:
-            os.close(blank)
-            for fd in keep.values():
+            for fd in list(keep.values()) + list(files.values()):
                 os.close(fd)
 
     def _cover_dir(self, path: str, inside: list[str], keep: dict[str, int]) -> None:

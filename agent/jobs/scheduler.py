@@ -896,7 +896,8 @@ class Scheduler:
         spec = RunSpec(run_key=f"{f.key}.{f.attempt}", argv=argv, user=tpl.user, limits=f.limits or self._limits(e),
                        timeout_s=e.job.timeout_s, kill_grace_s=self.cfg.execute.kill_grace_s,
                        output_max_bytes=self.cfg.execute.output_max_bytes, job_id=e.job.id,
-                       run_id=rid, fire_id=f.fire_id, attempt=f.attempt)
+                       run_id=rid, fire_id=f.fire_id, attempt=f.attempt,
+                       allow_root=tpl.allow_root, network=tpl.network, capabilities=tuple(tpl.capabilities))
         return spec, argv, tpl
 
     def _unstage(self, f: Firing) -> None:

@@ -67,7 +67,7 @@ class _JobsComponent:
 
         root = run_root_name(agent.cfg.agent_id, agent.cfg.state_dir)
         self.executor = Executor.from_config(agent.cfg.execute, os.path.join(agent.cfg.state_dir, "runs"),
-                                             root_name=root, reclaim=True)
+                                             root_name=root, reclaim=True, agent_config=agent.cfg)
         self.admission = Admission(Budget.from_config(agent.cfg.execute))
         guard = self.executor.guard
         if guard is not None:
