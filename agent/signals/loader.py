@@ -24,7 +24,6 @@ import socket
 import sys
 import time
 
-
 # capability numbers (capabilities(7)): what compiling, loading and attaching needs
 CAP_PERFMON, CAP_BPF = 38, 39
 KEEP_CAPABILITIES = frozenset({CAP_BPF, CAP_PERFMON})
