@@ -150,6 +150,35 @@ def _child(go_r: int, err_w: int, out_w: int, errp_w: int, cwd: str, ids: Option
 
 
 
+# ulimit's option and unit per resource, in the launcher shells (dash, mksh/lksh, bash):
+# a launcher that switched users before it waits (the armed one) can no longer be
+# prlimit'ed by an agent without CAP_SYS_RESOURCE, so it sets its limits itself
+_ULIMIT = {resource.RLIMIT_AS: ("-v", 1024), resource.RLIMIT_CPU: ("-t", 1), resource.RLIMIT_MEMLOCK: ("-l", 1024),
+           resource.RLIMIT_NOFILE: ("-n", 1)}
+_ULIMIT_NPROC = {"bash": "-u"}   # dash and mksh: -p
+
+
+def ulimit_lines(shell: str, rlimits: list) -> str:
+    """The launcher script's first lines: its limits, soft and hard ((resource, soft, hard);
+    both set to ``hard`` where they differ, as ulimit without -H/-S does, then soft)."""
+    out = []
+    for res, soft, hard in rlimits:
+        if res == resource.RLIMIT_NPROC:
+            opt, unit = _ULIMIT_NPROC.get(os.path.basename(shell), "-p"), 1
+        else:
+            opt, unit = _ULIMIT[res]
+        out.append(f"ulimit {opt} {max(1, hard // unit)} || exit 126")
+        if soft != hard:
+            out.append(f"ulimit -S {opt} {max(1, soft // unit)} || exit 126")
+    return "".join(line + "\n" for line in out)
+
+
+def _capped(res: int, val: int) -> tuple[int, int]:
+    """A quota's rlimit, at most the agent's own hard limit (only root could raise it)."""
+    hard = resource.getrlimit(res)[1]
+    return res, val if hard == resource.RLIM_INFINITY else min(val, hard)
+
+
 def job_rlimits() -> list[tuple[int, int, int]]:
     """(resource, soft, hard) a job gets where the agent's own limits are higher (never
     more than the agent has)."""
@@ -362,7 +391,7 @@ def spawn(ex: "Executor", run: Run, hold: bool = False, arm_at: Optional[float] 
     run.confinement = conf   # its id goes back when the run is finalized
     limits = spec.limits
     run.handle.cgroup = dict(run.slot.paths) or None
-    rlimits = [(res, val, val) for res, val in ex.backend.child_rlimits(limits, spec.timeout_s)]
+    rlimits = [(res, val, val) for res, val in (_capped(r, v) for r, v in ex.backend.child_rlimits(limits, spec.timeout_s))]
     rlimits += ex.job_rlimits
     limit = ex.output_max_bytes if spec.output_max_bytes is None else int(spec.output_max_bytes)
     fds: list[int] = []
@@ -392,9 +421,10 @@ def spawn(ex: "Executor", run: Run, hold: bool = False, arm_at: Optional[float] 
             # user switch first, then wait: at the due time only the job's own exec is left
             assert ex.armed_launcher is not None  # arm_at is given only when one exists
             shell, script = ex.armed_launcher
-            argv = switch + [shell, "-c", script, "millwright-run", str(int(arm_at * 1e6))]
+            argv = switch + [shell, "-c", ulimit_lines(shell, rlimits) + script, "millwright-run",
+                             str(int(arm_at * 1e6))]
         else:
-            argv = [SHIM_SH, "-c", SHIM_SCRIPT, "millwright-run"] + switch
+            argv = [SHIM_SH, "-c", ulimit_lines(SHIM_SH, rlimits) + SHIM_SCRIPT, "millwright-run"] + switch
         argv += [path] + list(spec.argv[1:])
         slot = run.slot
 
@@ -424,6 +454,7 @@ def spawn(ex: "Executor", run: Run, hold: bool = False, arm_at: Optional[float] 
                 os.close(fd)
             raise
         err_r = -1
+        rlimits = []   # the launcher sets them itself
     else:
         root_caps = conf.capabilities if conf is not None and conf.root else None
 
@@ -454,7 +485,7 @@ def spawn(ex: "Executor", run: Run, hold: bool = False, arm_at: Optional[float] 
         run.pidfd = None   # kernel < 5.3: the reaper polls waitpid instead
     try:
         ex.backend.attach(run.slot, pid)
-        for res, soft, hard in rlimits:
+        for res, soft, hard in rlimits:   # fork mode's child set them itself: none left here
             resource.prlimit(pid, res, (soft, hard))
         for hook in list(ex.poststart):
             try:
