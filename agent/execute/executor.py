@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 from agent.execute import metrics as m
 from agent.execute.armed import pick_launcher
 from agent.execute.backends import QuotaBackend, Usage, probe
+from agent.execute.confine import RUN_FILES_ID
 from agent.execute.guard import RunGuard
 from agent.execute.isolation import Isolation
 from agent.execute.launch import DEFAULT_PATH, SHIM_SH, SpawnError, Staged, go, job_rlimits, spawn, stage
@@ -92,6 +93,8 @@ class Executor:
         os.makedirs(self.base_dir, mode=0o711, exist_ok=True)
         try:
             os.chmod(self.base_dir, 0o711)   # job users traverse to their work dir, list nothing
+            if isolation is not None:   # a root run (uid 0) must not own it either
+                os.chown(self.base_dir, RUN_FILES_ID, RUN_FILES_ID)
         except OSError:
             pass
         if subreaper:

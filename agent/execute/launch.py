@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 from agent.execute import kernel, pspawn
 from agent.execute import metrics as m
 from agent.execute.backends import safe_name
-from agent.execute.confine import Confinement
+from agent.execute.confine import RUN_FILES_ID, Confinement
 from agent.execute.isolation import IsolationError
 from agent.execute.output import OutputStream
 from agent.execute.processes import kill
@@ -281,7 +281,9 @@ def _prepare(ex: "Executor", spec: Any, created: list, conf: Optional[Confinemen
         path = found
     run_dir = os.path.join(ex.base_dir, safe_name(spec.run_key))
     try:
-        _mkdir(run_dir, 0o711)
+        if _mkdir(run_dir, 0o711) and conf is not None:
+            # not a root run's to write into (its output files are made there)
+            os.chown(run_dir, RUN_FILES_ID, RUN_FILES_ID)
         cwd = spec.cwd
         if cwd is None:
             cwd = os.path.join(run_dir, "work")

@@ -29,6 +29,7 @@ import threading
 from typing import Any, Callable, Iterable
 
 from agent.execute import kernel as k
+from agent.execute.confine import RUN_FILES_ID
 
 log = logging.getLogger("millwright.execute")
 
@@ -81,7 +82,6 @@ class JobNamespaces:
 
     def __init__(self, hide: Iterable[str], expose: Iterable[str]):
         self.hidden: list[str] = []
-        self._local = threading.local()
         self.landlock = k.landlock_abi() >= k.LANDLOCK_SCOPE_ABI
         self.host_mnt = os.open("/proc/thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
         self.host_net = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
@@ -146,12 +146,13 @@ class JobNamespaces:
     def _cover_dir(self, path: str, inside: list[str], keep: dict[str, int]) -> None:
         """An empty read-only tmpfs over ``path``; the exposed directories below it are
         bound back at their paths (the tmpfs is traversable, lists only them)."""
-        mode = "0711" if inside else "000"
-        k.mount("none", path, "tmpfs", k.MS_NOSUID | k.MS_NODEV | k.MS_NOEXEC, f"mode={mode},size=64k")
+        # owned by the reserved id: a root run (uid 0) is no owner of it either
+        mode = f"mode={'0711' if inside else '000'},uid={RUN_FILES_ID},gid={RUN_FILES_ID}"
+        k.mount("none", path, "tmpfs", k.MS_NOSUID | k.MS_NODEV | k.MS_NOEXEC, f"{mode},size=64k")
         for e in inside:
             os.makedirs(e, mode=0o711, exist_ok=True)
             k.mount(f"/proc/self/fd/{keep[e]}", e, None, k.MS_BIND | k.MS_REC)
-        k.mount(None, path, None, k.MS_REMOUNT | RO, f"mode={mode}")
+        k.mount(None, path, None, k.MS_REMOUNT | RO, mode)
         self.hidden.append(path)
 
     # --- per spawn -----------------------------------------------------------------
@@ -170,11 +171,10 @@ class JobNamespaces:
     def inside(self, network: str, spawn: Callable[[], Any]) -> Any:
         """spawn() with the calling thread in the jobs' namespaces (and the none network
         namespace for ``network == "none"``), then back in the agent's."""
-        if not getattr(self._local, "own_fs", False):
-            # setns into a mount namespace needs a thread that shares no file-system
-            # attributes (cwd, root, umask) with the others: this one gets its own, once
-            k.unshare(k.CLONE_FS)
-            self._local.own_fs = True
+        # setns into a mount namespace needs a thread that shares no file-system attributes
+        # (cwd, root, umask) with another: this one gets its own copy (a no-op once it has
+        # one, unless a thread it started since shares it again)
+        k.unshare(k.CLONE_FS)
         cwd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             k.setns(self.jobs_mnt, k.CLONE_NEWNS)
