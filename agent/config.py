@@ -156,8 +156,16 @@ class HealthThresholds:
 class Template:
     argv: list[str] = doc("Command line with {param} placeholders; never run through a shell.")
     params: dict[str, str] = doc("Regex each param must match in full.", default_factory=dict)
-    user: str = doc("User the run executes as.", default="millwright-jobs")
-    allow_root: bool = doc("Must be true for a template whose user is root.", default=False)
+    user: str = doc("User whose groups and name a run gets; each run executes under a uid of its own from "
+                    "the reserved range 70000-79999 (a root user's runs stay uid 0, confined: see docs/security.md).",
+                    default="millwright-jobs")
+    allow_root: bool = doc("Must be true for a template whose user is root (any name that resolves to uid 0).",
+                           default=False)
+    network: str = doc("What a run may reach: none (no network at all), internet (everything but this host "
+                       "and the agent's etcd and broker endpoints; DNS to a local resolver is allowed) or any "
+                       "(this host too, still not the etcd and broker endpoints).", default="internet")
+    capabilities: list[str] = doc("Capabilities a root run keeps (e.g. net_raw, sys_rawio); every other one "
+                                  "is dropped, bounding set included. Root templates only.", default_factory=list)
     resources: Resources = doc("Ceilings; a job's own resources are capped by these.", default_factory=Resources)
     allow_exec: list[str] = doc("Paths and globs a job process may exec.", default_factory=list)
     health: HealthThresholds = doc("Network health thresholds.", default_factory=HealthThresholds)
@@ -494,8 +502,17 @@ def _validate(cfg: Config, problems: list[str]) -> None:
                 bad(f"{where}.params.{pname}", why)
         if not t.user:
             bad(f"{where}.user", "must not be empty")
-        elif t.user in ("root", "0") and not t.allow_root:
-            bad(f"{where}.user", "runs jobs as root: set allow_root: true in this template if that is intended")
+        elif _is_root_user(t.user) and not t.allow_root:
+            bad(f"{where}.user", "runs jobs as root (uid 0): set allow_root: true in this template if that is intended")
+        if t.network not in ("none", "internet", "any"):
+            bad(f"{where}.network", "must be none, internet or any")
+        for i, cap in enumerate(t.capabilities):
+            from agent.runtime.kernel import capability_number
+
+            if not isinstance(cap, str) or capability_number(cap) is None:
+                bad(f"{where}.capabilities[{i}]", f"{cap!r} is not a capability name (capabilities(7), e.g. net_raw)")
+        if t.capabilities and not t.allow_root:
+            bad(f"{where}.capabilities", "only root templates (allow_root: true) keep capabilities")
         r = t.resources
         if r.cpu is not None and r.cpu <= 0:
             bad(f"{where}.resources.cpu", "must be greater than 0")
@@ -506,6 +523,19 @@ def _validate(cfg: Config, problems: list[str]) -> None:
         for i, pat in enumerate(t.allow_exec):
             if not isinstance(pat, str) or not pat.startswith("/"):
                 bad(f"{where}.allow_exec[{i}]", "must be an absolute path or glob")
+
+
+def _is_root_user(name: str) -> bool:
+    """The user resolves to uid 0 here (a name that does not exist on this host is checked
+    again when a run starts)."""
+    if name in ("root", "0"):
+        return True
+    import pwd
+
+    try:
+        return pwd.getpwnam(name).pw_uid == 0
+    except KeyError:
+        return False
 
 
 def _regex_parser():

@@ -35,7 +35,7 @@ PACKAGE = "agent"
 # Importable by every part: the package root (version constants), the typed config, and
 # the runtime leaves (agent/runtime/__init__.py).
 BASE = {"agent", "config", "runtime.loop", "runtime.metrics", "runtime.logs", "runtime.timefmt", "runtime.text",
-        "runtime.recent"}
+        "runtime.recent", "runtime.kernel"}
 
 # part -> what it may import besides itself and BASE: parts ("jobs") or modules
 # ("runtime.gcpolicy", covering its submodules); "*" is anything.

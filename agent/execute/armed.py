@@ -44,6 +44,7 @@ BASH_SCRIPT = """w() {
 w "$1"
 shift
 exec </dev/null
+umask 077
 unset PWD OLDPWD SHLVL
 declare -a SHLVL
 exec "$@"
@@ -84,6 +85,7 @@ KSH_SCRIPT = """function w {
 w "$1"
 shift
 exec </dev/null
+umask 077
 unset PWD OLDPWD SHLVL
 typeset -n _=nx[1]
 exec "$@"

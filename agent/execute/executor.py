@@ -38,8 +38,10 @@ from typing import Any, Callable, Optional
 from agent.execute import metrics as m
 from agent.execute.armed import pick_launcher
 from agent.execute.backends import QuotaBackend, Usage, probe
+from agent.execute.confine import RUN_FILES_ID
 from agent.execute.guard import RunGuard
-from agent.execute.launch import DEFAULT_PATH, SHIM_SH, SpawnError, Staged, go, spawn, stage
+from agent.execute.isolation import Isolation
+from agent.execute.launch import DEFAULT_PATH, SHIM_SH, SpawnError, Staged, go, job_rlimits, spawn, stage
 from agent.execute.limits import Limits, default_limits
 from agent.execute.processes import kill, set_child_subreaper
 from agent.execute.reaper import Reaper
@@ -66,8 +68,11 @@ class Executor:
     def __init__(self, backend: QuotaBackend, base_dir: str, *, output_max_bytes: int = 1024 * 1024,
                  kill_grace_s: float = 5.0, poststart: Optional[list] = None, watch_interval_s: float = 0.2,
                  subreaper: bool = True, keep_work_dir: bool = False, drain_timeout_s: float = 5.0,
-                 spawn_mode: str = "auto", guard: bool = True):
+                 spawn_mode: str = "auto", guard: bool = True, isolation: Optional[Isolation] = None):
         self.backend = backend
+        # confines every run with a user (docs/security.md); None: runs as before (tests, dev)
+        self.isolation = isolation
+        self.job_rlimits = job_rlimits()
         self.setpriv = shutil.which("setpriv", path=DEFAULT_PATH)   # the user switch of shim mode
         if spawn_mode == "auto":
             spawn_mode = "shim" if (self.setpriv and os.access(SHIM_SH, os.X_OK)) else "fork"
@@ -88,6 +93,8 @@ class Executor:
         os.makedirs(self.base_dir, mode=0o711, exist_ok=True)
         try:
             os.chmod(self.base_dir, 0o711)   # job users traverse to their work dir, list nothing
+            if isolation is not None:   # a root run (uid 0) must not own it either
+                os.chown(self.base_dir, RUN_FILES_ID, RUN_FILES_ID)
         except OSError:
             pass
         if subreaper:
@@ -95,15 +102,20 @@ class Executor:
         # runs die with the agent: a keeper process kills them when our end of its pipe closes
         self.guard: Optional[RunGuard] = RunGuard() if guard else None
         self.reaper = Reaper(backend, self.runs, self.guard, self._discard_held, watch_interval_s=watch_interval_s,
-                             drain_timeout_s=drain_timeout_s, keep_work_dir=keep_work_dir)
+                             drain_timeout_s=drain_timeout_s, keep_work_dir=keep_work_dir,
+                             release_confinement=isolation.release if isolation is not None else (lambda c: None))
         self.reaper.start()
         self._releaser = Releaser(self._timed_release)
 
     @classmethod
     def from_config(cls, execute_config: Any, base_dir: str, root_name: str = "millwright",
-                    reclaim: bool = True, **kw: Any) -> "Executor":
+                    reclaim: bool = True, agent_config: Any = None, **kw: Any) -> "Executor":
         """The daemon's constructor: probe the configured backend (reclaiming run cgroups
-        a dead predecessor left) and apply execute.* settings."""
+        a dead predecessor left) and apply execute.* settings. With ``agent_config`` (the
+        whole Config) and root, every run is isolated (docs/security.md): an isolation that
+        cannot be set up is an error, never a silent fallback."""
+        if agent_config is not None and os.geteuid() == 0 and "isolation" not in kw:
+            kw["isolation"] = Isolation.from_config(agent_config, root_name, os.path.abspath(base_dir))
         backend = probe(execute_config.quota_backend, root_name=root_name, reclaim=reclaim,
                         runs_weight=execute_config.max_concurrent)
         log.info("quota backend", extra={"fields": {"backend": backend.name, "why": backend.why}})
@@ -304,6 +316,8 @@ class Executor:
             time.sleep(0.02)
         if close_backend:
             self.backend.close()
+        if self.isolation is not None:   # the nftables table goes with it; namespaces with their last process
+            self.isolation.close()
 
 
 def _timer_may_have_fired(run: Run) -> bool:

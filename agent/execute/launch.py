@@ -26,10 +26,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 from agent.execute import metrics as m
 from agent.execute import pspawn
 from agent.execute.backends import safe_name
+from agent.execute.confine import RUN_FILES_ID, Confinement
+from agent.execute.isolation import IsolationError
 from agent.execute.output import OutputStream
 from agent.execute.processes import kill
 from agent.execute.runs import STDERR_TAIL_BYTES
 from agent.execute.runstate import GoPipe, Run
+from agent.runtime import kernel
 
 if TYPE_CHECKING:  # pragma: no cover
     from agent.execute.executor import Executor
@@ -50,7 +53,11 @@ _RESET_SIGNALS = pspawn.RESET_SIGNALS
 # setpriv when a user switch is needed). The job's argv are positional parameters
 # ("$@"): never parsed by the shell.
 SHIM_SH = "/bin/sh"
-SHIM_SCRIPT = 'read -r _ || exit 126\nexec </dev/null\nunset PWD OLDPWD\nexec "$@"'
+SHIM_SCRIPT = 'read -r _ || exit 126\nexec </dev/null\nunset PWD OLDPWD\numask 077\nexec "$@"'
+JOB_UMASK = 0o077
+# A job's limits where the agent's are higher (systemd gives the agent LimitMEMLOCK=infinity
+# for BCC, and maybe a large LimitNOFILE): (resource, soft, hard), never raised.
+JOB_RLIMITS = ((resource.RLIMIT_MEMLOCK, 8 << 20, 8 << 20), (resource.RLIMIT_NOFILE, 1024, 524288))
 _MAXFD = os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536
 
 
@@ -91,8 +98,10 @@ class SpawnError(Exception):
 
 
 def _child(go_r: int, err_w: int, out_w: int, errp_w: int, cwd: str, ids: Optional[tuple],
-           rlimits: list, path: str, argv: list, env: dict) -> None:  # pragma: no cover - runs in the child
-    """Between fork and exec: system calls only. Never returns."""
+           rlimits: list, path: str, argv: list, env: dict,
+           root_caps: Optional[list] = None) -> None:  # pragma: no cover - runs in the child
+    """Between fork and exec: system calls only. Never returns. ``root_caps``: a confined
+    root run's capabilities (everything else leaves the bounding set; no_new_privs)."""
     stage = "setup"
     try:
         for s in _RESET_SIGNALS:
@@ -109,15 +118,18 @@ def _child(go_r: int, err_w: int, out_w: int, errp_w: int, cwd: str, ids: Option
             uid, gid, groups = ids
             os.setgroups(groups)
             os.setresgid(gid, gid, gid)
+            if root_caps is not None:
+                for cap in range(kernel.cap_last_cap() + 1):
+                    if cap not in root_caps:
+                        kernel.prctl(kernel.PR_CAPBSET_DROP, cap)
+                kernel.prctl(kernel.PR_SET_NO_NEW_PRIVS, 1)
             os.setresuid(uid, uid, uid)
+        os.umask(JOB_UMASK)
         stage = "chdir"
         os.chdir(cwd)
         stage = "rlimit"
-        for res, val in rlimits:
-            hard = resource.getrlimit(res)[1]
-            if hard != resource.RLIM_INFINITY:
-                val = min(val, hard)
-            resource.setrlimit(res, (val, val))
+        for res, soft, hard in rlimits:
+            resource.setrlimit(res, (soft, hard))
         # close every inherited fd before waiting: a copy of a go pipe's or the run guard's
         # writer held here would keep its reader from seeing the agent die
         low = 3
@@ -137,6 +149,48 @@ def _child(go_r: int, err_w: int, out_w: int, errp_w: int, cwd: str, ids: Option
             pass
     os._exit(127)
 
+
+
+# ulimit's option and unit per resource, in the launcher shells (dash, mksh/lksh, bash):
+# a launcher that switched users before it waits (the armed one) can no longer be
+# prlimit'ed by an agent without CAP_SYS_RESOURCE, so it sets its limits itself
+_ULIMIT = {resource.RLIMIT_AS: ("-v", 1024), resource.RLIMIT_CPU: ("-t", 1), resource.RLIMIT_MEMLOCK: ("-l", 1024),
+           resource.RLIMIT_NOFILE: ("-n", 1)}
+_ULIMIT_NPROC = {"bash": "-u"}   # dash and mksh: -p
+
+
+def ulimit_lines(shell: str, rlimits: list) -> str:
+    """The launcher script's first lines: its limits, soft and hard ((resource, soft, hard);
+    both set to ``hard`` where they differ, as ulimit without -H/-S does, then soft)."""
+    out = []
+    for res, soft, hard in rlimits:
+        if res == resource.RLIMIT_NPROC:
+            opt, unit = _ULIMIT_NPROC.get(os.path.basename(shell), "-p"), 1
+        else:
+            opt, unit = _ULIMIT[res]
+        out.append(f"ulimit {opt} {max(1, hard // unit)} || exit 126")
+        if soft != hard:
+            out.append(f"ulimit -S {opt} {max(1, soft // unit)} || exit 126")
+    return "".join(line + "\n" for line in out)
+
+
+def _capped(res: int, val: int) -> tuple[int, int]:
+    """A quota's rlimit, at most the agent's own hard limit (only root could raise it)."""
+    hard = resource.getrlimit(res)[1]
+    return res, val if hard == resource.RLIM_INFINITY else min(val, hard)
+
+
+def job_rlimits() -> list[tuple[int, int, int]]:
+    """(resource, soft, hard) a job gets where the agent's own limits are higher (never
+    more than the agent has)."""
+    out = []
+    for res, soft, hard in JOB_RLIMITS:
+        cur_soft, cur_hard = resource.getrlimit(res)
+        new_hard = hard if cur_hard == resource.RLIM_INFINITY else min(hard, cur_hard)
+        new_soft = min(soft, new_hard) if cur_soft == resource.RLIM_INFINITY else min(soft, new_hard, cur_soft)
+        if (new_soft, new_hard) != (cur_soft, cur_hard):
+            out.append((res, new_soft, new_hard))
+    return out
 
 
 def _mkdir(path: str, mode: int) -> bool:
@@ -160,18 +214,44 @@ class Prepared(NamedTuple):
     out: str               # stdout.log
     err: str               # stderr.log
     run_dir: str
+    confinement: Optional[Confinement] = None   # with an isolating executor (its id is held)
 
 
 def prepare_process(ex: "Executor", spec: Any, created: list) -> Prepared:
     """The run's user, executable, environment and directories (made now). ``created``
-    receives the work dir the agent provides (removed again at the run's end)."""
+    receives the work dir the agent provides (removed again at the run's end). With an
+    isolating executor the run's confinement is decided here and its id held: the caller
+    gives it back (Isolation.release) if the run never starts."""
     if not spec.argv or not all(isinstance(a, str) and "\0" not in a for a in spec.argv):
         raise SpawnError("argv", "argv must be a non-empty list of strings without NUL")
+    conf = None
+    if ex.isolation is not None and spec.user is not None:
+        looked_up = _lookup_user(spec.user)
+        if looked_up is None:
+            raise SpawnError("user", f"user {spec.user!r} does not exist on this node")
+        pw, groups, _ = looked_up
+        try:
+            conf = ex.isolation.confine(pw.pw_uid, groups, spec.network, spec.allow_root, spec.capabilities)
+        except IsolationError as exc:
+            raise SpawnError("user", f"cannot run as {spec.user!r}: {exc}") from None
+    try:
+        return _prepare(ex, spec, created, conf)
+    except BaseException:
+        if ex.isolation is not None:
+            ex.isolation.release(conf)
+        raise
+
+
+def _prepare(ex: "Executor", spec: Any, created: list, conf: Optional[Confinement]) -> Prepared:
     ids = None
     home = None
     name = None
     euid, egid = ex.ids   # the agent's own, read once (each getter is a system call on the loop)
-    if spec.user is not None:
+    if conf is not None:
+        # its own ids (docs/security.md); its name for USER and LOGNAME, its work dir as HOME
+        ids = (conf.uid, conf.gid, conf.groups)
+        name = spec.user
+    elif spec.user is not None:
         looked_up = _lookup_user(spec.user)
         if looked_up is None:
             raise SpawnError("user", f"user {spec.user!r} does not exist on this node")
@@ -202,13 +282,21 @@ def prepare_process(ex: "Executor", spec: Any, created: list) -> Prepared:
         path = found
     run_dir = os.path.join(ex.base_dir, safe_name(spec.run_key))
     try:
-        _mkdir(run_dir, 0o711)
+        if _mkdir(run_dir, 0o711) and conf is not None:
+            # not a root run's to write into (its output files are made there)
+            os.chown(run_dir, RUN_FILES_ID, RUN_FILES_ID)
         cwd = spec.cwd
         if cwd is None:
             cwd = os.path.join(run_dir, "work")
             made = _mkdir(cwd, 0o700)
             created.append(cwd)
-            if ids is not None and (not made or (ids[0], ids[1]) != (euid, egid)):   # made by us: ours already
+            if conf is not None:
+                assert ex.isolation is not None
+                owner, group, mode = ex.isolation.work_dir_owner(conf)
+                os.chown(cwd, owner, group)
+                if mode != 0o700:
+                    os.chmod(cwd, mode)
+            elif ids is not None and (not made or (ids[0], ids[1]) != (euid, egid)):   # made by us: ours already
                 os.chown(cwd, ids[0], ids[1])
         out = os.path.join(run_dir, "stdout.log")
         err = os.path.join(run_dir, "stderr.log")
@@ -224,7 +312,7 @@ def prepare_process(ex: "Executor", spec: Any, created: list) -> Prepared:
             env[k] = v
     env.update({"MILLWRIGHT_JOB_ID": spec.job_id, "MILLWRIGHT_FIRE_ID": spec.fire_id,
                 "MILLWRIGHT_RUN_ID": spec.run_id or spec.run_key, "MILLWRIGHT_ATTEMPT": str(spec.attempt)})
-    return Prepared(ids, path, env, cwd, out, err, run_dir)
+    return Prepared(ids, path, env, cwd, out, err, run_dir, conf)
 
 
 class Staged:
@@ -264,6 +352,10 @@ def stage(ex: "Executor", spec: Any) -> Staged:
         st.error = SpawnError("internal", f"internal error: {exc}")
     finally:
         st.work_dir_created = created[0] if created else None
+    if st.error is not None and st.process is not None and st.process.confinement is not None:
+        assert ex.isolation is not None
+        ex.isolation.release(st.process.confinement)   # it will never start: its id goes back now
+        st.process = st.process._replace(confinement=None)
     return st
 
 
@@ -298,10 +390,12 @@ def spawn(ex: "Executor", run: Run, hold: bool = False, arm_at: Optional[float] 
     if staged.error is not None:
         raise staged.error
     assert staged.process is not None and run.slot is not None
-    ids, path, env, cwd, out_path, err_path, run.handle.run_dir = staged.process
+    ids, path, env, cwd, out_path, err_path, run.handle.run_dir, conf = staged.process
+    run.confinement = conf   # its id goes back when the run is finalized
     limits = spec.limits
     run.handle.cgroup = dict(run.slot.paths) or None
-    rlimits = ex.backend.child_rlimits(limits, spec.timeout_s)
+    rlimits = [(res, val, val) for res, val in (_capped(r, v) for r, v in ex.backend.child_rlimits(limits, spec.timeout_s))]
+    rlimits += ex.job_rlimits
     limit = ex.output_max_bytes if spec.output_max_bytes is None else int(spec.output_max_bytes)
     fds: list[int] = []
     try:
@@ -318,7 +412,10 @@ def spawn(ex: "Executor", run: Run, hold: bool = False, arm_at: Optional[float] 
         os.close(err_r)
         os.close(err_w)
         switch: list[str] = []
-        if ids is not None:
+        if conf is not None:
+            assert ex.setpriv is not None  # shim mode is chosen only when setpriv exists
+            switch = conf.setpriv_args(ex.setpriv)
+        elif ids is not None:
             uid, gid, groups = ids
             assert ex.setpriv is not None  # shim mode is chosen only when setpriv exists
             switch = [ex.setpriv, f"--reuid={uid}", f"--regid={gid}",
@@ -327,34 +424,50 @@ def spawn(ex: "Executor", run: Run, hold: bool = False, arm_at: Optional[float] 
             # user switch first, then wait: at the due time only the job's own exec is left
             assert ex.armed_launcher is not None  # arm_at is given only when one exists
             shell, script = ex.armed_launcher
-            argv = switch + [shell, "-c", script, "millwright-run", str(int(arm_at * 1e6))]
+            argv = switch + [shell, "-c", ulimit_lines(shell, rlimits) + script, "millwright-run",
+                             str(int(arm_at * 1e6))]
         else:
-            argv = [SHIM_SH, "-c", SHIM_SCRIPT, "millwright-run"] + switch
+            argv = [SHIM_SH, "-c", ulimit_lines(SHIM_SH, rlimits) + SHIM_SCRIPT, "millwright-run"] + switch
         argv += [path] + list(spec.argv[1:])
-        try:
-            joined = ex.backend.enter(run.slot)   # the launcher is born in its cgroups
-        except OSError as exc:
-            for fd in (go_r, go_w, out_w, ep_w):
-                os.close(fd)
-            raise SpawnError("cgroup", f"cannot confine the run: {exc.strerror or exc}") from None
-        try:
+        slot = run.slot
+
+        def start() -> int:
             if pspawn.available():   # one GIL drop per spawn (agent/execute/pspawn.py)
-                pid = pspawn.spawn(argv, env, cwd, go_r, out_w, ep_w)
-            else:
-                run.popen = subprocess.Popen(argv, stdin=go_r, stdout=out_w, stderr=ep_w, cwd=cwd, env=env,
-                                             start_new_session=True, close_fds=True, restore_signals=True)
-                pid = run.popen.pid
-        except OSError as exc:
+                return pspawn.spawn(argv, env, cwd, go_r, out_w, ep_w)
+            run.popen = subprocess.Popen(argv, stdin=go_r, stdout=out_w, stderr=ep_w, cwd=cwd, env=env,
+                                         start_new_session=True, close_fds=True, restore_signals=True)
+            return run.popen.pid
+
+        def launch() -> int:
+            try:
+                joined = ex.backend.enter(slot)   # the launcher is born in its cgroups
+            except OSError as exc:
+                raise SpawnError("cgroup", f"cannot confine the run: {exc.strerror or exc}") from None
+            try:   # the cgroup moves are done in the agent's mount namespace, the spawn in the run's
+                return _inside(ex, conf, start)
+            except OSError as exc:
+                raise SpawnError("exec", f"cannot start the launcher in {cwd}: {exc.strerror or exc}") from None
+            finally:
+                ex.backend.leave(slot, joined)
+
+        try:
+            pid = _on_thread(ex, conf, launch)
+        except SpawnError:
             for fd in (go_r, go_w, out_w, ep_w):
                 os.close(fd)
-            raise SpawnError("exec", f"cannot start the launcher in {cwd}: {exc.strerror or exc}") from None
-        finally:
-            ex.backend.leave(run.slot, joined)
+            raise
         err_r = -1
+        rlimits = []   # the launcher sets them itself
     else:
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - child
-            _child(go_r, err_w, out_w, ep_w, cwd, ids, rlimits, path, list(spec.argv), env)
+        root_caps = conf.capabilities if conf is not None and conf.root else None
+
+        def fork() -> int:
+            child = os.fork()
+            if child == 0:  # pragma: no cover - child
+                _child(go_r, err_w, out_w, ep_w, cwd, ids, rlimits, path, list(spec.argv), env, root_caps)
+            return child
+
+        pid = _on_thread(ex, conf, lambda: _inside(ex, conf, fork))
         os.close(err_w)
         rlimits = []   # the child set them itself
     for fd in (go_r, out_w, ep_w):
@@ -375,8 +488,8 @@ def spawn(ex: "Executor", run: Run, hold: bool = False, arm_at: Optional[float] 
         run.pidfd = None   # kernel < 5.3: the reaper polls waitpid instead
     try:
         ex.backend.attach(run.slot, pid)
-        for res, val in rlimits:
-            resource.prlimit(pid, res, (val, val))
+        for res, soft, hard in rlimits:   # fork mode's child set them itself: none left here
+            resource.prlimit(pid, res, (soft, hard))
         for hook in list(ex.poststart):
             try:
                 hook(run.handle)
@@ -399,6 +512,25 @@ def spawn(ex: "Executor", run: Run, hold: bool = False, arm_at: Optional[float] 
     ex.runs.hold(run, GoPipe(go_w, err_r, path, cwd))
     if not hold or run.error:
         go(ex, run)
+
+
+def _on_thread(ex: "Executor", conf: Optional[Confinement], launch: Any) -> int:
+    """launch() on the thread a confined run's launcher comes from (a root run's own)."""
+    if conf is None or ex.isolation is None:
+        return launch()
+    try:
+        return ex.isolation.start_thread(conf, launch)
+    except SpawnError:
+        raise
+    except OSError as exc:
+        raise SpawnError("isolation", f"cannot confine the run: {exc.strerror or exc}") from None
+
+
+def _inside(ex: "Executor", conf: Optional[Confinement], spawn: Any) -> int:
+    """spawn() inside the run's namespaces when it is confined."""
+    if conf is None or ex.isolation is None:
+        return spawn()
+    return ex.isolation.inside(conf, spawn)
 
 
 def go(ex: "Executor", run: Run) -> None:

@@ -37,7 +37,8 @@ class OutputStream:
         agent's only (0600): state files are root-only."""
         if self.wfd < 0 and not self._unwritable:
             try:
-                self.wfd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+                self.wfd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
+                                   0o600)
                 self.created = True
             except OSError as exc:
                 self._unwritable = True

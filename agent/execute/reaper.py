@@ -70,7 +70,8 @@ class Reaper(threading.Thread):
 
     def __init__(self, backend: QuotaBackend, runs: RunTable, guard: Optional["RunGuard"],
                  discard_held: Callable[[RunHandle, str], bool], *, watch_interval_s: float = 0.2,
-                 drain_timeout_s: float = 5.0, keep_work_dir: bool = False):
+                 drain_timeout_s: float = 5.0, keep_work_dir: bool = False,
+                 release_confinement: Callable[[Any], None] = lambda conf: None):
         super().__init__(name="millwright-reaper", daemon=True)
         self.backend = backend
         self.runs = runs
@@ -79,6 +80,7 @@ class Reaper(threading.Thread):
         self.watch_interval_s = watch_interval_s
         self.drain_timeout_s = drain_timeout_s
         self.keep_work_dir = keep_work_dir
+        self.release_confinement = release_confinement
         self.poller = select.poll()
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
@@ -416,6 +418,8 @@ class Reaper(threading.Thread):
         if staged.slot is not None:
             self._remove_slot(staged.slot)
         prepared = staged.process
+        if prepared is not None and prepared.confinement is not None:
+            self.release_confinement(prepared.confinement)
         dirs = [staged.work_dir_created] if staged.work_dir_created else []
         if prepared is not None:
             dirs.append(prepared.run_dir)   # then the run dir (no output file is made before a start)
@@ -458,6 +462,9 @@ class Reaper(threading.Thread):
                 os.rmdir(run.work_dir_created)   # most jobs leave it empty: one syscall
             except OSError:
                 shutil.rmtree(run.work_dir_created, ignore_errors=True)
+        if run.confinement is not None:   # nothing of the run is left: its id may serve another
+            conf, run.confinement = run.confinement, None
+            self.release_confinement(conf)
         exit_code = sig = None
         if run.status is not None:
             code = os.waitstatus_to_exitcode(run.status)

@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 from typing import Callable, Optional
 
 from agent.execute.backends import Usage
+from agent.execute.confine import DEFAULT_NETWORK
 from agent.execute.limits import Limits
 
 
@@ -71,6 +72,10 @@ class RunSpec:
     fire_id: str = ""
     env: dict[str, str] = field(default_factory=dict)   # extra variables (never PATH tricks from the cloud)
     cwd: Optional[str] = None              # None: a fresh per-run work dir owned by the user
+    # the template's confinement (applied when the executor isolates runs, docs/security.md)
+    allow_root: bool = False               # a user that resolves to uid 0 may run
+    network: str = DEFAULT_NETWORK         # none | internet | any
+    capabilities: tuple[str, ...] = ()     # what a root run keeps (names as in capabilities(7))
 
 
 @dataclass

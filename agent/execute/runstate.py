@@ -66,6 +66,7 @@ class Run:
         self.on_release: Optional[Callable[[RunHandle, bool], Any]] = None
         self.guard: Optional[Callable[[], bool]] = None
         self.armed_at: Optional[float] = None   # wall clock: its launcher releases itself then
+        self.confinement: Any = None   # an isolated run's Confinement (its id is given back at its end)
 
 
 class RunTable:

@@ -68,7 +68,8 @@ class Launcher:
         spec = RunSpec(run_key=f"{f.key}.{f.attempt}", argv=argv, user=tpl.user, limits=f.limits or self.limits(e),
                        timeout_s=e.job.timeout_s, kill_grace_s=self.execute.kill_grace_s,
                        output_max_bytes=self.execute.output_max_bytes, job_id=e.job.id,
-                       run_id=rid, fire_id=f.fire_id, attempt=f.attempt)
+                       run_id=rid, fire_id=f.fire_id, attempt=f.attempt,
+                       allow_root=tpl.allow_root, network=tpl.network, capabilities=tuple(tpl.capabilities))
         return Planned(spec, argv, tpl.user)
 
     def unstage(self, f: Firing) -> None:

@@ -18,6 +18,29 @@ from agent.config import load_config
 log = logging.getLogger(__name__)
 
 
+def bind_private(path: str) -> socket.socket:
+    """A Unix socket bound at ``path`` with mode 0600 from the moment the path exists: bound
+    under a temporary name, chmod'ed, then renamed into place (a connect follows the inode).
+    The process umask is never touched: other threads create files meanwhile (run
+    directories), and umask is process-wide."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        s.bind(tmp)
+        os.chmod(tmp, 0o600)
+        os.rename(tmp, path)
+    except OSError:
+        s.close()
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return s
+
+
 class AdminServer:
     def __init__(self, agent: Any, path: str):
         self.agent = agent
@@ -30,13 +53,7 @@ class AdminServer:
             os.makedirs(os.path.dirname(self.path), mode=0o750, exist_ok=True)
             if os.path.exists(self.path):
                 os.unlink(self.path)
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            old = os.umask(0o177)
-            try:
-                s.bind(self.path)
-            finally:
-                os.umask(old)
-            os.chmod(self.path, 0o600)
+            s = bind_private(self.path)
             s.listen(8)
         except OSError as exc:
             log.warning("admin socket unavailable; `millwright status` will not work",

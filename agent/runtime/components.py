@@ -74,7 +74,7 @@ class _JobsComponent:
         cfg = agent.cfg
         root = run_root_name(cfg.agent_id, cfg.state_dir)
         self.executor = Executor.from_config(cfg.execute, os.path.join(cfg.state_dir, "runs"),
-                                             root_name=root, reclaim=True)
+                                             root_name=root, reclaim=True, agent_config=cfg)
         self.admission = Admission(Budget.from_config(cfg.execute))
         guard = self.executor.guard
         if guard is not None:

@@ -7,6 +7,10 @@ Run as ``python3 -m agent.signals.loader --sock-fd N --config JSON`` by
 process pays it for about a second, then sends over a SOCK_SEQPACKET socket (SCM_RIGHTS)
 the map fds and the tracepoint perf-event fds that keep the programs attached, and leaves
 with os._exit so that BCC's atexit cleanup never detaches what the agent now owns.
+
+It holds only what loading needs: CAP_BPF and CAP_PERFMON (every other capability leaves
+its effective, permitted and bounding sets before anything is parsed or compiled), and an
+environment of its own (environment()), none of the agent's.
 """
 
 from __future__ import annotations
@@ -19,6 +23,28 @@ import resource
 import socket
 import sys
 import time
+
+# capability numbers (capabilities(7)): what compiling, loading and attaching needs
+CAP_PERFMON, CAP_BPF = 38, 39
+KEEP_CAPABILITIES = frozenset({CAP_BPF, CAP_PERFMON})
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def environment(package_root: str) -> dict[str, str]:
+    """The loader's whole environment: where Python finds the agent's package, a PATH and
+    a locale; nothing of the agent's (its environment may carry what a helper that runs
+    LLVM on a kernel-facing source has no use for)."""
+    return {"PATH": PATH, "LANG": "C.UTF-8", "PYTHONPATH": package_root, "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def drop_privileges() -> None:
+    """Keep CAP_BPF and CAP_PERFMON only (a loader started by a non-root agent has none to
+    drop)."""
+    if os.geteuid() != 0:
+        return
+    from agent.runtime.kernel import keep_only_capabilities
+
+    keep_only_capabilities(set(KEEP_CAPABILITIES))
 
 
 def _reply(sock: socket.socket, doc: dict, fds: list[int]) -> None:
@@ -82,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     sock = socket.socket(fileno=a.sock_fd)
     try:
+        drop_privileges()
         doc, fds = load(json.loads(a.config))
     except BaseException as exc:  # report every failure to the agent as a reason
         msg = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__

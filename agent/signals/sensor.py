@@ -218,8 +218,9 @@ class Sensor:
             raise LoadError(str(exc)) from None
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         errf = tempfile.TemporaryFile()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = PACKAGE_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        from agent.signals.loader import environment
+
+        env = environment(PACKAGE_ROOT)
         config = {"node_activity": self.node_activity, "tracefs": self.tracefs}
         try:
             proc = subprocess.Popen(

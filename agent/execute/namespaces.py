@@ -1,0 +1,208 @@
+"""The namespaces runs start in, made once per executor and kept by file descriptor (so
+nothing is left on the host when the agent ends, however it ends), and the way a
+launcher is started inside them: the spawning thread enters them around its one spawn
+call (setns is per thread; the launcher inherits the thread's namespaces), no process
+and no exec of our own.
+
+* the *jobs mount namespace*, a copy of the agent's (receiving later host mounts, sending
+  none back) where the agent's secrets are covered: each hidden directory by an empty
+  read-only tmpfs (the one holding the runs' directories shows only that), each hidden
+  file by an empty mode-000 file; ``/proc`` is a new proc instance with
+  ``hidepid=invisible`` (a process is listed only to those who may trace it: a run sees
+  its own processes, never the agent's or another run's), its ``sys``, ``sysrq-trigger``,
+  ``irq`` and ``bus`` read-only; the cgroup file systems read-only; tracefs, debugfs and
+  bpffs covered.
+* the *none network namespace*: no interface but a loopback that is down.
+* root runs start from a thread of their own that also enters a fresh Landlock domain
+  scoped for signals and abstract Unix sockets (the run may signal only its own
+  processes: not the agent, not another run, though they share uid 0); where Landlock
+  cannot scope signals (Linux < 6.12) the thread makes a PID namespace instead, whose
+  init is the launcher (then the job), which the kernel spares SIGTERM unless it handles
+  it (SIGKILL still ends it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, Callable, Iterable
+
+from agent.execute.confine import RUN_FILES_ID
+from agent.runtime import kernel as k
+
+log = logging.getLogger("millwright.execute")
+
+# directories never covered whole (a secret file in them is covered alone)
+SHARED_DIRS = frozenset({"/", "/etc", "/var", "/var/lib", "/var/log", "/run", "/tmp", "/var/tmp", "/usr", "/home",
+                         "/root", "/srv", "/opt", "/dev", "/proc", "/sys", "/mnt", "/media"})
+PROC_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus")
+SYS_COVERED = ("/sys/kernel/debug", "/sys/kernel/tracing", "/sys/fs/bpf")
+BLANK_DIR = "/tmp"
+RO = k.MS_RDONLY | k.MS_NOSUID | k.MS_NODEV | k.MS_NOEXEC
+
+
+def _mountpoints() -> list[str]:
+    out = []
+    try:
+        with open("/proc/thread-self/mountinfo") as fh:
+            for line in fh:
+                out.append(line.split()[4].replace("\\040", " "))
+    except OSError:
+        pass
+    return out
+
+
+def _under(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def _in_thread(fn: Callable[[], Any], name: str) -> Any:
+    """fn() on a new thread (namespace and Landlock changes that must not stay on the
+    caller's), its result or exception here."""
+    box: dict = {}
+
+    def body() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            box["error"] = exc
+
+    t = threading.Thread(target=body, name=name, daemon=True)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+class JobNamespaces:
+    """The jobs mount namespace and the none network namespace, by fd, and the spawn of a
+    launcher inside them."""
+
+    def __init__(self, hide: Iterable[str], expose: Iterable[str]):
+        self.hidden: list[str] = []
+        self.landlock = k.landlock_abi() >= k.LANDLOCK_SCOPE_ABI
+        self.host_mnt = os.open("/proc/thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        self.host_net = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        self.jobs_mnt = -1
+        self.none_net = -1
+        try:
+            expose = [os.path.realpath(p) for p in expose]
+            for path in expose:   # bound into the namespace now: it must exist
+                os.makedirs(path, mode=0o711, exist_ok=True)
+            self.jobs_mnt = _in_thread(lambda: self._make_mount_ns(list(hide), expose), "millwright-ns")
+            self.none_net = _in_thread(self._make_net_ns, "millwright-ns")
+        except BaseException:
+            self.close()
+            raise
+
+    # --- made once ------------------------------------------------------------------
+    def _make_net_ns(self) -> int:
+        k.unshare(k.CLONE_NEWNET)
+        return os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+
+    def _make_mount_ns(self, hide: list[str], expose: list[str]) -> int:
+        k.unshare(k.CLONE_NEWNS)
+        k.mount(None, "/", None, k.MS_REC | k.MS_SLAVE)
+        keep = {p: os.open(p, os.O_PATH | os.O_CLOEXEC) for p in expose if os.path.isdir(p)}
+        paths = sorted({os.path.realpath(p) for p in hide if p})
+        files = {p: os.open(p, os.O_PATH | os.O_CLOEXEC) for p in paths if os.path.isfile(p)}
+        try:
+            # the empty mode-000 file bound over each hidden file (by fd: it may be under
+            # /tmp), made on a tmpfs over /tmp for the set-up only (its binds outlive it)
+            k.mount("none", BLANK_DIR, "tmpfs", k.MS_NOSUID | k.MS_NODEV | k.MS_NOEXEC, "mode=700,size=4k")
+            try:
+                blank = os.path.join(BLANK_DIR, "hidden")
+                os.close(os.open(blank, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0))
+                for fd in files.values():
+                    k.mount(blank, f"/proc/self/fd/{fd}", None, k.MS_BIND)
+            finally:
+                k.umount(BLANK_DIR, k.MNT_DETACH)
+            for path in files:
+                k.mount(None, path, None, k.MS_REMOUNT | k.MS_BIND | RO)
+                self.hidden.append(path)
+            mounts = _mountpoints()
+            for path in paths:
+                if os.path.isdir(path) and path not in SHARED_DIRS and not any(_under(path, e) for e in keep):
+                    # (a directory inside what runs must reach is never covered)
+                    self._cover_dir(path, [e for e in keep if _under(e, path)], keep)
+            for path in SYS_COVERED:
+                if path in mounts:
+                    k.mount("none", path, "tmpfs", RO, "mode=000,size=4k")
+            for path in mounts:
+                if _under(path, "/sys/fs/cgroup") and path != "/sys/fs/cgroup":
+                    k.mount(None, path, None, k.MS_REMOUNT | k.MS_BIND | RO)
+            k.mount("proc", "/proc", "proc", k.MS_NOSUID | k.MS_NODEV | k.MS_NOEXEC, "hidepid=invisible")
+            for path in PROC_READ_ONLY:
+                if os.path.exists(path):
+                    k.mount(path, path, None, k.MS_BIND | k.MS_REC)
+                    k.mount(None, path, None, k.MS_REMOUNT | k.MS_BIND | RO)
+            return os.open("/proc/thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        finally:
+            for fd in list(keep.values()) + list(files.values()):
+                os.close(fd)
+
+    def _cover_dir(self, path: str, inside: list[str], keep: dict[str, int]) -> None:
+        """An empty read-only tmpfs over ``path``; the exposed directories below it are
+        bound back at their paths (the tmpfs is traversable, lists only them)."""
+        # owned by the reserved id: a root run (uid 0) is no owner of it either
+        mode = f"mode={'0711' if inside else '000'},uid={RUN_FILES_ID},gid={RUN_FILES_ID}"
+        k.mount("none", path, "tmpfs", k.MS_NOSUID | k.MS_NODEV | k.MS_NOEXEC, f"{mode},size=64k")
+        for e in inside:
+            os.makedirs(e, mode=0o711, exist_ok=True)
+            k.mount(f"/proc/self/fd/{keep[e]}", e, None, k.MS_BIND | k.MS_REC)
+        k.mount(None, path, None, k.MS_REMOUNT | RO, mode)
+        self.hidden.append(path)
+
+    # --- per spawn -----------------------------------------------------------------
+    def on_root_thread(self, start: Callable[[], Any]) -> Any:
+        """start() on a thread of its own in a new Landlock domain (or, without Landlock
+        signal scoping, making a new PID namespace for what it starts): a root run's."""
+        def confined() -> Any:
+            if self.landlock:
+                k.landlock_scope_self()
+            else:
+                k.unshare(k.CLONE_NEWPID)
+            return start()
+
+        return _in_thread(confined, "millwright-confine")
+
+    def inside(self, network: str, spawn: Callable[[], Any]) -> Any:
+        """spawn() with the calling thread in the jobs' namespaces (and the none network
+        namespace for ``network == "none"``), then back in the agent's."""
+        # setns into a mount namespace needs a thread that shares no file-system attributes
+        # (cwd, root, umask) with another: this one gets its own copy (a no-op once it has
+        # one, unless a thread it started since shares it again)
+        k.unshare(k.CLONE_FS)
+        cwd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            k.setns(self.jobs_mnt, k.CLONE_NEWNS)
+            try:
+                if network == "none":
+                    k.setns(self.none_net, k.CLONE_NEWNET)
+                    try:
+                        return spawn()
+                    finally:
+                        self._back(self.host_net, k.CLONE_NEWNET)
+                return spawn()
+            finally:
+                self._back(self.host_mnt, k.CLONE_NEWNS)
+                os.fchdir(cwd)
+        finally:
+            os.close(cwd)
+
+    @staticmethod
+    def _back(fd: int, nstype: int) -> None:
+        try:
+            k.setns(fd, nstype)
+        except OSError:   # the agent's thread would go on inside the jobs' namespaces
+            log.critical("cannot return to the agent's namespace after a spawn; aborting")
+            os.abort()
+
+    def close(self) -> None:
+        for name in ("host_mnt", "host_net", "jobs_mnt", "none_net"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
