@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Optional, Protocol, cast
@@ -124,6 +125,24 @@ class JobCatalog:
 
     def stop(self) -> None:
         self.gc.stop()
+
+    def status(self) -> dict:
+        """What the jobs held here are doing (the admin socket's ``jobs``)."""
+        now, mono = utcnow(), time.monotonic()
+        running, due, waiting = [], [], 0
+        for e in self.entries.values():
+            for f in e.firings.values():
+                if f.state == FiringState.RUNNING and f.started_mono:
+                    running.append({"job_id": e.job.id, "fire_id": f.fire_id, "attempt": f.attempt,
+                                    "pid": getattr(f.handle, "pid", None), "health": f.health,
+                                    "age_s": round(mono - f.started_mono, 1)})
+                waiting += f.state in (FiringState.WAITING, FiringState.RETRYING_ADMISSION)
+            if e.next_due is not None:
+                due.append((e.next_due, e.job.id))
+        due.sort()
+        return {"owned_jobs": len(self.entries), "running": running, "waiting": waiting,
+                "due": [{"job_id": j, "due": rfc(d), "in_s": round((d - now).total_seconds(), 3)} for d, j in due[:50]],
+                "loading_shards": sorted(self.loading)}
 
     def quiet_for(self) -> Optional[float]:
         """Seconds until a process may be due to be released: the next armed due time, or a

@@ -30,7 +30,7 @@ __all__ = ["TERMINAL", "FiringState", "FiringEnd", "ClaimState", "Firing", "RunL
 class FiringState(enum.Enum):
     PENDING = "pending"                        # created, not yet asked for admission
     HELD = "held"                              # fell due while new runs are paused (early fence)
-    WAITING = "waiting"                        # for its dependencies or for node quota
+    WAITING = "waiting"                        # for its dependencies, node quota or a start policy
     CLAIMING = "claiming"                      # its run record is being written (fenced)
     RUNNING = "running"                        # process prepared or running
     RETRYING = "retrying"                      # attempt failed; the next one is timed
@@ -43,10 +43,10 @@ S = FiringState
 TRANSITIONS: dict[FiringState, frozenset[FiringState]] = {
     S.PENDING: frozenset({S.HELD, S.WAITING, S.CLAIMING, S.RETRYING, S.FINISHING, S.DONE}),
     S.HELD: frozenset({S.WAITING, S.CLAIMING, S.FINISHING, S.DONE}),
-    S.WAITING: frozenset({S.WAITING, S.HELD, S.CLAIMING, S.FINISHING, S.DONE}),
+    S.WAITING: frozenset({S.WAITING, S.HELD, S.CLAIMING, S.RETRYING_ADMISSION, S.FINISHING, S.DONE}),
     S.CLAIMING: frozenset({S.CLAIMING, S.RUNNING, S.FINISHING, S.DONE}),
     S.RUNNING: frozenset({S.RETRYING, S.DONE}),
-    S.RETRYING: frozenset({S.CLAIMING, S.RETRYING_ADMISSION, S.FINISHING, S.DONE}),
+    S.RETRYING: frozenset({S.WAITING, S.CLAIMING, S.RETRYING_ADMISSION, S.FINISHING, S.DONE}),
     S.RETRYING_ADMISSION: frozenset({S.CLAIMING, S.FINISHING, S.DONE}),
     S.FINISHING: frozenset({S.FINISHING, S.DONE}),
     S.DONE: frozenset(),
