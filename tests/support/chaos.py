@@ -2,20 +2,29 @@
 
 A real 3-member etcd on loopback, 4 `millwright run` agents, a mosquitto; a workload of
 one-shot, retrying and cron jobs pushed over MQTT whose script (tests/jobs/effect.sh)
-records each run's side effect; a nemesis that picks, one at a time, from kill -9 and
-restart of an agent, SIGTERM and restart, SIGSTOP/SIGCONT, nftables cuts agent↔etcd and
-agent↔broker (tables named per process and run, always removed), etcd leader kill and
+records each run's side effect on its own clock; a nemesis that runs fault groups from a
+seeded plan, each followed by a quiet window (at least TTL + 3 s with no fault). Faults:
+kill -9 and restart of an agent, SIGTERM and restart, SIGSTOP/SIGCONT, nftables cuts
+agent<->etcd and agent<->broker (tables `mw_chaos_*`, always removed), etcd leader kill and
 restart, and a pause of an etcd member. Afterwards the whole etcd history (one watch from
 revision 1, compaction off) and the side-effect log go through tests/support/history.py.
 
 Everything random comes from one seed, printed first; the same seed gives the same
-workload and the same fault schedule (the timing of a loaded machine does not repeat):
+workload and the same fault plan (the timing of a loaded machine does not repeat):
 
     make chaos SEED=1234 MINUTES=2          # python3 -m tests.support.chaos --seed 1234 --minutes 2
 
-Stated bounds (README, testing): a firing is resolved within LATENESS_BOUND_S of its due
-time, or of the end of the fault it fell into; owner_lost and misfired within the
-budget :func:`budget_for` derives from the faults injected.
+Stated bounds (README, testing):
+- a fault's affected window runs from its start to its heal + TTL; a firing is
+  *affected* when it could be in flight (due, or stored, to its last possible end) during
+  one, else it is *quiet*;
+- a quiet firing runs: it succeeds, one side effect per attempt, the first started within
+  QUIET_LATENESS_S of its due time on the side effect's own clock; never skipped, never
+  owner_lost, never misfired;
+- an affected firing is resolved within LATENESS_BOUND_S of its due time, or of the heal
+  of the fault it fell into; owner_lost and misfired stay within budgets counted from the
+  firings due inside the affected windows of the faults that can cost them
+  (:func:`budgets`).
 """
 
 from __future__ import annotations
@@ -54,18 +63,30 @@ SHARDS = 16
 TTL_S = 4
 RENEW_DEADLINE_S = 2.5
 CRON_PERIOD_S = 2
+CRON_SLEEP_S = 0.3
 JOB_SLEEP_MAX_S = 0.6
 KILL_GRACE_S = 1.0
-# A firing is resolved (its first attempt started, or it ended without a run) within this
-# long after its due time, or after the end of the fault it fell into: the lease TTL for
-# the old owner's keys to expire, the TTL again for a self-fenced agent's new session and
-# a rebalance, and 2 s for claims and process start on a loaded 2-core machine.
+RETRY_BACKOFFS_S = (1.0, 2.0)   # the retrying jobs' waits before attempts 2 and 3 (backoff 1 s, max 2 s)
+# A fault's consequences (lease expiry, a fenced agent's new session, rebalance) are over
+# one TTL after its heal; the next fault group starts at least 3 s after that.
+AFTER_HEAL_S = float(TTL_S)
+QUIET_MIN_S = TTL_S + 3.0
+QUIET_EXTRA_S = 8.0             # quiet windows last QUIET_MIN_S .. QUIET_MIN_S + QUIET_EXTRA_S
+# A firing due in a quiet window starts within this long of its due time: claim and process
+# start on a loaded 2-core machine, or a graceful hand-over of its shard (half the TTL).
+QUIET_LATENESS_S = 3.0
+# One attempt's claim, start, reap and record write on a loaded machine, besides its sleep.
+RUN_OVERHEAD_S = 1.0
+# An affected firing is resolved within this long after its due time, or after the heal of
+# the fault it fell into: the lease TTL for the old owner's keys to expire, the TTL again
+# for a self-fenced agent's new session and a rebalance, and 2 s for claims and process
+# start on a loaded 2-core machine.
 LATENESS_BOUND_S = 2 * TTL_S + 2.0
-# A fault's consequences last until its end plus this (lease expiry, rejoin, rebalance).
-RECOVERY_S = TTL_S + 3.0
 FAULTS = ("agent_kill9", "agent_restart", "agent_pause", "cut_etcd", "cut_broker", "etcd_leader_kill",
           "etcd_member_pause")
-AGENT_FAULTS = {"agent_kill9", "agent_restart", "agent_pause", "cut_etcd"}
+AGENT_FAULTS = {"agent_kill9", "agent_restart", "agent_pause", "cut_etcd", "cut_broker"}
+# faults that cannot fence an agent, so cost no run and skip no cron firing
+HARMLESS_TO_RUNS = {"cut_broker"}
 
 
 def now() -> datetime:
@@ -78,6 +99,27 @@ class Fault:
     target: str
     start: float
     end: float = 0.0
+    group: int = 0
+    shards: Optional[frozenset] = None   # the shards it can cost (its agent's, at start and after): None, all
+    loses_runs: bool = True
+
+    def window(self) -> tuple[float, float]:
+        """When it may change what the agents do: from its start to its heal + TTL."""
+        return self.start, self.end + AFTER_HEAL_S
+
+
+@dataclass(frozen=True)
+class PlannedFault:
+    kind: str
+    offset: float     # seconds after its group's start
+    duration: float
+    pick: int         # which agent or member it targets (an index, taken modulo the count)
+
+
+@dataclass(frozen=True)
+class PlannedGroup:
+    at: float         # earliest start, seconds after the workload's t0
+    faults: tuple[PlannedFault, ...]
 
 
 @dataclass
@@ -92,22 +134,92 @@ class Result:
     figures: dict = field(default_factory=dict)
 
 
-def budget_for(faults: list[Fault], n_cron: int, agents: int) -> history.Budget:
-    """The most owner_lost and misfired firings the faults may cost.
+def plan_faults(rng: random.Random, horizon: float, kinds: tuple[str, ...] = FAULTS) -> list[PlannedGroup]:
+    """The seeded fault plan: one fault per group, each group after a quiet window of
+    QUIET_MIN_S .. QUIET_MIN_S + QUIET_EXTRA_S (counted by the nemesis from the previous
+    group's heal, so a slow heal delays the plan instead of shortening the window)."""
+    out = []
+    t = rng.uniform(QUIET_MIN_S, QUIET_MIN_S + QUIET_EXTRA_S)
+    while True:
+        kind = rng.choice(kinds)
+        duration = rng.uniform(1.5, 6.0)
+        pick = rng.randrange(1 << 16)
+        if t + duration > horizon - 2:
+            return out
+        out.append(PlannedGroup(t, (PlannedFault(kind, 0.0, duration, pick),)))
+        t += duration + rng.uniform(QUIET_MIN_S, QUIET_MIN_S + QUIET_EXTRA_S)
 
-    owner_lost: a run in flight when its agent dies, stops or is cut off ends `failed/
-    owner_lost` (max_attempts 1): 3 per agent fault; an etcd fault can fence every agent
-    at once: 3 per agent. misfired: a cron firing due while its shard had no working owner
-    is skipped by misfire run_once (only the latest one runs): per fault and cron job, the
-    firings in the fault plus the recovery time. One-shot firings never count here: the
-    checker fails any misfired one-shot."""
-    lost = 0
-    missed = 0
-    for f in faults:
-        lost += 3 if f.kind in AGENT_FAULTS else (3 * agents if f.kind.startswith("etcd_") else 0)
-        if f.kind != "cut_broker":
-            missed += n_cron * math.ceil((f.end - f.start + RECOVERY_S + 1) / CRON_PERIOD_S)
-    return history.Budget(owner_lost=lost, misfired=missed)
+
+def flight_s(f: history.Firing, sleep_s: float) -> float:
+    """How long after its due time a firing can still be in flight when nothing goes wrong:
+    the quiet lateness bound, then each attempt (its sleep and overhead) and the backoffs."""
+    attempts = f.max_attempts
+    backoff = sum(RETRY_BACKOFFS_S[:attempts - 1])
+    return QUIET_LATENESS_S + attempts * (sleep_s + RUN_OVERHEAD_S) + backoff
+
+
+def _overlaps(a0: float, a1: float, b0: float, b1: float) -> bool:
+    return a0 <= b1 and b0 <= a1
+
+
+def affected_at(faults: list[Fault], t: float) -> bool:
+    return any(w[0] <= t <= w[1] for w in (f.window() for f in faults))
+
+
+def effective_due(faults: list[Fault], d: float) -> float:
+    """A firing due during a fault is due again at its heal (and so on through overlaps)."""
+    e = d
+    moved = True
+    while moved:
+        moved = False
+        for f in faults:
+            if f.start - 1.0 <= e < f.end:
+                e, moved = f.end, True
+    return e
+
+
+def is_quiet(faults: list[Fault], f: history.Firing, sleep_s: float) -> bool:
+    """No fault's window meets the firing between its due (or store) time and the end of
+    its last attempt."""
+    t0 = max(f.due, f.stored_at)
+    t1 = t0 + flight_s(f, sleep_s)
+    return not any(_overlaps(t0, t1, *g.window()) for g in faults)
+
+
+def budgets(faults: list[Fault], firings: list[history.Firing], sleep_of: dict[str, float],
+            shard_of_job: Callable[[str], int]) -> tuple[history.Budget, dict]:
+    """owner_lost and misfired budgets counted from the firings each fault can cost: those
+    that could be in flight during its window (owner_lost: every kind; misfired: the cron
+    firings due inside it), on the shards it touches (an agent fault: its agent's, at its
+    start and TTL after its heal; an etcd fault: all), for the faults that can fence an
+    agent. Each firing counts once."""
+    lost, missed = set(), set()
+    for g in faults:
+        if not g.loses_runs:
+            continue
+        w0, w1 = g.window()
+        for f in firings:
+            if g.shards is not None and shard_of_job(f.job) not in g.shards:
+                continue
+            t0 = max(f.due, f.stored_at)
+            if _overlaps(t0, t0 + flight_s(f, sleep_of.get(f.job, 0.0)), w0, w1):
+                lost.add((f.job, f.fire_id))
+            if f.may_skip and w0 <= f.due <= w1:
+                missed.add((f.job, f.fire_id))
+    return history.Budget(owner_lost=len(lost), misfired=len(missed)), {"owner_lost_firings": len(lost),
+                                                                         "misfired_firings": len(missed)}
+
+
+def affected_share(faults: list[Fault], t0: float, t1: float) -> float:
+    """The share of [t0, t1] inside some fault's window."""
+    spans = sorted((max(t0, a), min(t1, b)) for a, b in (f.window() for f in faults) if b > t0 and a < t1)
+    covered, end = 0.0, t0
+    for a, b in spans:
+        a = max(a, end)
+        if b > a:
+            covered += b - a
+            end = b
+    return covered / (t1 - t0) if t1 > t0 else 0.0
 
 
 class NftCut:
@@ -162,6 +274,10 @@ class ChaosRun:
         self.pusher = None
         self.pushed: dict[str, dict] = {}
         self.firings: list[history.Firing] = []
+        self.sleep_of: dict[str, float] = {}
+        self.stored_at: dict[str, float] = {}
+        self.t_quiet_from = 0.0
+        self.kinds = FAULTS
         self.keep = False
 
     def say(self, msg: str) -> None:
@@ -225,7 +341,7 @@ class ChaosRun:
         time, so pushes go on while faults do."""
         rng = self.rng
         plan = []
-        issued = now().replace(microsecond=0)
+        issued = (t0 - timedelta(seconds=4)).replace(microsecond=0)   # t0 is 4 s after now
         n_at = max(10, int(horizon / 1.5))
         n_retry = max(3, int(horizon / 8))
         for i in range(n_at + n_retry):
@@ -233,8 +349,10 @@ class ChaosRun:
             jid = f"{'r' if retrying else 'o'}{i:03d}-{self.seed % 1000}"
             due = t0 + timedelta(seconds=rng.uniform(0, horizon))
             due = due.replace(microsecond=(due.microsecond // 1000) * 1000)
+            sleep = round(rng.uniform(0.1, JOB_SLEEP_MAX_S), 2)
+            self.sleep_of[jid] = sleep
             doc = {"v": 1, "id": jid, "template": "fx",
-                   "params": {"sleep": f"{rng.uniform(0.1, JOB_SLEEP_MAX_S):.2f}", "fail_until": "2" if retrying else "0"},
+                   "params": {"sleep": f"{sleep:.2f}", "fail_until": "2" if retrying else "0"},
                    "schedule": {"at": format_rfc3339(due)}, "misfire": "run_once"}
             if retrying:
                 doc["retry"] = {"max_attempts": 3, "backoff_s": 1.0, "max_backoff_s": 2.0, "jitter": 0}
@@ -246,7 +364,8 @@ class ChaosRun:
         self.n_cron = 4
         for i in range(self.n_cron):
             jid = f"c{i}-{self.seed % 1000}"
-            doc = {"v": 1, "id": jid, "template": "fx", "params": {"sleep": "0.3", "fail_until": "0"},
+            self.sleep_of[jid] = CRON_SLEEP_S
+            doc = {"v": 1, "id": jid, "template": "fx", "params": {"sleep": f"{CRON_SLEEP_S}", "fail_until": "0"},
                    "schedule": {"cron": f"*/{CRON_PERIOD_S} * * * * *"}, "misfire": "run_once", "overlap": "forbid",
                    "issued_at": format_rfc3339(issued), "not_after": format_rfc3339(not_after)}
             plan.append((time.time(), doc))
@@ -275,70 +394,118 @@ class ChaosRun:
             self._push(doc)
 
     # --- nemesis -------------------------------------------------------------------------
-    def _inject(self, kind: str, duration: float) -> Fault:
-        rng = self.rng
-        agent = rng.choice(sorted(self.agents))
-        if kind.startswith("etcd_"):
-            f = Fault(kind, "", time.time())
-            if kind == "etcd_leader_kill":
-                m = self.etcd.leader()
-                f.target = m.member_name
-                m.kill()
-                self.say(f"FAULT etcd leader {m.member_name} killed for {duration:.1f}s")
-                time.sleep(duration)
-                m.start()
-            else:
-                m = rng.choice(self.etcd.members)
-                f.target = m.member_name
-                m.pause()
-                self.say(f"FAULT etcd member {m.member_name} paused for {duration:.1f}s")
-                time.sleep(duration)
-                m.resume()
-            self.etcd.wait_healthy(60)
-        else:
-            a = self.agents[agent]
-            f = Fault(kind, agent, time.time())
-            self.say(f"FAULT {kind} {agent} for {duration:.1f}s")
-            if kind == "agent_kill9":
-                a.kill()
-                time.sleep(duration)
-                a.start()
-            elif kind == "agent_restart":
-                a.terminate(timeout=30)
-                time.sleep(duration)
-                a.start()
-            elif kind == "agent_pause":
-                a.signal(signal.SIGSTOP)
-                time.sleep(duration)
-                a.signal(signal.SIGCONT)
-            else:
-                ports = [m.port for m in self.etcd.members] if kind == "cut_etcd" else [self.broker_ports[agent]]
-                addr = self.hosts[agent] if kind == "cut_etcd" else "127.0.0.1"
-                cut = NftCut(addr, ports)
-                self.cuts.append(cut)
-                cut.apply()
-                time.sleep(duration)
-                cut.heal()
-        f.end = time.time()
-        self.say(f"HEAL  {kind} {f.target} after {f.end - f.start:.1f}s")
-        return f
+    def _shards_of(self, agent: str) -> set[int]:
+        return {int(k.rsplit("/", 1)[1]) for k, v in self._owners().items() if v == agent}
 
-    def nemesis(self, until: float) -> None:
-        while True:
-            gap = self.rng.uniform(1.0, 4.0)
-            duration = self.rng.uniform(1.5, 6.0)
-            kind = self.rng.choice(FAULTS)
-            if time.time() + gap + duration > until:
+    def _apply(self, pf: PlannedFault, group: int) -> tuple[Fault, Callable[[], None]]:
+        """Start one fault; returns it and the function that heals it."""
+        kind = pf.kind
+        ids = sorted(self.agents)
+        agent = ids[pf.pick % len(ids)]
+        f = Fault(kind, agent if kind in AGENT_FAULTS else "", time.time(), group=group,
+                  loses_runs=kind not in HARMLESS_TO_RUNS)
+        if kind in AGENT_FAULTS:
+            f.shards = frozenset(self._shards_of(agent))
+        a = self.agents[agent]
+        if kind == "etcd_leader_kill":
+            m = self.etcd.leader()
+            f.target = m.member_name
+            m.kill()
+
+            def heal():
+                m.start()
+                self.etcd.wait_healthy(60)
+        elif kind == "etcd_member_pause":
+            m = self.etcd.members[pf.pick % len(self.etcd.members)]
+            f.target = m.member_name
+            m.pause()
+
+            def heal():
+                m.resume()
+                self.etcd.wait_healthy(60)
+        elif kind == "agent_kill9":
+            a.kill()
+            heal = a.start
+        elif kind == "agent_restart":
+            a.terminate(timeout=30)
+            heal = a.start
+        elif kind == "agent_pause":
+            a.signal(signal.SIGSTOP)
+
+            def heal():
+                a.signal(signal.SIGCONT)
+        elif kind in ("cut_etcd", "cut_broker"):
+            ports = [m.port for m in self.etcd.members] if kind == "cut_etcd" else [self.broker_ports[agent]]
+            addr = self.hosts[agent] if kind == "cut_etcd" else "127.0.0.1"
+            cut = NftCut(addr, ports)
+            self.cuts.append(cut)
+            cut.apply()
+            heal = cut.heal
+        else:
+            raise ValueError(f"unknown fault kind {kind!r}")
+        self.say(f"FAULT {kind} {f.target} for {pf.duration:.1f}s")
+        return f, heal
+
+    def _run_group(self, group: int, pg: PlannedGroup) -> list[Fault]:
+        """Apply and heal the group's faults on their offsets (they may overlap)."""
+        t_group = time.time()
+        steps = sorted([(pf.offset, 0, i) for i, pf in enumerate(pg.faults)]
+                       + [(pf.offset + pf.duration, 1, i) for i, pf in enumerate(pg.faults)])
+        live: dict[int, tuple[Fault, Callable[[], None]]] = {}
+        done: list[Fault] = []
+        for at, what, i in steps:
+            time.sleep(max(0.0, t_group + at - time.time()))
+            if what == 0:
+                live[i] = self._apply(pg.faults[i], group)
+            else:
+                f, heal = live.pop(i)
+                heal()
+                f.end = time.time()
+                self.say(f"HEAL  {f.kind} {f.target} after {f.end - f.start:.1f}s")
+                done.append(f)
+        return done
+
+    def nemesis(self, t0: float, until: float, plan: list[PlannedGroup]) -> None:
+        """Run the plan; each group starts no earlier than planned and no earlier than
+        QUIET_MIN_S after the previous group's heal."""
+        last_heal = 0.0
+        for n, pg in enumerate(plan):
+            start = max(t0 + pg.at, last_heal + QUIET_MIN_S)
+            length = max(pf.offset + pf.duration for pf in pg.faults)
+            if start + length > until:
                 return
-            time.sleep(gap)
-            self.faults.append(self._inject(kind, duration))
+            time.sleep(max(0.0, start - time.time()))
+            faults = self._run_group(n, pg)
+            last_heal = max(f.end for f in faults)
+            # the shards an agent fault can cost include those its agent holds after the heal
+            time.sleep(max(0.0, last_heal + AFTER_HEAL_S - time.time()))
+            for f in faults:
+                if f.shards is not None:
+                    f.shards = f.shards | self._shards_of(f.target)
+            self.faults.extend(faults)
+
+    def _watch_stores(self, stop: threading.Event) -> None:
+        """When each job first appears in etcd (this process's clock, every 0.25 s): a
+        firing stored after its due time is due when stored."""
+        prefix = self.keys.jobs_prefix()
+        while not stop.wait(0.25):
+            try:
+                kvs, _ = self.client.get_prefix(prefix, keys_only=True, timeout=1.0)
+            except Exception:  # noqa: BLE001 - polled again (etcd faults)
+                continue
+            t = time.time()
+            for kv in kvs:
+                self.stored_at.setdefault(kv.key.rsplit("/", 1)[1], t)
 
     # --- judging ------------------------------------------------------------------------
-    def effective_due(self, d: float) -> float:
-        return max([d] + [f.end for f in self.faults if f.start - 1.0 <= d <= f.end])
-
     def affected(self, d: float) -> bool:
-        return any(f.start - 1.0 <= d <= f.end + RECOVERY_S for f in self.faults)
+        return affected_at(self.faults, d)
+
+    def effective_due(self, d: float) -> float:
+        return effective_due(self.faults, d)
+
+    def quiet(self, f: history.Firing) -> bool:
+        return f.due >= self.t_quiet_from and is_quiet(self.faults, f, self.sleep_of[f.job])
 
     def _all_resolved(self) -> bool:
         try:
@@ -367,11 +534,13 @@ class ChaosRun:
             horizon = max(20.0, self.minutes * 60 - 40)
             t0 = now() + timedelta(seconds=4)
             plan = self.plan_workload(t0, horizon)
-            pusher = threading.Thread(target=self._pusher_thread, args=(plan, stop), daemon=True)
-            pusher.start()
-            self.say(f"workload: {len(self.firings)} firings of {len(plan)} jobs over {horizon:.0f}s")
-            self.nemesis(t0.timestamp() + horizon - 2)
-            pusher.join(max(0.0, t0.timestamp() + horizon - time.time() + 5))
+            fault_plan = plan_faults(self.rng, horizon, self.kinds)
+            self.t_quiet_from = t0.timestamp()
+            threading.Thread(target=self._pusher_thread, args=(plan, stop), daemon=True).start()
+            threading.Thread(target=self._watch_stores, args=(stop,), daemon=True).start()
+            self.say(f"workload: {len(self.firings)} firings of {len(plan)} jobs over {horizon:.0f}s; "
+                     f"{len(fault_plan)} fault groups planned")
+            self.nemesis(t0.timestamp(), t0.timestamp() + horizon - 2, fault_plan)
             # the faults are healed; every firing must resolve within the bound
             end = max(t0.timestamp() + horizon, max((f.end for f in self.faults), default=0)) + LATENESS_BOUND_S + 5
             last_due = max(f.due for f in self.firings)
@@ -381,36 +550,72 @@ class ChaosRun:
             # stop the agents before reading: no write or side effect can land after the read
             for a in self.agents.values():
                 a.kill()
-            events = history.read_history(self.client, self.keys.prefix, contiguous=True)
-            effects = history.parse_effects(self.out)
-            budget = budget_for(self.faults, self.n_cron, self.n_agents)
-            rep = history.check(events, self.keys.prefix, firings=self.firings, effects=effects, budget=budget,
-                                lateness_bound_s=LATENESS_BOUND_S, effective_due=self.effective_due,
-                                affected=self.affected, max_run_s=JOB_SLEEP_MAX_S + KILL_GRACE_S + 1.0)
-            kvs, _ = self.client.get_prefix(self.keys.jobs_prefix())
-            stored = {kv.key.rsplit("/", 1)[1] for kv in kvs}
-            for jid in sorted(set(self.pushed) - stored):
-                rep.fail(f"job {jid}: pushed over MQTT, never stored in etcd")
-            res = Result(self.seed, self.minutes, rep, self.faults, len(self.pushed), len(stored & set(self.pushed)),
-                         time.monotonic() - t_wall)
-            res.figures = {"seed": self.seed, "faults": len(self.faults),
-                           "fault_kinds": sorted({f.kind for f in self.faults}),
-                           "firings": rep.stats.get("firings"), "side_effects": rep.stats.get("side_effects"),
-                           "events": rep.stats.get("events"), "states": rep.stats.get("states"),
-                           "failed_reasons": rep.stats.get("failed_reasons"),
-                           "lateness_p99_s": _r(rep.stats.get("lateness_p99_s")),
-                           "lateness_max_s": _r(rep.stats.get("lateness_max_s")),
-                           "owner_lost": f"{rep.stats.get('owner_lost')}/{budget.owner_lost}",
-                           "misfired": f"{rep.stats.get('misfired')}/{budget.misfired}",
-                           "pushed": res.pushed, "stored": res.stored, "wall_s": round(res.wall_s, 1)}
-            self.log("chaos figures: " + json.dumps(res.figures))
-            if rep.problems:
-                self.keep = True
-                self.log(f"chaos: failed; kept {self.dir} (agents' logs and audit, effects.log)")
-            return res
+            stop.set()
+            return self.judge(t0.timestamp(), horizon, t_wall)
         finally:
             stop.set()
             self.close()
+
+    def judge(self, t0: float, horizon: float, t_wall: float) -> Result:
+        events = history.read_history(self.client, self.keys.prefix, contiguous=True)
+        effects = history.parse_effects(self.out)
+        for f in self.firings:
+            f.stored_at = self.stored_at.get(f.job, 0.0)
+        from agent.coordination.keys import shard_of
+
+        budget, _ = budgets(self.faults, self.firings, self.sleep_of, lambda j: shard_of(j, SHARDS))
+        rep = history.check(events, self.keys.prefix, firings=self.firings, effects=effects, budget=budget,
+                            lateness_bound_s=LATENESS_BOUND_S, effective_due=self.effective_due,
+                            affected=self.affected, max_run_s=JOB_SLEEP_MAX_S + KILL_GRACE_S + 1.0,
+                            quiet=self.quiet, quiet_lateness_s=QUIET_LATENESS_S)
+        kvs, _ = self.client.get_prefix(self.keys.jobs_prefix())
+        stored = {kv.key.rsplit("/", 1)[1] for kv in kvs}
+        for jid in sorted(set(self.pushed) - stored):
+            rep.fail(f"job {jid}: pushed over MQTT, never stored in etcd")
+        res = Result(self.seed, self.minutes, rep, self.faults, len(self.pushed), len(stored & set(self.pushed)),
+                     time.monotonic() - t_wall)
+        st = rep.stats
+        kinds: dict[str, int] = {}
+        for f in self.faults:
+            kinds[f.kind] = kinds.get(f.kind, 0) + 1
+        by_kind: dict[str, int] = {}
+        for f in self.firings:
+            k = "retrying" if f.max_attempts > 1 else f.kind
+            by_kind[k] = by_kind.get(k, 0) + 1
+        outcomes = dict(st.get("states") or {})
+        for reason, n in (st.get("failed_reasons") or {}).items():
+            outcomes[f"failed/{reason}"] = n
+        outcomes.pop("failed", None)
+        if st.get("skipped_by_policy"):
+            outcomes["skipped_by_policy"] = st["skipped_by_policy"]
+        res.figures = {"seed": self.seed, "faults": len(self.faults), "fault_kinds": kinds,
+                       "affected_share": round(affected_share(self.faults, t0, t0 + horizon), 3),
+                       "firings": st.get("firings"), "firings_by_kind": by_kind,
+                       "quiet_firings": st.get("quiet_firings"), "side_effects": st.get("side_effects"),
+                       "events": st.get("events"), "outcomes": outcomes,
+                       "owner_lost": f"{st.get('owner_lost')}/{budget.owner_lost}",
+                       "misfired": f"{st.get('misfired')}/{budget.misfired}",
+                       "lateness_p50_s": _r(st.get("lateness_p50_s")), "lateness_p99_s": _r(st.get("lateness_p99_s")),
+                       "lateness_max_s": _r(st.get("lateness_max_s")),
+                       "quiet_lateness_p50_s": _r(st.get("quiet_lateness_p50_s")),
+                       "quiet_lateness_p99_s": _r(st.get("quiet_lateness_p99_s")),
+                       "quiet_lateness_max_s": _r(st.get("quiet_lateness_max_s")),
+                       "pushed": res.pushed, "stored": res.stored, "wall_s": round(res.wall_s, 1)}
+        self.log(f"chaos seed {self.seed}: faults {len(self.faults)} by kind {kinds}; "
+                 f"{res.figures['affected_share']:.0%} of the horizon affected")
+        self.log(f"chaos seed {self.seed}: firings {st.get('firings')} {by_kind}; quiet-window firings checked "
+                 f"{st.get('quiet_firings')} (bound {QUIET_LATENESS_S:.1f} s); side effects {st.get('side_effects')}")
+        self.log(f"chaos seed {self.seed}: lateness from effect clocks p50 {_r(st.get('lateness_p50_s'))} s "
+                 f"p99 {_r(st.get('lateness_p99_s'))} s max {_r(st.get('lateness_max_s'))} s (bound "
+                 f"{LATENESS_BOUND_S:.0f} s after a heal); quiet p50 {_r(st.get('quiet_lateness_p50_s'))} s "
+                 f"p99 {_r(st.get('quiet_lateness_p99_s'))} s max {_r(st.get('quiet_lateness_max_s'))} s")
+        self.log(f"chaos seed {self.seed}: outcomes {outcomes}; owner_lost {st.get('owner_lost')} of budget "
+                 f"{budget.owner_lost}, misfired {st.get('misfired')} of budget {budget.misfired}")
+        self.log("chaos figures: " + json.dumps(res.figures))
+        if rep.problems:
+            self.keep = True
+            self.log(f"chaos: failed; kept {self.dir} (agents' logs and audit, effects.log)")
+        return res
 
     def close(self) -> None:
         for c in self.cuts:

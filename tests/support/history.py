@@ -242,7 +242,8 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
           effects: Optional[Iterable[SideEffect]] = None, budget: Optional[Budget] = None,
           lateness_bound_s: Optional[float] = None, effective_due: Callable[[float], float] = lambda d: d,
           affected: Optional[Callable[[float], bool]] = None, max_run_s: float = 0.0,
-          complete: bool = True) -> Report:
+          complete: bool = True, quiet: Optional[Callable[[Firing], bool]] = None,
+          quiet_lateness_s: Optional[float] = None) -> Report:
     """Replay the history and judge it.
 
     - a shard key changes owner only through a delete;
@@ -267,7 +268,11 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
       own clock when there is a log (a firing that never ran: its final record's
       ``ended_at``; without a log: the records' ``started_at``); ``owner_lost`` only for a
       run a fault caught in flight (``affected`` at some time within ``max_run_s`` of its
-      due time); ``owner_lost`` and ``misfired`` within ``budget``.
+      due time); ``owner_lost`` and ``misfired`` within ``budget``;
+    - ``quiet(firing)``: the firing was due, and could run to its end, with no fault nor
+      its recovery going on. It must have run, never been skipped, ``owner_lost`` or
+      ``misfired``, end ``succeeded``, one side effect per attempt, its first within
+      ``quiet_lateness_s`` of its due time on the side effect's own clock.
     """
     rep = Report()
     shards_p, runs_p, probe_p = prefix + "shards/", prefix + "runs/", prefix + "test/probe/"
@@ -360,9 +365,9 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
 
     # --- side effects
     first_start: dict[tuple[str, str], float] = {}
+    per_attempt: dict[tuple[str, str, int], list[SideEffect]] = {}
     if effects is not None:
         effects = list(effects)
-        per_attempt: dict[tuple[str, str, int], list[SideEffect]] = {}
         per_firing: dict[tuple[str, str], list[SideEffect]] = {}
         for se in effects:
             per_attempt.setdefault((se.job, se.fire_id, se.attempt), []).append(se)
@@ -411,6 +416,8 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
     if affected is None:
         affected = lambda d: effective_due(d) > d  # noqa: E731
     late: list[float] = []
+    quiet_late: list[float] = []
+    quiet_n = 0
     owner_lost = misfired = skipped = 0
     failed_reasons: dict[str, int] = {}
     states: dict[str, int] = {}
@@ -420,8 +427,12 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
                      f"(states {[r['state'] for _, r in recs]})")
     for (job, fid), f in sorted(firings.items()):
         recs = history.get((job, fid))
+        is_quiet = quiet is not None and quiet(f)
+        if is_quiet:
+            quiet_n += 1
+            _check_quiet(rep, f, recs, per_attempt if effects is not None else None, quiet_lateness_s, quiet_late)
         if not recs:
-            if f.may_skip and (f.missed_at_store or affected(f.due)):
+            if f.may_skip and (f.missed_at_store or affected(f.due)) and not is_quiet:
                 skipped += 1
                 continue
             if complete:
@@ -487,6 +498,10 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
                       "lateness_clock": "side effects" if effects is not None else "records",
                       "lateness_p50_s": percentile(late, 50), "lateness_p99_s": percentile(late, 99),
                       "lateness_max_s": max(late) if late else None})
+    if quiet is not None:
+        rep.stats.update({"quiet_firings": quiet_n, "quiet_lateness_p50_s": percentile(quiet_late, 50),
+                          "quiet_lateness_p99_s": percentile(quiet_late, 99),
+                          "quiet_lateness_max_s": max(quiet_late) if quiet_late else None})
     if budget is not None:
         rep.stats["budget"] = {"owner_lost": budget.owner_lost, "misfired": budget.misfired}
         if owner_lost > budget.owner_lost:
@@ -494,6 +509,34 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
         if misfired + skipped > budget.misfired:
             rep.fail(f"misfired {misfired + skipped} ({skipped} skipped by policy) over its budget {budget.misfired}")
     return rep
+
+
+def _check_quiet(rep: Report, f: Firing, recs: Optional[list[tuple[int, dict]]],
+                 per_attempt: Optional[dict[tuple[str, str, int], list[SideEffect]]],
+                 bound: Optional[float], late: list[float]) -> None:
+    """A firing due in a quiet window ran, once per attempt, on time, and succeeded."""
+    n = name(f.job, f.fire_id)
+    if not recs:
+        rep.fail(f"{n}: due in a quiet window at {f.due:.3f}, never ran (no run record)")
+        return
+    last = recs[-1][1]
+    state, reason, attempts = last.get("state"), last.get("reason"), int(last.get("attempt") or 1)
+    if state != "succeeded":
+        rep.fail(f"{n}: due in a quiet window, ended {state}" + (f"/{reason}" if reason else "")
+                 + f" at attempt {attempts}")
+    if per_attempt is None:
+        return
+    for a in range(1, attempts + 1):
+        got = per_attempt.get((f.job, f.fire_id, a), [])
+        if len(got) != 1:
+            rep.fail(f"{n}: due in a quiet window, attempt {a} has {len(got)} side effects, not exactly one")
+    first = per_attempt.get((f.job, f.fire_id, 1))
+    if first:
+        t = min(se.start for se in first) - f.due
+        late.append(max(0.0, t))
+        if bound is not None and t > bound:
+            rep.fail(f"{n}: due in a quiet window, started {t:.2f} s after its due time (side effect's clock); "
+                     f"the quiet bound is {bound:.1f} s")
 
 
 def assert_clean(rep: Report, limit: int = 15) -> None:

@@ -334,3 +334,52 @@ def test_a_missing_or_malformed_effect_file_fails(tmp_path):
     p.write_text(f"end j {F1} 1 a0 10 {DUE + 0.2}\n")
     with pytest.raises(AssertionError, match="line 1: an end without its start"):
         parse_effects(str(p))
+
+
+# --- quiet windows: a firing due with no fault nor recovery going on must simply run
+
+
+def test_a_quiet_firing_must_run_once_on_time_and_succeed():
+    every = lambda f: True  # noqa: E731
+    rep = run_check(good(), [fx()], quiet=every, quiet_lateness_s=1.0)
+    assert rep.problems == [] and rep.stats["quiet_firings"] == 1
+    assert rep.stats["quiet_lateness_p99_s"] == pytest.approx(0.02, abs=1e-3)
+    # late on the effect's clock
+    rep = run_check(good(), [fx(start=DUE + 2.5, end=DUE + 2.7)], quiet=every, quiet_lateness_s=1.0,
+                    lateness_bound_s=10.0)
+    assert f"(j, {F1}): due in a quiet window, started 2.50 s after its due time" in problems(rep)
+    # lost: owner_lost is excused by the fault windows, never in a quiet one
+    h = H()
+    h.shard(1, "a0")
+    h.run("a0", "running")
+    h.delete("shards/0001")
+    h.shard(1, "a1")
+    h.run("a1", "failed", reason="owner_lost", ended_at="2026-12-03T12:00:05.000Z")
+    rep = run_check(h, [fx()], quiet=every, quiet_lateness_s=1.0, budget=Budget(1, 0), affected=lambda d: True)
+    assert f"(j, {F1}): due in a quiet window, ended failed/owner_lost at attempt 1" in problems(rep)
+
+
+def test_a_quiet_cron_firing_may_not_be_skipped_or_misfired():
+    f = Firing("j", F1, DUE, kind="cron", may_skip=True)
+    rep = check(H().events, P, firings=[f], effects=[], affected=lambda d: True, budget=Budget(0, 1),
+                quiet=lambda f: True)
+    assert f"(j, {F1}): due in a quiet window at {DUE:.3f}, never ran" in problems(rep)
+    h = H()
+    h.shard(1, "a0")
+    h.run("a0", "misfired", reason="misfire_run_once", ended_at="2026-12-03T12:00:05.000Z")
+    rep = check(h.events, P, firings=[f], effects=[], budget=Budget(0, 1), quiet=lambda f: True)
+    assert f"(j, {F1}): due in a quiet window, ended misfired/misfire_run_once" in problems(rep)
+
+
+def test_a_quiet_retrying_firing_has_one_effect_per_attempt():
+    h = H()
+    h.shard(1, "a0")
+    h.run("a0", "running")
+    h.run("a0", "retrying", exit_code=3, ended_at="2026-12-03T12:00:00.300Z")
+    h.run("a0", "running", attempt=2)
+    h.run("a0", "succeeded", attempt=2, exit_code=0, ended_at="2026-12-03T12:00:01.300Z")
+    two = [Firing("j", F1, DUE, max_attempts=2)]
+    ok = [fx(), fx(attempt=2, start=DUE + 1.0, end=DUE + 1.3)]
+    assert not run_check(h, ok, firings=two, quiet=lambda f: True, quiet_lateness_s=1.0).problems
+    rep = run_check(h, ok[1:], firings=two, quiet=lambda f: True, quiet_lateness_s=1.0)
+    assert f"(j, {F1}): due in a quiet window, attempt 1 has 0 side effects, not exactly one" in problems(rep)
