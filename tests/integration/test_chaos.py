@@ -1,7 +1,8 @@
 """The seeded fault test (issue 20), a short run for CI: 3-member etcd, 4 agents,
 mosquitto, a nemesis, and the strict history check (tests/support/chaos.py, history.py).
+The seed comes from the commit (printed first, and in every failure);
 MILLWRIGHT_CHAOS_SEED and MILLWRIGHT_CHAOS_MINUTES override the seed and the length; the
-longer run before a release is `make chaos MINUTES=30` (README, testing)."""
+release tier runs ten seeds of five minutes (`make test-release`, README testing)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,14 @@ from agent.coordination.keys import shard_of
 from tests.support import chaos
 from tests.support.kernel import require_kernel
 
-SEED = int(os.environ.get("MILLWRIGHT_CHAOS_SEED", "20"))
+# CI runs one seed per run, taken from the commit under test (another schedule on every
+# commit, the same one again on a re-run of that commit); MILLWRIGHT_CHAOS_SEED repeats one
+if os.environ.get("MILLWRIGHT_CHAOS_SEED"):
+    SEED, SEED_FROM = int(os.environ["MILLWRIGHT_CHAOS_SEED"]), "MILLWRIGHT_CHAOS_SEED"
+else:
+    SEED, SEED_FROM = chaos.seed_from_commit()
 MINUTES = float(os.environ.get("MILLWRIGHT_CHAOS_MINUTES", "2"))
+print(f"chaos: seed {SEED} ({SEED_FROM}); reproduce with `make chaos SEED={SEED} MINUTES={MINUTES:g}`")
 
 
 def replay(seed: int, minutes: float = 2.0):
@@ -48,7 +55,7 @@ def test_the_seeded_plans_leave_quiet_windows_and_budgets_that_can_be_exceeded()
     seed CI or a release runs leaves quiet windows of at least TTL + 3 s, whose firings
     are judged strictly, and budgets far below the firings they count from."""
     rng = random.Random(SEED)
-    for seed in sorted({SEED, *range(1, 11), 20, rng.randrange(10 ** 6)}):
+    for seed in sorted({*range(SEED, SEED + 10), *range(1, 11), 20, rng.randrange(10 ** 6)}):
         run, faults, budget, quiet, share = replay(seed)
         groups = sorted({(f.group, f.start, f.end) for f in faults})
         gaps = [b[1] - a[2] for a, b in zip(groups, groups[1:])]
@@ -65,6 +72,7 @@ def test_the_seeded_plans_leave_quiet_windows_and_budgets_that_can_be_exceeded()
 def test_seeded_faults_keep_exactly_once_fencing_and_lateness(tmp_path):
     require_kernel(os.geteuid() == 0 and shutil.which("nft") is not None,
                    "the fault test needs root and nftables for its link cuts")
+    print(f"\nchaos: seed {SEED} ({SEED_FROM})")
     res = chaos.run_and_check(SEED, MINUTES, str(tmp_path / "chaos"))
     fig = res.figures
     print(f"\nchaos figures: {fig}")

@@ -649,20 +649,45 @@ def run_and_check(seed: int, minutes: float, workdir: Optional[str] = None, log=
     return res
 
 
+def seed_from_commit() -> tuple[int, str]:
+    """The seed CI runs: from the commit under test (each commit tries another schedule,
+    and a run is repeated from its commit), else a random one. Returns (seed, where from)."""
+    try:
+        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        if len(head) >= 8:
+            return int(head[:8], 16) % 10 ** 6, f"commit {head[:12]}"
+    except (OSError, ValueError, subprocess.SubprocessError):
+        pass
+    return secrets.randbelow(10 ** 6), "random (no git commit)"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="chaos", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=None, help="random seed (default: a new one, printed)")
+    ap.add_argument("--from-commit", action="store_true", help="the seed from the commit under test (as CI)")
+    ap.add_argument("--seeds", type=int, default=1, help="run this many consecutive seeds from the first")
     ap.add_argument("--minutes", type=float, default=2.0)
     a = ap.parse_args(argv)
-    seed = a.seed if a.seed is not None else secrets.randbelow(10 ** 6)
+    if a.seed is not None:
+        seed, origin = a.seed, "given"
+    elif a.from_commit:
+        seed, origin = seed_from_commit()
+    else:
+        seed, origin = secrets.randbelow(10 ** 6), "random"
+    print(f"chaos: first seed {seed} ({origin}); {a.seeds} seed(s) of {a.minutes:g} minutes", flush=True)
     # SIGTERM (a CI timeout) unwinds through the cleanup: nftables tables, processes
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
-        run_and_check(seed, a.minutes)
-    except AssertionError as exc:
-        print(f"FAIL: {exc}", file=sys.stderr)
-        return 1
-    print(f"PASS: seed {seed}")
+    figures = []
+    for s in range(seed, seed + a.seeds):
+        try:
+            figures.append(run_and_check(s, a.minutes).figures)
+        except AssertionError as exc:
+            print(f"FAIL: {exc}", file=sys.stderr)
+            return 1
+        print(f"PASS: seed {s}", flush=True)
+    if len(figures) > 1:
+        print("chaos: all seeds passed:\n" + "\n".join(json.dumps(f) for f in figures))
     return 0
 
 
