@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 
 from agent.coordination.keys import shard_of
 from tests.support import chaos
+from tests.support.faults import BlkioThrottle
 from tests.support.kernel import require_kernel
 
 # CI runs one seed per run, taken from the commit under test (another schedule on every
@@ -40,8 +41,10 @@ def replay(seed: int, minutes: float = 2.0):
                             loses_runs=pf.kind not in chaos.HARMLESS_TO_RUNS)
             if pf.kind in chaos.AGENT_FAULTS:   # one agent of four: a quarter of the shards
                 f.shards = frozenset(range(pf.pick % 4, chaos.SHARDS, 4))
+            if pf.kind in chaos.CLOCK_FAULTS:
+                f.reach_s = chaos.CLOCK_FAULTS[pf.kind] if pf.kind == "clock_jump" or pf.pick % 2 else 0
             faults.append(f)
-        last_heal = max(f.end for f in faults)
+        last_heal = max(f.end + f.reach_s for f in faults)
     run.faults = faults
     budget, _ = chaos.budgets(faults, run.firings, run.sleep_of, lambda j: shard_of(j, chaos.SHARDS))
     quiet = [f for f in run.firings if f.due >= t0.timestamp() and run.quiet(f)]
@@ -57,21 +60,29 @@ def test_the_seeded_plans_leave_quiet_windows_and_budgets_that_can_be_exceeded()
     rng = random.Random(SEED)
     for seed in sorted({*range(SEED, SEED + 10), *range(1, 11), 20, rng.randrange(10 ** 6)}):
         run, faults, budget, quiet, share = replay(seed)
-        groups = sorted({(f.group, f.start, f.end) for f in faults})
-        gaps = [b[1] - a[2] for a, b in zip(groups, groups[1:])]
+        spans = {}
+        for f in faults:
+            s0, s1 = spans.get(f.group, (f.start, f.end + f.reach_s))
+            spans[f.group] = (min(s0, f.start), max(s1, f.end + f.reach_s))
+        groups = [spans[g] for g in sorted(spans)]
+        gaps = [b[0] - a[1] for a, b in zip(groups, groups[1:])]
         assert faults and min(gaps) >= chaos.QUIET_MIN_S, (seed, gaps)
         crons = sum(1 for f in run.firings if f.kind == "cron")
-        assert share < 0.7, (seed, share)
-        assert len(quiet) >= 30, (seed, len(quiet), len(run.firings))
+        assert share < 0.8, (seed, share)   # a 30 s clock jump reaches 30 s past its heal
+        assert len(quiet) >= 20, (seed, len(quiet), len(run.firings))
         assert budget.misfired < crons // 2, (seed, budget, crons)
-        assert budget.owner_lost < len(run.firings) * 0.6, (seed, budget, len(run.firings))
-        print(f"seed {seed}: {len(faults)} faults, {share:.0%} affected, {len(quiet)}/{len(run.firings)} firings "
+        assert budget.owner_lost < len(run.firings) * 0.7, (seed, budget, len(run.firings))
+        print(f"seed {seed}: {len(faults)} faults in {len(groups)} groups, {share:.0%} affected, {len(quiet)}/{len(run.firings)} firings "
               f"quiet, budgets owner_lost {budget.owner_lost} misfired {budget.misfired} ({crons} cron firings)")
 
 
 def test_seeded_faults_keep_exactly_once_fencing_and_lateness(tmp_path):
     require_kernel(os.geteuid() == 0 and shutil.which("nft") is not None,
                    "the fault test needs root and nftables for its link cuts")
+    missing = [t for t in ("gcc", "losetup", "mkfs.ext4", "fallocate", "mount") if shutil.which(t) is None]
+    require_kernel(not missing and BlkioThrottle.available(),
+                   f"the fault test's clock and disk faults need gcc, loop devices, ext4 and cgroup v1 blkio "
+                   f"(missing: {missing or 'blkio throttling'})")
     print(f"\nchaos: seed {SEED} ({SEED_FROM})")
     res = chaos.run_and_check(SEED, MINUTES, str(tmp_path / "chaos"))
     fig = res.figures
