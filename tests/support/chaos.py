@@ -42,6 +42,7 @@ Stated bounds (README, testing):
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import os
@@ -316,6 +317,7 @@ class ChaosRun:
         self.firings: list[history.Firing] = []
         self.sleep_of: dict[str, float] = {}
         self.stored_at: dict[str, float] = {}
+        self.rev_clock: list[tuple[int, float]] = []   # (revision read, when): this process's clock
         self.t_quiet_from = 0.0
         self.kinds = tuple(kinds)
         self.keep = False
@@ -645,14 +647,17 @@ class ChaosRun:
 
     def _watch_stores(self, stop: threading.Event) -> None:
         """When each job first appears in etcd (this process's clock, every 0.25 s): a
-        firing stored after its due time is due when stored."""
+        firing stored after its due time is due when stored. Each read's revision and time
+        also date the history's writes on this clock (:meth:`rev_time`), whatever clock
+        the agent that wrote them had."""
         prefix = self.keys.jobs_prefix()
         while not stop.wait(0.25):
             try:
-                kvs, _ = self.client.get_prefix(prefix, keys_only=True, timeout=1.0)
+                kvs, rev = self.client.get_prefix(prefix, keys_only=True, timeout=1.0)
             except Exception:  # noqa: BLE001 - polled again (etcd faults)
                 continue
             t = time.time()
+            self.rev_clock.append((rev, t))
             for kv in kvs:
                 self.stored_at.setdefault(kv.key.rsplit("/", 1)[1], t)
 
@@ -662,6 +667,11 @@ class ChaosRun:
 
     def effective_due(self, d: float) -> float:
         return effective_due(self.faults, d)
+
+    def rev_time(self, rev: int) -> Optional[float]:
+        """When the write at ``rev`` had surely happened: the first read that saw it."""
+        i = bisect.bisect_left(self.rev_clock, (rev, 0.0))
+        return self.rev_clock[i][1] if i < len(self.rev_clock) else None
 
     def early_ok_s(self, se: history.SideEffect) -> float:
         """How early a run may start by its agent's clock fault (the shim reads the offset
@@ -733,7 +743,8 @@ class ChaosRun:
         rep = history.check(events, self.keys.prefix, firings=self.firings, effects=effects, budget=budget,
                             lateness_bound_s=LATENESS_BOUND_S, effective_due=self.effective_due,
                             affected=self.affected, max_run_s=JOB_SLEEP_MAX_S + KILL_GRACE_S + 1.0,
-                            quiet=self.quiet, quiet_lateness_s=QUIET_LATENESS_S, early_ok_s=self.early_ok_s)
+                            quiet=self.quiet, quiet_lateness_s=QUIET_LATENESS_S, early_ok_s=self.early_ok_s,
+                            rev_time=self.rev_time)
         # the outcomes besides owner_lost and misfired: each only where a fault could cost it
         finals = history.final_records(events, self.keys.prefix)
         other = {"killed": 0, "failed": 0}

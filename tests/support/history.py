@@ -244,7 +244,8 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
           affected: Optional[Callable[[float], bool]] = None, max_run_s: float = 0.0,
           complete: bool = True, quiet: Optional[Callable[[Firing], bool]] = None,
           quiet_lateness_s: Optional[float] = None,
-          early_ok_s: Optional[Callable[[SideEffect], float]] = None) -> Report:
+          early_ok_s: Optional[Callable[[SideEffect], float]] = None,
+          rev_time: Optional[Callable[[int], Optional[float]]] = None) -> Report:
     """Replay the history and judge it.
 
     - a shard key changes owner only through a delete;
@@ -267,8 +268,10 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
       only when ``affected(due)``: a fault, or the recovery after one, was going on;
       default: ``effective_due(due) > due``), nothing else ran,
       within ``lateness_bound_s`` of ``effective_due(due)``: measured on the side effect's
-      own clock when there is a log (a firing that never ran: its final record's
-      ``ended_at``; without a log: the records' ``started_at``); ``owner_lost`` only for a
+      own clock when there is a log (a firing that never ran: when its final record was
+      written, by ``rev_time(revision)`` (the test's clock) when given, else by the
+      record's ``ended_at`` (its agent's clock); without a log: the records'
+      ``started_at``); ``owner_lost`` only for a
       run a fault caught in flight (``affected`` at some time within ``max_run_s`` of its
       due time); ``owner_lost`` and ``misfired`` within ``budget``;
     - ``quiet(firing)``: the firing was due, and could run to its end, with no fault nor
@@ -479,7 +482,9 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
                     rep.fail(f"{name(job, fid)}: started {t - f.due:.2f} s after its due time, {t - due_from:.2f} s "
                              f"after the faults healed (side effect's clock); the bound is {lateness_bound_s:.1f} s")
                 continue
-            t = _ts(last.get("ended_at"))
+            t = rev_time(recs[-1][0]) if rev_time is not None else None
+            if t is None:
+                t = _ts(last.get("ended_at"))
         else:
             # no side-effect log: the records' own times, the first real start, else the end
             t = None

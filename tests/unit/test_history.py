@@ -383,3 +383,15 @@ def test_a_quiet_retrying_firing_has_one_effect_per_attempt():
     assert not run_check(h, ok, firings=two, quiet=lambda f: True, quiet_lateness_s=1.0).problems
     rep = run_check(h, ok[1:], firings=two, quiet=lambda f: True, quiet_lateness_s=1.0)
     assert f"(j, {F1}): due in a quiet window, attempt 1 has 0 side effects, not exactly one" in problems(rep)
+
+
+def test_a_firing_that_never_ran_is_dated_by_the_tests_clock_when_given():
+    """A misfired record's ended_at is its agent's clock, which a clock fault moved: with
+    rev_time (when the test saw that revision) the resolution is dated on the test's clock."""
+    h = H()
+    h.shard(1, "a0")
+    rev = h.run("a0", "misfired", reason="misfire_run_once", ended_at="2026-12-03T12:00:30.000Z")
+    f = [Firing("j", F1, DUE, kind="cron", may_skip=True)]
+    assert "resolved 30.00 s after its due time" in problems(run_check(h, [], firings=f, lateness_bound_s=5.0))
+    seen = {rev: DUE + 1.0}
+    assert not run_check(h, [], firings=f, lateness_bound_s=5.0, rev_time=seen.get).problems
