@@ -187,10 +187,14 @@ def sc(tmp_path_factory):
                 # caught up: make a few (execs on the node are node-activity events)
                 subprocess.run(["/bin/true"])
                 return msum(m(), "millwright_bpf_lost_events_total") > 0
-            try:
-                scenario_wait(lost, 8, "lost BPF events", interval=0.3)
-            except AssertionError:
-                pass
+            # a working sensor must report the loss; a degraded one (no BPF here) cannot, and
+            # the BPF tests then go through require_kernel. A timeout is kept for
+            # test_bpf_events_and_losses, so the other metrics of step A are still judged.
+            if msum(m(), "millwright_bpf_degraded") == 0:
+                try:
+                    wait_for(lost, 8, "lost BPF events", interval=0.3)
+                except AssertionError as exc:
+                    s.info["bpf_loss_error"] = str(exc)
             s.snap["a1"] = m()
         step("A", a_jobs)
 
@@ -315,7 +319,14 @@ def test_runs_by_result(sc):
 def test_trigger_delay_histogram(sc):
     sc.need("A")
     assert delta(sc, "a0", "a1", "millwright_trigger_delay_seconds_count") == 4
-    assert delta(sc, "a0", "a1", "millwright_trigger_delay_seconds_sum") >= 0
+    # the four delays are the runs' real starts minus their due times, as their final
+    # statuses state them (milliseconds: 4 ms of rounding at most)
+    from agent.jobs.schedule import parse_rfc3339
+
+    want = sum(max(0.0, parse_rfc3339(d["started_at"]).timestamp() - parse_rfc3339(d["due"]).timestamp())
+               for d in sc.info["final"].values())
+    assert want > 0, sc.info["final"]
+    assert abs(delta(sc, "a0", "a1", "millwright_trigger_delay_seconds_sum") - want) <= 0.005, want
     assert exported(sc.snap["a1"], "millwright_trigger_delay_seconds_bucket")
 
 
@@ -346,6 +357,7 @@ def test_bpf_events_and_losses(sc):
     assert delta(sc, "a0", "a1", "millwright_bpf_events_total", kind="exec") > 0
     # a one-page perf buffer cannot hold a burst of 900 execs made while nobody reads it: events are lost and the loss
     # is an audit gap (source bpf)
+    assert "bpf_loss_error" not in sc.info, sc.info["bpf_loss_error"]
     assert msum(snap, "millwright_bpf_lost_events_total") > 0
     assert any(g.get("source") == "bpf" for g in agent_audit(sc.info["a0"], {"gap"}))
 

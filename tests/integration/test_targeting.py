@@ -15,7 +15,7 @@ from datetime import timedelta
 import pytest
 
 from agent.coordination import placement
-from agent.jobs.schedule import format_rfc3339
+from agent.jobs.schedule import format_rfc3339, parse_rfc3339
 from agent.jobs.view import get_job
 from agent.runtime.admin import query, render
 from tests.support.cluster import Cluster, recording_cluster
@@ -145,8 +145,8 @@ def test_kill_of_a_line2_agent_moves_its_jobs_only_within_line2(env):
              what="l2a's pool shards owned by l2b")
     moved_s = time.monotonic() - t_kill
     print(f"\nline-2 pool shards moved after kill -9 in {moved_s:.3f} s (TTL {c.ttl} s)")
-    # the contract bound is TTL + 1 s; a loaded shared host adds scheduling delay
-    assert moved_s < c.ttl + 5
+    # the contract: a kill -9's shards are owned again within TTL + 1 s (README, testing)
+    assert moved_s < c.ttl + 1, f"failover took {moved_s:.3f} s, the contract is TTL + 1 = {c.ttl + 1} s"
     time.sleep(6)
     recs = c.run_records()
     after = [r for r in recs.values() if r["job_id"].startswith("cron2-") and r.get("started_at")
@@ -191,8 +191,9 @@ def test_line2_jobs_wait_with_no_eligible_agent_then_run_by_misfire_policy(env):
     assert v["state"] == "waiting" and v["reason"] == "no_eligible_agent"
     assert "camera" in v["placement"]["detail"]
     assert get_job(c.client, c.keys, c.shards, "w-once")["placement"]["eligible"] == []
-    time.sleep(3)  # the at-firings fall due while no agent may run them
-    assert not [r for r in c.run_records().values() if r["job_id"].startswith("w-")]
+    # the at-firings fall due while no agent may run them; then a line-2 agent comes
+    time.sleep(max(0.0, parse_rfc3339(at).timestamp() + 1.5 - time.time()))
+    _, before_l2a = c.client.get_prefix(c.keys.members_prefix())
     start(c, "l2a")
     recs = wait_for(lambda: (lambda rs: rs if {"w-once", "w-skip"} <= {r["job_id"] for r in rs.values()
                                                                          if r["state"] in ("succeeded", "misfired")}
@@ -203,7 +204,12 @@ def test_line2_jobs_wait_with_no_eligible_agent_then_run_by_misfire_policy(env):
     assert "w-nokey" not in by_job
     wait_for(lambda: status(c, "l1a")["pools"][pool]["state"] == "active", 15, what="pool active")
     assert status(c, "l1a")["pools"][pool]["eligible"] == ["l2a"]
-    history_clean(c)
+    # nothing ran while no eligible agent was there: in the whole etcd history, every run
+    # record of the w- jobs was written by l2a, after the revision read before it started
+    events = history_clean(c)
+    w_writes = [(ev.rev, json.loads(ev.value)["agent"]) for ev in events
+                if ev.kind == "put" and ev.key.startswith(c.keys.prefix + "runs/") and "/w-" in ev.key]
+    assert w_writes and all(a == "l2a" and rev > before_l2a for rev, a in w_writes), (before_l2a, w_writes)
 
 
 def test_agent_without_the_template_is_never_eligible_even_if_its_labels_match(env):

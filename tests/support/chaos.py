@@ -2,25 +2,47 @@
 
 A real 3-member etcd on loopback, 4 `millwright run` agents, a mosquitto; a workload of
 one-shot, retrying and cron jobs pushed over MQTT whose script (tests/jobs/effect.sh)
-records each run's side effect; a nemesis that picks, one at a time, from kill -9 and
-restart of an agent, SIGTERM and restart, SIGSTOP/SIGCONT, nftables cuts agent↔etcd and
-agent↔broker (tables named per process and run, always removed), etcd leader kill and
-restart, and a pause of an etcd member. Afterwards the whole etcd history (one watch from
-revision 1, compaction off) and the side-effect log go through tests/support/history.py.
+records each run's side effect on its own clock; a nemesis that runs fault groups from a
+seeded plan (one fault, or two that overlap), each followed by a quiet window (at least
+TTL + 3 s with no fault). Every agent reaches each etcd member through a proxy of its own
+(tests/support/etcd_proxy.py); each member's data and each agent's state live on a small
+file system of their own (tests/support/faults.py). The faults:
+
+- agents: kill -9 and restart, SIGTERM and restart, SIGSTOP/SIGCONT; its wall clock set
+  2 s ahead or behind, or 30 s ahead (stepped back at the heal); its state disk slow
+  (fsyncs throttled) or full;
+- links (nftables, tables `mw_chaos_*`, always removed): agent<->etcd cut both ways,
+  requests only, replies only; agent<->broker cut, replies only; the agent's etcd replies
+  dropped (connections reset at the heal) or held and delivered late by its proxy;
+- etcd: the leader killed and restarted, a member paused, the leader isolated on its peer
+  port, quorum lost (2 of 3 members paused), a member's disk slow or full;
+- the broker killed (-9) and restarted.
+
+Afterwards the whole etcd history (one watch from revision 1, compaction off) and the
+side-effect log go through tests/support/history.py.
 
 Everything random comes from one seed, printed first; the same seed gives the same
-workload and the same fault schedule (the timing of a loaded machine does not repeat):
+workload and the same fault plan (the timing of a loaded machine does not repeat):
 
     make chaos SEED=1234 MINUTES=2          # python3 -m tests.support.chaos --seed 1234 --minutes 2
 
-Stated bounds (README, testing): a firing is resolved within LATENESS_BOUND_S of its due
-time, or of the end of the fault it fell into; owner_lost and misfired within the
-budget :func:`budget_for` derives from the faults injected.
+Stated bounds (README, testing):
+- a fault's affected window runs from its start to its heal + TTL; a firing is
+  *affected* when it could be in flight (due, or stored, to its last possible end) during
+  one, else it is *quiet*;
+- a quiet firing runs: it succeeds, one side effect per attempt, the first started within
+  QUIET_LATENESS_S of its due time on the side effect's own clock; never skipped, never
+  owner_lost, never misfired;
+- an affected firing is resolved within LATENESS_BOUND_S of its due time, or of the heal
+  of the fault it fell into; owner_lost and misfired stay within budgets counted from the
+  firings due inside the affected windows of the faults that can cost them
+  (:func:`budgets`).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import os
@@ -46,7 +68,9 @@ from agent.coordination.etcd import EtcdClient  # noqa: E402
 from agent.coordination.keys import Keys  # noqa: E402
 from agent.demo.services import AgentProcess, EtcdCluster, MosquittoServer, free_port  # noqa: E402
 from agent.jobs.schedule import fire_id, format_rfc3339  # noqa: E402
+from tests.support import faults as fx  # noqa: E402
 from tests.support import history  # noqa: E402
+from tests.support.etcd_proxy import ReplyProxy  # noqa: E402
 
 EFFECT = os.path.join(ROOT, "tests", "jobs", "effect.sh")
 CLUSTER = "chaos"
@@ -54,18 +78,47 @@ SHARDS = 16
 TTL_S = 4
 RENEW_DEADLINE_S = 2.5
 CRON_PERIOD_S = 2
+CRON_SLEEP_S = 0.3
 JOB_SLEEP_MAX_S = 0.6
 KILL_GRACE_S = 1.0
-# A firing is resolved (its first attempt started, or it ended without a run) within this
-# long after its due time, or after the end of the fault it fell into: the lease TTL for
-# the old owner's keys to expire, the TTL again for a self-fenced agent's new session and
-# a rebalance, and 2 s for claims and process start on a loaded 2-core machine.
+RETRY_BACKOFFS_S = (1.0, 2.0)   # the retrying jobs' waits before attempts 2 and 3 (backoff 1 s, max 2 s)
+# A fault's consequences (lease expiry, a fenced agent's new session, rebalance) are over
+# one TTL after its heal; the next fault group starts at least 3 s after that.
+AFTER_HEAL_S = float(TTL_S)
+QUIET_MIN_S = TTL_S + 3.0
+QUIET_EXTRA_S = 8.0             # quiet windows last QUIET_MIN_S .. QUIET_MIN_S + QUIET_EXTRA_S
+# A firing due in a quiet window starts within this long of its due time: claim and process
+# start on a loaded 2-core machine, or a graceful hand-over of its shard (half the TTL).
+QUIET_LATENESS_S = 3.0
+# One attempt's claim, start, reap and record write on a loaded machine, besides its sleep.
+RUN_OVERHEAD_S = 1.0
+# An affected firing is resolved within this long after its due time, or after the heal of
+# the fault it fell into: the lease TTL for the old owner's keys to expire, the TTL again
+# for a self-fenced agent's new session and a rebalance, and 2 s for claims and process
+# start on a loaded 2-core machine.
 LATENESS_BOUND_S = 2 * TTL_S + 2.0
-# A fault's consequences last until its end plus this (lease expiry, rejoin, rebalance).
-RECOVERY_S = TTL_S + 3.0
-FAULTS = ("agent_kill9", "agent_restart", "agent_pause", "cut_etcd", "cut_broker", "etcd_leader_kill",
-          "etcd_member_pause")
-AGENT_FAULTS = {"agent_kill9", "agent_restart", "agent_pause", "cut_etcd"}
+FAULTS = ("agent_kill9", "agent_restart", "agent_pause", "cut_etcd", "cut_broker",
+          "cut_etcd_requests", "cut_etcd_replies", "cut_broker_replies", "etcd_replies_drop", "etcd_replies_delay",
+          "clock_skew", "clock_jump", "agent_disk_slow", "agent_disk_full",
+          "etcd_leader_kill", "etcd_member_pause", "etcd_leader_isolate", "etcd_quorum_loss",
+          "etcd_disk_slow", "etcd_disk_full", "broker_kill")
+# faults aimed at one agent: they can cost the firings of its shards only
+AGENT_FAULTS = {"agent_kill9", "agent_restart", "agent_pause", "cut_etcd", "cut_broker", "cut_etcd_requests",
+                "cut_etcd_replies", "cut_broker_replies", "etcd_replies_drop", "etcd_replies_delay", "clock_skew",
+                "clock_jump", "agent_disk_slow", "agent_disk_full"}
+ETCD_FAULTS = {"etcd_leader_kill", "etcd_member_pause", "etcd_leader_isolate", "etcd_quorum_loss", "etcd_disk_slow",
+               "etcd_disk_full"}
+# faults that cannot fence an agent, so cost no run and skip no cron firing
+HARMLESS_TO_RUNS = {"cut_broker", "cut_broker_replies", "broker_kill"}
+CLOCK_FAULTS = {"clock_skew": 2, "clock_jump": 30}   # seconds (a skew is +2 or -2; a jump is forward)
+DISK_FAULTS = {"agent_disk_slow", "agent_disk_full", "etcd_disk_slow", "etcd_disk_full"}
+# the outcomes a fault may cost besides owner_lost and misfired: a graceful stop kills its
+# runs (killed/agent_stopped); a full state disk fails their start (failed/spawn_error...)
+KILLS_RUNS = {"agent_restart"}
+FAILS_RUNS = {"agent_disk_full"}
+OVERLAP_P = 0.35                # a fault group holds two overlapping faults this often
+DISK_SLOW_IOPS = 5              # a slow disk: every fsync waits about 1/5 s
+ETCD_DISK_MB, AGENT_DISK_MB = 256, 64
 
 
 def now() -> datetime:
@@ -78,6 +131,31 @@ class Fault:
     target: str
     start: float
     end: float = 0.0
+    group: int = 0
+    shards: Optional[frozenset] = None   # the shards it can cost (its agent's, at start and after): None, all
+    loses_runs: bool = True
+    reach_s: float = 0.0    # a clock ahead by this much runs firings due this much later
+    offset_s: int = 0       # a clock fault's offset
+    note: str = ""          # what the heal found (a process the fault ended)
+
+    def window(self) -> tuple[float, float]:
+        """When it may change what the agents do: from its start to its heal + TTL (a
+        clock ahead reaches that much further)."""
+        return self.start, self.end + self.reach_s + AFTER_HEAL_S
+
+
+@dataclass(frozen=True)
+class PlannedFault:
+    kind: str
+    offset: float     # seconds after its group's start
+    duration: float
+    pick: int         # which agent or member it targets (an index, taken modulo the count)
+
+
+@dataclass(frozen=True)
+class PlannedGroup:
+    at: float         # earliest start, seconds after the workload's t0
+    faults: tuple[PlannedFault, ...]
 
 
 @dataclass
@@ -92,55 +170,124 @@ class Result:
     figures: dict = field(default_factory=dict)
 
 
-def budget_for(faults: list[Fault], n_cron: int, agents: int) -> history.Budget:
-    """The most owner_lost and misfired firings the faults may cost.
-
-    owner_lost: a run in flight when its agent dies, stops or is cut off ends `failed/
-    owner_lost` (max_attempts 1): 3 per agent fault; an etcd fault can fence every agent
-    at once: 3 per agent. misfired: a cron firing due while its shard had no working owner
-    is skipped by misfire run_once (only the latest one runs): per fault and cron job, the
-    firings in the fault plus the recovery time. One-shot firings never count here: the
-    checker fails any misfired one-shot."""
-    lost = 0
-    missed = 0
-    for f in faults:
-        lost += 3 if f.kind in AGENT_FAULTS else (3 * agents if f.kind.startswith("etcd_") else 0)
-        if f.kind != "cut_broker":
-            missed += n_cron * math.ceil((f.end - f.start + RECOVERY_S + 1) / CRON_PERIOD_S)
-    return history.Budget(owner_lost=lost, misfired=missed)
+def _category(kind: str) -> str:
+    return "etcd" if kind in ETCD_FAULTS else "broker" if kind == "broker_kill" else "agent"
 
 
-class NftCut:
-    """Drop TCP to and from addr:ports in the input hook (a lost link, with retransmits),
-    in a table named for this process and a random suffix; removed by heal()."""
+def plan_faults(rng: random.Random, horizon: float, kinds: tuple[str, ...] = FAULTS) -> list[PlannedGroup]:
+    """The seeded fault plan: groups of one fault, or two that overlap (OVERLAP_P: the
+    second starts while the first is on, at another agent, or on another component), each
+    group after a quiet window of QUIET_MIN_S .. QUIET_MIN_S + QUIET_EXTRA_S (counted by
+    the nemesis from the previous group's heal, so a slow heal delays the plan instead of
+    shortening the window)."""
+    out = []
+    t = rng.uniform(QUIET_MIN_S, QUIET_MIN_S + QUIET_EXTRA_S)
+    while True:
+        kind = rng.choice(kinds)
+        duration = rng.uniform(1.5, 6.0)
+        pick = rng.randrange(1 << 16)
+        faults = [PlannedFault(kind, 0.0, duration, pick)]
+        if rng.random() < OVERLAP_P:
+            k2 = rng.choice(kinds)
+            offset = rng.uniform(0.5, duration)
+            d2 = rng.uniform(1.5, 6.0)
+            pick2 = pick + 1 + rng.randrange(3)   # another agent (of four) or member (of three)
+            if k2 != kind and (_category(k2) != _category(kind) or _category(k2) == "agent"):
+                faults.append(PlannedFault(k2, offset, d2, pick2))
+        length = max(f.offset + f.duration for f in faults)
+        if t + length > horizon - 2:
+            return out
+        out.append(PlannedGroup(t, tuple(faults)))
+        t += length + rng.uniform(QUIET_MIN_S, QUIET_MIN_S + QUIET_EXTRA_S)
 
-    def __init__(self, addr: str, ports: list[int]):
-        self.table = f"mw_chaos_{os.getpid()}_{secrets.token_hex(3)}"
-        self.addr, self.ports = addr, ports
-        self.active = False
 
-    def apply(self) -> "NftCut":
-        ports = ", ".join(str(p) for p in self.ports)
-        rules = f"""
-table inet {self.table} {{
-  chain inp {{ type filter hook input priority -10; policy accept;
-    ip daddr {self.addr} tcp dport {{ {ports} }} drop
-    ip saddr {self.addr} tcp sport {{ {ports} }} drop
-  }}
-}}"""
-        subprocess.run(["nft", "-f", "-"], input=rules.encode(), check=True)
-        self.active = True
-        return self
+def flight_s(f: history.Firing, sleep_s: float) -> float:
+    """How long after its due time a firing can still be in flight when nothing goes wrong:
+    the quiet lateness bound, then each attempt (its sleep and overhead) and the backoffs."""
+    attempts = f.max_attempts
+    backoff = sum(RETRY_BACKOFFS_S[:attempts - 1])
+    return QUIET_LATENESS_S + attempts * (sleep_s + RUN_OVERHEAD_S) + backoff
 
-    def heal(self) -> None:
-        if self.active:
-            subprocess.run(["nft", "delete", "table", "inet", self.table], check=False)
-            self.active = False
+
+def _overlaps(a0: float, a1: float, b0: float, b1: float) -> bool:
+    return a0 <= b1 and b0 <= a1
+
+
+def affected_at(faults: list[Fault], t: float) -> bool:
+    return any(w[0] <= t <= w[1] for w in (f.window() for f in faults))
+
+
+def effective_due(faults: list[Fault], d: float) -> float:
+    """A firing due during a fault is due again at its heal (and so on through overlaps)."""
+    e = d
+    moved = True
+    while moved:
+        moved = False
+        for f in faults:
+            if f.start - 1.0 <= e < f.end:
+                e, moved = f.end, True
+    return e
+
+
+def is_quiet(faults: list[Fault], f: history.Firing, sleep_s: float) -> bool:
+    """No fault's window meets the firing between its due (or store) time and the end of
+    its last attempt."""
+    t0 = max(f.due, f.stored_at)
+    t1 = t0 + flight_s(f, sleep_s)
+    return not any(_overlaps(t0, t1, *g.window()) for g in faults)
+
+
+def exposed(faults: list[Fault], firings: list[history.Firing], sleep_of: dict[str, float],
+            shard_of_job: Callable[[str], int]) -> dict[str, set]:
+    """Per outcome, the firings a fault could cost it: those that could be in flight in its
+    window (misfired: the cron firings due inside it), on the shards it touches (an agent
+    fault: its agent's, at its start and TTL after its heal; an etcd fault: all).
+    owner_lost and misfired: the faults that can fence an agent; killed: a graceful stop;
+    failed (another reason than owner_lost): a full state disk."""
+    out: dict[str, set] = {"owner_lost": set(), "misfired": set(), "killed": set(), "failed": set()}
+    for g in faults:
+        w0, w1 = g.window()
+        for f in firings:
+            if g.shards is not None and shard_of_job(f.job) not in g.shards:
+                continue
+            t0 = max(f.due, f.stored_at)
+            key = (f.job, f.fire_id)
+            if not _overlaps(t0, t0 + flight_s(f, sleep_of.get(f.job, 0.0)), w0, w1):
+                continue
+            if g.loses_runs:
+                out["owner_lost"].add(key)
+                if f.may_skip and w0 <= f.due <= w1:
+                    out["misfired"].add(key)
+            if g.kind in KILLS_RUNS:
+                out["killed"].add(key)
+            if g.kind in FAILS_RUNS:
+                out["failed"].add(key)
+    return out
+
+
+def budgets(faults: list[Fault], firings: list[history.Firing], sleep_of: dict[str, float],
+            shard_of_job: Callable[[str], int]) -> tuple[history.Budget, dict[str, set]]:
+    """owner_lost and misfired budgets: how many firings the faults could cost each (see
+    :func:`exposed`; each firing counts once)."""
+    ex = exposed(faults, firings, sleep_of, shard_of_job)
+    return history.Budget(owner_lost=len(ex["owner_lost"]), misfired=len(ex["misfired"])), ex
+
+
+def affected_share(faults: list[Fault], t0: float, t1: float) -> float:
+    """The share of [t0, t1] inside some fault's window."""
+    spans = sorted((max(t0, a), min(t1, b)) for a, b in (f.window() for f in faults) if b > t0 and a < t1)
+    covered, end = 0.0, t0
+    for a, b in spans:
+        a = max(a, end)
+        if b > a:
+            covered += b - a
+            end = b
+    return covered / (t1 - t0) if t1 > t0 else 0.0
 
 
 class ChaosRun:
     def __init__(self, seed: int, minutes: float = 2.0, workdir: Optional[str] = None, agents: int = 4,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, kinds: tuple[str, ...] = FAULTS):
         self.seed = seed
         self.minutes = minutes
         self.rng = random.Random(seed)
@@ -152,7 +299,13 @@ class ChaosRun:
         self.agents: dict[str, AgentProcess] = {}
         self.hosts: dict[str, str] = {}
         self.broker_ports: dict[str, int] = {}
-        self.cuts: list[NftCut] = []
+        self.rules: list[fx.NftRules] = []
+        self.proxies: dict[str, list[ReplyProxy]] = {}
+        self.clocks: dict[str, fx.Clock] = {}
+        self.disks: dict[str, fx.LoopDisk] = {}
+        self.throttles: list[fx.BlkioThrottle] = []
+        self.netcls: Optional[fx.NetCls] = None
+        self.push_time: dict[str, float] = {}
         self.faults: list[Fault] = []
         self.keys = Keys(CLUSTER)
         self.out = os.path.join(self.dir, "effects.log")
@@ -162,6 +315,11 @@ class ChaosRun:
         self.pusher = None
         self.pushed: dict[str, dict] = {}
         self.firings: list[history.Firing] = []
+        self.sleep_of: dict[str, float] = {}
+        self.stored_at: dict[str, float] = {}
+        self.rev_clock: list[tuple[int, float]] = []   # (revision read, when): this process's clock
+        self.t_quiet_from = 0.0
+        self.kinds = tuple(kinds)
         self.keep = False
 
     def say(self, msg: str) -> None:
@@ -176,7 +334,24 @@ class ChaosRun:
         # starting removes "stale" ones, so a0 of another test run must never be ours
         ids = [f"a{i}-{os.getpid() % 100000}" for i in range(self.n_agents)]
         self.hosts = {a: f"127.0.0.{10 + i}" for i, a in enumerate(ids)}
-        self.etcd = EtcdCluster(3, os.path.join(self.dir, "etcd"), extra_hosts=tuple(self.hosts.values())).start()
+        self.etcd = EtcdCluster(3, os.path.join(self.dir, "etcd"), extra_hosts=tuple(self.hosts.values()))
+        disks = os.path.join(self.dir, "disks")
+        os.makedirs(disks, exist_ok=True)
+        if DISK_FAULTS & set(self.kinds):
+            # each member's data and each agent's state on a file system of its own
+            for m in self.etcd.members:
+                self.disks[m.member_name] = fx.LoopDisk(os.path.join(disks, f"{m.member_name}.img"),
+                                                        os.path.join(m.dir, "data"), ETCD_DISK_MB).create()
+            for a in ids:
+                self.disks[a] = fx.LoopDisk(os.path.join(disks, f"{a}.img"),
+                                            os.path.join(self.dir, "agents", a, "state"), AGENT_DISK_MB).create()
+        if "etcd_leader_isolate" in self.kinds:
+            self.netcls = fx.NetCls(self.dir).mount()
+        self.etcd.start()
+        # each agent reaches each member through a proxy of its own, on its own address
+        for a in ids:
+            self.proxies[a] = [ReplyProxy(self.hosts[a], free_port(self.hosts[a]), ("127.0.0.1", m.port)).start()
+                               for m in self.etcd.members]
         self.broker_ports = {a: free_port() for a in ids}
         listeners = "".join(f"listener {p} 127.0.0.1\n" for p in self.broker_ports.values())
         self.mq = MosquittoServer(os.path.join(self.dir, "mosquitto"), extra_conf=listeners)
@@ -184,8 +359,14 @@ class ChaosRun:
         self.mq.start()
         self.ring = write_keys(os.path.join(self.dir, "keys.yaml"))
         os.makedirs(os.path.join(self.dir, "agents"), exist_ok=True)
+        shim = ""
         for a in ids:
-            self.agents[a] = AgentProcess(a, os.path.join(self.dir, "agents"), self._config(a)).start()
+            env: dict = {}
+            if CLOCK_FAULTS.keys() & set(self.kinds):
+                shim = shim or fx.Clock.build(self.dir)
+                self.clocks[a] = fx.Clock(os.path.join(self.dir, f"clock-{a}"), shim)
+                env = self.clocks[a].env()
+            self.agents[a] = AgentProcess(a, os.path.join(self.dir, "agents"), self._config(a), env=env).start()
         self.client = EtcdClient(EtcdConfig(endpoints=self.etcd.endpoints, request_timeout_s=2.0))
         deadline = time.monotonic() + 90
         while len(self._owners()) < SHARDS or len(set(self._owners().values())) < self.n_agents:
@@ -201,7 +382,8 @@ class ChaosRun:
 
     def _config(self, agent: str) -> dict:
         return {"cluster": CLUSTER, "shards": SHARDS, "drain_timeout_s": 2.0,
-                "etcd": {"endpoints": self.etcd.endpoints_on(self.hosts[agent]), "lease_ttl_s": TTL_S,
+                "etcd": {"endpoints": [f"http://{self.hosts[agent]}:{p.port}" for p in self.proxies[agent]],
+                         "lease_ttl_s": TTL_S,
                          "renew_deadline_s": RENEW_DEADLINE_S, "retry_period_s": 0.5, "request_timeout_s": 1.0},
                 "mqtt": {"url": f"mqtt://127.0.0.1:{self.broker_ports[agent]}", "reconnect_min_s": 0.2,
                          "reconnect_max_s": 1.0, "ingest_grace_s": 1.5},
@@ -225,7 +407,7 @@ class ChaosRun:
         time, so pushes go on while faults do."""
         rng = self.rng
         plan = []
-        issued = now().replace(microsecond=0)
+        issued = (t0 - timedelta(seconds=4)).replace(microsecond=0)   # t0 is 4 s after now
         n_at = max(10, int(horizon / 1.5))
         n_retry = max(3, int(horizon / 8))
         for i in range(n_at + n_retry):
@@ -233,8 +415,10 @@ class ChaosRun:
             jid = f"{'r' if retrying else 'o'}{i:03d}-{self.seed % 1000}"
             due = t0 + timedelta(seconds=rng.uniform(0, horizon))
             due = due.replace(microsecond=(due.microsecond // 1000) * 1000)
+            sleep = round(rng.uniform(0.1, JOB_SLEEP_MAX_S), 2)
+            self.sleep_of[jid] = sleep
             doc = {"v": 1, "id": jid, "template": "fx",
-                   "params": {"sleep": f"{rng.uniform(0.1, JOB_SLEEP_MAX_S):.2f}", "fail_until": "2" if retrying else "0"},
+                   "params": {"sleep": f"{sleep:.2f}", "fail_until": "2" if retrying else "0"},
                    "schedule": {"at": format_rfc3339(due)}, "misfire": "run_once"}
             if retrying:
                 doc["retry"] = {"max_attempts": 3, "backoff_s": 1.0, "max_backoff_s": 2.0, "jitter": 0}
@@ -246,7 +430,8 @@ class ChaosRun:
         self.n_cron = 4
         for i in range(self.n_cron):
             jid = f"c{i}-{self.seed % 1000}"
-            doc = {"v": 1, "id": jid, "template": "fx", "params": {"sleep": "0.3", "fail_until": "0"},
+            self.sleep_of[jid] = CRON_SLEEP_S
+            doc = {"v": 1, "id": jid, "template": "fx", "params": {"sleep": f"{CRON_SLEEP_S}", "fail_until": "0"},
                    "schedule": {"cron": f"*/{CRON_PERIOD_S} * * * * *"}, "misfire": "run_once", "overlap": "forbid",
                    "issued_at": format_rfc3339(issued), "not_after": format_rfc3339(not_after)}
             plan.append((time.time(), doc))
@@ -265,7 +450,8 @@ class ChaosRun:
         doc = dict(doc, cluster=CLUSTER, kind="job")  # bound to this cluster (signed with it)
         doc.setdefault("issued_at", format_rfc3339(now().replace(microsecond=0)))
         body = json.dumps(sign(doc, self.ring, "cloud-1"), separators=(",", ":")).encode()
-        self.pusher.publish(Topics(CLUSTER).push, body, qos=1)
+        self.push_time[doc["id"]] = time.time()
+        self.pusher.publish(Topics(CLUSTER).push, body, qos=1)   # queued by paho while disconnected
         self.pushed[doc["id"]] = doc
 
     def _pusher_thread(self, plan, stop: threading.Event) -> None:
@@ -275,70 +461,227 @@ class ChaosRun:
             self._push(doc)
 
     # --- nemesis -------------------------------------------------------------------------
-    def _inject(self, kind: str, duration: float) -> Fault:
-        rng = self.rng
-        agent = rng.choice(sorted(self.agents))
-        if kind.startswith("etcd_"):
-            f = Fault(kind, "", time.time())
-            if kind == "etcd_leader_kill":
-                m = self.etcd.leader()
-                f.target = m.member_name
-                m.kill()
-                self.say(f"FAULT etcd leader {m.member_name} killed for {duration:.1f}s")
-                time.sleep(duration)
-                m.start()
-            else:
-                m = rng.choice(self.etcd.members)
-                f.target = m.member_name
-                m.pause()
-                self.say(f"FAULT etcd member {m.member_name} paused for {duration:.1f}s")
-                time.sleep(duration)
-                m.resume()
-            self.etcd.wait_healthy(60)
-        else:
-            a = self.agents[agent]
-            f = Fault(kind, agent, time.time())
-            self.say(f"FAULT {kind} {agent} for {duration:.1f}s")
-            if kind == "agent_kill9":
-                a.kill()
-                time.sleep(duration)
-                a.start()
-            elif kind == "agent_restart":
-                a.terminate(timeout=30)
-                time.sleep(duration)
-                a.start()
-            elif kind == "agent_pause":
-                a.signal(signal.SIGSTOP)
-                time.sleep(duration)
-                a.signal(signal.SIGCONT)
-            else:
-                ports = [m.port for m in self.etcd.members] if kind == "cut_etcd" else [self.broker_ports[agent]]
-                addr = self.hosts[agent] if kind == "cut_etcd" else "127.0.0.1"
-                cut = NftCut(addr, ports)
-                self.cuts.append(cut)
-                cut.apply()
-                time.sleep(duration)
-                cut.heal()
-        f.end = time.time()
-        self.say(f"HEAL  {kind} {f.target} after {f.end - f.start:.1f}s")
-        return f
+    def _shards_of(self, agent: str) -> set[int]:
+        return {int(k.rsplit("/", 1)[1]) for k, v in self._owners().items() if v == agent}
 
-    def nemesis(self, until: float) -> None:
-        while True:
-            gap = self.rng.uniform(1.0, 4.0)
-            duration = self.rng.uniform(1.5, 6.0)
-            kind = self.rng.choice(FAULTS)
-            if time.time() + gap + duration > until:
+    def _rules(self, text: str, hook: str = "input") -> fx.NftRules:
+        r = fx.NftRules(text, hook)
+        self.rules.append(r)
+        return r.apply()
+
+    def _restart_member_if_dead(self, m, f: Fault) -> None:
+        if m.proc is None or m.proc.poll() is not None:
+            f.note = f"{m.member_name} exited ({m.proc.returncode if m.proc else 'stopped'}); restarted"
+            self.say(f"  {f.note}")
+            m.start()
+
+    def _apply(self, pf: PlannedFault, group: int) -> tuple[Fault, Callable[[], None]]:
+        """Start one fault; returns it and the function that heals it."""
+        kind = pf.kind
+        ids = sorted(self.agents)
+        agent = ids[pf.pick % len(ids)]
+        members = self.etcd.members
+        f = Fault(kind, agent if kind in AGENT_FAULTS else "", time.time(), group=group,
+                  loses_runs=kind not in HARMLESS_TO_RUNS)
+        if kind in AGENT_FAULTS:
+            f.shards = frozenset(self._shards_of(agent))
+        a = self.agents[agent]
+        proxy_ports = [p.port for p in self.proxies[agent]]
+        heal: Callable[[], None]
+
+        def healthy() -> None:
+            self.etcd.wait_healthy(60)
+
+        if kind == "etcd_leader_kill":
+            m = self.etcd.leader()
+            f.target = m.member_name
+            m.kill()
+
+            def heal():
+                m.start()
+                healthy()
+        elif kind == "etcd_member_pause":
+            m = members[pf.pick % len(members)]
+            f.target = m.member_name
+            m.pause()
+
+            def heal():
+                m.resume()
+                healthy()
+        elif kind == "etcd_quorum_loss":
+            two = [members[(pf.pick + i) % len(members)] for i in (0, 1)]
+            f.target = "+".join(m.member_name for m in two)
+            for m in two:
+                m.pause()
+
+            def heal():
+                for m in two:
+                    m.resume()
+                healthy()
+        elif kind == "etcd_leader_isolate":
+            # the leader's peer traffic, both ways: connections to its peer port, and its own
+            # (net_cls-tagged) connections to the others' peer ports; clients still reach it
+            m = self.etcd.leader()
+            f.target = m.member_name
+            pid, classid = m.proc.pid, 0x100001 + m.index
+            self.netcls.tag(pid, classid)
+            peers = fx.ports(x.peer_port for x in members)
+            rules = self._rules(f"    meta cgroup {classid} tcp dport {peers} drop\n"
+                                f"    tcp dport {m.peer_port} drop\n    tcp sport {m.peer_port} drop", hook="output")
+
+            def heal():
+                rules.heal()
+                self.netcls.untag(pid)
+                healthy()
+        elif kind in ("etcd_disk_slow", "etcd_disk_full"):
+            m = members[pf.pick % len(members)]
+            f.target = m.member_name
+            disk = self.disks[m.member_name]
+            if kind == "etcd_disk_slow":
+                th = fx.BlkioThrottle(m.member_name)
+                self.throttles.append(th)
+                th.apply(m.proc.pid, disk.majmin, DISK_SLOW_IOPS)
+                heal = th.heal
+            else:
+                disk.fill()
+
+                def heal():
+                    disk.unfill()
+                    self._restart_member_if_dead(m, f)
+                    healthy()
+        elif kind == "broker_kill":
+            f.target = "mosquitto"
+            self.mq.kill()
+            heal = self.mq.start
+        elif kind == "agent_kill9":
+            a.kill()
+            heal = a.start
+        elif kind == "agent_restart":
+            a.terminate(timeout=30)
+            heal = a.start
+        elif kind == "agent_pause":
+            a.signal(signal.SIGSTOP)
+
+            def heal():
+                a.signal(signal.SIGCONT)
+        elif kind in ("cut_etcd", "cut_etcd_requests", "cut_etcd_replies"):
+            way = {"cut_etcd": "both", "cut_etcd_requests": "requests", "cut_etcd_replies": "replies"}[kind]
+            heal = self._rules(fx.cut_rules(self.hosts[agent], proxy_ports, way)).heal
+        elif kind in ("cut_broker", "cut_broker_replies"):
+            way = "both" if kind == "cut_broker" else "replies"
+            heal = self._rules(fx.cut_rules("127.0.0.1", [self.broker_ports[agent]], way)).heal
+        elif kind in ("etcd_replies_drop", "etcd_replies_delay"):
+            for p in self.proxies[agent]:
+                p.set_mode("drop" if kind == "etcd_replies_drop" else "hold")
+
+            def heal():
+                for p in self.proxies[agent]:
+                    p.set_mode("pass")
+        elif kind in CLOCK_FAULTS:
+            clock = self.clocks[agent]
+            f.offset_s = CLOCK_FAULTS[kind] * (1 if kind == "clock_jump" or pf.pick % 2 else -1)
+            f.reach_s = max(0, f.offset_s)
+            clock.set(f.offset_s)
+
+            def heal():
+                clock.set(0)
+                time.sleep(0.3)   # the shim reads the offset again every 200 ms
+        elif kind == "agent_disk_slow":
+            th = fx.BlkioThrottle(agent)
+            self.throttles.append(th)
+            th.apply(a.pid, self.disks[agent].majmin, DISK_SLOW_IOPS)
+            heal = th.heal
+        elif kind == "agent_disk_full":
+            disk = self.disks[agent]
+            disk.fill()
+
+            def heal():
+                disk.unfill()
+                if not a.alive():
+                    f.note = f"{agent} exited ({a.proc.returncode if a.proc else '?'}); restarted"
+                    self.say(f"  {f.note}")
+                    a.start()
+        else:
+            raise ValueError(f"unknown fault kind {kind!r}")
+        self.say(f"FAULT {kind} {f.target}" + (f" {f.offset_s:+d}s" if f.offset_s else "")
+                 + f" for {pf.duration:.1f}s")
+        return f, heal
+
+    def _run_group(self, group: int, pg: PlannedGroup) -> list[Fault]:
+        """Apply and heal the group's faults on their offsets (they may overlap)."""
+        t_group = time.time()
+        steps = sorted([(pf.offset, 0, i) for i, pf in enumerate(pg.faults)]
+                       + [(pf.offset + pf.duration, 1, i) for i, pf in enumerate(pg.faults)])
+        live: dict[int, tuple[Fault, Callable[[], None]]] = {}
+        done: list[Fault] = []
+        for at, what, i in steps:
+            time.sleep(max(0.0, t_group + at - time.time()))
+            if what == 0:
+                live[i] = self._apply(pg.faults[i], group)
+            else:
+                f, heal = live.pop(i)
+                heal()
+                f.end = time.time()
+                self.say(f"HEAL  {f.kind} {f.target} after {f.end - f.start:.1f}s")
+                done.append(f)
+        return done
+
+    def nemesis(self, t0: float, until: float, plan: list[PlannedGroup]) -> None:
+        """Run the plan; each group starts no earlier than planned and no earlier than
+        QUIET_MIN_S after the previous group's heal."""
+        last_heal = 0.0
+        for n, pg in enumerate(plan):
+            start = max(t0 + pg.at, last_heal + QUIET_MIN_S)
+            length = max(pf.offset + pf.duration for pf in pg.faults)
+            if start + length > until:
                 return
-            time.sleep(gap)
-            self.faults.append(self._inject(kind, duration))
+            time.sleep(max(0.0, start - time.time()))
+            faults = self._run_group(n, pg)
+            last_heal = max(f.end + f.reach_s for f in faults)   # a clock ahead reaches further
+            # the shards an agent fault can cost include those its agent holds after the heal
+            time.sleep(max(0.0, last_heal + AFTER_HEAL_S - time.time()))
+            for f in faults:
+                if f.shards is not None:
+                    f.shards = f.shards | self._shards_of(f.target)
+            self.faults.extend(faults)
+
+    def _watch_stores(self, stop: threading.Event) -> None:
+        """When each job first appears in etcd (this process's clock, every 0.25 s): a
+        firing stored after its due time is due when stored. Each read's revision and time
+        also date the history's writes on this clock (:meth:`rev_time`), whatever clock
+        the agent that wrote them had."""
+        prefix = self.keys.jobs_prefix()
+        while not stop.wait(0.25):
+            try:
+                kvs, rev = self.client.get_prefix(prefix, keys_only=True, timeout=1.0)
+            except Exception:  # noqa: BLE001 - polled again (etcd faults)
+                continue
+            t = time.time()
+            self.rev_clock.append((rev, t))
+            for kv in kvs:
+                self.stored_at.setdefault(kv.key.rsplit("/", 1)[1], t)
 
     # --- judging ------------------------------------------------------------------------
-    def effective_due(self, d: float) -> float:
-        return max([d] + [f.end for f in self.faults if f.start - 1.0 <= d <= f.end])
-
     def affected(self, d: float) -> bool:
-        return any(f.start - 1.0 <= d <= f.end + RECOVERY_S for f in self.faults)
+        return affected_at(self.faults, d)
+
+    def effective_due(self, d: float) -> float:
+        return effective_due(self.faults, d)
+
+    def rev_time(self, rev: int) -> Optional[float]:
+        """When the write at ``rev`` had surely happened: the first read that saw it."""
+        i = bisect.bisect_left(self.rev_clock, (rev, 0.0))
+        return self.rev_clock[i][1] if i < len(self.rev_clock) else None
+
+    def early_ok_s(self, se: history.SideEffect) -> float:
+        """How early a run may start by its agent's clock fault (the shim reads the offset
+        every 200 ms; a run claimed ahead under it starts up to its claim lead later)."""
+        ahead = [g.offset_s for g in self.faults if g.kind in CLOCK_FAULTS and g.target == se.agent
+                 and g.offset_s > 0 and g.start - 1.0 <= se.start <= g.end + 2.0]
+        return 0.05 + max(ahead, default=0)
+
+    def quiet(self, f: history.Firing) -> bool:
+        return f.due >= self.t_quiet_from and is_quiet(self.faults, f, self.sleep_of[f.job])
 
     def _all_resolved(self) -> bool:
         try:
@@ -367,11 +710,13 @@ class ChaosRun:
             horizon = max(20.0, self.minutes * 60 - 40)
             t0 = now() + timedelta(seconds=4)
             plan = self.plan_workload(t0, horizon)
-            pusher = threading.Thread(target=self._pusher_thread, args=(plan, stop), daemon=True)
-            pusher.start()
-            self.say(f"workload: {len(self.firings)} firings of {len(plan)} jobs over {horizon:.0f}s")
-            self.nemesis(t0.timestamp() + horizon - 2)
-            pusher.join(max(0.0, t0.timestamp() + horizon - time.time() + 5))
+            fault_plan = plan_faults(self.rng, horizon, self.kinds)
+            self.t_quiet_from = t0.timestamp()
+            threading.Thread(target=self._pusher_thread, args=(plan, stop), daemon=True).start()
+            threading.Thread(target=self._watch_stores, args=(stop,), daemon=True).start()
+            self.say(f"workload: {len(self.firings)} firings of {len(plan)} jobs over {horizon:.0f}s; "
+                     f"{len(fault_plan)} fault groups planned")
+            self.nemesis(t0.timestamp(), t0.timestamp() + horizon - 2, fault_plan)
             # the faults are healed; every firing must resolve within the bound
             end = max(t0.timestamp() + horizon, max((f.end for f in self.faults), default=0)) + LATENESS_BOUND_S + 5
             last_due = max(f.due for f in self.firings)
@@ -381,40 +726,113 @@ class ChaosRun:
             # stop the agents before reading: no write or side effect can land after the read
             for a in self.agents.values():
                 a.kill()
-            events = history.read_history(self.client, self.keys.prefix, contiguous=True)
-            effects = history.parse_effects(self.out)
-            budget = budget_for(self.faults, self.n_cron, self.n_agents)
-            rep = history.check(events, self.keys.prefix, firings=self.firings, effects=effects, budget=budget,
-                                lateness_bound_s=LATENESS_BOUND_S, effective_due=self.effective_due,
-                                affected=self.affected, max_run_s=JOB_SLEEP_MAX_S + KILL_GRACE_S + 1.0)
-            kvs, _ = self.client.get_prefix(self.keys.jobs_prefix())
-            stored = {kv.key.rsplit("/", 1)[1] for kv in kvs}
-            for jid in sorted(set(self.pushed) - stored):
-                rep.fail(f"job {jid}: pushed over MQTT, never stored in etcd")
-            res = Result(self.seed, self.minutes, rep, self.faults, len(self.pushed), len(stored & set(self.pushed)),
-                         time.monotonic() - t_wall)
-            res.figures = {"seed": self.seed, "faults": len(self.faults),
-                           "fault_kinds": sorted({f.kind for f in self.faults}),
-                           "firings": rep.stats.get("firings"), "side_effects": rep.stats.get("side_effects"),
-                           "events": rep.stats.get("events"), "states": rep.stats.get("states"),
-                           "failed_reasons": rep.stats.get("failed_reasons"),
-                           "lateness_p99_s": _r(rep.stats.get("lateness_p99_s")),
-                           "lateness_max_s": _r(rep.stats.get("lateness_max_s")),
-                           "owner_lost": f"{rep.stats.get('owner_lost')}/{budget.owner_lost}",
-                           "misfired": f"{rep.stats.get('misfired')}/{budget.misfired}",
-                           "pushed": res.pushed, "stored": res.stored, "wall_s": round(res.wall_s, 1)}
-            self.log("chaos figures: " + json.dumps(res.figures))
-            if rep.problems:
-                self.keep = True
-                self.log(f"chaos: failed; kept {self.dir} (agents' logs and audit, effects.log)")
-            return res
+            stop.set()
+            return self.judge(t0.timestamp(), horizon, t_wall)
         finally:
             stop.set()
             self.close()
 
+    def judge(self, t0: float, horizon: float, t_wall: float) -> Result:
+        events = history.read_history(self.client, self.keys.prefix, contiguous=True)
+        effects = history.parse_effects(self.out)
+        for f in self.firings:
+            f.stored_at = self.stored_at.get(f.job, 0.0)
+        from agent.coordination.keys import shard_of
+
+        budget, ex = budgets(self.faults, self.firings, self.sleep_of, lambda j: shard_of(j, SHARDS))
+        rep = history.check(events, self.keys.prefix, firings=self.firings, effects=effects, budget=budget,
+                            lateness_bound_s=LATENESS_BOUND_S, effective_due=self.effective_due,
+                            affected=self.affected, max_run_s=JOB_SLEEP_MAX_S + KILL_GRACE_S + 1.0,
+                            quiet=self.quiet, quiet_lateness_s=QUIET_LATENESS_S, early_ok_s=self.early_ok_s,
+                            rev_time=self.rev_time)
+        # the outcomes besides owner_lost and misfired: each only where a fault could cost it
+        finals = history.final_records(events, self.keys.prefix)
+        other = {"killed": 0, "failed": 0}
+        for f in self.firings:
+            r = finals.get((f.job, f.fire_id)) or {}
+            what = "killed" if r.get("state") == "killed" else (
+                "failed" if r.get("state") == "failed" and r.get("reason") != "owner_lost" else None)
+            if what is None:
+                continue
+            other[what] += 1
+            if (f.job, f.fire_id) not in ex[what]:
+                rep.fail(f"{history.name(f.job, f.fire_id)}: ended {r.get('state')}/{r.get('reason')} with no fault "
+                         f"that {'stops agents gracefully' if what == 'killed' else 'fills a state disk'} in flight")
+        kvs, _ = self.client.get_prefix(self.keys.jobs_prefix())
+        stored = {kv.key.rsplit("/", 1)[1] for kv in kvs}
+        # a kill -9 of the broker loses what it accepted but had not delivered or saved (it
+        # saves every second): a push acknowledged just before it is the broker's loss
+        kills = [g for g in self.faults if g.kind == "broker_kill"]
+        broker_lost = []
+        for jid in sorted(set(self.pushed) - stored):
+            t = self.push_time.get(jid, 0.0)
+            if any(g.start - 2.0 <= t <= g.end for g in kills):
+                broker_lost.append(jid)
+            else:
+                rep.fail(f"job {jid}: pushed over MQTT, never stored in etcd")
+        res = Result(self.seed, self.minutes, rep, self.faults, len(self.pushed), len(stored & set(self.pushed)),
+                     time.monotonic() - t_wall)
+        st = rep.stats
+        kinds: dict[str, int] = {}
+        for f in self.faults:
+            kinds[f.kind] = kinds.get(f.kind, 0) + 1
+        by_kind: dict[str, int] = {}
+        for f in self.firings:
+            k = "retrying" if f.max_attempts > 1 else f.kind
+            by_kind[k] = by_kind.get(k, 0) + 1
+        outcomes = dict(st.get("states") or {})
+        for reason, n in (st.get("failed_reasons") or {}).items():
+            outcomes[f"failed/{reason}"] = n
+        outcomes.pop("failed", None)
+        if st.get("skipped_by_policy"):
+            outcomes["skipped_by_policy"] = st["skipped_by_policy"]
+        budgets_by_type = {"owner_lost": f"{st.get('owner_lost')}/{budget.owner_lost}",
+                           "misfired": f"{st.get('misfired')}/{budget.misfired}",
+                           "killed": f"{other['killed']}/{len(ex['killed'])}",
+                           "failed_other": f"{other['failed']}/{len(ex['failed'])}"}
+        notes = [f"{g.kind}: {g.note}" for g in self.faults if g.note]
+        res.figures = {"seed": self.seed, "faults": len(self.faults), "fault_kinds": kinds,
+                       "affected_share": round(affected_share(self.faults, t0, t0 + horizon), 3),
+                       "firings": st.get("firings"), "firings_by_kind": by_kind,
+                       "quiet_firings": st.get("quiet_firings"), "side_effects": st.get("side_effects"),
+                       "events": st.get("events"), "outcomes": outcomes,
+                       "owner_lost": f"{st.get('owner_lost')}/{budget.owner_lost}",
+                       "misfired": f"{st.get('misfired')}/{budget.misfired}", "budgets": budgets_by_type,
+                       "overlapping_groups": len({g.group for g in self.faults}) and sum(
+                           1 for n in {g.group for g in self.faults} if sum(1 for g in self.faults if g.group == n) > 1),
+                       "heal_notes": notes, "pushes_lost_by_broker_kill": broker_lost,
+                       "lateness_p50_s": _r(st.get("lateness_p50_s")), "lateness_p99_s": _r(st.get("lateness_p99_s")),
+                       "lateness_max_s": _r(st.get("lateness_max_s")),
+                       "quiet_lateness_p50_s": _r(st.get("quiet_lateness_p50_s")),
+                       "quiet_lateness_p99_s": _r(st.get("quiet_lateness_p99_s")),
+                       "quiet_lateness_max_s": _r(st.get("quiet_lateness_max_s")),
+                       "pushed": res.pushed, "stored": res.stored, "wall_s": round(res.wall_s, 1)}
+        self.log(f"chaos seed {self.seed}: faults {len(self.faults)} by kind {kinds}; "
+                 f"{res.figures['affected_share']:.0%} of the horizon affected")
+        self.log(f"chaos seed {self.seed}: firings {st.get('firings')} {by_kind}; quiet-window firings checked "
+                 f"{st.get('quiet_firings')} (bound {QUIET_LATENESS_S:.1f} s); side effects {st.get('side_effects')}")
+        self.log(f"chaos seed {self.seed}: lateness from effect clocks p50 {_r(st.get('lateness_p50_s'))} s "
+                 f"p99 {_r(st.get('lateness_p99_s'))} s max {_r(st.get('lateness_max_s'))} s (bound "
+                 f"{LATENESS_BOUND_S:.0f} s after a heal); quiet p50 {_r(st.get('quiet_lateness_p50_s'))} s "
+                 f"p99 {_r(st.get('quiet_lateness_p99_s'))} s max {_r(st.get('quiet_lateness_max_s'))} s")
+        self.log(f"chaos seed {self.seed}: outcomes {outcomes}; used/budget {budgets_by_type}")
+        if notes or broker_lost:
+            self.log(f"chaos seed {self.seed}: heals found {notes}; pushes lost by a broker kill -9 {broker_lost}")
+        self.log("chaos figures: " + json.dumps(res.figures))
+        if rep.problems:
+            self.keep = True
+            self.log(f"chaos: failed; kept {self.dir} (agents' logs and audit, effects.log)")
+        return res
+
     def close(self) -> None:
-        for c in self.cuts:
-            c.heal()
+        for r in self.rules:
+            r.heal()
+        for p in [p for ps in self.proxies.values() for p in ps]:
+            p.set_mode("pass")
+        for th in self.throttles:
+            th.heal()
+        for c in self.clocks.values():
+            c.set(0)
         if self.pusher is not None:
             self.pusher.stop()
         for a in self.agents.values():
@@ -427,6 +845,13 @@ class ChaosRun:
             self.mq.close()
         if self.etcd is not None:
             self.etcd.close()
+        for p in [p for ps in self.proxies.values() for p in ps]:
+            p.close()
+        if self.netcls is not None:
+            self.netcls.close()
+        for d in self.disks.values():
+            d.unfill()
+            d.close()
         if self.own_dir and not self.keep and os.environ.get("MILLWRIGHT_CHAOS_KEEP") != "1":
             shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -435,8 +860,9 @@ def _r(x: Optional[float]) -> Optional[float]:
     return None if x is None else round(x, 3)
 
 
-def run_and_check(seed: int, minutes: float, workdir: Optional[str] = None, log=print) -> Result:
-    res = ChaosRun(seed, minutes, workdir, log=log).run()
+def run_and_check(seed: int, minutes: float, workdir: Optional[str] = None, log=print,
+                  kinds: tuple[str, ...] = FAULTS) -> Result:
+    res = ChaosRun(seed, minutes, workdir, log=log, kinds=kinds).run()
     if res.report.problems:
         raise AssertionError(f"chaos seed {seed} failed (reproduce: make chaos SEED={seed} MINUTES={minutes:g}); "
                              f"faults: {[(f.kind, f.target, round(f.end - f.start, 1)) for f in res.faults]}\n"
@@ -444,20 +870,51 @@ def run_and_check(seed: int, minutes: float, workdir: Optional[str] = None, log=
     return res
 
 
+def seed_from_commit() -> tuple[int, str]:
+    """The seed CI runs: from the commit under test (each commit tries another schedule,
+    and a run is repeated from its commit), else a random one. Returns (seed, where from)."""
+    try:
+        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        if len(head) >= 8:
+            return int(head[:8], 16) % 10 ** 6, f"commit {head[:12]}"
+    except (OSError, ValueError, subprocess.SubprocessError):
+        pass
+    return secrets.randbelow(10 ** 6), "random (no git commit)"
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="chaos", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=None, help="random seed (default: a new one, printed)")
+    ap.add_argument("--from-commit", action="store_true", help="the seed from the commit under test (as CI)")
+    ap.add_argument("--seeds", type=int, default=1, help="run this many consecutive seeds from the first")
     ap.add_argument("--minutes", type=float, default=2.0)
+    ap.add_argument("--kinds", default="", help="only these fault kinds (comma-separated; default: all)")
     a = ap.parse_args(argv)
-    seed = a.seed if a.seed is not None else secrets.randbelow(10 ** 6)
+    kinds = tuple(k for k in a.kinds.split(",") if k) or FAULTS
+    unknown = set(kinds) - set(FAULTS)
+    if unknown:
+        ap.error(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(FAULTS)}")
+    if a.seed is not None:
+        seed, origin = a.seed, "given"
+    elif a.from_commit:
+        seed, origin = seed_from_commit()
+    else:
+        seed, origin = secrets.randbelow(10 ** 6), "random"
+    print(f"chaos: first seed {seed} ({origin}); {a.seeds} seed(s) of {a.minutes:g} minutes; fault kinds "
+          f"{'all' if kinds == FAULTS else ','.join(kinds)}", flush=True)
     # SIGTERM (a CI timeout) unwinds through the cleanup: nftables tables, processes
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
-        run_and_check(seed, a.minutes)
-    except AssertionError as exc:
-        print(f"FAIL: {exc}", file=sys.stderr)
-        return 1
-    print(f"PASS: seed {seed}")
+    figures = []
+    for s in range(seed, seed + a.seeds):
+        try:
+            figures.append(run_and_check(s, a.minutes, kinds=kinds).figures)
+        except AssertionError as exc:
+            print(f"FAIL: {exc}", file=sys.stderr)
+            return 1
+        print(f"PASS: seed {s}", flush=True)
+    if len(figures) > 1:
+        print("chaos: all seeds passed:\n" + "\n".join(json.dumps(f) for f in figures))
     return 0
 
 

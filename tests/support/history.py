@@ -12,8 +12,9 @@ Two halves:
   histories directly.
 
 Run records are read as the contract defines them (README, etcd layout): ``job_id``,
-``fire_id``, ``state``, ``attempt``, ``agent``, ``shard``, ``started_at``, ``ended_at``,
-``reason``; any other field is ignored.
+``fire_id``, ``state``, ``attempt``, ``agent``, ``shard``, ``pool``, ``fanout``,
+``started_at``, ``ended_at``, ``exit_code``, ``reason``, and ``fence`` (the create revision
+of the shard key the write was fenced by); any other field is ignored.
 """
 
 from __future__ import annotations
@@ -199,35 +200,93 @@ def percentile(xs: list[float], p: float) -> Optional[float]:
 
 # --------------------------------------------------------------------------- checking
 
+# the states that may follow each state of one firing's record (attempt n): running(n) ->
+# retrying(n) -> running(n+1), or -> one final state; nothing after a final state
+RAN = {"succeeded", "timed_out", "killed"}          # final states only a run can reach
+FIRST_FINAL = TERMINAL - RAN                        # final states a firing may reach without a run
+
+
+def _transition(prev: Optional[tuple[str, int]], state: str, attempt: int) -> Optional[str]:
+    """Why ``state`` at ``attempt`` may not follow ``prev`` (None: allowed)."""
+    if state not in TERMINAL and state not in ("running", "retrying"):
+        return f"unknown state {state!r}"
+    if prev is None:
+        if attempt != 1:
+            return f"first record {state!r} has attempt {attempt}"
+        if state == "retrying" or state in RAN:
+            return f"first record {state!r} without a 'running' record"
+        return None
+    pstate, pattempt = prev
+    if pstate in TERMINAL:
+        return f"{state!r} attempt {attempt} written after the final state {pstate!r}"
+    if pstate == "running" and (state == "retrying" or state in TERMINAL) and attempt == pattempt:
+        return None
+    if pstate == "retrying" and ((state == "running" and attempt == pattempt + 1)
+                                 or (state in FIRST_FINAL and attempt == pattempt)):
+        return None
+    return f"{state!r} attempt {attempt} after {pstate!r} attempt {pattempt}"
+
+
+def _fence_key(prefix: str, rec: dict, shard: str, agent: str) -> str:
+    """The shard key a run record is fenced by: ``shards/NNNN``, or for a targeted job its
+    pool's (fan-out: the agent's own shard space in the pool), named by ``pool``/``fanout``."""
+    pool = rec.get("pool")
+    if not pool:
+        return f"{prefix}shards/{shard}"
+    if rec.get("fanout"):
+        return f"{prefix}pools/{pool}/agents/{agent}/shards/{shard}"
+    return f"{prefix}pools/{pool}/shards/{shard}"
+
 
 def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Firing]] = None,
-          effects: Iterable[SideEffect] = (), budget: Optional[Budget] = None,
+          effects: Optional[Iterable[SideEffect]] = None, budget: Optional[Budget] = None,
           lateness_bound_s: Optional[float] = None, effective_due: Callable[[float], float] = lambda d: d,
           affected: Optional[Callable[[float], bool]] = None, max_run_s: float = 0.0,
-          complete: bool = True) -> Report:
+          complete: bool = True, quiet: Optional[Callable[[Firing], bool]] = None,
+          quiet_lateness_s: Optional[float] = None,
+          early_ok_s: Optional[Callable[[SideEffect], float]] = None,
+          rev_time: Optional[Callable[[int], Optional[float]]] = None) -> Report:
     """Replay the history and judge it.
 
     - a shard key changes owner only through a delete;
-    - every write under ``runs/`` is fenced: at its revision the shard key exists and is
-      held by the record's ``agent``; every probe write carries the holder's token;
+    - every write under ``runs/`` is fenced: it carries ``fence`` and at its revision the
+      shard key it names exists, is held by the record's ``agent`` and has that create
+      revision (so a write under an old fence by the same agent fails); every probe write
+      carries the holder's token;
+    - every record of a firing follows the one before it: running(n) -> retrying(n) ->
+      running(n+1), or -> one final state, nothing after a final state, and
+      ``1 <= attempt <= max_attempts`` on every record (``max_attempts`` from ``firings``);
     - per (job, firing, attempt) exactly one agent created its ``running`` record, once;
-    - every side effect has that record, from the same agent; attempts never repeat and
-      runs of one firing never overlap (an attempt without an end line ended when its
-      record says it did, else lasts ``max_run_s``);
+    - with ``effects`` (the side-effect log; None: the test keeps none): every side effect
+      has that record, from the same agent, never before the due time (50 ms, or what
+      ``early_ok_s(effect)`` allows for a clock the test set ahead); an attempt ran at
+      most once, and exactly once when its record says its script ran to an exit
+      (``succeeded``, or an exit code); runs of one firing never overlap (an attempt
+      without an end line ended when its record says it did, else lasts ``max_run_s``);
     - with ``firings``: every one is resolved (terminal state; ``failed`` with a reason,
       ``misfired`` with a policy reason; a cron firing may be skipped by its misfire policy
       only when ``affected(due)``: a fault, or the recovery after one, was going on;
       default: ``effective_due(due) > due``), nothing else ran,
-      within ``lateness_bound_s`` of ``effective_due(due)``; ``owner_lost`` only for a run
-      a fault caught in flight (``affected`` at some time within ``max_run_s`` of its due
-      time); ``owner_lost`` and ``misfired`` within ``budget``.
+      within ``lateness_bound_s`` of ``effective_due(due)``: measured on the side effect's
+      own clock when there is a log (a firing that never ran: when its final record was
+      written, by ``rev_time(revision)`` (the test's clock) when given, else by the
+      record's ``ended_at`` (its agent's clock); without a log: the records'
+      ``started_at``); ``owner_lost`` only for a
+      run a fault caught in flight (``affected`` at some time within ``max_run_s`` of its
+      due time); ``owner_lost`` and ``misfired`` within ``budget``;
+    - ``quiet(firing)``: the firing was due, and could run to its end, with no fault nor
+      its recovery going on. It must have run, never been skipped, ``owner_lost`` or
+      ``misfired``, end ``succeeded``, one side effect per attempt, its first within
+      ``quiet_lateness_s`` of its due time on the side effect's own clock.
     """
     rep = Report()
     shards_p, runs_p, probe_p = prefix + "shards/", prefix + "runs/", prefix + "test/probe/"
     pools_p = prefix + "pools/"
+    firings = None if firings is None else {(f.job, f.fire_id): f for f in firings}
     holder: dict[str, tuple[str, int]] = {}
     running_by: dict[tuple[str, str, int], list[tuple[str, int]]] = {}
-    ended_by_record: dict[tuple[str, str, int], Optional[float]] = {}
+    outcome: dict[tuple[str, str, int], dict] = {}     # the record that ended each attempt
+    last_of: dict[tuple[str, str], tuple[str, int]] = {}
     history: dict[tuple[str, str], list[tuple[int, dict]]] = {}
     counts = {"events": 0, "claims": 0, "releases": 0, "fenced_writes": 0, "run_writes": 0}
     for ev in events:
@@ -262,7 +321,7 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
                 continue
             shard, job, fid = parts
             if ev.kind == "delete":
-                continue  # retention; not a fenced write we can attribute
+                continue  # retention, after the final state; not a fenced write we can attribute
             counts["run_writes"] += 1
             counts["fenced_writes"] += 1
             try:
@@ -273,20 +332,34 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
                 continue
             if rec.get("job_id", job) != job or rec.get("fire_id", fid) != fid:
                 rep.fail(f"rev {ev.rev}: {name(job, fid)} record names {rec.get('job_id')}/{rec.get('fire_id')}")
-            # a targeted job's record is fenced by its pool's shard key (fan-out: the agent's own)
-            pool = rec.get("pool")
-            sk = shards_p + shard if not pool else (
-                f"{pools_p}{pool}/agents/{agent}/shards/{shard}" if rec.get("fanout") else f"{pools_p}{pool}/shards/{shard}")
+            sk = _fence_key(prefix, rec, shard, agent)
             h = holder.get(sk)
+            fence = rec.get("fence")
             if h is None or h[0] != agent:
                 rep.fail(f"rev {ev.rev}: {name(job, fid)} attempt {attempt} written as {state!r} by {agent} "
                          f"while shard {shard} was held by {h[0] if h else 'nobody'}: an unfenced write")
+            elif not isinstance(fence, int) or isinstance(fence, bool):
+                rep.fail(f"rev {ev.rev}: {name(job, fid)} attempt {attempt} {state!r} record without a fence token "
+                         f"({fence!r})")
+            elif fence != h[1]:
+                rep.fail(f"rev {ev.rev}: {name(job, fid)} attempt {attempt} written as {state!r} by {agent} under fence "
+                         f"{fence}, but shard {shard} was held by {h[0]} under fence {h[1]}: a write under an old fence")
+            f = firings.get((job, fid)) if firings is not None else None
+            top = f.max_attempts if f is not None else None
+            if attempt < 1 or (top is not None and attempt > top):
+                rep.fail(f"rev {ev.rev}: {name(job, fid)}: {state!r} attempt {attempt} outside 1..{top or ''}"
+                         + (f" (max_attempts {top})" if top else ""))
+            prev = last_of.get((job, fid))
+            why = _transition(prev, state, attempt)
+            if why:
+                rep.fail(f"rev {ev.rev}: {name(job, fid)}: {why}")
+            last_of[(job, fid)] = (state, attempt)
             if state == "running":
                 running_by.setdefault((job, fid, attempt), []).append((agent, ev.rev))
                 if attempt == 1 and ev.version != 1:
                     rep.fail(f"rev {ev.rev}: {name(job, fid)} attempt 1 running record overwrote an existing record")
-            elif rec.get("ended_at") and (job, fid, attempt) not in ended_by_record:
-                ended_by_record[(job, fid, attempt)] = _ts(rec["ended_at"])
+            elif prev is not None and prev[0] == "running" and (job, fid, attempt) not in outcome:
+                outcome[(job, fid, attempt)] = rec
             history.setdefault((job, fid), []).append((ev.rev, rec))
     rep.stats.update(counts)
 
@@ -296,44 +369,63 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
                      + ", ".join(f"{a} at rev {r}" for a, r in who))
 
     # --- side effects
-    effects = list(effects)
-    per_firing: dict[tuple[str, str], list[SideEffect]] = {}
-    for se in effects:
-        per_firing.setdefault((se.job, se.fire_id), []).append(se)
-        who = running_by.get((se.job, se.fire_id, se.attempt))
-        if not who:
-            rep.fail(f"{name(se.job, se.fire_id)} attempt {se.attempt}: side effect by {se.agent} at {se.start:.3f} "
-                     f"without a fenced running record")
-        elif who[0][0] != se.agent:
-            rep.fail(f"{name(se.job, se.fire_id)} attempt {se.attempt}: side effect by {se.agent} but the running "
-                     f"record was created by {who[0][0]}")
-        due = _due_of(se.fire_id)
-        if due is not None and se.start < due - 0.05:
-            rep.fail(f"{name(se.job, se.fire_id)} attempt {se.attempt}: ran at {se.start:.3f}, before its due time {due:.3f}")
-    for (job, fid), ses in per_firing.items():
-        seen: dict[int, int] = {}
-        for se in ses:
-            seen[se.attempt] = seen.get(se.attempt, 0) + 1
-        for attempt, n in seen.items():
-            if n > 1:
-                rep.fail(f"{name(job, fid)} attempt {attempt} ran {n} times")
-        ses = sorted(ses, key=lambda s: s.start)
-        for a, b in zip(ses, ses[1:]):
-            # no end line (killed): the end its agent recorded after reaping it, else the longest run
-            end = a.end if a.end is not None else (ended_by_record.get((job, fid, a.attempt)) or a.start + max_run_s)
-            if b.start < end:
-                rep.fail(f"{name(job, fid)}: attempt {b.attempt} started at {b.start:.3f} while attempt {a.attempt} "
-                         f"(started {a.start:.3f}) could still run until {end:.3f}: overlapping runs")
-    rep.stats["side_effects"] = len(effects)
+    first_start: dict[tuple[str, str], float] = {}
+    per_attempt: dict[tuple[str, str, int], list[SideEffect]] = {}
+    if effects is not None:
+        effects = list(effects)
+        per_firing: dict[tuple[str, str], list[SideEffect]] = {}
+        for se in effects:
+            per_attempt.setdefault((se.job, se.fire_id, se.attempt), []).append(se)
+            per_firing.setdefault((se.job, se.fire_id), []).append(se)
+            k2 = (se.job, se.fire_id)
+            first_start[k2] = min(first_start.get(k2, se.start), se.start)
+            who = running_by.get((se.job, se.fire_id, se.attempt))
+            if not who:
+                rep.fail(f"{name(se.job, se.fire_id)} attempt {se.attempt}: side effect by {se.agent} at {se.start:.3f} "
+                         f"without a fenced running record")
+            elif who[0][0] != se.agent:
+                rep.fail(f"{name(se.job, se.fire_id)} attempt {se.attempt}: side effect by {se.agent} but the running "
+                         f"record was created by {who[0][0]}")
+            due = _due_of(se.fire_id)
+            # a run starts at its due time on its agent's clock: one set ahead (a clock fault
+            # the test made, ``early_ok_s``) starts it that much early on the effect's clock
+            early = early_ok_s(se) if early_ok_s is not None else 0.05
+            if due is not None and se.start < due - early:
+                rep.fail(f"{name(se.job, se.fire_id)} attempt {se.attempt}: ran at {se.start:.3f}, before its due time {due:.3f}")
+        for (job, fid, attempt), ses in sorted(per_attempt.items()):
+            if len(ses) > 1:
+                rep.fail(f"{name(job, fid)} attempt {attempt} ran {len(ses)} times")
+        # an attempt whose record says its script ran to an exit has exactly one effect line
+        for (job, fid, attempt), rec in sorted(outcome.items()):
+            state, code = rec.get("state"), rec.get("exit_code")
+            if state != "succeeded" and not (isinstance(code, int) and not isinstance(code, bool)):
+                continue
+            ses = per_attempt.get((job, fid, attempt), [])
+            what = f"{state!r}" + (f" with exit code {code}" if state != "succeeded" else "")
+            if not ses:
+                rep.fail(f"{name(job, fid)} attempt {attempt}: {what} but no side effect")
+            elif all(se.end is None for se in ses):
+                rep.fail(f"{name(job, fid)} attempt {attempt}: {what} but its side effect has no end line")
+        for (job, fid), ses in per_firing.items():
+            ses = sorted(ses, key=lambda s: s.start)
+            for a, b in zip(ses, ses[1:]):
+                # no end line (killed): the end its agent recorded after reaping it, else the longest run
+                rec_end = _ts((outcome.get((job, fid, a.attempt)) or {}).get("ended_at"))
+                end = a.end if a.end is not None else (rec_end or a.start + max_run_s)
+                if b.start < end:
+                    rep.fail(f"{name(job, fid)}: attempt {b.attempt} started at {b.start:.3f} while attempt {a.attempt} "
+                             f"(started {a.start:.3f}) could still run until {end:.3f}: overlapping runs")
+        rep.stats["side_effects"] = len(effects)
 
     if firings is None:
         return rep
 
     # --- resolution, lateness, budget
-    firings = {(f.job, f.fire_id): f for f in firings}
     if affected is None:
         affected = lambda d: effective_due(d) > d  # noqa: E731
     late: list[float] = []
+    quiet_late: list[float] = []
+    quiet_n = 0
     owner_lost = misfired = skipped = 0
     failed_reasons: dict[str, int] = {}
     states: dict[str, int] = {}
@@ -343,8 +435,12 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
                      f"(states {[r['state'] for _, r in recs]})")
     for (job, fid), f in sorted(firings.items()):
         recs = history.get((job, fid))
+        is_quiet = quiet is not None and quiet(f)
+        if is_quiet:
+            quiet_n += 1
+            _check_quiet(rep, f, recs, per_attempt if effects is not None else None, quiet_lateness_s, quiet_late)
         if not recs:
-            if f.may_skip and (f.missed_at_store or affected(f.due)):
+            if f.may_skip and (f.missed_at_store or affected(f.due)) and not is_quiet:
                 skipped += 1
                 continue
             if complete:
@@ -376,29 +472,46 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
         if state == "failed":
             key = (reason or "").split(":")[0]
             failed_reasons[key] = failed_reasons.get(key, 0) + 1
-        if int(last.get("attempt") or 1) > f.max_attempts:
-            rep.fail(f"{name(job, fid)}: attempt {last.get('attempt')} beyond max_attempts {f.max_attempts}")
-        # when it was resolved: its first real start, else its end
-        t = None
-        for _, r in recs:
-            if r.get("state") != "running" and r.get("started_at"):
-                t = _ts(r["started_at"])
-                break
-        if t is None:
-            t = min((_ts(r.get("ended_at")) for _, r in recs if r.get("ended_at")), default=None)
+        due_from = effective_due(max(f.due, f.stored_at))   # a job stored late is due when stored
+        if effects is not None:
+            # the side effect's own clock; a firing that never ran: its final record's end
+            t = first_start.get((job, fid))
+            if t is not None:
+                late.append(max(0.0, t - f.due))
+                if lateness_bound_s is not None and t - due_from > lateness_bound_s:
+                    rep.fail(f"{name(job, fid)}: started {t - f.due:.2f} s after its due time, {t - due_from:.2f} s "
+                             f"after the faults healed (side effect's clock); the bound is {lateness_bound_s:.1f} s")
+                continue
+            t = rev_time(recs[-1][0]) if rev_time is not None else None
+            if t is None:
+                t = _ts(last.get("ended_at"))
+        else:
+            # no side-effect log: the records' own times, the first real start, else the end
+            t = None
+            for _, r in recs:
+                if r.get("state") != "running" and r.get("started_at"):
+                    t = _ts(r["started_at"])
+                    break
+            if t is None:
+                t = min((_ts(r.get("ended_at")) for _, r in recs if r.get("ended_at")), default=None)
+            if t is not None:
+                late.append(max(0.0, t - f.due))
         if t is None:
             rep.fail(f"{name(job, fid)}: {state} without started_at or ended_at")
             continue
-        lateness = t - effective_due(max(f.due, f.stored_at))   # a job stored late is due when stored
-        late.append(max(0.0, t - f.due))
-        if lateness_bound_s is not None and lateness > lateness_bound_s:
-            rep.fail(f"{name(job, fid)}: resolved {t - f.due:.2f} s after its due time, {lateness:.2f} s after the "
+        if lateness_bound_s is not None and t - due_from > lateness_bound_s:
+            rep.fail(f"{name(job, fid)}: resolved {t - f.due:.2f} s after its due time, {t - due_from:.2f} s after the "
                      f"faults healed; the bound is {lateness_bound_s:.1f} s")
     rep.stats.update({"firings": len(firings), "resolved": sum(states.values()), "states": states,
                       "failed_reasons": failed_reasons,
                       "owner_lost": owner_lost, "misfired": misfired + skipped, "skipped_by_policy": skipped,
+                      "lateness_clock": "side effects" if effects is not None else "records",
                       "lateness_p50_s": percentile(late, 50), "lateness_p99_s": percentile(late, 99),
                       "lateness_max_s": max(late) if late else None})
+    if quiet is not None:
+        rep.stats.update({"quiet_firings": quiet_n, "quiet_lateness_p50_s": percentile(quiet_late, 50),
+                          "quiet_lateness_p99_s": percentile(quiet_late, 99),
+                          "quiet_lateness_max_s": max(quiet_late) if quiet_late else None})
     if budget is not None:
         rep.stats["budget"] = {"owner_lost": budget.owner_lost, "misfired": budget.misfired}
         if owner_lost > budget.owner_lost:
@@ -406,6 +519,49 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
         if misfired + skipped > budget.misfired:
             rep.fail(f"misfired {misfired + skipped} ({skipped} skipped by policy) over its budget {budget.misfired}")
     return rep
+
+
+def _check_quiet(rep: Report, f: Firing, recs: Optional[list[tuple[int, dict]]],
+                 per_attempt: Optional[dict[tuple[str, str, int], list[SideEffect]]],
+                 bound: Optional[float], late: list[float]) -> None:
+    """A firing due in a quiet window ran, once per attempt, on time, and succeeded."""
+    n = name(f.job, f.fire_id)
+    if not recs:
+        rep.fail(f"{n}: due in a quiet window at {f.due:.3f}, never ran (no run record)")
+        return
+    last = recs[-1][1]
+    state, reason, attempts = last.get("state"), last.get("reason"), int(last.get("attempt") or 1)
+    if state != "succeeded":
+        rep.fail(f"{n}: due in a quiet window, ended {state}" + (f"/{reason}" if reason else "")
+                 + f" at attempt {attempts}")
+    if per_attempt is None:
+        return
+    for a in range(1, attempts + 1):
+        got = per_attempt.get((f.job, f.fire_id, a), [])
+        if len(got) != 1:
+            rep.fail(f"{n}: due in a quiet window, attempt {a} has {len(got)} side effects, not exactly one")
+    first = per_attempt.get((f.job, f.fire_id, 1))
+    if first:
+        t = min(se.start for se in first) - f.due
+        late.append(max(0.0, t))
+        if bound is not None and t > bound:
+            rep.fail(f"{n}: due in a quiet window, started {t:.2f} s after its due time (side effect's clock); "
+                     f"the quiet bound is {bound:.1f} s")
+
+
+def final_records(events: Iterable[Event], prefix: str) -> dict[tuple[str, str], dict]:
+    """The last record written for each (job, firing) in the history (deletes ignored)."""
+    runs_p = prefix + "runs/"
+    out: dict[tuple[str, str], dict] = {}
+    for ev in events:
+        if ev.kind == "put" and ev.key.startswith(runs_p):
+            parts = ev.key[len(runs_p):].split("/")
+            if len(parts) == 3:
+                try:
+                    out[(parts[1], parts[2])] = json.loads(ev.value)
+                except ValueError:
+                    continue
+    return out
 
 
 def assert_clean(rep: Report, limit: int = 15) -> None:
@@ -417,23 +573,35 @@ def assert_clean(rep: Report, limit: int = 15) -> None:
 
 
 def parse_effects(path: str) -> list[SideEffect]:
-    """The side-effect log written by tests/jobs/effect.sh: ``start``/``end`` lines."""
+    """The side-effect log written by tests/jobs/effect.sh: ``start``/``end`` lines of
+    ``what job fire_id attempt agent pid epoch``. A log that is missing or has a line that
+    is not one of those fails: a side effect dropped here would hide a run."""
     out: dict[tuple, SideEffect] = {}
     try:
         fh = open(path)
     except FileNotFoundError:
-        return []
+        raise HistoryError(f"no side-effect log at {path}: no job ran, or the log went elsewhere") from None
     with fh:
-        for line in fh:
+        for n, line in enumerate(fh, 1):
             p = line.split()
-            if len(p) != 7:
-                continue
-            what, job, fid, attempt, agent, pid, t = p
-            k = (job, fid, attempt, agent, pid)
+            try:
+                what, job, fid, attempt, agent, pid, t = p
+                key = (job, fid, int(attempt), agent, int(pid))
+                when = float(t)
+            except ValueError:
+                raise HistoryError(f"{path} line {n}: not 'start|end job fire attempt agent pid time': {line!r}") from None
             if what == "start":
-                out[k] = SideEffect(job, fid, int(attempt), agent, float(t))
-            elif what == "end" and k in out:
-                out[k].end = float(t)
+                if key in out:
+                    raise HistoryError(f"{path} line {n}: a second start of {key}")
+                out[key] = SideEffect(job, fid, int(attempt), agent, when)
+            elif what == "end":
+                if key not in out:
+                    raise HistoryError(f"{path} line {n}: an end without its start: {line!r}")
+                if out[key].end is not None:
+                    raise HistoryError(f"{path} line {n}: a second end of {key}")
+                out[key].end = when
+            else:
+                raise HistoryError(f"{path} line {n}: unknown line kind {what!r}")
     return list(out.values())
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.support.history import Budget, Event, Firing, SideEffect, assert_clean, check
+from tests.support.history import Budget, Event, Firing, SideEffect, assert_clean, check, parse_effects
 
 P = "/millwright/t/"
 F1 = "20261203T120000.000Z"
@@ -45,8 +45,11 @@ class H:
         return self.put(f"shards/{n:04d}", agent)
 
     def run(self, agent: str, state: str, attempt: int = 1, job: str = "j", fid: str = F1, shard: int = 1, **kw):
+        """A run-record write, fenced (``fence``) by the shard key's current create revision
+        unless the test names another."""
         rec = {"v": 1, "job_id": job, "fire_id": fid, "state": state, "attempt": attempt, "agent": agent,
-               "shard": shard, "started_at": None, "ended_at": None, "reason": None, "new_field": {"x": 1}}
+               "shard": shard, "started_at": None, "ended_at": None, "reason": None, "new_field": {"x": 1},
+               "fence": self.create.get(P + f"shards/{shard:04d}", 0)}
         rec.update(kw)
         return self.put(f"runs/{shard:04d}/{job}/{fid}", rec)
 
@@ -63,7 +66,7 @@ def fx(agent="a0", attempt=1, start=DUE + 0.02, end=DUE + 0.25, fid=F1) -> SideE
     return SideEffect("j", fid, attempt, agent, start, end)
 
 
-def run_check(h: H, effects=(), firings=None, **kw):
+def run_check(h: H, effects=None, firings=None, **kw):
     return check(h.events, P, effects=effects, firings=firings if firings is not None else [Firing("j", F1, DUE)], **kw)
 
 
@@ -75,7 +78,7 @@ def test_a_good_history_passes_and_counts():
     rep = run_check(good(), [fx()], budget=Budget(0, 0), lateness_bound_s=1.0)
     assert rep.problems == []
     assert rep.stats["firings"] == 1 and rep.stats["side_effects"] == 1 and rep.stats["states"] == {"succeeded": 1}
-    assert rep.stats["lateness_p99_s"] == pytest.approx(0.01, abs=1e-3)
+    assert rep.stats["lateness_p99_s"] == pytest.approx(0.02, abs=1e-3)   # the side effect's clock
     assert_clean(rep)
 
 
@@ -133,20 +136,25 @@ def test_an_attempt_that_ran_twice_fails():
 
 
 def test_overlapping_attempts_fail_and_a_missing_end_line_counts_max_run():
+    two = [Firing("j", F1, DUE, max_attempts=2)]
     h = H()
     h.shard(1, "a0")
     h.run("a0", "running")
-    h.run("a0", "running", attempt=2)   # attempt 1's end was never recorded (its agent died)
+    h.run("a0", "retrying")             # attempt 1's end was never recorded (its agent died)
+    h.run("a0", "running", attempt=2)
     effects = [fx(end=None), fx(attempt=2, start=DUE + 0.5, end=DUE + 0.7)]
-    rep = run_check(h, effects, max_run_s=1.0)
+    rep = run_check(h, effects, firings=two, max_run_s=1.0)
     assert f"(j, {F1}): attempt 2 started" in problems(rep) and "overlapping runs" in problems(rep)
-    assert not run_check(h, [fx(), fx(attempt=2, start=DUE + 0.5, end=DUE + 0.7)], max_run_s=1.0, complete=False).problems
+    assert not run_check(h, [fx(), fx(attempt=2, start=DUE + 0.5, end=DUE + 0.7)], firings=two, max_run_s=1.0,
+                         complete=False).problems
     # killed without an end line, but its agent recorded the end after reaping it: no overlap
-    h = good()
+    h = H()
+    h.shard(1, "a0")
+    h.run("a0", "running", started_at="2026-12-03T12:00:00.000Z")
     h.run("a0", "retrying", ended_at="2026-12-03T12:00:00.300Z")
     h.run("a0", "running", attempt=2)
-    assert not run_check(h, [fx(end=None), fx(attempt=2, start=DUE + 0.5, end=DUE + 0.7)], max_run_s=1.0,
-                         complete=False).problems
+    assert not run_check(h, [fx(end=None), fx(attempt=2, start=DUE + 0.5, end=DUE + 0.7)], firings=two,
+                         max_run_s=1.0, complete=False).problems
 
 
 def test_running_before_the_due_time_fails():
@@ -241,3 +249,149 @@ def test_probe_writes_with_a_stale_token_fail():
     assert not check(h.events, P).problems
     h.put("test/probe/0001", {"agent": "a0", "token": rev - 1})
     assert "with token" in problems(check(h.events, P))
+
+
+# --- the holes a reviewer found (issue 35): each history below passed the earlier checker
+
+
+def test_hole_a_an_attempt_after_a_final_state_fails():
+    """Attempt 2 running after attempt 1 succeeded, though max_attempts allows 2."""
+    h = good()
+    h.run("a0", "running", attempt=2, started_at="2026-12-03T12:00:01.000Z")
+    h.run("a0", "succeeded", attempt=2, started_at="2026-12-03T12:00:01.000Z", ended_at="2026-12-03T12:00:01.300Z",
+          exit_code=0)
+    effects = [fx(), fx(attempt=2, start=DUE + 1.0, end=DUE + 1.3)]
+    rep = run_check(h, effects, firings=[Firing("j", F1, DUE, max_attempts=3)])
+    assert f"(j, {F1}): 'running' attempt 2 written after the final state 'succeeded'" in problems(rep)
+
+
+def test_hole_a_attempts_out_of_order_or_out_of_range_fail():
+    h = H()
+    h.shard(1, "a0")
+    h.run("a0", "running")
+    h.run("a0", "retrying", ended_at="2026-12-03T12:00:00.300Z", exit_code=3)
+    h.run("a0", "running", attempt=3)      # attempt 2 skipped
+    h.run("a0", "succeeded", attempt=3, ended_at="2026-12-03T12:00:01.300Z", exit_code=0)
+    effects = [fx(), fx(attempt=3, start=DUE + 1.0, end=DUE + 1.3)]
+    rep = run_check(h, effects, firings=[Firing("j", F1, DUE, max_attempts=3)])
+    assert f"(j, {F1}): 'running' attempt 3 after 'retrying' attempt 1" in problems(rep)
+    h = H()
+    h.shard(1, "a0")
+    h.run("a0", "running", attempt=0)
+    h.run("a0", "succeeded", attempt=0, ended_at="2026-12-03T12:00:00.300Z", exit_code=0)
+    rep = run_check(h, [fx(attempt=0)])
+    assert f"(j, {F1}): 'running' attempt 0 outside 1..1" in problems(rep)
+
+
+def test_hole_b_a_final_record_overwritten_fails_even_during_a_fault():
+    h = good()
+    h.run("a0", "failed", reason="owner_lost", ended_at="2026-12-03T12:00:05.000Z")
+    rep = run_check(h, [fx()], budget=Budget(1, 0), affected=lambda d: True)
+    assert f"(j, {F1}): 'failed' attempt 1 written after the final state 'succeeded'" in problems(rep)
+
+
+def test_hole_c_a_success_without_its_side_effect_fails():
+    rep = run_check(good(), [])
+    assert f"(j, {F1}) attempt 1: 'succeeded' but no side effect" in problems(rep)
+    # an attempt that exited by itself (an exit code) ran its script: its effect must exist
+    h = H()
+    h.shard(1, "a0")
+    h.run("a0", "running")
+    h.run("a0", "failed", reason="exit_code", exit_code=3, ended_at="2026-12-03T12:00:00.300Z")
+    assert f"(j, {F1}) attempt 1: 'failed' with exit code 3 but no side effect" in problems(run_check(h, []))
+
+
+def test_hole_d_a_write_under_an_old_fence_by_the_same_agent_fails():
+    h = H()
+    old = h.shard(1, "a0")
+    h.delete("shards/0001")
+    new = h.shard(1, "a0")       # a0 lost the shard and claimed it again: a new fence
+    h.run("a0", "running", fence=old, started_at="2026-12-03T12:00:00.000Z")
+    h.run("a0", "succeeded", started_at="2026-12-03T12:00:00.010Z", ended_at="2026-12-03T12:00:00.300Z")
+    rep = run_check(h, [fx()])
+    assert (f"(j, {F1}) attempt 1 written as 'running' by a0 under fence {old}, but shard 0001 was held by a0 "
+            f"under fence {new}") in problems(rep)
+    h = H()
+    h.shard(1, "a0")
+    h.run("a0", "running", fence=None)
+    assert f"(j, {F1}) attempt 1 'running' record without a fence token" in problems(run_check(h, complete=False))
+
+
+def test_hole_e_lateness_is_measured_on_the_side_effects_clock():
+    """The record says it started at once; the job itself ran 30 s late."""
+    rep = run_check(good(), [fx(start=DUE + 30, end=DUE + 30.3)], lateness_bound_s=5.0)
+    assert f"(j, {F1}): started 30.00 s after its due time" in problems(rep)
+    assert rep.stats["lateness_p99_s"] == pytest.approx(30.0, abs=1e-3)
+
+
+def test_a_missing_or_malformed_effect_file_fails(tmp_path):
+    with pytest.raises(AssertionError, match="no side-effect log"):
+        parse_effects(str(tmp_path / "nowhere.log"))
+    p = tmp_path / "effects.log"
+    p.write_text(f"start j {F1} 1 a0 10 {DUE + 0.02}\nstart j {F1} 1 a0\n")
+    with pytest.raises(AssertionError, match="line 2"):
+        parse_effects(str(p))
+    p.write_text(f"end j {F1} 1 a0 10 {DUE + 0.2}\n")
+    with pytest.raises(AssertionError, match="line 1: an end without its start"):
+        parse_effects(str(p))
+
+
+# --- quiet windows: a firing due with no fault nor recovery going on must simply run
+
+
+def test_a_quiet_firing_must_run_once_on_time_and_succeed():
+    every = lambda f: True  # noqa: E731
+    rep = run_check(good(), [fx()], quiet=every, quiet_lateness_s=1.0)
+    assert rep.problems == [] and rep.stats["quiet_firings"] == 1
+    assert rep.stats["quiet_lateness_p99_s"] == pytest.approx(0.02, abs=1e-3)
+    # late on the effect's clock
+    rep = run_check(good(), [fx(start=DUE + 2.5, end=DUE + 2.7)], quiet=every, quiet_lateness_s=1.0,
+                    lateness_bound_s=10.0)
+    assert f"(j, {F1}): due in a quiet window, started 2.50 s after its due time" in problems(rep)
+    # lost: owner_lost is excused by the fault windows, never in a quiet one
+    h = H()
+    h.shard(1, "a0")
+    h.run("a0", "running")
+    h.delete("shards/0001")
+    h.shard(1, "a1")
+    h.run("a1", "failed", reason="owner_lost", ended_at="2026-12-03T12:00:05.000Z")
+    rep = run_check(h, [fx()], quiet=every, quiet_lateness_s=1.0, budget=Budget(1, 0), affected=lambda d: True)
+    assert f"(j, {F1}): due in a quiet window, ended failed/owner_lost at attempt 1" in problems(rep)
+
+
+def test_a_quiet_cron_firing_may_not_be_skipped_or_misfired():
+    f = Firing("j", F1, DUE, kind="cron", may_skip=True)
+    rep = check(H().events, P, firings=[f], effects=[], affected=lambda d: True, budget=Budget(0, 1),
+                quiet=lambda f: True)
+    assert f"(j, {F1}): due in a quiet window at {DUE:.3f}, never ran" in problems(rep)
+    h = H()
+    h.shard(1, "a0")
+    h.run("a0", "misfired", reason="misfire_run_once", ended_at="2026-12-03T12:00:05.000Z")
+    rep = check(h.events, P, firings=[f], effects=[], budget=Budget(0, 1), quiet=lambda f: True)
+    assert f"(j, {F1}): due in a quiet window, ended misfired/misfire_run_once" in problems(rep)
+
+
+def test_a_quiet_retrying_firing_has_one_effect_per_attempt():
+    h = H()
+    h.shard(1, "a0")
+    h.run("a0", "running")
+    h.run("a0", "retrying", exit_code=3, ended_at="2026-12-03T12:00:00.300Z")
+    h.run("a0", "running", attempt=2)
+    h.run("a0", "succeeded", attempt=2, exit_code=0, ended_at="2026-12-03T12:00:01.300Z")
+    two = [Firing("j", F1, DUE, max_attempts=2)]
+    ok = [fx(), fx(attempt=2, start=DUE + 1.0, end=DUE + 1.3)]
+    assert not run_check(h, ok, firings=two, quiet=lambda f: True, quiet_lateness_s=1.0).problems
+    rep = run_check(h, ok[1:], firings=two, quiet=lambda f: True, quiet_lateness_s=1.0)
+    assert f"(j, {F1}): due in a quiet window, attempt 1 has 0 side effects, not exactly one" in problems(rep)
+
+
+def test_a_firing_that_never_ran_is_dated_by_the_tests_clock_when_given():
+    """A misfired record's ended_at is its agent's clock, which a clock fault moved: with
+    rev_time (when the test saw that revision) the resolution is dated on the test's clock."""
+    h = H()
+    h.shard(1, "a0")
+    rev = h.run("a0", "misfired", reason="misfire_run_once", ended_at="2026-12-03T12:00:30.000Z")
+    f = [Firing("j", F1, DUE, kind="cron", may_skip=True)]
+    assert "resolved 30.00 s after its due time" in problems(run_check(h, [], firings=f, lateness_bound_s=5.0))
+    seen = {rev: DUE + 1.0}
+    assert not run_check(h, [], firings=f, lateness_bound_s=5.0, rev_time=seen.get).problems

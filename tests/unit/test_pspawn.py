@@ -9,8 +9,13 @@ import signal
 import pytest
 
 from agent.execute import pspawn
+from tests.support.kernel import require_kernel
 
-pytestmark = pytest.mark.skipif(not pspawn.available(), reason="glibc without posix_spawn_file_actions_addclosefrom_np")
+
+
+@pytest.fixture(autouse=True)
+def _posix_spawn_closefrom():
+    require_kernel(pspawn.available(), "glibc without posix_spawn_file_actions_addclosefrom_np (needs glibc 2.34)")
 
 
 def _run(argv: list[str], cwd: str) -> tuple[str, int]:

@@ -10,6 +10,7 @@ import pytest
 
 from agent.jobs import signing
 from agent.jobs.signing import KeyFileError, KeyRing, SignatureError, canonical_json, sign
+from tests.support.kernel import require_kernel
 
 SECRET = base64.b64encode(bytes(range(32))).decode()
 OTHER_SECRET = base64.b64encode(bytes(range(1, 33))).decode()
@@ -23,7 +24,12 @@ DOC = {
     "retry": {"max_attempts": 3, "backoff_s": 2, "jitter": 0.2},
 }
 
-needs_ed = pytest.mark.skipif(not signing.HAVE_ED25519, reason="python3-cryptography not importable")
+@pytest.fixture
+def _ed25519():
+    require_kernel(signing.HAVE_ED25519, "python3-cryptography not importable (scripts/setup-host.sh installs it)")
+
+
+needs_ed = pytest.mark.usefixtures("_ed25519")
 
 
 def ring(**extra) -> KeyRing:
@@ -240,8 +246,8 @@ def test_generate_hmac_secret_is_long_enough():
     assert len(base64.b64decode(signing.generate_hmac_secret())) >= 32
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="ownership check applies to root")
 def test_keys_file_not_owned_by_root_refused_when_root(tmp_path):
+    require_kernel(os.geteuid() == 0, "the ownership check applies to root")
     p = write_keys(tmp_path / "keys.yaml", f"cloud-1: {{alg: hmac-sha256, secret: \"{SECRET}\"}}\n")
     os.chown(p, 65534, 65534)
     with pytest.raises(KeyFileError, match="owned by"):
