@@ -71,6 +71,7 @@ class JobEntry:
     cancelled: bool = False
     backlog: list = field(default_factory=list)  # missed firings to run one after another
     latest_fire: str = ""   # newest fire_id with a record: the one latest/<shard>/<job> copies
+    foreign_ahead: dict[str, int] = field(default_factory=dict)   # fire_id -> revision of a foreign record found ahead
 
     def fire_id(self, due: datetime, agent_id: str) -> str:
         """A fan-out job's firing on this agent names the agent: ``<fire id>@<agent>``."""

@@ -64,7 +64,6 @@ class FiringEnd(Word):
     DROPPED = "dropped"                    # its job's entry went (shard lost, job deleted) before it ran
     NOT_OWNER = "not_owner"                # no fence, and the shard is not held
     ALREADY_CLAIMED = "already_claimed"    # a record it may not replace holds its key
-    FOREIGN = "foreign"                    # its record was not believed: reported, handled, not run
     SHARD_LOST = "shard_lost"              # the shard went while it was claiming
     FENCED = "fenced"                      # the fence went between its claim and its spawn
     RETRY_CLAIM_FAILED = "retry_claim_failed"  # its record is not the one its retry expected

@@ -14,7 +14,7 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from agent.coordination.etcd import Create, Delete, EtcdError, EtcdUnavailable, Mod, Put
+from agent.coordination.etcd import Create, EtcdError, EtcdUnavailable, Mod, Put
 from agent.coordination.fencing import Fence, StaleToken, fenced_txn
 from agent.coordination.keys import Keys
 from agent.jobs.states import RecordState
@@ -186,16 +186,4 @@ class RunRecords:
         if answer_key:
             ops.append(Put(answer_key, json.dumps(doc)))
         self.submit(e.shard, lambda: fenced_txn(self.client, fence, compare=cmp, success=ops), lambda r, err: None)
-        return True
-
-    def remove(self, f: Firing) -> bool:
-        """Delete the firing's record, compared with the revision this agent read of it (a
-        record no claim made: agent/jobs/recovery.py). False when the shard has no fence."""
-        e = f.entry
-        fence = self.fencing.fence_for(e.shard)
-        if fence is None:
-            return False
-        key, rev = self.key(f), f.claim.rev
-        self.submit(e.shard, lambda: fenced_txn(self.client, fence, compare=[Mod(key) == rev], success=[Delete(key)]),
-                    lambda r, err: None)
         return True

@@ -6,8 +6,9 @@ job's schedule, adds the firings to the entry, and says what the scheduler must 
 Records are not signed and etcd is writable by more than agents, so a record is believed
 only where the signed job allows what it says: its firing is on the job's schedule and not
 in the future, its attempt within 1..max_attempts (a `retrying` one before the last), its
-fence older than the write. Any other is foreign: reported, never run from, and the
-firing it names counts as handled (forged state may stop work, never start it)."""
+fence older than the write. Any other is foreign: reported, never run from; a past firing
+it names counts as handled (forged state may stop work, never start it), a future one's
+claim replaces it when it falls due."""
 
 from __future__ import annotations
 
@@ -27,13 +28,14 @@ if TYPE_CHECKING:
 # a firing is claimed at most the claim lead ahead of its due time (execute.claim_lead_s,
 # under a second); a record further ahead than this was not made by a claim
 FUTURE_SLACK_S = 5.0
+FOREIGN_AHEAD_MAX = 64   # foreign records of future firings remembered per job (their claims replace them)
 
 
 @dataclass
 class Recovered:
     retrying: list[tuple[Firing, datetime]] = field(default_factory=list)   # (firing, retry_at) to re-arm
     orphans: list[Firing] = field(default_factory=list)     # `running` by an owner that is gone
-    foreign: list[tuple[Firing, str]] = field(default_factory=list)   # records not believed, and why
+    foreign: list[tuple[str, str, dict, int]] = field(default_factory=list)   # (fire_id, why, record, revision)
     error: Optional[str] = None       # the schedule cannot be computed: nothing below applies
     skipped: int = 0                  # firings the misfire policy skipped
     skipped_capped: bool = False
@@ -55,12 +57,11 @@ def recover(e: JobEntry, records: Records, agent_id: str, now: datetime) -> Reco
             continue
         why = foreign(job, e.accepted_at, fire_id, due, rec, rev, now)
         if why is not None:
-            attempt = rec.get("attempt") if isinstance(rec, dict) else None
-            f = Firing(e, due, fire_id, attempt if type(attempt) is int and attempt >= 1 else 1,
-                       claim=ClaimState(rec if isinstance(rec, dict) else None, rev))
-            out.foreign.append((f, why))
+            out.foreign.append((fire_id, why, rec if isinstance(rec, dict) else {}, rev))
             if due <= now:
                 _done_up_to(e, due)   # handled, whatever really happened to it
+            elif len(e.foreign_ahead) < FOREIGN_AHEAD_MAX:
+                e.foreign_ahead[fire_id] = rev   # its claim may replace exactly this record
             continue
         _done_up_to(e, due)
         e.latest_fire = max(e.latest_fire, fire_id)

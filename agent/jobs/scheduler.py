@@ -136,8 +136,8 @@ class Scheduler:
             f.timer = self.loop.call_later((at - now).total_seconds(), self._retry_due, f)
         for f in r.orphans:
             self._orphan(f, now)
-        for f, why in r.foreign:
-            self._foreign_at_load(f, why, now)
+        if r.foreign:
+            self.foreign.at_load(e, r.foreign)
         if r.error is not None:
             log.error("cannot compute the schedule; ignoring job", extra={"fields": {"job": e.job.id, "error": r.error}})
             return
@@ -154,19 +154,6 @@ class Scheduler:
             self._arm(e, r.next_due)
         if r.announce:
             self.statuses.send(e, None, JobState.SCHEDULED, due=rfc(r.next_due))
-
-    def _foreign_at_load(self, f: Firing, why: str, now: datetime) -> None:
-        """A record the signed job does not allow. For a firing already due it counts as
-        handled: its record is replaced by this agent's `failed` (foreign_record), and it
-        never runs from it. One for a future firing is removed: that firing runs when due."""
-        if f.due > now:
-            self.foreign.report(f, "load", why, JobState.SCHEDULED)
-            self.records.remove(f)
-            f.finish(F.FOREIGN)
-            self._forget(f)
-            return
-        self.foreign.report(f, "load", why, RecordState.FAILED)
-        self._finish(f, RecordState.FAILED, {"reason": "foreign_record", "ended_at": rfc(now), "detail": why})
 
     def job_cancelled(self, e: JobEntry, reason: str = EndReason.CANCELLED) -> None:
         """Its runs are stopped and every firing not started ends `cancelled`; ``reason``:
@@ -346,11 +333,13 @@ class Scheduler:
 
     def _claimed_foreign(self, f: Firing, c: Claim) -> None:
         """A record this agent never claimed holds the firing's key. Written after this agent
-        took the shard, it is no agent's claim (they are fenced out): reported, and the
-        firing claimed over it, once. Older, it is reported and the firing ends there."""
+        took the shard, it is no agent's claim (they are fenced out); or the load found it
+        ahead of its firing and did not believe it: reported, and the firing claims over it,
+        once. Any other is reported and the firing ends there."""
         f.claim.record, f.claim.rev = c.record if isinstance(c.record, dict) else None, c.rev
         fence = self.fencing.fence_for(f.entry.shard)
-        over = fence is not None and c.rev > fence.token and not f.claim.taken_over
+        judged = f.entry.foreign_ahead.pop(f.fire_id, None) == c.rev
+        over = fence is not None and (c.rev > fence.token or judged) and not f.claim.taken_over
         self.foreign.report(f, "claim", AT_CLAIM, RecordState.RUNNING if over else RecordState.FAILED)
         if over:
             f.claim.record, f.claim.taken_over = None, True

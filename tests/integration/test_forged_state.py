@@ -125,8 +125,7 @@ def test_a_job_signed_in_2020_re_put_after_retention_never_runs(env):
 
 def test_forged_retrying_records_run_nothing_again(env):
     """`retrying` over a job's only attempt, and `attempt: -1000` on a job with retries: both
-    foreign at load. The firings stay run once, their records become the agent's own
-    failed/foreign_record."""
+    foreign at load, each firing stays run once, and each job says so once."""
     c, a, out, port = env
     store = c.job_store()
     due = now() + timedelta(seconds=3)
@@ -140,16 +139,16 @@ def test_forged_retrying_records_run_nothing_again(env):
         (fid, rec), = c.job_runs(jid).items()
         put(c, c.keys.run(shard_of(jid, SHARDS), jid, fid), dict(rec, **forged))
     restart(c, a)
-    for jid in ("once", "twice"):
-        (rec,) = wait_for(lambda: [r for r in c.job_runs(jid).values() if r["reason"] == "foreign_record"], 20,
-                          what=f"{jid}'s forged record replaced")
-        assert (rec["state"], rec["agent"]) == ("failed", "f0")
-        (st,) = statuses(c, jid, state="failed", reason="foreign_record")
-        assert st["detail"]
-        assert sum(n for (j, _), n in effects(out).items() if j == jid) == 1
-    whys = sorted(r["why"] for r in audit(c, "foreign_record", where="load"))
-    assert len(whys) == 2 and any("`retrying` after attempt 1 of 1" in w for w in whys)
-    assert any("attempt -1000 is outside 1..2" in w for w in whys)
+    for jid, why in (("once", "`retrying` after attempt 1 of 1"), ("twice", "attempt -1000 is outside 1..2")):
+        (st,) = wait_for(lambda: statuses(c, jid, state="rejected", reason="foreign_record"), 20,
+                         what=f"{jid}'s forged record reported")
+        assert st["count"] == 1 and why in st["records"][0]["why"] and st["source"] == "store"
+        (rec,) = audit(c, "foreign_record", job=jid)
+        assert (rec["where"], rec["count"]) == ("load", 1) and why in rec["records"][0]["why"]
+    # the reports came after the records were judged: neither firing ran again
+    assert sum(n for (j, _), n in effects(out).items() if j == "once") == 1
+    assert sum(n for (j, _), n in effects(out).items() if j == "twice") == 1
+    assert query(a.config["admin"]["socket"])["jobs"]["running"] == []
     assert metric(port, "millwright_foreign_records_total", where="load") == 2
 
 
@@ -179,8 +178,9 @@ def test_a_forged_latest_succeeded_satisfies_no_dependency(env):
 
 
 def test_a_record_pre_created_for_a_future_firing_neither_stops_nor_repeats_it(env):
-    """Forged before the agent loads the shard: removed at load. Forged after: the claim
-    finds it, reports it and claims over it. Either way the firing runs once, on time."""
+    """Forged before the agent loads the shard: reported at load, and the firing's claim
+    replaces it when it falls due. Forged after: the claim finds it, reports it and claims
+    over it. Either way the firing runs once, on time."""
     c, a, out, port = env
     store = c.job_store()
     a.kill()
@@ -190,7 +190,7 @@ def test_a_record_pre_created_for_a_future_firing_neither_stops_nor_repeats_it(e
     fake = {"v": 1, "job_id": "early-forgery", "fire_id": fid1, "state": "succeeded", "attempt": 1, "agent": "gw-9"}
     put(c, c.keys.run(shard_of("early-forgery", SHARDS), "early-forgery", fid1), fake)
     restart(c, a)
-    wait_for(lambda: statuses(c, "early-forgery", state="scheduled", reason="foreign_record"), 20,
+    wait_for(lambda: statuses(c, "early-forgery", state="rejected", reason="foreign_record"), 20,
              what="the future forgery reported at load")
     due2 = now() + timedelta(seconds=8)
     store.create(job("late-forgery", {"at": rfc(due2)}))
@@ -202,7 +202,8 @@ def test_a_record_pre_created_for_a_future_firing_neither_stops_nor_repeats_it(e
         wait_for(lambda: [r["state"] for r in c.job_runs(jid).values()] == ["succeeded"] and
                  c.job_runs(jid)[fid]["agent"] == "f0", 60, what=f"{jid} run by the agent")
         assert effects(out)[(jid, fid)] == 1
-    assert [r["where"] for r in audit(c, "foreign_record")] == ["load", "claim"]
+        assert statuses(c, jid, state="running", reason="foreign_record")   # the claim over it, reported
+    assert sorted((r["job"], r["where"]) for r in audit(c, "foreign_record")) == [
+        ("early-forgery", "claim"), ("early-forgery", "load"), ("late-forgery", "claim")]
     assert metric(port, "millwright_foreign_records_total", where="load") == 1
-    assert metric(port, "millwright_foreign_records_total", where="claim") == 1
-    assert statuses(c, "late-forgery", reason="foreign_record")
+    assert metric(port, "millwright_foreign_records_total", where="claim") == 2

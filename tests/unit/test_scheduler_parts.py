@@ -225,8 +225,8 @@ def test_recovery_believes_no_record_the_signed_job_does_not_allow(forge, why):
     due = NOW.replace(second=0) - timedelta(minutes=NOW.minute % 10)
     rec = forge(record("j1", due, "running"), due)
     r = recovery.recover(e, {fire_id("j1", due): (rec, 5)}, CFG.agent_id, NOW)
-    ((f, reason),) = r.foreign
-    assert why in reason and f.fire_id == fire_id("j1", due)
+    ((fid, reason, seen, rev),) = r.foreign
+    assert why in reason and fid == fire_id("j1", due) and rev == 5 and seen.get("agent") == "gw-0"
     assert r.orphans == [] and r.retrying == [] and r.catch_up == [] and e.last_due_done == due
 
 
@@ -236,10 +236,11 @@ def test_recovery_believes_no_record_of_a_firing_off_the_schedule_or_far_ahead()
     off, ahead = on - timedelta(minutes=7), on + timedelta(hours=2)
     r = recovery.recover(e, {fire_id("j1", off): (record("j1", off, "succeeded"), 5),
                              fire_id("j1", ahead): (record("j1", ahead, "succeeded"), 6)}, CFG.agent_id, NOW)
-    whys = sorted(w for _, w in r.foreign)
+    whys = sorted(w for _, w, _, _ in r.foreign)
     assert len(whys) == 2 and "is not a firing of the job's schedule" in whys[0] + whys[1]
     assert any("no claim is made that far ahead" in w for w in whys)
     assert e.last_due_done is None or e.last_due_done < ahead   # a future record moves nothing forward
+    assert e.foreign_ahead == {fire_id("j1", ahead): 6}        # its firing's claim may replace it
 
 
 # --- outcomes -------------------------------------------------------------------------------
