@@ -2,14 +2,18 @@
 
 Modules (one concept each):
 
-* :mod:`agent.audit.record`   the line format: canonical JSON, MAC, chain hash, times
-* :mod:`agent.audit.keyfile`  the root-only HMAC key file
-* :mod:`agent.audit.files`    directory layout and byte-level line reading
-* :mod:`agent.audit.events`   typed record helpers; NullAudit and MemoryAudit sinks
-* :mod:`agent.audit.writer`   AuditLog: the writer thread, rotation, retention, recovery
-* :mod:`agent.audit.verify`   verification, first problem reported precisely
-* :mod:`agent.audit.show`     filtering and printing for people
-* :mod:`agent.audit.cli`      ``millwright audit verify|show``
+* :mod:`agent.audit.record`       the line format: canonical JSON, MAC, chain hash, times
+* :mod:`agent.audit.keyfile`      the root-only HMAC key file
+* :mod:`agent.audit.files`        directory layout and byte-level line reading
+* :mod:`agent.audit.events`       typed record helpers; NullAudit and MemoryAudit sinks
+* :mod:`agent.audit.writer`       AuditLog: the bounded queue and the writer thread (when to fsync, heads)
+* :mod:`agent.audit.appender`     the main chain: sealing, batched appends, write-error gaps, rotation, retention
+* :mod:`agent.audit.checkpoints`  the checkpoint chain (checkpoints.jsonl) and the on_checkpoint hand-off
+* :mod:`agent.audit.recovery`     opening the directory: the writer lock, resuming both chains after a crash
+* :mod:`agent.audit.metrics`      the writer's Prometheus collectors
+* :mod:`agent.audit.verify`       verification, first problem reported precisely
+* :mod:`agent.audit.show`         filtering and printing for people
+* :mod:`agent.audit.cli`          ``millwright audit verify|show``
 
 Typical use (the daemon)::
 
@@ -26,7 +30,8 @@ from __future__ import annotations
 from typing import Any
 
 from agent.audit.events import MemoryAudit, NullAudit, RecordHelpers, describe_config
-from agent.audit.writer import AuditError, AuditLog
+from agent.audit.recovery import AuditError
+from agent.audit.writer import AuditLog
 
 __all__ = ["AuditLog", "AuditError", "RecordHelpers", "NullAudit", "MemoryAudit", "describe_config",
            "cli_verify", "cli_show"]

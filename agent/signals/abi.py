@@ -198,3 +198,28 @@ def split_args(buf: bytes, argc: int) -> list[str]:
     """NUL-separated argv chunks -> list of str (undecodable bytes escaped)."""
     parts = buf.split(b"\0")
     return [p.decode("utf-8", "backslashreplace") for p in parts[:argc]]
+
+
+def ep_key(family: int, raw: bytes, port: int) -> EpKey:
+    k = EpKey()
+    ct.memmove(k.addr, raw, len(raw))
+    k.port = port
+    k.family = family
+    return k
+
+
+def endpoint_keys(addrs: tuple[str, ...], port: int) -> list[EpKey]:
+    """The keys of the endpoints map that stand for these addresses (text) and port."""
+    import socket
+
+    keys = []
+    for a in addrs:
+        if ":" in a:
+            fam, raw = AF_INET6, socket.inet_pton(socket.AF_INET6, a)
+            keys.append(ep_key(fam, raw, port))
+        else:
+            raw4 = socket.inet_pton(socket.AF_INET, a)
+            keys.append(ep_key(AF_INET, raw4, port))
+            # dual-stack sockets talk to IPv4 peers through v4-mapped IPv6 addresses
+            keys.append(ep_key(AF_INET6, b"\0" * 10 + b"\xff\xff" + raw4, port))
+    return keys

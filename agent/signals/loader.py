@@ -2,7 +2,7 @@
 descriptors to the agent, exit.
 
 Run as ``python3 -m agent.signals.loader --sock-fd N --config JSON`` by
-:class:`agent.signals.sensor.Sensor`. The agent never imports bcc: LLVM and clang cost
+:func:`agent.signals.attach.attach`. The agent never imports bcc: LLVM and clang cost
 ~74 MB on import and ~130 MB after a compile, and that memory is not given back. This
 process pays it for about a second, then sends over a SOCK_SEQPACKET socket (SCM_RIGHTS)
 the map fds and the tracepoint perf-event fds that keep the programs attached, and leaves

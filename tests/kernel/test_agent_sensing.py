@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from agent.execute.confine import RUN_ID_FIRST, RUN_ID_LAST
+
 from agent.coordination.jobstore import JobStore
 from tests.support.kernel import bpf_ok, require_kernel
 from tests.support.records import agent_audit, latest_by_job
@@ -68,7 +70,9 @@ def test_exec_events_of_a_job_are_audited_with_job_and_run_id(cluster):
         assert r is not None, (path, sorted(by_file))
         assert r["argv"] == argv
         assert r["run_id"] == rec["fire_id"]
-        assert r["uid"] == 65534  # nobody: the template's user
+        # each run has a uid of its own from the reserved range (job isolation), not the
+        # template user's
+        assert RUN_ID_FIRST <= r["uid"] <= RUN_ID_LAST
         assert r["ppid"] > 1
         assert r["verdict"] == "allowed"
     # something outside any job shows up as node activity

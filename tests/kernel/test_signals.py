@@ -157,7 +157,7 @@ def test_exec_events_attributed_to_slot_and_node_activity(sensor_pump):
     pump.run_until(lambda: False, 0.6)  # two sample ticks: the exec accounting finds no gap
     assert not pump.gaps
     assert metrics.sample("millwright_bpf_events_total", {"kind": "exec"}) >= 4
-    tracked = sensor._maps["tracked"]
+    tracked = sensor._kernel.maps["tracked"]
     assert p.pid not in [k.value for k in tracked.keys()]  # cleaned on exit in the kernel
     child = _spawn(sensor, slot, ["/bin/sleep", "5"])
     assert tracked.get(child.pid).value == slot

@@ -32,7 +32,7 @@ def test_degraded_mode_polls_proc_for_processes_and_node_counters():
             mine = [e for e in execs if e.slot == 5]
         p.wait()
         sleep = [e for e in mine if e.filename.endswith("sleep")]
-        assert sleep, ([(e.pid, e.ppid, e.slot, e.filename) for e in execs if p.pid in (e.pid, e.ppid)], p.pid, s._tracked_snapshot)
+        assert sleep, ([(e.pid, e.ppid, e.slot, e.filename) for e in execs if p.pid in (e.pid, e.ppid)], p.pid, s._published.tracked)
         assert sleep[0].argv == ["/bin/sleep", "0.6"] and sleep[0].ppid == p.pid
         assert sleep[0].source == "proc" and sleep[0].uid == os.getuid()
         node = s.node_signals()

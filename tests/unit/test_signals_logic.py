@@ -9,7 +9,9 @@ import os
 import pytest
 
 from agent.signals import abi, check, procfs
-from agent.signals.sensor import Sensor, _ep_key, _window, decode_conn, decode_exec
+from agent.signals.decode import decode_conn, decode_exec
+from agent.signals.history import window_rate
+from agent.signals.sensor import Sensor
 
 
 def _exec_bytes(argv: list[bytes], **kw) -> bytes:
@@ -48,10 +50,10 @@ def test_decode_conn_kinds(old, new, kind):
 
 def test_window_rate_uses_age_for_young_series_and_window_later():
     h = collections.deque([(100.0, 0, 0), (101.0, 2, 1), (102.0, 4, 1)])
-    rate, fails = _window(h, now=102.0, window=5.0, start=100.0)
+    rate, fails = window_rate(h, now=102.0, window=5.0, start=100.0)
     assert rate == pytest.approx(2.0) and fails == 1
     h = collections.deque([(100.0, 0, 0), (110.0, 10, 0), (118.0, 20, 3)])
-    rate, fails = _window(h, now=120.0, window=5.0, start=100.0)
+    rate, fails = window_rate(h, now=120.0, window=5.0, start=100.0)
     assert rate == pytest.approx(2.0) and fails == 3
 
 
@@ -65,11 +67,11 @@ def test_stall_rule():
 
 
 def test_endpoint_keys_cover_v4_mapped():
-    keys = Sensor._ep_keys(("127.0.0.1", "::1"), 2379)
+    keys = abi.endpoint_keys(("127.0.0.1", "::1"), 2379)
     assert [(k.family, k.port) for k in keys] == [(2, 2379), (10, 2379), (10, 2379)]
     assert bytes(keys[0].addr[:4]) == b"\x7f\0\0\1" and bytes(keys[1].addr[10:]) == b"\xff\xff\x7f\0\0\1"
     assert bytes(keys[2].addr) == b"\0" * 15 + b"\1"
-    assert ct.sizeof(_ep_key(2, b"\1\2\3\4", 1)) == 20
+    assert ct.sizeof(abi.ep_key(2, b"\1\2\3\4", 1)) == 20
 
 
 def test_snmp_and_proc_net_tcp_parsers():
