@@ -216,6 +216,14 @@ class RetentionConfig:
 
 
 @dataclass
+class QuotaConfig:
+    jobs: int = doc("Most job documents the cluster stores (tombstones included); a push past it is "
+                    "rejected quota_exceeded. Cluster-wide: give every agent the same value.", default=100000)
+    stored_mb: int = doc("Most megabytes of job documents the cluster stores (tombstones included); a push "
+                         "past it is rejected quota_exceeded. Cluster-wide, like jobs.", default=512)
+
+
+@dataclass
 class Config:
     cluster: str = doc("Cluster name: etcd prefix and MQTT topic segment.", default="plant-a")
     agent_id: str = doc("Agent id (default: the host name).", default_factory=socket.gethostname)
@@ -236,6 +244,7 @@ class Config:
     execute: ExecuteConfig = doc("Run execution and node budget.", default_factory=ExecuteConfig)
     retention: RetentionConfig = doc("What is deleted, and when (etcd records, run output).",
                                      default_factory=RetentionConfig)
+    quotas: QuotaConfig = doc("What the signers of one cluster may store in etcd.", default_factory=QuotaConfig)
     templates: dict[str, Template] = doc("Job templates the cloud may name.", default_factory=dict)
     source: str = field(default="<defaults>", metadata={"internal": True})
 
@@ -425,6 +434,9 @@ def _validate(cfg: Config, problems: list[str]) -> None:
             except ValueError:
                 if not re.match(r"^[A-Za-z0-9.-]+$", host):
                     bad("metrics.listen", f"{host!r} is not a host name or address")
+    for name in ("jobs", "stored_mb"):
+        if getattr(cfg.quotas, name) < 1:
+            bad(f"quotas.{name}", "must be at least 1")
     ret = cfg.retention
     if ret.keep_runs < 1:
         bad("retention.keep_runs", "must be at least 1 (the newest record is needed for misfire recovery)")

@@ -79,6 +79,10 @@ class StoredJob:
     # for a document read back from etcd): the scheduler installs it without parsing and
     # verifying the same bytes a second time
     parsed: Any = field(default=None, compare=False, repr=False)
+    # the etcd key it was read from ("" when written by this agent): a document runs only
+    # under its own key (agent/jobs/catalog.py), so a copy elsewhere is refused
+    key: str = field(default="", compare=False)
+    size: int = field(default=0, compare=False)   # bytes of the stored value (0: not read from etcd)
 
     @property
     def id(self) -> str:
@@ -109,7 +113,8 @@ class StoredJob:
 
 
 def _stored(shard: int, kv: KV) -> StoredJob:
-    return StoredJob(shard, json.loads(kv.value), kv.mod_revision, kv.create_revision)
+    return StoredJob(shard, json.loads(kv.value), kv.mod_revision, kv.create_revision, key=kv.key,
+                     size=len(kv.value))
 
 
 class JobStore:

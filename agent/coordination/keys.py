@@ -62,6 +62,13 @@ class Keys:
         """name: ``accepted``, ``rejected.<push_sha256>`` or ``run.<fire_id>``."""
         return self.answers_prefix(shard) + job_id + "/" + name
 
+    def usage_prefix(self) -> str:
+        return self.prefix + "usage/"
+
+    def usage(self, shard: int) -> str:
+        """What a storage shard's job documents take: {jobs, bytes}, kept by its owner."""
+        return self.usage_prefix() + self.shard_name(shard)
+
     def latest_prefix(self, shard: int | None = None) -> str:
         p = self.prefix + "latest/"
         return p if shard is None else p + self.shard_name(shard) + "/"

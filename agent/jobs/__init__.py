@@ -4,11 +4,17 @@ Modules: envelope (size, JSON, signature, binding; JobRejected and the reason co
 document (the job model and its validation, canonical form), render (argv, run id,
 resources at run time),
 signing (key ring, HMAC and Ed25519 signatures), schedule (due times, misfire, retry
-backoff, fire ids), firing (a firing, its state Enum and transitions, the RunListener
-seam, the run-record states), scheduler (due firings -> fenced run records ->
-processes), claimlead (how far ahead of a due time a firing is claimed), view (what a
-job is doing, read from etcd: the model behind jobs/get and the CLI), cli (`jobs`,
-`runs`, `logs`).
+backoff, fire ids), states (the record and status vocabularies), firing (a firing, its
+state Enum and transitions, why it ended, the RunListener seam), and the firing pipeline:
+seams (the Protocols it needs from the agent), catalog (the jobs a unit holds: load,
+watch, trust, retirement), recovery (what a new owner finds and owes; pure), scheduler
+(due times -> admission -> claim -> run -> final record), admitting (holds and node
+quota), dependencies (depends_on, watched), claims (the fenced claim and its
+read-backs), records (run-record documents and fenced writes), launching (run spec,
+prepare or start), outcomes (end reason -> state and retry; pure), statuses (status
+documents), claimlead (how far ahead a firing is claimed), metrics. Then view (what a job
+is doing, read from etcd: the model behind jobs/get and the CLI), cli (`jobs`, `runs`,
+`logs`), retention (what is deleted and when).
 
 May import: ``config``, ``coordination``, ``execute``, ``runtime`` leaves and
 ``runtime.gcpolicy``. Never imports ``cloud``, ``supervision`` or the daemon at run time;

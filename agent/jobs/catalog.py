@@ -14,17 +14,19 @@ cancelled, or dropped.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Optional, Protocol, cast
 
 from agent.coordination import placement
-from agent.coordination.etcd import EtcdClient
-from agent.coordination.fencing import Fence
+from agent.coordination.etcd import EtcdClient, Put
+from agent.coordination.fencing import Fence, fenced_txn
 from agent.coordination.jobstore import JobStore, StoredJob, public_doc
-from agent.coordination.keys import Keys
+from agent.coordination.keys import Keys, shard_of
 from agent.coordination.watch import PrefixWatch, WatchEvent
 from agent.jobs import schedule as sch
 from agent.jobs.document import Job
@@ -51,6 +53,7 @@ log = logging.getLogger(__name__)
 REJECTED_STORED_MEMORY = 10000  # (job, revision) pairs already reported, so reloads do not repeat them
 RETIRE_CHECK_MAX_S = 3600.0     # a retirement far ahead is re-armed at most this far out
 LOAD_RETRY_S = 0.5
+USAGE_PUBLISH_S = 1.0
 
 Records = dict[str, tuple[dict, int]]   # fire_id -> (run record, its mod revision)
 
@@ -68,6 +71,7 @@ class JobEntry:
     cancelled: bool = False
     backlog: list = field(default_factory=list)  # missed firings to run one after another
     latest_fire: str = ""   # newest fire_id with a record: the one latest/<shard>/<job> copies
+    foreign_ahead: dict[str, int] = field(default_factory=dict)   # fire_id -> revision of a foreign record found ahead
 
     def fire_id(self, due: datetime, agent_id: str) -> str:
         """A fan-out job's firing on this agent names the agent: ``<fire id>@<agent>``."""
@@ -80,7 +84,7 @@ class CatalogListener(Protocol):
 
     def job_installed(self, e: JobEntry, records: Records) -> None: ...
 
-    def job_cancelled(self, e: JobEntry) -> None: ...
+    def job_cancelled(self, e: JobEntry, reason: str) -> None: ...
 
     def job_dropped(self, e: JobEntry, reason: str) -> None: ...
 
@@ -103,6 +107,7 @@ class JobCatalog:
         self.audit = audit
         self.statuses = statuses
         self.claim_lead_s = cfg.execute.claim_lead_s
+        self.max_age_s = cfg.mqtt.max_age_s
         self.listener: Optional[CatalogListener] = None
         self.store = JobStore(client, keys, cfg.shards, cfg.agent_id)
         self.entries: dict[str, JobEntry] = {}
@@ -111,11 +116,34 @@ class JobCatalog:
         self.loading: dict[int, Fence] = {}
         self._dirty: dict[int, int] = {}          # unit -> newest job revision seen while loading
         self._rejected_seen: RecentMemory[tuple, None] = RecentMemory(REJECTED_STORED_MEMORY)
+        # what the job documents of each cluster shard held here take: [documents, bytes],
+        # published to usage/<shard> for ingest's cluster quotas (agent/coordination/quota.py)
+        self.usage: dict[int, list[int]] = {}
+        self._usage_dirty: set[int] = set()
+        self._usage_timer: Any = None
         # job entries are long-lived: keep them out of full collections
         self.gc = GcPolicy(loop, self.quiet_for).start()
 
     def stop(self) -> None:
         self.gc.stop()
+
+    def status(self) -> dict:
+        """What the jobs held here are doing (the admin socket's ``jobs``)."""
+        now, mono = utcnow(), time.monotonic()
+        running, due, waiting = [], [], 0
+        for e in self.entries.values():
+            for f in e.firings.values():
+                if f.state == FiringState.RUNNING and f.started_mono:
+                    running.append({"job_id": e.job.id, "fire_id": f.fire_id, "attempt": f.attempt,
+                                    "pid": getattr(f.handle, "pid", None), "health": f.health,
+                                    "age_s": round(mono - f.started_mono, 1)})
+                waiting += f.state in (FiringState.WAITING, FiringState.RETRYING_ADMISSION)
+            if e.next_due is not None:
+                due.append((e.next_due, e.job.id))
+        due.sort()
+        return {"owned_jobs": len(self.entries), "running": running, "waiting": waiting,
+                "due": [{"job_id": j, "due": rfc(d), "in_s": round((d - now).total_seconds(), 3)} for d, j in due[:50]],
+                "loading_shards": sorted(self.loading)}
 
     def quiet_for(self) -> Optional[float]:
         """Seconds until a process may be due to be released: the next armed due time, or a
@@ -177,10 +205,11 @@ class JobCatalog:
             # paged reads at one revision; records are parsed here, off the loop thread, so
             # a shard with many records never delays due timers of the shards already held.
             # A unit holds the jobs of its storage shard that are in its placement pool.
-            jobs, rev = self.store.list_shard(storage)
+            listed, rev = self.store.list_shard(storage)
             jobs = [j if unit == storage else replace(j, shard=unit)
-                    for j in jobs if placement.pool_of_doc(j.doc) == pool]
-            return jobs, records_by_job(self.client, self.keys.runs_prefix(storage), rev), rev
+                    for j in listed if placement.pool_of_doc(j.doc) == pool]
+            usage = [len(listed), sum(j.size for j in listed)]
+            return jobs, records_by_job(self.client, self.keys.runs_prefix(storage), rev), rev, usage
 
         def done(result: Any, error: Optional[BaseException]) -> None:
             if self.loading.get(unit) != fence:
@@ -189,11 +218,14 @@ class JobCatalog:
                 log.warning("loading shard failed; retrying", extra={"fields": {"shard": unit, "error": str(error)}})
                 self.loop.call_later(LOAD_RETRY_S, self._retry_load, fence)
                 return
-            jobs, runs, rev = result
+            jobs, runs, rev, usage = result
             del self.loading[unit]
             self.loaded[unit] = rev
+            if unit < self.shards:   # the cluster shard's owner accounts for its storage shard
+                self.usage[unit] = usage
+                self._usage_changed(unit)
             for stored in jobs:
-                if not (stored.cancelled or stored.tombstone or stored.id in self.entries):
+                if not (self._misplaced(stored) or stored.cancelled or stored.tombstone or stored.id in self.entries):
                     self._install(stored, runs.get(stored.id, {}))
             JOBS_OWNED.set(len(self.entries))
             if self._dirty.pop(unit, 0) > rev:
@@ -215,12 +247,42 @@ class JobCatalog:
         self._load(fence)
 
     def shard_lost(self, shard: int, reason: str) -> None:
+        self.usage.pop(shard, None)
         self.loading.pop(shard, None)
         self.loaded.pop(shard, None)
         self._dirty.pop(shard, None)
         why = EndReason.RELEASED if reason == EndReason.RELEASED else EndReason.SHARD_LOST
         for jid in list(self.by_shard.get(shard, ())):
             self._drop(jid, why)
+
+    # --- usage --------------------------------------------------------------------------
+    def _account(self, storage: int, ev: WatchEvent) -> None:
+        u = self.usage[storage]
+        before = len(ev.prev.value) if ev.prev is not None else 0
+        if ev.kind == "delete":
+            u[0], u[1] = max(0, u[0] - 1), max(0, u[1] - before)
+        else:
+            u[0] += ev.prev is None
+            u[1] = max(0, u[1] + len(ev.kv.value) - before)
+        self._usage_changed(storage)
+
+    def _usage_changed(self, storage: int) -> None:
+        self._usage_dirty.add(storage)
+        if self._usage_timer is None:
+            self._usage_timer = self.loop.call_later(USAGE_PUBLISH_S, self._publish_usage)
+
+    def _publish_usage(self) -> None:
+        """usage/<shard> for each cluster shard whose account changed, fenced (at most one
+        write a shard per USAGE_PUBLISH_S)."""
+        self._usage_timer = None
+        dirty, self._usage_dirty = self._usage_dirty, set()
+        for shard in sorted(dirty):
+            fence, u = self.fencing.fence_for(shard), self.usage.get(shard)
+            if fence is None or u is None:
+                continue
+            value = json.dumps({"jobs": u[0], "bytes": u[1], "agent": self.agent_id})
+            self.workers.submit(functools.partial(fenced_txn, self.client, fence, success=[Put(self.keys.usage(shard), value)]),
+                                lambda r, e: None)
 
     # --- job store input --------------------------------------------------------------
     def _jobs_events(self, events: list[WatchEvent], rev: int) -> None:
@@ -231,6 +293,8 @@ class JobCatalog:
                 storage = int(shard_s)
             except ValueError:
                 continue
+            if storage in self.usage and ev.kv.mod_revision > self.loaded.get(storage, ev.kv.mod_revision):
+                self._account(storage, ev)
             doc = None
             if ev.kind == "put" and job_id not in self.entries and b'"target"' in ev.kv.value:
                 # maybe targeted: its unit depends on its pool (untargeted documents, the
@@ -248,18 +312,20 @@ class JobCatalog:
             if unit not in self.loaded or ev.kv.mod_revision <= self.loaded[unit]:
                 continue
             if ev.kind == "delete":
-                if job_id in self.entries:
-                    self._drop(job_id, EndReason.DELETED)
+                if job_id in self.entries and ev.kv.key == self.keys.job(shard_of(job_id, self.shards), job_id):
+                    self._deleted(job_id)
                 continue
             if doc is None:
                 try:
                     doc = json.loads(ev.kv.value)
                 except ValueError:
                     continue
-            self.job_stored(StoredJob(unit, doc, ev.kv.mod_revision, ev.kv.create_revision))
+            self.job_stored(StoredJob(unit, doc, ev.kv.mod_revision, ev.kv.create_revision, key=ev.kv.key))
 
     def job_stored(self, stored: StoredJob) -> None:
         """A job was created or changed in etcd (watch, or the ingest shortcut)."""
+        if self._misplaced(stored):
+            return
         if stored.shard < self.shards:  # a storage shard: find the job's unit
             unit = self._unit_for(stored.id, stored.shard, stored.doc)
             if unit is None:
@@ -272,10 +338,13 @@ class JobCatalog:
             return
         e = self.entries.get(stored.id)
         if stored.finished and not stored.cancelled:
-            # retention replaced a job that can never fire again by its tombstone: forget it
-            # quietly (it is not a cancel)
-            if e is not None and all(f.state == FiringState.DONE for f in e.firings.values()):
+            # retention replaces a job that can never fire again by its tombstone: forget it
+            # quietly (it is not a cancel). A tombstone over a job with firings to come was
+            # not retention's: the job stops, and says so
+            if e is not None and e.next_due is None and all(f.state == FiringState.DONE for f in e.firings.values()):
                 self._drop(stored.id, EndReason.FINISHED)
+            elif e is not None:
+                self.job_cancelled(stored.id, "tombstoned")
             return
         if stored.cancelled or stored.tombstone:
             if e is not None:
@@ -286,10 +355,17 @@ class JobCatalog:
         self._install(stored, {})
         JOBS_OWNED.set(len(self.entries))
 
-    def job_cancelled(self, job_id: str) -> None:
+    def job_cancelled(self, job_id: str, reason: str = EndReason.CANCELLED) -> None:
         e = self.entries.get(job_id)
         if e is not None and self.listener is not None:
-            self.listener.job_cancelled(e)
+            self.listener.job_cancelled(e, reason)
+
+    def _deleted(self, job_id: str) -> None:
+        """The job's key was deleted. Retention deletes only tombstones (of cancelled or
+        finished jobs): a live job deleted is stopped like a cancel, with its final
+        statuses and an audit record saying so, then forgotten."""
+        self.job_cancelled(job_id, "deleted")
+        self._drop(job_id, EndReason.DELETED)
 
     def _unit_for(self, job_id: str, storage: int, doc: Optional[dict]) -> Optional[int]:
         """The unit a job belongs to: its entry's if installed (tombstones carry no target),
@@ -316,6 +392,10 @@ class JobCatalog:
             accepted_at = parse_rfc3339(stored.accepted_at) if stored.accepted_at else utcnow()
         except Exception:
             accepted_at = utcnow()
+        stale = self._replayed(job, accepted_at, records)
+        if stale is not None:
+            self._reject_stored(stored, "too_old", stale)
+            return
         # the entry keeps the parsed job, not a second copy of the stored document (~2 KB
         # a job: bench_scale.py memory)
         slim = StoredJob(stored.shard, {"id": stored.id}, stored.revision, stored.create_revision)
@@ -329,10 +409,38 @@ class JobCatalog:
             self.listener.job_installed(e, records)
 
     # --- trust ------------------------------------------------------------------------
+    def _misplaced(self, stored: StoredJob) -> bool:
+        """A document read from a key that is not its own is reported and never acted on:
+        a signed job copied under another key or shard would run beside the real one under
+        another fence, and a copy's cancel mark must not stop the real one."""
+        if not stored.key:
+            return False   # written by this agent's own ingest, at the key it computed
+        job_id = stored.id if isinstance(stored.id, str) else ""
+        expected = self.keys.job(shard_of(job_id, self.shards), job_id)
+        if stored.key == expected:
+            return False
+        self._reject_stored(stored, "misplaced", f"stored at {stored.key}, but job {job_id!r} lives at {expected}")
+        return True
+
+    def _replayed(self, job: Job, accepted_at: datetime, records: Records) -> Optional[str]:
+        """Why a stored one-shot can only be a replay, or None. A one-shot signed longer ago
+        than mqtt.max_age_s, already due and without any run record never ran in its
+        lifetime: re-put after retention removed it, it would run now (misfire recovery)."""
+        if records or job.schedule.kind == "cron" or job.issued_at is None:
+            return None
+        now = utcnow()
+        if (now - job.issued_at).total_seconds() <= self.max_age_s:
+            return None
+        due = sch.first_due(job, accepted_at)
+        if due is None or due > now:
+            return None
+        return (f"issued_at: a one-shot signed at {rfc(job.issued_at)}, due at {rfc(due)}, with no run record, is "
+                f"older than mqtt.max_age_s ({self.max_age_s:g} s): a replay is never run")
+
     def _reject_stored(self, stored: StoredJob, reason: str, detail: str) -> None:
         """A stored document that may not run: never installed; reported once per revision."""
         job_id = stored.id if isinstance(stored.id, str) else ""
-        seen = (job_id, stored.revision, reason)
+        seen = (job_id, stored.key, stored.revision, reason)
         if seen in self._rejected_seen:
             return
         self._rejected_seen.remember(seen, None)

@@ -3,9 +3,10 @@ process of it may run. The first attempt creates the record (create-revision==0:
 record per firing); a retry swaps it in place (its mod revision must be the one this
 agent last wrote).
 
-A claim whose outcome is unknown (etcd did not answer) is read back before anything is
-decided, and every decision reaches the scheduler as one ``Claim``: claimed (run it),
-again (claim once more), discard (its job went: end it), or give up (the record is not
+A claim whose outcome is unknown (etcd did not answer), or that found a record there, is
+read back before anything is decided, and every decision reaches the scheduler as one
+``Claim``: claimed (run it), again (claim once more), discard (its job went: end it),
+foreign (a record this agent never claimed holds the key), or give up (the record is not
 ours to write). Nothing here starts a process.
 """
 
@@ -40,6 +41,7 @@ class ClaimKind(enum.Enum):
     CLAIMED = "claimed"    # the record is ours, `running`: the firing may run
     AGAIN = "again"        # claim once more (after ``delay``; ``retry``: as a retry's swap)
     DISCARD = "discard"    # its job was cancelled or dropped meanwhile: it ends without running
+    FOREIGN = "foreign"    # a record this agent never claimed is there (``record``, at ``rev``)
     GIVE_UP = "give_up"    # the record is not this agent's to write (``why``)
 
 
@@ -50,6 +52,8 @@ class Claim:
     staged: Any = None      # the run's directories and quota container, made once the claim landed
     delay: float = 0.0
     retry: bool = False
+    record: Any = None
+    rev: int = 0
 
 
 Done = Callable[[Firing, Claim], None]
@@ -70,12 +74,14 @@ class ClaimWriter:
         self.is_current = is_current
         self.executor = executor      # stages a claimed run (its directories, quota container)
 
-    def claim(self, f: Firing, fence: Fence, retry: bool, spec: Any, done: Done) -> None:
+    def claim(self, f: Firing, fence: Fence, retry: bool, spec: Any, done: Done, takeover: bool = False) -> None:
         """Write the claim of ``f`` (in state CLAIMING, its attempt set) under ``fence``;
-        ``spec``: the run to stage once the claim landed (None: nothing to stage)."""
+        ``spec``: the run to stage once the claim landed (None: nothing to stage).
+        ``takeover``: replace the record at ``f.claim.rev`` (a foreign one) instead of
+        creating it."""
         key = self.records.key(f)
         rec = self.records.document(f, RecordState.RUNNING, fence, started_at=rfc(max(utcnow(), f.due)))
-        compare = [Mod(key) == f.claim.rev] if retry else [Create(key) == 0]
+        compare = [Mod(key) == f.claim.rev] if retry or takeover else [Create(key) == 0]
         ops = self.records.ops(f, key, json.dumps(rec))
 
         def op() -> Any:
@@ -101,12 +107,9 @@ class ClaimWriter:
                 # unknown outcome (timeout): the record may exist
                 self._read_back(f, key, rec, fence, done)
             elif not r.succeeded:
-                if f.claim.unsure:
-                    # an earlier claim of ours was read back as absent, then landed after
-                    # all (it was still queued in etcd): the record may be that one
-                    self._read_back(f, key, rec, fence, done)
-                else:
-                    self._give_up(f, FiringEnd.ALREADY_CLAIMED, done)
+                # a record is there: an earlier claim of ours read back as absent that landed
+                # after all (still queued in etcd), or one this agent never claimed
+                self._read_back(f, key, rec, fence, done)
             else:
                 f.claim.record, f.claim.rev, f.claim.unsure = rec, r.revision, ()
                 CLAIMS.labels("claimed").inc()
@@ -143,14 +146,16 @@ class ClaimWriter:
                 f.claim.unsure = (f.claim.unsure + (rec,))[-UNSURE_CLAIMS_MAX:]
                 done(f, Claim(ClaimKind.AGAIN))
             else:
-                cur = json.loads(kv.value)
-                if any(cur.get("agent") == self.agent_id and cur.get("started_at") == r["started_at"]
-                       and cur.get("attempt") == r["attempt"] for r in (rec,) + f.claim.unsure):
+                cur = _json(kv.value)
+                if isinstance(cur, dict) and any(
+                        cur.get("agent") == self.agent_id and cur.get("started_at") == r["started_at"]
+                        and cur.get("attempt") == r["attempt"] for r in (rec,) + f.claim.unsure):
                     f.claim.record, f.claim.rev, f.claim.unsure = cur, kv.mod_revision, ()
                     CLAIMS.labels("read_back").inc()
                     done(f, Claim(ClaimKind.CLAIMED))
                 else:
-                    self._give_up(f, FiringEnd.ALREADY_CLAIMED, done)
+                    CLAIMS.labels("foreign").inc()
+                    done(f, Claim(ClaimKind.FOREIGN, record=cur, rev=kv.mod_revision))
 
         self.workers.submit(lambda: self.client.get(key), landed)
 
@@ -168,8 +173,11 @@ class ClaimWriter:
                 else:
                     self._give_up(f, FiringEnd.SHARD_LOST, done)
                 return
-            cur = json.loads(kv.value) if kv is not None else {}
-            state, attempt = cur.get("state"), int(cur.get("attempt") or 0)
+            cur = _json(kv.value) if kv is not None else {}
+            if not isinstance(cur, dict) or type(cur.get("attempt") or 0) is not int:
+                self._give_up(f, FiringEnd.RETRY_CLAIM_FAILED, done)
+                return
+            state, attempt = cur.get("state"), cur.get("attempt") or 0
             if state == RecordState.RUNNING and cur.get("agent") == self.agent_id \
                     and cur.get("attempt") == rec["attempt"] and cur.get("started_at") == rec["started_at"]:
                 f.claim.record, f.claim.rev = cur, kv.mod_revision   # our claim did land
@@ -188,3 +196,10 @@ class ClaimWriter:
                 self._give_up(f, FiringEnd.RETRY_CLAIM_FAILED, done)
 
         self.workers.submit(lambda: self.client.get(key), landed)
+
+
+def _json(value: bytes) -> Any:
+    try:
+        return json.loads(value)
+    except ValueError:
+        return None

@@ -57,11 +57,10 @@ from agent.jobs.envelope import (
     field_name,
     type_name,
 )
+from agent.jobs.outcomes import DEFAULT_RETRY_ON, RETRY_ON
 from agent.jobs.schedule import (
-    DEFAULT_RETRY_ON,
     MISFIRE_POLICIES,
     OVERLAP_POLICIES,
-    RETRY_ON,
     RetryPolicy,
     Schedule,
     ScheduleError,
@@ -205,8 +204,8 @@ def _object(doc: dict, key: str, path: str, allowed: tuple) -> dict:
     return v
 
 
-def _timestamp(doc: dict, key: str) -> Optional[datetime]:
-    if key not in doc:
+def _timestamp(doc: dict, key: str, nullable: bool = False) -> Optional[datetime]:
+    if key not in doc or (nullable and doc[key] is None):
         return None
     try:
         return parse_rfc3339(doc[key])
@@ -334,7 +333,12 @@ def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyR
             raise bad(f"depends_on[{i}]", f"{short(dep)} is listed twice")
         seen.add(dep)
 
-    not_after = _timestamp(doc, "not_after")
+    not_after = _timestamp(doc, "not_after", nullable=True)
+    if schedule.kind == "cron" and "not_after" not in doc and verify_signature:   # (display reads any)
+        # a recurring job signed once would otherwise run for ever, and a copy of it could be
+        # put back into the store years later: its lifetime is part of what is signed
+        raise bad("not_after", "is required for a recurring job: an RFC 3339 time after which it never runs, "
+                               "or null to run until cancelled")
     if "issued_at" not in doc:
         raise bad("issued_at", "is required (the signer's clock; pushes older than max_age_s are refused)")
     issued_at = _timestamp(doc, "issued_at")

@@ -30,7 +30,7 @@ __all__ = ["TERMINAL", "FiringState", "FiringEnd", "ClaimState", "Firing", "RunL
 class FiringState(enum.Enum):
     PENDING = "pending"                        # created, not yet asked for admission
     HELD = "held"                              # fell due while new runs are paused (early fence)
-    WAITING = "waiting"                        # for its dependencies or for node quota
+    WAITING = "waiting"                        # for its dependencies, node quota or a start policy
     CLAIMING = "claiming"                      # its run record is being written (fenced)
     RUNNING = "running"                        # process prepared or running
     RETRYING = "retrying"                      # attempt failed; the next one is timed
@@ -43,10 +43,10 @@ S = FiringState
 TRANSITIONS: dict[FiringState, frozenset[FiringState]] = {
     S.PENDING: frozenset({S.HELD, S.WAITING, S.CLAIMING, S.RETRYING, S.FINISHING, S.DONE}),
     S.HELD: frozenset({S.WAITING, S.CLAIMING, S.FINISHING, S.DONE}),
-    S.WAITING: frozenset({S.WAITING, S.HELD, S.CLAIMING, S.FINISHING, S.DONE}),
+    S.WAITING: frozenset({S.WAITING, S.HELD, S.CLAIMING, S.RETRYING_ADMISSION, S.FINISHING, S.DONE}),
     S.CLAIMING: frozenset({S.CLAIMING, S.RUNNING, S.FINISHING, S.DONE}),
     S.RUNNING: frozenset({S.RETRYING, S.DONE}),
-    S.RETRYING: frozenset({S.CLAIMING, S.RETRYING_ADMISSION, S.FINISHING, S.DONE}),
+    S.RETRYING: frozenset({S.WAITING, S.CLAIMING, S.RETRYING_ADMISSION, S.FINISHING, S.DONE}),
     S.RETRYING_ADMISSION: frozenset({S.CLAIMING, S.FINISHING, S.DONE}),
     S.FINISHING: frozenset({S.FINISHING, S.DONE}),
     S.DONE: frozenset(),
@@ -63,7 +63,7 @@ class FiringEnd(Word):
     HANDED_OVER = "handed_over"            # its run ended with the shard: the next owner resolves it
     DROPPED = "dropped"                    # its job's entry went (shard lost, job deleted) before it ran
     NOT_OWNER = "not_owner"                # no fence, and the shard is not held
-    ALREADY_CLAIMED = "already_claimed"    # another claim holds its record
+    ALREADY_CLAIMED = "already_claimed"    # a record it may not replace holds its key
     SHARD_LOST = "shard_lost"              # the shard went while it was claiming
     FENCED = "fenced"                      # the fence went between its claim and its spawn
     RETRY_CLAIM_FAILED = "retry_claim_failed"  # its record is not the one its retry expected
@@ -78,6 +78,7 @@ class ClaimState:
     rev: int = 0                    # its mod revision (0: no record of ours)
     writing: int = 0                # writes in flight: a retry's claim waits for the revision they set
     unsure: tuple = ()              # records of earlier claims whose outcome was unknown (a few)
+    taken_over: bool = False        # its claim replaced a foreign record (once at most)
 
 
 _SEQ = itertools.count(1)

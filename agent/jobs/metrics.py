@@ -14,3 +14,5 @@ JOBS_OWNED = gauge("millwright_jobs_owned", "Jobs in shards this agent holds")
 REJECTED_STORED = counter("millwright_jobs_rejected_stored_total",
                           "Stored jobs refused at load (signature, binding, retired key, invalid)", ("reason",))
 CLAIMS = counter("millwright_claims_total", "Claims of a firing's run record by outcome", ("outcome",))
+FOREIGN_RECORDS = counter("millwright_foreign_records_total",
+                          "Run records this agent did not write and does not believe, by where found", ("where",))

@@ -2,22 +2,29 @@
 (``retry.on``) it falls under, and whether another attempt follows. Pure: no etcd, no
 loop, the clock passed in; the scheduler asks, then writes what it is told.
 
-A new retry criterion is a new name in ``schedule.RETRY_ON`` (what a document may list)
-and a line in ``criterion`` here (which ends it covers)."""
+A new retry criterion is a new name in ``RETRY_ON`` (what a document's retry.on may list)
+and a line in ``criterion`` (which run ends it covers), both here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any, Optional
 
 from agent.jobs import schedule as sch
 from agent.jobs.states import EndReason as R
 from agent.jobs.states import RecordState as S
+from agent.runtime.timefmt import format_rfc3339
 
 # a run that ended for one of these is left to the shard's next owner: this agent may no
 # longer write for the shard, and the new owner resolves its record (owner_lost)
 HANDED_OVER = frozenset({R.FENCED, R.SHARD_LOST, R.RELEASED, R.DELETED})
+
+# What a retry may be asked for (retry.on): a run that failed (non-zero exit, oom,
+# pids_limit, network_stall, spawn_error), that timed out, or whose outcome is unknown
+# because its agent died, fenced itself or was cut off (owner_lost: it may have run).
+RETRY_ON = ("failed", "timed_out", "owner_lost")
+DEFAULT_RETRY_ON = ("failed", "timed_out")
 
 # record states the job's retry policy may turn into another attempt
 RETRYABLE = frozenset({S.FAILED, S.TIMED_OUT})
@@ -69,3 +76,21 @@ def after_owner_lost(job: Any, fire_id: str, attempt: int, now: datetime) -> Opt
     if not job.retry.retries(R.OWNER_LOST):
         return None
     return sch.next_retry_at(job, fire_id, attempt, now)
+
+
+def end_fields(result: Any, reason: str, health: str, now: datetime) -> dict[str, Any]:
+    """What a run's final (or `retrying`) record and status say of how it ended, from the
+    executor's result (agent/execute/runs.py RunResult)."""
+    usage: Any = getattr(result, "usage", None)
+    detail = getattr(result, "error", None)
+    fields: dict[str, Any] = {"exit_code": getattr(result, "exit_code", None),
+                              "reason": reason if detail is None else f"{reason}: {detail}",
+                              "usage": usage.to_dict() if hasattr(usage, "to_dict") else (usage or {}),
+                              "ended_at": format_rfc3339(now), "health": health}
+    tail = getattr(result, "stderr_tail", None)   # kept by the reaper as the output came
+    if tail is not None:
+        fields["stderr_tail"] = tail
+    # the claim wrote the planned start; the record keeps the real one (None: never released)
+    released = getattr(result, "started_at", None)
+    fields["started_at"] = format_rfc3339(datetime.fromtimestamp(released, timezone.utc)) if released else None
+    return fields

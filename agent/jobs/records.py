@@ -187,4 +187,3 @@ class RunRecords:
             ops.append(Put(answer_key, json.dumps(doc)))
         self.submit(e.shard, lambda: fenced_txn(self.client, fence, compare=cmp, success=ops), lambda r, err: None)
         return True
-

@@ -1,27 +1,41 @@
 """What a new owner of a job finds and owes: the live run records earlier owners left
 (a timed retry to re-arm, or a run whose owner is gone), and the firings that fell due
 while no agent owned the shard (misfire policy). Pure: it reads the records and the
-job's schedule, adds the firings to the entry, and says what the scheduler must do."""
+job's schedule, adds the firings to the entry, and says what the scheduler must do.
+
+Records are not signed and etcd is writable by more than agents, so a record is believed
+only where the signed job allows what it says: its firing is on the job's schedule and not
+in the future, its attempt within 1..max_attempts (a `retrying` one before the last), its
+fence older than the write. Any other is foreign: reported, never run from; a past firing
+it names counts as handled (forged state may stop work, never start it), a future one's
+claim replaces it when it falls due."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from agent.jobs import schedule as sch
 from agent.jobs.firing import ClaimState, Firing
 from agent.jobs.states import TERMINAL, RecordState
-from agent.runtime.timefmt import parse_rfc3339
+from agent.runtime.timefmt import format_rfc3339, parse_rfc3339
 
 if TYPE_CHECKING:
     from agent.jobs.catalog import JobEntry, Records
+
+
+# a firing is claimed at most the claim lead ahead of its due time (execute.claim_lead_s,
+# under a second); a record further ahead than this was not made by a claim
+FUTURE_SLACK_S = 5.0
+FOREIGN_AHEAD_MAX = 64   # foreign records of future firings remembered per job (their claims replace them)
 
 
 @dataclass
 class Recovered:
     retrying: list[tuple[Firing, datetime]] = field(default_factory=list)   # (firing, retry_at) to re-arm
     orphans: list[Firing] = field(default_factory=list)     # `running` by an owner that is gone
+    foreign: list[tuple[str, str, dict, int]] = field(default_factory=list)   # (fire_id, why, record, revision)
     error: Optional[str] = None       # the schedule cannot be computed: nothing below applies
     skipped: int = 0                  # firings the misfire policy skipped
     skipped_capped: bool = False
@@ -41,12 +55,20 @@ def recover(e: JobEntry, records: Records, agent_id: str, now: datetime) -> Reco
             due = sch.parse_fire_id(fire_id[:-len(mine)] if job.fanout else fire_id)
         except Exception:
             continue
+        why = foreign(job, e.accepted_at, fire_id, due, rec, rev, now)
+        if why is not None:
+            out.foreign.append((fire_id, why, rec if isinstance(rec, dict) else {}, rev))
+            if due <= now:
+                _done_up_to(e, due)   # handled, whatever really happened to it
+            elif len(e.foreign_ahead) < FOREIGN_AHEAD_MAX:
+                e.foreign_ahead[fire_id] = rev   # its claim may replace exactly this record
+            continue
         _done_up_to(e, due)
         e.latest_fire = max(e.latest_fire, fire_id)
         state = rec.get("state")
         if state in TERMINAL:
             continue
-        f = Firing(e, due, fire_id, int(rec.get("attempt", 1)), claim=ClaimState(rec, rev))
+        f = Firing(e, due, fire_id, rec["attempt"], claim=ClaimState(rec, rev))
         e.firings[fire_id] = f
         if state == RecordState.RETRYING:
             out.retrying.append((f, _parse_or(rec.get("retry_at"), now)))
@@ -75,6 +97,38 @@ def recover(e: JobEntry, records: Records, agent_id: str, now: datetime) -> Reco
     out.next_due = recovery.next_due
     out.announce = not records and job.schedule.kind != "now" and recovery.next_due is not None
     return out
+
+
+def foreign(job: Any, accepted_at: datetime, fire_id: str, due: datetime, rec: Any, rev: int,
+            now: datetime) -> Optional[str]:
+    """Why a run record at runs/<shard>/<job>/<fire_id> (mod revision ``rev``) is not
+    believed, or None when the signed job allows what it says."""
+    if not isinstance(rec, dict):
+        return "not a JSON object"
+    if rec.get("job_id") != job.id or rec.get("fire_id") != fire_id:
+        return f"it names job {rec.get('job_id')!r} firing {rec.get('fire_id')!r}, not its key's"
+    state = rec.get("state")
+    if state not in _STATES:
+        return f"state {state!r} is not a run-record state"
+    attempt, most = rec.get("attempt"), job.retry.max_attempts
+    if type(attempt) is not int or not 1 <= attempt <= most:
+        return f"attempt {attempt!r} is outside 1..{most} (retry.max_attempts)"
+    if state == RecordState.RETRYING and attempt >= most:
+        return f"`retrying` after attempt {attempt} of {most}"
+    ahead = (due - now).total_seconds()
+    if ahead > FUTURE_SLACK_S:
+        return f"its firing is due at {format_rfc3339(due)}: no claim is made that far ahead"
+    fence = rec.get("fence")
+    if ahead > 0 and fence is None:
+        return f"its firing is due at {format_rfc3339(due)} and it names no fence: every claim ahead does"
+    if not sch.is_firing(job, due, accepted_at):
+        return f"{fire_id} is not a firing of the job's schedule"
+    if fence is not None and (type(fence) is not int or not 0 < fence <= rev):
+        return f"fence {fence!r} cannot have fenced a write made at revision {rev}"
+    return None
+
+
+_STATES = frozenset(s.value for s in RecordState)
 
 
 def _done_up_to(e: JobEntry, due: datetime) -> None:

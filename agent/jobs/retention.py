@@ -80,25 +80,38 @@ def _terminal(raw: bytes) -> bool:
         return True  # unreadable: nothing can resume it
 
 
-def finished_since(doc: dict, latest: Optional[dict], all_terminal: bool) -> Optional[tuple[float, str]]:
+def finished_since(doc: dict, latest: Optional[dict], all_terminal: bool,
+                   now: Optional[float] = None) -> Optional[tuple[float, str]]:
     """When (epoch s) and why a stored job can never fire again, or None while it still can.
 
     Cancelled: from the cancel; expired (not_after passed): from not_after; a one-shot
-    (no cron) whose newest record is terminal: from that record's end. A job with a record
-    still running or retrying is never finished."""
+    (no cron) whose newest record is terminal: from that record's end, if that record
+    could be its run's (it names the job, a firing already due, and an end not in the
+    future: records are not signed, and a forged one must not finish a job). A job with a
+    record still running or retrying is never finished."""
     if not all_terminal:
         return None
     if "_cancelled" in doc:
         return (_ts(doc["_cancelled"].get("at")) or 0.0), "cancelled"
     schedule = doc.get("schedule") or {}
     one_shot = "cron" not in schedule
-    if one_shot and latest is not None and latest.get("state") in TERMINAL:
-        at = _ts(latest.get("ended_at")) or _ts(latest.get("due")) or 0.0
-        return at, "done"
+    if one_shot and latest is not None and latest.get("state") in TERMINAL and _ran(doc, latest, now):
+        return _ts(latest.get("ended_at")) or 0.0, "done"
     not_after = _ts(doc.get("not_after"))
     if not_after is not None:
         return not_after, "expired"
     return None
+
+
+def _ran(doc: dict, rec: dict, now: Optional[float]) -> bool:
+    """Could ``rec`` be the end of a run of the job stored as ``doc``?"""
+    ended = _ts(rec.get("ended_at"))
+    try:
+        due = sch.parse_fire_id(str(rec.get("fire_id", "")).split("@", 1)[0]).timestamp()
+    except Exception:
+        return False
+    return (rec.get("job_id") == doc.get("id") and ended is not None
+            and (now is None or (due <= now and ended <= now)))
 
 
 def plan_shard(jobs: dict[str, tuple[dict, str, int]], runs: dict[str, list[tuple[str, str, bytes, int]]],
@@ -125,7 +138,7 @@ def plan_shard(jobs: dict[str, tuple[dict, str, int]], runs: dict[str, list[tupl
             except ValueError:
                 newest = None
         all_terminal = all(_terminal(value) for _, _, value, _ in records)
-        fin = finished_since(doc, newest, all_terminal)
+        fin = finished_since(doc, newest, all_terminal, now)
         if fin is not None and now - fin[0] > finished_job_s:
             tomb = finished_tombstone(doc, sch.format_rfc3339(datetime.fromtimestamp(now, timezone.utc)), fin[1])
             plan.finish.append((key, rev, tomb, latest.get(job_id, (None, 0))[0], fin[1]))

@@ -438,6 +438,21 @@ def next_firing(job: Any, after: datetime, accepted_at: datetime) -> Optional[da
     return None if d is None or (na is not None and d >= na) else d
 
 
+def is_firing(job: Any, due: datetime, accepted_at: datetime) -> bool:
+    """Is ``due`` one of the job's firings? (A run record names its firing: a record for a
+    time the schedule never fires at was not written by an agent running the job.)"""
+    due = _utc(due, "due")
+    first = first_due(job, accepted_at)
+    if first is None:
+        return False
+    na = getattr(job, "not_after", None)
+    if na is not None and due >= na:
+        return False
+    if job.schedule.kind != "cron":
+        return fire_id("", due) == fire_id("", first)   # fire ids keep milliseconds
+    return due >= first and next_due(job.schedule, due - timedelta(microseconds=1)) == due
+
+
 def is_expired(job: Any, now: datetime) -> bool:
     """True once ``now`` >= the job's not_after: no firing may start from then on."""
     na = getattr(job, "not_after", None)
@@ -588,7 +603,8 @@ def overlap_action(policy: str, running: bool) -> str:
 @dataclass(frozen=True)
 class RetryPolicy:
     """max_attempts counts the first run (1 = no retry). ``on``: the outcomes that may be
-    retried (RETRY_ON); by default not ``owner_lost``, a firing that may have run."""
+    retried (agent/jobs/outcomes.py RETRY_ON); by default not ``owner_lost``, a firing
+    that may have run."""
 
     max_attempts: int = 1
     backoff_s: float = 1.0
@@ -602,11 +618,6 @@ class RetryPolicy:
         return outcome in self.on
 
 
-# What a retry may be asked for (retry.on): a run that failed (non-zero exit, oom,
-# pids_limit, network_stall, spawn_error), that timed out, or whose outcome is unknown
-# because its agent died, fenced itself or was cut off (owner_lost: it may have run).
-RETRY_ON = ("failed", "timed_out", "owner_lost")
-DEFAULT_RETRY_ON = ("failed", "timed_out")
 
 
 def retry_delay(policy: RetryPolicy, attempt: int, rng: Optional[random.Random] = None) -> float:
@@ -649,6 +660,6 @@ def next_retry_at(job: Any, fire_id_: str, attempt: int, failed_at: datetime) ->
 __all__ = [
     "UTC", "Schedule", "ScheduleError", "RetryPolicy", "Recovery", "parse_rfc3339", "format_rfc3339",
     "fire_id", "parse_fire_id", "next_due", "window_end", "next_firing", "first_due", "anchor_time", "firings_between", "missed_firings",
-    "recover", "recover_job", "is_expired", "overlap_action", "retry_delay", "retry_rng", "next_retry_at", "RETRY_ON", "DEFAULT_RETRY_ON",
+    "recover", "recover_job", "is_firing", "is_expired", "overlap_action", "retry_delay", "retry_rng", "next_retry_at",
     "load_zone", "MISFIRE_POLICIES", "OVERLAP_POLICIES",
 ]

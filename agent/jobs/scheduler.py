@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import datetime, timezone
+from datetime import datetime
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
@@ -38,9 +38,11 @@ from agent.jobs.claimlead import ClaimLead
 from agent.jobs.claims import Claim, ClaimKind, ClaimWriter
 from agent.jobs.dependencies import DependencyCheck
 from agent.jobs.firing import ACTIVE, NOT_STARTED, Firing, FiringEnd, FiringState
+from agent.jobs.foreign import AT_CLAIM, ForeignRecords
 from agent.jobs.launching import SPAWN_AHEAD_MIN_S, Launcher, Planned
 from agent.jobs.metrics import ABANDONED, FIRINGS, JOB_DURATION, RUNS, TRIGGER_DELAY
 from agent.jobs.records import FENCE_WAIT_S, RunRecords
+from agent.jobs.startpolicy import StartGate
 from agent.jobs.states import EndReason, JobState, RecordState
 from agent.jobs.statuses import Statuses
 from agent.runtime.timefmt import format_optional as rfc
@@ -54,11 +56,13 @@ if TYPE_CHECKING:
     from agent.jobs.catalog import JobCatalog, JobEntry, Records
     from agent.jobs.firing import RunListener
     from agent.jobs.seams import AuditSink, Fencing, Lease, RunStarter, StatusSink
+    from agent.jobs.startpolicy import StartPolicy
     from agent.runtime.loop import EventLoop
 
 log = logging.getLogger(__name__)
 
 S, F = FiringState, FiringEnd
+QUEUED = frozenset({S.HELD, S.WAITING, S.RETRYING_ADMISSION})   # due, not started, not yet claimable
 
 
 class Scheduler:
@@ -67,7 +71,8 @@ class Scheduler:
 
     def __init__(self, cfg: Config, catalog: JobCatalog, *, fencing: Fencing, lease: Lease, loop: EventLoop,
                  client: Any, keys: Keys, workers: EtcdWorkers, executor: RunStarter, admission: Admission,
-                 sink: StatusSink, audit: AuditSink, run_listeners: Sequence[RunListener] = ()):
+                 sink: StatusSink, audit: AuditSink, run_listeners: Sequence[RunListener] = (),
+                 start_policies: Sequence[StartPolicy] = ()):
         self.cfg = cfg
         self.catalog = catalog
         self.fencing = fencing
@@ -84,7 +89,10 @@ class Scheduler:
                                   executor)
         self.admitter = Admitter(admission, self.launcher, self.statuses, catalog.current, self._claim,
                                  lambda f: self._finish_without_run(f, RecordState.FAILED, "quota_never_fits"))
-        self.dependencies = DependencyCheck(client, keys, cfg.shards, loop, workers, self.statuses, catalog.current)
+        self.starts = StartGate(start_policies, self.statuses, loop)
+        self.foreign = ForeignRecords(self.statuses, audit)
+        self.dependencies = DependencyCheck(client, keys, cfg.shards, loop, workers, self.statuses, catalog.current,
+                                            catalog.keyring, cfg.cluster, audit)
 
     # --- the daemon's hooks -------------------------------------------------------------
     def busy(self, shard: int) -> bool:
@@ -114,6 +122,7 @@ class Scheduler:
 
     def stop(self) -> None:
         self.catalog.stop()
+        self.dependencies.stop()
         self.stop_runs()
 
     # --- the catalog's --------------------------------------------------------------------
@@ -127,6 +136,8 @@ class Scheduler:
             f.timer = self.loop.call_later((at - now).total_seconds(), self._retry_due, f)
         for f in r.orphans:
             self._orphan(f, now)
+        if r.foreign:
+            self.foreign.at_load(e, r.foreign)
         if r.error is not None:
             log.error("cannot compute the schedule; ignoring job", extra={"fields": {"job": e.job.id, "error": r.error}})
             return
@@ -144,7 +155,9 @@ class Scheduler:
         if r.announce:
             self.statuses.send(e, None, JobState.SCHEDULED, due=rfc(r.next_due))
 
-    def job_cancelled(self, e: JobEntry) -> None:
+    def job_cancelled(self, e: JobEntry, reason: str = EndReason.CANCELLED) -> None:
+        """Its runs are stopped and every firing not started ends `cancelled`; ``reason``:
+        cancelled (a cancel), deleted or tombstoned (its key changed outside retention)."""
         if e.cancelled:
             return
         e.cancelled = True
@@ -154,14 +167,20 @@ class Scheduler:
             if f.state == S.RUNNING and f.handle is not None:
                 f.handle.terminate(EndReason.CANCELLED)
             elif f.state in NOT_STARTED:
-                if f.timer:
-                    f.timer.cancel()
-                if not self.admitter.withdraw(f):
-                    # admitted, its claim waiting for the fence: its slot goes (unknown keys: none)
-                    self.admitter.release(f)
+                self._unqueue(f)
                 self._finish_without_run(f, RecordState.CANCELLED, EndReason.CANCELLED)
-        self.statuses.send(e, None, RecordState.CANCELLED, reason=EndReason.CANCELLED)
-        self.audit.record("job", event="cancelled", job=e.job.id, shard=e.shard)
+        self.statuses.send(e, None, RecordState.CANCELLED, reason=reason)
+        self.audit.record("job", event=reason, job=e.job.id, shard=e.shard)
+
+    def _unqueue(self, f: Firing, release: bool = True) -> None:
+        """A firing that has not started leaves its timer and the queues it waits in; with
+        ``release``, an admitted one (its claim waiting for the fence) gives its slot back."""
+        if f.timer:
+            f.timer.cancel()
+        self.dependencies.forget(f)
+        self.starts.forget(f)
+        if not self.admitter.withdraw(f) and release:
+            self.admitter.release(f)
 
     def job_dropped(self, e: JobEntry, reason: str) -> None:
         """The job's entry went (shard lost, deleted, key retired, finished): its timers stop,
@@ -169,13 +188,11 @@ class Scheduler:
         if e.next_timer:
             e.next_timer.cancel()
         for f in list(e.firings.values()):
-            if f.timer:
-                f.timer.cancel()
             self.launcher.unstage(f)
             if f.state == S.RUNNING and f.handle is not None:
                 f.handle.terminate(reason)
             else:
-                self.admitter.withdraw(f)
+                self._unqueue(f, release=False)
 
     # --- due times ---------------------------------------------------------------------
     def _arm(self, e: JobEntry, due: datetime) -> None:
@@ -224,6 +241,17 @@ class Scheduler:
         if sch.is_expired(job, now):
             self._finish_without_run(f, RecordState.MISFIRED, "expired")
             return
+        queued = [g for g in e.firings.values() if g.state in QUEUED and g is not f]
+        if queued:
+            # at most one firing of a job waits (dependencies, node quota, a pause): a
+            # per-second cron must not pile up a firing a second while it cannot start
+            if job.overlap != "replace":
+                FIRINGS.labels("overlap_skipped").inc()
+                self._finish_without_run(f, RecordState.MISFIRED, "overlap")
+                return
+            for g in queued:
+                self._unqueue(g)
+                self._finish_without_run(g, RecordState.MISFIRED, EndReason.REPLACED)
         if running and job.schedule.kind == "cron":
             action = sch.overlap_action(job.overlap, True)
             if action == "skip":
@@ -235,12 +263,15 @@ class Scheduler:
                     if g.handle is not None:
                         g.handle.terminate(EndReason.REPLACED)
         if job.depends_on:
-            self.dependencies.check(f, self.admitter.request, self._expired)
+            self.dependencies.check(f, self._may_start, lambda g: self._finish_without_run(g, RecordState.MISFIRED,
+                                                                                          "expired"))
         else:
-            self.admitter.request(f)
+            self._may_start(f)
 
-    def _expired(self, f: Firing) -> None:
-        self._finish_without_run(f, RecordState.MISFIRED, "expired")
+    def _may_start(self, f: Firing, retry: bool = False) -> None:
+        """The start policies (windows, gates, ...) first, then admission and the claim."""
+        self.starts.request(f, lambda g: self.admitter.request(g, retry=retry),
+                            lambda g, state, reason, detail: self._finish_without_run(g, state, reason))
 
     def _fire_if_current(self, e: JobEntry, due: datetime) -> None:
         if self.catalog.current(e) and not e.cancelled:
@@ -260,7 +291,7 @@ class Scheduler:
                            pid=getattr(f.handle, "pid", None))
 
     # --- claims -------------------------------------------------------------------------
-    def _claim(self, f: Firing, retry: bool = False) -> None:
+    def _claim(self, f: Firing, retry: bool = False, takeover: bool = False) -> None:
         """Claim the firing's run record (claims.py), then start its process."""
         e = f.entry
         if not self.catalog.current(e):
@@ -279,7 +310,8 @@ class Scheduler:
             f.attempt += 1
         f.move(S.CLAIMING)
         f.run = self.launcher.plan(f)
-        self.claims.claim(f, fence, retry, f.run.spec if isinstance(f.run, Planned) else None, self._claimed)
+        self.claims.claim(f, fence, retry, f.run.spec if isinstance(f.run, Planned) else None, self._claimed,
+                          takeover=takeover)
 
     def _claimed(self, f: Firing, c: Claim) -> None:
         if c.kind is ClaimKind.CLAIMED:
@@ -292,10 +324,29 @@ class Scheduler:
                 self._claim(f, c.retry)
         elif c.kind is ClaimKind.DISCARD:
             self._discard(f)
+        elif c.kind is ClaimKind.FOREIGN:
+            self._claimed_foreign(f, c)
         else:
             if c.why is F.ALREADY_CLAIMED:
                 FIRINGS.labels("already_claimed").inc()
             self._abandon(f, c.why or F.DROPPED)
+
+    def _claimed_foreign(self, f: Firing, c: Claim) -> None:
+        """A record this agent never claimed holds the firing's key. Written after this agent
+        took the shard, it is no agent's claim (they are fenced out); or the load found it
+        ahead of its firing and did not believe it: reported, and the firing claims over it,
+        once. Any other is reported and the firing ends there."""
+        f.claim.record, f.claim.rev = c.record if isinstance(c.record, dict) else None, c.rev
+        fence = self.fencing.fence_for(f.entry.shard)
+        judged = f.entry.foreign_ahead.pop(f.fire_id, None) == c.rev
+        over = fence is not None and (c.rev > fence.token or judged) and not f.claim.taken_over
+        self.foreign.report(f, "claim", AT_CLAIM, RecordState.RUNNING if over else RecordState.FAILED)
+        if over:
+            f.claim.record, f.claim.taken_over = None, True
+            self._claim(f, takeover=True)
+        else:
+            FIRINGS.labels("already_claimed").inc()
+            self._abandon(f, F.ALREADY_CLAIMED)
 
     # --- runs ----------------------------------------------------------------------------
     def _spawn(self, f: Firing) -> None:
@@ -359,20 +410,9 @@ class Scheduler:
             self._forget(f)
             RUNS.labels("abandoned").inc()
             return
-        usage: Any = getattr(result, "usage", None)
         JOB_DURATION.observe(time.monotonic() - f.started_mono if f.started_mono else 0.0)
         now = utcnow()
-        detail = getattr(result, "error", None)
-        fields: dict[str, Any] = dict(exit_code=getattr(result, "exit_code", None),
-                                      reason=reason if detail is None else f"{reason}: {detail}",
-                                      usage=usage.to_dict() if hasattr(usage, "to_dict") else (usage or {}),
-                                      ended_at=rfc(now), health=f.health)
-        tail = getattr(result, "stderr_tail", None)   # kept by the reaper as the output came
-        if tail is not None:
-            fields["stderr_tail"] = tail
-        released = getattr(result, "started_at", None)
-        # the claim wrote the planned start; the record keeps the real one (None: never released)
-        fields["started_at"] = rfc(datetime.fromtimestamp(released, timezone.utc)) if released else None
+        fields = outcomes.end_fields(result, reason, f.health, now)
         out = outcomes.after_run(e.job, reason, f.fire_id, f.attempt, now, e.cancelled)
         RUNS.labels(reason if out.state != RecordState.SUCCEEDED else "succeeded").inc()
         self.audit.record("job", event="run_end", job=e.job.id, fire_id=f.fire_id, attempt=f.attempt,
@@ -410,17 +450,14 @@ class Scheduler:
         if f.claim.writing:   # the `retrying` record is still on its way: its revision is the claim's compare
             f.timer = self.loop.call_later(0.05, self._retry_due, f)
             return
-        self.admitter.request(f, retry=True)
+        self._may_start(f, retry=True)
 
     def _orphan(self, f: Firing, now: datetime) -> None:
-        """A run left `running` by an owner that is gone: it may have run, or be partly done.
-        It is run again only if the job opted in (retry.on lists owner_lost) and attempts
-        remain; otherwise it ends `failed`, reason owner_lost.
-
-        A retry here never overlaps the old run: this agent holds the shard, so the old
-        owner's lease is gone, and its runs died before that: with the agent (the run guard
-        kills them on its death), at its self-fence (kill_grace_s fits before the lease can
-        expire: config check), or on its graceful stop (runs end before the lease is revoked)."""
+        """A run left `running` by an owner that is gone may have run: it runs again only if
+        the job opted in (retry.on lists owner_lost) and attempts remain, else it ends
+        `failed`/owner_lost. A retry never overlaps the old run: this agent holds the shard,
+        so the old lease is gone, and its runs died first (with the agent: the run guard; at
+        its self-fence: kill_grace_s fits before the lease expires; on its graceful stop)."""
         job = f.entry.job
         prev_agent = (f.claim.record or {}).get("agent")
         nxt = outcomes.after_owner_lost(job, f.fire_id, f.attempt, now)
@@ -434,11 +471,9 @@ class Scheduler:
             self._finish(f, RecordState.FAILED, fields, dict(fields, previous_agent=prev_agent))
 
     def _resolve_lease_kill(self, f: Firing) -> None:
-        """The executor killed a run because the lease it was claimed under looked lapsed
-        (past the renew deadline), but this agent still holds the shard: the keepalive came
-        back before the self-fence. The firing is then ours to resolve, as a new owner would
-        resolve it: its outcome is unknown (owner_lost; retried only where retry.on allows).
-        Abandoned, its record would stay `running` for as long as the shard stays here."""
+        """The executor killed a run whose lease looked lapsed, but the keepalive came back
+        before the self-fence and the shard is still ours: we resolve it as a new owner
+        would (owner_lost), or its record stays `running` while the shard stays here."""
         e = f.entry
         if not self.catalog.current(e) or f.state != S.RUNNING:
             if f.state != S.DONE:
@@ -487,9 +522,8 @@ class Scheduler:
         log.debug("firing abandoned", extra={"fields": {"job": f.entry.job.id, "fire_id": f.fire_id, "why": why.value}})
 
     def _discard(self, f: Firing) -> None:
-        """A firing whose job was cancelled or dropped after its admission and before its
-        spawn: its staged run and its admission are given back (kept, they would hold node
-        budget and keep its shard busy); a cancelled one's record says cancelled."""
+        """A firing whose job was cancelled or dropped between admission and spawn gives back
+        its staged run and its slot; a cancelled one's record says cancelled."""
         self.launcher.unstage(f)
         if self.catalog.current(f.entry):
             self.admitter.release(f)
@@ -498,10 +532,8 @@ class Scheduler:
             self._abandon(f, F.DROPPED)
 
     def _session_lapsed(self, f: Firing) -> bool:
-        """No fence only because the session is past its renew deadline, while the shard is
-        still held (the keepalive may yet succeed; if not, the self-fence drops the shard
-        and its entries). Dropping the firing here would lose it until the shard changes
-        owner."""
+        """No fence only because the session is past its renew deadline while the shard is
+        still held: the firing waits (dropped, it would be lost until the shard moves)."""
         e = f.entry
         return (self.catalog.current(e) and not e.cancelled and f.state != S.DONE
                 and self.fencing.owns(e.shard) is not None)
@@ -518,20 +550,5 @@ class Scheduler:
 
     # --- status --------------------------------------------------------------------------
     def status(self) -> dict:
-        now = utcnow()
-        running, due, waiting = [], [], 0
-        for e in self.catalog.entries.values():
-            for f in e.firings.values():
-                if f.state == S.RUNNING and f.started_mono:
-                    running.append({"job_id": e.job.id, "fire_id": f.fire_id, "attempt": f.attempt,
-                                    "pid": getattr(f.handle, "pid", None), "health": f.health,
-                                    "age_s": round(time.monotonic() - f.started_mono, 1)})
-                waiting += f.state in (S.WAITING, S.RETRYING_ADMISSION)
-            if e.next_due is not None:
-                due.append((e.next_due, e.job.id))
-        due.sort()
-        return {"owned_jobs": len(self.catalog.entries), "running": running, "waiting": waiting,
-                "due": [{"job_id": j, "due": rfc(d), "in_s": round((d - now).total_seconds(), 3)} for d, j in due[:50]],
-                "loading_shards": sorted(self.catalog.loading),
-                "admission": self.admitter.status()}
+        return {**self.catalog.status(), "admission": self.admitter.status()}
 

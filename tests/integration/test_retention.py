@@ -139,14 +139,15 @@ def test_finished_one_shot_becomes_a_tombstone_that_answers_a_redelivered_push_t
 
 
 def write_old_records(client: EtcdClient, keys, shard: int, jobs: list[str], per_job: int,
-                      state: str = "succeeded") -> int:
-    """Terminal run records straight into etcd, ~600 bytes each like the scheduler's."""
-    base = datetime(2026, 1, 1, 0, 0, 1, tzinfo=timezone.utc)
+                      state: str = "succeeded", base: datetime = datetime(2026, 1, 1, 0, 0, 1, tzinfo=timezone.utc),
+                      step: timedelta = timedelta(seconds=1)) -> int:
+    """Terminal run records straight into etcd, ~600 bytes each like the scheduler's, one
+    per ``step`` from ``base``."""
     total = 0
     ops = []
     for j in jobs:
         for i in range(per_job):
-            due = base + timedelta(seconds=i)
+            due = base + step * i
             fid = fire_id(j, due)
             rec = {"v": 1, "job_id": j, "fire_id": fid, "due": format_rfc3339(due), "state": state,
                    "attempt": 1, "agent": "old-agent-with-a-long-name", "shard": shard,

@@ -64,11 +64,14 @@ def cancel_doc(job_id: str, cluster: str = CLUSTER, now: Optional[datetime] = No
 
 
 def bound(doc: dict, cluster: str, kind: str = "job", now: Optional[datetime] = None) -> dict:
-    """``doc`` with cluster, kind and (when missing) issued_at set."""
+    """``doc`` with cluster, kind and (when missing) issued_at set, and a recurring job's
+    lifetime (``not_after``: null, until cancelled) when it names none."""
     out = dict(doc)
     out.setdefault("cluster", cluster)
     out.setdefault("kind", kind)
     out.setdefault("issued_at", rfc(now or datetime.now(timezone.utc)))
+    if kind == "job" and isinstance(out.get("schedule"), dict) and "cron" in out["schedule"]:
+        out.setdefault("not_after", None)
     return out
 
 

@@ -324,6 +324,22 @@ def test_expired():
     assert (err.reason, err.field) == ("expired", "not_after")
 
 
+def test_a_recurring_job_states_its_lifetime_in_what_is_signed():
+    cron = {"cron": "0 * * * *", "tz": "UTC"}
+    doc = variant(schedule=cron)
+    del doc["not_after"]
+    err = rejected(signed(doc))
+    assert (err.reason, err.field) == ("bad_field", "not_after") and "null to run until cancelled" in str(err)
+    assert parse(signed(dict(doc, not_after=None))).not_after is None
+    assert parse(signed(dict(doc, not_after="2026-12-03T00:00:00Z"))).not_after == datetime(2026, 12, 3, tzinfo=UTC)
+    # a one-shot may leave it out; a stored document is held to the same rule at every load
+    one_shot = variant()
+    del one_shot["not_after"]
+    assert parse(signed(one_shot)).not_after is None
+    with pytest.raises(JobRejected):
+        Job.from_stored(signed(doc), keyring=KEYS, cluster=CLUSTER)
+
+
 def test_future_skew_and_max_age_and_tz_offsets():
     issued = datetime(2026, 12, 2, 11, tzinfo=UTC)
     doc = signed(variant(not_after="2026-12-10T00:00:00Z"))

@@ -18,8 +18,8 @@ def ts(offset_s: float) -> str:
     return format_rfc3339(datetime.fromtimestamp(NOW + offset_s, timezone.utc))
 
 
-def rec(fire: str, state: str = "succeeded", ended: float = -DAY) -> bytes:
-    return json.dumps({"fire_id": fire, "state": state, "ended_at": ts(ended)}).encode()
+def rec(fire: str, state: str = "succeeded", ended: float = -DAY, job: str = "o") -> bytes:
+    return json.dumps({"job_id": job, "fire_id": fire, "state": state, "ended_at": ts(ended)}).encode()
 
 
 def fires(n: int) -> list[str]:
@@ -27,7 +27,8 @@ def fires(n: int) -> list[str]:
 
 
 def runs_of(job: str, states: list[str]) -> list:
-    return [(f, f"runs/0000/{job}/{f}", rec(f, s), i + 1) for i, (f, s) in enumerate(zip(fires(len(states)), states))]
+    return [(f, f"runs/0000/{job}/{f}", rec(f, s, job=job), i + 1)
+            for i, (f, s) in enumerate(zip(fires(len(states)), states))]
 
 
 def cron(job: str, **kw) -> dict:
@@ -58,7 +59,7 @@ def test_keep_runs_one_still_keeps_the_newest_record():
 
 def test_one_shot_done_long_ago_becomes_a_tombstone_and_its_records_go():
     doc = {"id": "o", "schedule": {}, "template": "t", "_accepted": {"at": ts(-9 * DAY), "by": "a1"}}
-    runs = {"o": [("20261120T000000.000Z", "runs/0000/o/x", rec("x", "succeeded", ended=-8 * DAY), 5)]}
+    runs = {"o": [("20261120T000000.000Z", "runs/0000/o/x", rec("20261120T000000.000Z", "succeeded", ended=-8 * DAY), 5)]}
     p = plan({"o": doc}, runs, latest={"o": ("latest/0000/o", 6)})
     assert len(p.finish) == 1
     key, rev, tomb, latest_key, reason = p.finish[0]
@@ -132,3 +133,16 @@ def test_run_dirs_by_age_per_job_count_and_budget_never_in_use():
     assert {n for n, _, _ in entries} - doomed3 == {name("a", 0)}
     fresh = [(name("c", 1), NOW - 1, 10**6)]
     assert plan_run_dirs(fresh, set(), NOW, 20, 7 * DAY, budget_bytes=1) == []  # just created
+
+
+def test_a_forged_final_record_does_not_finish_a_one_shot():
+    """Records are not signed: a `succeeded` naming another job, a firing not yet due, or
+    no end does not make retention tombstone the job (that would stop it)."""
+    doc = {"id": "o", "schedule": {"at": ts(3 * DAY)}, "_accepted": {"at": ts(-9 * DAY)}}
+    future = "20261204T120000.000Z"
+    for forged in ({"job_id": "other", "fire_id": "20261120T120000.000Z", "state": "succeeded", "ended_at": ts(-8 * DAY)},
+                   {"job_id": "o", "fire_id": future, "state": "succeeded", "ended_at": ts(-8 * DAY)},
+                   {"job_id": "o", "fire_id": "20261120T120000.000Z", "state": "succeeded"}):
+        assert finished_since(doc, forged, True, NOW) is None, forged
+    assert finished_since(doc, {"job_id": "o", "fire_id": "20261120T120000.000Z", "state": "succeeded",
+                                "ended_at": ts(-8 * DAY)}, True, NOW) is not None

@@ -5,6 +5,7 @@ documents, claim read-backs, and the pipeline resolving an orphaned run."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
@@ -24,7 +25,7 @@ from agent.jobs import outcomes, recovery
 from agent.jobs.admitting import Admitter
 from agent.jobs.catalog import JobCatalog, JobEntry
 from agent.jobs.claims import ClaimKind, ClaimWriter
-from agent.jobs.firing import ClaimState, Firing, FiringEnd, FiringState
+from agent.jobs.firing import ClaimState, Firing, FiringState
 from agent.jobs.records import RunRecords
 from agent.jobs.schedule import RetryPolicy, fire_id, format_rfc3339
 from agent.jobs.scheduler import Scheduler
@@ -88,6 +89,8 @@ class Workers:
 def stored(job_id: str, schedule: dict, **kw: Any) -> StoredJob:
     doc = {"v": 1, "id": job_id, "cluster": CFG.cluster, "kind": "job", "template": "noop", "params": {},
            "schedule": schedule, "issued_at": format_rfc3339(NOW), **kw}
+    if "cron" in schedule:
+        doc.setdefault("not_after", None)   # a recurring job's lifetime is signed (here: until cancelled)
     signed = dict(sign(doc, RING, "cloud-1"), _accepted={"at": format_rfc3339(NOW - timedelta(hours=1)), "by": "x"})
     return StoredJob(shard_of(job_id, CFG.shards), signed, 7, 7)
 
@@ -97,6 +100,9 @@ def catalog_with(agent: Agent, listener: Any = None) -> JobCatalog:
     c.listener = listener
     c.loaded.update({s: 1 for s in range(CFG.shards)})   # as after each shard's load
     return c
+
+
+EARLIER = format_rfc3339(NOW - timedelta(hours=2))
 
 
 def entry(job_id: str = "j1", schedule: Any = None, **kw: Any) -> JobEntry:
@@ -125,33 +131,116 @@ def test_the_catalog_installs_a_job_signed_for_its_cluster_and_refuses_a_forged_
 def test_the_catalog_tells_its_listener_of_a_cancel_and_a_dropped_shard():
     seen: list[tuple] = []
     listener = SimpleNamespace(job_installed=lambda e, r: seen.append(("installed", e.job.id)),
-                               job_cancelled=lambda e: seen.append(("cancelled", e.job.id)),
+                               job_cancelled=lambda e, why: seen.append(("cancelled", e.job.id, why)),
                                job_dropped=lambda e, why: seen.append(("dropped", e.job.id, why)))
     c = catalog_with(Agent(), listener)
     s = stored("j1", {"delay_s": 60})
     c.job_stored(s)
     c.job_cancelled("j1")
     c.shard_lost(s.shard, "expired")
-    assert seen == [("installed", "j1"), ("cancelled", "j1"), ("dropped", "j1", EndReason.SHARD_LOST)]
+    assert seen == [("installed", "j1"), ("cancelled", "j1", "cancelled"), ("dropped", "j1", EndReason.SHARD_LOST)]
     assert c.entries == {} and c.by_shard == {}
+
+
+def test_a_signed_job_copied_to_another_key_or_shard_is_refused_and_its_copy_cannot_cancel_the_real_one():
+    agent, seen = Agent(), []
+    c = catalog_with(agent, SimpleNamespace(job_installed=lambda e, r: seen.append(("installed", e.job.id)),
+                                            job_cancelled=lambda e, why: seen.append(("cancelled", e.job.id))))
+    real = stored("flash-fw", {"delay_s": 60})
+    home = KEYS.job(real.shard, "flash-fw")
+    c.job_stored(dataclasses.replace(real, key=home))
+    other = (real.shard + 1) % CFG.shards
+    c.job_stored(dataclasses.replace(real, shard=other, key=KEYS.job(other, "flash-fw")))      # another shard
+    c.job_stored(dataclasses.replace(real, key=KEYS.job(real.shard, "flash-fw-2")))            # another name
+    cancelled_copy = dict(real.doc, _cancelled={"at": "x", "by": "y"})
+    c.job_stored(dataclasses.replace(real, doc=cancelled_copy, shard=other, key=KEYS.job(other, "flash-fw")))
+    assert seen == [("installed", "flash-fw")]
+    assert [(d["reason"], d["source"]) for d in agent.statuses] == [("misplaced", "store")] * 2
+    assert all(f["reason"] == "misplaced" for t, f in agent.audit)
+
+
+def test_a_one_shot_signed_long_ago_never_run_and_due_is_a_replay():
+    agent, seen = Agent(), []
+    c = catalog_with(agent, SimpleNamespace(job_installed=lambda e, r: seen.append(e.job.id)))
+    old = format_rfc3339(NOW - timedelta(days=400))
+    c.job_stored(stored("re-put-2020", {"at": format_rfc3339(NOW - timedelta(days=399))}, issued_at=old))
+    c.job_stored(stored("far-ahead", {"at": format_rfc3339(NOW + timedelta(days=1))}, issued_at=old))
+    c.job_stored(stored("fresh", {}))
+    assert seen == ["far-ahead", "fresh"]
+    (st,) = agent.statuses
+    assert (st["job_id"], st["reason"]) == ("re-put-2020", "too_old") and "a replay is never run" in st["detail"]
+
+
+def test_a_live_job_deleted_or_tombstoned_outside_retention_is_stopped_and_says_so():
+    seen: list = []
+    listener = SimpleNamespace(job_installed=lambda e, r: None,
+                               job_cancelled=lambda e, why: seen.append(("cancelled", e.job.id, why)),
+                               job_dropped=lambda e, why: seen.append(("dropped", e.job.id, why)))
+    c = catalog_with(Agent(), listener)
+    a, b = stored("a", {"cron": "* * * * *", "tz": "UTC"}), stored("b", {"cron": "* * * * *", "tz": "UTC"})
+    for s in (a, b):
+        c.job_stored(s)
+        c.entries[s.id].next_due = NOW + timedelta(minutes=1)   # armed, as the scheduler does
+    c._deleted("a")
+    c.job_stored(dataclasses.replace(b, doc={"id": "b", "_tombstone": True, "_finished": {"at": "x", "reason": "y"}}))
+    assert seen == [("cancelled", "a", "deleted"), ("dropped", "a", EndReason.DELETED), ("cancelled", "b", "tombstoned")]
 
 
 # --- recovery -------------------------------------------------------------------------------
 
+def record(job_id: str, due: datetime, state: str, attempt: int = 1, **kw: Any) -> dict:
+    return {"v": 1, "job_id": job_id, "fire_id": fire_id(job_id, due), "state": state, "attempt": attempt,
+            "agent": "gw-0", "fence": 3, **kw}
+
+
 def test_recovery_sorts_what_earlier_owners_left():
-    e = entry("j1", {"cron": "*/10 * * * *", "tz": "UTC"}, misfire="run_once")
+    e = entry("j1", {"cron": "*/10 * * * *", "tz": "UTC"}, misfire="run_once", retry={"max_attempts": 3},
+              issued_at=EARLIER)
     t0 = NOW.replace(second=0) - timedelta(minutes=NOW.minute % 10) - timedelta(minutes=30)
-    recs = {fire_id("j1", t0): ({"state": "succeeded", "attempt": 1}, 3),
-            fire_id("j1", t0 + timedelta(minutes=10)): ({"state": "retrying", "attempt": 1,
-                                                         "retry_at": format_rfc3339(NOW)}, 4),
-            fire_id("j1", t0 + timedelta(minutes=20)): ({"state": "running", "attempt": 2, "agent": "gw-0"}, 5)}
+    t1, t2 = t0 + timedelta(minutes=10), t0 + timedelta(minutes=20)
+    recs = {fire_id("j1", t0): (record("j1", t0, "succeeded"), 3),
+            fire_id("j1", t1): (record("j1", t1, "retrying", retry_at=format_rfc3339(NOW)), 4),
+            fire_id("j1", t2): (record("j1", t2, "running", attempt=2), 5)}
     r = recovery.recover(e, recs, CFG.agent_id, NOW)
-    assert [(f.fire_id, at) for f, at in r.retrying] == [(fire_id("j1", t0 + timedelta(minutes=10)), NOW)]
+    assert [(f.fire_id, at) for f, at in r.retrying] == [(fire_id("j1", t1), NOW)]
     ((orphan),) = r.orphans
-    assert (orphan.fire_id, orphan.attempt, orphan.claim.rev) == (fire_id("j1", t0 + timedelta(minutes=20)), 2, 5)
-    assert e.last_due_done == t0 + timedelta(minutes=20) and set(e.firings) == {f.fire_id for f, _ in r.retrying} | {
-        orphan.fire_id}
+    assert (orphan.fire_id, orphan.attempt, orphan.claim.rev) == (fire_id("j1", t2), 2, 5)
+    assert r.foreign == [] and e.last_due_done == t2
+    assert set(e.firings) == {fire_id("j1", t1), fire_id("j1", t2)}
     assert r.next_due is not None and r.next_due > NOW and not r.announce
+
+
+@pytest.mark.parametrize("forge, why", [
+    (lambda rec, due: dict(rec, attempt=-1000), "attempt -1000 is outside 1..2"),
+    (lambda rec, due: dict(rec, state="retrying", attempt=2), "`retrying` after attempt 2 of 2"),
+    (lambda rec, due: dict(rec, job_id="other"), "names job 'other'"),
+    (lambda rec, due: dict(rec, state="paused"), "state 'paused' is not a run-record state"),
+    (lambda rec, due: dict(rec, fence=99), "fence 99 cannot have fenced a write made at revision 5"),
+])
+def test_recovery_believes_no_record_the_signed_job_does_not_allow(forge, why):
+    """A forged record is foreign: reported, never resolved or retried from, and its firing
+    counts as handled (misfire recovery does not run it again)."""
+    e = entry("j1", {"cron": "*/10 * * * *", "tz": "UTC"}, misfire="run_once", retry={"max_attempts": 2},
+              issued_at=EARLIER)
+    due = NOW.replace(second=0) - timedelta(minutes=NOW.minute % 10)
+    rec = forge(record("j1", due, "running"), due)
+    r = recovery.recover(e, {fire_id("j1", due): (rec, 5)}, CFG.agent_id, NOW)
+    ((fid, reason, seen, rev),) = r.foreign
+    assert why in reason and fid == fire_id("j1", due) and rev == 5 and seen.get("agent") == "gw-0"
+    assert r.orphans == [] and r.retrying == [] and r.catch_up == [] and e.last_due_done == due
+
+
+def test_recovery_believes_no_record_of_a_firing_off_the_schedule_or_far_ahead():
+    e = entry("j1", {"cron": "*/10 * * * *", "tz": "UTC"}, misfire="run_once", issued_at=EARLIER)
+    on = NOW.replace(second=0) - timedelta(minutes=NOW.minute % 10)
+    off, ahead = on - timedelta(minutes=7), on + timedelta(hours=2)
+    r = recovery.recover(e, {fire_id("j1", off): (record("j1", off, "succeeded"), 5),
+                             fire_id("j1", ahead): (record("j1", ahead, "succeeded"), 6)}, CFG.agent_id, NOW)
+    whys = sorted(w for _, w, _, _ in r.foreign)
+    assert len(whys) == 2 and "is not a firing of the job's schedule" in whys[0] + whys[1]
+    assert any("no claim is made that far ahead" in w for w in whys)
+    assert e.last_due_done is None or e.last_due_done < ahead   # a future record moves nothing forward
+    assert e.foreign_ahead == {fire_id("j1", ahead): 6}        # its firing's claim may replace it
 
 
 # --- outcomes -------------------------------------------------------------------------------
@@ -247,13 +336,14 @@ def test_a_claim_with_an_unknown_outcome_is_read_back_before_anything_is_decided
     (c,) = outcomes_seen
     assert c.kind is ClaimKind.CLAIMED and f.claim.rev == 50 and f.claim.record["agent"] == "gw-1"
 
-    # someone else's record at the key: given up, saying why
+    # someone else's record at the key: foreign, with what it says
     g = Firing(e, NOW + timedelta(minutes=1), fire_id("j1", NOW + timedelta(minutes=1)))
     g.move(FiringState.CLAIMING)
     monkeypatch.setattr("agent.jobs.claims.fenced_txn", lambda *a, **k: (_ for _ in ()).throw(TimeoutError()))
     landed[rr.key(g)] = json.dumps({"agent": "gw-0", "attempt": 1, "started_at": "t"})
     cw.claim(g, fence, False, None, lambda g, c: outcomes_seen.append(c))
-    assert (outcomes_seen[1].kind, outcomes_seen[1].why) == (ClaimKind.GIVE_UP, FiringEnd.ALREADY_CLAIMED)
+    c2 = outcomes_seen[1]
+    assert (c2.kind, c2.record["agent"], c2.rev) == (ClaimKind.FOREIGN, "gw-0", 50)
 
 
 # --- the pipeline ------------------------------------------------------------------------------
@@ -271,13 +361,67 @@ def test_the_scheduler_resolves_a_run_left_running_by_an_owner_that_is_gone(retr
                       audit=agent)
     c.listener = sched
     due = NOW - timedelta(minutes=5)
-    s = stored("orphaned", {"at": format_rfc3339(due)}, retry={"max_attempts": 3, "on": retry_on})
-    rec = {"state": "running", "attempt": 1, "agent": "gw-0", "fire_id": fire_id("orphaned", due)}
+    s = stored("orphaned", {"at": format_rfc3339(due)}, retry={"max_attempts": 3, "on": retry_on}, issued_at=EARLIER)
+    rec = record("orphaned", due, "running")
     c.loaded.pop(s.shard)
     c.store = SimpleNamespace(list_shard=lambda storage: ([s], 3))   # the shard's jobs and records, as listed
     monkeypatch.setattr("agent.jobs.catalog.records_by_job",
-                        lambda client, prefix, rev: {"orphaned": {rec["fire_id"]: (rec, 2)}})
+                        lambda client, prefix, rev: {"orphaned": {rec["fire_id"]: (rec, 5)}})
     c.shard_acquired(Fence(s.shard, KEYS.shard(s.shard), 1))
     st = [d for d in agent.statuses if d["job_id"] == "orphaned"]
     assert [(d["state"], d["reason"], d.get("previous_agent")) for d in st] == [(state, "owner_lost", "gw-0")]
     assert [f["event"] for t, f in agent.audit] == ["owner_lost"]
+
+
+# --- cluster quotas ------------------------------------------------------------------------------
+
+def test_the_shard_owner_accounts_for_its_documents_and_publishes_them_fenced(monkeypatch):
+    from agent.coordination.watch import WatchEvent
+    from agent.jobs import catalog as catalog_module
+
+    fence = Fence(3, KEYS.shard(3), 9)
+    agent = Agent(fence)
+    c = catalog_with(agent)
+    c.loaded.pop(3)
+    listed = [dataclasses.replace(stored("a", {"delay_s": 60}), shard=3, size=100),
+              dataclasses.replace(stored("b", {"delay_s": 60}), shard=3, size=50)]
+    c.store = SimpleNamespace(list_shard=lambda storage: (listed, 20))
+    monkeypatch.setattr(catalog_module, "records_by_job", lambda client, prefix, rev: {})
+    writes: list = []
+    monkeypatch.setattr(catalog_module, "fenced_txn", lambda client, f, success=(): writes.append((f, success)))
+    c.shard_acquired(fence)
+    assert c.usage[3] == [2, 150]
+    kv = lambda key, value, rev: KV(key, value, rev, rev, 1, 0)   # noqa: E731
+    k = KEYS.job(3, "c")
+    c._jobs_events([WatchEvent("put", kv(k, b"x" * 30, 21), None),                 # created
+                    WatchEvent("put", kv(k, b"x" * 40, 22), kv(k, b"x" * 30, 21)),  # rewritten
+                    WatchEvent("delete", kv(KEYS.job(3, "a"), b"", 23), kv(KEYS.job(3, "a"), b"y" * 100, 7)),
+                    WatchEvent("put", kv(KEYS.job(3, "old"), b"z" * 9, 19), None)], 23)  # before the load: counted
+    assert c.usage[3] == [2, 90]
+    c._publish_usage()
+    ((f, (put,)),) = writes
+    assert f == fence and put.key == KEYS.usage(3) and json.loads(put.value)["jobs"] == 2
+
+
+def test_cluster_quota_refuses_what_would_pass_it_and_counts_its_own_stores():
+    from agent.coordination.quota import ClusterQuota
+
+    usage = {KEYS.usage(0): {"jobs": 3, "bytes": 1000}, KEYS.usage(1): {"jobs": 4, "bytes": 2000}}
+    reads: list = []
+
+    class Client:
+        def get_prefix(self, prefix: str) -> Any:
+            reads.append(prefix)
+            return [KV(k, json.dumps(v).encode(), 1, 1, 1, 0) for k, v in usage.items()], 5
+
+    t = [0.0]
+    q = ClusterQuota(Client(), KEYS, max_jobs=9, max_mb=1, refresh_s=2.0, clock=lambda: t[0])
+    assert q.check(100) is None
+    q.stored(100)
+    assert q.check(100) is None
+    q.stored(100)
+    assert "quotas.jobs is 9" in q.check(100)          # 7 published + 2 stored since
+    assert len(reads) == 1                              # read once per refresh period
+    t[0] = 3.0
+    usage[KEYS.usage(1)] = {"jobs": 1, "bytes": 1024 * 1024 - 1000 - 500}   # 500 bytes left
+    assert "quotas.stored_mb" in q.check(600) and q.check(100) is None and len(reads) == 2

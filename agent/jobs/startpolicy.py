@@ -1,0 +1,91 @@
+"""Whether a firing may start now: the plant's rules, each a StartPolicy the pipeline asks
+before a firing (or its next attempt) goes to admission and its claim.
+
+A policy answers go, wait (with a reason: the firing waits, state `waiting`, and the policy
+wakes it when its answer may have changed) or end (the firing ends without a run, with a
+record state and a reason). Policies are asked in order; all must say go. With none, a
+firing goes straight on, as before. A policy that must act on a run once it started (stop
+it when a window closes, say) is also a RunListener (agent/jobs/firing.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
+
+from agent.jobs.firing import Firing, FiringState
+from agent.jobs.states import JobState
+
+if TYPE_CHECKING:
+    from agent.jobs.statuses import Statuses
+    from agent.runtime.loop import EventLoop
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: str            # "go", "wait" or "end"
+    reason: str = ""     # wait: why (the status's reason, e.g. "window"); end: the record's reason
+    state: str = ""      # end: the record state (misfired, failed, cancelled, ...)
+    detail: str = ""
+
+
+GO = Verdict("go")
+
+
+def wait(reason: str, detail: str = "") -> Verdict:
+    return Verdict("wait", reason, detail=detail)
+
+
+def end(state: str, reason: str, detail: str = "") -> Verdict:
+    return Verdict("end", reason, state, detail)
+
+
+class StartPolicy(Protocol):
+    def judge(self, f: Firing) -> Verdict:
+        """May ``f`` start now? Loop thread; must not block."""
+
+    def subscribe(self, f: Firing, wake: Callable[[], None]) -> Callable[[], None]:
+        """Call ``wake()`` (on the loop) when the verdict for a waiting ``f`` may have
+        changed; returns what cancels that."""
+
+
+Refuse = Callable[[Firing, str, str, str], None]   # (firing, record state, reason, detail)
+
+
+class StartGate:
+    """Asks the policies for each firing and keeps the waiting ones' subscriptions (loop
+    thread)."""
+
+    def __init__(self, policies: Sequence[StartPolicy], statuses: Statuses, loop: EventLoop):
+        self.policies = list(policies)
+        self.statuses = statuses
+        self.loop = loop
+        self._cancels: dict[str, Callable[[], None]] = {}   # firing key -> cancel its subscription
+
+    def request(self, f: Firing, go: Callable[[Firing], None], refuse: Refuse) -> None:
+        """``go(f)`` once every policy says go, ``refuse(...)`` if one says end."""
+        self.forget(f)
+        for p in self.policies:
+            v = p.judge(f)
+            if v.kind == "go":
+                continue
+            if v.kind == "end":
+                refuse(f, v.state, v.reason, v.detail)
+                return
+            if f.wait_reason != v.reason or f.state != FiringState.WAITING:
+                f.move(FiringState.WAITING, wait_reason=v.reason)
+                self.statuses.send(f.entry, f, JobState.WAITING, reason=v.reason,
+                                   **({"detail": v.detail} if v.detail else {}))
+            self._cancels[f.key] = p.subscribe(f, lambda: self._woken(f, go, refuse))
+            return
+        go(f)
+
+    def _woken(self, f: Firing, go: Callable[[Firing], None], refuse: Refuse) -> None:
+        if f.key in self._cancels and f.state == FiringState.WAITING:
+            self.request(f, go, refuse)
+
+    def forget(self, f: Firing) -> None:
+        """``f`` no longer waits here (it went on, or ended otherwise)."""
+        cancel: Optional[Callable[[], None]] = self._cancels.pop(f.key, None)
+        if cancel is not None:
+            cancel()

@@ -1,0 +1,28 @@
+"""The house stays one a new engineer can change (issue 33): no module of agent/ over 700
+lines, the firing pipeline's Scheduler class under 500."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def modules():
+    for d, _, files in os.walk(os.path.join(ROOT, "agent")):
+        for name in files:
+            if name.endswith(".py"):
+                yield os.path.join(d, name)
+
+
+def test_no_module_is_over_700_lines():
+    long = {os.path.relpath(p, ROOT): n for p in modules() if (n := sum(1 for _ in open(p))) > 700}
+    assert long == {}
+
+
+def test_the_scheduler_class_is_under_500_lines():
+    path = os.path.join(ROOT, "agent", "jobs", "scheduler.py")
+    tree = ast.parse(open(path).read())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Scheduler"]
+    assert cls.end_lineno - cls.lineno + 1 < 500
