@@ -3,7 +3,7 @@
 
 A firing is claimed ``lead`` seconds before its due time (at most execute.claim_lead_s)
 and must be claimed *and* its launcher prepared before then, or its spawn lands on the
-due time's path ("claimed late"). This runs bench_trigger's workload (its ``ours``: one
+due time's path ("claimed late"). This runs bench_trigger's workload (bench/trigger_millwright.py: one
 agent with the daemon's job path, real etcd, N one-shot jobs) with timers around the
 steps of that path, patched into this process, and prints each step's latency:
 
@@ -41,6 +41,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 import bench_trigger  # noqa: E402
+from trigger_millwright import Options, run_millwright  # noqa: E402
+from trigger_workload import Workload, load, pct, summary  # noqa: E402
 
 from agent.coordination.worker import EtcdWorkers  # noqa: E402
 from agent.jobs import scheduler as S  # noqa: E402
@@ -116,7 +118,7 @@ def report() -> None:
         xs = STAGES.get(name)
         if not xs:
             continue
-        p = lambda q: bench_trigger.pct(xs, q) * 1000  # noqa: E731
+        p = lambda q: pct(xs, q) * 1000  # noqa: E731
         print(f"  {name:<26} n={len(xs):6d}  p50 {p(50):9.2f}  p90 {p(90):9.2f}  p99 {p(99):9.2f}  "
               f"max {max(xs) * 1000:9.2f}")
 
@@ -128,11 +130,19 @@ def main() -> None:
     a = ap.parse_args()
     instrument()
     print(f"{a.jobs} one-shot jobs over {a.over:g} s, backend {a.backend}, BPF {'on' if a.bpf else 'off'}, "
-          f"APScheduler {'beside it' if a.peer else 'not running'}; before: {bench_trigger.load()}", flush=True)
-    mine, _, child, _ = bench_trigger.ours(a.jobs, a.over, a.backend, a.lead, with_peer=a.peer, bpf=a.bpf, user=a.user)
-    print(bench_trigger.summary("millwright job clock", mine) if mine else "no job clock recorded")
-    if child is not None:
-        child.communicate()
+          f"APScheduler {'beside it' if a.peer else 'not running'}; before: {load()}", flush=True)
+    w = Workload.even(a.jobs, a.over)
+    a.drain, a.slim, a.trace_cgroup = 30.0, False, False
+    peer: list = []
+
+    def beside(start_ts: float) -> None:
+        if a.peer:   # its due times halfway between ours, as bench_trigger's side-by-side mode
+            peer.append(bench_trigger.Child("apscheduler", w, a, start_ts=start_ts + w.offsets[1] / 2))
+
+    res = run_millwright(w, Options(backend=a.backend, lead=a.lead, bpf=a.bpf, user=a.user), on_start=beside)
+    print(summary("millwright job clock", list(res["lateness"].values())))
+    for child in peer:
+        print(summary("apscheduler job clock", list(child.wait()["lateness"].values())))
     report()
 
 
