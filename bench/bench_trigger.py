@@ -150,8 +150,8 @@ def report_run(res: dict, label: str, late_s: float) -> None:
     lo, hi = res["load"]
     print(f"{res['scheduler']} {label}: load average (1 min) {lo:.2f} before, {hi:.2f} after")
     print("  " + summary("job clock", late))
-    print(f"  ran {len(late)} of {n} (exactly once {once['once']}, never {once['never']}, more than once "
-          f"{once['more']}); later than {late_s * 1000:g} ms: {sum(1 for x in late if x > late_s)}")
+    print(f"  ran {len(late)} of {n} (exactly once {once['once']}, not run by the end of the wait {once['never']}, "
+          f"more than once {once['more']}); later than {late_s * 1000:g} ms: {sum(1 for x in late if x > late_s)}")
     if res["scheduler"] == "millwright":
         print("  " + summary("diagnostic: release time", res["release"]) + "  (handle.started_at, the go byte)")
         if res.get("lead_end") is not None:
@@ -241,7 +241,7 @@ def print_buckets(res: dict) -> None:
         print(line)
     once = once_check(res["n"], res["counts"])
     verdict = "every firing ran exactly once" if once["once"] == res["n"] else "NOT every firing ran exactly once"
-    print(f"exactly once ({res['scheduler']}, job clocks): {verdict}: once {once['once']}, never {once['never']}, "
+    print(f"exactly once ({res['scheduler']}, job clocks): {verdict}: once {once['once']}, not run by the end of the wait {once['never']}, "
           f"more than once {once['more']} of {res['n']}")
     if res["scheduler"] == "millwright":
         r = res["records"]

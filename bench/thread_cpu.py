@@ -42,7 +42,7 @@ def _py_name(t: threading.Thread) -> str:
     """A thread's name; an unnamed one's with where its target is from."""
     target = getattr(t, "_target", None)
     if t.name.startswith("Thread-") and target is not None:
-        return f"Thread-* ({getattr(target, '__qualname__', target)} of {getattr(target, '__module__', '?')})"
+        return f"{t.name} of {getattr(target, '__module__', '?')}"
     return t.name
 
 
