@@ -153,7 +153,8 @@ def report_run(res: dict, label: str, late_s: float) -> None:
     print(f"  ran {len(late)} of {n} (exactly once {once['once']}, not run by the end of the wait {once['never']}, "
           f"more than once {once['more']}); later than {late_s * 1000:g} ms: {sum(1 for x in late if x > late_s)}")
     if res["scheduler"] == "millwright":
-        print("  " + summary("diagnostic: release time", res["release"]) + "  (handle.started_at, the go byte)")
+        print("  " + summary("diagnostic: release time", list(res["release"].values()))
+              + "  (handle.started_at, the go byte)")
         if res.get("lead_end") is not None:
             print(f"  claimed late (spawned on the due time's path): {res['claimed_late']:.0f}; "
                   f"claim lead at the end {res['lead_end'] * 1000:.0f} ms")
@@ -190,8 +191,12 @@ def report_run(res: dict, label: str, late_s: float) -> None:
               f"{total_ms_per_firing(res['cpu'], f, exclude=BENCH_THREADS):.3f} ms; job processes "
               f"{res['cpu']['children_s'] * 1000 / max(f, 1):.3f} ms")
     worst = sorted(res["lateness"].items(), key=lambda kv: -kv[1])[:5]
-    print("  latest firings (job, due +s, due epoch, lateness): " + "; ".join(
-        f"{j} +{res['due_off'][j]:.3f} {res['start_ts'] + res['due_off'][j]:.3f} {d * 1000:.1f} ms" for j, d in worst))
+    rel, ahead = res.get("release") or {}, res.get("ahead") or {}
+    print("  latest firings (job, due +s, due epoch, lateness at the job's clock"
+          + (", handed to the executor before its due time, release time" if rel else "") + "): " + "; ".join(
+              f"{j} +{res['due_off'][j]:.3f} {res['start_ts'] + res['due_off'][j]:.3f} {d * 1000:.1f} ms"
+              + (f" (ahead {ahead[j] * 1000:.1f} ms, released {rel[j] * 1000:.1f} ms)" if j in rel and j in ahead else "")
+              for j, d in worst))
     sys.stdout.flush()
 
 

@@ -224,22 +224,25 @@ execute: {{max_concurrent: 256, memory_mb: 65536, cpu: 256, quota_backend: {o.ba
 templates:
   clock: {{argv: ["{script}"], user: {o.user}, allow_root: true, allow_exec: ["/bin/*", "/usr/bin/*"]}}
 """, "bench")
-    release: list[float] = []
+    release: dict[str, float] = {}
+    ahead: dict[str, float] = {}
     failed: list[str] = []
     ended = [0]
     jobs_part: list[Any] = []
 
     class Probe:
-        """Counts run ends; the release time (the launcher's go byte written; start()
+        """Counts run ends; per firing, how far ahead of its due time its run was handed
+        to the executor, and its release time (the launcher's go byte written; start()
         returned when not prepared ahead), read when the run ends."""
 
         def run_started(self, f):
-            pass
+            if f.attempt == 1:   # handed to the executor this long before its due time (< 0: late)
+                ahead[f.entry.job.id] = f.due.timestamp() - time.time()
 
         def run_ended(self, f):
             ended[0] += 1
             if f.attempt == 1 and f.handle is not None and f.handle.started_at:
-                release.append(f.handle.started_at - f.due.timestamp())
+                release[f.entry.job.id] = f.handle.started_at - f.due.timestamp()
             res = getattr(f.handle, "result", None)
             if res is not None and res.reason != "succeeded":
                 failed.append(f"{f.entry.job.id}: {res.reason} exit {res.exit_code} signal {res.signal} {res.error or ''}")
@@ -348,7 +351,7 @@ templates:
         trace.report([(due[j], d) for j, d in lateness.items()])
     shutil.rmtree(tmp, ignore_errors=True)
     return {"scheduler": "millwright", "n": w.n, "start_ts": start_ts, "due_off": due_off,
-            "lateness": lateness, "counts": counts, "release": release, "failed": failed,
+            "lateness": lateness, "counts": counts, "release": release, "ahead": ahead, "failed": failed,
             "claimed_late": claimed_late, "lead_end": lead_end, "ended": firings,
             "last_end_after_last_due_s": t_last - (start_ts + w.span),
             "cpu": cpu_window, "cpu_window_s": window_s, "cpu_firings": firings, "idle_cpu_per_s": idle,
