@@ -161,6 +161,9 @@ def report_run(res: dict, label: str, late_s: float) -> None:
         r = res["records"]
         print(f"  run records: {r['records']} {r['states']}; jobs without one {r['jobs_without']}, with more than one "
               f"{r['jobs_with_more']}; attempt > 1: {r['attempt_gt_1']}")
+        thr = r.get("throttled") or {}
+        print(f"  runs their cpu quota throttled (run records' usage.throttled_s): {len(thr)}"
+              + (f", {sum(thr.values()) * 1000:.1f} ms in all, at most {max(thr.values()) * 1000:.1f} ms" if thr else ""))
         if res["failed"]:
             print(f"  runs that did not succeed: {len(res['failed'])}: {res['failed'][:5]}")
         if res.get("witness"):
@@ -170,6 +173,12 @@ def report_run(res: dict, label: str, late_s: float) -> None:
             if wit["execs"]:
                 print("  " + summary("witness: sensor exec of argv[0]", wit["execs"]))
                 print("  " + summary("job clock - sensor exec", wit["gaps"]))
+        print("  lease policy decisions during the run (pause_runs holds new runs): "
+              + (", ".join(f"{d} {v:.0f}" for d, v in res["lease_decisions"].items()) or "none"))
+        gcs = res.get("gc") or []
+        by_gen = {g: [d for _, d, gg in gcs if gg == g] for g in sorted({g for _, _, g in gcs})}
+        print("  garbage collector passes in the window (they hold the GIL): " + (", ".join(
+            f"gen{g} {len(ds)}x max {max(ds) * 1000:.1f} ms" for g, ds in by_gen.items()) or "none"))
         lag = res.get("lag")
         print("  lag gauge millwright_scheduler_lag_seconds: "
               + ("absent" if lag is None else f"max {max((v for _, v in lag), default=0) * 1000:.1f} ms"))
@@ -192,11 +201,22 @@ def report_run(res: dict, label: str, late_s: float) -> None:
               f"{res['cpu']['children_s'] * 1000 / max(f, 1):.3f} ms")
     worst = sorted(res["lateness"].items(), key=lambda kv: -kv[1])[:5]
     rel, ahead = res.get("release") or {}, res.get("ahead") or {}
+    thr = (res.get("records") or {}).get("throttled") or {}
+    gcs = res.get("gc") or []
+
+    def gc_near(due: float, late: float) -> str:
+        """The longest garbage collector pass from the claim lead before the due time to the job's start."""
+        near = [d for t, d, _ in gcs if due - 0.3 <= t + d and t <= due + late]
+        return f", gc {max(near) * 1000:.1f} ms" if near else ""
+
     print("  latest firings (job, due +s, due epoch, lateness at the job's clock"
-          + (", handed to the executor before its due time, release time" if rel else "") + "): " + "; ".join(
-              f"{j} +{res['due_off'][j]:.3f} {res['start_ts'] + res['due_off'][j]:.3f} {d * 1000:.1f} ms"
-              + (f" (ahead {ahead[j] * 1000:.1f} ms, released {rel[j] * 1000:.1f} ms)" if j in rel and j in ahead else "")
-              for j, d in worst))
+          + (", handed to the executor before its due time, release time, cpu quota throttling, longest gc pass "
+             "between due - 0.3 s and the start" if rel else "") + "): "
+          + "; ".join(f"{j} +{res['due_off'][j]:.3f} {res['start_ts'] + res['due_off'][j]:.3f} {d * 1000:.1f} ms"
+                      + (f" (ahead {ahead[j] * 1000:.1f} ms, released {rel[j] * 1000:.1f} ms, "
+                         f"throttled {thr.get(j, 0.0) * 1000:.1f} ms{gc_near(res['start_ts'] + res['due_off'][j], d)})"
+                         if j in rel and j in ahead else "")
+                      for j, d in worst))
     sys.stdout.flush()
 
 

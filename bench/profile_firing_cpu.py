@@ -116,12 +116,16 @@ def main() -> None:
           f"{load()}", flush=True)
     raw = a.keep or os.path.join(tempfile.mkdtemp(prefix="mw-pyspy-"), "stacks.txt")
     runner: list[threading.Thread] = []
+    spy_cpu = [0.0]
 
     def record(at: float, duration: float) -> None:
         time.sleep(max(0.0, at - time.time()))
-        subprocess.run([spy, "record", "-p", str(os.getpid()), "-r", str(a.hz), "-d", str(math.ceil(duration)),
-                        "--nonblocking", "--threads", "-f", "raw", "-o", raw],
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+        p = subprocess.Popen([spy, "record", "-p", str(os.getpid()), "-r", str(a.hz), "-d", str(math.ceil(duration)),
+                              "--nonblocking", "--threads", "-f", "raw", "-o", raw],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _, status, ru = os.wait4(p.pid, 0)   # its own CPU: it is a child, counted with the job processes
+        p.returncode = os.waitstatus_to_exitcode(status)
+        spy_cpu[0] = ru.ru_utime + ru.ru_stime
 
     def on_start(ts: float) -> None:
         if spy:
@@ -139,7 +143,8 @@ def main() -> None:
     for line in per_firing_table(res["cpu"], n, exclude=BENCH_THREADS + ("py-spy",)):
         print(line)
     print(f"outside the agent: etcd {res['etcd_cpu_s'] * 1000 / max(n, 1):.3f} ms/firing, job processes "
-          f"{res['cpu']['children_s'] * 1000 / max(n, 1):.3f}")
+          f"{(res['cpu']['children_s'] - spy_cpu[0]) * 1000 / max(n, 1):.3f}; py-spy itself "
+          f"{spy_cpu[0] * 1000 / max(n, 1):.3f} (it takes CPU from the agent: the latencies of this run are not figures)")
     if not spy or not os.path.exists(raw):
         return
     by = parse_raw(raw)

@@ -63,6 +63,32 @@ def run_listeners_of(jobs_component: Any) -> list:
     return getattr(s, "run_listeners", None) or s.launcher.run_listeners
 
 
+class GcPauses:
+    """The garbage collector's passes in this process (gc.callbacks): (start epoch,
+    seconds, generation). A pass holds the GIL: every thread of the agent waits."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self.gc = gc
+        self.passes: list[tuple[float, float, int]] = []
+        self._t0 = 0.0
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            took = time.perf_counter() - self._t0
+            self.passes.append((time.time() - took, took, info.get("generation", -1)))
+
+    def __enter__(self) -> "GcPauses":
+        self.gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.gc.callbacks.remove(self._cb)
+
+
 class Lag:
     """The agent's lag gauge, if the agent has one (read from its metrics registry)."""
 
@@ -92,17 +118,22 @@ def counter(name: str, labels: dict) -> float:
 
 
 def records_check(client: Any, keys: Any, ids: set[str]) -> dict:
-    """Every run record in etcd: how many per job (one-shot: exactly one) and their states."""
+    """Every run record in etcd: how many per job (one-shot: exactly one) and their states;
+    the runs their cpu quota throttled (usage.throttled_s, job id -> seconds)."""
     kvs, _ = client.get_prefix(keys.runs_prefix())
     per_job: collections.Counter = collections.Counter()
     states: collections.Counter = collections.Counter()
+    throttled: dict[str, float] = {}
     retried = 0
     for kv in kvs:
         r = json.loads(kv.value)
         per_job[r.get("job_id")] += 1
         states[r.get("state")] += 1
         retried += int(r.get("attempt") or 1) > 1
-    return {"records": len(kvs), "states": dict(states), "attempt_gt_1": retried,
+        t = (r.get("usage") or {}).get("throttled_s") or 0.0
+        if t > 0:
+            throttled[r.get("job_id")] = t
+    return {"records": len(kvs), "states": dict(states), "attempt_gt_1": retried, "throttled": throttled,
             "jobs_without": len(ids - set(per_job)), "jobs_with_more": sum(1 for c in per_job.values() if c > 1)}
 
 
@@ -266,6 +297,8 @@ templates:
     while len(agent.shards.mine) < 64:
         time.sleep(0.05)
     claimed_late0 = counter("millwright_firings_total", {"outcome": "claimed_late"})
+    decisions = ("renew_fast", "renew_normal", "pause_runs", "resume_runs", "hand_off", "take_back")
+    decisions0 = {d: counter("millwright_lease_decisions_total", {"decision": d}) for d in decisions}
     store = SigningStore(JobStore(agent.client, agent.keys, 64, "bench"), ring, "bench")  # agents run only signed jobs
     t_create = time.monotonic()
     start = datetime.now(timezone.utc) + timedelta(seconds=5 + w.n * SETUP_S_PER_JOB)
@@ -315,14 +348,15 @@ templates:
     lag_present = lag.read() is not None
     deadline = start_ts + w.span + o.drain_s
     k = 0
-    while ended[0] < w.n and time.time() < deadline:
-        time.sleep(0.25)
-        lag.sample(time.time() - start_ts)
-        k += 1
-        if k % 4 == 0:
-            cpu.poll()
-    t_last = time.time()
-    time.sleep(1.0)
+    with GcPauses() as gc_pauses:
+        while ended[0] < w.n and time.time() < deadline:
+            time.sleep(0.25)
+            lag.sample(time.time() - start_ts)
+            k += 1
+            if k % 4 == 0:
+                cpu.poll()
+        t_last = time.time()
+        time.sleep(1.0)
     lag.sample(time.time() - start_ts)
     cpu_window = cpu.stop()
     window_s = time.time() - t_window
@@ -337,6 +371,7 @@ templates:
 
         lead_end = LEAD._value.get()
     claimed_late = counter("millwright_firings_total", {"outcome": "claimed_late"}) - claimed_late0
+    lease_decisions = {d: counter("millwright_lease_decisions_total", {"decision": d}) - decisions0[d] for d in decisions}
     agent.request_stop()
     t.join(30)
     etcd.close()
@@ -357,4 +392,5 @@ templates:
             "cpu": cpu_window, "cpu_window_s": window_s, "cpu_firings": firings, "idle_cpu_per_s": idle,
             "etcd_cpu_s": sum(etcd1[:2]) - sum(etcd0[:2]),
             "guard_cpu_s": (sum(guard1[:2]) - sum(guard0[:2])) if guard0 and guard1 else None,
-            "records": recs, "lag": lag.samples if lag_present else None, "witness": witness}
+            "records": recs, "lag": lag.samples if lag_present else None, "witness": witness,
+            "gc": gc_pauses.passes, "lease_decisions": {d: v for d, v in lease_decisions.items() if v}}
