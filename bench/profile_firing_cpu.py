@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where the agent's CPU per firing goes (issue 36): per thread (bench/thread_cpu.py, from
-/proc) and, within each thread, per function of ours (a py-spy sampling profile over the
-same window), as milliseconds of CPU per firing.
+/proc) and, within each thread, per function of ours (a sampling profile over the same
+window), as milliseconds of CPU per firing.
 
 It runs bench_trigger's Millwright workload in this process (bench/trigger_millwright.py:
 one agent with the daemon's job path, real etcd, one-shot jobs spread evenly) and attaches
@@ -12,11 +12,18 @@ thread's samples in which the function was the innermost frame of agent/ (callee
 libraries included: an etcd call charges the agent function that made it), with the
 library the time went into beside it.
 
+py-spy charges a thread's samples in a system call that waits without being one of its
+known waits (posix_spawn's vfork wait, a cgroup write waiting for an RCU grace period) as
+if on CPU. ``--profiler sampler`` instead uses bench/thread_sampler.py in this process: it
+charges each thread's own CPU clock between two samples to the frame it finds, exact CPU
+but seen only when the sampler gets the GIL (its caveat). The two side by side bound a
+function's cost.
+
 py-spy is not a dependency of the product: install it where this script finds it,
     /usr/bin/python3 -m pip install --target .cache/pyspy py-spy
-(or set PYSPY to its path). Without it, only the per-thread table is printed.
+(or set PYSPY to its path). Without it, the sampler is used.
 
-    /usr/bin/python3 bench/profile_firing_cpu.py [--jobs 3000] [--over 30] [--hz 200] [--top 15] [--bpf]
+    /usr/bin/python3 bench/profile_firing_cpu.py [--jobs 3000] [--over 30] [--profiler pyspy|sampler] [--hz 200] [--top 15] [--bpf]
 """
 
 from __future__ import annotations
@@ -103,16 +110,28 @@ def parse_raw(path: str) -> dict[str, collections.Counter]:
     return by
 
 
+def from_sampler(out: dict) -> dict[str, collections.Counter]:
+    """thread kind -> Counter((agent function, library) -> CPU seconds), from
+    thread_sampler's cells [thread, leaf category, leaf, agent function, library, cpu_s, n]."""
+    by: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for thread, _cat, _leaf, agent_fn, lib, cpu_s, _n in out["cells"]:
+        by[kind(re.sub(r"^Thread \(", "Thread-* (", thread))][(agent_fn, lib or "own code")] += cpu_s
+    return by
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     bench_trigger.add_workload_args(ap)
-    ap.add_argument("--hz", type=int, default=200, help="py-spy samples per second")
+    ap.add_argument("--profiler", choices=("pyspy", "sampler"), help="default: py-spy if installed, else the sampler")
+    ap.add_argument("--hz", type=int, default=200, help="samples per second")
     ap.add_argument("--top", type=int, default=15, help="functions listed per thread")
     ap.add_argument("--keep", help="keep py-spy's raw output here")
     a = ap.parse_args()
     w = Workload.even(a.jobs, a.over)
-    spy = find_pyspy()
-    print(f"{w.label()}, backend {a.backend}, BPF {'on' if a.bpf else 'off'}; profiler: {spy or 'none (per-thread CPU only)'}; "
+    spy = find_pyspy() if a.profiler != "sampler" else None
+    if a.profiler == "pyspy" and spy is None:
+        raise SystemExit("py-spy not found (see the module docstring)")
+    print(f"{w.label()}, backend {a.backend}, BPF {'on' if a.bpf else 'off'}; profiler: {spy or 'bench/thread_sampler.py'}; "
           f"{load()}", flush=True)
     raw = a.keep or os.path.join(tempfile.mkdtemp(prefix="mw-pyspy-"), "stacks.txt")
     runner: list[threading.Thread] = []
@@ -127,37 +146,54 @@ def main() -> None:
         p.returncode = os.waitstatus_to_exitcode(status)
         spy_cpu[0] = ru.ru_utime + ru.ru_stime
 
+    sampled: list[dict] = []
+    done = threading.Event()
+
+    def sample(at: float) -> None:
+        from thread_sampler import Sampler
+
+        time.sleep(max(0.0, at - time.time()))
+        sampled.append(Sampler(tempfile.gettempdir(), 1.0 / a.hz).profile(done.is_set))
+
     def on_start(ts: float) -> None:
         if spy:
             t = threading.Thread(target=record, args=(ts - a.lead - 0.5, w.span + 1.5), name="py-spy", daemon=True)
-            t.start()
-            runner.append(t)
+        else:
+            t = threading.Thread(target=sample, args=(ts - a.lead - 0.5,), name="bench-sampler", daemon=True)
+        t.start()
+        runner.append(t)
 
     res = run_millwright(w, Options(backend=a.backend, lead=a.lead, bpf=a.bpf, user=a.user), on_start=on_start)
+    done.set()
     for t in runner:
         t.join(60)
     n = res["cpu_firings"]
     print(summary("millwright job clock", list(res["lateness"].values())))
     print(f"after: {load()}")
     print(f"agent CPU per firing over {n} firings (window {res['cpu_window_s']:.1f} s):")
-    for line in per_firing_table(res["cpu"], n, exclude=BENCH_THREADS + ("py-spy",)):
+    for line in per_firing_table(res["cpu"], n, exclude=BENCH_THREADS + ("py-spy", "bench-sampler")):
         print(line)
     print(f"outside the agent: etcd {res['etcd_cpu_s'] * 1000 / max(n, 1):.3f} ms/firing, job processes "
           f"{(res['cpu']['children_s'] - spy_cpu[0]) * 1000 / max(n, 1):.3f}; py-spy itself "
           f"{spy_cpu[0] * 1000 / max(n, 1):.3f} (it takes CPU from the agent: the latencies of this run are not figures)")
-    if not spy or not os.path.exists(raw):
+    if spy and os.path.exists(raw):
+        by = parse_raw(raw)
+        how = f"py-spy at {a.hz} Hz, non-idle samples spread over the thread's CPU"
+    elif sampled:
+        by = from_sampler(sampled[0])
+        how = f"thread_sampler at {a.hz} Hz, each thread's CPU clock (the weights below are CPU seconds)"
+    else:
         return
-    by = parse_raw(raw)
     threads = res["cpu"]["threads"]
     overall: collections.Counter = collections.Counter()
-    print(f"\nper thread, the functions of agent/ its CPU went to (ms per firing; py-spy at {a.hz} Hz, non-idle samples):")
+    print(f"\nper thread, the functions of agent/ its CPU went to (ms per firing; {how}):")
     for thread, (u, s) in sorted(threads.items(), key=lambda kv: -sum(kv[1])):
         per = (u + s) * 1000 / max(n, 1)
-        samples = by.get(thread.split(" of ")[0])   # py-spy names a thread without where its target is from
+        samples = by.get(thread.split(" of ")[0])   # profilers name a thread without where its target is from
         if per < 0.02 or not samples:
             continue
         total = sum(samples.values())
-        print(f"  {thread}: {per:.3f} ms/firing, {total} samples")
+        print(f"  {thread}: {per:.3f} ms/firing ({total:.4g} {'samples' if spy else 'CPU s sampled'})")
         for (fn, lib), c in samples.most_common(a.top):
             print(f"    {per * c / total:7.3f}  {fn}  [{lib}]")
         for (fn, _lib), c in samples.items():
