@@ -137,9 +137,9 @@ def main() -> None:
     runner: list[threading.Thread] = []
     spy_cpu = [0.0]
 
-    def record(at: float, duration: float) -> None:
+    def record(at: float, duration: int) -> None:
         time.sleep(max(0.0, at - time.time()))
-        p = subprocess.Popen([spy, "record", "-p", str(os.getpid()), "-r", str(a.hz), "-d", str(math.ceil(duration)),
+        p = subprocess.Popen([spy, "record", "-p", str(os.getpid()), "-r", str(a.hz), "-d", str(int(duration)),
                               "--nonblocking", "--threads", "-f", "raw", "-o", raw],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _, status, ru = os.wait4(p.pid, 0)   # its own CPU: it is a child, counted with the job processes
@@ -157,7 +157,10 @@ def main() -> None:
 
     def on_start(ts: float) -> None:
         if spy:
-            t = threading.Thread(target=record, args=(ts - a.lead - 0.5, w.span + 1.5), name="py-spy", daemon=True)
+            # whole seconds (py-spy's -d), ending inside the CPU window: its own CPU is then
+            # among the window's reaped children, where it is taken out again
+            t = threading.Thread(target=record, args=(ts - a.lead - 0.5, math.floor(w.span + 0.75)), name="py-spy",
+                                 daemon=True)
         else:
             t = threading.Thread(target=sample, args=(ts - a.lead - 0.5,), name="bench-sampler", daemon=True)
         t.start()
