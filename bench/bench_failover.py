@@ -7,23 +7,41 @@
    server-side expiry of its lease (its shard keys vanishing) it stopped acting.
 3. Shards moved when a member joins or leaves, against the ideal (shards / members),
    over many random member sets (the same function every agent runs) and in one real run.
+4. Lateness around a takeover (issue 36): three agents, one-shot jobs due at 10/s (300
+   jobs), the job body of bench_trigger.py (its own clock), kill -9 of one agent; the
+   lateness at the job's clock of the firings due before the kill, between the kill and
+   the takeover's completion (every shard of the dead agent owned again: its firings due
+   then wait for the new owner by design), in the 10 s after it (where a takeover must
+   leave no tail), and after; the taken-over shards' firings apart. Every firing's runs
+   are counted (job clock lines, run records).
 
-Usage: bench_failover.py [--trials 50] [--ttl 3] [--fence-trials 5]
+Usage: bench_failover.py [--only movement,fence,failover,lateness] [--trials 50] [--ttl 3] [--fence-trials 5]
+                         [--lateness-jobs 300 --lateness-rate 10 --kill-at 8]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import json
 import os
 import random
+import signal
 import statistics
 import sys
 import tempfile
 import time
+from datetime import datetime, timedelta, timezone
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from trigger_workload import Workload, job_script, load, once_check, read_clocks, stats  # noqa: E402
 
 from agent.coordination import hrw  # noqa: E402
+from agent.coordination.keys import shard_of  # noqa: E402
+from agent.jobs.schedule import format_rfc3339, parse_rfc3339  # noqa: E402
 from agent.demo.services import EtcdServer  # noqa: E402
 from tests.support.cluster import Cluster  # noqa: E402
 from tests.support.network import NftBlock  # noqa: E402
@@ -113,15 +131,106 @@ def movement() -> None:
           f"(max {max(leave)}, ideal {64 / 4:.1f})")
 
 
+def takeover_lateness(ttl: int, jobs: int, rate: float, kill_at: float, agents: int = 3) -> None:
+    """Lateness at the job's clock around a kill -9 of one of ``agents`` agents (see the
+    module docstring, 4)."""
+    w = Workload([(rate, jobs / rate)])
+    print(f"takeover lateness: {agents} agents, {w.label()}, kill -9 of one {kill_at:g} s after the first due "
+          f"time, TTL {ttl} s; {load()}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp, EtcdServer(os.path.join(tmp, "etcd")) as etcd:
+        os.makedirs(etcd.dir, exist_ok=True)
+        os.makedirs(os.path.join(tmp, "job"))
+        script, out = job_script(os.path.join(tmp, "job"))
+        clock = {"argv": [script], "user": "root", "allow_root": True, "allow_exec": ["/bin/*", "/usr/bin/*"]}
+        c = Cluster(etcd, os.path.join(tmp, "agents"), ttl=ttl, renew_deadline=ttl * 0.6, retry_period=ttl * 0.15,
+                    extra={"templates": {"clock": clock},
+                           "execute": {"max_concurrent": 64, "memory_mb": 16384, "cpu": 64.0}})
+        try:
+            names = [f"g{i}" for i in range(agents)]
+            for a in names:
+                c.start(a)
+            wait_for(lambda: c.converged({a: 1 for a in names}), 60, what="initial plan")
+            store = c.job_store()
+            start = datetime.now(timezone.utc) + timedelta(seconds=8)
+            due: dict[str, float] = {}
+            batch = []
+            for i, off in enumerate(w.offsets):
+                jid = f"t{i:05d}"
+                at = parse_rfc3339(format_rfc3339(start + timedelta(seconds=off)))
+                due[jid] = at.timestamp()
+                batch.append((store.sign({"v": 1, "id": jid, "template": "clock", "params": {},
+                                          "schedule": {"at": format_rfc3339(at)}}), ()))
+            for k in range(0, len(batch), 64):
+                for res in store.store.create_many(batch[k:k + 64]):
+                    if isinstance(res, Exception):
+                        raise res
+            victim = names[0]
+            t_kill = start.timestamp() + kill_at
+            while time.time() < t_kill:
+                time.sleep(min(0.05, max(0.0, t_kill - time.time())))
+            lost = {s for s, a in c.owners().items() if a == victim}
+            t_kill = time.time()
+            os.kill(c.agents[victim].pid, signal.SIGKILL)
+            live = set(names) - {victim}
+            wait_for(lambda: all(c.owners().get(s) in live for s in lost), ttl + 30, interval=0.01, what="takeover")
+            t_over = time.time()
+            c.agents[victim].kill()   # reaps it
+            end = start.timestamp() + w.span + 30
+            while time.time() < end and len(read_clocks(out, due)[0]) < w.n:
+                time.sleep(0.5)
+            time.sleep(1.0)
+            lateness, counts = read_clocks(out, due)
+            recs = c.run_records()
+            acquired = [parse_rfc3339(r["ts"]).timestamp() for a in live for r in c.audit(a)
+                        if r.get("type") == "shard" and r.get("event") == "acquired" and r.get("shard") in lost]
+        finally:
+            c.close()
+    taken = {j for j in due if shard_of(j, c.shards) in lost}
+    print(f"killed {victim} (held {len(lost)} of {c.shards} shards; {len(taken)} of the {w.n} jobs) at +{t_kill - start.timestamp():.2f} s; "
+          f"every shard owned again {t_over - t_kill:.2f} s after the kill"
+          + (f" (last 'acquired' audit record {max(acquired) - t_kill:.2f} s after)" if acquired else ""))
+    windows = (("due before the kill", None, t_kill), ("kill -> takeover complete", t_kill, t_over),
+               ("takeover -> +10 s", t_over, t_over + 10), ("after takeover +10 s", t_over + 10, None))
+    print("| firings due | which | n | ran | p50 ms | p99 ms | max ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for label, lo, hi in windows:
+        sel = [j for j, t in due.items() if (lo is None or t >= lo) and (hi is None or t < hi)]
+        for which, js in (("all", sel), ("taken-over shards", [j for j in sel if j in taken]),
+                          ("other shards", [j for j in sel if j not in taken])):
+            st = stats([lateness[j] for j in js if j in lateness], 0.0)
+            f = lambda x: "-" if x is None else f"{x * 1000:.1f}"  # noqa: E731
+            print(f"| {label} | {which} | {len(js)} | {st['n']} | {f(st['p50'])} | {f(st['p99'])} | {f(st['max'])} |")
+    once = once_check(w.n, counts)
+    per_job = collections.Counter(j for j, _ in recs)
+    states = collections.Counter(r.get("state") for r in recs.values())
+    reasons = collections.Counter(r.get("reason") for r in recs.values() if r.get("state") != "succeeded")
+    print(f"runs (job clocks): exactly once {once['once']}, never {once['never']}, more than once {once['more']} of {w.n}; "
+          f"run records {len(recs)} {dict(states)}"
+          + (f", not succeeded by reason {json.dumps(dict(reasons))}" if reasons else "")
+          + f"; jobs without a record {w.n - len(per_job)}, with more than one {sum(1 for v in per_job.values() if v > 1)}")
+    print(f"after: {load()}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="movement,fence,failover,lateness",
+                    help="which measurements, comma-separated: movement, fence, failover, lateness")
     ap.add_argument("--trials", type=int, default=50)
     ap.add_argument("--ttl", type=int, default=3)
     ap.add_argument("--fence-trials", type=int, default=5)
+    ap.add_argument("--lateness-jobs", type=int, default=300)
+    ap.add_argument("--lateness-rate", type=float, default=10.0)
+    ap.add_argument("--kill-at", type=float, default=8.0, help="seconds after the first due time")
     a = ap.parse_args()
-    movement()
-    fence_lead(a.fence_trials, a.ttl)
-    failover(a.trials, a.ttl)
+    only = set(a.only.split(","))
+    if "movement" in only:
+        movement()
+    if "fence" in only:
+        fence_lead(a.fence_trials, a.ttl)
+    if "failover" in only:
+        failover(a.trials, a.ttl)
+    if "lateness" in only:
+        takeover_lateness(a.ttl, a.lateness_jobs, a.lateness_rate, a.kill_at)
 
 
 if __name__ == "__main__":
