@@ -202,7 +202,8 @@ class ChaosRun:
     def _config(self, agent: str) -> dict:
         return {"cluster": CLUSTER, "shards": SHARDS, "drain_timeout_s": 2.0,
                 "etcd": {"endpoints": self.etcd.endpoints_on(self.hosts[agent]), "lease_ttl_s": TTL_S,
-                         "renew_deadline_s": RENEW_DEADLINE_S, "retry_period_s": 0.5, "request_timeout_s": 1.0},
+                         "renew_deadline_s": RENEW_DEADLINE_S, "retry_period_s": 0.5, "request_timeout_s": 1.0,
+                         "insecure": True},
                 "mqtt": {"url": f"mqtt://127.0.0.1:{self.broker_ports[agent]}", "reconnect_min_s": 0.2,
                          "reconnect_max_s": 1.0, "ingest_grace_s": 1.5},
                 "signing": {"keys_file": os.path.join(self.dir, "keys.yaml")},

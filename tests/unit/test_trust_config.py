@@ -16,6 +16,9 @@ from agent.jobs.signing import KeyFileError, KeyRing, generate_hmac_secret, sign
 from tests.support.commands import millwright
 
 
+LAB = "etcd: {insecure: true}\n"   # the loopback etcd of a lab: plaintext, no users
+
+
 def problems(text: str) -> list[str]:
     with pytest.raises(ConfigError) as ei:
         parse_config(text, "agent.yaml")
@@ -25,8 +28,8 @@ def problems(text: str) -> list[str]:
 def test_root_template_needs_allow_root():
     p = problems("templates: {t: {argv: [/bin/true], user: root}}")
     assert any("templates.t.user" in x and "allow_root" in x for x in p), p
-    assert parse_config("templates: {t: {argv: [/bin/true], user: root, allow_root: true}}").templates["t"].allow_root
-    assert parse_config("templates: {t: {argv: [/bin/true], user: nobody}}")
+    assert parse_config(LAB + "templates: {t: {argv: [/bin/true], user: root, allow_root: true}}").templates["t"].allow_root
+    assert parse_config(LAB + "templates: {t: {argv: [/bin/true], user: nobody}}")
 
 
 def test_password_over_plaintext_is_an_error_unless_insecure():
@@ -35,9 +38,9 @@ def test_password_over_plaintext_is_an_error_unless_insecure():
     p = problems("mqtt: {url: 'mqtt://b:1883', username: u, password: p}")
     assert any(x.startswith("agent.yaml: mqtt.url") and "insecure" in x for x in p), p
     assert parse_config("etcd: {username: u, password: p, insecure: true}")
-    assert parse_config("mqtt: {url: 'mqtt://b:1883', username: u, password: p, insecure: true}")
+    assert parse_config(LAB + "mqtt: {url: 'mqtt://b:1883', username: u, password: p, insecure: true}")
     assert parse_config("etcd: {endpoints: ['https://e:2379'], username: u, password: p, tls: {ca: /ca.pem}}")
-    assert parse_config("mqtt: {url: 'mqtts://b:8883', username: u, password: p}")
+    assert parse_config(LAB + "mqtt: {url: 'mqtts://b:8883', username: u, password: p}")
 
 
 @pytest.mark.parametrize("rx", [r"(a+)+$", r"^(\w*x?)*$", r"(a|b+)*c", r"((ab)*)+", r"(.*,)*z"])
