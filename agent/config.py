@@ -21,6 +21,8 @@ from typing import Any, Optional, cast
 
 import yaml
 
+from agent.jobs.paramregex import regex_risk
+
 ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -523,56 +525,6 @@ def _validate(cfg: Config, problems: list[str]) -> None:
         for i, pat in enumerate(t.allow_exec):
             if not isinstance(pat, str) or not pat.startswith("/"):
                 bad(f"{where}.allow_exec[{i}]", "must be an absolute path or glob")
-
-
-def _regex_parser():
-    try:
-        import re._parser as parser  # Python 3.11+
-    except ImportError:  # pragma: no cover - Python 3.10
-        import sre_parse as parser  # type: ignore[no-redef, unused-ignore]
-    return parser
-
-
-def regex_risk(rx: str) -> Optional[str]:
-    """Why a param regex could backtrack catastrophically, or None. Refused: a repeat that
-    can repeat more than once nested inside another such repeat (``(a+)+``, ``(\\w*x?)*``).
-    Python's ``re`` backtracks and no linear-time engine is packaged for Debian's Python,
-    so the shape is checked instead; values are also length-limited before matching."""
-    parser = _regex_parser()
-    try:
-        tree = parser.parse(rx, re.ASCII)
-    except Exception:
-        return None  # compile errors are reported separately
-    repeats = {getattr(parser, n) for n in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT") if hasattr(parser, n)}
-    possessive = getattr(parser, "POSSESSIVE_REPEAT", None)
-
-    def items(sub):
-        return sub.data if hasattr(sub, "data") else sub
-
-    def walk(seq, inside: bool) -> bool:
-        for op, av in items(seq):
-            if op in repeats:
-                lo, hi, sub = av
-                unbounded = hi is parser.MAXREPEAT or (hi > 1 and hi != lo)  # a{3} is not a choice
-                if unbounded and inside and op is not possessive:
-                    return True
-                if walk(sub, inside or (unbounded and op is not possessive)):
-                    return True
-            elif op is parser.SUBPATTERN:
-                if walk(av[-1], inside):
-                    return True
-            elif op is parser.BRANCH:
-                if any(walk(b, inside) for b in av[1]):
-                    return True
-            elif hasattr(parser, "ATOMIC_GROUP") and op is parser.ATOMIC_GROUP:
-                if walk(av, inside):
-                    return True
-        return False
-
-    if walk(tree, False):
-        return ("regex has a repeat nested inside another repeat (like (a+)+), which can backtrack "
-                "for exponential time on a hostile value: rewrite it without the nested quantifier")
-    return None
 
 
 def load_config(path: Optional[str]) -> Config:
