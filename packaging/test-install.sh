@@ -92,7 +92,7 @@ fail() { echo "CHECK FAILED: $*" >&2; exit 1; }
 out=$(millwright --version) || fail "millwright --version exited $?"
 echo "  millwright --version: $out"
 case "$out" in *"'"$version"'"*) ;; *) fail "--version does not name '"$version"'";; esac
-# As shipped, etcd access is the operator's to set: plaintext and no credentials are
+# As shipped, etcd access is for the operator to set: plaintext and no credentials are
 # refused (one line naming etcd.insecure, exit 2) until they do, or allow it for a lab.
 set +e; err=$(millwright config check /etc/millwright/agent.yaml 2>&1); rc=$?; set -e
 [ "$rc" = 2 ] || fail "config check of the shipped file exited $rc, want 2 (etcd not set up): $err"

@@ -35,14 +35,16 @@ usage() {
 }
 
 check_cluster() {
+    [ ${#1} -le 64 ] || { echo "cluster must match [A-Za-z0-9_-], 1 to 64 characters: $1" >&2; exit 2; }
     case "$1" in
-        *[!A-Za-z0-9_-]*|"") echo "cluster must match [A-Za-z0-9_-]{1,64}: $1" >&2; exit 2 ;;
+        *[!A-Za-z0-9_-]*|"") echo "cluster must match [A-Za-z0-9_-], 1 to 64 characters: $1" >&2; exit 2 ;;
     esac
 }
 
 check_agent() {
+    [ ${#1} -le 128 ] || { echo "agent id must match [A-Za-z0-9._-], 1 to 128 characters: $1" >&2; exit 2; }
     case "$1" in
-        *[!A-Za-z0-9._-]*|"") echo "agent id must match [A-Za-z0-9._-]{1,128}: $1" >&2; exit 2 ;;
+        *[!A-Za-z0-9._-]*|"") echo "agent id must match [A-Za-z0-9._-], 1 to 128 characters: $1" >&2; exit 2 ;;
     esac
 }
 
