@@ -35,12 +35,9 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 MAX_STATES = 400          # character-class occurrences in one pattern
-MAX_WORK = 200_000        # product states explored by the ambiguity checks
+MAX_WORK = 200_000        # steps of the ambiguity checks (pairs and triples of moves examined)
 
-DIGITS = frozenset(range(ord("0"), ord("9") + 1))
-WORD = DIGITS | frozenset(range(ord("a"), ord("z") + 1)) | frozenset(range(ord("A"), ord("Z") + 1)) | {ord("_")}
-SPACE = frozenset(map(ord, " \t\n\r\f\v"))
-LETTERS = frozenset(range(ord("a"), ord("z") + 1)) | frozenset(range(ord("A"), ord("Z") + 1))
+MAX_CHAR = 0x10FFFF
 
 EXPONENTIAL = ("regex can match the same text in more than one way inside a repeat (overlapping alternatives or "
                "nested repeats, like (a|a)*, (a|ab|b)* or (a+)+), which can backtrack for exponential time on a "
@@ -59,44 +56,67 @@ class Unsupported(Exception):
 
 @dataclass(frozen=True)
 class CharSet:
-    """A set of characters: ``chars`` when not ``negated``, else every character but them."""
+    """A set of characters as sorted, disjoint, non-adjacent inclusive code point ranges."""
 
-    chars: frozenset
-    negated: bool = False
+    spans: tuple = ()
+
+    @staticmethod
+    def of(*codes: int) -> "CharSet":
+        return CharSet.ranges(*((c, c) for c in codes))
+
+    @staticmethod
+    def ranges(*spans: tuple) -> "CharSet":
+        merged: list = []
+        for lo, hi in sorted(spans):
+            if merged and lo <= merged[-1][1] + 1:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+            else:
+                merged.append((lo, hi))
+        return CharSet(tuple(merged))
 
     def union(self, other: "CharSet") -> "CharSet":
-        if not self.negated and not other.negated:
-            return CharSet(self.chars | other.chars)
-        if self.negated and other.negated:
-            return CharSet(self.chars & other.chars, True)
-        pos, neg = (self, other) if other.negated else (other, self)
-        return CharSet(neg.chars - pos.chars, True)
+        return CharSet.ranges(*self.spans, *other.spans)
 
     def intersection(self, other: "CharSet") -> "CharSet":
-        if not self.negated and not other.negated:
-            return CharSet(self.chars & other.chars)
-        if self.negated and other.negated:
-            return CharSet(self.chars | other.chars, True)
-        pos, neg = (self, other) if other.negated else (other, self)
-        return CharSet(pos.chars - neg.chars)
+        out, i, j = [], 0, 0
+        while i < len(self.spans) and j < len(other.spans):
+            lo = max(self.spans[i][0], other.spans[j][0])
+            hi = min(self.spans[i][1], other.spans[j][1])
+            if lo <= hi:
+                out.append((lo, hi))
+            if self.spans[i][1] < other.spans[j][1]:
+                i += 1
+            else:
+                j += 1
+        return CharSet(tuple(out))
 
     def empty(self) -> bool:
-        return not self.negated and not self.chars
+        return not self.spans
 
     def complement(self) -> "CharSet":
-        return CharSet(self.chars, not self.negated)
+        out, nxt = [], 0
+        for lo, hi in self.spans:
+            if lo > nxt:
+                out.append((nxt, lo - 1))
+            nxt = hi + 1
+        if nxt <= MAX_CHAR:
+            out.append((nxt, MAX_CHAR))
+        return CharSet(tuple(out))
 
     def folded(self) -> "CharSet":
-        """Under IGNORECASE (ASCII): both cases of a letter; a negated set keeps excluding
-        only what is not a letter (more than re matches, never less)."""
-        if self.negated:
-            return CharSet(self.chars - LETTERS, True)
-        return CharSet(self.chars | {c ^ 0x20 for c in self.chars if c in LETTERS})
+        """Under IGNORECASE (ASCII): both cases of every letter in the set (a negated class
+        is folded after its negation: more than re matches, never less)."""
+        letters = [c ^ 0x20 for rng in (LOWER, UPPER) for c in range(rng[0], rng[1] + 1)
+                   if not self.intersection(CharSet.of(c)).empty()]
+        return self.union(CharSet.of(*letters))
 
 
-ANY = CharSet(frozenset(), True)
-NOT_NEWLINE = CharSet(frozenset({ord("\n")}), True)
-CATEGORIES = {"d": CharSet(DIGITS), "w": CharSet(WORD), "s": CharSet(SPACE)}
+LOWER, UPPER = (ord("a"), ord("z")), (ord("A"), ord("Z"))
+DIGITS = CharSet.ranges((ord("0"), ord("9")))
+ANY = CharSet(((0, MAX_CHAR),))
+NOT_NEWLINE = CharSet.of(ord("\n")).complement()
+CATEGORIES = {"d": DIGITS, "w": CharSet.ranges((ord("0"), ord("9")), LOWER, UPPER, (ord("_"), ord("_"))),
+              "s": CharSet.of(*map(ord, " \t\n\r\f\v"))}
 
 
 # --------------------------------------------------------------------------- syntax tree
@@ -236,7 +256,7 @@ class _Parser:
         return Chars(cs.folded() if "i" in flags else cs)
 
     def literal(self, c: str, flags: frozenset) -> Chars:
-        return self.chars(CharSet(frozenset({ord(c)})), flags)
+        return self.chars(CharSet.of(ord(c)), flags)
 
     def atom(self, flags: frozenset) -> Optional[Node]:
         c = self.take()
@@ -310,7 +330,7 @@ class _Parser:
             cs = CATEGORIES[c.lower()]
             return self.chars(cs.complement() if c.isupper() else cs, flags)
         code = self.escaped_char(c, in_class=False)
-        return self.chars(CharSet(frozenset({code})), flags)
+        return self.chars(CharSet.of(code), flags)
 
     def escaped_char(self, c: str, in_class: bool) -> int:
         """The code point of an escape other than a category (``\\d`` ...)."""
@@ -351,7 +371,7 @@ class _Parser:
         if negate:
             self.take()
         start = self.i
-        acc = CharSet(frozenset())
+        acc = CharSet()
         while True:
             c = self.take()
             if not c:
@@ -374,9 +394,9 @@ class _Parser:
                 hi = self.escaped_char(self.take(), in_class=True) if e == "\\" else ord(e)
                 if not isinstance(item, int):
                     raise Unsupported("a range from a character category")
-                acc = acc.union(CharSet(frozenset(range(item, hi + 1))))
+                acc = acc.union(CharSet.ranges((item, hi)))
                 continue
-            acc = acc.union(item if isinstance(item, CharSet) else CharSet(frozenset({item})))
+            acc = acc.union(item if isinstance(item, CharSet) else CharSet.of(item))
         return acc.complement() if negate else acc
 
 
@@ -526,6 +546,8 @@ def _sccs(nodes: list, succ: dict) -> list[list]:
 
 
 class _Budget:
+    """Steps the ambiguity checks may take (one per pair or triple of moves examined)."""
+
     def __init__(self) -> None:
         self.left = MAX_WORK
 
@@ -535,21 +557,39 @@ class _Budget:
             raise Unsupported(TOO_LARGE)
 
 
-def _exponential(comp: set[int], succ: dict[int, dict[int, int]], label: dict[int, CharSet],
-                 budget: _Budget) -> bool:
+def _masks(labels: dict[int, CharSet]) -> dict[int, int]:
+    """Each label as a bit mask over the atoms of the alphabet (the pieces no label
+    splits), so that a common character of two or three labels is one AND."""
+    cuts = {0, MAX_CHAR + 1}
+    for cs in labels.values():
+        for lo, hi in cs.spans:
+            cuts.update((lo, hi + 1))
+    bounds = sorted(cuts)
+    atom_of: dict[tuple, int] = {}
+    masks = dict.fromkeys(labels, 0)
+    for lo, nxt in zip(bounds, bounds[1:]):
+        piece = CharSet(((lo, nxt - 1),))
+        holders = tuple(n for n, cs in labels.items() if not cs.intersection(piece).empty())
+        if holders:
+            bit = 1 << atom_of.setdefault(holders, len(atom_of))
+            for n in holders:
+                masks[n] |= bit
+    return masks
+
+
+def _exponential(comp: set[int], succ: dict[int, dict[int, int]], mask: dict[int, int], budget: _Budget) -> bool:
     """Two different paths from a state of ``comp`` back to it reading the same text: in
     the product of ``comp`` with itself, a component holding a pair (q, q) and an edge
     taken two different ways."""
+    inside = {n: [(m, w) for m, w in succ[n].items() if m in comp] for n in comp}
     pairs = [(p, q) for p in comp for q in comp]
     edges: dict[tuple, dict[tuple, int]] = {}
     for p, q in pairs:
-        budget.spend()
         out: dict[tuple, int] = {}
-        for p2, wp in succ[p].items():
-            if p2 not in comp:
-                continue
-            for q2 in succ[q]:
-                if q2 in comp and not label[p2].intersection(label[q2]).empty():
+        for p2, wp in inside[p]:
+            budget.spend(len(inside[q]) + 1)
+            for q2, _ in inside[q]:
+                if mask[p2] & mask[q2]:
                     # two ways: different moves, or the same move with two routes to it
                     twice = (p, p2) != (q, q2) or wp > 1
                     out[(p2, q2)] = max(out.get((p2, q2), 0), 2 if twice else 1)
@@ -565,46 +605,50 @@ def _exponential(comp: set[int], succ: dict[int, dict[int, int]], label: dict[in
     return False
 
 
-def _polynomial(loops: list[int], succ: dict[int, dict[int, int]], label: dict[int, CharSet],
+def _polynomial(loops: list[int], succ: dict[int, dict[int, int]], mask: dict[int, int],
                 scc_of: dict[int, int], budget: _Budget) -> bool:
     """States p != q, each on a loop, and a text w with p -w-> p, p -w-> q, q -w-> q: in
     the product of three copies, (p, p, q) reaches (p, q, q)."""
-    reach: dict[int, set[int]] = {}
+    pred: dict[int, list[int]] = {n: [] for n in succ}
+    for n, out in succ.items():
+        for m in out:
+            pred[m].append(n)
 
-    def reachable(p: int) -> set[int]:
-        if p not in reach:
-            seen, todo = {p}, [p]
-            while todo:
-                for m in succ[todo.pop()]:
-                    if m not in seen:
-                        seen.add(m)
-                        todo.append(m)
-            reach[p] = seen
-        return reach[p]
+    def closure(start: int, edges: dict) -> frozenset:
+        seen, todo = {start}, [start]
+        while todo:
+            for m in edges[todo.pop()]:
+                if m not in seen:
+                    seen.add(m)
+                    todo.append(m)
+        budget.spend(len(seen))
+        return frozenset(seen)
 
+    reach = {n: closure(n, succ) for n in loops}
+    coreach = {n: closure(n, pred) for n in loops}
+    # a loop's copy stays in its own component (it comes back)
+    within = {n: [m for m in succ[n] if scc_of[m] == scc_of[n]] for n in succ}
     for p in loops:
         for q in loops:
-            if p == q or q not in reachable(p):
+            if p == q or q not in reach[p]:
                 continue
-            # the middle copy goes from p to q: only states on such paths matter
-            middle = {m for m in reachable(p) if q in reachable(m)}
-            start, goal = (p, p, q), (p, q, q)
-            seen = {start}
-            todo = [start]
+            middle = reach[p] & coreach[q]   # the middle copy goes from p to q
+            budget.spend(len(middle))
+            goal = (p, q, q)
+            seen = {(p, p, q)}
+            todo = [(p, p, q)]
             while todo:
                 a, b, c = todo.pop()
-                budget.spend()
-                for a2 in succ[a]:
-                    if scc_of[a2] != scc_of[p]:
-                        continue
-                    for b2 in succ[b]:
-                        if b2 not in middle:
+                seconds = [m for m in succ[b] if m in middle]
+                for a2 in within[a]:
+                    budget.spend(len(seconds) + 1)
+                    for b2 in seconds:
+                        ab = mask[a2] & mask[b2]
+                        if not ab:
                             continue
-                        ab = label[a2].intersection(label[b2])
-                        if ab.empty():
-                            continue
-                        for c2 in succ[c]:
-                            if scc_of[c2] != scc_of[q] or ab.intersection(label[c2]).empty():
+                        budget.spend(len(within[c]))
+                        for c2 in within[c]:
+                            if not ab & mask[c2]:
                                 continue
                             nxt = (a2, b2, c2)
                             if nxt == goal:
@@ -638,6 +682,7 @@ def regex_risk(pattern: str) -> Optional[str]:
                 todo.extend(succ[n])
         nodes = sorted(seen)
         succ = {n: {m: w for m, w in succ[n].items() if m in seen} for n in nodes}
+        mask = _masks({n: auto.label[n] for n in nodes})
         scc_of: dict[int, int] = {}
         loops: list[int] = []
         budget = _Budget()
@@ -647,9 +692,9 @@ def regex_risk(pattern: str) -> Optional[str]:
                 scc_of[n] = i
             if len(comp) > 1 or comp[0] in succ[comp[0]]:
                 loops.extend(comp)
-                if _exponential(set(comp), succ, auto.label, budget):
+                if _exponential(set(comp), succ, mask, budget):
                     return EXPONENTIAL
-        if _polynomial(loops, succ, auto.label, scc_of, budget):
+        if _polynomial(loops, succ, mask, scc_of, budget):
             return POLYNOMIAL
         return None
     except Unsupported as exc:
