@@ -14,11 +14,14 @@ import ipaddress
 import os
 import re
 import socket
+import stat
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional, cast
 
 import yaml
+
+from agent.jobs.paramregex import regex_risk
 
 ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -28,6 +31,9 @@ def doc(text: str, **kw: Any) -> Any:
     """A dataclass field with documentation for the generated reference."""
     return field(metadata={"doc": text}, **kw)
 
+
+# The state directory packaging creates (0711); the agent creates any other one 0700.
+PACKAGED_STATE_DIR = "/var/lib/millwright"
 
 # Placeholders every template's argv may use besides its params: the run's identity, so a
 # job can dedupe its own side effects (its environment carries the same values).
@@ -67,11 +73,14 @@ class EtcdConfig:
     )
     retry_period_s: float = doc("Keepalive period (must be < renew_deadline_s).", default=1.0)
     request_timeout_s: float = doc("Timeout of a single etcd request.", default=2.0)
-    tls: Optional[TLSConfig] = doc("TLS settings; use https:// endpoints with it.", default=None)
-    username: Optional[str] = doc("etcd user (with password).", default=None)
-    password: Optional[str] = doc("etcd password (with username).", default=None)
-    insecure: bool = doc("Allow a password over plain http:// endpoints (labs only; otherwise a config error).",
-                         default=False)
+    tls: Optional[TLSConfig] = doc("TLS settings; use https:// endpoints with it (tls.ca is required for "
+                                   "https://; tls.cert and tls.key authenticate the agent by certificate).",
+                                   default=None)
+    username: Optional[str] = doc("etcd user (with password): this agent's own user, see "
+                                  "packaging/debian/examples/etcd-rbac.sh.", default=None)
+    password: Optional[str] = doc("etcd password (with username); agent.yaml must then be 0600.", default=None)
+    insecure: bool = doc("Allow plaintext http:// endpoints and an etcd without credentials (tests and labs "
+                         "only; otherwise each is a config error).", default=False)
 
 
 @dataclass
@@ -232,7 +241,8 @@ class Config:
                                  "keys [A-Za-z0-9][A-Za-z0-9._/-]{0,62}, values [A-Za-z0-9._-]{1,63}, at most 32.",
                                  default_factory=dict)
     shards: int = doc("Shard count, fixed per cluster.", default=64)
-    state_dir: str = doc("Local state (outbox, run output).", default="/var/lib/millwright")
+    state_dir: str = doc("Local state (outbox, run output); created 0700 when missing (the packaged "
+                         f"{PACKAGED_STATE_DIR} gets 0711 from packaging).", default=PACKAGED_STATE_DIR)
     drain_timeout_s: float = doc("On SIGTERM, wait this long for runs before handing shards over.", default=30.0)
     etcd: EtcdConfig = doc("Coordination store.", default_factory=EtcdConfig)
     mqtt: MqttConfig = doc("Cloud channel.", default_factory=MqttConfig)
@@ -357,6 +367,33 @@ def _validate_labels(labels: Any, bad: Any) -> None:
                 bad(exc.field, exc.message)
 
 
+INSECURE_HINT = "set {section}.insecure: true (tests and labs only)"
+
+
+def _validate_etcd_access(e: EtcdConfig, bad: Any) -> None:
+    """etcd decides what every agent of the cluster runs: it is reached over TLS and as an
+    authenticated user (password or client certificate) unless ``etcd.insecure`` says
+    otherwise, explicitly."""
+    if (e.username is None) != (e.password is None):
+        bad("etcd.username" if e.username is None else "etcd.password", "username and password go together")
+    tls = e.tls
+    if tls is not None and (tls.cert is None) != (tls.key is None):
+        bad("etcd.tls.cert" if tls.cert is None else "etcd.tls.key", "cert and key go together")
+    hint = INSECURE_HINT.format(section="etcd")
+    for i, url in enumerate(e.endpoints):
+        if not isinstance(url, str):
+            continue
+        if url.startswith("https://") and (tls is None or not tls.ca):
+            bad(f"etcd.endpoints[{i}]", f"{url!r} needs etcd.tls.ca (the CA that signed the etcd server's "
+                                        "certificate)")
+        elif url.startswith("http://") and not e.insecure:
+            bad(f"etcd.endpoints[{i}]", f"{url!r} is plaintext: use https:// with etcd.tls, or {hint}")
+    has_cert = tls is not None and tls.cert is not None and tls.key is not None
+    if e.username is None and not has_cert and not e.insecure:
+        bad("etcd.username", "etcd without credentials is refused: set etcd.username and etcd.password (or a "
+                             f"client certificate in etcd.tls.cert and etcd.tls.key), or {hint}")
+
+
 def _validate(cfg: Config, problems: list[str]) -> None:
     src = cfg.source
 
@@ -388,13 +425,7 @@ def _validate(cfg: Config, problems: list[str]) -> None:
         bad("etcd.retry_period_s", f"must be greater than 0 and less than etcd.renew_deadline_s ({e.renew_deadline_s})")
     if e.request_timeout_s <= 0:
         bad("etcd.request_timeout_s", "must be greater than 0")
-    if (e.username is None) != (e.password is None):
-        bad("etcd.username" if e.username is None else "etcd.password", "username and password go together")
-    if e.password is not None and not e.insecure:
-        for i, url in enumerate(e.endpoints):
-            if isinstance(url, str) and url.startswith("http://"):
-                bad(f"etcd.endpoints[{i}]", f"{url!r} is plain http but etcd.password is set: use https:// with "
-                                            "etcd.tls, or set etcd.insecure: true (labs only)")
+    _validate_etcd_access(e, bad)
     m = cfg.mqtt
     if not re.match(r"^mqtts?://[^/:]+(:\d{1,5})?/?$", m.url or ""):
         bad("mqtt.url", f"{m.url!r} is not mqtt://host:port or mqtts://host:port")
@@ -538,58 +569,9 @@ def _is_root_user(name: str) -> bool:
         return False
 
 
-def _regex_parser():
-    try:
-        import re._parser as parser  # Python 3.11+
-    except ImportError:  # pragma: no cover - Python 3.10
-        import sre_parse as parser  # type: ignore[no-redef, unused-ignore]
-    return parser
-
-
-def regex_risk(rx: str) -> Optional[str]:
-    """Why a param regex could backtrack catastrophically, or None. Refused: a repeat that
-    can repeat more than once nested inside another such repeat (``(a+)+``, ``(\\w*x?)*``).
-    Python's ``re`` backtracks and no linear-time engine is packaged for Debian's Python,
-    so the shape is checked instead; values are also length-limited before matching."""
-    parser = _regex_parser()
-    try:
-        tree = parser.parse(rx, re.ASCII)
-    except Exception:
-        return None  # compile errors are reported separately
-    repeats = {getattr(parser, n) for n in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT") if hasattr(parser, n)}
-    possessive = getattr(parser, "POSSESSIVE_REPEAT", None)
-
-    def items(sub):
-        return sub.data if hasattr(sub, "data") else sub
-
-    def walk(seq, inside: bool) -> bool:
-        for op, av in items(seq):
-            if op in repeats:
-                lo, hi, sub = av
-                unbounded = hi is parser.MAXREPEAT or (hi > 1 and hi != lo)  # a{3} is not a choice
-                if unbounded and inside and op is not possessive:
-                    return True
-                if walk(sub, inside or (unbounded and op is not possessive)):
-                    return True
-            elif op is parser.SUBPATTERN:
-                if walk(av[-1], inside):
-                    return True
-            elif op is parser.BRANCH:
-                if any(walk(b, inside) for b in av[1]):
-                    return True
-            elif hasattr(parser, "ATOMIC_GROUP") and op is parser.ATOMIC_GROUP:
-                if walk(av, inside):
-                    return True
-        return False
-
-    if walk(tree, False):
-        return ("regex has a repeat nested inside another repeat (like (a+)+), which can backtrack "
-                "for exponential time on a hostile value: rewrite it without the nested quantifier")
-    return None
-
-
 def load_config(path: Optional[str]) -> Config:
-    """Load and validate a config file (None: the built-in defaults)."""
+    """Load and validate a config file (None: the built-in defaults), its file mode
+    included (see file_mode_problems)."""
     if path is None:
         cfg = Config()
         problems: list[str] = []
@@ -599,13 +581,41 @@ def load_config(path: Optional[str]) -> Config:
         return cfg
     try:
         with open(path, encoding="utf-8") as fh:
+            mode = stat.S_IMODE(os.fstat(fh.fileno()).st_mode)
             text = fh.read()
     except OSError as exc:
         raise ConfigError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
-    return parse_config(text, path)
+    except UnicodeDecodeError:
+        raise ConfigError([f"{path}: is not UTF-8"]) from None
+    return parse_config(text, path, file_mode=mode)
 
 
-def parse_config(text: str, source: str = "<string>") -> Config:
+def credential_keys(cfg: Config) -> list[str]:
+    """The keys of ``cfg`` that hold a secret (passwords; TLS key paths are not secrets)."""
+    return [k for k, v in (("etcd.password", cfg.etcd.password), ("mqtt.password", cfg.mqtt.password))
+            if v is not None]
+
+
+def file_mode_problems(cfg: Config, mode: int) -> list[str]:
+    """What the permission bits of the file ``cfg`` came from allow that they must not.
+    Whoever can write the file chooses the templates, so what the agent runs: never
+    writable by group or others. Whoever can read it holding a password can act as this
+    agent in etcd or on the broker: owner-only then, like the keys file."""
+    src = cfg.source
+    out = []
+    if mode & 0o022:
+        out.append(f"{src}: mode {mode:04o} lets group or others write it, and it decides what jobs run "
+                   f"(run: chmod 600 {src})")
+    secrets = credential_keys(cfg)
+    if secrets and mode & 0o077 and not mode & 0o022:
+        out.append(f"{src}: mode {mode:04o} lets group or others read it, and it holds credentials "
+                   f"({', '.join(secrets)}); it must be owner-only (run: chmod 600 {src})")
+    return out
+
+
+def parse_config(text: str, source: str = "<string>", file_mode: Optional[int] = None) -> Config:
+    """Parse and validate config text; ``file_mode``: the permission bits of the file it
+    was read from, checked against what it holds (None: not from a file)."""
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -621,9 +631,30 @@ def parse_config(text: str, source: str = "<string>") -> Config:
     cfg = _build(Config, data, "", problems, source)
     cfg.source = source
     _validate(cfg, problems)
+    if file_mode is not None:
+        problems.extend(file_mode_problems(cfg, file_mode))
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def make_state_dir(path: str) -> None:
+    """Create the state directory if it is missing: owner-only (0700), except the packaged
+    one, which gets the mode packaging gives it (0711: job users reach their working
+    directories below it by path, and list nothing). An existing directory is left as
+    the operator made it. Raises ConfigError when it cannot be created."""
+    path = os.path.abspath(path)
+    mode = 0o711 if path == PACKAGED_STATE_DIR else 0o700
+    if os.path.isdir(path):
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)   # its parents as any other directory
+        os.mkdir(path, mode)
+    except OSError as exc:
+        if isinstance(exc, FileExistsError) and os.path.isdir(path):
+            return   # made meanwhile
+        raise ConfigError([f"state_dir: cannot create {path}: {exc.strerror or exc}"]) from None
+    os.chmod(path, mode)   # the mode asked for, whatever the umask
 
 
 def state_path(cfg: Config, *parts: str) -> str:

@@ -248,7 +248,7 @@ def month(days: int, cron: int, oneshots: int, per_day: int = 150, shards: int =
     with tempfile.TemporaryDirectory() as tmp, EtcdServer(os.path.join(tmp, "etcd")) as etcd:
         os.makedirs(etcd.dir, exist_ok=True)
         c = Cluster(etcd, os.path.join(tmp, "agents"), shards=shards)
-        cfg = parse_config("retention: {max_deletes_per_s: 1000000}\n")
+        cfg = parse_config("etcd: {insecure: true}\nretention: {max_deletes_per_s: 1000000}\n")
         # the fence: this bench holds every shard key, as an owner would
         lease, _ = c.client.lease_grant(600)
         fences = {}
@@ -336,7 +336,7 @@ def memory(jobs: int) -> None:
     from agent.jobs.signing import KeyRing, generate_hmac_secret, sign
     from agent.runtime.loop import EventLoop
 
-    cfg = parse_config("cluster: bench\nshards: 64\n"
+    cfg = parse_config("cluster: bench\nshards: 64\netcd: {insecure: true}\n"
                        "templates: {noop: {argv: [/bin/true], user: root, allow_root: true}}\n")
     ring = KeyRing.from_mapping({"bench": {"alg": "hmac-sha256", "secret": generate_hmac_secret()}})
     loop, keys = EventLoop(), Keys(cfg.cluster)

@@ -246,7 +246,7 @@ signing: {{keys_file: {tmp}/keys.yaml}}
 agent_id: bench-0
 shards: 64
 state_dir: {tmp}/state
-etcd: {{endpoints: ["{etcd.endpoint}"], lease_ttl_s: 10, renew_deadline_s: 6, retry_period_s: 1}}
+etcd: {{endpoints: ["{etcd.endpoint}"], lease_ttl_s: 10, renew_deadline_s: 6, retry_period_s: 1, insecure: true}}
 audit: {{dir: {tmp}/audit, key_file: {tmp}/audit.key}}
 admin: {{socket: {tmp}/admin.sock}}
 metrics: {{listen: ""}}

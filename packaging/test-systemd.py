@@ -161,7 +161,8 @@ def main() -> int:
         tpl = {"argv": ["/usr/local/bin/mw-heartbeat", hb, "{secs}"], "params": {"secs": "^[0-9]+$"}, "user": "root",
                "allow_exec": ["/bin/*", "/usr/bin/*", "/usr/local/bin/*"]}
         cfg = {"cluster": "sd", "shards": SHARDS, "agent_id": "boxed", "drain_timeout_s": 2,
-               "etcd": {"endpoints": [etcd.endpoint], "lease_ttl_s": 4, "renew_deadline_s": 2.5, "retry_period_s": 0.5},
+               "etcd": {"endpoints": [etcd.endpoint], "lease_ttl_s": 4, "renew_deadline_s": 2.5, "retry_period_s": 0.5,
+                        "insecure": True},
                "mqtt": {"url": "mqtt://127.0.0.1:9"}, "metrics": {"listen": ""}, "bpf": {"enabled": False},
                "execute": {"kill_grace_s": 1}, "templates": {"hb": tpl}}
         with open(box.root + "/etc/millwright/agent.yaml", "w") as fh:

@@ -51,7 +51,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "execute": set(),
     "signals": set(),
     "audit": set(),
-    "config": {"coordination.placement"},       # labels and targets have one syntax check
+    "config": {"coordination.placement",        # labels and targets have one syntax check
+               "jobs.paramregex"},                # and template param regexes one backtracking check
 }
 
 # A package's command module (agent/<package>/cli.py) may import agent.cli too: the

@@ -5,8 +5,9 @@ restarted on the same ports and data, and paused with SIGSTOP for fault tests. O
 processes started here are ever signalled.
 
 Both can run the way a plant should: ``tls=TlsFiles`` (see :func:`make_pki`), and for
-mosquitto a password file and an ACL, for etcd authentication with per-cluster roles
-(``enable_auth``, using packaging/debian/examples/etcd-rbac.sh).
+mosquitto a password file and an ACL, for etcd authentication with a user per agent
+confined to its cluster's prefix (``enable_auth``, ``add_agent``, ``add_ops``,
+``revoke_agent``: packaging/debian/examples/etcd-rbac.sh).
 """
 
 from __future__ import annotations
@@ -229,15 +230,34 @@ class EtcdServer(_Child):
             env["ETCDCTL_USER"] = user
         return env
 
-    def enable_auth(self, cluster: str, user: str, password: str, root_password: str) -> None:
-        """Root user, a role limited to /millwright/<cluster>/ and ``user`` holding it,
-        then auth on: the documented set-up script, run as the operator would."""
+    def rbac(self, *args: str, stdin: str = "") -> str:
+        """Run packaging/debian/examples/etcd-rbac.sh as the operator would (as root once
+        auth is on); its output."""
         script = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                               "packaging", "debian", "examples", "etcd-rbac.sh")
-        env = self.etcdctl_env(f"root:{root_password}" if self.root_password else None)
-        subprocess.run(["sh", script, cluster, user, password, root_password], env=env, check=True,
-                       capture_output=True, timeout=60)
+        env = self.etcdctl_env(f"root:{self.root_password}" if self.root_password else None)
+        r = subprocess.run(["sh", script, *args], env=env, input=stdin, capture_output=True, text=True,
+                           timeout=60)
+        if r.returncode != 0:
+            raise RuntimeError(f"etcd-rbac.sh {' '.join(args)}: exit {r.returncode}: {r.stderr.strip()}")
+        return r.stdout
+
+    def enable_auth(self, root_password: str) -> None:
+        """The root user, then auth on."""
+        self.rbac("init", stdin=root_password + "\n")
         self.root_password = root_password
+
+    def add_agent(self, cluster: str, agent_id: str, password: str) -> str:
+        """Agent ``agent_id``'s own user, confined to ``cluster``'s prefix; its name."""
+        return self.rbac("agent", cluster, agent_id, stdin=password + "\n").strip().splitlines()[-1]
+
+    def add_ops(self, user: str, password: str, *clusters: str) -> None:
+        """A cloud/operator user with read-write access to these clusters' prefixes."""
+        self.rbac("ops", user, *clusters, stdin=password + "\n")
+
+    def revoke_agent(self, cluster: str, agent_id: str) -> str:
+        """Delete the agent's user and revoke its session lease."""
+        return self.rbac("revoke", cluster, agent_id)
 
     def _ready(self, timeout: float) -> bool:
         import ssl
@@ -493,7 +513,9 @@ class AgentProcess:
                 cfg[k] = v
         self.config = cfg
         self.config_path = os.path.join(self.dir, "agent.yaml")
-        with open(self.config_path, "w") as fh:
+        # owner-only, as agent.yaml must be when it holds a password (agent/config.py)
+        with open(os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as fh:
+            os.fchmod(fh.fileno(), 0o600)
             yaml.safe_dump(cfg, fh)
         self.python = python or sys.executable
         self.env = env or {}

@@ -163,7 +163,7 @@ class Stage:
             port = free_port()
             cfg = json.loads(json.dumps(base_cfg))
             cfg["labels"] = {"line": self.lines[aid]}
-            cfg["etcd"] = {**cfg.get("etcd", {}), "endpoints": [self.etcd.endpoint]}
+            cfg["etcd"] = {**cfg.get("etcd", {}), "endpoints": [self.etcd.endpoint]}   # insecure: true (agent.yaml)
             cfg["mqtt"] = {**cfg.get("mqtt", {}), "url": self.mqtt.url}
             cfg["signing"] = {"keys_file": keys_file}
             cfg["metrics"] = {"listen": f"127.0.0.1:{port}"}

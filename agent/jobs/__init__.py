@@ -14,7 +14,8 @@ read-backs), records (run-record documents and fenced writes), launching (run sp
 prepare or start), outcomes (end reason -> state and retry; pure), statuses (status
 documents), claimlead (how far ahead a firing is claimed), metrics. Then view (what a job
 is doing, read from etcd: the model behind jobs/get and the CLI), cli (`jobs`, `runs`,
-`logs`), retention (what is deleted and when).
+`logs`), retention (what is deleted and when), paramregex (template param regexes that
+match in linear time) over regexsyntax (the regex subset they may use, parsed).
 
 May import: ``config``, ``coordination``, ``execute``, ``runtime`` leaves and
 ``runtime.gcpolicy``. Never imports ``cloud``, ``supervision`` or the daemon at run time;

@@ -412,14 +412,43 @@ def _check_age(doc: dict, issued_at: Optional[datetime], now_utc: datetime, max_
 
 def check_params(params: dict, template: Template, tname: str = "template") -> None:
     """params must be exactly the template's params, each value matching its regex in
-    full (and free of NUL, which no argv can carry). Raises JobRejected(bad_param)."""
-    for name in template.params:
+    full (and free of NUL, which no argv can carry). Raises JobRejected(bad_param).
+
+    Runs at ingest and again for every run (render_argv, on the agent's loop: the
+    template may have changed since ingest). The regexes match in linear time
+    (agent/jobs/paramregex.py) and the verdict is remembered per template name, params
+    and template params, so a job's later firings cost a lookup (the key holds the job's
+    own strings, whose hashes Python keeps)."""
+    try:
+        verdict = _remembered_verdict(tname, tuple(params.items()), tuple(template.params.items()))
+    except TypeError:   # an unhashable value: checked (and refused) without remembering
+        verdict = _param_verdict(params, template.params, tname)
+    if verdict is not None:
+        raise JobRejected(*verdict)
+
+
+@functools.lru_cache(maxsize=256)   # entries are at most one document each (64 KiB)
+def _remembered_verdict(tname: str, params: tuple, template_params: tuple) -> Optional[tuple[str, str, str]]:
+    return _param_verdict(dict(params), dict(template_params), tname)
+
+
+def _param_verdict(params: dict, template_params: dict, tname: str) -> Optional[tuple[str, str, str]]:
+    """None, or the (reason, detail, field) of check_params' rejection."""
+    try:
+        _check_params(params, template_params, tname)
+    except JobRejected as exc:
+        return exc.reason, exc.detail, exc.field
+    return None
+
+
+def _check_params(params: dict, template_params: dict, tname: str) -> None:
+    for name in template_params:
         if name not in params:
             raise bad(f"params.{name}", f"is required by template {tname}", BAD_PARAM)
     for name, value in params.items():
-        rx = template.params.get(name)
+        rx = template_params.get(name)
         if rx is None:
-            allowed = ", ".join(sorted(template.params)) or "none"
+            allowed = ", ".join(sorted(template_params)) or "none"
             raise bad(f"params.{name}", f"is not a parameter of template {tname} (its params: {allowed})", BAD_PARAM)
         if not isinstance(value, str):
             raise bad(f"params.{name}", f"must be a string, got {type_name(value)}", BAD_PARAM)

@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from agent import __version__
-from agent.config import FENCE_KILL_MARGIN_S, Config, load_config
+from agent.config import FENCE_KILL_MARGIN_S, Config, load_config, make_state_dir
 from agent.coordination import placement
 from agent.coordination.etcd import EtcdClient, Put
 from agent.coordination.fencing import Fence, fenced_txn
@@ -97,6 +97,7 @@ class Agent:
 
     def __init__(self, cfg: Config, extra_components: Optional[list[ComponentFactory]] = None):
         self.cfg = cfg
+        make_state_dir(cfg.state_dir)   # before any component makes files below it
         self.keys = Keys(cfg.cluster)
         self.loop = EventLoop()
         self.client = EtcdClient(cfg.etcd)

@@ -31,7 +31,7 @@ class Env:
         self.client = EtcdClient(EtcdConfig(endpoints=[etcd.endpoint], request_timeout_s=1.0))
         self.store = JobStore(self.client, Keys("t"), SHARDS, agent_id)
         self.ring = write_keys(str(tmp_path / f"keys-{agent_id}.yaml"))
-        self.cfg = parse_config(yaml.safe_dump({"cluster": "t", "templates": TEMPLATES}))
+        self.cfg = parse_config(yaml.safe_dump({"cluster": "t", "etcd": {"insecure": True}, "templates": TEMPLATES}))
         self.outbox = Outbox(str(tmp_path / f"outbox-{agent_id}.sqlite"), 100000) if outbox else None
         self.records = []
         self.notified = []

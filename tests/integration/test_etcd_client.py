@@ -211,7 +211,7 @@ def test_agent_with_username_and_password(etcd_server, tmp_path):
 
 def test_bad_config_gives_one_line_per_problem_and_exit_2(tmp_path):
     cfg = tmp_path / "bad.yaml"
-    cfg.write_text("cluster: 'a b'\nshards: 0\netcd: {lease_ttl_s: 5, renew_deadline_s: 6}\nnope: 1\n")
+    cfg.write_text("cluster: 'a b'\nshards: 0\netcd: {lease_ttl_s: 5, renew_deadline_s: 6, insecure: true}\nnope: 1\n")
     r = millwright("run", "-c", str(cfg))
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
@@ -229,7 +229,7 @@ def test_unreachable_etcd_at_start_logs_retrying_and_counts_it(tmp_path):
     a = AgentProcess("lonely", str(tmp_path), {"cluster": "un", "bpf": {"enabled": False},
                                                "metrics": {"listen": f"127.0.0.1:{mport}"},
                                                "etcd": {"endpoints": [f"http://127.0.0.1:{port}"],
-                                                        "request_timeout_s": 0.5}}).start()
+                                                        "request_timeout_s": 0.5, "insecure": True}}).start()
     try:
         wait_for(lambda: "etcd unreachable; retrying" in a.log_text(), 20, interval=0.2, what="retry log line")
 

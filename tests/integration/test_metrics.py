@@ -53,7 +53,7 @@ def agent_config(etcd, mq, keys_file, out, port, ttl=4) -> dict:
     return {
         "cluster": CLUSTER, "shards": SHARDS,
         "etcd": {"endpoints": [etcd.endpoint], "lease_ttl_s": ttl, "renew_deadline_s": 2.5, "retry_period_s": 0.5,
-                 "request_timeout_s": 1.0},
+                 "request_timeout_s": 1.0, "insecure": True},
         "mqtt": {"url": mq.url, "outbox_max": 4, "reconnect_min_s": 0.2, "reconnect_max_s": 1.0,
                  "ingest_grace_s": 0.3},
         "signing": {"keys_file": keys_file},

@@ -1,13 +1,17 @@
-"""Issue 16, acceptance 4: coordination and ingest against a TLS etcd with authentication
-and per-cluster roles (set up by packaging/debian/examples/etcd-rbac.sh) and a TLS
-mosquitto with passwords and the shipped ACL (packaging/debian/examples/mosquitto-acl.conf);
-an agent cannot publish another agent's statuses, nor push jobs, nor touch another
-cluster's keys. Certificates are made per test in tmp (python3-cryptography)."""
+"""Issue 16, acceptance 4, and issue 34: coordination and ingest against a TLS etcd with
+authentication, a user per agent confined to its cluster's prefix (set up by
+packaging/debian/examples/etcd-rbac.sh, as an operator would) and a TLS mosquitto with
+passwords and the shipped ACL (packaging/debian/examples/mosquitto-acl.conf). An agent
+starts against it without `etcd.insecure` and refuses a plaintext or credential-less etcd
+without it; an agent cannot touch another cluster's keys, nor publish another agent's
+statuses, nor push jobs; revoking one agent's etcd user stops that agent alone.
+Certificates are made per test in tmp (python3-cryptography)."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import threading
 import time
 
@@ -19,8 +23,9 @@ from agent.cloud.topics import Topics
 from agent.config import EtcdConfig, MqttConfig, TLSConfig
 from agent.coordination.etcd import EtcdClient, EtcdError, EtcdUnavailable
 from agent.coordination.keys import Keys
-from agent.demo.services import EtcdServer, MosquittoServer, make_pki
+from agent.demo.services import AgentProcess, EtcdServer, MosquittoServer, make_pki
 from tests.support.cluster import Cluster
+from tests.support.commands import millwright
 from tests.support.waiting import wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,6 +33,8 @@ ACL_EXAMPLE = os.path.join(ROOT, "packaging", "debian", "examples", "mosquitto-a
 T = Topics("t")
 USERS = {"cloud": "cloud-pw", "a1": "a1-pw", "a2": "a2-pw"}
 RUN = {"run": {"argv": ["/bin/true"], "user": "root", "allow_root": True, "allow_exec": ["/bin/true", "/usr/bin/true"]}}
+# etcd users: one per agent (cluster t: a1, a2; cluster u: b1) and the cloud's for both
+ETCD_AGENTS = {("t", "a1"): "a1-etcd-pw", ("t", "a2"): "a2-etcd-pw", ("u", "b1"): "b1-etcd-pw"}
 
 
 @pytest.fixture
@@ -38,8 +45,10 @@ def pki(tmp_path):
 @pytest.fixture
 def secure_etcd(tmp_path, pki):
     with EtcdServer(str(tmp_path / "etcd"), tls=pki) as srv:
-        srv.enable_auth("t", "agents-t", "pw-t", "root-pw")
-        srv.enable_auth("u", "agents-u", "pw-u", "root-pw")
+        srv.enable_auth("root-pw")
+        for (cluster, agent), password in ETCD_AGENTS.items():
+            assert srv.add_agent(cluster, agent, password) == f"agent.{cluster}.{agent}"
+        srv.add_ops("cloud", "cloud-etcd-pw", "t", "u")
         yield srv
 
 
@@ -50,8 +59,23 @@ def secure_mqtt(tmp_path, pki):
         yield srv
 
 
-def etcd_access(pki, user="agents-t", password="pw-t") -> dict:
-    return {"tls": {"ca": pki.ca}, "username": user, "password": password}
+def ops_access(pki) -> dict:
+    """The cloud's etcd user: what the tests' own client (Cluster.client) reads with."""
+    return {"tls": {"ca": pki.ca}, "username": "cloud", "password": "cloud-etcd-pw"}
+
+
+def agent_etcd(cluster: str, agent: str) -> dict:
+    """The agent's own etcd user, for its agent.yaml."""
+    return {"etcd": {"username": f"agent.{cluster}.{agent}", "password": ETCD_AGENTS[(cluster, agent)]}}
+
+
+def etcd_client(srv, pki, username: str, password: str) -> EtcdClient:
+    return EtcdClient(EtcdConfig(endpoints=[srv.endpoint], request_timeout_s=3.0, tls=TLSConfig(ca=pki.ca),
+                                 username=username, password=password))
+
+
+def as_agent(srv, pki, cluster: str, agent: str) -> EtcdClient:
+    return etcd_client(srv, pki, f"agent.{cluster}.{agent}", ETCD_AGENTS[(cluster, agent)])
 
 
 def mqtt_cfg(srv, pki, user: str) -> MqttConfig:
@@ -66,12 +90,23 @@ def link(srv, pki, user: str, client_id: str, on_message=None, subscriptions=())
     return got
 
 
+def denied(op) -> str:
+    """The error of an etcd operation that must be refused for its permissions."""
+    with pytest.raises(EtcdError) as ei:
+        op()
+    assert not isinstance(ei.value, EtcdUnavailable), ei.value
+    return str(ei.value).lower()
+
+
 def test_coordination_and_stored_jobs_over_tls_etcd_with_auth(secure_etcd, pki, tmp_path):
-    c = Cluster(secure_etcd, str(tmp_path / "agents"), shards=16, etcd_access=etcd_access(pki),
+    c = Cluster(secure_etcd, str(tmp_path / "agents"), shards=16, etcd_access=ops_access(pki),
                 extra={"templates": RUN})
     try:
-        c.start("a1")
-        c.start("a2")
+        for agent in ("a1", "a2"):
+            a = c.start(agent, extra=agent_etcd("t", agent))
+            assert "insecure" not in a.config["etcd"] and a.config["etcd"]["endpoints"][0].startswith("https://")
+            check = millwright("config", "check", a.config_path)
+            assert check.returncode == 0, check.stderr   # TLS and its own user: nothing to allow
         wait_for(lambda: c.converged({"a1": 1, "a2": 1}), 40, interval=0.2, what="2-way plan over TLS + auth")
         store = c.job_store()
         for i in range(6):
@@ -86,42 +121,131 @@ def test_coordination_and_stored_jobs_over_tls_etcd_with_auth(secure_etcd, pki, 
         c.close()
 
 
-def test_etcd_roles_confine_an_agent_to_its_cluster(secure_etcd, pki):
-    def client(**kw):
-        access = {**etcd_access(pki), **kw}
-        access["tls"] = TLSConfig(**access["tls"])
-        return EtcdClient(EtcdConfig(endpoints=[secure_etcd.endpoint], request_timeout_s=3.0, **access))
+def start_refused(tmp_path, name: str, etcd: dict) -> str:
+    """Start an agent (a `millwright run` process) that must refuse its config; its stderr."""
+    a = AgentProcess(name, str(tmp_path / "refused"), {"cluster": "t", "bpf": {"enabled": False}, "etcd": etcd})
+    a.start()
+    assert a.proc is not None and a.proc.wait(30) == 2, a.log_text()
+    return a.log_text()
 
-    own = client()
+
+def test_without_insecure_a_plaintext_or_credential_less_etcd_is_refused(secure_etcd, pki, tmp_path):
+    # a reachable plaintext etcd, with credentials: refused before any connection
+    with EtcdServer(str(tmp_path / "plain-etcd")) as plain:
+        log = start_refused(tmp_path, "plain", {"endpoints": [plain.endpoint], "username": "agent.t.a1",
+                                                "password": ETCD_AGENTS[("t", "a1")]})
+        assert log.strip().splitlines() == [
+            f"millwright: config: {tmp_path}/refused/plain/agent.yaml: etcd.endpoints[0]: '{plain.endpoint}' "
+            "is plaintext: use https:// with etcd.tls, or set etcd.insecure: true (tests and labs only)"]
+        assert plain.proc is not None and plain.proc.poll() is None
+    # the TLS etcd without a user: refused too
+    log = start_refused(tmp_path, "anon", {"endpoints": [secure_etcd.endpoint], "tls": {"ca": pki.ca}})
+    lines = log.strip().splitlines()
+    assert len(lines) == 1 and "etcd.username: etcd without credentials is refused" in lines[0], log
+    assert "etcd.insecure: true" in lines[0] and "Traceback" not in log
+    # and that etcd refuses an anonymous client anyway
+    anon = EtcdClient(EtcdConfig(endpoints=[secure_etcd.endpoint], request_timeout_s=3.0, tls=TLSConfig(ca=pki.ca)))
+    try:
+        assert "user name is empty" in denied(lambda: anon.put(Keys("t").prefix + "x", "1"))
+    finally:
+        anon.close()
+
+
+def test_etcd_roles_confine_an_agent_to_its_cluster(secure_etcd, pki):
+    own = as_agent(secure_etcd, pki, "t", "a1")
+    other = as_agent(secure_etcd, pki, "u", "b1")
     try:
         own.put(Keys("t").prefix + "probe", "ok")
         assert own.get(Keys("t").prefix + "probe").value == b"ok"
+        other.put(Keys("u").prefix + "probe", "theirs")
         for op in (lambda: own.get(Keys("u").prefix + "probe"), lambda: own.put(Keys("u").prefix + "x", "1"),
-                   lambda: own.put("/elsewhere", "1")):
-            with pytest.raises(Exception) as ei:
-                op()
-            assert "permission denied" in str(ei.value).lower(), ei.value
+                   lambda: own.get_prefix(Keys("u").prefix), lambda: own.delete(Keys("u").prefix + "probe"),
+                   lambda: own.put("/elsewhere", "1"), lambda: own.get_prefix("/millwright/"),
+                   lambda: other.get(Keys("t").prefix + "probe")):
+            assert "permission denied" in denied(op)
     finally:
         own.close()
-    wrong = client(password="nope")
+        other.close()
+    wrong = etcd_client(secure_etcd, pki, "agent.t.a1", "nope")
     try:
         # refused for the password: not a timeout or an unreachable server
-        with pytest.raises(EtcdError, match="authentication failed") as info:
-            wrong.get(Keys("t").prefix + "probe")
-        assert not isinstance(info.value, EtcdUnavailable)
+        assert "authentication failed" in denied(lambda: wrong.get(Keys("t").prefix + "probe"))
     finally:
         wrong.close()
 
 
+def test_each_agent_has_its_own_user_and_revoking_one_stops_it_alone(secure_etcd, pki, tmp_path):
+    """Cluster t: a1 and a2, cluster u: b1, each agent with its own etcd user. Revoking a1
+    (etcd-rbac.sh revoke) ends its session: its requests fail, its shards go to a2, which
+    keeps the shards it held all along; cluster u does not notice."""
+    t = Cluster(secure_etcd, str(tmp_path / "t"), cluster="t", shards=16, etcd_access=ops_access(pki))
+    u = Cluster(secure_etcd, str(tmp_path / "u"), cluster="u", shards=8, etcd_access=ops_access(pki))
+    try:
+        for agent in ("a1", "a2"):
+            t.start(agent, extra=agent_etcd("t", agent))
+        u.start("b1", extra=agent_etcd("u", "b1"))
+        wait_for(lambda: t.converged({"a1": 1, "a2": 1}), 40, interval=0.2, what="cluster t: a1 and a2")
+        wait_for(lambda: u.all_owned_by({"b1"}), 40, interval=0.2, what="cluster u: b1")
+        shard_keys = t.keys.shards_prefix()
+        before = {kv.key: kv for kv in t.client.get_prefix(shard_keys)[0]}
+        kept = {k: kv.create_revision for k, kv in before.items() if kv.value == b"a2"}
+        u_before = {kv.key: kv.create_revision for kv in u.client.get_prefix(u.keys.shards_prefix())[0]}
+        assert kept and len(kept) < 16
+
+        out = secure_etcd.revoke_agent("t", "a1")
+        assert "user agent.t.a1 deleted" in out and "session lease" in out, out
+
+        # a1's credentials no longer open etcd
+        gone = as_agent(secure_etcd, pki, "t", "a1")
+        try:
+            assert "authentication failed" in denied(lambda: gone.get(t.keys.shards_prefix()))
+        finally:
+            gone.close()
+        # its shards moved to a2 (its lease was revoked: no waiting for the TTL), and a2 kept
+        # its own: the same keys, never released and claimed again
+        wait_for(lambda: t.all_owned_by({"a2"}), 20, interval=0.2, what="a1's shards taken over by a2")
+        after = {kv.key: kv for kv in t.client.get_prefix(shard_keys)[0]}
+        assert {k: after[k].create_revision for k in kept} == kept
+        assert "a1" not in t.members()
+        # a1 keeps running and trying, and never comes back
+        assert t.agents["a1"].alive()
+        time.sleep(3 * t.ttl / 2)
+        assert t.all_owned_by({"a2"}) and "a1" not in t.members()
+        assert "authentication failed" in t.agents["a1"].log_text()
+        # a2's user still works, and cluster u never noticed
+        still = as_agent(secure_etcd, pki, "t", "a2")
+        try:
+            still.put(t.keys.prefix + "probe", "a2")
+        finally:
+            still.close()
+        assert {kv.key: kv.create_revision for kv in u.client.get_prefix(u.keys.shards_prefix())[0]} == u_before
+    finally:
+        t.close()
+        u.close()
+
+
+def test_the_rbac_script_refuses_passwords_on_the_command_line_and_bad_names(secure_etcd):
+    with pytest.raises(RuntimeError, match="give the password on stdin"):
+        secure_etcd.rbac("agent", "t", "a9")
+    with pytest.raises(RuntimeError, match="cluster must match"):
+        secure_etcd.rbac("agent", "t.x", "a9", stdin="pw\n")
+    with pytest.raises(RuntimeError, match="usage|agent id must match"):
+        secure_etcd.rbac("agent", "t", "a 9", stdin="pw\n")
+    r = subprocess.run(["sh", os.path.join(ROOT, "packaging", "debian", "examples", "etcd-rbac.sh")],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "etcd-rbac.sh agent CLUSTER AGENT_ID" in r.stderr
+
+
 def test_ingest_over_tls_mosquitto_with_passwords_and_acl(secure_etcd, secure_mqtt, pki, tmp_path):
-    c = Cluster(secure_etcd, str(tmp_path / "agents"), shards=8, etcd_access=etcd_access(pki),
+    c = Cluster(secure_etcd, str(tmp_path / "agents"), shards=8, etcd_access=ops_access(pki),
                 extra={"templates": TEMPLATES})
     col = StatusCollector(secure_mqtt.url, "t", extra_filters=(T.presence_filter(),),
                           mqtt_cfg=mqtt_cfg(secure_mqtt, pki, "cloud")).start()
     pusher = link(secure_mqtt, pki, "cloud", "secure-pusher")
     try:
         for agent in ("a1", "a2"):
-            c.start(agent, extra={"mqtt": {"url": secure_mqtt.url, "username": agent, "password": USERS[agent],
+            c.start(agent, extra={**agent_etcd("t", agent),
+                                  "mqtt": {"url": secure_mqtt.url, "username": agent, "password": USERS[agent],
                                            "tls": {"ca": pki.ca}, "reconnect_min_s": 0.2, "reconnect_max_s": 1.0}})
         wait_for(lambda: c.converged({"a1": 1, "a2": 1}), 40, interval=0.2, what="2-way plan")
         assert col.wait(lambda m: {T.presence(a) for a in ("a1", "a2")} <= {t for _, t, _ in m}, 30)

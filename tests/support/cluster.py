@@ -33,8 +33,10 @@ class Cluster:
     def __init__(self, etcd, base_dir: str, cluster: str = "t", shards: int = 64, ttl: int = 4,
                  renew_deadline: float = 2.5, retry_period: float = 0.5, extra: Optional[dict] = None,
                  env: Optional[dict] = None, etcd_access: Optional[dict] = None):
-        """``etcd_access``: etcd settings for a secured server (tls, username, password,
-        insecure), used by the agents and by this helper's own client."""
+        """``etcd_access``: etcd settings for a secured server (tls, username, password),
+        used by the agents (each may add its own user in ``start``'s extra) and by this
+        helper's own client. Without it the agents reach the loopback etcd in plaintext
+        and unauthenticated, which their config must allow explicitly (etcd.insecure)."""
         self.etcd = etcd
         self.base = base_dir
         self.cluster = cluster
@@ -58,6 +60,8 @@ class Cluster:
         self.env = env or {}
         self.agents: dict[str, AgentProcess] = {}
         access = dict(etcd_access or {})
+        if etcd_access is None:
+            self.cfg["etcd"]["insecure"] = True
         self.cfg["etcd"].update(access)
         if "tls" in access:
             access["tls"] = TLSConfig(**access["tls"])

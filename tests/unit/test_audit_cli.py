@@ -20,7 +20,7 @@ def env(tmp_path):
     d = tmp_path / "audit"
     kf = tmp_path / "audit.key"
     cfg = tmp_path / "agent.yaml"
-    cfg.write_text(f"audit:\n  dir: {d}\n  key_file: {kf}\n")
+    cfg.write_text(f"audit:\n  dir: {d}\n  key_file: {kf}\netcd: {{insecure: true}}\n")
     log = AuditLog(str(d), str(kf), rotate_bytes=4096, agent_id="gw-01")
     log.agent_start(version="0.1.0", agent_id="gw-01", pid=1)
     for i in range(40):
@@ -47,7 +47,7 @@ def test_verify_good_log_from_config(env, capsys):
 
 def test_verify_dir_and_key_overrides(env, capsys, tmp_path):
     empty_cfg = tmp_path / "empty.yaml"
-    empty_cfg.write_text("{}\n")
+    empty_cfg.write_text("etcd: {insecure: true}\n")
     code, out, _ = run(capsys, "audit", "verify", env["dir"], "--key-file", env["key"], "-c", str(empty_cfg))
     assert code == 0 and out.startswith("ok:")
 

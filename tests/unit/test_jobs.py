@@ -531,6 +531,7 @@ def test_the_brief_example_with_templates_from_the_config_file():
 
     cfg = parse_config(
         """
+etcd: {insecure: true}
 templates:
   coolant-flush:
     argv: ["/usr/lib/millwright/jobs/coolant-flush", "--line", "{line}"]
@@ -581,7 +582,8 @@ def test_render_argv_fills_the_run_identity_placeholders():
 def test_run_placeholders_are_reserved_in_the_config():
     from agent.config import ConfigError, parse_config
 
-    ok = parse_config('templates: {t: {argv: ["/bin/x", "{fire_id}", "{run_id}", "{attempt}", "{job_id}"]}}\n',
+    ok = parse_config('etcd: {insecure: true}\n'
+                      'templates: {t: {argv: ["/bin/x", "{fire_id}", "{run_id}", "{attempt}", "{job_id}"]}}\n',
                       "agent.yaml")
     assert ok.templates["t"].argv[1] == "{fire_id}"
     with pytest.raises(ConfigError) as ei:
@@ -594,7 +596,7 @@ def test_run_placeholders_are_reserved_in_the_config():
 def test_kill_grace_must_fit_before_the_lease_can_expire(grace, ttl, deadline, ok):
     from agent.config import ConfigError, parse_config
 
-    text = (f"etcd: {{lease_ttl_s: {ttl}, renew_deadline_s: {deadline}, retry_period_s: 0.5}}\n"
+    text = (f"etcd: {{lease_ttl_s: {ttl}, renew_deadline_s: {deadline}, retry_period_s: 0.5, insecure: true}}\n"
             f"execute: {{kill_grace_s: {grace}}}\n")
     if ok:
         parse_config(text, "agent.yaml")

@@ -96,10 +96,10 @@ def test_selector_matching_and_eligibility():
 
 
 def test_config_labels_every_problem_on_its_own_line():
-    cfg = parse_config('labels: {line: "2", cell: press}\n', "agent.yaml")
+    cfg = parse_config('labels: {line: "2", cell: press}\netcd: {insecure: true}\n', "agent.yaml")
     assert cfg.labels == {"line": "2", "cell": "press"}
     with pytest.raises(ConfigError) as ei:
-        parse_config('labels: {line: 2, "bad key": x, cell: "a b"}\n', "agent.yaml")
+        parse_config('labels: {line: 2, "bad key": x, cell: "a b"}\netcd: {insecure: true}\n', "agent.yaml")
     problems = ei.value.problems
     assert len(problems) == 3
     assert any("labels.line" in p and "expected a string" in p for p in problems)

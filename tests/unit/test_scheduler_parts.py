@@ -37,7 +37,7 @@ from agent.runtime.loop import EventLoop
 UTC = timezone.utc
 SECRET = base64.b64encode(bytes(range(32))).decode()
 RING = KeyRing.from_mapping({"cloud-1": {"alg": "hmac-sha256", "secret": SECRET}})
-CFG = parse_config("cluster: plant-a\nagent_id: gw-1\nshards: 8\n"
+CFG = parse_config("cluster: plant-a\nagent_id: gw-1\nshards: 8\netcd: {insecure: true}\n"
                    "templates: {noop: {argv: [/bin/true], user: root, allow_root: true}}\n")
 KEYS = Keys(CFG.cluster)
 NOW = datetime.now(UTC).replace(microsecond=0)

@@ -14,7 +14,7 @@ from tests.support.fakes import ManualClock
 
 
 def _sensing():
-    cfg = parse_config("bpf: {enabled: false}\n", "test")
+    cfg = parse_config("bpf: {enabled: false}\netcd: {insecure: true}\n", "test")
     clock = ManualClock()
     agent = SimpleNamespace(cfg=cfg, loop=SimpleNamespace(post=lambda fn, *a: None, clock=clock),
                             audit=MemoryAudit(), status_providers={})
