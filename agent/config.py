@@ -82,18 +82,23 @@ class MqttConfig:
     password: Optional[str] = doc("Broker password.", default=None)
     tls: Optional[TLSConfig] = doc("TLS settings for mqtts://.", default=None)
     keepalive_s: int = doc("MQTT keepalive.", default=30)
-    max_payload_bytes: int = doc("Pushes larger than this are rejected with reason too_large.", default=65536)
+    max_payload_bytes: int = doc("Pushes larger than this are rejected with reason too_large; the broker's "
+                                 "message_size_limit should equal it.", default=65536)
     ingest_grace_s: float = doc("Non-owners ingest a push only if it is not in etcd after this delay.", default=1.5)
     max_skew_s: float = doc("Largest accepted distance of issued_at ahead of the agent clock.", default=300.0)
     max_age_s: float = doc("Pushes and cancels whose issued_at is older than this are refused (too_old).",
                            default=86400.0)
-    insecure: bool = doc("Allow a password over plain mqtt:// (labs only; otherwise a config error).",
-                         default=False)
+    insecure: bool = doc("Allow plain mqtt:// without TLS and a broker connection without credentials "
+                         "(labs and tests only; otherwise a config error).", default=False)
     outbox_max: int = doc("Most status documents held while the broker is unreachable.", default=100000)
     outbox_full_policy: str = doc(
         "When the outbox is full: drop_oldest_terminal keeps final states and drops the oldest intermediate ones.",
         default="drop_oldest_terminal",
     )
+    get_max_age_s: float = doc("jobs/get requests whose issued_at is older than this are refused (too_old).",
+                               default=300.0)
+    get_page_bytes: int = doc("Largest jobs/get answer (one page of a filter); at most max_payload_bytes, which "
+                              "the broker's message_size_limit equals.", default=32768)
     reconnect_min_s: float = doc("First delay before reconnecting to the broker; doubles per attempt.", default=0.5)
     reconnect_max_s: float = doc("Longest delay between reconnect attempts.", default=30.0)
 
@@ -320,6 +325,33 @@ def _build(cls: Any, data: dict, path: str, problems: list[str], src: str) -> An
     return cls(**kwargs)
 
 
+def mqtt_insecurities(cfg: "Config") -> list[str]:
+    """What would let others on the network read or forge this agent's broker traffic: a
+    config problem (file, key, what, the fix) for plain MQTT without TLS and for a
+    connection without credentials, unless ``mqtt.insecure: true``. Checked where the
+    broker is used (the agent's cloud channel, the MQTT commands, ``config check``), not by
+    every reader of a config."""
+    m = cfg.mqtt
+    if m.insecure:
+        return []
+    fix = ": set that up, or set mqtt.insecure: true to allow it (labs and tests only)"
+    out = []
+    if (m.url or "").startswith("mqtt://") and m.tls is None:
+        out.append(f"{cfg.source}: mqtt.url: {m.url!r} is plain MQTT without TLS (use mqtts:// with mqtt.tls)"
+                   + fix)
+    if m.username is None and (m.tls is None or m.tls.cert is None):
+        out.append(f"{cfg.source}: mqtt.username: no broker credentials (mqtt.username and mqtt.password, or a "
+                   "client certificate in mqtt.tls.cert and mqtt.tls.key)" + fix)
+    return out
+
+
+def require_secure_mqtt(cfg: "Config") -> None:
+    """Raise ConfigError naming each problem of :func:`mqtt_insecurities`."""
+    problems = mqtt_insecurities(cfg)
+    if problems:
+        raise ConfigError(problems)
+
+
 def _endpoint_ok(url: str) -> bool:
     m = re.match(r"^(https?)://([^/:]+|\[[0-9a-fA-F:]+\]):(\d{1,5})/?$", url)
     return m is not None and 0 < int(m.group(3)) < 65536
@@ -381,9 +413,6 @@ def _validate(cfg: Config, problems: list[str]) -> None:
     m = cfg.mqtt
     if not re.match(r"^mqtts?://[^/:]+(:\d{1,5})?/?$", m.url or ""):
         bad("mqtt.url", f"{m.url!r} is not mqtt://host:port or mqtts://host:port")
-    if m.password is not None and (m.url or "").startswith("mqtt://") and not m.insecure:
-        bad("mqtt.url", f"{m.url!r} is plain mqtt:// but mqtt.password is set: use mqtts:// with mqtt.tls, "
-                        "or set mqtt.insecure: true (labs only)")
     if m.max_age_s <= 0:
         bad("mqtt.max_age_s", "must be greater than 0")
     if m.max_skew_s < 0:
@@ -396,6 +425,11 @@ def _validate(cfg: Config, problems: list[str]) -> None:
         bad("mqtt.outbox_full_policy", "must be drop_oldest_terminal, drop_oldest or reject_new")
     if m.ingest_grace_s < 0:
         bad("mqtt.ingest_grace_s", "must not be negative")
+    if m.get_max_age_s <= 0:
+        bad("mqtt.get_max_age_s", "must be greater than 0")
+    if not 4096 <= m.get_page_bytes <= max(4096, m.max_payload_bytes):
+        bad("mqtt.get_page_bytes", f"must be between 4096 and mqtt.max_payload_bytes ({m.max_payload_bytes}): the "
+                                   "broker's message_size_limit refuses larger messages")
     a = cfg.audit
     if a.fsync_interval_s < 0:
         bad("audit.fsync_interval_s", "must not be negative")
