@@ -9,7 +9,9 @@ costs only its topic, its length and a token:
 
  1. the topic's agent segment: the only sender identity the broker vouches for (its ACL);
  2. the size, before any parsing (``max_bytes``);
- 3. a token bucket per agent (``rate`` per second, ``burst``);
+ 3. a token bucket per agent, in bytes: a status costs its length, at least
+    ``MIN_COST`` (``rate`` bytes per second, ``burst``): parsing costs by the byte, so a
+    flood of large statuses is cut far sooner than an agent's many small ones;
  4. a bounded queue (``queue_max`` statuses, ``queue_bytes`` bytes): when full, the new
     status is dropped (drop-new: the link's thread never waits);
 
@@ -49,8 +51,10 @@ PEER_STATUSES = counter("millwright_mqtt_peer_statuses_total",
 # A status is a few hundred bytes; the largest an agent writes (a 4 KiB stderr tail, every
 # byte of it escaped) stays well below this.
 MAX_BYTES = 32 * 1024
-RATE_PER_S = 500.0       # per agent: twice the statuses of an agent ingesting ~250 pushes/s
-BURST = 5000.0
+MIN_COST = 1024          # bytes: what a status costs at least against its agent's rate
+RATE_PER_S = 1 << 20     # bytes per agent and second: 1,000 statuses/s, twice an agent's at
+BURST = 4 << 20          # ~500 pushes/s; 4,000 statuses at once (a group commit's burst)
+MISSED_EVERY_S = 0.5     # answers.py's margin (1 s) covers the lag of a throttled `missed`
 QUEUE_MAX = 20000
 QUEUE_BYTES = 16 * 1024 * 1024
 BUCKETS_MAX = 4096       # agents told apart (a flood under made-up agent ids evicts the oldest)
@@ -77,6 +81,9 @@ class PeerStatuses:
         self.report_s = report_s
         self.clock = clock
         self._buckets: RecentMemory[str, TokenBucket] = RecentMemory(BUCKETS_MAX)  # link thread only
+        self._missed_at: RecentMemory[str, float] = RecentMemory(BUCKETS_MAX)     # link thread only
+        self._count = {r: PEER_STATUSES.labels(r) for r in ("read", "too_large", "rate_limited", "queue_full",
+                                                             "bad_json")}
         self._q: "collections.deque[tuple[str, bytes]]" = collections.deque()
         self._bytes = 0
         self._cv = threading.Condition()
@@ -99,7 +106,7 @@ class PeerStatuses:
         if bucket is None:
             bucket = TokenBucket(self.rate, self.burst, self.clock)
             self._buckets.remember(agent, bucket)
-        if not bucket.take():
+        if not bucket.take(max(size, MIN_COST)):
             self._dropped(agent, "rate_limited")
             return
         with self._cv:
@@ -107,15 +114,20 @@ class PeerStatuses:
                 full = True
             else:
                 full = False
+                if not self._q:
+                    self._cv.notify()
                 self._q.append((agent, msg.payload))
                 self._bytes += size
-                self._cv.notify()
         if full:
             self._dropped(agent, "queue_full")
 
     def _dropped(self, agent: str, reason: str) -> None:
-        PEER_STATUSES.labels(reason).inc()
-        self.missed(agent)
+        self._count[reason].inc()
+        now = self.clock()
+        last = self._missed_at.get(agent)
+        if last is None or now - last >= MISSED_EVERY_S:
+            self._missed_at.remember(agent, now)
+            self.missed(agent)
         with self._cv:
             if (agent, reason) in self._drops or len(self._drops) < BUCKETS_MAX:
                 self._drops[(agent, reason)] += 1
@@ -163,9 +175,9 @@ class PeerStatuses:
         except (ValueError, RecursionError):
             doc = None
         if not isinstance(doc, dict):
-            PEER_STATUSES.labels("bad_json").inc()
+            self._count["bad_json"].inc()
             return
-        PEER_STATUSES.labels("read").inc()
+        self._count["read"].inc()
         self.read += 1
         try:
             self.saw(agent, doc)

@@ -17,12 +17,13 @@ class TokenBucket:
         self.tokens, self.at = burst, clock()
         self.lock = threading.Lock()
 
-    def take(self) -> bool:
+    def take(self, cost: float = 1.0) -> bool:
+        """Take ``cost`` tokens if there are that many."""
         with self.lock:
             now = self.clock()
             self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
             self.at = now
-            if self.tokens >= 1.0:
-                self.tokens -= 1.0
+            if self.tokens >= cost:
+                self.tokens -= cost
                 return True
             return False
