@@ -1,18 +1,18 @@
 """Issue 16, acceptance 4: coordination and ingest against a TLS etcd with authentication
 and per-cluster roles (set up by packaging/debian/examples/etcd-rbac.sh) and a TLS
-mosquitto with passwords and the shipped ACL (packaging/debian/examples/mosquitto-acl.conf);
+mosquitto with passwords and the shipped ACL and settings (agent/cloud/broker.py);
 an agent cannot publish another agent's statuses, nor push jobs, nor touch another
 cluster's keys. Certificates are made per test in tmp (python3-cryptography)."""
 
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 
 import pytest
 
+from agent.cloud.broker import acl_text, settings_text
 from agent.cloud.mqtt import MqttLink
 from tests.support.cloudkit import StatusCollector, TEMPLATES, job_doc, signed
 from agent.cloud.topics import Topics
@@ -23,10 +23,8 @@ from agent.demo.services import EtcdServer, MosquittoServer, make_pki
 from tests.support.cluster import Cluster
 from tests.support.waiting import wait_for
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ACL_EXAMPLE = os.path.join(ROOT, "packaging", "debian", "examples", "mosquitto-acl.conf")
 T = Topics("t")
-USERS = {"cloud": "cloud-pw", "a1": "a1-pw", "a2": "a2-pw"}
+USERS = {"cloud": "cloud-pw", "cloud-pusher": "pusher-pw", "a1": "a1-pw", "a2": "a2-pw"}
 RUN = {"run": {"argv": ["/bin/true"], "user": "root", "allow_root": True, "allow_exec": ["/bin/true", "/usr/bin/true"]}}
 
 
@@ -45,8 +43,11 @@ def secure_etcd(tmp_path, pki):
 
 @pytest.fixture
 def secure_mqtt(tmp_path, pki):
-    acl = open(ACL_EXAMPLE).read().replace("plant-a", "t")
-    with MosquittoServer(str(tmp_path / "mosquitto"), tls=pki, users=USERS, acl=acl) as srv:
+    # the shipped configuration (packaging/debian/examples/mosquitto-acl.conf and
+    # mosquitto-millwright.conf are this generator's output), for this cluster and agents
+    acl = acl_text("t", {"a1": "a1", "a2": "a2"}, ["cloud", "cloud-pusher"])
+    with MosquittoServer(str(tmp_path / "mosquitto"), tls=pki, users=USERS, acl=acl,
+                         extra_conf=settings_text(65536)) as srv:
         yield srv
 
 
@@ -118,11 +119,12 @@ def test_ingest_over_tls_mosquitto_with_passwords_and_acl(secure_etcd, secure_mq
                 extra={"templates": TEMPLATES})
     col = StatusCollector(secure_mqtt.url, "t", extra_filters=(T.presence_filter(),),
                           mqtt_cfg=mqtt_cfg(secure_mqtt, pki, "cloud")).start()
-    pusher = link(secure_mqtt, pki, "cloud", "secure-pusher")
+    pusher = link(secure_mqtt, pki, "cloud-pusher", "secure-pusher")
     try:
-        for agent in ("a1", "a2"):
+        for agent in ("a1", "a2"):  # secure: no mqtt.insecure needed
             c.start(agent, extra={"mqtt": {"url": secure_mqtt.url, "username": agent, "password": USERS[agent],
-                                           "tls": {"ca": pki.ca}, "reconnect_min_s": 0.2, "reconnect_max_s": 1.0}})
+                                           "tls": {"ca": pki.ca}, "reconnect_min_s": 0.2, "reconnect_max_s": 1.0,
+                                           "insecure": False}})
         wait_for(lambda: c.converged({"a1": 1, "a2": 1}), 40, interval=0.2, what="2-way plan")
         assert col.wait(lambda m: {T.presence(a) for a in ("a1", "a2")} <= {t for _, t, _ in m}, 30)
         ids = [f"sec-{i}" for i in range(20)]
