@@ -23,8 +23,9 @@ Before a status with a marker is first handed to paho, its marker is stamped ``h
 (:meth:`Answers.handing`; a republished copy also stamps its ``published_by``). Every agent
 also sees the cluster's statuses on the broker (:meth:`Answers.saw`, fed by
 agent/cloud/peers.py), and believes a status delivered only for the agent whose topic it
-came on: an answer counts as delivered when it went out under its marker's writer's own
-prefix (``published_by``, else ``agent``), never because any client said so. The shard's
+came on: an answer counts as delivered when it went out under the prefix of one of its
+marker's writers (the ``agent`` that decided it, the one that republished it:
+``published_by``), never because any other client said so. The shard's
 owner sweeps its shards' markers (see :meth:`sweep`): one whose answer it saw is deleted
 (delivered); one whose writer is gone (no ``members/<writer>`` key: kill -9, power loss)
 or that is older than ``republish_after_s`` and not in its own outbox is published with
@@ -56,7 +57,7 @@ from agent.jobs.view import read_prefix
 from agent.runtime.metrics import counter
 from agent.runtime.recent import RecentMemory
 
-from .facts import Unfounded, marker_writer, rebuild
+from .facts import Unfounded, marker_writer, marker_writers, rebuild
 
 log = logging.getLogger("millwright.cloud.answers")
 
@@ -183,21 +184,21 @@ class Answers:
         if connected:
             self.watching_since = time.time()
 
-    def _seen_or_known_missing(self, writer: Optional[str], job_id: str, name: str, doc: dict,
+    def _seen_or_known_missing(self, writers: tuple[str, ...], job_id: str, name: str, doc: dict,
                                now: float) -> Optional[bool]:
-        """True: delivered (seen under its writer's own prefix). False: certainly not
-        delivered (this agent has been subscribed, and has read every status of that
-        writer, since well before the answer was written, and did not see it). None:
-        cannot tell."""
-        if writer is None:
+        """True: delivered (seen under the prefix of one of its writers: the agent that
+        decided it, the one that republished it). False: certainly not delivered (this
+        agent has been subscribed, and has read every status of those writers, since well
+        before the answer was written, and did not see it). None: cannot tell."""
+        if not writers:
             return None
         with self._seen_lock:
-            if f"{writer}|{job_id}/{name}" in self._seen:
+            if any(f"{w}|{job_id}/{name}" in self._seen for w in writers):
                 return True
             since = self.watching_since
-            missed = self._missed.get(writer)
-        if since is not None and missed is not None:
-            since = max(since, missed)
+            missed = [t for t in (self._missed.get(w) for w in writers) if t is not None]
+        if since is not None and missed:
+            since = max(since, *missed)
         if since is not None and _age_s(doc, now) < now - since - SEEN_MARGIN_S:
             return False
         return None
@@ -361,7 +362,7 @@ class Answers:
             writer = marker_writer(doc)
             last = self._republished.get(kv.key)
             mine = self.in_outbox(kv.key) or (last is not None and now - last < self.republish_after_s)
-            seen = self._seen_or_known_missing(writer, job_id, name, doc, now)
+            seen = self._seen_or_known_missing(marker_writers(doc), job_id, name, doc, now)
             what = decide(doc, writer in members, mine, _age_s(doc, now), self.republish_after_s, self.keep_s,
                           seen=bool(seen))
             if what == "delivered":

@@ -7,7 +7,8 @@ time is recomputed with the scheduler's own deterministic functions (agent/jobs/
 from the stored ``_accepted.at`` and the latest run record, which is what the shard's owner
 arms its timer with.
 
-Listings read etcd in pages (``EtcdClient.range_pages``), each prefix at one revision.
+Listings read etcd in pages (``EtcdClient.range_pages``), each prefix at one revision;
+:func:`list_page` is one bounded page of a listing (jobs/get answers a filter with it).
 """
 
 from __future__ import annotations

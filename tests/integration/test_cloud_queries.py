@@ -75,3 +75,31 @@ def test_a_filter_over_10000_jobs_is_answered_in_bounded_pages(world):
         assert none["complete"] and none["jobs"] == []
     finally:
         ask.stop()
+
+
+def test_millwright_get_asks_with_a_signed_query(world):
+    """The operator's verb: one job, every page of a filter, and the exit codes."""
+    import json
+
+    from tests.support.commands import millwright
+
+    ids = _store(world, 120)
+    a = world.cluster.start("a1")
+    wait_for(lambda: world.cluster.all_owned_by({"a1"}), 40, what="a1 owns every shard")
+    assert world.col.wait(lambda m: any(t == world.col.topics.presence("a1") and d.get("state") == "online"
+                                        for _, t, d in m), 30)
+    base = ("-c", a.config_path, "--key-file", world.keys_file, "--kid", KID, "--timeout", "20")
+    r = millwright("get", ids[0], *base)
+    assert r.returncode == 0 and r.stdout.startswith(f"{ids[0]}  shard ") and "answered by a1" in r.stdout, r.stderr
+    r = millwright("get", ids[0], "--include", "params", "--json", *base)
+    assert r.returncode == 0 and json.loads(r.stdout)["job"]["doc"]["params"] == {"line": "0"}
+    r = millwright("get", "no-such-job", *base)
+    assert r.returncode == 1 and "no job no-such-job" in r.stdout
+    r = millwright("get", "--limit", "7", "--json", *base)
+    got = json.loads(r.stdout)
+    assert r.returncode == 0 and got["complete"] and got["pages"] >= 120 // 7
+    assert sorted(j["id"] for j in got["jobs"]) == ids
+    r = millwright("get", ids[0], "--state", "failed", *base)
+    assert r.returncode == 2 and "not both" in r.stderr and "Traceback" not in r.stderr
+    r = millwright("get", ids[0], "-c", a.config_path, "--key-file", world.keys_file, "--kid", "nokid")
+    assert r.returncode == 2 and "nokid" in r.stderr

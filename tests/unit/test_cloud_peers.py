@@ -9,7 +9,7 @@ import time
 from datetime import datetime, timezone
 
 from agent.cloud.answers import SEEN_MARGIN_S, Answers
-from agent.cloud.facts import marker_writer
+from agent.cloud.facts import marker_writer, marker_writers
 from agent.cloud.peers import PeerStatuses
 from agent.cloud.topics import Topics
 from agent.runtime.timefmt import format_rfc3339
@@ -109,11 +109,11 @@ def test_delivered_only_when_seen_under_the_markers_writer():
     a.watching_since = time.time() - 100
     marker = _doc(10)
     now = time.time()
-    assert a._seen_or_known_missing("a1", "j", "run.f", marker, now) is False  # subscribed long before: missing
+    assert a._seen_or_known_missing(("a1",), "j", "run.f", marker, now) is False  # subscribed long before: missing
     a.saw("gw", _doc(0))                        # a gateway's fake `succeeded` about a1's run
-    assert a._seen_or_known_missing("a1", "j", "run.f", marker, now) is False
+    assert a._seen_or_known_missing(("a1",), "j", "run.f", marker, now) is False
     a.saw("a1", _doc(0))                        # a1's own, under its own prefix
-    assert a._seen_or_known_missing("a1", "j", "run.f", marker, now) is True
+    assert a._seen_or_known_missing(("a1",), "j", "run.f", marker, now) is True
 
 
 def test_a_missed_status_of_the_writer_makes_its_older_answers_unknown():
@@ -121,16 +121,32 @@ def test_a_missed_status_of_the_writer_makes_its_older_answers_unknown():
     a.watching_since = time.time() - 100
     a.missed("a1")
     now = time.time()
-    assert a._seen_or_known_missing("a1", "j", "run.f", _doc(10), now) is None     # may have been the dropped one
-    assert a._seen_or_known_missing("a2", "j", "run.f", _doc(10, agent="a2"), now) is False  # others: as before
+    assert a._seen_or_known_missing(("a1",), "j", "run.f", _doc(10), now) is None     # may have been the dropped one
+    assert a._seen_or_known_missing(("a2",), "j", "run.f", _doc(10, agent="a2"), now) is False  # others: as before
     later = now + 10 + SEEN_MARGIN_S
-    assert a._seen_or_known_missing("a1", "j", "run.f", _doc(-2), later) is False  # written after the drop
+    assert a._seen_or_known_missing(("a1",), "j", "run.f", _doc(-2), later) is False  # written after the drop
 
 
 def test_the_markers_writer_is_who_last_published_it():
     assert marker_writer({"agent": "a1"}) == "a1"
     assert marker_writer({"agent": "a1", "published_by": "a2"}) == "a2"
-    assert marker_writer({"agent": "../x"}) is None and marker_writer({}) is None
+    assert marker_writer({"agent": "a b"}) is None and marker_writer({}) is None
+    assert marker_writers({"agent": "a1", "published_by": "a2"}) == ("a1", "a2")
+    assert marker_writers({"agent": "a1", "published_by": "a1"}) == ("a1",)
+
+
+def test_a_republished_answer_is_delivered_when_either_writer_delivered_it():
+    a = _answers()
+    a.watching_since = time.time() - 100
+    marker = _doc(10, published_by="a2")   # a1 decided it, a2 republished it (and died too)
+    now = time.time()
+    assert a._seen_or_known_missing(("a1", "a2"), "j", "run.f", marker, now) is False
+    a.saw("a1", _doc(5))                   # a1 had delivered it after all
+    assert a._seen_or_known_missing(("a1", "a2"), "j", "run.f", marker, now) is True
+    b = _answers()
+    b.watching_since = time.time() - 100
+    b.missed("a2")                         # a status of the republisher went unread
+    assert b._seen_or_known_missing(("a1", "a2"), "j", "run.f", marker, now) is None
 
 
 def test_ten_thousand_large_statuses_cost_the_link_thread_no_parsing():
