@@ -204,7 +204,7 @@ class ChaosRun:
                 "etcd": {"endpoints": self.etcd.endpoints_on(self.hosts[agent]), "lease_ttl_s": TTL_S,
                          "renew_deadline_s": RENEW_DEADLINE_S, "retry_period_s": 0.5, "request_timeout_s": 1.0},
                 "mqtt": {"url": f"mqtt://127.0.0.1:{self.broker_ports[agent]}", "reconnect_min_s": 0.2,
-                         "reconnect_max_s": 1.0, "ingest_grace_s": 1.5, "insecure": True},
+                         "reconnect_max_s": 1.0, "ingest_grace_s": 1.5},
                 "signing": {"keys_file": os.path.join(self.dir, "keys.yaml")},
                 "bpf": {"enabled": False},
                 "execute": {"max_concurrent": 16, "memory_mb": 16384, "cpu": 64.0, "kill_grace_s": KILL_GRACE_S},
