@@ -36,6 +36,11 @@ def _config(args):
         raise UserError(f"{args.config}: config file not found (use -c FILE)")
     cfg = load_config(args.config)
     require_secure_mqtt(cfg)  # plain or anonymous MQTT only with mqtt.insecure: true
+    if cfg.mqtt.username is not None and cfg.mqtt.username == cfg.agent_id:
+        # the broker makes a client's id its username: this connection would take over
+        # (and, being a clean session, discard) the agent's own session
+        raise UserError(f"{args.config}: mqtt.username is this agent's id ({cfg.agent_id}): push, cancel and get "
+                        "connect as a cloud user; use a config with a cloud user's credentials")
     return cfg
 
 

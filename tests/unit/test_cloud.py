@@ -430,3 +430,6 @@ def test_plain_or_anonymous_mqtt_is_refused_unless_insecure(tmp_path, capsys):
     assert len(err) == 2 and "mqtt.url" in err[0] and "mqtt.username" in err[1]
     assert main(["get", "-c", str(cfg), "j", "--key-file", "/nonexistent", "--kid", "k"]) == 2
     assert "mqtt.insecure: true" in capsys.readouterr().err
+    cfg.write_text("cluster: t\nagent_id: gw-1\nmqtt: {url: 'mqtts://b:8883', username: gw-1, password: p}\n")
+    assert main(["push", "-c", str(cfg), "job.json", "--key-file", "/nonexistent", "--kid", "k"]) == 2
+    assert "a cloud user" in capsys.readouterr().err  # an agent's own broker identity is not for the CLI
