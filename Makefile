@@ -91,8 +91,10 @@ paho2:
 test-cloud-paho2: paho2
 	PYTHONPATH=$(PAHO2_DIR) MILLWRIGHT_EXPECT_PAHO=2 MILLWRIGHT_CLOUD_QUICK=1 MILLWRIGHT_CLOUD_OUTAGE_S=10 \
 		$(PY) -m pytest -p no:cacheprovider tests/unit/test_cloud.py tests/unit/test_cloud_answers.py \
+		tests/unit/test_cloud_peers.py tests/unit/test_cloud_queries.py \
 		tests/integration/test_cloud_agents.py tests/integration/test_cloud_outbox.py \
-		tests/integration/test_cloud_ingest.py tests/integration/test_cloud_answers.py -k "not fuzz_ingest" $(PYTEST_ARGS)
+		tests/integration/test_cloud_ingest.py tests/integration/test_cloud_answers.py \
+		tests/integration/test_cloud_broker.py tests/integration/test_cloud_flood.py -k "not fuzz_ingest" $(PYTEST_ARGS)
 
 # paho 1.x as if it had no _send_puback (an unknown paho): the PUBACK goes out when
 # on_message returns, so the dispatcher must finish the durable write inside it. The

@@ -77,6 +77,35 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--kid", required=True)
     sp.add_argument("--timeout", type=float, default=10.0)
 
+    sp = cmd("get", "agent.cloud.cli:cli_get",
+             "ask the agents about a job, or every page of a filter, with a signed jobs/get query over MQTT")
+    with_config(sp)
+    sp.add_argument("id", nargs="?", help="job id (without it: every job matching the filter)")
+    sp.add_argument("--state", help="only jobs in this state")
+    sp.add_argument("--template", help="only jobs of this template")
+    sp.add_argument("--updated-since", help="only jobs changed since this RFC 3339 time")
+    sp.add_argument("--limit", type=int, help="jobs per page (1-1000)")
+    sp.add_argument("--include", action="append", metavar="params,stderr",
+                    help="also show the jobs' params and their runs' stderr tails")
+    sp.add_argument("--key-file", required=True, help="keys file with the signing key")
+    sp.add_argument("--kid", required=True, help="key id to sign with")
+    sp.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the answer (every page)")
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+
+    broker = sub.add_parser("broker", help="the broker's ACL and settings for a cluster (mosquitto)")
+    brsub = broker.add_subparsers(dest="broker_command", metavar="SUBCOMMAND")
+    sp = cmd("acl", "agent.cloud.broker:cli_broker_acl",
+             "print a cluster's mosquitto ACL: one user block per agent and per cloud user", brsub)
+    sp.add_argument("--cluster", required=True)
+    sp.add_argument("--agent", action="append", metavar="ID[=USERNAME]",
+                    help="an agent and its broker username (default: the agent id); repeatable")
+    sp.add_argument("--cloud-user", action="append", metavar="NAME",
+                    help="a cloud-side client's username (push, cancel, get); repeatable, one per client")
+    sp = cmd("settings", "agent.cloud.broker:cli_broker_settings",
+             "print the listener settings the ACL relies on (client id = username, message size limit)", brsub)
+    with_config(sp)
+    sp.add_argument("--max-payload-bytes", type=int, help="default: mqtt.max_payload_bytes of the config")
+
     sp = cmd("keygen", "agent.cloud.cli:cli_keygen",
              "write a new ed25519 signing key pair (private file 0600) and print the agents' keys-file entry")
     sp.add_argument("--kid", required=True, help="key id ([A-Za-z0-9._-]{1,128})")
@@ -137,8 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cli_config_check(args: argparse.Namespace) -> int:
     from agent.config import load_config
+    from agent.configcheck import require_secure_mqtt
 
     cfg = load_config(args.file)
+    require_secure_mqtt(cfg)
     print(f"{args.file}: ok (cluster {cfg.cluster}, agent {cfg.agent_id}, {cfg.shards} shards, "
           f"{len(cfg.templates)} templates)")
     for line in _backend_lines(cfg):

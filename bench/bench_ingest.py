@@ -5,11 +5,18 @@ for one agent and for three, with paho-mqtt 1.6 (Debian) and 2.x (.cache/paho2, 
 
     /usr/bin/python3 bench/bench_ingest.py            # BENCH_PUSHES=2000 BENCH_RATE=100
     /usr/bin/python3 bench/bench_ingest.py --junk     # BENCH_PUSHES=500 BENCH_JUNK=10000
+    /usr/bin/python3 bench/bench_ingest.py --flood    # BENCH_PUSHES=500 BENCH_FLOOD=10000
 
 --junk (issue 16): the same burst on two agents, once quiet and once while a second client
 publishes BENCH_JUNK unauthenticated messages (unsigned, forged, another cluster's, bad
 JSON, noise; aimed at the burst's job ids) as fast as the broker takes them. Figure: the
 burst's accepted+durable/s in both runs and their ratio.
+
+--flood (issue 34): the same, while a gateway publishes BENCH_FLOOD statuses under its own
+prefix (all the broker ACL lets it write) as fast as the broker takes them, QoS 1: fake
+`accepted` and `succeeded` answers about the burst's jobs, 8 KiB each, every tenth 40 KiB
+(over an agent's 32 KiB cap for peers' statuses; BENCH_FLOOD_KB=40 for all of them). Every agent receives every status of
+the cluster; the figure says what that costs its ingest.
 
 Latency first, on an idle system: BENCH_RATE pushes per second for 5 s (open loop), push
 publish -> accepted status received by a subscriber (p50/p99). Then throughput: a burst of
@@ -22,6 +29,7 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -49,7 +57,27 @@ def pct(xs, p):
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
-def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True,
+FLOOD_KB = [int(x) for x in os.environ.get("BENCH_FLOOD_KB", "8,8,8,8,8,8,8,8,8,40").split(",")]
+
+
+def flood_payloads(n: int, ids: list) -> list[bytes]:
+    """A gateway's status flood: fake answers about ``ids``, their sizes in KiB taken in
+    turn from BENCH_FLOOD_KB (default: 8, every tenth 40)."""
+    import json
+
+    return [json.dumps({"v": 1, "job_id": ids[i % len(ids)], "run_id": "20261201T120000.000Z", "agent": "a0",
+                        "seq": i, "state": "accepted" if i % 2 else "succeeded", "push_sha256": "0" * 16,
+                        "pad": "x" * (FLOOD_KB[i % len(FLOOD_KB)] * 1000)}).encode() for i in range(n)]
+
+
+def agents_cpu_s(cl, names) -> float:
+    """CPU seconds (user + system) the agents' processes used so far."""
+    import psutil
+
+    return sum(sum(psutil.Process(cl.agents[a].pid).cpu_times()[:2]) for a in names)
+
+
+def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True, flood_statuses: int = 0,
         observe: Optional[Callable[[str, dict], None]] = None, agent_env: Optional[dict] = None) -> dict:
     """One run. ``observe(phase, info)`` is called at ready (info: the pids of the agents,
     etcd and mosquitto), paced_start, paced_end, burst_start and burst_end (blocking the
@@ -70,7 +98,9 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True,
                  extra={"mqtt": {"url": mq.url}, "signing": {"keys_file": keys}, "templates": TEMPLATES,
                         "bpf": {"enabled": False}}, env=env)
     topics = Topics("t")
-    col = StatusCollector(mq.url, "t").start()
+    names = [f"a{i}" for i in range(n_agents)]
+    # the cloud's view: the agents' own statuses (a gateway's flood is not the cloud's to parse)
+    col = StatusCollector(mq.url, "t", agents=tuple(names) if flood_statuses else None).start()
     arrived: dict[str, float] = {}
     lock = threading.Lock()
     orig = col._msg
@@ -84,7 +114,6 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True,
     col.link._on_message = on_msg
     pusher = MqttLink(MqttConfig(url=mq.url), "bench-pusher", clean_session=True, max_inflight=200)
     try:
-        names = [f"a{i}" for i in range(n_agents)]
         for n in names:
             cl.start(n)
         wait_for(lambda: cl.all_owned_by(set(names)) and len(set(cl.owners().values())) == n_agents, 60,
@@ -117,6 +146,16 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True,
         ids = [f"burst-{i}" for i in range(PUSHES)]
         payloads = [signed(job_doc(j, line=str(i % 100)), ring) for i, j in enumerate(ids)]
         flood = None
+        gw = None
+        if flood_statuses:
+            # the gateway is a process of its own (mosquitto_pub, one status per line): the
+            # bench's own process only pushes and collects, as the cloud would
+            lines = os.path.join(base, "flood.txt")
+            with open(lines, "wb") as fh:
+                fh.writelines(p + b"\n" for p in flood_payloads(flood_statuses, ids))
+            gw = subprocess.Popen(["mosquitto_pub", "-h", mq.host, "-p", str(mq.port), "-i", "bench-gw", "-q", "1",
+                                   "-t", topics.status("flood", "gw"), "-l"], stdin=open(lines, "rb"),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if junk:
             import random
 
@@ -136,6 +175,7 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True,
             flood = threading.Thread(target=flood_all, daemon=True)
             flood.start()
         observe("burst_start", {"pushes": PUSHES})
+        cpu0 = agents_cpu_s(cl, names)
         t0 = time.monotonic()
         for j, p in zip(ids, payloads):
             sent[j] = time.monotonic()
@@ -144,11 +184,15 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True,
         if flood is not None:
             flood.join(120)
             junker.stop()
+        if gw is not None:
+            gw.wait(300)
+        time.sleep(1.0)  # what the agents still had queued
+        cpu = (agents_cpu_s(cl, names) - cpu0) / n_agents
         t_last = max(arrived[j] for j in ids)
         burst_rate = PUSHES / (t_last - t0)
         burst_lat = [arrived[j] - sent[j] for j in ids]
         observe("burst_end", {"pushes": PUSHES, "per_s": burst_rate, "p99_ms": pct(burst_lat, 99) * 1000})
-        return {"agents": n_agents, "paho": "2.x" if paho2 else "1.6", "burst_per_s": burst_rate,
+        return {"agents": n_agents, "paho": "2.x" if paho2 else "1.6", "burst_per_s": burst_rate, "agent_cpu_s": cpu,
                 "burst_p99_ms": pct(burst_lat, 99) * 1000, "paced_rate": RATE,
                 "p50_ms": statistics.median(lat) * 1000, "p99_ms": pct(lat, 99) * 1000}
     finally:
@@ -180,9 +224,36 @@ def main_junk() -> int:
     return 0
 
 
+def main_flood() -> int:
+    n = int(os.environ.get("BENCH_FLOOD", "10000"))
+    global PUSHES
+    PUSHES = int(os.environ.get("BENCH_PUSHES", "500"))
+    print(f"status flood benchmark: burst of {PUSHES} valid pushes on 2 agents, quiet vs while a gateway publishes "
+          f"{n} statuses (8-40 KiB, fake answers) at full speed; cpus={os.cpu_count()} "
+          f"load={os.getloadavg()[0]:.1f}")
+    rounds = int(os.environ.get("BENCH_ROUNDS", "3"))  # alternated, so a shared machine's load hits both alike
+    quiet, noisy, cq, cf = [], [], [], []
+    for i in range(rounds):
+        q = run(2, False, paced=False)
+        f = run(2, False, paced=False, flood_statuses=n)
+        quiet.append(q["burst_per_s"])
+        noisy.append(f["burst_per_s"])
+        cq.append(q["agent_cpu_s"])
+        cf.append(f["agent_cpu_s"])
+        print(f"round {i + 1}: quiet {quiet[-1]:.0f}/s ({cq[-1]:.2f} s CPU per agent), flood {noisy[-1]:.0f}/s "
+              f"({cf[-1]:.2f} s CPU per agent) (load {os.getloadavg()[0]:.1f})", flush=True)
+    mq, mf = statistics.median(quiet), statistics.median(noisy)
+    print(f"median quiet: {mq:.0f} accepted+durable/s; median under the flood: {mf:.0f}/s; "
+          f"ratio {mf / mq:.2f}; CPU per agent {statistics.median(cq):.2f} s quiet, {statistics.median(cf):.2f} s "
+          f"with the flood  load={os.getloadavg()[0]:.1f}")
+    return 0
+
+
 def main() -> int:
     if "--junk" in sys.argv[1:]:
         return main_junk()
+    if "--flood" in sys.argv[1:]:
+        return main_flood()
     have2 = os.path.exists(os.path.join(PAHO2, "paho", "mqtt", "client.py"))
     if not have2:
         print("paho-mqtt 2.x not installed in .cache/paho2 (run `make paho2`): measuring 1.6 only")

@@ -1,18 +1,19 @@
 #!/usr/bin/env python3
-"""jobs/get benchmark: request -> answer latency over MQTT for BENCH_JOBS jobs (1,000) at
+"""jobs/get benchmark: signed request -> answer latency over MQTT for BENCH_JOBS jobs (1,000) at
 BENCH_RATE requests per second (200, open loop) for BENCH_SECONDS (10), two real agents,
 real etcd and mosquitto. Each request asks for one random job by id; the owner of its shard
-reads the job and its last runs from etcd and answers on the requester's reply topic.
+checks the signature, reads the job and its last runs from etcd and answers under its own
+prefix (agents/<id>/get/<correlation>). Then one signed filter over every job, followed
+page by page (mqtt.get_page_bytes each) to the end.
 
     /usr/bin/python3 bench/bench_jobs_get.py
 
-Prints p50/p99/max and how many requests were answered. The jobs are stored by pushing
-them (the real ingest path) before the measurement starts.
+Prints p50/p99/max and how many requests were answered, and the filter's pages and time.
+The jobs are stored by pushing them (the real ingest path) before the measurement starts.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -20,13 +21,13 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from agent.cloud.asking import Asker, query_doc  # noqa: E402
 from agent.cloud.mqtt import MqttLink  # noqa: E402
-from tests.support.cloudkit import TEMPLATES, StatusCollector, job_doc, signed, write_keys  # noqa: E402
+from tests.support.cloudkit import KID, TEMPLATES, StatusCollector, job_doc, signed, write_keys  # noqa: E402
 from agent.cloud.topics import Topics  # noqa: E402
 from agent.config import MqttConfig  # noqa: E402
 from agent.demo.services import EtcdServer, MosquittoServer  # noqa: E402
@@ -60,26 +61,27 @@ def main() -> int:
     sent: dict[str, float] = {}
     got: dict[str, float] = {}
     lock = threading.Lock()
-    reply = topics.get_reply_prefix + "bench"
 
-    def on_answer(msg):
-        t = time.monotonic()
-        link.ack(msg)
-        corr = json.loads(msg.payload).get("correlation")
-        with lock:
-            got.setdefault(corr, t)
+    class TimedAsker(Asker):
+        def _msg(self, msg):
+            t = time.monotonic()
+            super()._msg(msg)
+            with lock:
+                for corr, answers in self.answers.items():
+                    if answers:
+                        got.setdefault(corr, t)
 
-    link = MqttLink(MqttConfig(url=mq.url), "bench-get-" + uuid.uuid4().hex[:6], clean_session=True,
-                    on_message=on_answer, subscriptions=((reply, 1),), topic_kind=topics.kind, max_inflight=1000)
+    asker = TimedAsker(MqttConfig(url=mq.url), "t", ring, KID)
+    pusher = MqttLink(MqttConfig(url=mq.url), "bench-get-pusher", clean_session=True, max_inflight=1000)
     try:
         cl.start("b1")
         cl.start("b2")
         wait_for(lambda: cl.all_owned_by({"b1", "b2"}) and len(set(cl.owners().values())) == 2, 60, what="2 agents")
-        link.start()
-        assert link.wait_connected(10)
+        pusher.start()
+        assert pusher.wait_connected(10) and asker.start(10)
         ids = [f"get-{i:05d}" for i in range(JOBS)]
         for j in ids:
-            link.publish(topics.push, signed(job_doc(j), ring), 1)
+            pusher.publish(topics.push, signed(job_doc(j), ring), 1)
         wait_for(lambda: len({d["job_id"] for d in col.docs("accepted")}) >= JOBS, 300, 0.2, what="jobs stored")
         time.sleep(1.0)
         n = int(RATE * SECONDS)
@@ -90,23 +92,30 @@ def main() -> int:
             if delay > 0:
                 time.sleep(delay)
             corr = f"c{i}"
+            payload = asker.signed(query_doc("t", corr, job_id=random.choice(ids)))
             with lock:
                 sent[corr] = time.monotonic()
-            link.publish(topics.jobs_get, json.dumps({"v": 1, "correlation": corr, "reply_to": reply,
-                                                      "id": random.choice(ids)}).encode(), 0)
+            asker.link.publish(topics.jobs_get, payload, 1)  # open loop: no wait for the PUBACK
         send_rate = n / (time.monotonic() - t0)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and len(got) < n:
             time.sleep(0.1)
         lat = [got[c] - sent[c] for c in sent if c in got]
         load = os.getloadavg()
-        print(f"jobs/get: {JOBS} jobs, {n} requests at {send_rate:.0f}/s (asked {RATE:g}/s), 2 agents, 64 shards")
+        print(f"jobs/get: {JOBS} jobs, {n} signed requests at {send_rate:.0f}/s (asked {RATE:g}/s), 2 agents, 64 shards")
         print(f"  answered {len(lat)}/{n}; latency p50 {pct(lat, 50) * 1000:.1f} ms, p99 {pct(lat, 99) * 1000:.1f} ms, "
               f"max {max(lat) * 1000:.1f} ms")
+        t1 = time.monotonic()
+        listing = asker.list({}, timeout=120)
+        took = time.monotonic() - t1
+        sizes = [size for _, _, size in listing["pages"]]
+        print(f"  filter over every job: {len(listing['jobs'])} jobs in {len(sizes)} pages (largest {max(sizes)} bytes), "
+              f"{took:.2f}s, complete {listing['complete']}")
         print(f"  load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
         return 0 if len(lat) == n else 1
     finally:
-        link.stop()
+        asker.stop()
+        pusher.stop()
         col.stop()
         cl.close()
         for s in (mq, etcd):

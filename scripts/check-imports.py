@@ -34,7 +34,7 @@ PACKAGE = "agent"
 
 # Importable by every part: the package root (version constants), the typed config, and
 # the runtime leaves (agent/runtime/__init__.py).
-BASE = {"agent", "config", "runtime.loop", "runtime.metrics", "runtime.logs", "runtime.timefmt", "runtime.text",
+BASE = {"agent", "config", "configcheck", "runtime.loop", "runtime.metrics", "runtime.logs", "runtime.timefmt", "runtime.text",
         "runtime.recent", "runtime.kernel"}
 
 # part -> what it may import besides itself and BASE: parts ("jobs") or modules
@@ -51,8 +51,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "execute": set(),
     "signals": set(),
     "audit": set(),
-    "config": {"coordination.placement",        # labels and targets have one syntax check
-               "jobs.paramregex"},                # and template param regexes one backtracking check
+    "config": set(),                              # the sections and loading; configcheck validates
+    "configcheck": {"coordination.placement",   # labels and targets have one syntax check
+                    "jobs.paramregex"},           # and template param regexes one backtracking check
 }
 
 # A package's command module (agent/<package>/cli.py) may import agent.cli too: the

@@ -4,7 +4,10 @@ Modules: topics (names), link (the Link Protocol every part talks through), mqtt
 1.6/2.x implementation), ingest (the push/cancel pipeline), dispatch (routing messages from
 the link to ingest: ownership, grace holds, acknowledgements), outbox (durable status
 outbox), answers (answers kept in etcd until delivered, republished by the shard's owner),
-queries (jobs/get), presence (presence documents), component (wiring to the daemon). The daemon's factory is :func:`cloud_component`.
+facts (an answer rebuilt from etcd), peers (peers' statuses, bounded), queries (signed
+jobs/get), asking (its cloud side), ratelimit (token buckets), presence (presence
+documents), broker (the broker's ACL and settings), component (wiring to the daemon). The
+daemon's factory is :func:`cloud_component`. Threat model: docs/security.md.
 """
 
 

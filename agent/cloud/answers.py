@@ -20,12 +20,18 @@ statuses flow. Deleting needs no fence: it states a fact about the broker ("this
 act for the shard; a stale delete can at worst remove a marker whose twin was delivered.
 
 Before a status with a marker is first handed to paho, its marker is stamped ``handed``
-(:meth:`Answers.handing`). Every agent also sees the cluster's statuses on the broker
-(:meth:`Answers.saw`). The shard's owner sweeps its shards' markers (see :meth:`sweep`):
-one whose answer it saw is deleted (delivered); one whose writer is gone (no
-``members/<writer>`` key: kill -9, power loss) or that is older than ``republish_after_s``
-and not in its own outbox is published with ``"published_by": <its id>``: unmarked (the
-first answer) if it was never handed, or handed but certainly not seen; else marked
+(:meth:`Answers.handing`; a republished copy also stamps its ``published_by``). Every agent
+also sees the cluster's statuses on the broker (:meth:`Answers.saw`, fed by
+agent/cloud/peers.py), and believes a status delivered only for the agent whose topic it
+came on: an answer counts as delivered when it went out under the prefix of one of its
+marker's writers (the ``agent`` that decided it, the one that republished it:
+``published_by``), never because any other client said so. The shard's
+owner sweeps its shards' markers (see :meth:`sweep`): one whose answer it saw is deleted
+(delivered); one whose writer is gone (no ``members/<writer>`` key: kill -9, power loss)
+or that is older than ``republish_after_s`` and not in its own outbox is published with
+``"published_by": <its id>``, rebuilt from the fact it answers (agent/cloud/facts.py; a
+marker without one is deleted, counted ``unfounded`` and audited): unmarked (the first
+answer) if it was never handed, or handed but certainly not seen; else marked
 ``"redelivery": true``. So after a takeover the new owner publishes what the dead agent
 left undelivered, within a sweep, and the cloud gets exactly one unmarked answer.
 
@@ -51,15 +57,18 @@ from agent.jobs.view import read_prefix
 from agent.runtime.metrics import counter
 from agent.runtime.recent import RecentMemory
 
+from .facts import Unfounded, marker_writer, marker_writers, rebuild
+
 log = logging.getLogger("millwright.cloud.answers")
 
-MARKERS = counter("millwright_answers_total", "Durable answer markers by event (written, cleared, republished, "
-                  "expired)", ("event",))
+MARKERS = counter("millwright_answers_total", "Durable answer markers by event (written, handed, cleared, "
+                  "seen_delivered, republished, unfounded, expired)", ("event",))
 
 KEEP_S = 7 * 86400
 CLEAR_BATCH = 64
 CLEAR_LINGER_S = 0.25  # how long delivered markers wait for company before their delete
 SEEN_MAX = 200000
+MISSED_MAX = 4096
 SEEN_MARGIN_S = 1.0  # subscribe -> SUBACK, generously
 
 
@@ -137,23 +146,36 @@ class Answers:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._republished: dict[str, float] = {}   # marker key -> when we last enqueued it
-        # answers this agent saw on the broker (its status subscription): "<job>/<name>"
+        # answers this agent saw on the broker (its status subscription), by the agent whose
+        # topic carried them: "<agent>|<job>/<name>"
         self._seen: RecentMemory[str, bool] = RecentMemory(SEEN_MAX)
+        # agents some of whose statuses this agent did not read (peers.py dropped them): when
+        self._missed: RecentMemory[str, float] = RecentMemory(MISSED_MAX)
         self._seen_lock = threading.Lock()
         self.watching_since: Optional[float] = None  # wall time since which nothing was missed
 
     # --- status subscription (the link's thread) -------------------------------------------
-    def saw(self, payload: bytes) -> None:
-        """A status document went through the broker: its answer is delivered."""
+    def saw(self, agent: str, doc: dict) -> None:
+        """A status went through the broker under ``agent``'s prefix: if it answers a
+        marker ``agent`` wrote, that answer is delivered (peers.py's worker thread)."""
         try:
-            doc = json.loads(payload)
             name = answer_name(doc)
-        except (ValueError, AttributeError, TypeError):
+        except (AttributeError, TypeError):
             return
         if name is None or not isinstance(doc.get("job_id"), str):
             return
         with self._seen_lock:
-            self._seen.remember(doc["job_id"] + "/" + name, True)
+            self._seen.remember(f"{agent}|{doc['job_id']}/{name}", True)
+
+    def missed(self, agent: str) -> None:
+        """Some status of ``agent`` was not read (too large, over its rate, the queue full):
+        from now on, an answer of that writer that was not seen may still have been
+        delivered (as after a reconnect, but for that writer only)."""
+        now = time.time()
+        with self._seen_lock:
+            if len(self._missed) >= self._missed.limit and agent not in self._missed:
+                self.watching_since = now  # too many writers to tell apart: all of them
+            self._missed.remember(agent, now)
 
     def watching(self, connected: bool) -> None:
         """On every (re)connect: only answers written after it (plus a margin) can be known
@@ -162,13 +184,22 @@ class Answers:
         if connected:
             self.watching_since = time.time()
 
-    def _seen_or_known_missing(self, job_id: str, name: str, doc: dict, now: float) -> Optional[bool]:
-        """True: delivered. False: certainly not delivered (this agent has been subscribed
-        since well before the answer was written and did not see it). None: cannot tell."""
+    def _seen_or_known_missing(self, writers: tuple[str, ...], job_id: str, name: str, doc: dict,
+                               now: float) -> Optional[bool]:
+        """True: delivered (seen under the prefix of one of its writers: the agent that
+        decided it, the one that republished it). False: certainly not delivered (this
+        agent has been subscribed, and has read every status of those writers, since well
+        before the answer was written, and did not see it). None: cannot tell."""
+        if not writers:
+            return None
         with self._seen_lock:
-            if job_id + "/" + name in self._seen:
+            if any(f"{w}|{job_id}/{name}" in self._seen for w in writers):
                 return True
-        if self.watching_since is not None and _age_s(doc, now) < now - self.watching_since - SEEN_MARGIN_S:
+            since = self.watching_since
+            missed = [t for t in (self._missed.get(w) for w in writers) if t is not None]
+        if since is not None and missed:
+            since = max(since, *missed)
+        if since is not None and _age_s(doc, now) < now - since - SEEN_MARGIN_S:
             return False
         return None
 
@@ -321,13 +352,17 @@ class Answers:
         for kv in candidates:
             try:
                 doc = json.loads(kv.value)
-            except ValueError:
+            except (ValueError, RecursionError):
+                doc = None
+            rest = kv.key[len(self.keys.answers_prefix()):].split("/")
+            if not isinstance(doc, dict) or len(rest) != 3 or not rest[0].isdigit():
+                self._unfounded(kv.key, None, "bad_marker")
                 continue
-            writer = doc.get("agent")
+            shard, job_id, name = int(rest[0]), rest[1], rest[2]
+            writer = marker_writer(doc)
             last = self._republished.get(kv.key)
             mine = self.in_outbox(kv.key) or (last is not None and now - last < self.republish_after_s)
-            parts = kv.key.rsplit("/", 2)
-            seen = self._seen_or_known_missing(parts[1], parts[2], doc, now) if len(parts) == 3 else None
+            seen = self._seen_or_known_missing(marker_writers(doc), job_id, name, doc, now)
             what = decide(doc, writer in members, mine, _age_s(doc, now), self.republish_after_s, self.keep_s,
                           seen=bool(seen))
             if what == "delivered":
@@ -338,16 +373,27 @@ class Answers:
                 MARKERS.labels("expired").inc()
                 self.record("gap", source="answers", count=1, reason="answer_expired", key=kv.key)
             elif what == "republish":
-                out = dict(doc)
-                out.pop("seq", None)
-                handed = out.pop("handed", False)
-                if handed and seen is not False:
+                try:
+                    out = rebuild(self.client, self.keys, shard, job_id, name, doc)
+                except Unfounded as exc:
+                    self._unfounded(kv.key, job_id, exc.reason, writer)
+                    continue
+                if doc.get("handed") and seen is not False:
                     out["redelivery"] = True  # its writer may have delivered it: a re-publication
                 out["published_by"] = self.agent_id
                 self._republished[kv.key] = now
-                self.enqueue(doc.get("job_id"), out, kv.key)
+                self.enqueue(job_id, out, kv.key)
                 MARKERS.labels("republished").inc()
                 n += 1
         if n:
             log.info("answers republished after their writer was gone", extra={"fields": {"count": n}})
         return n
+
+    def _unfounded(self, key: str, job_id: Optional[str], reason: str, writer: Optional[str] = None) -> None:
+        """A marker that states no fact etcd holds (written by some etcd client, not by an
+        agent answering): deleted, never published; counted and audited."""
+        self.client.delete(key)
+        MARKERS.labels("unfounded").inc()
+        log.warning("answer marker without a fact behind it deleted unpublished",
+                    extra={"fields": {"key": key, "reason": reason, "writer": writer}})
+        self.record("job", event="answer_unfounded", job_id=job_id, key=key, reason=reason, writer=writer)

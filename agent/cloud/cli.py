@@ -1,5 +1,7 @@
 """`millwright push FILE`, `millwright cancel ID`: bind, sign, publish (QoS 1), print the status;
-`millwright keygen`: a new ed25519 signing pair.
+`millwright get ID|--state …`: a signed jobs/get query, every page of the answers;
+`millwright keygen`: a new ed25519 signing pair; `millwright broker acl`: the broker's
+per-cluster ACL and settings (agent/cloud/broker.py).
 
 Binding: the CLI adds ``cluster`` (from the config), ``kind`` and ``issued_at`` (now) when the
 document does not carry them, so what it signs is valid only in that cluster and only for
@@ -29,10 +31,18 @@ EXIT_ACCEPTED, EXIT_REJECTED, EXIT_USAGE, EXIT_NO_ANSWER, EXIT_BROKER = 0, 1, 2,
 
 def _config(args):
     from agent.config import load_config
+    from agent.configcheck import require_secure_mqtt
 
     if not os.path.exists(args.config):
         raise UserError(f"{args.config}: config file not found (use -c FILE)")
-    return load_config(args.config)
+    cfg = load_config(args.config)
+    require_secure_mqtt(cfg)  # plain or anonymous MQTT only with mqtt.insecure: true
+    if cfg.mqtt.username is not None and cfg.mqtt.username == cfg.agent_id:
+        # the broker makes a client's id its username: this connection would take over
+        # (and, being a clean session, discard) the agent's own session
+        raise UserError(f"{args.config}: mqtt.username is this agent's id ({cfg.agent_id}): push, cancel and get "
+                        "connect as a cloud user; use a config with a cloud user's credentials")
+    return cfg
 
 
 def _keyring(path: str, kid: str):
@@ -232,3 +242,81 @@ def cli_keygen(args) -> int:
     print("# add this to every agent's signing.keys_file (public key only):", file=sys.stderr)
     sys.stdout.write(entry)
     return 0
+
+
+def cli_get(args) -> int:
+    """Exit 0 answered (found / every page), 1 not found or refused, 3 no (complete) answer in
+    time, 4 broker unreachable, 2 usage."""
+    from agent.cloud.asking import Asker
+    from agent.cloud.topics import ID_RE
+
+    cfg = _config(args)
+    ring = _keyring(args.key_file, args.kid)
+    include = [i for spec in (args.include or []) for i in spec.split(",") if i]
+    bad_include = [i for i in include if i not in ("params", "stderr")]
+    if bad_include:
+        raise UserError(f"--include {bad_include[0]!r}: params or stderr")
+    flt = {k: v for k, v in (("state", args.state), ("template", args.template),
+                             ("updated_since", args.updated_since), ("limit", args.limit)) if v is not None}
+    if args.id is not None:
+        if flt:
+            raise UserError("give a job id or a filter (--state, --template, --updated-since, --limit), not both")
+        if not ID_RE.fullmatch(args.id) or args.id.startswith("."):
+            raise UserError(f"{args.id!r} is not a job id ([A-Za-z0-9._-]{{1,128}}, not starting with '.')")
+    asker = Asker(cfg.mqtt, cfg.cluster, ring, args.kid)
+    try:
+        if not asker.start(min(args.timeout, 10.0)):
+            raise UserError(f"cannot connect to the broker at {cfg.mqtt.url}", EXIT_BROKER)
+        try:
+            if args.id is not None:
+                return _print_one(asker.get(args.id, include, args.timeout), args)
+            return _print_list(asker.list(flt, include, args.timeout), args)
+        except OSError:
+            raise UserError(f"the broker at {cfg.mqtt.url} did not acknowledge the request", EXIT_BROKER) from None
+    finally:
+        asker.stop()
+
+
+def _print_one(ans: Optional[dict], args) -> int:
+    if ans is None:
+        print(f"no answer for {args.id} within {args.timeout:g}s (is the agent owning its shard connected?)",
+              file=sys.stderr)
+        return EXIT_NO_ANSWER
+    if args.json:
+        print(json.dumps(ans, indent=2, sort_keys=True))
+    if "error" in ans:
+        print(f"refused: {ans['error']}: {ans.get('detail', '')}", file=sys.stderr)
+        return EXIT_REJECTED
+    if not ans.get("found"):
+        if not args.json:
+            print(f"no job {args.id} (answered by {ans.get('agent')})")
+        return EXIT_REJECTED
+    if not args.json:
+        job = ans["job"]
+        print(f"{job['id']}  shard {job['shard']}  {job.get('template')}  {job['state']}  next due "
+              f"{job.get('next_due') or '-'}  (answered by {ans.get('agent')})")
+        for r in job.get("runs") or []:
+            print(f"  {r.get('fire_id')}  attempt {r.get('attempt')}  {r.get('state')}  {r.get('agent')}  "
+                  f"exit {r.get('exit_code')}  {r.get('reason') or ''}".rstrip())
+    return EXIT_ACCEPTED
+
+
+def _print_list(got: dict, args) -> int:
+    jobs = sorted(got["jobs"], key=lambda j: (j.get("shard", 0), str(j.get("id"))))
+    if args.json:
+        print(json.dumps({"jobs": jobs, "complete": got["complete"], "missing_shards": got["missing"],
+                          "pages": len(got["pages"])}, indent=2, sort_keys=True))
+    else:
+        for j in jobs:
+            print(f"{j.get('id')}  shard {j.get('shard')}  {j.get('template')}  {j.get('state')}  next due "
+                  f"{j.get('next_due') or '-'}")
+        print(f"{len(jobs)} job(s) in {len(got['pages'])} page(s)")
+    for e in got["errors"]:
+        print(f"refused by {e.get('agent')}: {e['error']}: {e.get('detail', '')}", file=sys.stderr)
+    if got["errors"]:
+        return EXIT_REJECTED
+    if not got["complete"]:
+        print(f"incomplete after {args.timeout:g}s: no answer for shard(s) "
+              f"{', '.join(map(str, got['missing'])) or 'unknown'}", file=sys.stderr)
+        return EXIT_NO_ANSWER
+    return EXIT_ACCEPTED

@@ -30,6 +30,7 @@ from .ingest import Ingest
 from .link import Link, Message
 from .mqtt import PAHO_VERSION, MqttLink
 from .outbox import Outbox, OutboxPublisher
+from .peers import PeerStatuses
 from .presence import presence_doc, will_doc
 from .queries import JobQueries
 from .topics import Topics
@@ -71,8 +72,11 @@ def load_keyring(path: str, record=None) -> KeyRing:
 
 class CloudComponent:
     def __init__(self, agent: Agent, workers: int = 2):
-        self.agent = agent
+        from agent.configcheck import require_secure_mqtt
+
         cfg = agent.cfg
+        require_secure_mqtt(cfg)  # plain or anonymous MQTT only with mqtt.insecure: true
+        self.agent = agent
         self.cfg = cfg
         m = cfg.mqtt
         self.topics = Topics(cfg.cluster, cfg.agent_id)
@@ -114,7 +118,12 @@ class CloudComponent:
                              cluster=cfg.cluster, max_age_s=m.max_age_s, outbox=self.outbox, record=agent.record,
                              notify=self._notify, answers=self.answers, members=self._members)
         self.queries = JobQueries(agent.client, agent.keys, cfg.shards, self.agent_id, self.topics, self.link,
-                                  owned, hold_s=cfg.etcd.lease_ttl_s + 5.0)
+                                  owned, hold_s=cfg.etcd.lease_ttl_s + 5.0, keyring=self.keyring,
+                                  cluster=cfg.cluster, max_age_s=m.get_max_age_s, max_skew_s=m.max_skew_s,
+                                  page_bytes=m.get_page_bytes,
+                                  report_unauthenticated=self.ingest.report_unauthenticated)
+        self.peers = PeerStatuses(self.topics, self.link, saw=self.answers.saw, missed=self.answers.missed,
+                                  record=lambda *a, **k: agent.loop.post(lambda: agent.record(*a, **k)))
         self.dispatcher = Dispatcher(self.ingest, self.link, self.topics, lambda: agent.owned_shards,
                                      m.ingest_grace_s, workers=workers)
         self.watch: Optional[PrefixWatch] = None
@@ -198,9 +207,8 @@ class CloudComponent:
             self.queries.on_message(msg)
         elif self.topics.kind(msg.topic) == "status":
             # every agent sees the cluster's answers on the broker: a dead peer's answer that
-            # was delivered is not published again (agent/cloud/answers.py)
-            self.link.ack(msg)
-            self.answers.saw(msg.payload)
+            # was delivered is not published again (answers.py); bounded per peer (peers.py)
+            self.peers.on_message(msg)
         else:
             self.dispatcher.on_message(msg)
 
@@ -212,6 +220,7 @@ class CloudComponent:
         self.publisher.start()
         self.dispatcher.start()
         self.answers.start()
+        self.peers.start()
         self.queries.start()
         threading.Thread(target=self._start_watch, name="mqtt-jobs-watch-start", daemon=True).start()
         self.link.start()
@@ -255,6 +264,7 @@ class CloudComponent:
                                    presence_doc(self.agent_id, "offline", "stopped"), 1, True, timeout=2.0)
         self.dispatcher.stop()
         self.queries.stop()
+        self.peers.stop()
         self.answers.stop()
         for w in (self.watch, self.answers_watch):
             if w is not None:
@@ -268,5 +278,6 @@ class CloudComponent:
         return {"connected": self.link.connected, "broker": f"{self.link.host}:{self.link.port}",
                 "client_id": self.link.client_id, "outbox_depth": self.outbox.depth,
                 "pending_pushes": self.dispatcher.pending, "paho": PAHO_VERSION,
-                "held_get_requests": self.queries.held,
+                "held_get_requests": self.queries.held, "queued_get_requests": self.queries.queued,
+                "queued_peer_statuses": self.peers.depth,
                 "keys": self.keyring.kids}

@@ -59,6 +59,7 @@ from agent.jobs.states import JobState, RecordState
 from agent.runtime.metrics import counter
 from agent.runtime.timefmt import now_rfc3339
 
+from .ratelimit import TokenBucket
 from .topics import ID_RE, Topics
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,8 @@ REJECTED = counter("millwright_mqtt_rejected_total", "Pushes and cancels refused
 INGESTED = counter("millwright_mqtt_ingested_total", "Pushes and cancels handled, by kind and result",
                    ("kind", "result"))
 UNAUTHENTICATED = counter("millwright_mqtt_unauthenticated_total",
-                          "Pushes and cancels dropped at once for failing size, JSON, signature or binding",
+                          "Pushes, cancels and jobs/get requests dropped at once for failing size, JSON, "
+                          "signature or binding",
                           ("kind", "reason"))
 UNAUTH_REPORTS_SUPPRESSED = counter("millwright_mqtt_unauthenticated_reports_suppressed_total",
                                     "Rejections of unauthenticated input not reported (rate limit)")
@@ -79,25 +81,6 @@ REPORTS_PER_S = 5.0      # reports of unauthenticated input (status + audit), pe
 REPORTS_BURST = 20.0
 # refused before (or by) the signature check: the sender is not known to be the cloud
 UNAUTHENTICATED_REASONS = frozenset({TOO_LARGE, BAD_JSON, UNSIGNED, UNKNOWN_KID, BAD_SIGNATURE, UNSUPPORTED_ALG})
-
-
-class TokenBucket:
-    """Thread-safe rate limit: take() is True while tokens last."""
-
-    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic):
-        self.rate, self.burst, self.clock = rate, burst, clock
-        self.tokens, self.at = burst, clock()
-        self.lock = threading.Lock()
-
-    def take(self) -> bool:
-        with self.lock:
-            now = self.clock()
-            self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
-            self.at = now
-            if self.tokens >= 1.0:
-                self.tokens -= 1.0
-                return True
-            return False
 
 
 def push_digest(payload: bytes) -> str:
@@ -211,14 +194,23 @@ class Ingest:
             return self._drop(kind, payload, exc.reason, responsible)
 
     def _drop(self, kind: str, payload: bytes, reason: str, responsible: Callable[[int], bool]) -> Outcome:
-        UNAUTHENTICATED.labels(kind, reason).inc()
         INGESTED.labels(kind, "dropped").inc()
+        return Outcome(kind, "dropped", None, reason, status=self.report_unauthenticated(kind, payload, reason,
+                                                                                         responsible))
+
+    def report_unauthenticated(self, kind: str, payload: bytes, reason: str,
+                               responsible: Callable[[int], bool]) -> Optional[dict]:
+        """Input that failed the envelope (``kind``: push, cancel or get): counted; reported,
+        reason only, on this agent's rejections topic and in the audit log when
+        ``responsible(shard of the payload digest)`` and the report rate allows. Returns
+        the report, if one was made."""
+        UNAUTHENTICATED.labels(kind, reason).inc()
         digest = push_digest(payload)
         if not responsible(shard_of(digest, self.shards)):
-            return Outcome(kind, "dropped", None, reason)
+            return None
         if not self.reports.take():
             UNAUTH_REPORTS_SUPPRESSED.inc()
-            return Outcome(kind, "dropped", None, reason)
+            return None
         REJECTED.labels(reason).inc()
         self.record("job", event="rejected_unauthenticated", kind=kind, reason=reason, push_sha256=digest,
                     agent=self.agent_id)
@@ -226,7 +218,7 @@ class Ingest:
                "ts": now_rfc3339(), "push_sha256": digest}
         if self.outbox is not None:
             self.outbox.enqueue(self.topics.rejections(), doc)
-        return Outcome(kind, "dropped", None, reason, status=doc)
+        return doc
 
     def _reject(self, kind: str, payload: bytes, job_id: Optional[str], reason: str, detail: str,
                 as_owner: bool) -> Outcome:

@@ -1,25 +1,42 @@
-"""``jobs/get``: the cloud asks what a job is doing (request/response, as AWS IoT Jobs ``get``).
+"""``jobs/get``: the cloud asks what jobs are doing (request/response, as AWS IoT Jobs ``get``),
+in signed requests, with bounded work, answered under the answering agent's own prefix.
 
-Request on ``millwright/<c>/jobs/get`` (QoS 0 or 1), JSON:
-``{"v":1, "correlation":"<≤128 chars>", "reply_to":"millwright/<c>/jobs/get/reply/<anything>",
-   "id":"<job id>"}`` or, instead of ``id``, ``"filter": {"state", "template", "updated_since",
-"limit"}``. The reply topic travels in the payload (MQTT 5's response topic and correlation
-data, done by hand so it works over MQTT 3.1.1 with paho 1.6). It must be under
-``jobs/get/reply/``: an agent never publishes a requester-chosen topic elsewhere (say,
-``jobs/push``). Without ``reply_to`` the answer goes to ``jobs/get/reply/<correlation>``.
+Request on ``millwright/<c>/jobs/get`` (QoS 0 or 1), a document signed like a cancel::
 
-Who answers: for an id, the agent that owns the job's shard, read from etcd (agent/jobs/view.py).
-Every agent holds an id request whose shard it does not own for up to ``hold_s`` (the lease
-TTL plus a margin): when the shard becomes its own meanwhile (a takeover), it answers then.
-So a request for a job whose owner just died is answered by the new owner after the
-takeover. (When ownership does not change, the held copies simply expire.) For a filter,
-each agent answers for the shards it owns, and says which (``shards``, ``shard_count``):
-the requester knows it has everything when the union covers all shards.
+    {"v":1, "cluster":"<c>", "kind":"query", "issued_at":"<RFC 3339>", "correlation":"<1-128 chars>",
+     "id":"<job id>"  |  "filter":{"state","template","updated_since","limit"},
+     "include":["params","stderr"]?, "cursor":"<a previous answer's next>"?, "sig":{...}}
 
-Answer: ``{"v":1, "correlation", "agent", "ts", "found", "job": {id, shard, template, state,
-next_due, accepted, cancelled, updated_at, runs[<=5], doc}}`` or, for a filter,
-``{"v":1, "correlation", "agent", "ts", "shards", "shard_count", "jobs": [...], "truncated"}``.
-Bad requests are answered ``{"error": "<reason>", "detail"}`` when there is a reply topic.
+Checked in this order: size (on the link's thread, before parsing), a bounded queue (the
+link's thread never waits: when full the new request is dropped), then in a worker the
+envelope of agent/jobs/envelope.py (JSON, signature, binding to this cluster and kind
+``query``), then the fields: ``issued_at`` at most ``mqtt.get_max_age_s`` old and
+``mqtt.max_skew_s`` ahead, a signed request already answered (a replay) is ignored, and
+the requests this agent reads etcd for are rate-limited (GET_RATE_PER_S by id,
+PAGE_RATE_PER_S pages of a filter). A request that fails the
+envelope gets no answer: it is counted, audited and reported (reason only, on the
+agent's ``rejected`` topic, rate-limited) by the owner of its digest's shard, like an
+unauthenticated push. An authenticated request with a bad field is answered
+``{"error", "detail"}`` by one agent (the owner of the correlation id's shard).
+
+Answers go to ``millwright/<c>/agents/<agent_id>/get/<correlation>``: under the answering
+agent's own prefix, never to a topic the requester names (the broker ACL lets an agent
+write nothing else). A requester subscribes to ``agents/+/get/<correlation>``.
+
+By id: the agent that owns the job's shard answers ``{"v":1, "correlation", "agent", "ts",
+"found", "job": {id, shard, template, state, next_due, accepted, cancelled, updated_at,
+runs[<=5], doc}}``. Every agent holds an id request whose shard it does not own for up to
+``hold_s`` (the lease TTL plus a margin): if the shard becomes its own meanwhile (a
+takeover), it answers then.
+
+By filter: each agent that owns shards answers one page for them: ``{"v":1, "correlation",
+"agent", "ts", "shards", "shard_count", "jobs": [...], "next": "<cursor>" | null}``, at
+most ``mqtt.get_page_bytes`` of JSON and GET_SCAN_MAX jobs read. The requester asks for
+the next page with the same signed filter and ``"cursor": <next>``; only the agent the
+cursor names answers it. It has everything when every agent's last page (``next`` null)
+is in and their ``shards`` cover ``0..shard_count-1``.
+
+A job's view carries its params and its runs' stderr tails only when ``include`` asks.
 """
 
 from __future__ import annotations
@@ -27,18 +44,32 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import queue
 import threading
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from agent.coordination.etcd import EtcdError, EtcdUnavailable
 from agent.coordination.keys import Keys, shard_of
 from agent.jobs import view
+from agent.jobs.envelope import (
+    KIND_QUERY,
+    SKEW,
+    TOO_OLD,
+    UNSUPPORTED_VERSION,
+    VERSION,
+    JobRejected,
+    authenticate,
+    bad,
+    field_name,
+)
 from agent.runtime.metrics import counter, histogram
+from agent.runtime.recent import RecentMemory
 
+from .ingest import push_digest
 from .link import Link, Message
+from .ratelimit import TokenBucket
 from .topics import ID_RE, Topics
 
 log = logging.getLogger("millwright.cloud.queries")
@@ -47,73 +78,163 @@ QUERIES = counter("millwright_jobs_get_total", "jobs/get requests by result", ("
 QUERY_SECONDS = histogram("millwright_jobs_get_seconds", "jobs/get arrival to answer",
                           buckets=(.002, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 10))
 
-MAX_PENDING = 20000
-FILTER_LIMIT = 1000
+MAX_REQUEST_BYTES = 8192
+QUEUE_MAX = 1000          # requests waiting for a worker
+MAX_HELD = 1000           # id requests held for a shard that may become this agent's
+# authenticated requests this agent reads etcd for, per second: a job by id (a few reads),
+# a page of a filter (up to GET_SCAN_MAX jobs); a request for a shard of another agent only
+# costs its place among the held ones
+GET_RATE_PER_S = 200.0
+GET_BURST = 1000.0
+PAGE_RATE_PER_S = 20.0
+PAGE_BURST = 100.0
+GET_SCAN_MAX = 2000       # jobs read for one page of a filter
+FILTER_LIMIT = 1000       # jobs in one page at most
+REPLAYS_MAX = 20000
+QUERY_KEYS = ("v", "cluster", "kind", "issued_at", "correlation", "id", "filter", "include", "cursor", "sig")
+FILTER_KEYS = ("state", "template", "updated_since", "limit")
+INCLUDE = ("params", "stderr")
 
 
 def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-class BadRequest(Exception):
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason, self.detail = reason, detail
+def _size(doc: Any) -> int:
+    return len(json.dumps(doc, separators=(",", ":"), ensure_ascii=False, default=str).encode())
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where one agent's next page of a filter starts: after ``job_id`` of ``shard``."""
+
+    agent: str
+    shard: int
+    job_id: str
+
+    def text(self) -> str:
+        return f"{self.agent}/{self.shard:04d}/{self.job_id}"
+
+    @staticmethod
+    def parse(text: Any, shards: int) -> "Cursor":
+        parts = text.split("/") if isinstance(text, str) else []
+        if len(parts) != 3 or not ID_RE.fullmatch(parts[0]) or not parts[1].isdigit() or \
+                not int(parts[1]) < shards or not ID_RE.fullmatch(parts[2]):
+            raise bad("cursor", "not a cursor of this cluster (pass an answer's `next` unchanged)")
+        return Cursor(parts[0], int(parts[1]), parts[2])
+
+
+@dataclass(frozen=True)
+class Query:
+    """A signed, bound, fresh jobs/get request."""
+
+    correlation: str
+    job_id: Optional[str]
+    filter: Optional[dict]
+    include: frozenset
+    cursor: Optional[Cursor]
+    digest: str
+
+
+def parse_query(payload: bytes, *, keyring: Any, cluster: str, shards: int, now: datetime, max_age_s: float,
+                max_skew_s: float, max_bytes: int = MAX_REQUEST_BYTES) -> Query:
+    """A jobs/get request, or JobRejected: ``bound`` False when it failed the envelope
+    (size, JSON, signature, cluster, kind), True for a bad field of an authentic request."""
+    doc = authenticate(payload, keyring=keyring, max_bytes=max_bytes, cluster=cluster, kind=KIND_QUERY, now=now)
+    try:
+        return _fields(doc, shards, now, max_age_s, max_skew_s, push_digest(bytes(payload)))
+    except JobRejected as exc:
+        exc.bound = True
+        raise
+
+
+def _fields(doc: dict, shards: int, now: datetime, max_age_s: float, max_skew_s: float, digest: str) -> Query:
+    if doc.get("v") != VERSION:
+        raise JobRejected(UNSUPPORTED_VERSION, f"v: this agent speaks version {VERSION}", "v")
+    unknown = [k for k in doc if k not in QUERY_KEYS]
+    if unknown:
+        hint = " (answers go to agents/<id>/get/<correlation>)" if unknown[0] == "reply_to" else ""
+        raise bad(field_name(unknown[0]), f"unknown key{hint}; a query has only: {', '.join(QUERY_KEYS)}")
+    issued = view.parse_time(doc.get("issued_at")) if isinstance(doc.get("issued_at"), str) else None
+    if issued is None:
+        raise bad("issued_at", "an RFC 3339 time with an offset is required (queries expire)")
+    ahead = (issued - now).total_seconds()
+    if ahead > max_skew_s:
+        raise JobRejected(SKEW, f"issued_at: {ahead:.0f} s ahead of this agent's clock (allowed: {max_skew_s:g} s)",
+                          "issued_at")
+    if -ahead > max_age_s:
+        raise JobRejected(TOO_OLD, f"issued_at: {-ahead:.0f} s old (allowed: {max_age_s:g} s)", "issued_at")
+    corr = doc.get("correlation")
+    if not isinstance(corr, str) or not 0 < len(corr) <= 128 or any(c in corr for c in "+#/\0"):
+        raise bad("correlation", "a string of 1-128 characters without + # / is required")
+    include = doc.get("include", [])
+    if not isinstance(include, list) or any(i not in INCLUDE for i in include):
+        raise bad("include", f"a list of {', '.join(INCLUDE)}")
+    job_id, flt, cursor = doc.get("id"), doc.get("filter"), doc.get("cursor")
+    if job_id is not None:
+        if flt is not None or cursor is not None:
+            raise bad("id", "a query asks by id or by filter (with its cursor), not both")
+        if not isinstance(job_id, str) or not ID_RE.fullmatch(job_id) or job_id.startswith("."):
+            raise bad("id", "not a job id")
+        return Query(corr, job_id, None, frozenset(include), None, digest)
+    flt = {} if flt is None else flt
+    if not isinstance(flt, dict) or set(flt) - set(FILTER_KEYS):
+        raise bad("filter", f"an object with {', '.join(FILTER_KEYS)}")
+    for k in ("state", "template", "updated_since"):
+        if k in flt and not isinstance(flt[k], str):
+            raise bad(f"filter.{k}", "must be a string")
+    if "updated_since" in flt and view.parse_time(flt["updated_since"]) is None:
+        raise bad("filter.updated_since", "an RFC 3339 time with an offset")
+    lim = flt.get("limit", FILTER_LIMIT)
+    if not isinstance(lim, int) or isinstance(lim, bool) or not 0 < lim <= FILTER_LIMIT:
+        raise bad("filter.limit", f"1..{FILTER_LIMIT} (jobs per page)")
+    return Query(corr, None, dict(flt, limit=lim), frozenset(include),
+                 Cursor.parse(cursor, shards) if cursor is not None else None, digest)
+
+
+def shaped(job: dict, include: frozenset) -> dict:
+    """A job's view as a query may see it: no params, no stderr tails unless included."""
+    out = dict(job)
+    if "params" not in include and isinstance(out.get("doc"), dict):
+        out["doc"] = {k: v for k, v in out["doc"].items() if k != "params"}
+    if "stderr" not in include and out.get("runs"):
+        out["runs"] = [{k: v for k, v in r.items() if k != "stderr_tail"} if isinstance(r, dict) else r
+                       for r in out["runs"]]
+    return out
+
+
+def fitted(job: dict, max_bytes: int) -> dict:
+    """``job`` within ``max_bytes`` of JSON: its runs' stderr tails, then its document, then
+    its runs and placement are left out (named in ``omitted``) until it fits."""
+    if _size(job) <= max_bytes:
+        return job
+    out = dict(job, runs=[{k: v for k, v in r.items() if k != "stderr_tail"} for r in job.get("runs") or []
+                          if isinstance(r, dict)], omitted=["stderr"])
+    for drop in ("doc", "runs", "placement"):
+        if _size(out) <= max_bytes:
+            return out
+        out.pop(drop, None)
+        out["omitted"] = out["omitted"] + [drop]
+    return out
 
 
 class Request:
-    __slots__ = ("correlation", "reply_to", "job_id", "filter", "received", "deadline", "shard")
+    __slots__ = ("query", "received", "deadline", "shard")
 
-    def __init__(self, correlation, reply_to, job_id, flt, received, deadline, shard):
-        self.correlation, self.reply_to, self.job_id, self.filter = correlation, reply_to, job_id, flt
-        self.received, self.deadline, self.shard = received, deadline, shard
-
-
-def parse_request(payload: bytes, topics: Topics, max_bytes: int = 8192) -> tuple[str, str, Optional[str], Optional[dict]]:
-    """(correlation, reply_to, job_id, filter). Raises BadRequest; the reply_to of a request
-    whose reply topic is unusable is ''."""
-    if len(payload) > max_bytes:
-        raise BadRequest("too_large", f"request is {len(payload)} bytes; the limit is {max_bytes}")
-    try:
-        doc = json.loads(payload)
-    except (ValueError, RecursionError):
-        raise BadRequest("bad_json", "request is not valid JSON") from None
-    if not isinstance(doc, dict):
-        raise BadRequest("bad_json", "request must be a JSON object")
-    corr = doc.get("correlation")
-    if not isinstance(corr, str) or not 0 < len(corr) <= 128 or any(c in corr for c in "+#/\0"):
-        raise BadRequest("bad_field", "correlation: a string of 1-128 characters without + # / is required")
-    reply = doc.get("reply_to", topics.get_reply(corr))
-    if not isinstance(reply, str) or not reply.startswith(topics.get_reply_prefix) or \
-            len(reply) > 512 or any(c in reply for c in "+#\0"):
-        raise BadRequest("bad_field", f"reply_to: must be a topic under {topics.get_reply_prefix}")
-    job_id = doc.get("id")
-    flt = doc.get("filter")
-    if job_id is not None:
-        if not isinstance(job_id, str) or not ID_RE.fullmatch(job_id) or job_id.startswith("."):
-            raise BadRequest("bad_field", "id: not a job id")
-        return corr, reply, job_id, None
-    if flt is None:
-        flt = {}
-    if not isinstance(flt, dict) or set(flt) - {"state", "template", "updated_since", "limit"}:
-        raise BadRequest("bad_field", "filter: an object with state, template, updated_since, limit")
-    for k in ("state", "template", "updated_since"):
-        if k in flt and not isinstance(flt[k], str):
-            raise BadRequest("bad_field", f"filter.{k}: must be a string")
-    if "updated_since" in flt and view.parse_time(flt["updated_since"]) is None:
-        raise BadRequest("bad_field", "filter.updated_since: an RFC 3339 time with an offset")
-    lim = flt.get("limit", FILTER_LIMIT)
-    if not isinstance(lim, int) or isinstance(lim, bool) or not 0 < lim <= FILTER_LIMIT:
-        raise BadRequest("bad_field", f"filter.limit: 1..{FILTER_LIMIT}")
-    return corr, reply, None, dict(flt, limit=lim)
+    def __init__(self, query: Query, received: float, deadline: float, shard: Optional[int]):
+        self.query, self.received, self.deadline, self.shard = query, received, deadline, shard
 
 
 class JobQueries:
     """Answers jobs/get from etcd. on_message runs on the link's thread and only queues;
-    ``threads`` workers do the etcd reads and publish the answers."""
+    ``threads`` workers check the requests, read etcd and publish the answers."""
 
     def __init__(self, client, keys: Keys, shards: int, agent_id: str, topics: Topics, link: Link,
-                 owned: Callable[[], frozenset], hold_s: float, threads: int = 2):
+                 owned: Callable[[], frozenset], hold_s: float, *, keyring: Any, cluster: str,
+                 max_age_s: float, max_skew_s: float, page_bytes: int,
+                 report_unauthenticated: Callable[[str, bytes, str, Callable[[int], bool]], Any],
+                 threads: int = 2, rate: Optional[TokenBucket] = None, page_rate: Optional[TokenBucket] = None,
+                 queue_max: int = QUEUE_MAX):
         self.client = client
         self.keys = keys
         self.shards = shards
@@ -122,8 +243,20 @@ class JobQueries:
         self.link = link
         self.owned = owned
         self.hold_s = hold_s
+        self.keyring = keyring
+        self.cluster = cluster
+        self.max_age_s = max_age_s
+        self.max_skew_s = max_skew_s
+        self.page_bytes = page_bytes
+        self.report_unauthenticated = report_unauthenticated
         self.nthreads = threads
-        self._q: "queue.Queue" = queue.Queue()
+        self.rate = rate or TokenBucket(GET_RATE_PER_S, GET_BURST)
+        self.page_rate = page_rate or TokenBucket(PAGE_RATE_PER_S, PAGE_BURST)
+        self.queue_max = queue_max
+        self._q: "collections.deque" = collections.deque()
+        self._cv = threading.Condition()
+        self._replays: RecentMemory[str, bool] = RecentMemory(REPLAYS_MAX)
+        self._replays_lock = threading.Lock()
         # held id requests by shard, and all of them in arrival order (deadlines increase)
         self._held: dict[int, "collections.deque[Request]"] = {}
         self._held_order: "collections.deque[Request]" = collections.deque()
@@ -145,8 +278,8 @@ class JobQueries:
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
         self._held_ev.set()
-        for _ in range(self.nthreads):
-            self._q.put(None)
+        with self._cv:
+            self._cv.notify_all()
         for t in self._threads:
             t.join(timeout)
 
@@ -154,80 +287,138 @@ class JobQueries:
     def held(self) -> int:
         return len(self._held_order)
 
+    @property
+    def queued(self) -> int:
+        return len(self._q)
+
     # --- link thread ----------------------------------------------------------------
     def on_message(self, msg: Message) -> None:
+        """Size, then the bounded queue; nothing else on the link's thread."""
         self.link.ack(msg)  # a query is not durable state: nothing to wait for
-        self._q.put(msg)
+        if len(msg.payload) > MAX_REQUEST_BYTES:
+            self.report_unauthenticated("get", msg.payload, "too_large", self._responsible)
+            QUERIES.labels("unauthenticated").inc()
+            return
+        with self._cv:
+            if len(self._q) >= self.queue_max:
+                full = True
+            else:
+                full = False
+                self._q.append(msg)
+                self._cv.notify()
+        if full:
+            QUERIES.labels("queue_full").inc()
+
+    def _responsible(self, shard: int) -> bool:
+        return shard in self.owned()
 
     # --- workers ----------------------------------------------------------------------
+    def _next(self) -> Optional[Any]:
+        with self._cv:
+            while not self._q and not self._stop.is_set():
+                self._cv.wait(1.0)
+            return None if self._stop.is_set() else self._q.popleft()
+
     def _work(self) -> None:
         while True:
-            item = self._q.get()
+            item = self._next()
             if item is None:
                 return
             try:
                 if isinstance(item, Request):
                     self._answer(item)
                 else:
-                    self._request(item)
+                    self.request(item)
             except Exception:
                 log.exception("jobs/get failed")
 
-    def _request(self, msg) -> None:
+    def request(self, msg: Message) -> None:
+        """One request from the link (a worker thread): checked, then answered or held."""
         try:
-            corr, reply, job_id, flt = parse_request(msg.payload, self.topics)
-        except BadRequest as exc:
+            q = parse_query(msg.payload, keyring=self.keyring, cluster=self.cluster, shards=self.shards,
+                            now=datetime.now(timezone.utc), max_age_s=self.max_age_s, max_skew_s=self.max_skew_s)
+        except JobRejected as exc:
+            if not exc.bound:
+                QUERIES.labels("unauthenticated").inc()
+                self.report_unauthenticated("get", msg.payload, exc.reason, self._responsible)
+                return
             QUERIES.labels("bad_request").inc()
-            bad_corr: Optional[str] = None
-            bad_reply: Optional[str] = None
-            try:
-                doc = json.loads(msg.payload)
-                if isinstance(doc, dict):
-                    bad_corr, bad_reply = doc.get("correlation"), doc.get("reply_to")
-            except (ValueError, RecursionError):
-                pass
-            if isinstance(bad_corr, str) and isinstance(bad_reply, str) \
-                    and bad_reply.startswith(self.topics.get_reply_prefix) \
-                    and not any(c in bad_reply for c in "+#\0") and shard_of(bad_corr, self.shards) in self.owned():
-                # one agent answers a bad request: the owner of the correlation id's shard
-                self._publish(bad_reply, {"v": 1, "correlation": bad_corr, "agent": self.agent_id, "ts": _now(),
-                                      "error": exc.reason, "detail": exc.detail})
+            self._bad_request(msg.payload, exc)
             return
-        shard = shard_of(job_id, self.shards) if job_id else None
-        self._answer(Request(corr, reply, job_id, flt, msg.received, msg.received + self.hold_s, shard))
+        with self._replays_lock:
+            replay = q.digest in self._replays
+            self._replays.remember(q.digest, True)
+        if replay:  # the same signed request again (a replay, or QoS 1 delivering it twice)
+            QUERIES.labels("replay").inc()
+            return
+        if q.cursor is not None and q.cursor.agent != self.agent_id:
+            QUERIES.labels("other_agents_cursor").inc()
+            return
+        shard = shard_of(q.job_id, self.shards) if q.job_id else None
+        owned = self.owned()
+        reads = shard in owned if q.job_id else bool(owned)  # else: held, or not this agent's to answer
+        if reads and not (self.rate if q.job_id else self.page_rate).take():
+            QUERIES.labels("rate_limited").inc()
+            return
+        self._answer(Request(q, msg.received, msg.received + self.hold_s, shard))
+
+    def _bad_request(self, payload: bytes, exc: JobRejected) -> None:
+        """An authentic request with a bad field: answered by the owner of its correlation
+        id's shard, when the correlation id itself is usable."""
+        try:
+            corr = json.loads(payload).get("correlation")
+        except (ValueError, RecursionError, AttributeError):
+            return
+        if not isinstance(corr, str) or not 0 < len(corr) <= 128 or any(c in corr for c in "+#/\0"):
+            return
+        if shard_of(corr, self.shards) in self.owned():
+            self._publish(corr, {"v": 1, "correlation": corr, "agent": self.agent_id, "ts": _now(),
+                                 "error": exc.reason, "detail": exc.detail})
 
     def _answer(self, req: Request) -> None:
+        q = req.query
         owned = self.owned()
-        if req.job_id is None:
+        if q.job_id is None:
             if not owned:
                 QUERIES.labels("no_shards").inc()
                 return
-            f = req.filter or {}
-            jobs = view.list_jobs(self.client, self.keys, self.shards, in_shards=owned, state=f.get("state"),
-                                  template=f.get("template"), updated_since=f.get("updated_since"),
-                                  limit=f.get("limit", FILTER_LIMIT) + 1)
-            lim = f.get("limit", FILTER_LIMIT)
-            self._reply(req, {"shards": sorted(owned), "shard_count": self.shards, "jobs": jobs[:lim],
-                              "truncated": len(jobs) > lim}, "list")
+            self._page(req, owned)
             return
         if req.shard not in owned:
             self._hold(req)
             return
         try:
-            job = view.get_job(self.client, self.keys, self.shards, req.job_id)
+            job = view.get_job(self.client, self.keys, self.shards, q.job_id)
         except (EtcdUnavailable, EtcdError):
             self._hold(req)  # try again shortly, within the request's time
             return
+        budget = self.page_bytes - 512  # the answer's own fields
+        if job is not None:
+            job = fitted(shaped(job, q.include), budget)
         self._reply(req, {"found": job is not None, "job": job}, "found" if job else "not_found")
 
+    def _page(self, req: Request, owned: frozenset) -> None:
+        q = req.query
+        f = q.filter or {}
+        head = {"shards": sorted(owned), "shard_count": self.shards, "jobs": [], "next": None}
+        budget = self.page_bytes - 512 - _size(head)
+        after = (q.cursor.shard, q.cursor.job_id) if q.cursor else None
+        jobs, nxt = view.list_page(self.client, self.keys, self.shards, owned, state=f.get("state"),
+                                   template=f.get("template"), updated_since=f.get("updated_since"), after=after,
+                                   limit=f.get("limit", FILTER_LIMIT), max_bytes=budget, scan_max=GET_SCAN_MAX,
+                                   shape=lambda v: fitted(shaped(v, q.include), budget))
+        head.update(jobs=jobs, next=Cursor(self.agent_id, *nxt).text() if nxt else None)
+        self._reply(req, head, "page")
+
     def _reply(self, req: Request, body: dict, result: str) -> None:
-        doc = {"v": 1, "correlation": req.correlation, "agent": self.agent_id, "ts": _now(), **body}
-        self._publish(req.reply_to, doc)
+        self._publish(req.query.correlation, {"v": 1, "correlation": req.query.correlation, "agent": self.agent_id,
+                                              "ts": _now(), **body})
         QUERIES.labels(result).inc()
         QUERY_SECONDS.observe(time.monotonic() - req.received)
 
-    def _publish(self, topic: str, doc: dict) -> None:
-        self.link.publish(topic, json.dumps(doc, separators=(",", ":"), ensure_ascii=False, default=str).encode(), 1)
+    def _publish(self, correlation: str, doc: dict) -> None:
+        payload = json.dumps(doc, separators=(",", ":"), ensure_ascii=False, default=str).encode()
+        self.link.publish(self.topics.get_reply(correlation, self.agent_id), payload, 1)
 
     # --- held requests ----------------------------------------------------------------------
     def _hold(self, req: Request) -> None:
@@ -236,23 +427,23 @@ class JobQueries:
             QUERIES.labels("not_owner").inc()
             return
         with self._held_lock:
-            self._held.setdefault(req.shard, collections.deque()).append(req)
+            self._held.setdefault(req.shard, collections.deque()).append(req)  # type: ignore[arg-type]
             self._held_order.append(req)
             self._held_ev.set()
-            while len(self._held_order) > MAX_PENDING:
+            while len(self._held_order) > MAX_HELD:
                 self._drop_oldest_locked()
                 QUERIES.labels("dropped").inc()
 
     def _drop_oldest_locked(self) -> None:
         r = self._held_order.popleft()
-        q = self._held.get(r.shard)
+        q = self._held.get(r.shard)  # type: ignore[arg-type]
         if q is not None:
             try:
                 q.remove(r)  # almost always its head
             except ValueError:
                 pass
             if not q:
-                del self._held[r.shard]
+                del self._held[r.shard]  # type: ignore[arg-type]
 
     def _recheck(self) -> None:
         """Every 0.1 s while requests are held: those whose shard became ours are answered,
@@ -282,5 +473,7 @@ class JobQueries:
             while self._held_order and self._held_order[0].deadline <= now:
                 self._drop_oldest_locked()
                 QUERIES.labels("not_owner").inc()
-        for r in ready:
-            self._q.put(r)
+        if ready:
+            with self._cv:
+                self._q.extend(ready)  # already admitted: past the queue's bound on purpose
+                self._cv.notify_all()

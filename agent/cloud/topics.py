@@ -1,9 +1,9 @@
 """Every MQTT topic name of the contract, in one place (``<c>`` is the cluster).
 
-Agents publish only under their own prefix ``millwright/<c>/agents/<agent_id>/``, so a
-broker ACL (``pattern write millwright/+/agents/%u/#``, see
-packaging/debian/examples/mosquitto-acl.conf) lets an agent write its own statuses and
-nobody else's. The cloud reads ``millwright/<c>/agents/+/status/+``.
+Agents publish only under their own prefix ``millwright/<c>/agents/<agent_id>/`` (their
+statuses, rejections, presence, audit checkpoints and jobs/get answers), so a broker ACL
+(agent/cloud/broker.py, packaging/debian/examples/mosquitto-acl.conf) lets an agent write
+its own and nobody else's. The cloud reads ``millwright/<c>/agents/+/status/+``.
 
 Nothing outside this module builds a topic string: other code asks a :class:`Topics`.
 """
@@ -36,13 +36,8 @@ class Topics:
         self.push = self.base + "jobs/push"
         self.cancel = self.base + "jobs/cancel"
         self.agents_prefix = self.base + "agents/"
-        # jobs/get: requests; answers go to the reply topic the request names, under this prefix
+        # jobs/get: signed requests; each agent answers under its own prefix (get_reply)
         self.jobs_get = self.base + "jobs/get"
-        self.get_reply_prefix = self.base + "jobs/get/reply/"
-
-    def get_reply(self, correlation: str) -> str:
-        """The default reply topic of a jobs/get request."""
-        return self.get_reply_prefix + correlation
 
     # --- what an agent publishes (its own prefix) ---------------------------------------
     def agent_prefix(self, agent_id: Optional[str] = None) -> str:
@@ -66,6 +61,11 @@ class Topics:
     def checkpoint(self, agent_id: Optional[str] = None) -> str:
         return self.agent_prefix(agent_id) + "audit/checkpoint"
 
+    def get_reply(self, correlation: str, agent_id: Optional[str] = None) -> str:
+        """Where ``agent_id`` answers the jobs/get request ``correlation``: never a topic
+        the requester names."""
+        return self.agent_prefix(agent_id) + "get/" + correlation
+
     # --- what the cloud subscribes to -----------------------------------------------------
     def status_filter(self) -> str:
         """Every agent's statuses of every job."""
@@ -80,6 +80,10 @@ class Topics:
 
     def presence_filter(self) -> str:
         return self.agents_prefix + "+/presence"
+
+    def get_reply_filter(self, correlation: Optional[str] = None) -> str:
+        """Every agent's answers to one jobs/get request (or to all of them)."""
+        return self.agents_prefix + "+/get/" + (correlation or "+")
 
     def agent_of(self, topic: str) -> Optional[str]:
         """The agent id of a topic under agents/<id>/, else None."""
@@ -97,12 +101,12 @@ class Topics:
             return "cancel"
         if topic == self.jobs_get:
             return "get"
-        if topic.startswith(self.get_reply_prefix):
-            return "get_reply"
         if topic.startswith(self.agents_prefix):
             rest = topic[len(self.agents_prefix):].split("/", 1)[-1]
             if rest.startswith("status/"):
                 return "status"
+            if rest.startswith("get/"):
+                return "get_reply"
             if rest == "rejected":
                 return "rejected"
             if rest == "presence":

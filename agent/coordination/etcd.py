@@ -231,18 +231,21 @@ class EtcdClient:
         return out, rev
 
     def range_pages(self, prefix: str, keys_only: bool = False, revision: int = 0,
-                    timeout: Optional[float] = None, page: int = PAGE_KEYS):
-        """Yield (kvs, revision) pages of a prefix in key order.
+                    timeout: Optional[float] = None, page: int = PAGE_KEYS, start: Optional[str] = None):
+        """Yield (kvs, revision) pages of a prefix in key order (from ``start``, a key
+        under the prefix, when given: a paged reader continues where it stopped).
 
         Each page is one Range request with a limit; the next starts just after the last
         key returned (key + NUL) at the same revision. The limit adapts so a page stays
         near PAGE_BYTES (values differ in size: run records ~0.6 KB, jobs up to 64 KiB),
         and is halved when etcd or gRPC refuses a response as too large."""
-        start = prefix.encode()
-        end = etcd_utils.increment_last_byte(start)
+        if start is not None and not start.startswith(prefix):
+            raise ValueError("range_pages: start must be a key under the prefix")
+        start_key = (start or prefix).encode()
+        end = etcd_utils.increment_last_byte(prefix.encode())
         limit = max(1, page)
         while True:
-            def fn(c, t, key=start, lim=limit, rev=revision):
+            def fn(c, t, key=start_key, lim=limit, rev=revision):
                 # no sort order: keys come in key order anyway, and a sorted range makes
                 # etcd read the whole range before applying the limit
                 req = rpc.RangeRequest(key=key, range_end=end, keys_only=keys_only, revision=rev, limit=lim)
@@ -261,7 +264,7 @@ class EtcdClient:
             yield kvs, revision
             if not more or not kvs:
                 return
-            start = kvs[-1].key.encode() + b"\0"
+            start_key = kvs[-1].key.encode() + b"\0"
             if size > PAGE_BYTES:
                 limit = max(1, int(limit * PAGE_BYTES / size))
             elif size < PAGE_BYTES // 4 and limit < page:

@@ -502,9 +502,11 @@ class AgentProcess:
         self.agent_id = agent_id
         self.dir = os.path.join(base_dir, agent_id)
         os.makedirs(self.dir, exist_ok=True)
+        # the demo's and the tests' brokers are plain and anonymous on loopback: allowed only
+        # with mqtt.insecure (a config that secures its broker connection keeps it false)
         cfg: dict[str, Any] = {"agent_id": agent_id, "state_dir": os.path.join(self.dir, "state"),
                "admin": {"socket": os.path.join(self.dir, "admin.sock")},
-               "metrics": {"listen": ""},
+               "metrics": {"listen": ""}, "mqtt": {"insecure": True},
                "audit": {"dir": os.path.join(self.dir, "audit"), "key_file": os.path.join(self.dir, "audit.key")}}
         for k, v in config.items():
             if isinstance(v, dict) and isinstance(cfg.get(k), dict):

@@ -1,10 +1,10 @@
-"""The envelope of a cloud document (job or cancel): the checks made before anything an
-unauthenticated sender controls is read, and the rejection they raise.
+"""The envelope of a cloud document (job, cancel or jobs/get query): the checks made
+before anything an unauthenticated sender controls is read, and the rejection they raise.
 
  1. size (too_large)             2. JSON (bad_json): strict, bounded nesting
  3. signature (unsigned, unknown_kid, bad_signature, unsupported_alg, key_retired)
- 4. binding: ``cluster`` equals the agent's (wrong_cluster), ``kind`` is ``job`` or
-    ``cancel`` as expected (wrong_kind)
+ 4. binding: ``cluster`` equals the agent's (wrong_cluster), ``kind`` is ``job``,
+    ``cancel`` or ``query`` as expected (wrong_kind)
 
 :func:`authenticate` runs exactly these steps (the ingest screen, on arrival);
 agent/jobs/document.py runs them first and then reads the fields. Every refusal is a
@@ -52,6 +52,7 @@ REASONS = (
 
 KIND_JOB = "job"
 KIND_CANCEL = "cancel"
+KIND_QUERY = "query"  # a jobs/get request (agent/cloud/queries.py)
 
 MAX_DEPTH = 16
 
@@ -238,7 +239,7 @@ def authenticate(payload: Union[bytes, str, dict], *, keyring: Optional[KeyRing]
     Returns the decoded document; raises JobRejected (``bound`` False)."""
     try:
         doc = decode(payload, max_bytes)
-        verify_signature(doc, keyring, now, "document" if kind == KIND_JOB else "cancel")
+        verify_signature(doc, keyring, now, "document" if kind == KIND_JOB else kind)
         check_binding(doc, cluster, kind)
         return doc
     except JobRejected:

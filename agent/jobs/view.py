@@ -7,7 +7,8 @@ time is recomputed with the scheduler's own deterministic functions (agent/jobs/
 from the stored ``_accepted.at`` and the latest run record, which is what the shard's owner
 arms its timer with.
 
-Listings read etcd in pages (``EtcdClient.range_pages``), each prefix at one revision.
+Listings read etcd in pages (``EtcdClient.range_pages``), each prefix at one revision;
+:func:`list_page` is one bounded page of a listing (jobs/get answers a filter with it).
 """
 
 from __future__ import annotations
@@ -231,3 +232,74 @@ def list_jobs(client, keys: Keys, shards: int, in_shards: Optional[Iterable[int]
             if limit is not None and len(out) >= limit:
                 return out
     return out
+
+
+def _latest_between(client, keys: Keys, shard: int, first: str, last: str) -> dict[str, dict]:
+    """The latest run record (latest/<shard>/<job>) of every job whose id is in [first, last]."""
+    prefix = keys.latest_prefix(shard)
+    stop = keys.latest(shard, last)
+    out: dict[str, dict] = {}
+    for kvs, _ in client.range_pages(prefix, start=keys.latest(shard, first), page=64):
+        for kv in kvs:
+            if kv.key > stop:
+                return out
+            try:
+                out[kv.key[len(prefix):]] = json.loads(kv.value)
+            except ValueError:
+                continue
+    return out
+
+
+def list_page(client, keys: Keys, shards: int, in_shards: Iterable[int], *, state: Optional[str] = None,
+              template: Optional[str] = None, updated_since: Optional[str] = None,
+              after: Optional[tuple[int, str]] = None, limit: int = 1000, max_bytes: Optional[int] = None,
+              scan_max: Optional[int] = None, shape=lambda v: v, batch: int = 64) -> tuple[list[dict], Optional[tuple[int, str]]]:
+    """One page of :func:`list_jobs` for a reader that must bound its work and its answer:
+    the matching views of the jobs in ``in_shards``, in (shard, id) order, strictly after
+    ``after`` (shard, job id); at most ``limit`` views, at most ``max_bytes`` of their
+    JSON (after ``shape``), and at most ``scan_max`` jobs read. Returns the views and where
+    the next page starts (the last job read or included), or None when the shards are done.
+
+    Reads each job's state from its ``latest/`` copy (one key per job, in the same order as
+    ``jobs/``), so a page costs the jobs it reads, never the whole shard's run records."""
+    since = parse_time(updated_since) if updated_since else None
+    now = datetime.now(timezone.utc)
+    members = read_members(client, keys)
+    out: list[dict] = []
+    used = 2
+    scanned = 0
+    last: Optional[tuple[int, str]] = None
+    for shard in sorted(s for s in in_shards if after is None or s >= after[0]):
+        prefix = keys.jobs_prefix(shard)
+        start = keys.job(shard, after[1]) + "\0" if after is not None and shard == after[0] else None
+        for kvs, _ in client.range_pages(prefix, start=start, page=batch):
+            docs = []
+            for kv in kvs:
+                try:
+                    docs.append((kv.key[len(prefix):], json.loads(kv.value)))
+                except ValueError:
+                    docs.append((kv.key[len(prefix):], None))
+            if not docs:
+                continue
+            latest = _latest_between(client, keys, shard, docs[0][0], docs[-1][0])
+            for job_id, d in docs:
+                if scan_max is not None and scanned >= scan_max:
+                    return out, last
+                scanned += 1
+                if not isinstance(d, dict) or (template is not None and d.get("template") != template):
+                    last = (shard, job_id)
+                    continue
+                rec = latest.get(job_id)
+                v = view(d, shard, [rec] if rec else [], 1, now, members)
+                if (state is not None and v["state"] != state) or \
+                        (since is not None and (parse_time(v["updated_at"]) or now) < since):
+                    last = (shard, job_id)
+                    continue
+                v = shape(v)
+                size = len(json.dumps(v, separators=(",", ":"), ensure_ascii=False, default=str).encode()) + 1
+                if out and (len(out) >= limit or (max_bytes is not None and used + size > max_bytes)):
+                    return out, last
+                out.append(v)
+                used += size
+                last = (shard, job_id)
+    return out, None

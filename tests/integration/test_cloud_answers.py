@@ -16,8 +16,8 @@ import uuid
 import pytest
 import yaml
 
+from agent.cloud.asking import Asker
 from agent.cloud.ingest import push_digest
-from agent.cloud.mqtt import MqttLink
 from tests.support.cloudkit import KID, TEMPLATES, job_doc, signed
 from agent.config import MqttConfig
 from agent.coordination.keys import shard_of
@@ -41,43 +41,11 @@ def world(etcd_server, mosquitto_server, tmp_path):
     w.close()
 
 
-class Asker:
-    """A cloud-side jobs/get client: its own reply topic, answers by correlation id."""
-
-    def __init__(self, url: str):
-        self.reply = T.get_reply_prefix + "asker-" + uuid.uuid4().hex[:8]
-        self.answers: dict[str, list] = {}
-        self.cond = threading.Condition()
-        self.link = MqttLink(MqttConfig(url=url), "asker-" + uuid.uuid4().hex[:8], clean_session=True,
-                             on_message=self._msg, subscriptions=((self.reply, 1),), topic_kind=T.kind)
-        self.link.start()
-        assert self.link.wait_connected(10)
-        time.sleep(0.2)
-
-    def _msg(self, msg):
-        self.link.ack(msg)
-        doc = json.loads(msg.payload)
-        with self.cond:
-            self.answers.setdefault(doc.get("correlation"), []).append((time.monotonic(), doc))
-            self.cond.notify_all()
-
-    def ask(self, **req) -> str:
-        corr = uuid.uuid4().hex
-        self.link.publish(T.jobs_get, json.dumps({"v": 1, "correlation": corr, "reply_to": self.reply, **req}).encode(), 1)
-        return corr
-
-    def wait(self, corr: str, n: int = 1, timeout: float = 30.0) -> list:
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while len(self.answers.get(corr, [])) < n:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self.cond.wait(left)
-            return list(self.answers.get(corr, []))
-
-    def stop(self):
-        self.link.stop()
+def asker(world) -> Asker:
+    """A cloud-side jobs/get client signing with the cluster's key."""
+    a = Asker(MqttConfig(url=world.mq.url), "t", world.ring, KID)
+    assert a.start(10), "the asker could not connect"
+    return a
 
 
 def _two_agents(world):
@@ -224,54 +192,90 @@ def test_final_status_reaches_the_cloud_from_a_peer(world):
 
 
 def test_jobs_get_answers_and_waits_for_a_takeover(world):
-    """Acceptance 3 (behaviour): the owner answers; a job on a shard being taken over is
-    answered by the new owner after the takeover; filters answer per owned shards."""
+    """Acceptance 3 (behaviour): the owner answers, under its own prefix; a job on a shard
+    being taken over is answered by the new owner after the takeover; filters answer per
+    owned shards; params only when the signed query asks for them."""
     a1, a2 = _two_agents(world)
     owners = world.cluster.owners()
     on1 = _ids_on(owners, "a1", "get1", 3)
     on2 = _ids_on(owners, "a2", "get2", 3)
     pusher = Pusher(world.mq.url, "get-pusher")
-    asker = Asker(world.mq.url)
+    ask = asker(world)
     try:
         for j in on1 + on2:
             pusher.push(signed(job_doc(j), world.ring))
         assert world.col.wait(lambda m: set(on1 + on2) <= {d["job_id"] for d in world.col.docs("accepted")}, 30)
-        corr = asker.ask(id=on2[0])
-        (_, ans), = asker.wait(corr)
+        ans = ask.get(on2[0])
         assert ans["found"] and ans["agent"] == "a2" and ans["job"]["id"] == on2[0]
         assert ans["job"]["state"] == "scheduled" and ans["job"]["next_due"] == ans["job"]["doc"]["schedule"]["at"]
-        assert "sig" not in ans["job"]["doc"] and ans["job"]["doc"]["params"] == {"line": "3"}
-        corr = asker.ask(id="no-such-job")
-        owner = owners[shard_of("no-such-job", SHARDS)]
-        (_, ans), = asker.wait(corr)
-        assert ans["found"] is False and ans["agent"] == owner
-        corr = asker.ask(filter={"template": "flush"})
-        got = asker.wait(corr, n=2)
-        assert {d["agent"] for _, d in got} == {"a1", "a2"}
-        assert sorted(s for _, d in got for s in d["shards"]) == list(range(SHARDS))
-        assert {j["id"] for _, d in got for j in d["jobs"]} == set(on1 + on2)
-        got = asker.wait(asker.ask(filter={"state": "running"}), n=2)
-        assert len(got) == 2 and all(not d["jobs"] for _, d in got)
+        assert "sig" not in ans["job"]["doc"] and "params" not in ans["job"]["doc"]
+        assert ask.get(on2[0], include=["params"])["job"]["doc"]["params"] == {"line": "3"}
+        ans = ask.get("no-such-job")
+        assert ans["found"] is False and ans["agent"] == owners[shard_of("no-such-job", SHARDS)]
+        got = ask.wait(ask.ask(flt={"template": "flush"}), n=2)
+        assert {agent for agent, _, _ in got} == {"a1", "a2"}
+        assert sorted(s for _, d, _ in got for s in d["shards"]) == list(range(SHARDS))
+        assert {j["id"] for _, d, _ in got for j in d["jobs"]} == set(on1 + on2)
+        assert all(d["next"] is None for _, d, _ in got)
+        got = ask.wait(ask.ask(flt={"state": "running"}), n=2)
+        assert len(got) == 2 and all(not d["jobs"] for _, d, _ in got)
+        assert ask.forged == 0
 
         a1.kill()
         t_kill = time.monotonic()
-        corr = asker.ask(id=on1[0])  # its shard's owner is dead: answered after the takeover
-        got = asker.wait(corr, timeout=40)
+        corr = ask.ask(job_id=on1[0])  # its shard's owner is dead: answered after the takeover
+        got = ask.wait(corr, timeout=40)
         shard = shard_of(on1[0], SHARDS)
         assert got, (f"no answer after the takeover ({time.monotonic() - t_kill:.1f}s after the kill; the agents "
                      f"hold a request lease TTL + 5 s): shard {shard} is owned by "
                      f"{world.cluster.owners().get(shard)!r} now; load {os.getloadavg()[0]:.1f}; a2's log tail:\n"
                      + "\n".join(a2.log_text().splitlines()[-30:]))
-        t_ans, ans = got[0]
-        assert ans["agent"] == "a2" and ans["found"] and ans["job"]["id"] == on1[0]
+        agent, ans, _ = got[0]
+        t_ans = time.monotonic()
+        assert agent == "a2" and ans["found"] and ans["job"]["id"] == on1[0]
         assert world.cluster.owners()[shard_of(on1[0], SHARDS)] == "a2"
-        bad = asker.ask(id="../etc")
-        assert asker.wait(bad, timeout=10)[0][1]["error"] == "bad_field"
-        print(f"\njobs/get for a job on a dead agent's shard answered by a2 {t_ans - t_kill:.2f}s after the kill "
+        assert ask.get("../etc")["error"] == "bad_field"
+        print(f"\njobs/get for a job on a dead agent's shard answered by a2 within {t_ans - t_kill:.2f}s of the kill "
               f"(lease TTL 4 s); load {os.getloadavg()[0]:.1f}")
     finally:
-        asker.stop()
+        ask.stop()
         pusher.stop()
+
+
+def test_an_unsigned_jobs_get_gets_no_answer(world):
+    """Issue 34, acceptance 3: a jobs/get that is unsigned, signed with another key, or bound
+    to another cluster gets no answer from any agent (it is counted, audited and reported on
+    an agent's `rejected` topic); the same question signed is answered."""
+    from agent.cloud.asking import query_doc
+    from agent.jobs.signing import KeyRing, generate_hmac_secret, sign
+
+    _two_agents(world)
+    other = KeyRing.from_mapping({KID: {"alg": "hmac-sha256", "secret": generate_hmac_secret()}})
+    ask = asker(world)
+    try:
+        tries = {"unsigned": json.dumps(query_doc("t", "q-unsigned", flt={})).encode(),
+                 "bad_signature": json.dumps(sign(query_doc("t", "q-forged", flt={}), other, KID)).encode(),
+                 "wrong_cluster": ask.signed(query_doc("plant-b", "q-elsewhere", flt={})),
+                 "wrong_kind": ask.signed(dict(query_doc("t", "q-kind", flt={}), kind="job"))}
+        for payload in tries.values():
+            assert ask.send(payload)
+        signed_corr = ask.ask(flt={})
+        assert len(ask.wait(signed_corr, n=2, timeout=30)) == 2  # both agents answer the signed one
+        time.sleep(1.0)  # the unsigned ones went in first: had anyone answered, it would be here
+        with ask.cond:
+            assert set(ask.answers) == {signed_corr}, sorted(ask.answers)
+        digests = {push_digest(p): reason for reason, p in tries.items()}
+        assert world.col.wait(lambda m: {d.get("push_sha256") for _, t, d in m if T.kind(t) == "rejected"
+                                         and d.get("kind") == "get"} >= set(digests), 20)
+        for _, t, d in world.col.messages:
+            if T.kind(t) == "rejected" and d.get("push_sha256") in digests:
+                assert d["reason"] == digests[d["push_sha256"]] and set(d) == {"v", "state", "kind", "reason", "agent",
+                                                                                 "ts", "push_sha256", "seq"}, d
+        wait_for(lambda: {r.get("push_sha256") for r in world.cluster.audit() if r.get("kind") == "get"
+                          and r.get("event") == "rejected_unauthenticated"} >= set(digests), 20,
+                 what="an audit record of each unauthenticated jobs/get")
+    finally:
+        ask.stop()
 
 
 def test_cli_jobs_runs_logs_against_a_running_cluster(world, tmp_path):
@@ -355,8 +359,9 @@ def test_cli_jobs_runs_logs_against_a_running_cluster(world, tmp_path):
 
 
 def test_answer_markers_sweep_clear_and_bound(etcd_server):
-    """Answers against a real etcd: the owner republishes a dead writer's marker once, a
-    delivered marker is deleted, and a marker older than keep_s is dropped (the bound)."""
+    """Answers against a real etcd: the owner republishes a dead writer's marker once,
+    rebuilt from the fact it answers; a marker without a fact is deleted unpublished and
+    audited; a delivered marker is deleted; a marker older than keep_s is dropped (the bound)."""
     from agent.cloud.answers import Answers, marker_value
     from agent.config import EtcdConfig
     from agent.coordination.etcd import EtcdClient
@@ -367,26 +372,52 @@ def test_answer_markers_sweep_clear_and_bound(etcd_server):
     client.put(keys.member("alive"), "{}")
     now = time.time()
     ts = lambda dt: time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime(now - dt))  # noqa: E731
-    docs = {"dead": {"job_id": "j1", "state": "accepted", "agent": "gone", "ts": ts(1)},
+    docs = {"dead": {"job_id": "j1", "state": "accepted", "agent": "gone", "ts": ts(1), "push_sha256": "0123456789abcdef"},
             "handed": {"job_id": "j5", "state": "accepted", "agent": "gone", "ts": ts(1), "handed": True},
             "alive": {"job_id": "j2", "state": "accepted", "agent": "alive", "ts": ts(1)},
             "old": {"job_id": "j3", "state": "failed", "agent": "gone", "ts": ts(3600)},
-            "other_shard": {"job_id": "j4", "state": "accepted", "agent": "gone", "ts": ts(1)}}
-    shard_of_name = {"dead": 1, "handed": 1, "alive": 1, "old": 2, "other_shard": 5}
+            "other_shard": {"job_id": "j4", "state": "accepted", "agent": "gone", "ts": ts(1)},
+            "forged": {"job_id": "j7", "state": "accepted", "agent": "gone", "ts": ts(1)},
+            "not_its_writer": {"job_id": "j8", "state": "accepted", "agent": "gone", "ts": ts(1)}}
+    shard_of_name = {"dead": 1, "handed": 1, "alive": 1, "old": 2, "other_shard": 5, "forged": 1, "not_its_writer": 1}
     for name, d in docs.items():
         client.put(keys.answer(shard_of_name[name], d["job_id"], "accepted"), marker_value(d))
-    published = []
+        if name not in ("forged", "not_its_writer"):  # the fact: the job its writer created
+            client.put(keys.job(shard_of_name[name], d["job_id"]), json.dumps(
+                {"id": d["job_id"], "_accepted": {"at": ts(2), "by": d["agent"]}}))
+    client.put(keys.job(1, "j8"), json.dumps({"id": "j8", "_accepted": {"at": ts(2), "by": "someone-else"}}))
+    # a final run whose marker says something else than its fenced record
+    record = {"v": 1, "job_id": "j9", "fire_id": "20261201T120000.000Z", "state": "failed", "attempt": 2,
+              "agent": "gone", "shard": 1, "ended_at": ts(1), "exit_code": 3, "reason": "exit_code", "fence": 7,
+              "stderr_tail": "why\n", "usage": None, "due": ts(5), "health": None}
+    client.put(keys.run(1, "j9", record["fire_id"]), json.dumps(record))
+    client.put(keys.answer(1, "j9", "run." + record["fire_id"]), marker_value(
+        {"job_id": "j9", "run_id": record["fire_id"], "state": "succeeded", "exit_code": 0, "agent": "gone",
+         "ts": ts(1), "note": "anything a client wrote"}))
+    published, audited = [], []
     ans = Answers(client, keys, "me", enqueue=lambda j, d, k: published.append((j, d, k)), in_outbox=lambda k: False,
-                  owned=lambda: frozenset({1, 2}), fence_for=lambda s: None, keep_s=600, republish_after_s=30)
-    assert ans.sweep() == 2
-    published.sort(key=lambda p: p[0])
-    (job, doc, key), (job5, doc5, key5) = published
-    assert job5 == "j5" and doc5["redelivery"] is True and "handed" not in doc5  # may repeat a1's
-    assert job == "j1" and doc["published_by"] == "me" and "redelivery" not in doc and doc["agent"] == "gone"
+                  owned=lambda: frozenset({1, 2}), fence_for=lambda s: None, keep_s=600, republish_after_s=30,
+                  record=lambda *a, **k: audited.append(k))
+    assert ans.sweep() == 3
+    by_job = {p[0]: p for p in published}
+    assert set(by_job) == {"j1", "j5", "j9"}
+    _, doc5, _ = by_job["j5"]
+    assert doc5["redelivery"] is True and "handed" not in doc5  # may repeat a1's
+    _, doc, key = by_job["j1"]
+    assert doc["published_by"] == "me" and "redelivery" not in doc and doc["agent"] == "gone"
+    assert doc["push_sha256"] == "0123456789abcdef" and doc["ts"] == ts(2)  # the stored job's _accepted.at
+    _, run, _ = by_job["j9"]  # rebuilt from the fenced record, not the marker's words
+    assert (run["state"], run["exit_code"], run["attempt"], run["stderr_tail"]) == ("failed", 3, 2, "why\n")
+    assert "note" not in run and run["run_id"] == record["fire_id"]
+    assert sorted((a["job_id"], a["reason"]) for a in audited if a.get("event") == "answer_unfounded") == [
+        ("j7", "no_job"), ("j8", "other_writer")]
+    remaining = {kv.key for kv in client.get_prefix(keys.answers_prefix())[0]}
+    assert keys.answer(1, "j7", "accepted") not in remaining and keys.answer(1, "j8", "accepted") not in remaining
     assert ans.sweep(force=True) == 0  # already on its way: not enqueued twice
     # cheap when nothing changed: a new marker waits for a change of members or shards, or
     # the periodic full sweep
     client.put(keys.answer(1, "j6", "accepted"), marker_value(dict(docs["dead"], job_id="j6")))
+    client.put(keys.job(1, "j6"), json.dumps({"id": "j6", "_accepted": {"at": ts(2), "by": "gone"}}))
     assert ans.sweep() == 0
     client.put(keys.member("newcomer"), "{}")
     assert ans.sweep() == 1 and published[-1][0] == "j6"
@@ -427,7 +458,8 @@ def test_push_exit_codes_no_answer_and_broker_unreachable(world, tmp_path):
     """`millwright push`: 3 when no agent answers in time, 4 when the broker is unreachable."""
     from agent.demo.services import free_port
 
-    cfg = {"cluster": "t", "agent_id": "cli", "mqtt": {"url": world.mq.url}, "signing": {"keys_file": world.keys_file}}
+    cfg = {"cluster": "t", "agent_id": "cli", "mqtt": {"url": world.mq.url, "insecure": True},
+           "signing": {"keys_file": world.keys_file}}
     path = tmp_path / "cli.yaml"
     path.write_text(yaml.safe_dump(cfg))
     job = tmp_path / "job.json"
@@ -497,6 +529,7 @@ def test_sweep_of_a_cluster_without_markers_reads_no_shard(etcd_server):
         doc = {"job_id": "j1", "state": "accepted", "agent": "gone",
                "ts": time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime())}
         client.put(keys.answer(7, "j1", "accepted"), marker_value(doc))
+        client.put(keys.job(7, "j1"), json.dumps({"id": "j1", "_accepted": {"at": doc["ts"], "by": "gone"}}))
         before = range_pages_read()
         assert ans.sweep(force=True) == 1 and published == ["j1"]
         assert range_pages_read() - before == 1 + 64  # the members, then each owned shard

@@ -1,7 +1,7 @@
 """Issue 16, acceptance 4, and issue 34: coordination and ingest against a TLS etcd with
 authentication, a user per agent confined to its cluster's prefix (set up by
 packaging/debian/examples/etcd-rbac.sh, as an operator would) and a TLS mosquitto with
-passwords and the shipped ACL (packaging/debian/examples/mosquitto-acl.conf). An agent
+passwords and the shipped ACL and settings (agent/cloud/broker.py). An agent
 starts against it without `etcd.insecure` and refuses a plaintext or credential-less etcd
 without it; an agent cannot touch another cluster's keys, nor publish another agent's
 statuses, nor push jobs; revoking one agent's etcd user stops that agent alone.
@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from agent.cloud.broker import acl_text, settings_text
 from agent.cloud.mqtt import MqttLink
 from tests.support.cloudkit import StatusCollector, TEMPLATES, job_doc, signed
 from agent.cloud.topics import Topics
@@ -29,9 +30,8 @@ from tests.support.commands import millwright
 from tests.support.waiting import wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ACL_EXAMPLE = os.path.join(ROOT, "packaging", "debian", "examples", "mosquitto-acl.conf")
 T = Topics("t")
-USERS = {"cloud": "cloud-pw", "a1": "a1-pw", "a2": "a2-pw"}
+USERS = {"cloud": "cloud-pw", "cloud-pusher": "pusher-pw", "a1": "a1-pw", "a2": "a2-pw"}
 RUN = {"run": {"argv": ["/bin/true"], "user": "root", "allow_root": True, "allow_exec": ["/bin/true", "/usr/bin/true"]}}
 # etcd users: one per agent (cluster t: a1, a2; cluster u: b1) and the cloud's for both
 ETCD_AGENTS = {("t", "a1"): "a1-etcd-pw", ("t", "a2"): "a2-etcd-pw", ("u", "b1"): "b1-etcd-pw"}
@@ -54,8 +54,11 @@ def secure_etcd(tmp_path, pki):
 
 @pytest.fixture
 def secure_mqtt(tmp_path, pki):
-    acl = open(ACL_EXAMPLE).read().replace("plant-a", "t")
-    with MosquittoServer(str(tmp_path / "mosquitto"), tls=pki, users=USERS, acl=acl) as srv:
+    # the shipped configuration (packaging/debian/examples/mosquitto-acl.conf and
+    # mosquitto-millwright.conf are this generator's output), for this cluster and agents
+    acl = acl_text("t", {"a1": "a1", "a2": "a2"}, ["cloud", "cloud-pusher"])
+    with MosquittoServer(str(tmp_path / "mosquitto"), tls=pki, users=USERS, acl=acl,
+                         extra_conf=settings_text(65536)) as srv:
         yield srv
 
 
@@ -241,12 +244,13 @@ def test_ingest_over_tls_mosquitto_with_passwords_and_acl(secure_etcd, secure_mq
                 extra={"templates": TEMPLATES})
     col = StatusCollector(secure_mqtt.url, "t", extra_filters=(T.presence_filter(),),
                           mqtt_cfg=mqtt_cfg(secure_mqtt, pki, "cloud")).start()
-    pusher = link(secure_mqtt, pki, "cloud", "secure-pusher")
+    pusher = link(secure_mqtt, pki, "cloud-pusher", "secure-pusher")
     try:
-        for agent in ("a1", "a2"):
+        for agent in ("a1", "a2"):  # secure: neither etcd.insecure nor mqtt.insecure
             c.start(agent, extra={**agent_etcd("t", agent),
                                   "mqtt": {"url": secure_mqtt.url, "username": agent, "password": USERS[agent],
-                                           "tls": {"ca": pki.ca}, "reconnect_min_s": 0.2, "reconnect_max_s": 1.0}})
+                                           "tls": {"ca": pki.ca}, "reconnect_min_s": 0.2, "reconnect_max_s": 1.0,
+                                           "insecure": False}})
         wait_for(lambda: c.converged({"a1": 1, "a2": 1}), 40, interval=0.2, what="2-way plan")
         assert col.wait(lambda m: {T.presence(a) for a in ("a1", "a2")} <= {t for _, t, _ in m}, 30)
         ids = [f"sec-{i}" for i in range(20)]

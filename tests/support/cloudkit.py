@@ -101,13 +101,19 @@ class StatusCollector:
     """Subscribes to every agent's statuses and rejections (and anything else asked) on a
     real broker and keeps every message."""
 
-    def __init__(self, url: str, cluster: str, extra_filters: tuple[str, ...] = (), mqtt_cfg=None):
+    def __init__(self, url: str, cluster: str, extra_filters: tuple[str, ...] = (), mqtt_cfg=None,
+                 agents: Optional[tuple[str, ...]] = None):
+        """``agents``: only these agents' statuses and rejections (default: every agent's)."""
         self.topics = Topics(cluster)
         self.lock = threading.RLock()  # predicates passed to wait() may call docs()
         self.messages: list[tuple[float, str, dict]] = []
         self.cond = threading.Condition(self.lock)
-        filters = ((self.topics.status_filter(), 1), (self.topics.rejections_filter(), 1)) + \
-            tuple((f, 1) for f in extra_filters)
+        if agents is None:
+            own: tuple = ((self.topics.status_filter(), 1), (self.topics.rejections_filter(), 1))
+        else:
+            own = tuple((f, 1) for a in agents for f in (self.topics.agent_prefix(a) + "status/+",
+                                                         self.topics.rejections(a)))
+        filters = own + tuple((f, 1) for f in extra_filters)
         self.link = MqttLink(mqtt_cfg or MqttConfig(url=url), f"collector-{os.getpid()}-{id(self) % 100000}",
                              clean_session=False, on_message=self._msg, subscriptions=filters,
                              topic_kind=self.topics.kind, reconnect_min_s=0.2, reconnect_max_s=1.0)

@@ -45,6 +45,9 @@ class Cluster:
         self.cfg = {"cluster": cluster, "shards": shards,
                     "etcd": {"endpoints": [etcd.endpoint], "lease_ttl_s": ttl, "renew_deadline_s": renew_deadline,
                              "retry_period_s": retry_period, "request_timeout_s": 1.0},
+                    # the tests' loopback brokers are plain and anonymous (a secured one sets
+                    # its own mqtt keys: tests/integration/test_secure_transport.py)
+                    "mqtt": {"insecure": True},
                     # BPF costs ~2 s of CPU per agent start; tests that need it enable it
                     "bpf": {"enabled": False},
                     # the self-fence kill must fit before the lease can expire (config check)

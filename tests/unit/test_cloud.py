@@ -48,7 +48,7 @@ def test_outbox_file_is_private(tmp_path):
 
 
 def test_unauthenticated_reports_are_rate_limited():
-    from agent.cloud.ingest import TokenBucket
+    from agent.cloud.ratelimit import TokenBucket
 
     clock = [0.0]
     b = TokenBucket(2.0, 3.0, clock=lambda: clock[0])
@@ -363,3 +363,80 @@ def test_outbox_enqueue_many_keeps_order_and_policy(tmp_path):
     assert [json.loads(r[2])["i"] for r in rows] == [0, 1, 2] and [r[0] for r in rows] == [1, 2, 3]
     assert drops == [2] and ob.depth == 3 and ob.has_marker("m")
     ob.close()
+
+
+# --------------------------------------------------------------------------- broker and transport
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "packaging", "debian", "examples")
+
+
+def _settings_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_the_shipped_broker_examples_are_the_generators_output():
+    import yaml
+
+    from agent.cloud.broker import acl_text, settings_text
+    from agent.config import MqttConfig
+
+    with open(os.path.join(EXAMPLES, "mosquitto-acl.conf")) as fh:
+        shipped = _settings_lines(fh.read())
+    assert shipped == _settings_lines(acl_text("plant-a", {"gw-01": "gw-01", "gw-02": "gw-02"}, ["cloud", "cloud-ops"]))
+    with open(os.path.join(EXAMPLES, "mosquitto-millwright.conf")) as fh:
+        conf = _settings_lines(fh.read())
+    # the shipped agent.yaml does not pass the check until etcd is set up: read its value only
+    with open(os.path.join(EXAMPLES, "..", "..", "..", "configs", "agent.yaml")) as fh:
+        size = (yaml.safe_load(fh).get("mqtt") or {}).get("max_payload_bytes", MqttConfig().max_payload_bytes)
+    assert set(_settings_lines(settings_text(size))) <= set(conf)
+    assert {"allow_anonymous false", "per_listener_settings false"} <= set(conf)
+    assert not [line for line in conf if "#" in line]  # mosquitto reads a comment after a value as the value
+
+
+def test_the_broker_acl_has_a_user_block_per_client_and_no_patterns():
+    from agent.cloud.broker import acl_text
+
+    text = acl_text("t", {"a1": "a1", "a2": "user-2"}, ["cloud"])
+    assert "pattern" not in text and "%u" not in text
+    blocks = {b.splitlines()[0]: b.splitlines()[1:] for b in text.split("\n\n") if b.startswith("user ")}
+    writes = {user: [line for line in lines if line.startswith("topic write")] for user, lines in blocks.items()}
+    assert writes == {"user cloud": ["topic write millwright/t/jobs/push", "topic write millwright/t/jobs/cancel",
+                                     "topic write millwright/t/jobs/get"],
+                      "user a1": ["topic write millwright/t/agents/a1/#"],
+                      "user user-2": ["topic write millwright/t/agents/a2/#"]}
+    for bad in (lambda: acl_text("a b", {}, ["cloud"]), lambda: acl_text("t", {"a/1": "a1"}, []),
+                lambda: acl_text("t", {"a1": "a 1"}, [])):
+        with pytest.raises(ValueError):
+            bad()
+
+
+def test_plain_or_anonymous_mqtt_is_refused_unless_insecure(tmp_path, capsys):
+    from agent.cli import main
+    from agent.config import ConfigError, parse_config
+    from agent.configcheck import mqtt_insecurities, require_secure_mqtt
+
+    problems = mqtt_insecurities(parse_config("cluster: t\netcd: {insecure: true}\n", "agent.yaml"))
+    assert [p.split(":")[1].strip() for p in problems] == ["mqtt.url", "mqtt.username"]
+    assert all(p.startswith("agent.yaml: ") and "mqtt.insecure: true" in p for p in problems)
+    for ok in ("mqtt: {url: 'mqtts://b:8883', username: gw-1, password: p}",
+               "mqtt: {url: 'mqtts://b:8883', tls: {ca: /ca, cert: /c.pem, key: /c.key}}",
+               "mqtt: {url: 'mqtt://b:8883', username: gw-1, password: p, tls: {ca: /ca}}",  # TLS on the mqtt port
+               "mqtt: {insecure: true}"):
+        assert mqtt_insecurities(parse_config("etcd: {insecure: true}\n" + ok)) == [], ok
+    assert [p.split(":")[1].strip() for p in mqtt_insecurities(parse_config(
+        "etcd: {insecure: true}\nmqtt: {url: 'mqtts://b:8883', tls: {ca: /ca}}"))] == ["mqtt.username"]
+    with pytest.raises(ConfigError):
+        require_secure_mqtt(parse_config("cluster: t\netcd: {insecure: true}\n"))
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text("cluster: t\netcd: {insecure: true}\n")
+    assert main(["config", "check", str(cfg)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "mqtt.url" in err[0] and "mqtt.username" in err[1]
+    assert main(["get", "-c", str(cfg), "j", "--key-file", "/nonexistent", "--kid", "k"]) == 2
+    assert "mqtt.insecure: true" in capsys.readouterr().err
+    cfg.write_text("cluster: t\nagent_id: gw-1\netcd: {insecure: true}\n"
+                   "mqtt: {url: 'mqtts://b:8883', username: gw-1, password: p}\n")
+    cfg.chmod(0o600)   # it holds a password
+    assert main(["push", "-c", str(cfg), "job.json", "--key-file", "/nonexistent", "--kid", "k"]) == 2
+    assert "a cloud user" in capsys.readouterr().err  # an agent's own broker identity is not for the CLI

@@ -1,9 +1,9 @@
 """Unit tests of issue 17's pure parts: answer-marker decisions, outbox markers and the
-hold knob, jobs/get request parsing, the job read model, the stderr tail."""
+hold knob, the jobs/get topics, the job read model, the stderr tail (jobs/get requests:
+tests/unit/test_cloud_queries.py)."""
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from datetime import datetime, timedelta, timezone
 
@@ -11,7 +11,6 @@ import pytest
 
 from agent.cloud.answers import KEEP_S, decide
 from agent.cloud.outbox import Outbox, OutboxPublisher
-from agent.cloud.queries import BadRequest, parse_request
 from agent.cloud.topics import Topics
 from agent.execute.runs import STDERR_TAIL_BYTES
 from agent.jobs import view
@@ -92,30 +91,12 @@ def test_hold_knob_publishes_nothing(tmp_path):
     assert link.sent == [] and ob.depth == 1
 
 
-def test_jobs_get_request_parsing():
-    corr, reply, job_id, flt = parse_request(b'{"v":1,"correlation":"abc","id":"job-1"}', T)
-    assert (corr, reply, job_id, flt) == ("abc", "millwright/c/jobs/get/reply/abc", "job-1", None)
-    _, reply, _, flt = parse_request(json.dumps({"correlation": "x", "reply_to": T.get_reply_prefix + "me/1",
-                                                 "filter": {"state": "running", "limit": 5}}).encode(), T)
-    assert reply == "millwright/c/jobs/get/reply/me/1" and flt == {"state": "running", "limit": 5}
-    assert parse_request(b'{"correlation":"x"}', T)[3] == {"limit": 1000}
-    for bad, reason in [(b"nope", "bad_json"), (b"[]", "bad_json"), (b'{"id":"j"}', "bad_field"),
-                        (b'{"correlation":"a/b","id":"j"}', "bad_field"),
-                        (b'{"correlation":"x","reply_to":"millwright/c/jobs/push","id":"j"}', "bad_field"),
-                        (b'{"correlation":"x","reply_to":"millwright/c/jobs/get/reply/#","id":"j"}', "bad_field"),
-                        (b'{"correlation":"x","id":"../etc"}', "bad_field"),
-                        (b'{"correlation":"x","filter":{"owner":"me"}}', "bad_field"),
-                        (b'{"correlation":"x","filter":{"updated_since":"yesterday"}}', "bad_field"),
-                        (b'{"correlation":"x","filter":{"limit":0}}', "bad_field"),
-                        (b'{"correlation":"x","pad":"' + b"y" * 9000 + b'"}', "too_large")]:
-        with pytest.raises(BadRequest) as exc:
-            parse_request(bad, T)
-        assert exc.value.reason == reason, bad[:60]
-
-
 def test_topics_for_jobs_get():
     assert T.jobs_get == "millwright/c/jobs/get"
-    assert T.kind(T.jobs_get) == "get" and T.kind(T.get_reply("z")) == "get_reply"
+    assert T.get_reply("z", "a1") == "millwright/c/agents/a1/get/z"  # under the answering agent's prefix
+    assert T.get_reply_filter("z") == "millwright/c/agents/+/get/z"
+    assert T.kind(T.jobs_get) == "get" and T.kind(T.get_reply("z", "a1")) == "get_reply"
+    assert T.agent_of(T.get_reply("z", "a1")) == "a1"
     assert T.kind(T.push) == "push"
 
 
@@ -160,27 +141,6 @@ def test_stderr_tail_is_bounded(tmp_path):
     tail = stderr_tail(str(p))
     assert len(tail.encode()) <= STDERR_TAIL_BYTES + 8 and tail.startswith("line ") and tail.endswith(" last")
     assert "\ufffd" in tail  # invalid UTF-8 is replaced, never raised
-
-
-def test_held_get_requests_are_bounded_and_answered_when_the_shard_comes():
-    import time as _time
-
-    from agent.cloud import queries as q
-
-    owned = {"now": frozenset()}
-    jq = q.JobQueries(None, None, 8, "me", T, link=None, owned=lambda: owned["now"], hold_s=60.0)
-    answered = []
-    jq._q = type("Q", (), {"put": lambda self, r: answered.append(r)})()
-    now = _time.monotonic()
-    for i in range(q.MAX_PENDING + 10):
-        jq._hold(q.Request(f"c{i}", "r", "j", None, now, now + 60, i % 8))
-    assert jq.held == q.MAX_PENDING  # the bound: the oldest are dropped
-    jq._hold(q.Request("late", "r", "j", None, now - 100, now - 1, 3))  # past its time: not held
-    assert jq.held == q.MAX_PENDING
-    owned["now"] = frozenset({3})
-    jq.recheck_once(_time.monotonic())
-    assert answered and all(r.shard == 3 for r in answered)
-    assert jq.held == q.MAX_PENDING - len(answered) and 3 not in jq._held
 
 
 def test_the_stderr_tail_kept_in_memory_is_the_one_read_from_the_file(tmp_path):

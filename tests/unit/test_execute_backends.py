@@ -72,7 +72,7 @@ def test_config_check_names_the_quota_backend(tmp_path, capsys):
     from agent.cli import main
 
     cfg = tmp_path / "agent.yaml"
-    cfg.write_text("cluster: t\nexecute: {quota_backend: rlimit}\netcd: {insecure: true}\n")
+    cfg.write_text("cluster: t\nmqtt: {insecure: true}\nexecute: {quota_backend: rlimit}\netcd: {insecure: true}\n")
     assert main(["config", "check", str(cfg)]) == 0
     out = capsys.readouterr().out
     assert "quota backend: rlimit (last resort" in out

@@ -1,6 +1,5 @@
 """The agent's "seen already" memories stop at their bound (they live for months)."""
 
-import json
 import types
 
 import pytest
@@ -32,8 +31,8 @@ def test_the_answers_broker_memory_is_bounded(monkeypatch):
     a = answers.Answers(None, None, "a1", enqueue=lambda *a: None, in_outbox=lambda k: False,
                         owned=frozenset, fence_for=lambda s: None)
     for i in range(500):
-        a.saw(json.dumps({"job_id": f"j{i}", "state": "accepted", "push_sha256": "ab"}).encode())
-    assert len(a._seen) == 50 and "j499/accepted" in a._seen and "j0/accepted" not in a._seen
+        a.saw("a2", {"job_id": f"j{i}", "state": "accepted", "push_sha256": "ab"})
+    assert len(a._seen) == 50 and "a2|j499/accepted" in a._seen and "a2|j0/accepted" not in a._seen
 
 
 def test_the_ingest_watch_memories_are_bounded(tmp_path):

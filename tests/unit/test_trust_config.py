@@ -12,6 +12,7 @@ import yaml
 
 from agent.audit.events import config_digest, describe_config
 from agent.config import ConfigError, parse_config
+from agent.configcheck import mqtt_insecurities
 from agent.jobs.paramregex import regex_risk
 from agent.jobs.signing import KeyFileError, KeyRing, generate_hmac_secret, sign
 from tests.support.commands import millwright
@@ -36,12 +37,13 @@ def test_root_template_needs_allow_root():
 def test_password_over_plaintext_is_an_error_unless_insecure():
     p = problems("etcd: {username: u, password: p}")
     assert any("etcd.endpoints[0]" in x and "insecure" in x for x in p), p
-    p = problems("mqtt: {url: 'mqtt://b:1883', username: u, password: p}")
+    # MQTT: refused where the broker is used (the agent, the MQTT commands, config check)
+    p = mqtt_insecurities(parse_config(LAB + "mqtt: {url: 'mqtt://b:1883', username: u, password: p}", "agent.yaml"))
     assert any(x.startswith("agent.yaml: mqtt.url") and "insecure" in x for x in p), p
     assert parse_config("etcd: {username: u, password: p, insecure: true}")
-    assert parse_config(LAB + "mqtt: {url: 'mqtt://b:1883', username: u, password: p, insecure: true}")
+    assert not mqtt_insecurities(parse_config(LAB + "mqtt: {url: 'mqtt://b:1883', username: u, password: p, insecure: true}"))
     assert parse_config("etcd: {endpoints: ['https://e:2379'], username: u, password: p, tls: {ca: /ca.pem}}")
-    assert parse_config(LAB + "mqtt: {url: 'mqtts://b:8883', username: u, password: p}")
+    assert not mqtt_insecurities(parse_config(LAB + "mqtt: {url: 'mqtts://b:8883', username: u, password: p}"))
 
 
 @pytest.mark.parametrize("rx", [r"(a+)+$", r"^(\w*x?)*$", r"(a|b+)*c", r"((ab)*)+", r"(.*,)*z"])

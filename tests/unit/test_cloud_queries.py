@@ -1,0 +1,201 @@
+"""jobs/get requests (agent/cloud/queries.py) without a broker or etcd: what a signed query
+must be, what an unsigned one gets (nothing, a report), the bounds on the link's thread
+and in the workers, the shape of a job's view, where answers go."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from agent.cloud import queries as q
+from agent.cloud.asking import query_doc
+from agent.cloud.ratelimit import TokenBucket
+from agent.cloud.topics import Topics
+from agent.jobs.envelope import JobRejected
+from agent.jobs.signing import KeyRing, generate_hmac_secret, sign
+from tests.support.link import FakeLink, message
+
+T = Topics("c", "me")
+NOW = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
+RING = KeyRing.from_mapping({"k1": {"alg": "hmac-sha256", "secret": generate_hmac_secret()}})
+OTHER = KeyRing.from_mapping({"k1": {"alg": "hmac-sha256", "secret": generate_hmac_secret()}})
+
+
+def signed(doc: dict, ring: KeyRing = RING) -> bytes:
+    return json.dumps(sign(doc, ring, "k1"), separators=(",", ":")).encode()
+
+
+def parse(payload: bytes, now: datetime = NOW) -> q.Query:
+    return q.parse_query(payload, keyring=RING, cluster="c", shards=8, now=now, max_age_s=300, max_skew_s=60)
+
+
+def test_a_signed_query_by_id_or_filter():
+    got = parse(signed(query_doc("c", "corr-1", job_id="flush-3", now=NOW)))
+    assert (got.correlation, got.job_id, got.filter, got.include, got.cursor) == ("corr-1", "flush-3", None,
+                                                                                 frozenset(), None)
+    got = parse(signed(query_doc("c", "corr-2", flt={"state": "failed", "limit": 5}, include=["params", "stderr"],
+                                 cursor="a1/0003/flush-9", now=NOW)))
+    assert got.filter == {"state": "failed", "limit": 5} and got.include == {"params", "stderr"}
+    assert got.cursor == q.Cursor("a1", 3, "flush-9") and got.cursor.text() == "a1/0003/flush-9"
+    assert parse(signed(query_doc("c", "c3", now=NOW))).filter == {"limit": q.FILTER_LIMIT}
+
+
+@pytest.mark.parametrize("payload,reason", [
+    (json.dumps(query_doc("c", "x", job_id="j", now=NOW)).encode(), "unsigned"),
+    (signed(query_doc("c", "x", job_id="j", now=NOW), OTHER), "bad_signature"),
+    (signed(query_doc("plant-b", "x", job_id="j", now=NOW)), "wrong_cluster"),
+    (signed(dict(query_doc("c", "x", job_id="j", now=NOW), kind="cancel")), "wrong_kind"),
+    (b"nope", "bad_json"),
+    (b'{"pad":"' + b"y" * 9000 + b'"}', "too_large"),
+])
+def test_a_query_that_fails_the_envelope_is_not_authentic(payload, reason):
+    with pytest.raises(JobRejected) as exc:
+        parse(payload)
+    assert exc.value.reason == reason and exc.value.bound is False
+
+
+@pytest.mark.parametrize("change,reason,field", [
+    ({"issued_at": "2026-12-01T11:50:00Z"}, "too_old", "issued_at"),
+    ({"issued_at": "2026-12-01T12:05:00Z"}, "skew", "issued_at"),
+    ({"issued_at": None}, "bad_field", "issued_at"),
+    ({"reply_to": "millwright/c/jobs/push"}, "bad_field", "reply_to"),
+    ({"correlation": "a/b"}, "bad_field", "correlation"),
+    ({"filter": {"state": "failed"}}, "bad_field", "id"),
+    ({"include": ["secrets"]}, "bad_field", "include"),
+    ({"id": "../etc"}, "bad_field", "id"),
+    ({"v": 2}, "unsupported_version", "v"),
+])
+def test_an_authentic_query_with_a_bad_field_names_it(change, reason, field):
+    doc = {k: v for k, v in dict(query_doc("c", "x", job_id="j", now=NOW), **change).items() if v is not None}
+    with pytest.raises(JobRejected) as exc:
+        parse(signed(doc))
+    assert exc.value.reason == reason and exc.value.field == field and exc.value.bound is True
+
+
+@pytest.mark.parametrize("flt,cursor,field", [
+    ({"owner": "me"}, None, "filter"), ({"updated_since": "yesterday"}, None, "filter.updated_since"),
+    ({"limit": 0}, None, "filter.limit"), ({"limit": 1001}, None, "filter.limit"),
+    ({}, "a1/0099/j", "cursor"), ({}, "a1/3/../x", "cursor"), ({}, 7, "cursor"),
+])
+def test_filters_and_cursors_are_checked(flt, cursor, field):
+    with pytest.raises(JobRejected) as exc:
+        parse(signed(query_doc("c", "x", flt=flt, cursor=cursor, now=NOW)))
+    assert exc.value.field == field, exc.value.detail
+
+
+def _view(**extra) -> dict:
+    v = {"id": "j", "shard": 1, "state": "failed", "doc": {"id": "j", "template": "t", "params": {"pw": "s3cret"}},
+         "runs": [{"fire_id": "f", "state": "failed", "stderr_tail": "password=s3cret"}]}
+    v.update(extra)
+    return v
+
+
+def test_params_and_stderr_only_when_the_query_includes_them():
+    plain = q.shaped(_view(), frozenset())
+    assert "s3cret" not in json.dumps(plain) and plain["doc"]["template"] == "t" and plain["runs"][0]["state"] == "failed"
+    assert q.shaped(_view(), frozenset({"params"}))["doc"]["params"] == {"pw": "s3cret"}
+    assert q.shaped(_view(), frozenset({"stderr"}))["runs"][0]["stderr_tail"] == "password=s3cret"
+
+
+def test_a_view_too_large_for_a_page_leaves_out_what_does_not_fit():
+    big = _view(doc={"id": "j", "params": {"p": "x" * 5000}},
+                runs=[{"fire_id": str(i), "stderr_tail": "e" * 4000} for i in range(5)])
+    assert q.fitted(big, 100000) is big
+    fit = q.fitted(big, 6000)
+    assert len(json.dumps(fit)) <= 6000 and fit["omitted"] == ["stderr"] and len(fit["runs"]) == 5
+    fit = q.fitted(big, 1000)
+    assert len(json.dumps(fit)) <= 1000 and fit["omitted"] == ["stderr", "doc"] and "doc" not in fit
+
+
+class Queries:
+    """A JobQueries on a fake link, without etcd (answers that need no read)."""
+
+    def __init__(self, owned=frozenset(range(8)), rate=None, page_rate=None, queue_max=q.QUEUE_MAX):
+        self.link = FakeLink()
+        self.reports: list = []
+        self.owned = {"now": frozenset(owned)}
+        self.jq = q.JobQueries(None, None, 8, "me", T, self.link, lambda: self.owned["now"], hold_s=60.0,
+                               keyring=RING, cluster="c", max_age_s=300, max_skew_s=60, page_bytes=32768,
+                               report_unauthenticated=lambda *a: self.reports.append(a[:3]), rate=rate,
+                               page_rate=page_rate, queue_max=queue_max)
+
+    def request(self, payload: bytes) -> None:
+        self.jq.request(message(T.jobs_get, payload))
+
+    def replies(self) -> list:
+        return [(topic, doc) for _, topic, doc in self.link.sent if T.kind(topic) == "get_reply"]
+
+
+def now_doc(**kw) -> dict:
+    return query_doc("c", kw.pop("corr", "corr"), **kw)
+
+
+def test_an_unsigned_query_gets_no_answer_but_a_report():
+    w = Queries()
+    for payload in (json.dumps(now_doc(job_id="j")).encode(), signed(now_doc(job_id="j"), OTHER),
+                    signed(query_doc("plant-b", "corr", job_id="j"))):
+        w.request(payload)
+    assert w.replies() == [] and w.jq.held == 0
+    assert [r[:1] + r[2:] for r in w.reports] == [("get", "unsigned"), ("get", "bad_signature"), ("get", "wrong_cluster")]
+
+
+def test_an_authentic_bad_query_is_answered_with_the_error_under_the_agents_own_prefix():
+    w = Queries()
+    w.request(signed(dict(now_doc(job_id="j", corr="c-9"), reply_to="millwright/c/jobs/push")))
+    (topic, doc), = w.replies()
+    assert topic == "millwright/c/agents/me/get/c-9" and doc["error"] == "bad_field" and "reply_to" in doc["detail"]
+    assert all(t != "millwright/c/jobs/push" for _, t, _ in w.link.sent)
+
+
+def test_replays_and_cursors_of_others_are_not_answered():
+    w = Queries(owned=frozenset())
+    a = signed(now_doc(job_id="j1", corr="a"))
+    w.request(a)
+    w.request(a)                                  # the same signed request again: a replay
+    assert w.jq.held == 1                         # not its shard: held once for a takeover
+    w.request(signed(now_doc(flt={}, cursor="other/0001/j", corr="b")))  # another agent's next page
+    assert w.jq.held == 1 and w.replies() == [] and w.reports == []
+
+
+def test_what_an_agent_reads_etcd_for_is_rate_limited():
+    w = Queries(rate=TokenBucket(0.0, 0.0), page_rate=TokenBucket(0.0, 0.0))  # no tokens: nothing is read
+    for i in range(5):
+        w.request(signed(now_doc(job_id=f"j{i}", corr=f"id{i}")))
+        w.request(signed(now_doc(flt={}, corr=f"f{i}")))
+    assert w.replies() == [] and w.jq.held == 0
+
+
+def test_the_link_thread_only_checks_the_size_and_queues_within_a_bound():
+    w = Queries(queue_max=3)
+    for i in range(10):
+        w.jq.on_message(message(T.jobs_get, signed(now_doc(job_id=f"j{i}")), mid=i))
+    assert w.jq.queued == 3 and len(w.link.acked) == 10 and w.replies() == []
+    w.jq.on_message(message(T.jobs_get, b"x" * (q.MAX_REQUEST_BYTES + 1)))
+    assert w.reports == [("get", b"x" * (q.MAX_REQUEST_BYTES + 1), "too_large")] and w.jq.queued == 3
+
+
+def test_held_get_requests_are_bounded_and_answered_when_the_shard_comes():
+    w = Queries(owned=frozenset())
+    jq = w.jq
+    now = time.monotonic()
+    query = q.Query("c", "j", None, frozenset(), None, "d")
+    for i in range(q.MAX_HELD + 10):
+        jq._hold(q.Request(query, now, now + 60, i % 8))
+    assert jq.held == q.MAX_HELD  # the bound: the oldest are dropped
+    jq._hold(q.Request(query, now - 100, now - 1, 3))  # past its time: not held
+    assert jq.held == q.MAX_HELD
+    w.owned["now"] = frozenset({3})
+    jq.recheck_once(time.monotonic())
+    ready = list(jq._q)
+    assert ready and all(r.shard == 3 for r in ready)
+    assert jq.held == q.MAX_HELD - len(ready) and 3 not in jq._held
+
+
+def test_a_query_ages_out_with_its_issued_at():
+    doc = query_doc("c", "x", job_id="j", now=NOW - timedelta(seconds=301))
+    with pytest.raises(JobRejected) as exc:
+        parse(signed(doc))
+    assert exc.value.reason == "too_old"
