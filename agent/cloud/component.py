@@ -21,6 +21,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from agent.coordination.jobstore import JobStore, StoredJob
+from agent.coordination.quota import ClusterQuota
 from agent.coordination.watch import PrefixWatch
 from agent.jobs.signing import KeyFileError, KeyRing
 
@@ -116,7 +117,8 @@ class CloudComponent:
         self.ingest = Ingest(store=self.store, keyring=self.keyring, templates=cfg.templates, topics=self.topics,
                              agent_id=self.agent_id, max_bytes=m.max_payload_bytes, max_skew_s=m.max_skew_s,
                              cluster=cfg.cluster, max_age_s=m.max_age_s, outbox=self.outbox, record=agent.record,
-                             notify=self._notify, answers=self.answers, members=self._members)
+                             notify=self._notify, answers=self.answers, members=self._members,
+                             quota=ClusterQuota(agent.client, agent.keys, cfg.quotas.jobs, cfg.quotas.stored_mb))
         self.queries = JobQueries(agent.client, agent.keys, cfg.shards, self.agent_id, self.topics, self.link,
                                   owned, hold_s=cfg.etcd.lease_ttl_s + 5.0, keyring=self.keyring,
                                   cluster=cfg.cluster, max_age_s=m.get_max_age_s, max_skew_s=m.max_skew_s,

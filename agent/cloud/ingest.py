@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 from agent.coordination.etcd import EtcdError, EtcdUnavailable, Put
 from agent.coordination.jobstore import CREATED, JobCancelled, JobConflict, JobStore
 from agent.coordination.keys import shard_of
+from agent.coordination.quota import ClusterQuota
 from agent.jobs.document import parse_cancel, parse_job
 from agent.jobs.envelope import (
     BAD_FIELD,
@@ -76,6 +77,7 @@ UNAUTH_REPORTS_SUPPRESSED = counter("millwright_mqtt_unauthenticated_reports_sup
 
 CANCELLED = "cancelled"
 CONFLICT = "conflict"
+QUOTA_EXCEEDED = "quota_exceeded"
 RETRY_TIME_REASONS = (EXPIRED, SKEW, TOO_OLD)
 REPORTS_PER_S = 5.0      # reports of unauthenticated input (status + audit), per agent
 REPORTS_BURST = 20.0
@@ -121,8 +123,9 @@ class Ingest:
                  notify: Callable[[str, Any], None] = lambda kind, obj: None,
                  has_other_owner: Optional[Callable[[int], bool]] = None,
                  reports: Optional[TokenBucket] = None, answers=None,
-                 members: Optional[Callable[[], Optional[dict]]] = None):
+                 members: Optional[Callable[[], Optional[dict]]] = None, quota: Optional[ClusterQuota] = None):
         self.store = store
+        self.quota = quota   # the cluster's quotas on stored documents (None: not enforced)
         # live members' records (labels, templates): an accepted targeted push says whether
         # any agent can run it yet (agent/jobs/view.py placement_view)
         self.members = members or (lambda: None)
@@ -293,7 +296,18 @@ class Ingest:
         marker = self.store.keys.answer(shard, job.id, "accepted")  # durable with the job (answers.py)
         return doc, marker, (Put(marker, json.dumps(doc, separators=(",", ":"))),)
 
+    def _over_quota(self, payload: bytes, job) -> Optional[str]:
+        """Why storing this push would pass a cluster quota (agent/coordination/quota.py),
+        or None; a push of a job already stored is answered as before, whatever the quota."""
+        if self.quota is None:
+            return None
+        over = self.quota.check(len(payload))
+        return over if over is not None and self.store.get(job.id) is None else None
+
     def _push_store(self, payload: bytes, job, as_owner: bool) -> Outcome:
+        over = self._over_quota(payload, job)
+        if over is not None:
+            return self._reject("push", payload, job.id, QUOTA_EXCEEDED, f"quotas: {over}", as_owner)
         doc, marker, also = self._answer_of(payload, job)
         try:
             created: Any = self.store.create(job.doc, also)
@@ -313,6 +327,8 @@ class Ingest:
                                 "different content", as_owner)
         result, stored = created
         if result == CREATED:
+            if self.quota is not None:
+                self.quota.stored(len(payload))
             self._emit(doc, ledger=job.id, marker=marker)
             INGESTED.labels("push", "accepted").inc()
             self.record("job", event="accepted", job_id=job.id, shard=stored.shard, template=job.template,
@@ -355,8 +371,8 @@ class Ingest:
             except Exception:  # rejected (or a bug): the one-push path answers it as before
                 later.append(i)
                 continue
-            if job.id in ids:
-                later.append(i)
+            if job.id in ids or (self.quota is not None and self.quota.check(len(payload)) is not None):
+                later.append(i)   # (a push past a quota: the one-push path answers it)
                 continue
             ids.add(job.id)
             batch.append((i, bytes(payload), job, as_owner))

@@ -435,3 +435,40 @@ def test_fuzz_ingest_never_crashes_never_accepts_invalid(env):
     assert counts["valid"] > 500 and counts["accepted"] >= counts["valid"] * 0.9
     # and it keeps ingesting
     assert env.ingest.push(signed(job_doc("after-fuzz"), env.ring)).result == "accepted"
+
+
+def test_pushes_past_the_cluster_quota_are_refused_and_redeliveries_still_answered(env, etcd_server, tmp_path):
+    """The documents the cluster already stores are counted by each shard's owner (a real
+    agent here, writing usage/<shard>); ingest adds what it stored since its last read."""
+    from agent.coordination.quota import ClusterQuota
+    from tests.support.cluster import Cluster
+    from tests.support.jobs import job
+    from tests.support.waiting import wait_for
+
+    c = Cluster(etcd_server, str(tmp_path / "agents"), shards=SHARDS)
+    try:
+        c.start("owner")
+        wait_for(lambda: c.all_owned_by({"owner"}), 30, what="the owner holding every shard")
+        store = c.job_store()
+        for i in range(3):
+            store.create(job(f"stored-{i}", {"at": rfc(datetime.now(timezone.utc) + timedelta(days=1))}))
+
+        def published() -> int:
+            kvs, _ = env.client.get_prefix(Keys("t").usage_prefix())
+            return sum(json.loads(kv.value)["jobs"] for kv in kvs)
+
+        wait_for(lambda: published() == 3, 20, what="the owner's usage/ keys counting the 3 documents")
+        env.ingest.quota = ClusterQuota(env.client, Keys("t"), max_jobs=5, max_mb=1, refresh_s=60.0)
+        first = signed(job_doc("q1"), env.ring)
+        assert env.ingest.push(first).result == "accepted"
+        assert env.ingest.push_many([(signed(job_doc("q2"), env.ring), True)])[0].result == "accepted"
+        refused = env.ingest.push(signed(job_doc("q3"), env.ring))
+        assert (refused.result, refused.reason) == ("rejected", "quota_exceeded")
+        assert "quotas.jobs is 5" in refused.detail and env.store.get("q3") is None
+        batch = env.ingest.push_many([(signed(job_doc("q4"), env.ring), True), (first, True)])
+        assert [(o.result, o.reason) for o in batch] == [("rejected", "quota_exceeded"), ("redelivery", None)]
+        (st,) = [s for s in env.statuses() if s["job_id"] == "q3"]
+        assert (st["state"], st["reason"]) == ("rejected", "quota_exceeded")
+        assert [f for t, f in env.records if f.get("reason") == "quota_exceeded"]
+    finally:
+        c.close()
