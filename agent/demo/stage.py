@@ -118,9 +118,12 @@ class Stage:
             os.chmod(dst, 0o755)
         out_dir = os.path.join(self.base, "out")
         os.makedirs(out_dir)
-        pw = pwd.getpwnam(user)
-        os.chown(out_dir, pw.pw_uid, pw.pw_gid)
         os.chmod(out_dir, 0o755)
+        # every run has a uid of its own (job isolation): the side-effect log exists before
+        # the first run and every run may append to it (and nothing else here)
+        fd = os.open(os.path.join(out_dir, "effects.log"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        os.fchmod(fd, 0o666)
+        os.close(fd)
         self.out_dir = out_dir
 
         self.stall_listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -55,10 +55,11 @@ class Isolation:
             if tls is not None:
                 hide += [p for p in (tls.cert, tls.key) if p]
         # a directory of the agent's own (/etc/millwright) goes whole: what an operator
-        # puts beside the config is the agent's too
+        # puts beside the config is the agent's too (a directory merely named after the
+        # product, like a demo's scratch directory with the jobs in it, is not)
         for path in (cfg.source, cfg.signing.keys_file, cfg.audit.key_file):
             parent = os.path.dirname(os.path.abspath(path)) if path and not path.startswith("<") else ""
-            if os.path.basename(parent).startswith("millwright"):
+            if os.path.basename(parent) == "millwright":
                 hide.append(parent)
         return cls(name, hide, [base_dir], list(cfg.etcd.endpoints) + [cfg.mqtt.url])
 

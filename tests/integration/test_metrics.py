@@ -192,7 +192,7 @@ def sc(tmp_path_factory):
             # test_bpf_events_and_losses, so the other metrics of step A are still judged.
             if msum(m(), "millwright_bpf_degraded") == 0:
                 try:
-                    wait_for(lost, 8, "lost BPF events", interval=0.3)
+                    scenario_wait(lost, 8, "lost BPF events", interval=0.3)
                 except AssertionError as exc:
                     s.info["bpf_loss_error"] = str(exc)
             s.snap["a1"] = m()

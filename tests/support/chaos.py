@@ -194,7 +194,9 @@ def plan_faults(rng: random.Random, horizon: float, kinds: tuple[str, ...] = FAU
             pick2 = pick + 1 + rng.randrange(3)   # another agent (of four) or member (of three)
             if k2 != kind and (_category(k2) != _category(kind) or _category(k2) == "agent"):
                 faults.append(PlannedFault(k2, offset, d2, pick2))
-        length = max(f.offset + f.duration for f in faults)
+        # a clock fault reaches past its heal (the agent's times stay off until it catches up):
+        # the next quiet window starts after that reach, so the plan makes room for it
+        length = max(f.offset + f.duration + CLOCK_FAULTS.get(f.kind, 0.0) for f in faults)
         if t + length > horizon - 2:
             return out
         out.append(PlannedGroup(t, tuple(faults)))
