@@ -145,8 +145,9 @@ def test_a_claim_fenced_in_flight_never_runs_and_its_staged_run_is_unstaged(env,
     assert la.on_loop(lambda: "fenced" not in la.scheduler.catalog.entries and la.agent.fence_for(f.entry.shard) is None)
     g.open()
     settle(la, f)
-    # _spawn found no fence (on a loaded host the firing may first have waited out the
-    # lapsed session, giving up once as not_owner before its claim came back)
+    # _spawn found no fence (the last word: on a loaded host an earlier firing of the job
+    # can be given up as not_owner while the just-started agent still settles its shards;
+    # the shard's next load fires it again, and that is the firing held here)
     assert abandoned(caplog, "fenced")[-1:] == ["fenced"]
     assert la.on_loop(lambda: f.key not in la.scheduler.admitter.admission.running)
     assert leftovers(la, g.staged[0]) == [], f"staged: {before}"
