@@ -49,7 +49,7 @@ log = logging.getLogger("millwright.retention")
 DELETED = counter("millwright_retention_deleted_total", "Keys and run directories removed by retention", ("kind",))
 PASSES = counter("millwright_retention_passes_total", "Retention passes by result", ("result",))
 
-TERMINAL = ("succeeded", "failed", "timed_out", "killed", "cancelled", "misfired")
+TERMINAL = ("succeeded", "failed", "timed_out", "killed", "cancelled", "misfired", "aborted")
 BATCH_OPS = 64  # deletes per transaction (etcd refuses more than --max-txn-ops, 128 by default)
 
 
