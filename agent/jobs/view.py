@@ -250,12 +250,13 @@ def rollout_view(client, keys: Keys, shards: int, doc: dict, members: Optional[d
     except Exception:
         spec = None
     records = job_runs(client, keys, shards, job_id)
-    bases = set(jr.firings) | {ro.base_of(r.get("fire_id", "")) for r in records if isinstance(r.get("fire_id"), str)}
+    firing_of = lambda fid: ro.rolled_back(fid) or ro.base_of(fid)   # noqa: E731
+    bases = set(jr.firings) | {firing_of(r["fire_id"]) for r in records if isinstance(r.get("fire_id"), str)}
     base = max(bases) if bases else None
     agents: dict[str, dict] = {a: {"state": "waiting"} for a in (placement_view(doc, members) or {}).get("eligible", [])}
     for r in records:
         fid, agent = r.get("fire_id"), r.get("agent")
-        if not isinstance(fid, str) or not isinstance(agent, str) or ro.base_of(fid) != base:
+        if not isinstance(fid, str) or not isinstance(agent, str) or firing_of(fid) != base:
             continue
         slot = agents.setdefault(agent, {"state": "waiting"})
         if ro.rolled_back(fid) is not None:

@@ -15,11 +15,13 @@ import time
 import pytest
 
 from agent.coordination.etcd import KV
+from agent.coordination.keys import shard_of
 from agent.jobs import rollout as ro
-from agent.jobs.schedule import format_rfc3339
+from agent.jobs.schedule import fire_id, format_rfc3339
 from tests.support import history
 from tests.support.cloudkit import StatusCollector
 from tests.support.cluster import Cluster
+from tests.support.commands import millwright
 from tests.support.jobs import JOBS, effects_file, now
 from tests.support.waiting import wait_for
 
@@ -39,12 +41,13 @@ def fw_templates(out: str, agent: str, fails: bool) -> dict:
 class Fleet:
     """Line-1 agents (processes) of one cluster whose `fw` template fails on ``failing``."""
 
-    def __init__(self, etcd, tmp_path, failing=(), mqtt_url: str = "mqtt://127.0.0.1:9"):
+    def __init__(self, etcd, tmp_path, failing=(), mqtt_url: str = "mqtt://127.0.0.1:9", extra=None):
         self.out = effects_file(tmp_path)
         self.failing = set(failing)
         self.c = Cluster(etcd, str(tmp_path / "agents"), shards=4, ttl=4, renew_deadline=2.5, retry_period=0.5,
                          extra={"mqtt": {"url": mqtt_url, "reconnect_min_s": 0.2, "reconnect_max_s": 1.0},
-                                "execute": {"max_concurrent": 4, "memory_mb": 4096, "cpu": 8.0, "kill_grace_s": 1.0}})
+                                "execute": {"max_concurrent": 4, "memory_mb": 4096, "cpu": 8.0, "kill_grace_s": 1.0},
+                                **(extra or {})})
         self.store = self.c.job_store()
 
     def start(self, agent: str) -> None:
@@ -201,8 +204,163 @@ def test_rollout_of_ten_agents_aborts_after_the_threshold_through_a_kill_and_a_b
                           and r["state"] == "succeeded"} == ran, 60, what="a rollback on each agent that ran")
         undo = [se for se in history.parse_effects(fleet.out) if ro.rolled_back(se.fire_id)]
         assert sorted(se.agent for se in undo) == sorted(ran)
+        # jobs show: the job is aborted, and where each agent stands
+        show = millwright("jobs", "show", "fw-1", "-c", fleet.c.agents[LINE1[0]].config_path, "--json")
+        view = json.loads(show.stdout)
+        assert view["state"] == "aborted" and view["rollout"]["aborted"]["fire"] == h["base"]
+        assert {a: s["state"] for a, s in view["rollout"]["agents"].items()} == {a: r["state"] for a, r in finals.items()}
+        assert {a for a, s in view["rollout"]["agents"].items() if s.get("rollback") == "succeeded"} == ran
+        counts = view["rollout"]["counts"]
+        assert (counts["started"], counts["aborted"], counts["waiting"]) == (len(started), 10 - len(started), 0)
+        text = millwright("jobs", "show", "fw-1", "-c", fleet.c.agents[LINE1[0]].config_path).stdout
+        assert "rollout   aborted" in text and f"{len(started)} started" in text, text
         history.assert_clean(history.check(history.read_history(fleet.c.client, fleet.c.keys.prefix,
                                                                 contiguous=True), fleet.c.keys.prefix))
     finally:
         col.stop()
         fleet.close()
+
+
+def earliest_starts(spec: ro.RolloutSpec, starts: list[float], successes: list[float]) -> list[float]:
+    """When each start after the first may come at the earliest by the rollout: at least
+    60/rate after the one before, the rate being the one the successes ended by then allow
+    (side-effect clocks)."""
+    out = []
+    steps = sorted(successes)
+    for prev in starts[:-1]:
+        t = None
+        for j in range(len(steps) + 1):
+            since = steps[j - 1] if j else -float("inf")
+            until = steps[j] if j < len(steps) else float("inf")
+            rate = ro.rate(spec, j)
+            assert rate is not None
+            cand = max(since, prev + 60.0 / rate)
+            if cand < until:
+                t = cand
+                break
+        out.append(t)
+    return out
+
+
+def test_per_minute_with_growth_spaces_the_starts(etcd_server, tmp_path):
+    """Acceptance 2: per_minute 6, doubled after every 2 successes: each start comes when
+    the rate allows it, within 1 s, on the side effects' own clock."""
+    agents = LINE1[:6]
+    fleet = Fleet(etcd_server, tmp_path)
+    try:
+        for a in agents:
+            fleet.start(a)
+        wait_for(lambda: fleet.c.members() == set(agents), 60, what="6 members")
+        rollout = {"per_minute": 6, "growth": {"factor": 2, "after_succeeded": 2}}
+        fleet.push("fw-rate", rollout, sleep="1")
+        wait_for(lambda: len(fleet.finals("fw-rate")) == len(agents), 120, interval=0.5, what="every agent ran")
+        assert {r["state"] for r in fleet.finals("fw-rate").values()} == {"succeeded"}
+        effects = sorted((se for se in history.parse_effects(fleet.out) if se.job == "fw-rate"),
+                         key=lambda se: se.start)
+        starts = [se.start for se in effects]
+        spec = ro.RolloutSpec(per_minute=6.0, growth_factor=2.0, growth_after=2)
+        expected = earliest_starts(spec, starts, [se.end for se in effects if se.end is not None])
+        late = [(round(s - e, 3)) for s, e in zip(starts[1:], expected)]
+        print(f"\nstarts after the earliest the rate allows (s): {late}")
+        assert all(-1.0 <= d <= 1.0 for d in late), late
+    finally:
+        fleet.close()
+
+
+def rollout_keys(c: Cluster) -> list[str]:
+    kvs, _ = c.client.get_prefix(c.keys.rollouts_prefix(), keys_only=True)
+    return [kv.key for kv in kvs]
+
+
+def test_an_aborted_rollout_and_its_keys_go_with_the_job(etcd_server, tmp_path):
+    """Abort with stop and rollback on three agents; then retention turns the finished job
+    into a tombstone and deletes every rollout key with its records, then the tombstone."""
+    agents = LINE1[:3]
+    fleet = Fleet(etcd_server, tmp_path, failing={agents[0]},
+                  extra={"retention": {"interval_s": 0.2, "finished_job_s": 2, "tombstone_s": 2,
+                                       "max_deletes_per_s": 500}})
+    try:
+        # the failing agent runs first and alone; its failure aborts the rollout before the
+        # others join
+        fleet.start(agents[0])
+        wait_for(lambda: fleet.c.members() == {agents[0]}, 60, what="the first member")
+        fleet.push("fw-ret", {"max_concurrent": 1, "abort": {"failed_pct": 50, "min_finished": 1}},
+                   abort_action="stop", sleep="0.2")
+        shard = shard_of("fw-ret", 4)
+        wait_for(lambda: fleet.c.client.get(fleet.c.keys.rollout_aborted(shard, "fw-ret")) is not None, 60,
+                 what="the abort mark")
+        for a in agents[1:]:
+            fleet.start(a)
+        wait_for(lambda: set(fleet.finals("fw-ret")) == set(agents), 60, what="every agent final")
+        finals = fleet.finals("fw-ret")
+        assert finals[agents[0]]["state"] == "failed"
+        assert {finals[a]["state"] for a in agents[1:]} == {"aborted"}
+        wait_for(lambda: any(ro.rolled_back(fid) and r["state"] == "succeeded" and r["agent"] == agents[0]
+                             for fid, r in fleet.records("fw-ret").items()), 30, what="the rollback of the failed run")
+        assert rollout_keys(fleet.c)
+        # retention: job -> tombstone (records, rollout keys go), tombstone -> nothing
+        wait_for(lambda: not rollout_keys(fleet.c) and fleet.c.client.get(fleet.c.keys.job(shard, "fw-ret")) is None,
+                 60, interval=0.2, what="the job and its rollout keys gone")
+        assert fleet.records("fw-ret") == {}
+    finally:
+        fleet.close()
+
+
+def test_forged_rollout_keys_hold_agents_back_and_never_start_one_early(etcd_server, tmp_path):
+    """Rollout keys written by someone who can write etcd but is no agent: a slot taken by
+    nobody and a start key with an early time hold both agents back (seen: their waiting
+    statuses), and once the slot is freed they start no earlier than the signed rate
+    allows; an outcome rewritten after its creation counts as a failure and aborts."""
+    agents = LINE1[:2]
+    fleet = Fleet(etcd_server, tmp_path)
+    c = fleet.c
+    try:
+        for a in agents:
+            fleet.start(a)
+        wait_for(lambda: c.members() == set(agents), 60, what="2 members")
+        due = now().replace(microsecond=0)
+        base = ro.base_of(fire_id_of(due))
+        prefix = c.keys.rollout_firing(shard_of("fw-forged", 4), "fw-forged", base)
+        c.client.put(prefix + "slots/0", json.dumps({"agent": "forger", "fire_id": f"{base}@forger"}))
+        c.client.put(prefix + "starts/000000", json.dumps({"agent": "forger", "fire_id": f"{base}@forger", "at": 0}))
+        fleet.push("fw-forged", {"max_concurrent": 1, "per_minute": 6}, sleep="0.2", issued_at=format_rfc3339(due))
+
+        def waiting(agent):
+            return [d for d in c.statuses(agent) if d.get("job_id") == "fw-forged" and d.get("state") == "waiting"]
+        wait_for(lambda: all(any("max_concurrent" in (d.get("detail") or "") or d.get("reason") == "rollout"
+                                 for d in waiting(a)) for a in agents), 60, what="both agents waiting")
+        wait_for(lambda: all(any(r.get("event") == "rollout_wait" for r in c.audit(a)) for a in agents), 30,
+                 what="their wait audited")
+        assert fleet.records("fw-forged") == {} and not [se for se in _effects(fleet) if se.job == "fw-forged"]
+        c.client.delete(prefix + "slots/0")   # the operator removes what the forger wrote
+        wait_for(lambda: len(fleet.finals("fw-forged")) == 2, 60, interval=0.2, what="both ran")
+        runs = sorted((se for se in _effects(fleet) if se.job == "fw-forged"), key=lambda se: se.start)
+        assert len(runs) == 2 and running_at_once(runs, {}) == 1
+        # the forged start at time 0 counts at the due time: the first real start is one
+        # spacing (10 s) after it, the second another spacing later
+        spacing = 60 / 6
+        assert runs[0].start >= due.timestamp() + spacing - 0.5, (runs[0].start - due.timestamp())
+        assert runs[1].start >= runs[0].start + spacing - 0.5, (runs[1].start - runs[0].start)
+
+        # an outcome rewritten after its creation is a failure: the rollout aborts at once
+        due2 = now().replace(microsecond=0)
+        base2 = ro.base_of(fire_id_of(due2))
+        key = c.keys.rollout_firing(shard_of("fw-forged-2", 4), "fw-forged-2", base2) + "outcomes/forger"
+        good = json.dumps({"agent": "forger", "fire_id": f"{base2}@forger", "state": "succeeded"})
+        c.client.put(key, good)
+        c.client.put(key, good)
+        fleet.push("fw-forged-2", {"max_concurrent": 1, "abort": {"failed_pct": 50, "min_finished": 1}},
+                   sleep="0.2", issued_at=format_rfc3339(due2))
+        wait_for(lambda: len(fleet.finals("fw-forged-2")) == 2, 60, what="both final")
+        assert {r["state"] for r in fleet.finals("fw-forged-2").values()} == {"aborted"}
+        assert not [se for se in _effects(fleet) if se.job == "fw-forged-2"]
+    finally:
+        fleet.close()
+
+
+def fire_id_of(due) -> str:
+    return fire_id("", due)
+
+
+def _effects(fleet: Fleet) -> list:
+    return history.parse_effects(fleet.out) if os.path.exists(fleet.out) else []
