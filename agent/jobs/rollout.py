@@ -12,7 +12,8 @@ they are given.
 
 What etcd holds per firing (keys: agent/coordination/keys.py; all under
 ``rollouts/<shard>/<job>/``): ``<base>/slots/<i>`` (i < max_concurrent: a running agent,
-bound to its session lease), ``<base>/starts/<k>`` (the k-th start: agent, time),
+bound to its session lease), ``<base>/starts/<k>`` (with ``per_minute``: the k-th start,
+its agent and time),
 ``<base>/outcomes/<agent>`` (written once, with the agent's final run record),
 ``<base>/ended`` (rewritten by every run outcome: a start compares its revision, so no
 agent starts after an outcome it has not judged), and ``aborted`` (the job's abort mark).
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Optional
@@ -352,20 +354,32 @@ def decide(spec: RolloutSpec, jr: JobRollout, fr: FiringRollout, me: str, lease:
             return Decision("wait", f"max_concurrent: {spec.max_concurrent} agent(s) run it now")
         slot = free[_spread(me) % len(free)]
     start = None
-    if not any(s.agent == me for s in fr.starts.values()):
+    if spec.per_minute is not None and not any(s.agent == me for s in fr.starts.values()):
         earliest = next_start_at(spec, fr, t.succeeded)
         if earliest is not None and now < earliest:
             return Decision("wait", f"per_minute: the next start is due at {earliest:.3f} "
                                     f"({rate(spec, t.succeeded):g}/min)", until=earliest)
         start = max(fr.starts) + 1 if fr.starts else 0
-    if slot is None and start is None:
+    if slot is None and start is None and spec.failed_pct is None:
         return Decision("go")
+    # (with an abort rule and nothing to take, the try still compares the abort mark and
+    # the last outcome: no start follows the outcome that crossed the threshold)
     return Decision("try", slot=slot, start=start)
 
 
 def _spread(agent: str) -> int:
     """Agents racing for the free slots prefer different ones (stable per agent)."""
-    return sum(agent.encode()) * 2654435761 % 4294967296
+    return zlib.crc32(agent.encode())
+
+
+STAGGER_S = 0.05
+
+
+def stagger(agent: str, base: str) -> float:
+    """How long an agent that waited holds back its try once the rollout lets it start (0
+    to 50 ms, per agent and firing): the agents woken by one freed slot or one rate step do
+    not all race for it, the first one's start reaches the others first."""
+    return (zlib.crc32(f"{base}@{agent}".encode()) % 1000) / 1000 * STAGGER_S
 
 
 def _abort_detail(mark: dict) -> str:

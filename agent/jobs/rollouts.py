@@ -76,6 +76,8 @@ class _Tracker:
     reading: bool = False
     waiters: dict[str, tuple[Firing, Callable[[], None]]] = field(default_factory=dict)
     timers: dict[str, Any] = field(default_factory=dict)
+    wake_at: dict[str, float] = field(default_factory=dict)      # firing key -> when to judge it again
+    stagger: dict[str, float] = field(default_factory=dict)      # firing key -> when it may try
     grants: dict[str, Grant] = field(default_factory=dict)       # fire id -> slot held
     acquiring: set = field(default_factory=set)                  # fire ids with a start in flight
     running: dict[str, Firing] = field(default_factory=dict)     # fire id -> run (abort_action: stop)
@@ -133,9 +135,21 @@ class RolloutGate:
         if f.fire_id in tr.grants or d.kind == "go":
             self._tell(tr, f, "start", slot=self._slot_of(tr, f), **ro.tally(spec, fr).to_dict())
             return GO
+        tr.wake_at.pop(f.key, None)
         if d.kind == "wait":
             self._tell(tr, f, "wait", detail=d.detail)
+            tr.stagger.pop(f.key, None)
+            if d.until is not None:
+                tr.wake_at[f.key] = d.until
             return wait(REASON, d.detail)
+        if (f.fire_id, "wait") in tr.told:
+            # it waited: the agents that one freed slot or one rate step lets go do not all
+            # race for it at once (the first one's start reaches the others first)
+            at = tr.stagger.setdefault(f.key, self.clock() + ro.stagger(self.me, base))
+            if self.clock() < at:
+                tr.wake_at[f.key] = at
+                return wait(REASON, "starting")
+        tr.stagger.pop(f.key, None)
         if f.fire_id not in tr.acquiring:
             self._acquire(tr, f, d, fr.ended_rev)
         return wait(REASON, "starting")
@@ -145,11 +159,9 @@ class RolloutGate:
         if tr is None:   # (judge made it; a tracker dropped since has nothing to wake it for)
             return lambda: None
         tr.waiters[f.key] = (f, wake)
-        spec, fr = f.entry.job.rollout, tr.data.firings.get(ro.base_of(f.fire_id))
-        if spec is not None and fr is not None and tr.rev:
-            at = ro.next_start_at(spec, fr, ro.tally(spec, fr).succeeded)
-            if at is not None and at > self.clock():
-                tr.timers[f.key] = self.loop.call_later(at - self.clock(), self._wake_one, tr, f.key)
+        at = tr.wake_at.get(f.key)
+        if at is not None:   # the rate's next start, or the end of its stagger
+            tr.timers[f.key] = self.loop.call_later(max(0.0, at - self.clock()), self._wake_one, tr, f.key)
 
         def cancel() -> None:
             tr.waiters.pop(f.key, None)
@@ -208,6 +220,8 @@ class RolloutGate:
         if tr is None:
             return
         tr.running.pop(f.fire_id, None)
+        tr.wake_at.pop(f.key, None)
+        tr.stagger.pop(f.key, None)
         g = tr.grants.get(f.fire_id)
         if g is not None and not g.in_final:
             self._release(tr, f.fire_id)

@@ -22,70 +22,11 @@ from tests.support import history
 from tests.support.cloudkit import StatusCollector
 from tests.support.cluster import Cluster
 from tests.support.commands import millwright
-from tests.support.jobs import JOBS, effects_file, now
+from tests.support.jobs import now
+from tests.support.rollouts import Fleet, running_at_once
 from tests.support.waiting import wait_for
 
-EFFECT = os.path.join(JOBS, "effect.sh")
 LINE1 = tuple(f"l1-{i:02d}" for i in range(10))
-
-
-def fw_templates(out: str, agent: str, fails: bool) -> dict:
-    """`fw` records its side effect as ``agent`` and fails (exit 3) where ``fails``; its
-    rollback `fw-undo` records one and succeeds."""
-    base = {"params": {"sleep": r"^[0-9.]+$"}, "user": "root", "allow_root": True,
-            "allow_exec": ["/bin/*", "/usr/bin/*", EFFECT]}
-    return {"fw": {**base, "argv": [EFFECT, out, agent, "{sleep}", "2" if fails else "0"], "rollback": "fw-undo"},
-            "fw-undo": {**base, "argv": [EFFECT, out, agent, "0", "0"]}}
-
-
-class Fleet:
-    """Line-1 agents (processes) of one cluster whose `fw` template fails on ``failing``."""
-
-    def __init__(self, etcd, tmp_path, failing=(), mqtt_url: str = "mqtt://127.0.0.1:9", extra=None):
-        self.out = effects_file(tmp_path)
-        self.failing = set(failing)
-        self.c = Cluster(etcd, str(tmp_path / "agents"), shards=4, ttl=4, renew_deadline=2.5, retry_period=0.5,
-                         extra={"mqtt": {"url": mqtt_url, "reconnect_min_s": 0.2, "reconnect_max_s": 1.0},
-                                "execute": {"max_concurrent": 4, "memory_mb": 4096, "cpu": 8.0, "kill_grace_s": 1.0},
-                                **(extra or {})})
-        self.store = self.c.job_store()
-
-    def start(self, agent: str) -> None:
-        self.c.start(agent, extra={"labels": {"line": "1"},
-                                   "templates": fw_templates(self.out, agent, agent in self.failing)})
-
-    def push(self, job_id: str, rollout: dict, sleep: str = "2", **extra) -> dict:
-        doc = {"v": 1, "id": job_id, "template": "fw", "params": {"sleep": sleep}, "schedule": {},
-               "issued_at": format_rfc3339(now()), "target": {"labels": {"line": "1"}, "fanout": True},
-               "rollout": rollout, **extra}
-        self.store.create(doc)
-        return doc
-
-    def records(self, job_id: str) -> dict[str, dict]:
-        return self.c.job_runs(job_id)
-
-    def finals(self, job_id: str) -> dict[str, dict]:
-        """agent -> its main firing's record, once final."""
-        return {r["agent"]: r for fid, r in self.records(job_id).items()
-                if ro.rolled_back(fid) is None and r["state"] not in ("running", "retrying")}
-
-    def close(self) -> None:
-        self.c.close()
-
-
-def running_at_once(effects: list, died: dict) -> int:
-    """The most side effects of the job's main firing that ran at the same time, on their
-    own clock (a run killed before its end line ends when its process was seen gone,
-    ``died[agent]``; else it lasts until the end of the log)."""
-    edges = []
-    for se in effects:
-        end = se.end if se.end is not None else died.get(se.agent, float("inf"))
-        edges += [(se.start, 1), (end, -1)]
-    most = cur = 0
-    for _, d in sorted(edges, key=lambda x: (x[0], x[1])):
-        cur += d
-        most = max(most, cur)
-    return most
 
 
 def pid_of(out: str, job_id: str, agent: str) -> int:
@@ -110,8 +51,9 @@ def gone_at(pid: int) -> float:
 
 
 def rollout_history(c: Cluster, job_id: str, spec: ro.RolloutSpec) -> dict:
-    """Replays etcd's history of the job's rollout keys: the revision of each start key,
-    and the revision of the outcome that crossed the abort threshold (None: never)."""
+    """Replays etcd's history of the job's rollout keys: the revision of each start (a slot
+    or start key created), and the revision of the outcome that crossed the abort
+    threshold (None: never)."""
     events = history.read_history(c.client, c.keys.prefix, contiguous=True)
     fr = None
     starts, crossed, mark = {}, None, None
@@ -125,8 +67,8 @@ def rollout_history(c: Cluster, job_id: str, spec: ro.RolloutSpec) -> dict:
         base, _, rest = rel.partition("/")
         if fr is None:
             fr = ro.FiringRollout(base)
-        if rest.startswith("starts/") and ev.kind == "put" and ev.version == 1:
-            starts[rest] = (ev.rev, json.loads(ev.value))
+        if rest.startswith(("starts/", "slots/")) and ev.kind == "put" and ev.version == 1:
+            starts[(rest, ev.rev)] = (ev.rev, json.loads(ev.value))
         if rest.startswith(("outcomes/", "starts/")) and ev.kind == "put":
             ro.JobRollout(firings={base: fr}).put(rel, KV(ev.key, ev.value, ev.create_rev, ev.rev, ev.version, 0))
             if crossed is None and ro.crossed(spec, ro.tally(spec, fr)):
@@ -364,3 +306,29 @@ def fire_id_of(due) -> str:
 
 def _effects(fleet: Fleet) -> list:
     return history.parse_effects(fleet.out) if os.path.exists(fleet.out) else []
+
+
+def test_abort_action_stop_stops_a_running_run_and_rolls_it_back(etcd_server, tmp_path):
+    """One agent fails while another's long run runs: the abort stops that run (killed,
+    reason aborted), and both agents run their rollback once."""
+    fast, slow = LINE1[:2]
+    fleet = Fleet(etcd_server, tmp_path, failing={fast}, slow={slow})
+    try:
+        for a in (fast, slow):
+            fleet.start(a)
+        wait_for(lambda: fleet.c.members() == {fast, slow}, 60, what="2 members")
+        fleet.push("fw-stop", {"max_concurrent": 2, "abort": {"failed_pct": 50, "min_finished": 1}},
+                   abort_action="stop", sleep="1")
+        wait_for(lambda: len(fleet.finals("fw-stop")) == 2, 50, interval=0.2, what="both final")
+        finals = fleet.finals("fw-stop")
+        assert finals[fast]["state"] == "failed"
+        assert (finals[slow]["state"], finals[slow]["reason"]) == ("killed", "aborted")
+        run = next(se for se in _effects(fleet) if se.job == "fw-stop" and se.agent == slow and not ro.rolled_back(se.fire_id))
+        assert run.end is None   # stopped before its 60 s were up
+        wait_for(lambda: {r["agent"] for fid, r in fleet.records("fw-stop").items()
+                          if ro.rolled_back(fid) and r["state"] == "succeeded"} == {fast, slow}, 30,
+                 what="both rolled back")
+        stops = [r for r in fleet.c.audit(slow) if r.get("event") == "rollout_stop"]
+        assert len(stops) == 1 and stops[0]["fire_id"].endswith("@" + slow)
+    finally:
+        fleet.close()

@@ -132,11 +132,14 @@ def test_a_start_key_with_an_early_time_moves_no_start_forward():
 
 # --- deciding --------------------------------------------------------------------------------
 
-def test_an_agent_takes_a_free_slot_and_the_next_start():
-    s = spec(max_concurrent=2)
+def test_an_agent_takes_a_free_slot_and_with_a_rate_the_next_start():
     jr, fr = rollout_of(start(0, "a", T0), slot(0, "a", lease=7))
-    d = ro.decide(s, jr, fr, "b", 9, T0 + 1)
-    assert d == ro.Decision("try", slot=1, start=1)
+    assert ro.decide(spec(max_concurrent=2), jr, fr, "b", 9, T0 + 1) == ro.Decision("try", slot=1)
+    assert ro.decide(spec(max_concurrent=2, per_minute=60), jr, fr, "b", 9, T0 + 1) == \
+        ro.Decision("try", slot=1, start=1)
+    assert ro.decide(spec(abort={"failed_pct": 10}), jr, fr, "b", 9, T0) == ro.Decision("try")
+    assert ro.decide(spec(per_minute=60), jr, fr, "a", 7, T0) == ro.Decision("go")
+    assert 0 <= ro.stagger("b", BASE) <= ro.STAGGER_S
 
 
 def test_every_slot_key_counts_as_taken_whoever_wrote_it():
