@@ -27,6 +27,7 @@ import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from agent.demo.services import EtcdServer, free_port  # noqa: E402
+from agent.jobs import rollout as ro  # noqa: E402
 from agent.jobs.schedule import parse_rfc3339  # noqa: E402
 from tests.support import history  # noqa: E402
 from tests.support.rollouts import Fleet  # noqa: E402
@@ -49,7 +50,8 @@ def etcd_requests(ports: list[int]) -> collections.Counter:
 def lateness_ms(fleet: Fleet, job_id: str) -> list[float]:
     doc = fleet.store.get(job_id).doc
     due = parse_rfc3339(doc["issued_at"]).timestamp()
-    return [(se.start - due) * 1000 for se in history.parse_effects(fleet.out) if se.job == job_id]
+    return [(se.start - due) * 1000 for se in history.parse_effects(fleet.out)
+            if se.job == job_id and not ro.rolled_back(se.fire_id)]
 
 
 def overhead(tmp: str, n: int, rounds: int) -> None:
@@ -61,6 +63,8 @@ def overhead(tmp: str, n: int, rounds: int) -> None:
             for a in agents:
                 fleet.start(a, metrics={"listen": f"127.0.0.1:{ports[a]}"})
             wait_for(lambda: fleet.c.members() == set(agents), 60, what="members")
+            fleet.push("warm-up", None, sleep="0")   # the placement pool is made and loaded once
+            wait_for(lambda: len(fleet.finals("warm-up")) == n, 60, interval=0.1, what="warm-up done")
             time.sleep(3)
             ops: dict = {"plain": collections.Counter(), "staged": collections.Counter()}
             late: dict = {"plain": [], "staged": []}
@@ -103,7 +107,8 @@ def abort_reaction(tmp: str, n: int, rounds: int) -> None:
                 fleet.push(job_id, {"max_concurrent": 1, "abort": {"failed_pct": 1, "min_finished": 1}}, sleep="0.5")
                 wait_for(lambda: len(fleet.finals(job_id)) == n, 60, interval=0.1, what=f"{job_id} done")
                 time.sleep(1)
-                failed = [se for se in history.parse_effects(fleet.out) if se.job == job_id and se.end is not None]
+                failed = [se for se in history.parse_effects(fleet.out) if se.job == job_id and se.end is not None
+                          and not ro.rolled_back(se.fire_id)]
                 t_fail = min(se.end for se in failed)
                 audit = [rec for a in agents for rec in fleet.c.audit(a) if rec.get("job") == job_id]
                 mark = [parse_rfc3339(x["ts"]).timestamp() for x in audit if x.get("event") == "rollout_abort"]
