@@ -5,8 +5,8 @@ RunListener that stops runs when the rollout is aborted (``abort_action: stop``)
 What may happen is decided by agent/jobs/rollout.py (pure) from the job's rollout keys,
 which every agent that takes part reads once and then follows with one watch on
 ``rollouts/``. A start is one fenced transaction that takes a free concurrency slot (bound
-to this agent's session lease, so a dead agent's slot frees itself) and the next start
-key, and compares the abort mark and the firing's ``ended`` key: so it fails if any run
+to this agent's session lease, so a dead agent's slot frees itself) and, with a rate, the
+next start key, and compares the abort mark and the firing's ``ended`` key: so it fails if any run
 ended since the state it was judged on, and no agent starts after the outcome that crossed
 the abort threshold. A firing's outcome is written with its final run record, in the same
 transaction (RunRecords asks ``final_ops``), together with the release of its slot.
