@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--target-label", metavar="KEY=VALUE", action="append",
                     help="run on an agent with this label (repeatable: all must match; adds target.labels)")
     sp.add_argument("--fanout", action="store_true", help="with --target-label: run once on every matching agent")
+    sp.add_argument("--save", metavar="OUT", help="also write the signed document that is published to OUT "
+                                                  "(what approvers add their signatures to)")
+    sp.add_argument("--approve", action="store_true",
+                    help="FILE is a signed document: add this key's approval to it, write it back and publish it")
 
     sp = cmd("cancel", "agent.cloud.cli:cli_cancel", "sign and publish a cancel for a job id")
     with_config(sp)

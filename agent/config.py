@@ -164,6 +164,14 @@ class HealthThresholds:
 
 
 @dataclass
+class ApprovalRule:
+    required: int = doc("Signatures a job of the template needs (its sig plus approvals), each by a key of "
+                        "a different role listed in roles.", default=2)
+    roles: list[str] = doc("Key roles (keys-file role) whose signatures count; at most one per role.",
+                           default_factory=list)
+
+
+@dataclass
 class Template:
     argv: list[str] = doc("Command line with {param} placeholders; never run through a shell.")
     params: dict[str, str] = doc("Regex each param must match in full.", default_factory=dict)
@@ -180,6 +188,11 @@ class Template:
     resources: Resources = doc("Ceilings; a job's own resources are capped by these.", default_factory=Resources)
     allow_exec: list[str] = doc("Paths and globs a job process may exec.", default_factory=list)
     health: HealthThresholds = doc("Network health thresholds.", default_factory=HealthThresholds)
+    approvals: Optional[ApprovalRule] = doc("Four-eyes approval: a job of this template runs only once its "
+                                            "document carries this many signatures from keys of distinct "
+                                            "listed roles (docs/security.md).", default=None)
+    rollback: Optional[str] = doc("A template with the same params that an aborted rollout runs, once, on "
+                                  "each agent whose run of the job ended (docs/jobs.md).", default=None)
 
 
 @dataclass

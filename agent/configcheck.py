@@ -17,6 +17,7 @@ from agent.config import (
     Config,
     ConfigError,
     EtcdConfig,
+    Template,
 )
 from agent.jobs.paramregex import regex_risk
 
@@ -257,6 +258,25 @@ def validate(cfg: Config, problems: list[str]) -> None:
         for i, pat in enumerate(t.allow_exec):
             if not isinstance(pat, str) or not pat.startswith("/"):
                 bad(f"{where}.allow_exec[{i}]", "must be an absolute path or glob")
+        _validate_approvals_and_rollback(cfg, name, t, bad)
+
+
+def _validate_approvals_and_rollback(cfg: Config, name: str, t: Template, bad: Any) -> None:
+    """A template's four-eyes rule (1..16 distinct roles) and its rollback template."""
+    where, rule, rb = f"templates.{name}", t.approvals, t.rollback
+    if rule is not None:
+        roles = [r for r in rule.roles if isinstance(r, str) and re.match(r"^[A-Za-z0-9._-]{1,64}$", r)]
+        if len(roles) != len(rule.roles) or len(set(roles)) != len(roles) or len(roles) > 16:
+            bad(f"{where}.approvals.roles", "must be at most 16 distinct role names ([A-Za-z0-9._-]{1,64})")
+        if not 1 <= rule.required <= max(1, len(set(roles))):
+            bad(f"{where}.approvals.required", f"must be between 1 and the number of roles ({len(set(roles))}): "
+                "each counted signature is by a key of another role")
+    other = cfg.templates.get(rb) if rb is not None else None
+    if rb is not None and (rb == name or other is None):
+        bad(f"{where}.rollback", f"{rb!r} is not another template here")
+    elif other is not None and sorted(other.params) != sorted(t.params):
+        bad(f"{where}.rollback", f"template {rb} takes params {sorted(other.params)}, this one {sorted(t.params)}: "
+            "a rollback runs with the job's own params")
 
 
 def _is_root_user(name: str) -> bool:

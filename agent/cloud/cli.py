@@ -7,7 +7,11 @@ Binding: the CLI adds ``cluster`` (from the config), ``kind`` and ``issued_at`` 
 document does not carry them, so what it signs is valid only in that cluster and only for
 ``mqtt.max_age_s``.
 
-Exit codes: 0 accepted (or cancelled), 1 rejected, 3 no answer within --timeout,
+Four-eyes approval: ``push --save OUT`` keeps the signed document it publishes; ``push OUT
+--approve`` adds another key's approval to that file (a signature over the same bytes),
+writes it back and publishes it: the job store merges the approvals into the stored job.
+
+Exit codes: 0 accepted or waiting_approval (or cancelled), 1 rejected, 3 no answer within --timeout,
 4 broker unreachable (or it did not acknowledge the publish), 2 usage errors only
 (unreadable file, bad JSON, keys file, unknown kid).
 The broker URL, TLS, credentials and the cluster come from the agent config (-c).
@@ -73,7 +77,7 @@ def _sign(doc: dict, ring, kid: str) -> bytes:
 
 
 def publish_and_wait(cfg, topic: str, payload: bytes, job_id, timeout: float, wait: bool = True,
-                     states=(JobState.ACCEPTED, JobState.REJECTED)):
+                     states=(JobState.ACCEPTED, JobState.REJECTED, JobState.WAITING_APPROVAL)):
     """Publish one QoS 1 message and return the first status answering it (matched by the
     payload's sha256), or None on timeout."""
     from agent.cloud.ingest import push_digest
@@ -125,8 +129,9 @@ def _report(doc, job_id, timeout: float) -> int:
     redelivery = " (repeat: already accepted)" if doc.get("redelivery") else ""
     if doc.get("published_by") and doc.get("published_by") != doc.get("agent"):
         redelivery += f" (published by {doc['published_by']})"
-    if doc.get("state") in (JobState.ACCEPTED, RecordState.CANCELLED):
-        print(f"{doc['state']} {doc.get('job_id')}{redelivery} by {doc.get('agent')} (shard {doc.get('shard')})")
+    if doc.get("state") in (JobState.ACCEPTED, RecordState.CANCELLED, JobState.WAITING_APPROVAL):
+        print(f"{doc['state']} {doc.get('job_id')}{redelivery} by {doc.get('agent')} (shard {doc.get('shard')})"
+              + (f": {doc['detail']}" if doc.get("state") == JobState.WAITING_APPROVAL and doc.get("detail") else ""))
         where = doc.get("placement")
         if isinstance(where, dict):
             if where.get("eligible"):
@@ -182,6 +187,32 @@ def with_target(doc: dict, agent: Optional[str], labels: Optional[list], fanout:
     return {**doc, "target": target}
 
 
+def _approve(doc: dict, ring, kid: str, path: str) -> bytes:
+    """``doc`` (a signed job document) with ``kid``'s approval added, written back to ``path``."""
+    from agent.jobs.signing import SignatureError, approve
+
+    if "sig" not in doc:
+        raise UserError(f"{path}: not a signed document (push it first with --save, then approve that file)")
+    try:
+        payload = json.dumps(approve(doc, ring, kid), separators=(",", ":"), ensure_ascii=False,
+                             allow_nan=False).encode()
+    except SignatureError as exc:
+        raise UserError(f"cannot approve: {exc.detail}") from None
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"cannot approve: the document has no canonical JSON form ({exc})") from None
+    if path != "-":
+        _write(path, payload)
+    return payload
+
+
+def _write(path: str, payload: bytes) -> None:
+    try:
+        with open(path, "wb") as fh:
+            fh.write(payload + b"\n")
+    except OSError as exc:
+        raise UserError(f"{path}: {exc.strerror or exc}") from None
+
+
 def cli_push(args) -> int:
     cfg = _config(args)
     ring = _keyring(args.key_file, args.kid)
@@ -195,9 +226,16 @@ def cli_push(args) -> int:
         raise UserError(f"{args.file}: not valid JSON ({str(exc)[:120]})") from None
     if not isinstance(doc, dict):
         raise UserError(f"{args.file}: a job document must be a JSON object")
-    doc = with_target(doc, getattr(args, "target_agent", None), getattr(args, "target_label", None),
-                      getattr(args, "fanout", False))
-    payload = _sign(bind(doc, cfg.cluster, "job"), ring, args.kid)
+    if getattr(args, "approve", False):
+        if getattr(args, "target_agent", None) or getattr(args, "target_label", None) or getattr(args, "fanout", False):
+            raise UserError("--approve adds a signature to the document as it is: drop --target-*/--fanout")
+        payload = _approve(doc, ring, args.kid, args.file)
+    else:
+        doc = with_target(doc, getattr(args, "target_agent", None), getattr(args, "target_label", None),
+                          getattr(args, "fanout", False))
+        payload = _sign(bind(doc, cfg.cluster, "job"), ring, args.kid)
+    if getattr(args, "save", None):
+        _write(args.save, payload)
     from agent.cloud.ingest import peek_id
     from agent.cloud.topics import Topics
 

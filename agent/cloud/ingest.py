@@ -36,9 +36,10 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Optional
 
 from agent.coordination.etcd import EtcdError, EtcdUnavailable, Put
-from agent.coordination.jobstore import CREATED, JobCancelled, JobConflict, JobStore
+from agent.coordination.jobstore import APPROVED, CREATED, JobCancelled, JobConflict, JobStore
 from agent.coordination.keys import shard_of
 from agent.coordination.quota import ClusterQuota
+from agent.jobs.approvals import answer_fields
 from agent.jobs.document import parse_cancel, parse_job
 from agent.jobs.envelope import (
     BAD_FIELD,
@@ -285,6 +286,7 @@ class Ingest:
         """The accepted status of a push, its marker key, and the marker's put (if markers are on)."""
         shard = shard_of(job.id, self.shards)
         doc = self._status(job.id, JobState.ACCEPTED, payload, shard=shard)
+        doc.update(answer_fields(job.doc, self.keyring, self.templates))   # waiting_approval (four-eyes)
         if job.target is not None:
             from agent.jobs.view import placement_view
 
@@ -326,13 +328,23 @@ class Ingest:
             return self._reject("push", payload, job.id, CONFLICT, f"id: job {job.id} already exists with "
                                 "different content", as_owner)
         result, stored = created
+        if result == APPROVED:   # the stored document gained approvals: answered like a new push, unmarked
+            doc = {**self._status(job.id, JobState.ACCEPTED, payload, shard=stored.shard),
+                   **answer_fields(stored.doc, self.keyring, self.templates)}
+            self._emit(doc)
+            INGESTED.labels("push", "approved").inc()
+            for kid, role in job.signers[1:]:
+                self.record("job", event="approval", job_id=job.id, kid=kid, role=role, agent=self.agent_id)
+            self.notify("stored", stored)
+            return Outcome("push", "accepted", job.id, status=doc, stored=stored)
         if result == CREATED:
             if self.quota is not None:
                 self.quota.stored(len(payload))
             self._emit(doc, ledger=job.id, marker=marker)
             INGESTED.labels("push", "accepted").inc()
             self.record("job", event="accepted", job_id=job.id, shard=stored.shard, template=job.template,
-                        push_sha256=push_digest(payload), agent=self.agent_id)
+                        push_sha256=push_digest(payload), agent=self.agent_id,
+                        signers=[{"kid": k, "role": r} for k, r in job.signers])
             self.notify("stored", self._with_parsed(stored, job))
             return Outcome("push", "accepted", job.id, status=doc, stored=stored)
         return self._exists(payload, stored, as_owner)

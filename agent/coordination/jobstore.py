@@ -36,6 +36,7 @@ STORE_OPS = counter("millwright_job_store_ops_total", "Job store operations by r
 
 CREATED = "created"
 EXISTS = "exists"
+APPROVED = "approved"   # the stored document gained approvals (a push of it with more signatures)
 
 
 class JobConflict(Exception):
@@ -53,6 +54,21 @@ def public_doc(stored: dict) -> dict:
 
 def _canonical(doc: dict) -> bytes:
     return json.dumps(public_doc(doc), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def with_approvals(stored: dict, pushed: dict) -> Optional[dict]:
+    """``stored`` with the approvals of ``pushed`` it lacks (by key id), when the two are the
+    same document apart from ``approvals``; ``stored`` itself when nothing is new; None
+    when they differ in anything else (a conflict). The approvals were verified by the
+    push's parse (agent/jobs/approvals.py); the agents verify the merged document again."""
+    bare = lambda d: {k: v for k, v in d.items() if k != "approvals"}   # noqa: E731
+    if _canonical(bare(stored)) != _canonical(bare(pushed)):
+        return None
+    raw = stored.get("approvals")
+    have: list = raw if isinstance(raw, list) else []
+    kids = {a.get("kid") for a in have if isinstance(a, dict)}
+    new = [a for a in pushed.get("approvals") or [] if isinstance(a, dict) and a.get("kid") not in kids]
+    return {**stored, "approvals": [*have, *new]} if new else stored
 
 
 def content_digest(doc: dict) -> str:
@@ -196,10 +212,28 @@ class JobStore:
             STORE_OPS.labels("create", "cancelled").inc()
             raise JobCancelled(f"job {doc['id']} was cancelled at {existing.doc['_cancelled'].get('at')}")
         if _canonical(existing.doc) != _canonical(doc):
-            STORE_OPS.labels("create", "conflict").inc()
-            raise JobConflict(f"job {doc['id']} exists with different content")
+            merged = with_approvals(existing.doc, doc)
+            if merged is None:
+                STORE_OPS.labels("create", "conflict").inc()
+                raise JobConflict(f"job {doc['id']} exists with different content")
+            if merged is not existing.doc:
+                return self._approve(doc, existing, merged)
         STORE_OPS.labels("create", "exists").inc()
         return EXISTS, existing
+
+    def _approve(self, doc: dict, existing: StoredJob, merged: dict) -> tuple[str, StoredJob]:
+        """Store the document with its added approvals, unless it changed since it was read
+        (then the push is judged again against what is there now)."""
+        key = self.keys.job(existing.shard, existing.id)
+        value = json.dumps(merged, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        r = self.client.txn([Mod(key) == existing.revision], [Put(key, value)], [Get(key)])
+        if r.succeeded:
+            STORE_OPS.labels("create", "approved").inc()
+            return APPROVED, StoredJob(existing.shard, merged, r.revision, existing.create_revision)
+        kvs = r.responses[0]
+        if not kvs:
+            return self.create(doc)
+        return self._judge(doc, _stored(existing.shard, kvs[0]))
 
     def _pool_puts(self, doc: dict) -> list:
         """A targeted job registers its placement pool (pools/<pool>/spec), in the job's own

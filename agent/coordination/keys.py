@@ -77,6 +77,24 @@ class Keys:
         """A copy of the job's newest run record (by fire_id): depends_on reads one key."""
         return self.latest_prefix(shard) + job_id
 
+    # --- staged rollouts (agent/jobs/rollouts.py) ---------------------------------------
+    def rollouts_prefix(self, shard: int | None = None, job_id: str | None = None) -> str:
+        """A job's rollout state: its abort mark and, per firing, the concurrency slots, the
+        starts, the per-agent outcomes and the mark of the last outcome."""
+        p = self.prefix + "rollouts/"
+        if shard is None:
+            return p
+        p += self.shard_name(shard) + "/"
+        return p if job_id is None else p + job_id + "/"
+
+    def rollout_aborted(self, shard: int, job_id: str) -> str:
+        """Written once, when a rollout of the job crossed its abort threshold."""
+        return self.rollouts_prefix(shard, job_id) + "aborted"
+
+    def rollout_firing(self, shard: int, job_id: str, base_fire_id: str) -> str:
+        """The prefix of one firing's rollout (``base_fire_id``: the fire id without @agent)."""
+        return self.rollouts_prefix(shard, job_id) + base_fire_id + "/"
+
     # --- placement pools (targeting) ----------------------------------------------------
     def pools_prefix(self) -> str:
         return self.prefix + "pools/"

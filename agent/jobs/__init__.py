@@ -12,7 +12,10 @@ watch, trust, retirement), recovery (what a new owner finds and owes; pure), sch
 quota), dependencies (depends_on, watched), claims (the fenced claim and its
 read-backs), records (run-record documents and fenced writes), launching (run spec,
 prepare or start), outcomes (end reason -> state and retry; pure), statuses (status
-documents), claimlead (how far ahead a firing is claimed), metrics. Then view (what a job
+documents), claimlead (how far ahead a firing is claimed), startpolicy (what is asked
+before admission), approvals and approvalgate (four-eyes approval: pure, and its start
+policy), rollout and rollouts (staged fleet rollouts: pure, and its etcd mechanism),
+metrics. Then view (what a job
 is doing, read from etcd: the model behind jobs/get and the CLI), cli (`jobs`, `runs`,
 `logs`), retention (what is deleted and when), paramregex (template param regexes that
 match in linear time) over regexsyntax (the regex subset they may use, parsed).

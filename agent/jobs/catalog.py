@@ -20,7 +20,7 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Optional, Protocol, cast
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, cast
 
 from agent.coordination import placement
 from agent.coordination.etcd import EtcdClient, Put
@@ -109,6 +109,8 @@ class JobCatalog:
         self.claim_lead_s = cfg.execute.claim_lead_s
         self.max_age_s = cfg.mqtt.max_age_s
         self.listener: Optional[CatalogListener] = None
+        # told when an installed job's document gained approvals (agent/jobs/approvalgate.py)
+        self.changed_listeners: list[Callable[[JobEntry], None]] = []
         self.store = JobStore(client, keys, cfg.shards, cfg.agent_id)
         self.entries: dict[str, JobEntry] = {}
         self.by_shard: dict[int, dict[str, JobEntry]] = {}   # the same entries, by unit
@@ -351,9 +353,29 @@ class JobCatalog:
                 self.job_cancelled(stored.id)
             return
         if e is not None:
-            return  # same id: content never changes (conflicts are refused at ingest)
+            self._approved(e, stored)  # same id: content never changes; approvals may be added
+            return
         self._install(stored, {})
         JOBS_OWNED.set(len(self.entries))
+
+    def _approved(self, e: JobEntry, stored: StoredJob) -> None:
+        """A newer revision of an installed job whose signed content is the same and whose
+        approvals differ (the job store merged more): verified again, it replaces the job."""
+        doc = public_doc(stored.doc)
+        if stored.revision <= e.stored.revision or doc.get("approvals") == e.job.doc.get("approvals"):
+            return
+        try:
+            job = Job.from_stored(doc, keyring=self.keyring, cluster=self.cluster, now=utcnow())
+        except JobRejected as exc:
+            self._reject_stored(stored, exc.reason, exc.detail)
+            return
+        if job.content != e.job.content:
+            return   # not the job that was installed: conflicts are refused at ingest
+        e.job, e.stored = job, StoredJob(e.shard, {"id": job.id}, stored.revision, stored.create_revision)
+        self.audit.record("job", event="approvals_changed", job=job.id, revision=stored.revision,
+                          signers=[{"kid": k, "role": r} for k, r in job.signers])
+        for listener in self.changed_listeners:
+            listener(e)
 
     def job_cancelled(self, job_id: str, reason: str = EndReason.CANCELLED) -> None:
         e = self.entries.get(job_id)

@@ -95,7 +95,8 @@ def cli_jobs_show(args) -> int:
 
     job_id = _valid_id(args.id)
     cfg, client, keys = _open(args)
-    job = _etcd(lambda: view.get_job(client, keys, cfg.shards, job_id), cfg)
+    ring = _keyring(cfg)
+    job = _etcd(lambda: view.get_job(client, keys, cfg.shards, job_id, templates=cfg.templates, keyring=ring), cfg)
     if job is None:
         raise UserError(f"no job {job_id} in cluster {cfg.cluster}", EXIT_NOT_FOUND)
     if args.json:
@@ -116,11 +117,43 @@ def cli_jobs_show(args) -> int:
     if job.get("cancelled"):
         c = job["cancelled"]
         lines.append(f"cancelled {c.get('at')} by {c.get('by')} ({c.get('reason')})")
+    if job.get("approval"):
+        lines.append(f"approvals {job['approval'].get('detail')}")
+    lines += _rollout_lines(job.get("rollout"))
     print("\n".join(lines))
     if job["runs"]:
         print("last runs:")
         print(_table(_run_rows(job["runs"]), RUN_HEADER))
     return 0
+
+
+def _keyring(cfg):
+    """The keys file's ring, for the roles of the keys that signed (None if unreadable here)."""
+    from agent.jobs.signing import KeyFileError, KeyRing
+
+    try:
+        return KeyRing.load(cfg.signing.keys_file)
+    except (KeyFileError, OSError):
+        return None
+
+
+def _rollout_lines(r: Optional[dict]) -> list[str]:
+    """A staged rollout's progress: counts, limits, the abort, and each agent's state."""
+    if not r:
+        return []
+    c = r.get("counts", {})
+    spec = r.get("spec") or {}
+    limits = ", ".join(f"{k} {json.dumps(v, sort_keys=True)}" for k, v in spec.items())
+    lines = [f"rollout   {r.get('state')}  firing {r.get('firing') or '-'}: " + ", ".join(
+        f"{c.get(k, 0)} {k}" for k in ("started", "running", "succeeded", "failed", "waiting", "aborted")),
+        f"          {limits}" + (f"; now {r['rate_per_minute']:g}/min" if r.get("rate_per_minute") else "")]
+    mark = r.get("aborted")
+    if mark:
+        lines.append(f"aborted   {mark.get('at', '-')} by {mark.get('by', '-')}: {mark.get('detail', '')}")
+    for agent, a in (r.get("agents") or {}).items():
+        rb = f"  rollback {a['rollback']}" if a.get("rollback") else ""
+        lines.append(f"  {agent:<20} {a.get('state')}{rb}")
+    return lines
 
 
 # --------------------------------------------------------------------------- runs

@@ -35,7 +35,7 @@ from typing import Any, Optional, Union
 from agent.config import Resources, Template
 from agent.coordination import placement
 from agent.coordination.keys import shard_of
-from agent.jobs import envelope
+from agent.jobs import approvals, envelope
 from agent.jobs.envelope import (
     BAD_FIELD,
     BAD_JSON,
@@ -58,6 +58,7 @@ from agent.jobs.envelope import (
     type_name,
 )
 from agent.jobs.outcomes import DEFAULT_RETRY_ON, RETRY_ON
+from agent.jobs.rollout import RolloutSpec, parse_rollout
 from agent.jobs.schedule import (
     MISFIRE_POLICIES,
     OVERLAP_POLICIES,
@@ -74,6 +75,7 @@ ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 TOP_LEVEL_KEYS = (
     "v", "id", "cluster", "kind", "template", "params", "schedule", "misfire", "misfire_limit", "overlap",
     "retry", "timeout_s", "resources", "depends_on", "not_after", "issued_at", "target", "sig",
+    "rollout", "abort_action", "approvals",
 )
 CANCEL_KEYS = ("v", "id", "cluster", "kind", "issued_at", "sig")
 
@@ -109,6 +111,8 @@ class Job:
     not_after: Optional[datetime] = None
     issued_at: Optional[datetime] = None
     target: Optional[dict] = None  # canonical target (agent/coordination/placement.py); None: any agent
+    rollout: Optional[RolloutSpec] = None   # a fan-out job's staged rollout (agent/jobs/rollout.py)
+    signers: tuple = field(default=(), compare=False)  # (kid, role) of sig and each approval (approvals.py)
     doc: dict = field(default_factory=dict, repr=False, compare=False)
     canonical: bytes = field(default=b"", repr=False)  # canonical JSON of the full doc (with sig)
     content: bytes = field(default=b"", repr=False, compare=False)  # canonical JSON without sig (the signed bytes)
@@ -354,6 +358,10 @@ def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyR
         except placement.TargetError as exc:
             raise bad(exc.field, exc.message) from None
 
+    # ---- staged rollout and four-eyes approval (agent/jobs/rollout.py, approvals.py)
+    rollout = parse_rollout(doc, target)
+    signers = approvals.signers(doc, keyring, key_now, key, verify=keyring is not None)
+
     sig = doc.get("sig")
     if "sig" in doc:
         if not isinstance(sig, dict):
@@ -385,7 +393,8 @@ def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyR
     return Job(
         id=job_id, template=tname, params=dict(params), schedule=schedule, misfire=misfire,
         misfire_limit=misfire_limit, overlap=overlap, retry=retry, timeout_s=timeout_s, resources=resources,
-        depends_on=list(deps), not_after=not_after, issued_at=issued_at, target=target, doc=stored,
+        depends_on=list(deps), not_after=not_after, issued_at=issued_at, target=target, rollout=rollout,
+        signers=signers, doc=stored,
         canonical=canonical_json(stored, with_sig=True), content=canonical_json(stored),
         kid=key.kid if key is not None else None,
         key_retired_after=key.retired_after if key is not None else None,

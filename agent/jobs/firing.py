@@ -100,6 +100,7 @@ class Firing:
     limits: Any = None       # the limits admission let in, which the run then gets
     run: Any = None          # (RunSpec, argv, template) of this attempt, or why it cannot start
     staged: Any = None       # its directories and quota container, made with the claim (Executor.stage)
+    rollback: bool = False   # runs the template's rollback after an aborted rollout (never retried)
     seq: int = field(default_factory=lambda: next(_SEQ))
     state: FiringState = field(default=FiringState.PENDING, init=False)
     ended: Optional[FiringEnd] = field(default=None, init=False)

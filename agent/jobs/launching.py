@@ -58,6 +58,8 @@ class Launcher:
         fails early, after the claim)."""
         e = f.entry
         tpl = self.templates.get(e.job.template)
+        if tpl is not None and f.rollback:   # an aborted rollout's rollback: the template it names
+            tpl = self.templates.get(tpl.rollback or "")
         if tpl is None:
             return "unknown_template"
         rid = run_id(f.fire_id, f.attempt)

@@ -16,3 +16,8 @@ REJECTED_STORED = counter("millwright_jobs_rejected_stored_total",
 CLAIMS = counter("millwright_claims_total", "Claims of a firing's run record by outcome", ("outcome",))
 FOREIGN_RECORDS = counter("millwright_foreign_records_total",
                           "Run records this agent did not write and does not believe, by where found", ("where",))
+ROLLOUT_DECISIONS = counter("millwright_rollout_decisions_total",
+                            "Staged-rollout decisions by kind (start, wait, aborted, abort, stop, rollback, conflict)",
+                            ("decision",))
+APPROVAL_DECISIONS = counter("millwright_approval_decisions_total",
+                             "Four-eyes decisions on firings by kind (approved, waiting, expired)", ("decision",))

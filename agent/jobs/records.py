@@ -52,6 +52,8 @@ class RunRecords:
         self.shards = shards
         self.on_settled = on_settled     # a shard's last write in flight finished
         self.in_flight: dict[int, int] = {}
+        # ops that go with a firing's final record (a staged rollout's outcome: StartGate.final_ops)
+        self.final_ops: Callable[[Firing, str], list] = lambda f, state: []
 
     # --- documents -------------------------------------------------------------------
     def key(self, f: Firing) -> str:
@@ -85,7 +87,7 @@ class RunRecords:
         job's newest (in the same fenced transaction, so the two never disagree)."""
         e = f.entry
         ops = [Put(key, value)]
-        if f.fire_id >= e.latest_fire:
+        if f.fire_id >= e.latest_fire and not f.rollback:
             e.latest_fire = f.fire_id
             ops.append(Put(self.keys.latest(e.shard % self.shards, e.job.id), value))
         return ops
@@ -145,6 +147,8 @@ class RunRecords:
         ops = self.ops(f, key, json.dumps(rec))
         if answer is not None and answer[0]:
             ops.append(Put(answer[0], json.dumps(answer[1])))
+        if answer is not None:
+            ops += self.final_ops(f, state)
 
         def op() -> Any:
             return fenced_txn(self.client, fence, compare=[Mod(key) == rev], success=ops)
@@ -185,5 +189,6 @@ class RunRecords:
         doc, answer_key = answer
         if answer_key:
             ops.append(Put(answer_key, json.dumps(doc)))
+        ops += self.final_ops(f, state)
         self.submit(e.shard, lambda: fenced_txn(self.client, fence, compare=cmp, success=ops), lambda r, err: None)
         return True

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from agent.jobs import schedule as sch
 from agent.jobs.firing import ClaimState, Firing
+from agent.jobs.rollout import rolled_back
 from agent.jobs.states import TERMINAL, RecordState
 from agent.runtime.timefmt import format_rfc3339, parse_rfc3339
 
@@ -51,9 +52,16 @@ def recover(e: JobEntry, records: Records, agent_id: str, now: datetime) -> Reco
     for fire_id, (rec, rev) in sorted(records.items()):
         if job.fanout and not fire_id.endswith(mine):
             continue  # another agent's own firings of a fan-out job
+        undone = rolled_back(fire_id) if job.fanout else None
         try:
-            due = sch.parse_fire_id(fire_id[:-len(mine)] if job.fanout else fire_id)
+            due = sch.parse_fire_id(undone if undone is not None else fire_id[:-len(mine)] if job.fanout else fire_id)
         except Exception:
+            continue
+        if undone is not None:   # a rollback's run (agent/jobs/rollouts.py): resolved, never run again
+            if foreign(job, e.accepted_at, fire_id, due, rec, rev, now) is None and rec.get("state") not in TERMINAL:
+                f = Firing(e, due, fire_id, rec["attempt"], claim=ClaimState(rec, rev), rollback=True)
+                e.firings[fire_id] = f
+                out.orphans.append(f)
             continue
         why = foreign(job, e.accepted_at, fire_id, due, rec, rev, now)
         if why is not None:
@@ -88,12 +96,15 @@ def recover(e: JobEntry, records: Records, agent_id: str, now: datetime) -> Reco
         except ValueError:
             latest = []
         for due in latest:
-            if due not in recovery.run:
+            if due not in recovery.run and e.fire_id(due, agent_id) not in records:
                 f = Firing(e, due, e.fire_id(due, agent_id))
                 e.firings[f.fire_id] = f
                 _done_up_to(e, due)
                 out.misfired.append(f)
-    out.catch_up = list(recovery.run)
+    # a fire id names its due time to the millisecond: a due time with microseconds (a `{}`
+    # job's issued_at) is later than the one its record's fire id parses to, and its firing,
+    # which has that record, must not run again
+    out.catch_up = [d for d in recovery.run if e.fire_id(d, agent_id) not in records]
     out.next_due = recovery.next_due
     out.announce = not records and job.schedule.kind != "now" and recovery.next_due is not None
     return out

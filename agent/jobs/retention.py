@@ -10,7 +10,11 @@ directory on disk. The shard owner trims its own shards in the background:
   (jobstore.finished_tombstone, ~300 bytes, so a redelivered push is answered as before)
   and its run records and latest/ copy go; tombstones go after ``retention.tombstone_s``;
 - run directories on disk older than ``retention.run_output_s``, beyond ``keep_runs`` per
-  job, or beyond the ``retention.run_output_max_mb`` budget (oldest first).
+  job, or beyond the ``retention.run_output_max_mb`` budget (oldest first);
+- a job's rollout keys (rollouts/<shard>/<job>/, agent/jobs/rollouts.py) with its records
+  once it is gone or a tombstone; of a live job, those of firings older than its newest
+  ``ROLLOUT_FIRINGS_KEPT`` (not its abort mark, nor a slot still held: it goes with its
+  holder's lease). An aborted job can never fire again: it finishes from its abort mark.
 
 Never deleted: a job's newest record (misfire recovery, depends_on), any record not in a
 terminal state (running, retrying: the scheduler still needs it), the directory of a run
@@ -49,8 +53,9 @@ log = logging.getLogger("millwright.retention")
 DELETED = counter("millwright_retention_deleted_total", "Keys and run directories removed by retention", ("kind",))
 PASSES = counter("millwright_retention_passes_total", "Retention passes by result", ("result",))
 
-TERMINAL = ("succeeded", "failed", "timed_out", "killed", "cancelled", "misfired")
+TERMINAL = ("succeeded", "failed", "timed_out", "killed", "cancelled", "misfired", "aborted")
 BATCH_OPS = 64  # deletes per transaction (etcd refuses more than --max-txn-ops, 128 by default)
+ROLLOUT_FIRINGS_KEPT = 3   # a live job keeps the rollout keys of this many of its newest firings
 
 
 @dataclass
@@ -61,9 +66,10 @@ class Plan:
     tombstones: list = field(default_factory=list)  # (job_key, mod_rev)
     runs: list = field(default_factory=list)        # (run_key, mod_rev)
     latest: list = field(default_factory=list)      # (latest_key, mod_rev) of jobs that are gone
+    rollouts: list = field(default_factory=list)    # (rollout key, mod_rev)
 
     def empty(self) -> bool:
-        return not (self.finish or self.tombstones or self.runs or self.latest)
+        return not (self.finish or self.tombstones or self.runs or self.latest or self.rollouts)
 
 
 def _ts(text: Any) -> Optional[float]:
@@ -116,11 +122,13 @@ def _ran(doc: dict, rec: dict, now: Optional[float]) -> bool:
 
 def plan_shard(jobs: dict[str, tuple[dict, str, int]], runs: dict[str, list[tuple[str, str, bytes, int]]],
                latest: dict[str, tuple[str, int]], now: float, keep_runs: int, finished_job_s: float,
-               tombstone_s: float) -> Plan:
+               tombstone_s: float, rollouts: Optional[dict[str, list[tuple[str, str, bytes, int]]]] = None) -> Plan:
     """Decide what to delete in one shard.
 
     jobs: job_id -> (stored doc, job key, mod_rev); runs: job_id -> [(fire_id, key, value,
-    mod_rev)] sorted by fire_id; latest: job_id -> (latest key, mod_rev)."""
+    mod_rev)] sorted by fire_id; latest: job_id -> (latest key, mod_rev); rollouts: job_id ->
+    [(name under the job's rollout prefix, key, value, mod_rev)]."""
+    rollouts = rollouts or {}
     plan = Plan()
     gone: set[str] = set()  # jobs whose records may all go (missing, tombstoned or finishing now)
     for job_id, (doc, key, rev) in jobs.items():
@@ -138,7 +146,7 @@ def plan_shard(jobs: dict[str, tuple[dict, str, int]], runs: dict[str, list[tupl
             except ValueError:
                 newest = None
         all_terminal = all(_terminal(value) for _, _, value, _ in records)
-        fin = finished_since(doc, newest, all_terminal, now)
+        fin = finished_since(doc, newest, all_terminal, now) or _aborted_since(rollouts.get(job_id, []), all_terminal)
         if fin is not None and now - fin[0] > finished_job_s:
             tomb = finished_tombstone(doc, sch.format_rfc3339(datetime.fromtimestamp(now, timezone.utc)), fin[1])
             plan.finish.append((key, rev, tomb, latest.get(job_id, (None, 0))[0], fin[1]))
@@ -155,7 +163,27 @@ def plan_shard(jobs: dict[str, tuple[dict, str, int]], runs: dict[str, list[tupl
     for job_id, (key, rev) in latest.items():
         if job_id not in jobs or jobs[job_id][0].get("_tombstone"):
             plan.latest.append((key, rev))
+    for job_id, items in rollouts.items():
+        if job_id in gone or job_id not in jobs:
+            plan.rollouts.extend((key, rev) for _, key, _, rev in items)
+            continue
+        firings = sorted({name.split("/", 1)[0] for name, _, _, _ in items if "/" in name})
+        old = set(firings[:max(0, len(firings) - ROLLOUT_FIRINGS_KEPT)])
+        plan.rollouts.extend((key, rev) for name, key, _, rev in items
+                             if name.split("/", 1)[0] in old and "/slots/" not in name)
     return plan
+
+
+def _aborted_since(items: list[tuple[str, str, bytes, int]], all_terminal: bool) -> Optional[tuple[float, str]]:
+    """A job whose rollout was aborted never starts again: finished from its abort mark."""
+    for name, _, value, _ in items:
+        if name == "aborted" and all_terminal:
+            try:
+                at = json.loads(value).get("at")
+            except (ValueError, AttributeError):
+                at = None
+            return _ts(at) or 0.0, "aborted"
+    return None
 
 
 # --- run directories on disk ----------------------------------------------------------------
@@ -246,7 +274,7 @@ class Retention:
         self._pools_at = time.monotonic()
         self.last: dict = {}
         self.totals = {"runs": 0, "jobs_finished": 0, "tombstones": 0, "latest": 0, "answers": 0, "run_dirs": 0,
-                       "pools": 0}
+                       "pools": 0, "rollouts": 0}
         agent.status_providers["retention"] = self.status
 
     def start(self) -> None:
@@ -355,8 +383,14 @@ class Retention:
         for kvs, _ in self.client.range_pages(latest_prefix, revision=rev, keys_only=True):
             for kv in kvs:
                 latest[kv.key[len(latest_prefix):]] = (kv.key, kv.mod_revision)
+        rollouts_prefix = self.keys.rollouts_prefix(shard)
+        rollouts: dict[str, list[tuple[str, str, bytes, int]]] = {}
+        for kvs, _ in self.client.range_pages(rollouts_prefix, revision=rev):
+            for kv in kvs:
+                job_id, _, name = kv.key[len(rollouts_prefix):].partition("/")
+                rollouts.setdefault(job_id, []).append((name, kv.key, kv.value, kv.mod_revision))
         plan = plan_shard(jobs, runs, latest, self.clock(), self.cfg.keep_runs, self.cfg.finished_job_s,
-                          self.cfg.tombstone_s)
+                          self.cfg.tombstone_s, rollouts)
         # answers still owed for a job that is gone or a tombstone (it finished finished_job_s
         # ago, as long as the cloud channel keeps them at all): they go with its records
         answers_prefix = self.keys.answers_prefix(shard)
@@ -366,8 +400,8 @@ class Retention:
                 job_id = kv.key[len(answers_prefix):].partition("/")[0]
                 if job_id not in jobs or jobs[job_id][0].get("_tombstone"):
                     answers.append((kv.key, kv.mod_revision))
-        result = {"runs": 0, "jobs_finished": 0, "tombstones": 0, "latest": 0, "answers": 0, "conflicts": 0,
-                  "read_revision": rev}
+        result = {"runs": 0, "jobs_finished": 0, "tombstones": 0, "latest": 0, "answers": 0, "rollouts": 0,
+                  "conflicts": 0, "read_revision": rev}
         if plan.empty() and not answers:
             return result
         for key, mrev, tomb, latest_key, _reason in plan.finish:
@@ -383,7 +417,7 @@ class Retention:
             else:
                 result["conflicts"] += 1
         for kind, items in (("tombstones", plan.tombstones), ("runs", plan.runs), ("latest", plan.latest),
-                            ("answers", answers)):
+                            ("answers", answers), ("rollouts", plan.rollouts)):
             for i in range(0, len(items), BATCH_OPS):
                 batch = items[i:i + BATCH_OPS]
                 if not self._throttle.take(len(batch)):

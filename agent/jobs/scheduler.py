@@ -90,6 +90,7 @@ class Scheduler:
         self.admitter = Admitter(admission, self.launcher, self.statuses, catalog.current, self._claim,
                                  lambda f: self._finish_without_run(f, RecordState.FAILED, "quota_never_fits"))
         self.starts = StartGate(start_policies, self.statuses, loop)
+        self.records.final_ops = self.starts.final_ops
         self.foreign = ForeignRecords(self.statuses, audit)
         self.dependencies = DependencyCheck(client, keys, cfg.shards, loop, workers, self.statuses, catalog.current,
                                             catalog.keyring, cfg.cluster, audit)
@@ -154,6 +155,7 @@ class Scheduler:
             self._arm(e, r.next_due)
         if r.announce:
             self.statuses.send(e, None, JobState.SCHEDULED, due=rfc(r.next_due))
+        self.starts.installed(e, records)
 
     def job_cancelled(self, e: JobEntry, reason: str = EndReason.CANCELLED) -> None:
         """Its runs are stopped and every firing not started ends `cancelled`; ``reason``:
@@ -272,6 +274,12 @@ class Scheduler:
         """The start policies (windows, gates, ...) first, then admission and the claim."""
         self.starts.request(f, lambda g: self.admitter.request(g, retry=retry),
                             lambda g, state, reason, detail: self._finish_without_run(g, state, reason))
+
+    def adopt(self, f: Firing) -> None:
+        """A firing a start policy made for the job (a rollback): through the pipeline like any."""
+        if f.fire_id not in f.entry.firings and self.catalog.current(f.entry):
+            f.entry.firings[f.fire_id] = f
+            self._may_start(f)
 
     def _fire_if_current(self, e: JobEntry, due: datetime) -> None:
         if self.catalog.current(e) and not e.cancelled:
@@ -413,7 +421,7 @@ class Scheduler:
         JOB_DURATION.observe(time.monotonic() - f.started_mono if f.started_mono else 0.0)
         now = utcnow()
         fields = outcomes.end_fields(result, reason, f.health, now)
-        out = outcomes.after_run(e.job, reason, f.fire_id, f.attempt, now, e.cancelled)
+        out = outcomes.after_run(e.job, reason, f.fire_id, f.attempt, now, e.cancelled or f.rollback)
         RUNS.labels(reason if out.state != RecordState.SUCCEEDED else "succeeded").inc()
         self.audit.record("job", event="run_end", job=e.job.id, fire_id=f.fire_id, attempt=f.attempt,
                           state=out.state, **{k: v for k, v in fields.items() if k != "usage"})
@@ -460,7 +468,7 @@ class Scheduler:
         its self-fence: kill_grace_s fits before the lease expires; on its graceful stop)."""
         job = f.entry.job
         prev_agent = (f.claim.record or {}).get("agent")
-        nxt = outcomes.after_owner_lost(job, f.fire_id, f.attempt, now)
+        nxt = None if f.rollback else outcomes.after_owner_lost(job, f.fire_id, f.attempt, now)
         self.audit.record("job", event="owner_lost", job=job.id, fire_id=f.fire_id, attempt=f.attempt,
                           previous_agent=prev_agent, retry_at=rfc(nxt))
         RUNS.labels(EndReason.OWNER_LOST).inc()
@@ -507,6 +515,7 @@ class Scheduler:
 
     def _forget(self, f: Firing) -> None:
         e = f.entry
+        self.starts.done(f)
         if e.firings.get(f.fire_id) is f:
             del e.firings[f.fire_id]
         if e.backlog and self.catalog.current(e) and not e.cancelled \

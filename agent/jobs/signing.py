@@ -11,6 +11,7 @@ Keys live in a root-only YAML file mapping a key id to a key::
     cloud-2: {alg: ed25519, public_key: "<base64 of the 32-byte raw public key>"}
     ops-1:   {alg: ed25519, private_key: "<base64 of the 32-byte raw seed>"}   # signers only
     old-1:   {alg: ed25519, public_key: "...", retired_after: "2027-03-01T00:00:00Z"}
+    qa-1:    {alg: ed25519, public_key: "...", role: quality}   # role: four-eyes approval
 
 ed25519 is the default (gateways then hold only public keys; ``millwright keygen`` makes a
 pair); hmac-sha256 is for labs, where every gateway holds the signing secret. ed25519 uses
@@ -60,6 +61,7 @@ ED25519 = "ed25519"
 ALGS = (HMAC_SHA256, ED25519)
 MIN_HMAC_SECRET_BYTES = 32
 KID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+ROLE_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 # Reason codes of SignatureError (also used verbatim as JobRejected reasons).
 UNSIGNED = "unsigned"
@@ -90,13 +92,16 @@ class KeyFileError(Exception):
 # --------------------------------------------------------------------------- canonical form
 
 
+UNSIGNED_MEMBERS = ("sig", "approvals")   # what the signatures travel in: never part of the signed bytes
+
+
 def canonical_json(doc: dict, *, with_sig: bool = False) -> bytes:
-    """The bytes that are signed: ``doc`` without ``sig`` (unless ``with_sig``), keys sorted,
-    no whitespace, UTF-8. Raises ValueError/TypeError for values JSON cannot carry
-    (NaN, Infinity, non-string keys, unpaired surrogates)."""
+    """The bytes that are signed: ``doc`` without ``sig`` and ``approvals`` (unless
+    ``with_sig``), keys sorted, no whitespace, UTF-8. Raises ValueError/TypeError for
+    values JSON cannot carry (NaN, Infinity, non-string keys, unpaired surrogates)."""
     if not isinstance(doc, dict):
         raise TypeError("a document must be a JSON object")
-    body = doc if with_sig else {k: v for k, v in doc.items() if k != "sig"}
+    body = doc if with_sig else {k: v for k, v in doc.items() if k not in UNSIGNED_MEMBERS}
     text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     return text.encode("utf-8")  # UnicodeEncodeError (a ValueError) for lone surrogates
 
@@ -126,6 +131,7 @@ class Key:
     public_key: Optional[bytes] = field(default=None, repr=False)  # ed25519 raw 32 bytes
     private_key: Optional[bytes] = field(default=None, repr=False)  # ed25519 raw 32-byte seed
     retired_after: Optional[datetime] = None  # documents signed by it stop verifying after this
+    role: Optional[str] = None                # whose approval its signature is (four-eyes templates)
 
     @property
     def can_sign(self) -> bool:
@@ -216,15 +222,19 @@ class KeyRing:
                 continue
             alg = entry.get("alg")
             if alg == HMAC_SHA256:
-                allowed = {"alg", "secret", "retired_after"}
+                allowed = {"alg", "secret", "retired_after", "role"}
             elif alg == ED25519:
-                allowed = {"alg", "public_key", "private_key", "retired_after"}
+                allowed = {"alg", "public_key", "private_key", "retired_after", "role"}
             else:
                 problems.append(f"{where}.alg: must be {HMAC_SHA256} or {ED25519}, got {alg!r}")
                 continue
             extra = [str(k) for k in entry if k not in allowed]
             if extra:
                 problems.append(f"{where}: unknown key(s) {', '.join(sorted(extra))} for alg {alg}")
+                continue
+            role = entry.get("role")
+            if role is not None and not (isinstance(role, str) and ROLE_RE.fullmatch(role)):
+                problems.append(f"{where}.role: must match [A-Za-z0-9._-]{{1,64}}, got {role!r}")
                 continue
             retired = None
             if "retired_after" in entry:
@@ -244,7 +254,7 @@ class KeyRing:
                         f"{where}.secret: decodes to {len(secret)} bytes; at least {MIN_HMAC_SECRET_BYTES} are required"
                     )
                     continue
-                keys[kid] = Key(kid, alg, secret=secret, retired_after=retired)
+                keys[kid] = Key(kid, alg, secret=secret, retired_after=retired, role=role)
                 continue
             pub = priv = None
             if "public_key" in entry:
@@ -277,7 +287,7 @@ class KeyRing:
             if pub is None and priv is None:
                 problems.append(f"{where}: needs public_key (to verify) or private_key (to sign)")
                 continue
-            keys[kid] = Key(kid, alg, public_key=pub, private_key=priv, retired_after=retired)
+            keys[kid] = Key(kid, alg, public_key=pub, private_key=priv, retired_after=retired, role=role)
         if require_private:
             for kid, key in keys.items():
                 if not key.can_sign:
@@ -359,13 +369,33 @@ def _retired_after(value: Any) -> Optional[datetime]:
 
 
 def sign(doc: dict, keyring: KeyRing, kid: str) -> dict:
-    """A deep copy of ``doc`` with ``sig`` set (any existing sig is replaced)."""
+    """A deep copy of ``doc`` with ``sig`` set (any existing sig is replaced; approvals
+    are kept: they sign the same bytes)."""
+    out = copy.deepcopy(doc)
+    out.pop("sig", None)
+    out["sig"] = _signature(out, keyring, kid)
+    return out
+
+
+def approve(doc: dict, keyring: KeyRing, kid: str) -> dict:
+    """A deep copy of a signed ``doc`` with ``kid``'s approval added to ``approvals`` (a
+    signature over the same bytes as ``sig``: the document without sig and approvals)."""
+    if "sig" not in doc:
+        raise SignatureError(UNSIGNED, "an approval is added to a signed document (it has no sig)")
+    out = copy.deepcopy(doc)
+    raw = out.get("approvals")
+    present: list = raw if isinstance(raw, list) else []
+    if kid == (out.get("sig") or {}).get("kid") or any(isinstance(a, dict) and a.get("kid") == kid for a in present):
+        raise SignatureError(BAD_SIGNATURE, f"key {kid} has already signed this document")
+    out["approvals"] = [*present, _signature(out, keyring, kid)]
+    return out
+
+
+def _signature(doc: dict, keyring: KeyRing, kid: str) -> dict:
     key = keyring.get(kid)
     if key is None:
         raise SignatureError(UNKNOWN_KID, f"key id {kid!r} is not in {keyring.source}")
-    out = copy.deepcopy(doc)
-    out.pop("sig", None)
-    message = canonical_json(out)
+    message = canonical_json(doc)
     if key.alg == HMAC_SHA256:
         value = hmac.new(key.secret or b"", message, hashlib.sha256).digest()
     else:
@@ -374,8 +404,7 @@ def sign(doc: dict, keyring: KeyRing, kid: str) -> dict:
         if key.private_key is None:
             raise SignatureError(NO_PRIVATE_KEY, f"key {kid} has no private_key in {keyring.source}")
         value = _Ed25519PrivateKey.from_private_bytes(key.private_key).sign(message)
-    out["sig"] = {"alg": key.alg, "kid": kid, "value": _b64encode(value)}
-    return out
+    return {"alg": key.alg, "kid": kid, "value": _b64encode(value)}
 
 
 def _ed_public_from_private(seed: bytes) -> bytes:

@@ -5,7 +5,9 @@ A policy answers go, wait (with a reason: the firing waits, state `waiting`, and
 wakes it when its answer may have changed) or end (the firing ends without a run, with a
 record state and a reason). Policies are asked in order; all must say go. With none, a
 firing goes straight on, as before. A policy that must act on a run once it started (stop
-it when a window closes, say) is also a RunListener (agent/jobs/firing.py).
+it when a window closes, say) is also a RunListener (agent/jobs/firing.py); one that keeps
+state in etcd per firing may also implement the FiringHooks below (a staged rollout:
+agent/jobs/rollouts.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from agent.jobs.firing import Firing, FiringState
 from agent.jobs.states import JobState
 
 if TYPE_CHECKING:
+    from agent.jobs.catalog import JobEntry, Records
     from agent.jobs.statuses import Statuses
     from agent.runtime.loop import EventLoop
 
@@ -25,15 +28,16 @@ if TYPE_CHECKING:
 class Verdict:
     kind: str            # "go", "wait" or "end"
     reason: str = ""     # wait: why (the status's reason, e.g. "window"); end: the record's reason
-    state: str = ""      # end: the record state (misfired, failed, cancelled, ...)
+    state: str = ""      # end: the record state (misfired, failed, cancelled, ...); wait: the status
+                         # state when not `waiting` (waiting_approval)
     detail: str = ""
 
 
 GO = Verdict("go")
 
 
-def wait(reason: str, detail: str = "") -> Verdict:
-    return Verdict("wait", reason, detail=detail)
+def wait(reason: str, detail: str = "", state: str = "") -> Verdict:
+    return Verdict("wait", reason, state, detail=detail)
 
 
 def end(state: str, reason: str, detail: str = "") -> Verdict:
@@ -47,6 +51,19 @@ class StartPolicy(Protocol):
     def subscribe(self, f: Firing, wake: Callable[[], None]) -> Callable[[], None]:
         """Call ``wake()`` (on the loop) when the verdict for a waiting ``f`` may have
         changed; returns what cancels that."""
+
+
+class FiringHooks(Protocol):
+    """Optional, for a policy that keeps state per firing (each method may be left out)."""
+
+    def final_ops(self, f: Firing, state: str) -> list:
+        """etcd ops to write in the transaction of ``f``'s final record (fenced with it)."""
+
+    def done(self, f: Firing) -> None:
+        """``f`` is DONE (recorded, abandoned or handed over)."""
+
+    def installed(self, e: JobEntry, records: Records) -> None:
+        """A job was (re)installed here, with the run records earlier owners left."""
 
 
 Refuse = Callable[[Firing, str, str, str], None]   # (firing, record state, reason, detail)
@@ -74,7 +91,7 @@ class StartGate:
                 return
             if f.wait_reason != v.reason or f.state != FiringState.WAITING:
                 f.move(FiringState.WAITING, wait_reason=v.reason)
-                self.statuses.send(f.entry, f, JobState.WAITING, reason=v.reason,
+                self.statuses.send(f.entry, f, v.state or JobState.WAITING, reason=v.reason,
                                    **({"detail": v.detail} if v.detail else {}))
             self._cancels[f.key] = p.subscribe(f, lambda: self._woken(f, go, refuse))
             return
@@ -89,3 +106,18 @@ class StartGate:
         cancel: Optional[Callable[[], None]] = self._cancels.pop(f.key, None)
         if cancel is not None:
             cancel()
+
+    # --- the FiringHooks of the policies that have them ----------------------------------
+    def final_ops(self, f: Firing, state: str) -> list:
+        return [op for p in self.policies if hasattr(p, "final_ops") for op in p.final_ops(f, state)]
+
+    def done(self, f: Firing) -> None:
+        self.forget(f)
+        for p in self.policies:
+            if hasattr(p, "done"):
+                p.done(f)
+
+    def installed(self, e: JobEntry, records: Records) -> None:
+        for p in self.policies:
+            if hasattr(p, "installed"):
+                p.installed(e, records)

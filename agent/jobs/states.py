@@ -28,6 +28,7 @@ class RecordState(Word):
     KILLED = "killed"
     CANCELLED = "cancelled"
     MISFIRED = "misfired"
+    ABORTED = "aborted"        # a staged rollout was aborted before this agent's firing ran
 
 
 class JobState(Word):
@@ -37,11 +38,12 @@ class JobState(Word):
     REJECTED = "rejected"
     SCHEDULED = "scheduled"
     WAITING = "waiting"
+    WAITING_APPROVAL = "waiting_approval"   # stored; runs once its template's approvals are there
 
 
 # after these nothing more happens to a firing
 TERMINAL = frozenset({RecordState.SUCCEEDED, RecordState.FAILED, RecordState.TIMED_OUT, RecordState.KILLED,
-                      RecordState.CANCELLED, RecordState.MISFIRED})
+                      RecordState.CANCELLED, RecordState.MISFIRED, RecordState.ABORTED})
 # a record in one of these is a firing still in progress (a live run, or a retry to come)
 IN_PROGRESS = frozenset({RecordState.RUNNING, RecordState.RETRYING})
 
@@ -63,6 +65,7 @@ class EndReason(Word):
     EXEC_POLICY = "exec_policy"
     NETWORK_STALL = "network_stall"
     AGENT_STOPPED = "agent_stopped"
+    ABORTED = "aborted"          # its staged rollout was aborted (abort_action: stop)
     # the run's lease or shard went: the next owner resolves its record
     FENCED = "fenced"
     SHARD_LOST = "shard_lost"

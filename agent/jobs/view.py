@@ -131,20 +131,31 @@ def placement_view(doc: dict, members: Optional[dict[str, dict]]) -> Optional[di
 
 
 def view(doc: dict, shard: int, runs: list[dict], last_runs: int = LAST_RUNS,
-         now: Optional[datetime] = None, members: Optional[dict[str, dict]] = None) -> dict:
+         now: Optional[datetime] = None, members: Optional[dict[str, dict]] = None,
+         rollout: Optional[dict] = None, approval: Optional[dict] = None) -> dict:
     """A job's public view: its document (reserved keys and signature left out), state,
     the last ``last_runs`` run records (oldest first) and the next due time. With
     ``members``, a targeted job that could fire but has no eligible agent is ``waiting``
-    with reason ``no_eligible_agent``."""
+    with reason ``no_eligible_agent``. ``rollout`` (rollout_view) and ``approval``
+    (approval_view) are shown, and make the state ``aborted`` / ``waiting_approval``."""
     from agent.coordination.jobstore import public_doc
 
     due = next_due(doc, runs, now)
     pub = public_doc(doc)
     pub.pop("sig", None)
+    pub.pop("approvals", None)
     state = job_state(doc, runs, due)
+    if rollout is not None and rollout.get("aborted") and state != RecordState.CANCELLED:
+        state = RecordState.ABORTED
+    elif approval is not None and not approval["ok"] and not runs and state in (JobState.SCHEDULED,
+                                                                                 JobState.ACCEPTED):
+        state = JobState.WAITING_APPROVAL
     out = {"id": doc.get("id"), "shard": shard, "template": doc.get("template"), "state": state,
            "next_due": due, "accepted": doc.get("_accepted"), "cancelled": doc.get("_cancelled"),
            "updated_at": updated_at(doc, runs), "runs": runs[-last_runs:] if last_runs else [], "doc": pub}
+    for name, extra in (("rollout", rollout), ("approval", approval)):
+        if extra is not None:
+            out[name] = extra
     where = placement_view(doc, members)
     if where is not None:
         out["placement"] = where
@@ -184,7 +195,10 @@ def job_runs(client: EtcdClient, keys: Keys, shards: int, job_id: str, limit: Op
     return out
 
 
-def get_job(client, keys: Keys, shards: int, job_id: str, last_runs: int = LAST_RUNS) -> Optional[dict]:
+def get_job(client, keys: Keys, shards: int, job_id: str, last_runs: int = LAST_RUNS,
+            templates: Optional[dict] = None, keyring=None) -> Optional[dict]:
+    """A job's view (None: no such job). With ``templates`` (and the ``keyring`` for key
+    roles), a job of a template that asks for approvals shows where it stands."""
     shard = shard_of(job_id, shards)
     kv = client.get(keys.job(shard, job_id))
     if kv is None:
@@ -195,7 +209,79 @@ def get_job(client, keys: Keys, shards: int, job_id: str, last_runs: int = LAST_
         return None
     # the state needs the latest record; next_due needs the latest fire id: both are the newest
     runs = job_runs(client, keys, shards, job_id, limit=max(1, last_runs))
-    return view(doc, shard, runs, last_runs, members=read_members(client, keys) if doc.get("target") else None)
+    members = read_members(client, keys) if doc.get("target") else None
+    return view(doc, shard, runs, last_runs, members=members,
+                rollout=rollout_view(client, keys, shards, doc, members), approval=approval_view(doc, templates, keyring))
+
+
+def approval_view(doc: dict, templates: Optional[dict], keyring) -> Optional[dict]:
+    """Where a job of a four-eyes template stands (its signatures' key ids and roles, not
+    verified here: the agents that run it verify them), or None without a rule."""
+    from agent.jobs import approvals
+
+    rule = approvals.rule_of(templates, str(doc.get("template", "")))
+    if rule is None:
+        return None
+    try:
+        st = approvals.standing(approvals.signers(doc, keyring, None, None, verify=False), rule)
+    except Exception:
+        return {"ok": False, "detail": "approvals: not readable"}
+    return {"ok": st.ok, "detail": st.describe(), **st.to_dict()}
+
+
+RUN_OUTCOMES = ("succeeded", "failed", "timed_out", "killed")
+
+
+def rollout_view(client, keys: Keys, shards: int, doc: dict, members: Optional[dict[str, dict]]) -> Optional[dict]:
+    """A fan-out job's rollout: its newest firing, each eligible agent's state there
+    (waiting, running, succeeded, failed, ..., aborted; and its rollback's), the counts, the
+    slots held, the abort mark and the start rate now. None for a job without rollout."""
+    from agent.jobs import rollout as ro
+
+    if "rollout" not in doc or not isinstance(doc.get("id"), str):
+        return None
+    job_id = doc["id"]
+    shard = shard_of(job_id, shards)
+    prefix = keys.rollouts_prefix(shard, job_id)
+    jr = ro.JobRollout()
+    for kv in read_prefix(client, prefix):
+        jr.put(kv.key[len(prefix):], kv)
+    try:
+        spec = ro.parse_rollout(doc, placement.check_target(doc.get("target")))
+    except Exception:
+        spec = None
+    records = job_runs(client, keys, shards, job_id)
+    firing_of = lambda fid: ro.rolled_back(fid) or ro.base_of(fid)   # noqa: E731
+    bases = set(jr.firings) | {firing_of(r["fire_id"]) for r in records if isinstance(r.get("fire_id"), str)}
+    base = max(bases) if bases else None
+    agents: dict[str, dict] = {a: {"state": "waiting"} for a in (placement_view(doc, members) or {}).get("eligible", [])}
+    for r in records:
+        fid, agent = r.get("fire_id"), r.get("agent")
+        if not isinstance(fid, str) or not isinstance(agent, str) or firing_of(fid) != base:
+            continue
+        slot = agents.setdefault(agent, {"state": "waiting"})
+        if ro.rolled_back(fid) is not None:
+            slot["rollback"] = r.get("state")
+        else:
+            slot["state"] = r.get("state")
+    states = [a["state"] for a in agents.values()]
+    counts = {"started": sum(s in RUN_OUTCOMES or s in ("running", "retrying") for s in states),
+              "running": sum(s in ("running", "retrying") for s in states),
+              "succeeded": states.count("succeeded"),
+              "failed": sum(s in ("failed", "timed_out", "killed") for s in states),
+              "waiting": states.count("waiting"), "aborted": states.count("aborted")}
+    fr = jr.firings.get(base) if base else None
+    out: dict = {"firing": base, "counts": counts, "agents": dict(sorted(agents.items())), "aborted": jr.aborted,
+                 "state": "aborted" if jr.aborted else "running" if counts["waiting"] or counts["running"] else "done"}
+    if spec is not None:
+        out["spec"] = ro.describe(spec)
+        if fr is not None:
+            t = ro.tally(spec, fr)
+            out["tally"] = t.to_dict()
+            out["rate_per_minute"] = ro.rate(spec, t.succeeded)
+    if fr is not None:
+        out["slots"] = {str(i): s.agent for i, s in sorted(fr.slots.items())}
+    return out
 
 
 def list_jobs(client, keys: Keys, shards: int, in_shards: Optional[Iterable[int]] = None,
@@ -223,7 +309,10 @@ def list_jobs(client, keys: Keys, shards: int, in_shards: Optional[Iterable[int]
         runs_prefix = keys.runs_prefix(shard)
         runs = _runs_by_job(read_prefix(client, runs_prefix), runs_prefix)
         for d in docs:
-            v = view(d, shard, runs.get(d.get("id"), []), last_runs, now, members)
+            aborted = None
+            if "rollout" in d and isinstance(d.get("id"), str):   # one key: the abort mark
+                aborted = {"aborted": client.get(keys.rollout_aborted(shard, d["id"])) is not None}
+            v = view(d, shard, runs.get(d.get("id"), []), last_runs, now, members, rollout=aborted)
             if state is not None and v["state"] != state:
                 continue
             if since is not None and (parse_time(v["updated_at"]) or now) < since:

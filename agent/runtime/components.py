@@ -9,7 +9,7 @@ only place besides the daemon that knows all parts.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Optional
 
 from agent.config import Config
 
@@ -58,17 +58,19 @@ class _AuditComponent:
 
 class _JobsComponent:
     """Executor (quotas), admission control, the job catalog and the scheduler that owns
-    due firings, and retention."""
+    due firings with its start policies (four-eyes approval, staged rollouts), and retention."""
 
-    def __init__(self, agent: Agent, run_listeners: Sequence[RunListener] = ()):
+    def __init__(self, agent: Agent, run_listeners: Optional[list[RunListener]] = None):
         import os
 
         from agent.coordination.worker import EtcdWorkers
         from agent.execute.admission import Admission, Budget
         from agent.execute.backends import run_root_name
         from agent.execute.executor import Executor
+        from agent.jobs.approvalgate import ApprovalGate
         from agent.jobs.catalog import JobCatalog
         from agent.jobs.retention import Retention
+        from agent.jobs.rollouts import RolloutGate
         from agent.jobs.scheduler import Scheduler
 
         cfg = agent.cfg
@@ -90,10 +92,18 @@ class _JobsComponent:
         self.workers = EtcdWorkers(agent.loop.post, threads=RECORD_WORKERS, name="runs")
         self.catalog = JobCatalog(cfg, agent.client, agent.keys, agent, agent.placement, agent.loop, self.workers,
                                   agent.keyring, audit=agent, statuses=agent)
+        # approval before the rollout: a firing waiting for approvals holds no rollout slot
+        self.approvals = ApprovalGate(cfg, agent.loop, audit=agent)
+        self.rollouts = RolloutGate(cfg, agent.client, agent.keys, agent.loop, self.workers, fencing=agent,
+                                    lease=agent.session, audit=agent, sink=agent, is_current=self.catalog.current)
+        listeners = run_listeners if run_listeners is not None else []
+        listeners.append(self.rollouts)
         self.scheduler = Scheduler(cfg, self.catalog, fencing=agent, lease=agent.session, loop=agent.loop,
                                    client=agent.client, keys=agent.keys, workers=self.workers,
                                    executor=self.executor, admission=self.admission, sink=agent, audit=agent,
-                                   run_listeners=run_listeners)
+                                   run_listeners=listeners, start_policies=[self.approvals, self.rollouts])
+        self.rollouts.adopt = self.scheduler.adopt
+        self.catalog.changed_listeners.append(self.approvals.job_changed)
         self.scheduler.statuses.answer_markers = agent.answer_markers
         self.catalog.listener = self.scheduler
         agent.shard_listeners.append(self.catalog)
@@ -114,6 +124,7 @@ class _JobsComponent:
     def stop(self) -> None:
         self.retention.stop()
         self.scheduler.stop()
+        self.rollouts.stop()
         self.executor.close()
         self.workers.stop()
 

@@ -29,7 +29,7 @@ from datetime import datetime, timezone
 from typing import Callable, Iterable, Optional
 
 SENTINEL = "test/history-end"
-TERMINAL = {"succeeded", "failed", "misfired", "timed_out", "killed", "cancelled"}
+TERMINAL = {"succeeded", "failed", "misfired", "timed_out", "killed", "cancelled", "aborted"}
 MISFIRE_REASONS = ("misfire_", "overlap", "expired")
 
 

@@ -57,5 +57,5 @@ def test_wait_reason_is_set_by_the_move_that_waits():
 
 
 def test_the_record_states_are_the_contract_ones():
-    assert TERMINAL == {"succeeded", "failed", "timed_out", "killed", "cancelled", "misfired"}
+    assert TERMINAL == {"succeeded", "failed", "timed_out", "killed", "cancelled", "misfired", "aborted"}
     assert RETRYABLE < TERMINAL

@@ -146,3 +146,33 @@ def test_a_forged_final_record_does_not_finish_a_one_shot():
         assert finished_since(doc, forged, True, NOW) is None, forged
     assert finished_since(doc, {"job_id": "o", "fire_id": "20261120T120000.000Z", "state": "succeeded",
                                 "ended_at": ts(-8 * DAY)}, True, NOW) is not None
+
+
+def rollout_keys(job: str, firings: list[str], aborted_at: float | None = None) -> list:
+    items = []
+    for f in firings:
+        for name in (f"{f}/starts/000000", f"{f}/outcomes/a", f"{f}/ended", f"{f}/slots/0"):
+            items.append((name, f"rollouts/0000/{job}/{name}", b"{}", 5))
+    if aborted_at is not None:
+        items.append(("aborted", f"rollouts/0000/{job}/aborted", json.dumps({"at": ts(aborted_at)}).encode(), 6))
+    return items
+
+
+def test_rollout_keys_go_with_their_job_and_a_live_job_keeps_its_newest_firings():
+    r = {"c": rollout_keys("c", fires(5), aborted_at=-DAY), "gone": rollout_keys("gone", fires(1))}
+    p = plan_shard({"c": (cron("c"), "jobs/0000/c", 10)}, {}, {}, NOW, 3, 7 * DAY, 7 * DAY, r)
+    deleted = {k for k, _ in p.rollouts}
+    assert {k for _, k, _, _ in r["gone"]} <= deleted                       # the job is gone: all of it
+    kept = {k for _, k, _, _ in r["c"]} - deleted
+    assert {k.split("/")[3] for k in kept if "/slots/" not in k and not k.endswith("aborted")} == set(fires(5)[-3:])
+    assert "rollouts/0000/c/aborted" in kept                                # the abort mark stays with the job
+    assert all("/slots/" not in k for k in deleted if "/gone/" not in k)    # a held slot goes with its lease
+
+
+def test_an_aborted_job_finishes_from_its_abort_mark_once_nothing_runs():
+    r = {"c": rollout_keys("c", [], aborted_at=-8 * DAY)}
+    p = plan_shard({"c": (cron("c"), "jobs/0000/c", 10)}, {}, {}, NOW, 3, 7 * DAY, 7 * DAY, r)
+    assert [(k, why) for k, _, _, _, why in p.finish] == [("jobs/0000/c", "aborted")]
+    live = {"c": runs_of("c", ["running"])}
+    p = plan_shard({"c": (cron("c"), "jobs/0000/c", 10)}, live, {}, NOW, 3, 7 * DAY, 7 * DAY, r)
+    assert not p.finish
