@@ -219,7 +219,9 @@ def test_an_aborted_rollout_and_its_keys_go_with_the_job(etcd_server, tmp_path):
     into a tombstone and deletes every rollout key with its records, then the tombstone."""
     agents = LINE1[:3]
     fleet = Fleet(etcd_server, tmp_path, failing={agents[0]},
-                  extra={"retention": {"interval_s": 0.2, "finished_job_s": 2, "tombstone_s": 2,
+                  # finished_job_s: long enough for the later agents to start and see the job
+                  # (a fan-out one-shot counts as finished from its first final record)
+                  extra={"retention": {"interval_s": 0.2, "finished_job_s": 15, "tombstone_s": 2,
                                        "max_deletes_per_s": 500}})
     try:
         # the failing agent runs first and alone; its failure aborts the rollout before the
@@ -242,7 +244,7 @@ def test_an_aborted_rollout_and_its_keys_go_with_the_job(etcd_server, tmp_path):
         assert rollout_keys(fleet.c)
         # retention: job -> tombstone (records, rollout keys go), tombstone -> nothing
         wait_for(lambda: not rollout_keys(fleet.c) and fleet.c.client.get(fleet.c.keys.job(shard, "fw-ret")) is None,
-                 60, interval=0.2, what="the job and its rollout keys gone")
+                 90, interval=0.2, what="the job and its rollout keys gone")
         assert fleet.records("fw-ret") == {}
     finally:
         fleet.close()
