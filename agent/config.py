@@ -153,6 +153,16 @@ class HealthThresholds:
 
 
 @dataclass
+class Gate:
+    mqtt: Optional[str] = doc("Topic on the agent's broker whose last (retained) value must equal `equals` "
+                              "(unknown, so closed, while the broker is unreachable).", default=None)
+    etcd: Optional[str] = doc("Key below gates/ under the cluster prefix whose value must equal `equals`.", default=None)
+    equals: Optional[str] = doc("The value (UTF-8, compared exactly) that opens an mqtt or etcd gate.", default=None)
+    command: list[str] = doc("A probe run as the agent, clean environment: exit 0 = open.", default_factory=list)
+    timeout_s: float = doc("A probe still running after this is killed; the gate counts as closed.", default=2.0)
+
+
+@dataclass
 class Template:
     argv: list[str] = doc("Command line with {param} placeholders; never run through a shell.")
     params: dict[str, str] = doc("Regex each param must match in full.", default_factory=dict)
@@ -169,6 +179,12 @@ class Template:
     resources: Resources = doc("Ceilings; a job's own resources are capped by these.", default_factory=Resources)
     allow_exec: list[str] = doc("Paths and globs a job process may exec.", default_factory=list)
     health: HealthThresholds = doc("Network health thresholds.", default_factory=HealthThresholds)
+    gates: dict[str, Gate] = doc("Production gates: conditions (name -> gate) that must all hold when a run "
+                                 "starts; a firing waits while one is closed (docs/jobs.md).", default_factory=dict)
+    gate_timeout_s: Optional[float] = doc("A firing that waited this long for its gates ends failed, reason "
+                                          "gate_timeout (none: it waits until they open).", default=None)
+    while_running: str = doc("finish: a gate that closes leaves started runs alone; stop: it stops them "
+                             "(outcome gate_closed).", default="finish")
 
 
 @dataclass
@@ -523,6 +539,29 @@ def _validate(cfg: Config, problems: list[str]) -> None:
         for i, pat in enumerate(t.allow_exec):
             if not isinstance(pat, str) or not pat.startswith("/"):
                 bad(f"{where}.allow_exec[{i}]", "must be an absolute path or glob")
+        _validate_gates(t, where, bad)
+
+
+def _validate_gates(t: Template, where: str, bad: Any) -> None:
+    """A template's production gates: each exactly one of mqtt, etcd or command."""
+    if t.gate_timeout_s is not None and not 0 < t.gate_timeout_s <= 7 * 86400:
+        bad(f"{where}.gate_timeout_s", "must be greater than 0 and at most 604800 (7 days)")
+    if t.while_running not in ("finish", "stop"):
+        bad(f"{where}.while_running", "must be finish or stop")
+    for name, g in t.gates.items():
+        at, kinds = f"{where}.gates.{name}", [k for k in ("mqtt", "etcd", "command") if g and getattr(g, k)]
+        if not NAME_RE.match(name) or len(kinds) != 1:
+            bad(at, "needs a name of [A-Za-z0-9_-]{1,64} and exactly one of mqtt, etcd or command")
+        elif (kinds[0] == "command") == isinstance(g.equals, str):
+            bad(f"{at}.equals", "is the value that opens an mqtt or etcd gate (a command's is exit 0)")
+        if g and g.mqtt and (re.search(r"[+#\x00]", g.mqtt) or g.mqtt.startswith(("millwright/", "$"))):
+            bad(f"{at}.mqtt", "must be one topic (no + or # wildcards) outside millwright/ and $")
+        if g and g.etcd and not re.fullmatch(r"gates/[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*", g.etcd):
+            bad(f"{at}.etcd", "must be a key below gates/ (gates/line2), segments of [A-Za-z0-9._-]")
+        if g and g.command and not (isinstance(g.command[0], str) and g.command[0].startswith("/")):
+            bad(f"{at}.command", "must be a list whose first item is an absolute path")
+        if g and not 0 < g.timeout_s <= 60:
+            bad(f"{at}.timeout_s", "must be greater than 0 and at most 60")
 
 
 def _is_root_user(name: str) -> bool:

@@ -77,6 +77,18 @@ class Keys:
         """A copy of the job's newest run record (by fire_id): depends_on reads one key."""
         return self.latest_prefix(shard) + job_id
 
+    def waiting_prefix(self, shard: int | None = None, job_id: str | None = None) -> str:
+        p = self.prefix + "waiting/"
+        if shard is None:
+            return p
+        p += self.shard_name(shard) + "/"
+        return p if job_id is None else p + job_id + "/"
+
+    def waiting(self, shard: int, job_id: str, agent_id: str) -> str:
+        """A firing of the job waits on a start policy (window, gate) on that agent: what
+        `jobs show` and `jobs/get` show; bound to the agent's session lease."""
+        return self.waiting_prefix(shard, job_id) + agent_id
+
     # --- placement pools (targeting) ----------------------------------------------------
     def pools_prefix(self) -> str:
         return self.prefix + "pools/"

@@ -67,6 +67,7 @@ from agent.jobs.schedule import (
     parse_rfc3339,
 )
 from agent.jobs.signing import KeyRing, canonical_json
+from agent.jobs.window import Window, WindowError
 from agent.runtime.text import short
 
 ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -74,6 +75,7 @@ ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 TOP_LEVEL_KEYS = (
     "v", "id", "cluster", "kind", "template", "params", "schedule", "misfire", "misfire_limit", "overlap",
     "retry", "timeout_s", "resources", "depends_on", "not_after", "issued_at", "target", "sig",
+    "window", "step_timeout_s",
 )
 CANCEL_KEYS = ("v", "id", "cluster", "kind", "issued_at", "sig")
 
@@ -109,6 +111,8 @@ class Job:
     not_after: Optional[datetime] = None
     issued_at: Optional[datetime] = None
     target: Optional[dict] = None  # canonical target (agent/coordination/placement.py); None: any agent
+    window: Optional[Window] = None          # when its runs may start (agent/jobs/window.py); None: any time
+    step_timeout_s: Optional[float] = None   # a run silent on its progress this long is killed (step_timed_out)
     doc: dict = field(default_factory=dict, repr=False, compare=False)
     canonical: bytes = field(default=b"", repr=False)  # canonical JSON of the full doc (with sig)
     content: bytes = field(default=b"", repr=False, compare=False)  # canonical JSON without sig (the signed bytes)
@@ -354,6 +358,8 @@ def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyR
         except placement.TargetError as exc:
             raise bad(exc.field, exc.message) from None
 
+    window, step_timeout_s = _maintenance(doc)
+
     sig = doc.get("sig")
     if "sig" in doc:
         if not isinstance(sig, dict):
@@ -385,7 +391,8 @@ def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyR
     return Job(
         id=job_id, template=tname, params=dict(params), schedule=schedule, misfire=misfire,
         misfire_limit=misfire_limit, overlap=overlap, retry=retry, timeout_s=timeout_s, resources=resources,
-        depends_on=list(deps), not_after=not_after, issued_at=issued_at, target=target, doc=stored,
+        depends_on=list(deps), not_after=not_after, issued_at=issued_at, target=target, window=window,
+        step_timeout_s=step_timeout_s, doc=stored,
         canonical=canonical_json(stored, with_sig=True), content=canonical_json(stored),
         kid=key.kid if key is not None else None,
         key_retired_after=key.retired_after if key is not None else None,
@@ -434,6 +441,18 @@ def check_params(params: dict, template: Template, tname: str = "template") -> N
             ok = False
         if not ok:
             raise bad(f"params.{name}", f"{short(value)} does not match {rx}", BAD_PARAM)
+
+
+def _maintenance(doc: dict) -> tuple[Optional[Window], Optional[float]]:
+    """``window`` (when runs may start) and ``step_timeout_s`` (progress, docs/jobs.md)."""
+    window = None
+    if "window" in doc:
+        try:
+            window = Window.parse(doc["window"])
+        except WindowError as exc:
+            raise bad(exc.field, exc.message) from None
+    step = _number(doc, "step_timeout_s", "step_timeout_s", 0, MAX_TIMEOUT_S, None, lo_open=True)
+    return window, step
 
 
 def _retry_on(r: dict) -> tuple:
