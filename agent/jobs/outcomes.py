@@ -98,6 +98,9 @@ def end_fields(result: Any, reason: str, health: str, now: datetime) -> dict[str
     tail = getattr(result, "stderr_tail", None)   # kept by the reaper as the output came
     if tail is not None:
         fields["stderr_tail"] = tail
+    for k in ("progress", "result", "result_error"):   # what the job reported (agent/execute/progress.py)
+        if getattr(result, k, None) is not None:
+            fields[k] = getattr(result, k)
     # the claim wrote the planned start; the record keeps the real one (None: never released)
     released = getattr(result, "started_at", None)
     fields["started_at"] = format_rfc3339(datetime.fromtimestamp(released, timezone.utc)) if released else None
