@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Optional
 
+from agent.jobs.envelope import field_name
 from agent.jobs.schedule import Schedule, ScheduleError, next_due
 from agent.runtime.text import short
 from agent.runtime.timefmt import format_rfc3339, parse_rfc3339
@@ -64,7 +65,7 @@ class Window:
         allowed = ("cron", "duration_s", "tz", "ranges", "end")
         extra = [k for k in obj if k not in allowed]
         if extra:
-            raise WindowError(f"window.{short(extra[0], 40)}", f"unknown key (allowed: {', '.join(allowed)})")
+            raise WindowError(f"window.{field_name(extra[0])}", f"unknown key (allowed: {', '.join(allowed)})")
         end = obj.get("end", "finish")
         if not isinstance(end, str) or end not in ENDS:
             raise WindowError("window.end", f"must be one of {', '.join(ENDS)}, got {short(end)}")
