@@ -92,8 +92,8 @@ class WindowPolicy:
         change = w.next_change(t)
         if change is None:
             return _nothing
-        if w.stops_runs and w.is_open(t):
-            change -= self.grace   # where _usable turns
+        if w.stops_runs and w.is_open(t) and change - self.grace > t:
+            change -= self.grace   # where _usable turns (past it: the close, then the next window)
         delay = (change - self.clock()).total_seconds() + EARLY_S
         timer = self.loop.call_later(min(max(0.0, delay), MAX_TIMER_S), wake)
         return timer.cancel

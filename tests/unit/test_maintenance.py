@@ -460,3 +460,13 @@ templates:
     assert keys == ["templates.t.gate_timeout_s", "templates.t.gates.a.mqtt", "templates.t.gates.b.etcd",
                     "templates.t.gates.c.command", "templates.t.gates.d.equals", "templates.t.gates.e",
                     "templates.t.gates.f.timeout_s", "templates.t.while_running"]
+
+
+def test_a_window_shorter_than_kill_grace_with_end_stop_waits_without_spinning():
+    clock = [datetime(2026, 12, 2, 12, 0, 0, 500000, tzinfo=UTC)]
+    loop = FakeLoop(clock)
+    pol = WindowPolicy(loop, 3.0, Audit(), cancel_job=lambda e, r: None, clock=lambda: clock[0])
+    f = firing(job(window={"cron": "0 * * * * *", "duration_s": 2, "end": "stop"}), clock[0])
+    assert pol.judge(f).kind == "wait"
+    pol.subscribe(f, lambda: None)
+    assert loop.next_at() >= datetime(2026, 12, 2, 12, 0, 2, tzinfo=UTC)   # the close, not now again
