@@ -74,7 +74,7 @@ class GatePolicy:
         if topics is not None:
             topics.listen(lambda topic: loop.post(self.changed, "mqtt", topic))
         for thing in self.names:
-            self._show(thing, self.state(thing))
+            self._show(thing, self.state(thing), changed=False)
 
     def start_watches(self) -> list:
         """The etcd gates' watch (the daemon starts it with each session)."""
@@ -132,11 +132,12 @@ class GatePolicy:
                 self._stop_runs(thing)
         self._wake(thing)   # a firing that waited for this answer looks again, whatever it is
 
-    def _show(self, thing: Thing, state: Optional[bool]) -> None:
+    def _show(self, thing: Thing, state: Optional[bool], changed: bool = True) -> None:
         self.last[thing] = state
         for n in self.names.get(thing, ()):
             GATE_OPEN.labels(n).set({True: 1, False: 0, None: -1}[state])
-            GATE_CHANGES.labels(n, STATE_NAMES[state]).inc()
+            if changed:
+                GATE_CHANGES.labels(n, STATE_NAMES[state]).inc()
 
     def _wake(self, thing: Thing) -> None:
         for wake in list(self.waiters.get(thing, {}).values()):

@@ -184,9 +184,10 @@ def view(doc: dict, shard: int, runs: list[dict], last_runs: int = LAST_RUNS,
     if window is not None:
         out["window"] = window
     marks = [m for m in waiting or () if isinstance(m.get("reason"), str)]
-    if marks and out["state"] in (JobState.SCHEDULED, JobState.ACCEPTED, RecordState.RETRYING):
-        out["state"], out["reason"] = JobState.WAITING, marks[0]["reason"]
+    if marks:
         out["waiting"] = marks
+        if out["state"] in (JobState.SCHEDULED, JobState.ACCEPTED, RecordState.RETRYING):
+            out["state"], out["reason"] = JobState.WAITING, marks[0]["reason"]
     return out
 
 
