@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="an agent and its broker username (default: the agent id); repeatable")
     sp.add_argument("--cloud-user", action="append", metavar="NAME",
                     help="a cloud-side client's username (push, cancel, get); repeatable, one per client")
+    sp.add_argument("--gate-topic", action="append", metavar="TOPIC",
+                    help="a production gate's MQTT topic the agents read (templates.<t>.gates.<g>.mqtt); repeatable")
     sp = cmd("settings", "agent.cloud.broker:cli_broker_settings",
              "print the listener settings the ACL relies on (client id = username, message size limit)", brsub)
     with_config(sp)

@@ -172,6 +172,16 @@ class ApprovalRule:
 
 
 @dataclass
+class Gate:
+    mqtt: Optional[str] = doc("Topic on the agent's broker whose last (retained) value must equal `equals` "
+                              "(unknown, so closed, while the broker is unreachable).", default=None)
+    etcd: Optional[str] = doc("Key below gates/ under the cluster prefix whose value must equal `equals`.", default=None)
+    equals: Optional[str] = doc("The value (UTF-8, compared exactly) that opens an mqtt or etcd gate.", default=None)
+    command: list[str] = doc("A probe run as the agent, clean environment: exit 0 = open.", default_factory=list)
+    timeout_s: float = doc("A probe still running after this is killed; the gate counts as closed.", default=2.0)
+
+
+@dataclass
 class Template:
     argv: list[str] = doc("Command line with {param} placeholders; never run through a shell.")
     params: dict[str, str] = doc("Regex each param must match in full.", default_factory=dict)
@@ -193,6 +203,12 @@ class Template:
                                             "listed roles (docs/security.md).", default=None)
     rollback: Optional[str] = doc("A template with the same params that an aborted rollout runs, once, on "
                                   "each agent whose run of the job ended (docs/jobs.md).", default=None)
+    gates: dict[str, Gate] = doc("Production gates: conditions (name -> gate) that must all hold when a run "
+                                 "starts; a firing waits while one is closed (docs/jobs.md).", default_factory=dict)
+    gate_timeout_s: Optional[float] = doc("A firing that waited this long for its gates ends failed, reason "
+                                          "gate_timeout (none: it waits until they open).", default=None)
+    while_running: str = doc("finish: a gate that closes leaves started runs alone; stop: it stops them "
+                             "(outcome gate_closed).", default="finish")
 
 
 @dataclass

@@ -259,6 +259,29 @@ def validate(cfg: Config, problems: list[str]) -> None:
             if not isinstance(pat, str) or not pat.startswith("/"):
                 bad(f"{where}.allow_exec[{i}]", "must be an absolute path or glob")
         _validate_approvals_and_rollback(cfg, name, t, bad)
+        _validate_gates(t, where, bad)
+
+
+def _validate_gates(t: Template, where: str, bad: Any) -> None:
+    """A template's production gates: each exactly one of mqtt, etcd or command."""
+    if t.gate_timeout_s is not None and not 0 < t.gate_timeout_s <= 7 * 86400:
+        bad(f"{where}.gate_timeout_s", "must be greater than 0 and at most 604800 (7 days)")
+    if t.while_running not in ("finish", "stop"):
+        bad(f"{where}.while_running", "must be finish or stop")
+    for name, g in t.gates.items():
+        at, kinds = f"{where}.gates.{name}", [k for k in ("mqtt", "etcd", "command") if g and getattr(g, k)]
+        if not NAME_RE.match(name) or len(kinds) != 1:
+            bad(at, "needs a name of [A-Za-z0-9_-]{1,64} and exactly one of mqtt, etcd or command")
+        elif (kinds[0] == "command") == isinstance(g.equals, str):
+            bad(f"{at}.equals", "is the value that opens an mqtt or etcd gate (a command's is exit 0)")
+        if g and g.mqtt and (re.search(r"[+#\x00]", g.mqtt) or g.mqtt.startswith(("millwright/", "$"))):
+            bad(f"{at}.mqtt", "must be one topic (no + or # wildcards) outside millwright/ and $")
+        if g and g.etcd and not re.fullmatch(r"gates/[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*", g.etcd):
+            bad(f"{at}.etcd", "must be a key below gates/ (gates/line2), segments of [A-Za-z0-9._-]")
+        if g and g.command and not (isinstance(g.command[0], str) and g.command[0].startswith("/")):
+            bad(f"{at}.command", "must be a list whose first item is an absolute path")
+        if g and not 0 < g.timeout_s <= 60:
+            bad(f"{at}.timeout_s", "must be greater than 0 and at most 60")
 
 
 def _validate_approvals_and_rollback(cfg: Config, name: str, t: Template, bad: Any) -> None:

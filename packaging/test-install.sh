@@ -92,13 +92,15 @@ fail() { echo "CHECK FAILED: $*" >&2; exit 1; }
 out=$(millwright --version) || fail "millwright --version exited $?"
 echo "  millwright --version: $out"
 case "$out" in *"'"$version"'"*) ;; *) fail "--version does not name '"$version"'";; esac
-# As shipped, etcd access is for the operator to set: plaintext and no credentials are
-# refused (one line naming etcd.insecure, exit 2) until they do, or allow it for a lab.
+# As shipped, etcd and broker access are for the operator to set: plaintext and no
+# credentials are refused (lines naming etcd.insecure and mqtt.insecure, exit 2) until they
+# do, or allow it for a lab.
 set +e; err=$(millwright config check /etc/millwright/agent.yaml 2>&1); rc=$?; set -e
 [ "$rc" = 2 ] || fail "config check of the shipped file exited $rc, want 2 (etcd not set up): $err"
 case "$err" in *etcd.insecure*) ;; *) fail "config check does not name etcd.insecure: $err";; esac
-sed "/^etcd:/a\\  insecure: true" /etc/millwright/agent.yaml > /tmp/lab.yaml
-out=$(millwright config check /tmp/lab.yaml) || fail "config check with etcd.insecure exited $?"
+case "$err" in *mqtt.insecure*) ;; *) fail "config check does not name mqtt.insecure: $err";; esac
+sed -e "/^etcd:/a\\  insecure: true" -e "/^mqtt:/a\\  insecure: true" /etc/millwright/agent.yaml > /tmp/lab.yaml
+out=$(millwright config check /tmp/lab.yaml) || fail "config check with etcd.insecure and mqtt.insecure exited $?"
 echo "  config check: $out"
 # A bad config is one clear line and exit 2, never a traceback.
 printf "shards: -1\n" > /tmp/bad.yaml

@@ -163,7 +163,7 @@ def main() -> int:
         cfg = {"cluster": "sd", "shards": SHARDS, "agent_id": "boxed", "drain_timeout_s": 2,
                "etcd": {"endpoints": [etcd.endpoint], "lease_ttl_s": 4, "renew_deadline_s": 2.5, "retry_period_s": 0.5,
                         "insecure": True},
-               "mqtt": {"url": "mqtt://127.0.0.1:9"}, "metrics": {"listen": ""}, "bpf": {"enabled": False},
+               "mqtt": {"url": "mqtt://127.0.0.1:9", "insecure": True}, "metrics": {"listen": ""}, "bpf": {"enabled": False},
                "execute": {"kill_grace_s": 1}, "templates": {"hb": tpl}}
         with open(box.root + "/etc/millwright/agent.yaml", "w") as fh:
             json.dump(cfg, fh)   # JSON is YAML

@@ -74,6 +74,7 @@ fail() { echo "CHECK FAILED: $*" >&2; exit 1; }
 grep -q "millwright.service start" /var/log/policy-rc.d.log || fail "install did not start the service: $(cat /var/log/policy-rc.d.log)"
 sed -i "s/^capacity: .*/capacity: 2.5                    # edited by the operator/" /etc/millwright/agent.yaml
 sed -i "/^etcd:/a\\  insecure: true                 # edited by the operator (a lab etcd)" /etc/millwright/agent.yaml
+sed -i "/^mqtt:/a\\  insecure: true                 # edited by the operator (a lab broker)" /etc/millwright/agent.yaml
 grep -q "^capacity: 2.5" /etc/millwright/agent.yaml || fail "could not edit the conffile"
 echo "cloud-1: {alg: hmac-sha256, secret: c2VjcmV0LXNlY3JldC1zZWNyZXQtc2VjcmV0LXNlY3JldC0xMjM=}" > /etc/millwright/keys.yaml
 chmod 0600 /etc/millwright/keys.yaml

@@ -27,6 +27,7 @@ from agent.jobs.signing import KeyFileError, KeyRing
 
 from .answers import Answers
 from .dispatch import Dispatcher
+from .gatetopics import RetainedTopics
 from .ingest import Ingest
 from .link import Link, Message
 from .mqtt import PAHO_VERSION, MqttLink
@@ -95,12 +96,16 @@ class CloudComponent:
         self._gap = 0
         self._statuses: list = []  # (topic, doc, marker) for the outbox, loop thread only
         self._gap_lock = threading.Lock()
+        # production gates on the plant broker (agent/jobs/gates.py): their topics' last values
+        self.gate_topics = RetainedTopics(g.mqtt for t in cfg.templates.values() if t is not None
+                                          for g in t.gates.values() if g is not None and g.mqtt)
         self.link: Link = MqttLink(m, client_id_for(cfg), clean_session=False,
                              will=(self.topics.presence(self.agent_id), will_doc(self.agent_id), 1, True),
                              on_connect=self._connected, on_message=self._message,
-                             on_publish=self._published,
+                             on_publish=self._published, on_disconnect=lambda rc: self.gate_topics.link_down(),
                              subscriptions=((self.topics.push, 1), (self.topics.cancel, 1),
-                                            (self.topics.jobs_get, 0), (self.topics.status_filter(), 1)),
+                                            (self.topics.jobs_get, 0), (self.topics.status_filter(), 1))
+                             + tuple((t, 1) for t in sorted(self.gate_topics.topics)),
                              topic_kind=self.topics.kind,
                              reconnect_min_s=m.reconnect_min_s,
                              reconnect_max_s=m.reconnect_max_s)
@@ -205,7 +210,10 @@ class CloudComponent:
         self.outbox.wake.set()
 
     def _message(self, msg: Message) -> None:
-        if msg.topic == self.topics.jobs_get:
+        if msg.topic in self.gate_topics:
+            self.link.ack(msg)
+            self.gate_topics.saw(msg.topic, msg.payload)
+        elif msg.topic == self.topics.jobs_get:
             self.queries.on_message(msg)
         elif self.topics.kind(msg.topic) == "status":
             # every agent sees the cluster's answers on the broker: a dead peer's answer that

@@ -87,6 +87,13 @@ class Keys:
         p += self.shard_name(shard) + "/"
         return p if job_id is None else p + job_id + "/"
 
+    def waiting_prefix(self, shard: int | None = None, job_id: str | None = None) -> str:
+        p = self.prefix + "waiting/"
+        if shard is None:
+            return p
+        p += self.shard_name(shard) + "/"
+        return p if job_id is None else p + job_id + "/"
+
     def rollout_aborted(self, shard: int, job_id: str) -> str:
         """Written once, when a rollout of the job crossed its abort threshold."""
         return self.rollouts_prefix(shard, job_id) + "aborted"
@@ -94,6 +101,11 @@ class Keys:
     def rollout_firing(self, shard: int, job_id: str, base_fire_id: str) -> str:
         """The prefix of one firing's rollout (``base_fire_id``: the fire id without @agent)."""
         return self.rollouts_prefix(shard, job_id) + base_fire_id + "/"
+
+    def waiting(self, shard: int, job_id: str, agent_id: str) -> str:
+        """A firing of the job waits on a start policy (window, gate) on that agent: what
+        `jobs show` and `jobs/get` show; bound to the agent's session lease."""
+        return self.waiting_prefix(shard, job_id) + agent_id
 
     # --- placement pools (targeting) ----------------------------------------------------
     def pools_prefix(self) -> str:

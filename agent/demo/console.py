@@ -67,8 +67,8 @@ class CloudConsole:
         if not self.subscribed.wait(timeout):
             raise DemoFailed(f"the demo's cloud console could not subscribe at mqtt://{self.host}:{self.port}")
 
-    def publish(self, topic: str, payload: bytes, timeout: float = 10.0) -> bool:
-        info = self.client.publish(topic, payload, qos=1)
+    def publish(self, topic: str, payload: bytes, timeout: float = 10.0, retain: bool = False) -> bool:
+        info = self.client.publish(topic, payload, qos=1, retain=retain)
         deadline = time.monotonic() + timeout
         while not info.is_published():
             if time.monotonic() > deadline:

@@ -9,6 +9,8 @@ from typing import Optional
 from agent.runtime.timefmt import format_rfc3339 as rfc
 
 CRON_EVERY_S = 5
+GATE_OPENS_AT = 12.0     # s after the push: line 1 reports "stopped" (at the latest 2 s before the kill)
+WINDOW_ENDS_AT = 16.0    # s after the push: press-calibration-3's window closes on its run (before the kill)
 
 
 class DemoFailed(Exception):
@@ -23,6 +25,7 @@ class DemoJob:
     cron_expected: list = field(default_factory=list)  # due times of a cron job's firings
     accepted_by: Optional[str] = None
     shard: Optional[int] = None
+    held: bool = False                # waits for a gate or a window by design: not counted as late
 
     @property
     def id(self) -> str:
@@ -79,6 +82,14 @@ def plan_jobs(t0: datetime, duration: float, kill_at: float) -> list[DemoJob]:
         f"at +{kill_at - 2:.0f} s, runs 5 s",
         retry={"max_attempts": 2, "backoff_s": 1, "max_backoff_s": 5, "jitter": 0,
                "on": ["failed", "timed_out", "owner_lost"]}, target=line2)
+    # the plant's rules: a job held by a closed production gate (line 1 reports "running"
+    # until GATE_OPENS_AT), and a long run stopped when its maintenance window ends
+    add("spindle-check-line1", "spindle-check", {"line": "1"}, {}, "gate: held while line 1 runs").held = True
+    closes = min(WINDOW_ENDS_AT, kill_at - 1.5)
+    win = [{"start": rfc(t0 + timedelta(seconds=2)), "end": rfc(t0 + timedelta(seconds=closes))}]
+    add("press-calibration-3", "press-calibration", {"press": "3", "seconds": "40"},
+        {"at": rfc(t0 + timedelta(seconds=3))}, f"window ends +{closes:g} s (end: stop)", "not_succeeded",
+        window={"ranges": win, "end": "stop"}).held = True
     # cron with seconds, bounded by not_after
     end = t0 + timedelta(seconds=duration - 4)
     grid_end = datetime.fromtimestamp((int(end.timestamp()) // CRON_EVERY_S) * CRON_EVERY_S, timezone.utc)

@@ -137,6 +137,7 @@ def collect(res: DemoResult) -> Checks:
     # 2. on time: start minus due, from the records
     delays, late, immediate = [], [], []
     now_jobs = {j.id for j in res.jobs if not j.doc["schedule"]}
+    held = {j.id for j in res.jobs if j.held}   # started by a gate or a window, late by design
     kill = res.failover.kill_wall
     fo_end = kill + timedelta(seconds=res.failover.done_s or 0) if kill else None
     for (jid, _f), r in recs.items():
@@ -144,6 +145,8 @@ def collect(res: DemoResult) -> Checks:
         if not due or not started or int(r.get("attempt") or 1) != 1:
             continue
         d = (started - due).total_seconds()
+        if jid in held:
+            continue
         if jid in now_jobs:
             immediate.append(d)
         elif kill and fo_end and kill - timedelta(seconds=1) <= due <= fo_end + timedelta(seconds=3) and d > 0.05:
@@ -266,6 +269,8 @@ def summary(res: DemoResult, ck: Checks, live: Live) -> int:
     else:
         problems.append("failover did not complete")
         row("failover", "BROKEN did not complete")
+    # the plant's rules
+    _rules_summary(res, ck, row, cont, problems)
     # health decisions
     _health_summary(res, ck, row, cont, problems)
     # audit
@@ -292,6 +297,38 @@ def summary(res: DemoResult, ck: Checks, live: Live) -> int:
     live.raw("RESULT: OK - no job lost, none run twice, failover in "
              f"{fo.done_s:.1f} s, audit logs verified")
     return 0
+
+
+def _rules_summary(res: DemoResult, ck: Checks, row, cont, problems: list) -> None:
+    """The gated job started only once its gate opened; the long run was stopped at its
+    window's end (kill_grace_s before it, SIGKILL at it)."""
+    jid = "spindle-check-line1"
+    r = _final(ck.records, jid)
+    waited = [d for d in _statuses(res, jid) if d.get("state") == "waiting" and d.get("reason") == "gate:line"]
+    started = parse_rfc((r or {}).get("started_at"))
+    ok = bool(r and r.get("state") == RecordState.SUCCEEDED and started and res.gate_opened and waited
+              and started >= res.gate_opened)
+    after = f"{fmt_ms((started - res.gate_opened).total_seconds())} after" if ok and started and res.gate_opened else "-"
+    row("gate", f"{'OK ' if ok else 'BROKEN'} {jid} waited (status waiting, reason gate:line: line 1 running) "
+                f"and started {after} line 1 reported stopped: {(r or {}).get('state')}")
+    if not ok:
+        problems.append(f"{jid} did not wait for its gate and run once it opened")
+    jid = "press-calibration-3"
+    r = _final(ck.records, jid) or {}
+    job = next(j for j in res.jobs if j.id == jid)
+    close = parse_rfc(job.doc["window"]["ranges"][0]["end"])
+    ended = parse_rfc(r.get("ended_at"))
+    if r.get("reason") == "owner_lost":
+        row("window", f"NOTE {jid} was running on {res.victim} when it was killed (owner_lost): not stopped by "
+                      "its window this time")
+        return
+    ok = bool(r.get("reason") == "window_closed" and ended and close and abs((ended - close).total_seconds()) <= 2.5)
+    row("window", f"{'OK ' if ok else 'BROKEN'} {jid} (a 40 s run, window end: stop): {r.get('state')}, "
+                  f"reason {r.get('reason')}, ended "
+                  + (f"{(ended - close).total_seconds():+.2f} s from its window's end (SIGTERM kill_grace_s before)"
+                     if ended and close else "-"))
+    if not ok:
+        problems.append(f"{jid} was not stopped at its window's end")
 
 
 def _health_summary(res: DemoResult, ck: Checks, row, cont, problems: list) -> None:

@@ -42,6 +42,7 @@ class DemoResult:
     sensor_mode: Optional[str]             # of the first survivor, from `millwright status`
     notes: list[str]                       # printed as "note" lines
     findings: list[str]                    # printed as "not yet" lines: what the product does not show
+    gate_opened: Optional[datetime] = None  # when line 1 reported stopped (spindle-check's gate opened)
 
     @property
     def victim(self) -> str:

@@ -31,6 +31,7 @@ import os
 import shutil
 import signal
 import time
+from datetime import datetime
 from typing import Optional
 
 from agent.cli import UserError
@@ -38,12 +39,13 @@ from agent.demo import failover, report
 from agent.demo.console import signed_payload
 from agent.demo.feed import StatusFeed
 from agent.demo.output import Live
-from agent.demo.plan import DemoFailed, DemoJob, plan_jobs
+from agent.demo.plan import GATE_OPENS_AT, DemoFailed, DemoJob, plan_jobs
 from agent.demo.result import DemoResult, Failover
 from agent.demo.stage import AGENTS, KID, Stage
 from agent.jobs.states import TERMINAL
 from agent.runtime.timefmt import utcnow
 
+GATE_TOPIC = "plant/line1/state"   # the production gate of the spindle-check template (configs/demo)
 DEFAULT_DURATION = 45.0
 MIN_DURATION = 24.0
 
@@ -66,6 +68,7 @@ class Demo:
         self.jobs: list[DemoJob] = []
         self.failover: Optional[Failover] = None
         self.sensor_mode: Optional[str] = None  # of the first survivor, from its status
+        self.gate_opened: Optional[datetime] = None   # when line 1 reported stopped (the gate opened)
 
     # ----------------------------------------------------------------- entry point
     def run(self) -> int:
@@ -170,6 +173,8 @@ class Demo:
         self.t0_mono = time.monotonic()
         self.jobs = plan_jobs(self.t0, self.duration, self.kill_at)
         feed.jobs = self.jobs
+        # line 1 is producing: its state on the plant broker (retained) keeps the gated job waiting
+        stage.console.publish(GATE_TOPIC, b"running", retain=True)
         payloads = {}
         for j in self.jobs:
             j.doc.update(cluster=stage.cluster, kind="job")  # bound to this cluster, signed with it
@@ -205,6 +210,11 @@ class Demo:
     def scenario(self) -> None:
         assert self.feed is not None
         self.live.phase(f"3/6 jobs run; at +{self.kill_at:g} s one agent is killed with SIGKILL")
+        self._tick(self.t0_mono + min(GATE_OPENS_AT, self.kill_at - 2))
+        assert self.stage.console is not None
+        self.stage.console.publish(GATE_TOPIC, b"stopped", retain=True)
+        self.gate_opened = utcnow()
+        self.live.line("plant", f"line 1 reports stopped on {GATE_TOPIC}: spindle-check-line1's gate opens")
         self._tick(self.t0_mono + self.kill_at)
         self.live.phase("4/6 failover")
         self.failover = failover.kill_victim(self.stage, self.feed, self.jobs, self.t0, self.kill_at, self.live,
@@ -290,7 +300,8 @@ class Demo:
             agent_dirs={aid: a.dir for aid, a in stage.agents.items()},
             config_paths={aid: a.config_path for aid, a in stage.agents.items()},
             metrics_ports=dict(stage.metrics_ports), templates=stage.templates, kill_at=self.kill_at,
-            failover=self.failover, sensor_mode=self.sensor_mode, notes=self.notes, findings=self.findings)
+            failover=self.failover, sensor_mode=self.sensor_mode, notes=self.notes, findings=self.findings,
+            gate_opened=self.gate_opened)
 
     def stop_agents(self) -> None:
         victim = self.failover.victim if self.failover is not None else None

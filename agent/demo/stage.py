@@ -119,11 +119,11 @@ class Stage:
         out_dir = os.path.join(self.base, "out")
         os.makedirs(out_dir)
         os.chmod(out_dir, 0o755)
-        # every run has a uid of its own (job isolation): the side-effect log exists before
-        # the first run and every run may append to it (and nothing else here)
-        fd = os.open(os.path.join(out_dir, "effects.log"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        os.fchmod(fd, 0o666)
-        os.close(fd)
+        # every run has a uid of its own (job isolation): they all append to one side-effect
+        # log that none of them can remove or replace
+        effects_log = os.path.join(out_dir, "effects.log")
+        open(effects_log, "a").close()
+        os.chmod(effects_log, 0o666)
         self.out_dir = out_dir
 
         self.stall_listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -143,7 +143,10 @@ class Stage:
 
         # ed25519, as in production: the cloud's key file holds the private key, the agents'
         # only the public one (what `millwright keygen` prints)
-        keys_file = os.path.join(self.base, "keys.yaml")
+        # (in a directory of its own: job isolation hides a millwright* directory that holds
+        # the agents' keys whole, and the job scripts live in the demo's base directory)
+        os.makedirs(os.path.join(self.base, "signing"), mode=0o700, exist_ok=True)
+        keys_file = os.path.join(self.base, "signing", "keys.yaml")
         self.ring = write_signer_keys(os.path.join(self.base, "cloud-signer.yaml"), keys_file, KID)
         text = open(os.path.join(cfg_dir, "agent.yaml")).read()
         for k, v in {"@JOBS@": jobs_dir, "@OUT@": out_dir, "@USER@": user, "@STALL_PORT@": str(stall_port)}.items():

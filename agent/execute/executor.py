@@ -141,20 +141,24 @@ class Executor:
         self.reaper.drop_staged(staged)
 
     def start(self, spec: RunSpec, on_exit: Callable[[RunHandle, RunResult], Any], *,
-              guard: Optional[Callable[[], bool]] = None, staged: Optional[Staged] = None) -> RunHandle:
+              guard: Optional[Callable[[], bool]] = None, staged: Optional[Staged] = None,
+              on_progress: Optional[Callable[[RunHandle, list], Any]] = None) -> RunHandle:
         """Start a run; always returns a handle, on_exit(handle, result) follows exactly
         once on the reaper thread. Raises ValueError only for a run_key already live.
         ``guard()`` (thread-safe; e.g. "the lease this run was claimed under is valid") is
         checked by the reaper on every watch tick: once false, the run is terminated with
         reason ``fenced`` (kill_grace_s later SIGKILLed), independently of the caller's
-        thread. ``staged``: stage(spec)'s result, made earlier on another thread."""
-        return self._start(spec, on_exit, hold=False, guard=guard, staged=staged)
+        thread. ``staged``: stage(spec)'s result, made earlier on another thread.
+        ``on_progress(handle, lines)``: the run's new valid progress lines, on the reaper
+        thread (agent/execute/progress.py)."""
+        return self._start(spec, on_exit, hold=False, guard=guard, staged=staged, on_progress=on_progress)
 
     def prepare(self, spec: RunSpec, on_exit: Callable[[RunHandle, RunResult], Any], *,
                 release_at: Optional[float] = None,
                 on_release: Optional[Callable[[RunHandle, bool], Any]] = None,
                 guard: Optional[Callable[[], bool]] = None,
-                guard_until: Optional[float] = None, staged: Optional[Staged] = None) -> RunHandle:
+                guard_until: Optional[float] = None, staged: Optional[Staged] = None,
+                on_progress: Optional[Callable[[RunHandle, list], Any]] = None) -> RunHandle:
         """Everything start() does except letting the job exec: the launcher waits in its
         quota container (pid known, poststart hooks done) until release(). This takes the
         costly part (cgroup, fork, user lookup) off the due time. With ``release_at``
@@ -174,7 +178,8 @@ class Executor:
         if release_at is not None and self.can_arm and (
                 guard is None or (guard_until is not None and release_at + ARM_MARGIN_S <= guard_until)):
             arm_at = time.time() + (release_at - time.monotonic())
-        handle = self._start(spec, on_exit, hold=True, guard=guard, arm_at=arm_at, staged=staged)
+        handle = self._start(spec, on_exit, hold=True, guard=guard, arm_at=arm_at, staged=staged,
+                             on_progress=on_progress)
         if release_at is not None:
             run = self.runs.held(handle)
             if run is not None:
@@ -251,13 +256,15 @@ class Executor:
 
     def _start(self, spec: RunSpec, on_exit: Callable[[RunHandle, RunResult], Any], hold: bool,
                guard: Optional[Callable[[], bool]] = None, arm_at: Optional[float] = None,
-               staged: Optional[Staged] = None) -> RunHandle:
+               staged: Optional[Staged] = None, on_progress: Optional[Callable[[RunHandle, list], Any]] = None
+               ) -> RunHandle:
         t0 = time.perf_counter()
         if staged is not None and staged.run_key != spec.run_key:
             raise ValueError(f"staged run {staged.run_key!r} is not {spec.run_key!r}")
         handle = RunHandle(spec, self.terminate)
         run = Run(handle, on_exit)
         run.guard = guard
+        run.on_progress = on_progress
         run.grace = self.kill_grace_s if spec.kill_grace_s is None else float(spec.kill_grace_s)
         self.runs.add(run)
         try:

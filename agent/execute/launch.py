@@ -30,6 +30,7 @@ from agent.execute.confine import RUN_FILES_ID, Confinement
 from agent.execute.isolation import IsolationError
 from agent.execute.output import OutputStream
 from agent.execute.processes import kill
+from agent.execute.progress import ProgressChannel, make_channel
 from agent.execute.runs import STDERR_TAIL_BYTES
 from agent.execute.runstate import GoPipe, Run
 from agent.runtime import kernel
@@ -215,6 +216,7 @@ class Prepared(NamedTuple):
     err: str               # stderr.log
     run_dir: str
     confinement: Optional[Confinement] = None   # with an isolating executor (its id is held)
+    channel: tuple[str, str] = ("", "")          # its progress FIFO and result file (progress.py)
 
 
 def prepare_process(ex: "Executor", spec: Any, created: list) -> Prepared:
@@ -246,6 +248,7 @@ def _prepare(ex: "Executor", spec: Any, created: list, conf: Optional[Confinemen
     ids = None
     home = None
     name = None
+    owner: Optional[tuple[int, int, int]] = None   # of the run's own files: its work dir's
     euid, egid = ex.ids   # the agent's own, read once (each getter is a system call on the loop)
     if conf is not None:
         # its own ids (docs/security.md); its name for USER and LOGNAME, its work dir as HOME
@@ -281,6 +284,9 @@ def _prepare(ex: "Executor", spec: Any, created: list, conf: Optional[Confinemen
             raise SpawnError("exec", f"{path!r} not found on {env['PATH']}")
         path = found
     run_dir = os.path.join(ex.base_dir, safe_name(spec.run_key))
+    if conf is not None:
+        assert ex.isolation is not None
+        owner = ex.isolation.work_dir_owner(conf)
     try:
         if _mkdir(run_dir, 0o711) and conf is not None:
             # not a root run's to write into (its output files are made there)
@@ -290,14 +296,15 @@ def _prepare(ex: "Executor", spec: Any, created: list, conf: Optional[Confinemen
             cwd = os.path.join(run_dir, "work")
             made = _mkdir(cwd, 0o700)
             created.append(cwd)
-            if conf is not None:
-                assert ex.isolation is not None
-                owner, group, mode = ex.isolation.work_dir_owner(conf)
-                os.chown(cwd, owner, group)
-                if mode != 0o700:
-                    os.chmod(cwd, mode)
+            if conf is not None and owner is not None:
+                os.chown(cwd, owner[0], owner[1])
+                if owner[2] != 0o700:
+                    os.chmod(cwd, owner[2])
             elif ids is not None and (not made or (ids[0], ids[1]) != (euid, egid)):   # made by us: ours already
                 os.chown(cwd, ids[0], ids[1])
+        if owner is None and ids is not None:
+            owner = (ids[0], ids[1], 0o700)
+        channel = make_channel(run_dir, owner)
         out = os.path.join(run_dir, "stdout.log")
         err = os.path.join(run_dir, "stderr.log")
     except OSError as exc:
@@ -311,8 +318,9 @@ def _prepare(ex: "Executor", spec: Any, created: list, conf: Optional[Confinemen
         if isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v:
             env[k] = v
     env.update({"MILLWRIGHT_JOB_ID": spec.job_id, "MILLWRIGHT_FIRE_ID": spec.fire_id,
-                "MILLWRIGHT_RUN_ID": spec.run_id or spec.run_key, "MILLWRIGHT_ATTEMPT": str(spec.attempt)})
-    return Prepared(ids, path, env, cwd, out, err, run_dir, conf)
+                "MILLWRIGHT_RUN_ID": spec.run_id or spec.run_key, "MILLWRIGHT_ATTEMPT": str(spec.attempt),
+                "MILLWRIGHT_PROGRESS": channel[0], "MILLWRIGHT_RESULT": channel[1]})
+    return Prepared(ids, path, env, cwd, out, err, run_dir, conf, channel)
 
 
 class Staged:
@@ -390,7 +398,7 @@ def spawn(ex: "Executor", run: Run, hold: bool = False, arm_at: Optional[float] 
     if staged.error is not None:
         raise staged.error
     assert staged.process is not None and run.slot is not None
-    ids, path, env, cwd, out_path, err_path, run.handle.run_dir, conf = staged.process
+    ids, path, env, cwd, out_path, err_path, run.handle.run_dir, conf, channel = staged.process
     run.confinement = conf   # its id goes back when the run is finalized
     limits = spec.limits
     run.handle.cgroup = dict(run.slot.paths) or None
@@ -403,6 +411,7 @@ def spawn(ex: "Executor", run: Run, hold: bool = False, arm_at: Optional[float] 
             fds.extend(os.pipe())
         go_r, go_w, err_r, err_w, out_r, out_w, ep_r, ep_w = fds
         run.streams = [OutputStream(out_r, out_path, limit), OutputStream(ep_r, err_path, limit, tail=STDERR_TAIL_BYTES)]
+        run.progress = ProgressChannel(channel[0], channel[1], spec.step_timeout_s)
     except OSError as exc:
         for fd in fds:
             os.close(fd)

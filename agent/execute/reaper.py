@@ -92,6 +92,7 @@ class Reaper(threading.Thread):
         self.seq = itertools.count()
         self.running: set[Run] = set()
         self.polled: set[Run] = set()
+        self.throttled: set[Run] = set()   # runs whose progress FIFO spent its budget this tick
         self.orphan_slots: list[tuple[Slot, float]] = []
         # process groups of ended runs to sweep for zombies again, REAP_AGAIN_S after their
         # end: one FIFO per delay (so in time order), swept together every RESWEEP_TICK_S,
@@ -234,6 +235,8 @@ class Reaper(threading.Thread):
                 kind, run, stream = what
                 if kind == "pid":
                     self._safe(self._on_pidfd, run)
+                elif kind == "progress":
+                    self._safe(self._on_progress, run)
                 else:
                     self._safe(self._on_output, run, stream, ev)
             while True:
@@ -260,6 +263,35 @@ class Reaper(threading.Thread):
         else:   # EOF: every writer is gone
             self.unwatch_fd(s.rfd)
 
+    def _on_progress(self, run: Run) -> None:
+        """New bytes on a run's progress FIFO: valid lines reset its step timer and go to
+        its on_progress; a run past its budget is not read again until the next tick."""
+        ch = run.progress
+        if ch is None or ch.fd < 0:
+            return
+        if ch.read():
+            self.unwatch_fd(ch.fd)
+            self.throttled.add(run)
+        batch = ch.take()
+        if batch and run.on_progress is not None:
+            try:
+                run.on_progress(run.handle, batch)
+            except Exception:
+                log.exception("on_progress callback failed", extra={"fields": {"run": run.handle.run_key}})
+
+    def _step_due(self, run: Run) -> None:
+        """The step timer: killed (step_timed_out) once no valid progress line came for
+        step_timeout_s, else looked at again when that is next possible."""
+        ch = run.progress
+        if ch is None or run.phase != RunPhase.RUNNING or run.kill_reason is not None or not ch.step_timeout_s:
+            return
+        self._on_progress(run)   # lines written just now count
+        left = ch.last_mono + ch.step_timeout_s - time.monotonic()
+        if left > 0:
+            run.timers.append(self.call_at(time.monotonic() + left, self._step_due, run))
+        else:
+            self._terminate(run.handle, ExitReason.STEP_TIMED_OUT, None)
+
     # --- a run's life on the reaper thread --------------------------------------------
     def _register(self, run: Run) -> None:
         run.phase = RunPhase.RUNNING
@@ -272,6 +304,12 @@ class Reaper(threading.Thread):
         t = run.handle.spec.timeout_s
         if t and t > 0:
             run.timers.append(self.call_at(run.t0 + t, self._terminate, run.handle, ExitReason.TIMED_OUT, None))
+        ch = run.progress
+        if ch is not None and ch.fd >= 0:
+            ch.last_mono = run.t0   # the step timer counts from the release
+            self.watch_fd(ch.fd, ("progress", run, None))
+            if ch.step_timeout_s:
+                run.timers.append(self.call_at(run.t0 + ch.step_timeout_s, self._step_due, run))
         self.running.add(run)
 
     def _terminate(self, handle: RunHandle, reason: str, grace_s: Optional[float]) -> None:
@@ -294,6 +332,11 @@ class Reaper(threading.Thread):
     def _watch(self) -> None:
         for run in list(self.polled):
             self._poll_exit(run)
+        for run in self.throttled:   # a new tick: their progress FIFOs are read again
+            if run.progress is not None and run.progress.fd >= 0:
+                run.progress.refill()
+                self.watch_fd(run.progress.fd, ("progress", run, None))
+        self.throttled.clear()
         for run in self.runs.armed():
             # guard_until promised it could not happen before the due time; if it does
             # (a lease revoked from outside), the armed launcher must not go by itself
@@ -422,6 +465,11 @@ class Reaper(threading.Thread):
             self.release_confinement(prepared.confinement)
         dirs = [staged.work_dir_created] if staged.work_dir_created else []
         if prepared is not None:
+            for path in prepared.channel:   # its progress FIFO and result file
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
             dirs.append(prepared.run_dir)   # then the run dir (no output file is made before a start)
         for path in dirs:
             try:
@@ -436,6 +484,17 @@ class Reaper(threading.Thread):
         run.on_release = run.guard = None
         self.running.discard(run)
         self.polled.discard(run)
+        self.throttled.discard(run)
+        progress = result = result_error = None
+        if run.progress is not None:
+            ch, run.progress = run.progress, None
+            self.unwatch_fd(ch.fd)
+            result, result_error = ch.finish()
+            batch = ch.take()
+            if batch and run.on_progress is not None:
+                self._safe(run.on_progress, run.handle, batch)
+            progress = ch.summary() if ch.lines or ch.invalid else None
+        run.on_progress = None
         if run.pidfd is not None:
             self.unwatch_fd(run.pidfd)
             os.close(run.pidfd)
@@ -481,7 +540,7 @@ class Reaper(threading.Thread):
             stdout_bytes=out.written if out else 0, stderr_bytes=err.written if err else 0,
             stderr_tail=tail_text(bytes(err.tail), err.written) if err else None,
             output_dropped_bytes=(out.dropped + err.dropped) if out and err else 0,
-            backend=self.backend.name)
+            backend=self.backend.name, progress=progress, result=result, result_error=result_error)
         run.phase = RunPhase.DONE
         self.runs.remove(handle.run_key)
         if handle.pid is not None:

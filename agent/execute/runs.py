@@ -26,6 +26,7 @@ class ExitReason(str, enum.Enum):
     PIDS_LIMIT = "pids_limit"    # the run hit its pids limit
     SPAWN_ERROR = "spawn_error"  # the job never executed (RunResult.error says why)
     FENCED = "fenced"            # the guard given to start()/prepare() turned false
+    STEP_TIMED_OUT = "step_timed_out"   # no progress line for RunSpec.step_timeout_s
 
     def __str__(self) -> str:
         return str(self.value)
@@ -76,6 +77,7 @@ class RunSpec:
     allow_root: bool = False               # a user that resolves to uid 0 may run
     network: str = DEFAULT_NETWORK         # none | internet | any
     capabilities: tuple[str, ...] = ()     # what a root run keeps (names as in capabilities(7))
+    step_timeout_s: Optional[float] = None  # killed (step_timed_out) after this long without a progress line
 
 
 @dataclass
@@ -97,6 +99,9 @@ class RunResult:
     stderr_tail: Optional[str] = None     # its last STDERR_TAIL_BYTES (tail_text), kept in memory as it came
     output_dropped_bytes: int = 0
     backend: str = ""
+    progress: Optional[dict] = None        # its progress lines: count, the newest, invalid ones (progress.py)
+    result: Optional[dict] = None          # its result document (at most 4 KiB)
+    result_error: Optional[str] = None     # why what it wrote as its result was refused
 
     def to_dict(self) -> dict:
         """The fields a run record / status document carries."""

@@ -67,6 +67,8 @@ class Run:
         self.guard: Optional[Callable[[], bool]] = None
         self.armed_at: Optional[float] = None   # wall clock: its launcher releases itself then
         self.confinement: Any = None   # an isolated run's Confinement (its id is given back at its end)
+        self.progress: Any = None      # its ProgressChannel (agent/execute/progress.py), once spawned
+        self.on_progress: Optional[Callable[[RunHandle, list], Any]] = None   # (handle, new valid lines)
 
 
 class RunTable:

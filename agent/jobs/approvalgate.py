@@ -38,6 +38,8 @@ class ApprovalGate:
     """Implements StartPolicy (agent/jobs/startpolicy.py); the catalog calls ``job_changed``
     when an installed job's approvals changed."""
 
+    name = "approval"
+
     def __init__(self, cfg: Config, loop: EventLoop, audit: AuditSink):
         self.templates = cfg.templates
         self.max_age_s = cfg.mqtt.max_age_s
@@ -61,7 +63,8 @@ class ApprovalGate:
             return end(RecordState.MISFIRED, "approval_expired",
                        f"{st.describe()} by {rfc(expires)} (issued_at + mqtt.max_age_s)")
         self._tell(f, "waiting", st)
-        return wait(REASON, f"{st.describe()}; approvals may come until {rfc(expires)}", JobState.WAITING_APPROVAL)
+        return wait(REASON, f"{st.describe()}; approvals may come until {rfc(expires)}",
+                    state=JobState.WAITING_APPROVAL)
 
     def subscribe(self, f: Firing, wake: Callable[[], None]) -> Callable[[], None]:
         job = f.entry.job

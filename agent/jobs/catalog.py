@@ -382,6 +382,21 @@ class JobCatalog:
         if e is not None and self.listener is not None:
             self.listener.job_cancelled(e, reason)
 
+    def cancel_here(self, e: JobEntry, reason: str) -> None:
+        """The job's own signed document asks for its cancel (a window with ``end: cancel``
+        closed on a run): its cancel mark goes into the store, as a cloud cancel's does, and
+        it stops here now."""
+        if not self.current(e) or e.cancelled:
+            return
+
+        def done(result: Any, error: Optional[BaseException]) -> None:
+            if error is not None:
+                log.warning("cannot write the job's cancel mark", extra={"fields": {"job": e.job.id,
+                                                                                   "error": str(error)}})
+
+        self.workers.submit(lambda: self.store.cancel(e.job.id, reason), done)
+        self.job_cancelled(e.job.id, reason)
+
     def _deleted(self, job_id: str) -> None:
         """The job's key was deleted. Retention deletes only tombstones (of cancelled or
         finished jobs): a live job deleted is stopped like a cancel, with its final

@@ -114,6 +114,7 @@ def cli_jobs_show(args) -> int:
         lines.append(f"target    {json.dumps(where.get('target'), sort_keys=True)}  pool {where.get('pool', '-')}  "
                      f"eligible {', '.join(where.get('eligible') or []) or '-'}"
                      + (f"  ({where['detail']})" if where.get("detail") else ""))
+    lines += _maintenance_lines(job, cfg)
     if job.get("cancelled"):
         c = job["cancelled"]
         lines.append(f"cancelled {c.get('at')} by {c.get('by')} ({c.get('reason')})")
@@ -154,6 +155,30 @@ def _rollout_lines(r: Optional[dict]) -> list[str]:
         rb = f"  rollback {a['rollback']}" if a.get("rollback") else ""
         lines.append(f"  {agent:<20} {a.get('state')}{rb}")
     return lines
+
+
+def _maintenance_lines(job: dict, cfg) -> list[str]:
+    """Its window (open until / opens at) and gates (the template's on this agent's config,
+    and what the agents holding a waiting firing say of them)."""
+    out = []
+    w = job.get("window")
+    if w:
+        if w.get("error"):
+            out.append(f"window    invalid: {w['error']}")
+        elif w.get("open"):
+            out.append(f"window    open until {w.get('closes_at') or '-'} (end: {w.get('end')})")
+        else:
+            out.append(f"window    closed; next opens {w.get('opens_at') or 'never'} until "
+                       f"{w.get('then_closes_at') or '-'} (end: {w.get('end')})")
+    tpl = cfg.templates.get(job.get("template") or "")
+    for name, g in sorted((tpl.gates if tpl is not None else {}).items()):
+        what = f"mqtt {g.mqtt} = {g.equals!r}" if g.mqtt else f"etcd {g.etcd} = {g.equals!r}" if g.etcd else \
+            f"probe {' '.join(g.command)}"
+        out.append(f"gate      {name}: {what}")
+    for m in job.get("waiting") or ():
+        out.append(f"waiting   {m.get('fire_id')} on {m.get('agent')} since {m.get('since')}: {m.get('reason')}"
+                   + (f" ({m['detail']})" if m.get("detail") else ""))
+    return out
 
 
 # --------------------------------------------------------------------------- runs

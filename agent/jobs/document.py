@@ -68,6 +68,7 @@ from agent.jobs.schedule import (
     parse_rfc3339,
 )
 from agent.jobs.signing import KeyRing, canonical_json
+from agent.jobs.window import Window, WindowError
 from agent.runtime.text import short
 
 ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -76,6 +77,7 @@ TOP_LEVEL_KEYS = (
     "v", "id", "cluster", "kind", "template", "params", "schedule", "misfire", "misfire_limit", "overlap",
     "retry", "timeout_s", "resources", "depends_on", "not_after", "issued_at", "target", "sig",
     "rollout", "abort_action", "approvals",
+    "window", "step_timeout_s",
 )
 CANCEL_KEYS = ("v", "id", "cluster", "kind", "issued_at", "sig")
 
@@ -113,6 +115,8 @@ class Job:
     target: Optional[dict] = None  # canonical target (agent/coordination/placement.py); None: any agent
     rollout: Optional[RolloutSpec] = None   # a fan-out job's staged rollout (agent/jobs/rollout.py)
     signers: tuple = field(default=(), compare=False)  # (kid, role) of sig and each approval (approvals.py)
+    window: Optional[Window] = None          # when its runs may start (agent/jobs/window.py); None: any time
+    step_timeout_s: Optional[float] = None   # a run silent on its progress this long is killed (step_timed_out)
     doc: dict = field(default_factory=dict, repr=False, compare=False)
     canonical: bytes = field(default=b"", repr=False)  # canonical JSON of the full doc (with sig)
     content: bytes = field(default=b"", repr=False, compare=False)  # canonical JSON without sig (the signed bytes)
@@ -361,6 +365,7 @@ def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyR
     # ---- staged rollout and four-eyes approval (agent/jobs/rollout.py, approvals.py)
     rollout = parse_rollout(doc, target)
     signers = approvals.signers(doc, keyring, key_now, key, verify=keyring is not None)
+    window, step_timeout_s = _maintenance(doc)
 
     sig = doc.get("sig")
     if "sig" in doc:
@@ -394,7 +399,7 @@ def _parse_inner(payload: Any, templates: Optional[dict], keyring: Optional[KeyR
         id=job_id, template=tname, params=dict(params), schedule=schedule, misfire=misfire,
         misfire_limit=misfire_limit, overlap=overlap, retry=retry, timeout_s=timeout_s, resources=resources,
         depends_on=list(deps), not_after=not_after, issued_at=issued_at, target=target, rollout=rollout,
-        signers=signers, doc=stored,
+        signers=signers, window=window, step_timeout_s=step_timeout_s, doc=stored,
         canonical=canonical_json(stored, with_sig=True), content=canonical_json(stored),
         kid=key.kid if key is not None else None,
         key_retired_after=key.retired_after if key is not None else None,
@@ -472,6 +477,18 @@ def _check_params(params: dict, template_params: dict, tname: str) -> None:
             ok = False
         if not ok:
             raise bad(f"params.{name}", f"{short(value)} does not match {rx}", BAD_PARAM)
+
+
+def _maintenance(doc: dict) -> tuple[Optional[Window], Optional[float]]:
+    """``window`` (when runs may start) and ``step_timeout_s`` (progress, docs/jobs.md)."""
+    window = None
+    if "window" in doc:
+        try:
+            window = Window.parse(doc["window"])
+        except WindowError as exc:
+            raise bad(exc.field, exc.message) from None
+    step = _number(doc, "step_timeout_s", "step_timeout_s", 0, MAX_TIMEOUT_S, None, lo_open=True)
+    return window, step
 
 
 def _retry_on(r: dict) -> tuple:

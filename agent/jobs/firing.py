@@ -47,7 +47,7 @@ TRANSITIONS: dict[FiringState, frozenset[FiringState]] = {
     S.CLAIMING: frozenset({S.CLAIMING, S.RUNNING, S.FINISHING, S.DONE}),
     S.RUNNING: frozenset({S.RETRYING, S.DONE}),
     S.RETRYING: frozenset({S.WAITING, S.CLAIMING, S.RETRYING_ADMISSION, S.FINISHING, S.DONE}),
-    S.RETRYING_ADMISSION: frozenset({S.CLAIMING, S.FINISHING, S.DONE}),
+    S.RETRYING_ADMISSION: frozenset({S.WAITING, S.CLAIMING, S.FINISHING, S.DONE}),
     S.FINISHING: frozenset({S.FINISHING, S.DONE}),
     S.DONE: frozenset(),
 }
@@ -77,6 +77,8 @@ class ClaimState:
     record: Optional[dict] = None   # the record as last written or read back
     rev: int = 0                    # its mod revision (0: no record of ours)
     writing: int = 0                # writes in flight: a retry's claim waits for the revision they set
+    soft: bool = False              # the write in flight is a progress update: a write that comes waits for it
+    after: list = field(default_factory=list)   # writes waiting for that progress update
     unsure: tuple = ()              # records of earlier claims whose outcome was unknown (a few)
     taken_over: bool = False        # its claim replaced a foreign record (once at most)
 
@@ -101,6 +103,8 @@ class Firing:
     run: Any = None          # (RunSpec, argv, template) of this attempt, or why it cannot start
     staged: Any = None       # its directories and quota container, made with the claim (Executor.stage)
     rollback: bool = False   # runs the template's rollback after an aborted rollout (never retried)
+    notes: dict = field(default_factory=dict)   # start policies' own notes (since when it waits on a gate)
+    progress: Any = None     # its running attempt's progress reports (agent/jobs/progress.py)
     seq: int = field(default_factory=lambda: next(_SEQ))
     state: FiringState = field(default=FiringState.PENDING, init=False)
     ended: Optional[FiringEnd] = field(default=None, init=False)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from agent.jobs.catalog import JobEntry
     from agent.jobs.claimlead import ClaimLead
     from agent.jobs.firing import Firing, RunListener
-    from agent.jobs.seams import Lease, OnExit, OnRelease, RunStarter
+    from agent.jobs.seams import Lease, OnExit, OnProgress, OnRelease, RunStarter
 
 SPAWN_AHEAD_MIN_S = 0.001  # closer to the due time than this, start at once
 
@@ -71,7 +71,8 @@ class Launcher:
                        timeout_s=e.job.timeout_s, kill_grace_s=self.execute.kill_grace_s,
                        output_max_bytes=self.execute.output_max_bytes, job_id=e.job.id,
                        run_id=rid, fire_id=f.fire_id, attempt=f.attempt,
-                       allow_root=tpl.allow_root, network=tpl.network, capabilities=tuple(tpl.capabilities))
+                       allow_root=tpl.allow_root, network=tpl.network, capabilities=tuple(tpl.capabilities),
+                       step_timeout_s=e.job.step_timeout_s)
         return Planned(spec, argv, tpl.user)
 
     def unstage(self, f: Firing) -> None:
@@ -80,7 +81,8 @@ class Launcher:
         if staged is not None:
             self.executor.unstage(staged)
 
-    def launch(self, f: Firing, run: Planned, on_exit: OnExit, on_release: OnRelease) -> bool:
+    def launch(self, f: Firing, run: Planned, on_exit: OnExit, on_release: OnRelease,
+               on_progress: Optional[OnProgress] = None) -> bool:
         """Hand the firing's run to the executor (the firing is RUNNING). True: prepared,
         ``on_release`` follows at the due time; False: started now (released already)."""
         if f.staged is not None and f.staged.run_key != run.spec.run_key:
@@ -102,12 +104,12 @@ class Launcher:
             valid_until = session.valid_until if session.lease_id == lease else 0.0
             f.handle = self.executor.prepare(run.spec, on_exit, release_at=time.monotonic() + ahead,
                                              on_release=on_release, guard=lease_valid, guard_until=valid_until,
-                                             staged=staged)
+                                             staged=staged, on_progress=on_progress)
             self._started(f)   # exec policy and sensor attribution know the run before it can exec
             return True
         if f.lead > 0 and f.attempt == 1:
             FIRINGS.labels("claimed_late").inc()   # the claim took longer than its lead
-        f.handle = self.executor.start(run.spec, on_exit, guard=lease_valid, staged=staged)
+        f.handle = self.executor.start(run.spec, on_exit, guard=lease_valid, staged=staged, on_progress=on_progress)
         self._started(f)
         return False
 

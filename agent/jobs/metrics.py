@@ -21,3 +21,13 @@ ROLLOUT_DECISIONS = counter("millwright_rollout_decisions_total",
                             ("decision",))
 APPROVAL_DECISIONS = counter("millwright_approval_decisions_total",
                              "Four-eyes decisions on firings by kind (approved, waiting, expired)", ("decision",))
+# the plant's rules: windows, gates, progress (docs/jobs.md)
+PROGRESS_LINES = counter("millwright_progress_lines_total", "Valid progress lines runs reported")
+WAITING = gauge("millwright_firings_waiting", "Firings waiting on a start policy, by policy (window, gate)",
+                ("policy",))
+GATE_OPEN = gauge("millwright_gate_open", "1 while a production gate is open, 0 closed, -1 unknown", ("gate",))
+GATE_CHANGES = counter("millwright_gate_changes_total", "Production gate changes seen, by gate and new state",
+                       ("gate", "state"))
+POLICY_DECISIONS = counter("millwright_start_policy_decisions_total",
+                           "What the start policies decided for a firing, by policy and decision",
+                           ("policy", "decision"))

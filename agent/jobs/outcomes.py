@@ -21,9 +21,12 @@ from agent.runtime.timefmt import format_rfc3339
 HANDED_OVER = frozenset({R.FENCED, R.SHARD_LOST, R.RELEASED, R.DELETED})
 
 # What a retry may be asked for (retry.on): a run that failed (non-zero exit, oom,
-# pids_limit, network_stall, spawn_error), that timed out, or whose outcome is unknown
-# because its agent died, fenced itself or was cut off (owner_lost: it may have run).
-RETRY_ON = ("failed", "timed_out", "owner_lost")
+# pids_limit, network_stall, spawn_error), that timed out (timeout_s, step_timeout_s), or
+# whose outcome is unknown because its agent died, fenced itself or was cut off
+# (owner_lost: it may have run); and a run the plant's rules stopped part way: its window
+# ended (window_closed: the retry waits for the next window) or its gate closed
+# (gate_closed: the retry waits for the gate). The last three are opt-in.
+RETRY_ON = ("failed", "timed_out", "owner_lost", "window_closed", "gate_closed")
 DEFAULT_RETRY_ON = ("failed", "timed_out")
 
 # record states the job's retry policy may turn into another attempt
@@ -31,7 +34,10 @@ RETRYABLE = frozenset({S.FAILED, S.TIMED_OUT})
 
 _STATE_OF = {R.SUCCEEDED: S.SUCCEEDED, R.TIMED_OUT: S.TIMED_OUT, R.KILLED: S.KILLED, R.CANCELLED: S.CANCELLED,
              R.REPLACED: S.KILLED, R.EXEC_POLICY: S.KILLED, R.AGENT_STOPPED: S.KILLED,
-             R.ABORTED: S.KILLED}
+             R.ABORTED: S.KILLED,
+             R.STEP_TIMED_OUT: S.TIMED_OUT, R.WINDOW_CLOSED: S.KILLED, R.GATE_CLOSED: S.KILLED}
+# stopped by the plant's rules: retried only where retry.on names the rule
+_OWN_CRITERION = frozenset({R.WINDOW_CLOSED, R.GATE_CLOSED})
 
 
 def record_state(reason: str) -> S:
@@ -45,6 +51,8 @@ def criterion(reason: str) -> Optional[str]:
     retried only where a lost owner's run would be (owner_lost)."""
     if reason == R.AGENT_STOPPED:
         return R.OWNER_LOST
+    if reason in _OWN_CRITERION:
+        return str(reason)
     state = record_state(reason)
     return state if state in RETRYABLE else None
 
@@ -91,6 +99,9 @@ def end_fields(result: Any, reason: str, health: str, now: datetime) -> dict[str
     tail = getattr(result, "stderr_tail", None)   # kept by the reaper as the output came
     if tail is not None:
         fields["stderr_tail"] = tail
+    for k in ("progress", "result", "result_error"):   # what the job reported (agent/execute/progress.py)
+        if getattr(result, k, None) is not None:
+            fields[k] = getattr(result, k)
     # the claim wrote the planned start; the record keeps the real one (None: never released)
     released = getattr(result, "started_at", None)
     fields["started_at"] = format_rfc3339(datetime.fromtimestamp(released, timezone.utc)) if released else None

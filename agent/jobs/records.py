@@ -131,6 +131,9 @@ class RunRecords:
         wrote last; made again while etcd does not answer and the shard is held.
         ``answer``: (marker key or None, status document) of a final state, written in the
         same transaction (agent/cloud/answers.py)."""
+        if f.claim.soft:   # a progress update is in flight: this write follows it, from the revision it sets
+            f.claim.after.append(lambda: self.write(f, state, answer, **fields))
+            return
         e = f.entry
         fence = self.fencing.fence_for(e.shard)
         if fence is None:
@@ -173,6 +176,32 @@ class RunRecords:
         self._count(shard, -1)
         if f.claim.rev == rev and self.fencing.owns(shard) is not None:
             self.write(f, state, answer=answer, **fields)
+
+    def write_progress(self, f: Firing, progress: dict) -> bool:
+        """The running record's ``progress``, written only while no other write of the
+        firing is in flight; a write that comes meanwhile waits for this one (write()), so
+        the final record never races a progress update. False: not written now."""
+        e = f.entry
+        fence = self.fencing.fence_for(e.shard)
+        if fence is None or f.claim.writing or not f.claim.rev:
+            return False
+        key, rev = self.key(f), f.claim.rev
+        rec = self.document(f, RecordState.RUNNING, fence, progress=progress)
+        ops = self.ops(f, key, json.dumps(rec))
+        f.claim.writing += 1
+        f.claim.soft = True
+
+        def done(r: Any, error: Optional[BaseException]) -> None:
+            f.claim.writing -= 1
+            f.claim.soft = False
+            if error is None and r.succeeded:
+                f.claim.rev, f.claim.record = r.revision, rec
+            after, f.claim.after = f.claim.after, []
+            for write in after:
+                write()
+
+        self.submit(e.shard, lambda: fenced_txn(self.client, fence, compare=[Mod(key) == rev], success=ops), done)
+        return True
 
     def write_not_run(self, f: Firing, state: str, reason: str, answer: tuple[dict, Optional[str]]) -> bool:
         """The final record of a firing that did not run (misfired, cancelled, failed

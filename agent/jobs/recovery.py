@@ -54,7 +54,8 @@ def recover(e: JobEntry, records: Records, agent_id: str, now: datetime) -> Reco
             continue  # another agent's own firings of a fan-out job
         undone = rolled_back(fire_id) if job.fanout else None
         try:
-            due = sch.parse_fire_id(undone if undone is not None else fire_id[:-len(mine)] if job.fanout else fire_id)
+            due = _exact(job, e.accepted_at, sch.parse_fire_id(undone if undone is not None else
+                                                               fire_id[:-len(mine)] if job.fanout else fire_id))
         except Exception:
             continue
         if undone is not None:   # a rollback's run (agent/jobs/rollouts.py): resolved, never run again
@@ -140,6 +141,17 @@ def foreign(job: Any, accepted_at: datetime, fire_id: str, due: datetime, rec: A
 
 
 _STATES = frozenset(s.value for s in RecordState)
+
+
+def _exact(job: Any, accepted_at: datetime, due: datetime) -> datetime:
+    """A fire id names its firing to the millisecond; a one-shot's due time may be finer:
+    its schedule's own time when the fire id is that one's (else the firing it names would
+    look missed, and run again, after the last record)."""
+    if job.schedule.one_shot:
+        first = sch.first_due(job, accepted_at)
+        if first is not None and sch.fire_id(job.id, first) == sch.fire_id(job.id, due):
+            return first
+    return due
 
 
 def _done_up_to(e: JobEntry, due: datetime) -> None:

@@ -95,6 +95,8 @@ class RolloutGate:
     """Implements StartPolicy (agent/jobs/startpolicy.py), RunListener (agent/jobs/firing.py)
     and the pipeline's final-record and firing-done hooks."""
 
+    name = "rollout"
+
     def __init__(self, cfg: Config, client: Any, keys: Keys, loop: EventLoop, workers: EtcdWorkers, *,
                  fencing: Fencing, lease: Lease, audit: AuditSink, sink: StatusSink,
                  is_current: Callable[[JobEntry], bool]):

@@ -36,11 +36,13 @@ from agent.jobs import schedule as sch
 from agent.jobs.admitting import Admitter
 from agent.jobs.claimlead import ClaimLead
 from agent.jobs.claims import Claim, ClaimKind, ClaimWriter
+from agent.jobs.crowding import Crowding
 from agent.jobs.dependencies import DependencyCheck
 from agent.jobs.firing import ACTIVE, NOT_STARTED, Firing, FiringEnd, FiringState
 from agent.jobs.foreign import AT_CLAIM, ForeignRecords
 from agent.jobs.launching import SPAWN_AHEAD_MIN_S, Launcher, Planned
 from agent.jobs.metrics import ABANDONED, FIRINGS, JOB_DURATION, RUNS, TRIGGER_DELAY
+from agent.jobs.progress import ProgressReports
 from agent.jobs.records import FENCE_WAIT_S, RunRecords
 from agent.jobs.startpolicy import StartGate
 from agent.jobs.states import EndReason, JobState, RecordState
@@ -91,6 +93,8 @@ class Scheduler:
                                  lambda f: self._finish_without_run(f, RecordState.FAILED, "quota_never_fits"))
         self.starts = StartGate(start_policies, self.statuses, loop)
         self.records.final_ops = self.starts.final_ops
+        self.crowding = Crowding(self._unqueue, lambda f, why: self._finish_without_run(f, RecordState.MISFIRED, why))
+        self.progress = ProgressReports(self.statuses, self.records, loop)
         self.foreign = ForeignRecords(self.statuses, audit)
         self.dependencies = DependencyCheck(client, keys, cfg.shards, loop, workers, self.statuses, catalog.current,
                                             catalog.keyring, cfg.cluster, audit)
@@ -244,16 +248,8 @@ class Scheduler:
             self._finish_without_run(f, RecordState.MISFIRED, "expired")
             return
         queued = [g for g in e.firings.values() if g.state in QUEUED and g is not f]
-        if queued:
-            # at most one firing of a job waits (dependencies, node quota, a pause): a
-            # per-second cron must not pile up a firing a second while it cannot start
-            if job.overlap != "replace":
-                FIRINGS.labels("overlap_skipped").inc()
-                self._finish_without_run(f, RecordState.MISFIRED, "overlap")
-                return
-            for g in queued:
-                self._unqueue(g)
-                self._finish_without_run(g, RecordState.MISFIRED, EndReason.REPLACED)
+        if queued and not self.crowding.admit(e, f, queued):   # at most one firing of a job waits
+            return
         if running and job.schedule.kind == "cron":
             action = sch.overlap_action(job.overlap, True)
             if action == "skip":
@@ -313,6 +309,10 @@ class Scheduler:
                 self.loop.call_later(FENCE_WAIT_S, self._when_current, f, f.state, self._claim, f, retry)
                 return
             self._abandon(f, F.NOT_OWNER)
+            return
+        if f.state != S.CLAIMING and not self.starts.still(f):   # a window closed or a gate shut meanwhile
+            self.admitter.release(f)
+            self._may_start(f, retry)
             return
         if retry:
             f.attempt += 1
@@ -386,7 +386,8 @@ class Scheduler:
         f.move(S.RUNNING)
         on_exit = lambda h, r: self.loop.post(self._ended, f, r)  # noqa: E731
         on_release = lambda h, ok: self.loop.post(self._released, f, h, ok, run.argv, run.user)  # noqa: E731
-        if not self.launcher.launch(f, run, on_exit, on_release):
+        on_progress = lambda h, lines: self.loop.post(self.progress.seen, f, h, lines)  # noqa: E731
+        if not self.launcher.launch(f, run, on_exit, on_release, on_progress):
             self._released(f, f.handle, True, run.argv, run.user)
 
     def _released(self, f: Firing, handle: Any, ok: bool, argv: list, user: Optional[str]) -> None:

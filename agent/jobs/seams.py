@@ -61,6 +61,7 @@ class AuditSink(Protocol):
 
 OnExit = Callable[[Any, Any], None]          # (handle, RunResult)
 OnRelease = Callable[[Any, bool], None]      # (handle, released)
+OnProgress = Callable[[Any, list], None]     # (handle, new valid progress lines): the reaper's thread
 
 
 class RunStarter(Protocol):
@@ -74,6 +75,8 @@ class RunStarter(Protocol):
     def unstage(self, staged: Any) -> None: ...
 
     def prepare(self, spec: RunSpec, on_exit: OnExit, *, release_at: float, on_release: OnRelease,
-                guard: Callable[[], bool], guard_until: float, staged: Any = None) -> RunHandle: ...
+                guard: Callable[[], bool], guard_until: float, staged: Any = None,
+                on_progress: Optional[OnProgress] = None) -> RunHandle: ...
 
-    def start(self, spec: RunSpec, on_exit: OnExit, *, guard: Callable[[], bool], staged: Any = None) -> RunHandle: ...
+    def start(self, spec: RunSpec, on_exit: OnExit, *, guard: Callable[[], bool], staged: Any = None,
+              on_progress: Optional[OnProgress] = None) -> RunHandle: ...

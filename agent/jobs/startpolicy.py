@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 
 from agent.jobs.firing import Firing, FiringState
+from agent.jobs.metrics import POLICY_DECISIONS, WAITING
 from agent.jobs.states import JobState
 
 if TYPE_CHECKING:
@@ -31,13 +32,14 @@ class Verdict:
     state: str = ""      # end: the record state (misfired, failed, cancelled, ...); wait: the status
                          # state when not `waiting` (waiting_approval)
     detail: str = ""
+    quiet: bool = False  # wait: only a moment (a probe in flight): no status, no mark
 
 
 GO = Verdict("go")
 
 
-def wait(reason: str, detail: str = "", state: str = "") -> Verdict:
-    return Verdict("wait", reason, state, detail=detail)
+def wait(reason: str, detail: str = "", quiet: bool = False, state: str = "") -> Verdict:
+    return Verdict("wait", reason, state, detail=detail, quiet=quiet)
 
 
 def end(state: str, reason: str, detail: str = "") -> Verdict:
@@ -45,12 +47,15 @@ def end(state: str, reason: str, detail: str = "") -> Verdict:
 
 
 class StartPolicy(Protocol):
+    name: str   # its label in metrics and the key of its notes on a firing (Firing.notes)
+
     def judge(self, f: Firing) -> Verdict:
         """May ``f`` start now? Loop thread; must not block."""
 
     def subscribe(self, f: Firing, wake: Callable[[], None]) -> Callable[[], None]:
-        """Call ``wake()`` (on the loop) when the verdict for a waiting ``f`` may have
-        changed; returns what cancels that."""
+        """Call ``wake()`` (on the loop) when the verdict for ``f`` may have changed (also
+        when it was go: a policy asked before the one ``f`` waits for may turn); returns
+        what cancels that."""
 
 
 class FiringHooks(Protocol):
@@ -66,6 +71,15 @@ class FiringHooks(Protocol):
         """A job was (re)installed here, with the run records earlier owners left."""
 
 
+class WaitMarks(Protocol):
+    """Where a firing waiting on a policy is shown besides its status (etcd, for `jobs
+    show` and `jobs/get`: agent/jobs/waitmarks.py)."""
+
+    def waiting(self, f: Firing, reason: str, detail: str) -> None: ...
+
+    def done(self, f: Firing) -> None: ...
+
+
 Refuse = Callable[[Firing, str, str, str], None]   # (firing, record state, reason, detail)
 
 
@@ -77,35 +91,75 @@ class StartGate:
         self.policies = list(policies)
         self.statuses = statuses
         self.loop = loop
-        self._cancels: dict[str, Callable[[], None]] = {}   # firing key -> cancel its subscription
+        self.marks: Optional[WaitMarks] = None
+        self._cancels: dict[str, list[Callable[[], None]]] = {}   # firing key -> cancel its subscriptions
+        self._waiting: dict[str, str] = {}        # firing key -> the policy it waits on
+        self._counts: dict[str, int] = {}         # policy -> firings waiting on it
 
     def request(self, f: Firing, go: Callable[[Firing], None], refuse: Refuse) -> None:
         """``go(f)`` once every policy says go, ``refuse(...)`` if one says end."""
-        self.forget(f)
-        for p in self.policies:
+        self._unsubscribe(f)
+        for i, p in enumerate(self.policies):
             v = p.judge(f)
             if v.kind == "go":
                 continue
             if v.kind == "end":
+                POLICY_DECISIONS.labels(p.name, v.reason).inc()
+                self.forget(f)
                 refuse(f, v.state, v.reason, v.detail)
                 return
+            for later in self.policies[i + 1:]:   # what they noted no longer holds once this one waits
+                f.notes.pop(later.name, None)
             if f.wait_reason != v.reason or f.state != FiringState.WAITING:
                 f.move(FiringState.WAITING, wait_reason=v.reason)
-                self.statuses.send(f.entry, f, v.state or JobState.WAITING, reason=v.reason,
-                                   **({"detail": v.detail} if v.detail else {}))
-            self._cancels[f.key] = p.subscribe(f, lambda: self._woken(f, go, refuse))
+                if not v.quiet:
+                    POLICY_DECISIONS.labels(p.name, "wait").inc()
+                    self.statuses.send(f.entry, f, v.state or JobState.WAITING, reason=v.reason,
+                                       **({"detail": v.detail} if v.detail else {}))
+                    if self.marks is not None:
+                        self.marks.waiting(f, v.reason, v.detail)
+            self._counted(f, p.name)
+            self._cancels[f.key] = [q.subscribe(f, lambda: self._woken(f, go, refuse)) for q in self.policies[:i + 1]]
             return
+        if f.key in self._waiting:
+            POLICY_DECISIONS.labels(self._waiting[f.key], "go").inc()
+        self.forget(f)
         go(f)
+
+    def still(self, f: Firing) -> bool:
+        """Do all policies still say go for ``f`` (asked again just before its claim: a
+        window may have closed or a gate shut while it waited for node quota)?"""
+        return all(p.judge(f).kind == "go" for p in self.policies)
 
     def _woken(self, f: Firing, go: Callable[[Firing], None], refuse: Refuse) -> None:
         if f.key in self._cancels and f.state == FiringState.WAITING:
             self.request(f, go, refuse)
 
+    def _unsubscribe(self, f: Firing) -> None:
+        for cancel in self._cancels.pop(f.key, ()):
+            cancel()
+
+    def _counted(self, f: Firing, policy: Optional[str]) -> None:
+        """Keep millwright_firings_waiting{policy} (``policy`` None: ``f`` waits no more)."""
+        before = self._waiting.pop(f.key, None)
+        if before == policy:
+            if policy is not None:
+                self._waiting[f.key] = policy
+            return
+        for name, delta in ((before, -1), (policy, +1)):
+            if name is not None:
+                self._counts[name] = self._counts.get(name, 0) + delta
+                WAITING.labels(name).set(self._counts[name])
+        if policy is not None:
+            self._waiting[f.key] = policy
+
     def forget(self, f: Firing) -> None:
         """``f`` no longer waits here (it went on, or ended otherwise)."""
-        cancel: Optional[Callable[[], None]] = self._cancels.pop(f.key, None)
-        if cancel is not None:
-            cancel()
+        self._unsubscribe(f)
+        if f.key in self._waiting:
+            self._counted(f, None)
+            if self.marks is not None:
+                self.marks.done(f)
 
     # --- the FiringHooks of the policies that have them ----------------------------------
     def final_ops(self, f: Firing, state: str) -> list:

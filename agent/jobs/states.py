@@ -39,6 +39,7 @@ class JobState(Word):
     SCHEDULED = "scheduled"
     WAITING = "waiting"
     WAITING_APPROVAL = "waiting_approval"   # stored; runs once its template's approvals are there
+    IN_PROGRESS = "in_progress"   # a running attempt's newest progress line (rate-limited)
 
 
 # after these nothing more happens to a firing
@@ -75,3 +76,8 @@ class EndReason(Word):
     FINISHED = "finished"        # retention replaced the job by its tombstone
     # decided by an owner about a run it did not see end
     OWNER_LOST = "owner_lost"
+    # the plant's rules (windows, gates, progress: docs/jobs.md)
+    WINDOW_CLOSED = "window_closed"      # its window ended (end: stop | cancel)
+    GATE_CLOSED = "gate_closed"          # its template's gate closed (while_running: stop)
+    STEP_TIMED_OUT = "step_timed_out"    # no progress line for step_timeout_s
+    GATE_TIMEOUT = "gate_timeout"        # it waited gate_timeout_s for its gates: never ran

@@ -130,14 +130,45 @@ def placement_view(doc: dict, members: Optional[dict[str, dict]]) -> Optional[di
     return out
 
 
+def window_view(doc: dict, now: datetime) -> Optional[dict]:
+    """The job's maintenance window at ``now``: open until, or when it next opens."""
+    from agent.jobs.window import Window, WindowError
+
+    if "window" not in doc:
+        return None
+    try:
+        return Window.parse(doc["window"]).describe(now)
+    except WindowError as exc:
+        return {"error": str(exc)}
+
+
+def waiting_marks(client: EtcdClient, keys: Keys, shard: int, job_id: Optional[str] = None) -> dict[str, list[dict]]:
+    """The waiting marks of a shard's jobs (or one job's): job id -> the agents' marks
+    (agent/jobs/waitmarks.py: shown, never believed)."""
+    prefix = keys.waiting_prefix(shard, job_id)
+    out: dict[str, list[dict]] = {}
+    for kv in read_prefix(client, prefix):
+        try:
+            mark = json.loads(kv.value)
+        except ValueError:
+            continue
+        if isinstance(mark, dict):
+            jid = job_id or kv.key[len(prefix):].split("/", 1)[0]
+            out.setdefault(jid, []).append(mark)
+    return out
+
+
 def view(doc: dict, shard: int, runs: list[dict], last_runs: int = LAST_RUNS,
          now: Optional[datetime] = None, members: Optional[dict[str, dict]] = None,
-         rollout: Optional[dict] = None, approval: Optional[dict] = None) -> dict:
+         rollout: Optional[dict] = None, approval: Optional[dict] = None,
+         waiting: Optional[list[dict]] = None) -> dict:
     """A job's public view: its document (reserved keys and signature left out), state,
     the last ``last_runs`` run records (oldest first) and the next due time. With
     ``members``, a targeted job that could fire but has no eligible agent is ``waiting``
     with reason ``no_eligible_agent``. ``rollout`` (rollout_view) and ``approval``
-    (approval_view) are shown, and make the state ``aborted`` / ``waiting_approval``."""
+    (approval_view) are shown, and make the state ``aborted`` / ``waiting_approval``; with
+    ``waiting`` marks, a job one of whose firings waits on its window or a gate is
+    ``waiting`` with that reason."""
     from agent.coordination.jobstore import public_doc
 
     due = next_due(doc, runs, now)
@@ -162,6 +193,14 @@ def view(doc: dict, shard: int, runs: list[dict], last_runs: int = LAST_RUNS,
         if not where["eligible"] and state in (JobState.SCHEDULED, JobState.ACCEPTED):
             out["state"] = JobState.WAITING
             out["reason"] = where["reason"]
+    window = window_view(doc, now or datetime.now(timezone.utc))
+    if window is not None:
+        out["window"] = window
+    marks = [m for m in waiting or () if isinstance(m.get("reason"), str)]
+    if marks:
+        out["waiting"] = marks
+        if out["state"] in (JobState.SCHEDULED, JobState.ACCEPTED, RecordState.RETRYING):
+            out["state"], out["reason"] = JobState.WAITING, marks[0]["reason"]
     return out
 
 
@@ -211,7 +250,8 @@ def get_job(client, keys: Keys, shards: int, job_id: str, last_runs: int = LAST_
     runs = job_runs(client, keys, shards, job_id, limit=max(1, last_runs))
     members = read_members(client, keys) if doc.get("target") else None
     return view(doc, shard, runs, last_runs, members=members,
-                rollout=rollout_view(client, keys, shards, doc, members), approval=approval_view(doc, templates, keyring))
+                rollout=rollout_view(client, keys, shards, doc, members), approval=approval_view(doc, templates, keyring),
+                waiting=waiting_marks(client, keys, shard, job_id).get(job_id))
 
 
 def approval_view(doc: dict, templates: Optional[dict], keyring) -> Optional[dict]:
@@ -308,11 +348,13 @@ def list_jobs(client, keys: Keys, shards: int, in_shards: Optional[Iterable[int]
                 continue
         runs_prefix = keys.runs_prefix(shard)
         runs = _runs_by_job(read_prefix(client, runs_prefix), runs_prefix)
+        marks = waiting_marks(client, keys, shard)
         for d in docs:
             aborted = None
             if "rollout" in d and isinstance(d.get("id"), str):   # one key: the abort mark
                 aborted = {"aborted": client.get(keys.rollout_aborted(shard, d["id"])) is not None}
-            v = view(d, shard, runs.get(d.get("id"), []), last_runs, now, members, rollout=aborted)
+            v = view(d, shard, runs.get(d.get("id"), []), last_runs, now, members, rollout=aborted,
+                     waiting=marks.get(d.get("id")))
             if state is not None and v["state"] != state:
                 continue
             if since is not None and (parse_time(v["updated_at"]) or now) < since:

@@ -9,7 +9,7 @@ only place besides the daemon that knows all parts.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from agent.config import Config
 
@@ -19,7 +19,9 @@ RECORD_WORKERS = 6   # threads writing run records (claims, final states) to etc
 
 if TYPE_CHECKING:
     from agent.jobs.firing import RunListener
+    from agent.jobs.gatesources import TopicValues
     from agent.jobs.signing import KeyRing
+    from agent.jobs.startpolicy import StartPolicy
     from agent.runtime.daemon import Agent, Component, ComponentFactory
 
 
@@ -60,7 +62,8 @@ class _JobsComponent:
     """Executor (quotas), admission control, the job catalog and the scheduler that owns
     due firings with its start policies (four-eyes approval, staged rollouts), and retention."""
 
-    def __init__(self, agent: Agent, run_listeners: Optional[list[RunListener]] = None):
+    def __init__(self, agent: Agent, run_listeners: Optional[list[RunListener]] = None,
+                 gate_topics: Optional[TopicValues] = None):
         import os
 
         from agent.coordination.worker import EtcdWorkers
@@ -72,6 +75,7 @@ class _JobsComponent:
         from agent.jobs.retention import Retention
         from agent.jobs.rollouts import RolloutGate
         from agent.jobs.scheduler import Scheduler
+        from agent.jobs.waitmarks import EtcdWaitMarks
 
         cfg = agent.cfg
         root = run_root_name(cfg.agent_id, cfg.state_dir)
@@ -92,19 +96,25 @@ class _JobsComponent:
         self.workers = EtcdWorkers(agent.loop.post, threads=RECORD_WORKERS, name="runs")
         self.catalog = JobCatalog(cfg, agent.client, agent.keys, agent, agent.placement, agent.loop, self.workers,
                                   agent.keyring, audit=agent, statuses=agent)
-        # approval before the rollout: a firing waiting for approvals holds no rollout slot
+        # approval first (a firing waiting for approvals holds nothing), then the plant's
+        # window and gates, the rollout last (its slot is taken in etcd once all else says go)
         self.approvals = ApprovalGate(cfg, agent.loop, audit=agent)
         self.rollouts = RolloutGate(cfg, agent.client, agent.keys, agent.loop, self.workers, fencing=agent,
                                     lease=agent.session, audit=agent, sink=agent, is_current=self.catalog.current)
-        listeners = run_listeners if run_listeners is not None else []
-        listeners.append(self.rollouts)
+        plant = self._start_policies(agent, gate_topics)
+        run_listeners = run_listeners if run_listeners is not None else []
+        run_listeners.extend(plant)   # windows and gates stop runs too (end: stop, while_running: stop)
+        run_listeners.append(self.rollouts)
         self.scheduler = Scheduler(cfg, self.catalog, fencing=agent, lease=agent.session, loop=agent.loop,
                                    client=agent.client, keys=agent.keys, workers=self.workers,
                                    executor=self.executor, admission=self.admission, sink=agent, audit=agent,
-                                   run_listeners=listeners, start_policies=[self.approvals, self.rollouts])
+                                   run_listeners=run_listeners,
+                                   start_policies=[self.approvals, *plant, self.rollouts])
         self.rollouts.adopt = self.scheduler.adopt
         self.catalog.changed_listeners.append(self.approvals.job_changed)
         self.scheduler.statuses.answer_markers = agent.answer_markers
+        self.scheduler.starts.marks = EtcdWaitMarks(agent.client, agent.keys, agent.session, self.workers,
+                                                    cfg.agent_id, cfg.shards)
         self.catalog.listener = self.scheduler
         agent.shard_listeners.append(self.catalog)
         agent.job_listeners.append(self.catalog)
@@ -116,6 +126,23 @@ class _JobsComponent:
         self.retention = Retention(agent, self.catalog, self.executor)
         agent.status_providers["quota"] = lambda: {"backend": self.executor.backend.name,
                                                    "why": self.executor.backend.why}
+
+    def _start_policies(self, agent: Agent, gate_topics: Optional[TopicValues]) -> list:
+        """The plant's rules a firing passes before its claim: its window (the signed
+        document's), then its template's gates (local config; only when some template has
+        gates)."""
+        from agent.jobs.gates import GatePolicy, gated
+        from agent.jobs.windows import WindowPolicy
+
+        cfg = agent.cfg
+        policies: list[StartPolicy] = [WindowPolicy(agent.loop, cfg.execute.kill_grace_s, agent,
+                                                    cancel_job=lambda e, reason: self.catalog.cancel_here(e, reason))]
+        if gated(cfg.templates):
+            gates = GatePolicy(cfg.templates, agent.loop, agent, topics=gate_topics, client=agent.client,
+                               keys=agent.keys)
+            agent.watch_sources.append(gates.start_watches)
+            policies.append(gates)
+        return policies
 
     def start(self) -> None:
         self.workers.start()
@@ -155,12 +182,12 @@ class _SupervisedJobs:
     exec verdicts and tells it of new signals; supervision pauses and resumes the scheduler.
     """
 
-    def __init__(self, agent: Agent):
+    def __init__(self, agent: Agent, gate_topics: Optional[TopicValues] = None):
         from agent.supervision.component import Supervision
         from agent.supervision.sensing import RunSensing
 
         run_listeners: list[RunListener] = []
-        self.jobs = _JobsComponent(agent, run_listeners)
+        self.jobs = _JobsComponent(agent, run_listeners, gate_topics)
         self.sensing = RunSensing(agent)
         self.jobs.executor.poststart.append(self.sensing.poststart)
         self.supervision = Supervision(agent, gate=self.jobs.scheduler, sensing=self.sensing)
@@ -185,6 +212,15 @@ class _SupervisedJobs:
 def default_components(cfg: Config) -> list[ComponentFactory]:
     from agent.cloud import cloud_component  # cloud channel (agent/cloud, docs/cloud.md)
 
-    factories: list[Callable[[Agent], Component]] = [_AuditComponent, cloud_component, _admin, _SupervisedJobs,
-                                                     _compaction]
+    built: dict[str, Any] = {}
+
+    def cloud(agent: Agent) -> Component:
+        built["cloud"] = c = cloud_component(agent)
+        return c
+
+    def jobs(agent: Agent) -> Component:
+        # the production gates read their MQTT topics through the cloud component's link
+        return _SupervisedJobs(agent, getattr(built.get("cloud"), "gate_topics", None))
+
+    factories: list[Callable[[Agent], Component]] = [_AuditComponent, cloud, _admin, jobs, _compaction]
     return factories

@@ -326,9 +326,10 @@ def test_misfire_policies_for_firings_missed_while_no_agent_owned_the_shard(env)
 
     from agent.jobs.schedule import parse_rfc3339
 
-    # the agent installed the shards at its first run start: firings due before then were missed
-    t_install = min(parse_rfc3339(r["started_at"]) for r in recs.values() if r.get("started_at"))
-    missed = lambda r: parse_rfc3339(r["due"]) < t_install
+    # a firing due before its shard was acquired (the agent's `acquired` audit record; one
+    # agent takes the shards one after another) was missed
+    acquired = {a["shard"]: parse_rfc3339(a["ts"]) for a in c.audit("a0") if a.get("event") == "acquired"}
+    missed = lambda r: parse_rfc3339(r["due"]) < acquired[shard_of(r["job_id"], c.shards)]
     caught_up = lambda j: [r for (jj, f), r in recs.items() if jj == j and r["state"] != "misfired" and missed(r)]
     assert len(caught_up("m-once")) == 1
     assert len(caught_up("m-skip")) == 0

@@ -44,6 +44,11 @@ for name, kind, target in json.loads(sys.argv[1]):
         elif kind == "write":
             with open(target, "w") as fh:
                 fh.write("g\n")
+        elif kind == "append_env":   # the run's own progress FIFO or result file, named in its environment
+            with open(os.environ[target], "a") as fh:
+                fh.write("{}\n")
+        elif kind == "replace_env":
+            os.replace(os.environ[target], os.environ[target] + ".mine")
         elif kind == "status":
             fields = dict(l.split(":", 1) for l in open("/proc/self/status") if ":" in l)
             out[name] = {k: fields[k].strip() for k in ("CapEff", "CapBnd", "NoNewPrivs", "Uid", "Gid")}
@@ -157,7 +162,11 @@ def test_a_job_cannot_reach_coordination_read_secrets_or_touch_other_runs(agent,
                    ["status", "status", ""], ["umask", "umask", ""]]
         for o in others:
             checks += [[f"signal {o.run_key}", "signal", o.pid], [f"environ {o.run_key}", "read", f"/proc/{o.pid}/environ"],
-                       [f"cmdline {o.run_key}", "read", f"/proc/{o.pid}/cmdline"]]
+                       [f"cmdline {o.run_key}", "read", f"/proc/{o.pid}/cmdline"],
+                       [f"progress {o.run_key}", "write", os.path.join(o.run_dir, "progress")],
+                       [f"result {o.run_key}", "write", os.path.join(o.run_dir, "result.json")]]
+        checks += [["replace own result", "replace_env", "MILLWRIGHT_RESULT"],
+                   ["replace own progress", "replace_env", "MILLWRIGHT_PROGRESS"]]
         res = attack(ex, f"attacker-{who}", spec["user"], checks, allow_root=spec.get("allow_root", False))
         status, umask = res.pop("status"), res.pop("umask")
         assert all(v != "ok" for v in res.values()), {k: v for k, v in res.items() if v == "ok"}
@@ -175,6 +184,11 @@ def test_a_job_cannot_reach_coordination_read_secrets_or_touch_other_runs(agent,
         assert waiting.result is None and ex.runs.held(waiting) is not None
         with open(f"/proc/{waiting.pid}/cmdline", "rb") as fh:
             assert b"millwright-run" in fh.read()   # still the launcher, not the job
+        # its own progress FIFO and result file it can write (and only those)
+        own = attack(ex, f"own-{who}", spec["user"], [["progress", "append_env", "MILLWRIGHT_PROGRESS"],
+                                                      ["result", "append_env", "MILLWRIGHT_RESULT"]],
+                     allow_root=spec.get("allow_root", False))
+        assert own == {"progress": "ok", "result": "ok"}
     finally:
         waiting.terminate("killed")
         for o in others:

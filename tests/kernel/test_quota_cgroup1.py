@@ -365,7 +365,10 @@ def test_runs_as_the_template_user_with_a_clean_env_and_bounded_output(executor,
     assert cwd.startswith(h.run_dir) and cwd.endswith("/work")
     env = dict(eval(second))
     assert set(env) == {"PATH", "HOME", "LANG", "TMPDIR", "USER", "LOGNAME", "MILLWRIGHT_JOB_ID",
-                        "MILLWRIGHT_FIRE_ID", "MILLWRIGHT_RUN_ID", "MILLWRIGHT_ATTEMPT"}
+                        "MILLWRIGHT_FIRE_ID", "MILLWRIGHT_RUN_ID", "MILLWRIGHT_ATTEMPT", "MILLWRIGHT_PROGRESS",
+                        "MILLWRIGHT_RESULT"}
+    assert (env["MILLWRIGHT_PROGRESS"], env["MILLWRIGHT_RESULT"]) == (os.path.join(h.run_dir, "progress"),
+                                                                      os.path.join(h.run_dir, "result.json"))
     assert (env["MILLWRIGHT_JOB_ID"], env["MILLWRIGHT_FIRE_ID"], env["MILLWRIGHT_RUN_ID"],
             env["MILLWRIGHT_ATTEMPT"]) == ("j1", "f1", "f1.2", "2")
     assert env["USER"] == job_user and env["HOME"] == cwd
@@ -568,7 +571,7 @@ def test_armed_launcher_releases_itself_at_its_time_while_the_release_thread_is_
     env = dict(line.split("=", 1) for line in open(env_out).read().splitlines())
     assert set(env) - {"PWD", "SHLVL", "_"} == {"PATH", "HOME", "LANG", "TMPDIR", "USER", "LOGNAME",
                                                  "MILLWRIGHT_JOB_ID", "MILLWRIGHT_FIRE_ID", "MILLWRIGHT_RUN_ID",
-                                                 "MILLWRIGHT_ATTEMPT"}
+                                                 "MILLWRIGHT_ATTEMPT", "MILLWRIGHT_PROGRESS", "MILLWRIGHT_RESULT"}
     assert released == [True] and h.started_at == pytest.approx(wall_at, abs=0.01)
 
 
@@ -591,7 +594,7 @@ def test_armed_launcher_exports_exactly_the_clean_environment(executor, base_dir
     env = dict(line.split("=", 1) for line in open(r.stdout_path).read().splitlines())
     assert r.reason == "succeeded" and set(env) - set(SCRIPT_NAMES) == {
         "PATH", "HOME", "LANG", "TMPDIR", "USER", "LOGNAME", "MILLWRIGHT_JOB_ID", "MILLWRIGHT_FIRE_ID",
-        "MILLWRIGHT_RUN_ID", "MILLWRIGHT_ATTEMPT"}
+        "MILLWRIGHT_RUN_ID", "MILLWRIGHT_ATTEMPT", "MILLWRIGHT_PROGRESS", "MILLWRIGHT_RESULT"}
     assert {k: env.get(k) for k in SCRIPT_NAMES} == SCRIPT_NAMES
 
 

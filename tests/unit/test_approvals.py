@@ -183,11 +183,11 @@ def test_a_firing_waits_for_approval_until_the_rule_is_met_or_the_time_for_it_pa
 def test_the_start_gate_sends_the_state_a_policy_waits_in_and_gathers_final_ops():
     sent = []
     statuses = SimpleNamespace(send=lambda e, f, state, **kw: sent.append((state, kw.get("reason"))))
-    hooks = SimpleNamespace(judge=lambda f: wait("approvals", "d", "waiting_approval"),
+    hooks = SimpleNamespace(name="approval", judge=lambda f: wait("approvals", "d", state="waiting_approval"),
                             subscribe=lambda f, w: (lambda: None),
         final_ops=lambda f, s: [("op", s)], done=lambda f: sent.append("done"))
     gate = StartGate([hooks], statuses, ManualLoop())
-    f = SimpleNamespace(key="k", entry=None, state=None, wait_reason=None,
+    f = SimpleNamespace(key="k", entry=None, state=None, wait_reason=None, notes={},
                         move=lambda to, wait_reason=None: None)
     gate.request(f, lambda g: None, lambda *a: None)
     assert sent == [("waiting_approval", "approvals")]

@@ -406,9 +406,19 @@ def test_the_broker_acl_has_a_user_block_per_client_and_no_patterns():
                       "user a1": ["topic write millwright/t/agents/a1/#"],
                       "user user-2": ["topic write millwright/t/agents/a2/#"]}
     for bad in (lambda: acl_text("a b", {}, ["cloud"]), lambda: acl_text("t", {"a/1": "a1"}, []),
-                lambda: acl_text("t", {"a1": "a 1"}, [])):
+                lambda: acl_text("t", {"a1": "a 1"}, []), lambda: acl_text("t", {"a1": "a1"}, [], ["plant/#"]),
+                lambda: acl_text("t", {"a1": "a1"}, [], ["millwright/t/jobs/push"])):
         with pytest.raises(ValueError):
             bad()
+
+
+def test_gate_topics_are_read_by_every_agent_and_written_by_no_user_of_the_acl():
+    from agent.cloud.broker import acl_text
+
+    text = acl_text("t", {"a1": "a1", "a2": "a2"}, ["cloud"], ["plant/line2/state"])
+    blocks = {b.splitlines()[0]: b.splitlines()[1:] for b in text.split("\n\n") if b.startswith("user ")}
+    assert [user for user, lines in blocks.items() if "topic read plant/line2/state" in lines] == ["user a1", "user a2"]
+    assert "write plant/line2/state" not in text
 
 
 def test_plain_or_anonymous_mqtt_is_refused_unless_insecure(tmp_path, capsys):

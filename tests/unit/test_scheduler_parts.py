@@ -425,3 +425,15 @@ def test_cluster_quota_refuses_what_would_pass_it_and_counts_its_own_stores():
     t[0] = 3.0
     usage[KEYS.usage(1)] = {"jobs": 1, "bytes": 1024 * 1024 - 1000 - 500}   # 500 bytes left
     assert "quotas.stored_mb" in q.check(600) and q.check(100) is None and len(reads) == 2
+
+
+def test_a_one_shot_due_finer_than_its_fire_id_is_done_with_its_record_not_run_again():
+    """A fire id names its firing to the millisecond; an `at` time may carry microseconds.
+    A record of that firing (here left running by a dead owner) covers it: recovery resolves
+    it and does not also catch it up as missed."""
+    due = NOW - timedelta(seconds=5) + timedelta(microseconds=123456)
+    e = entry("fine", {"at": format_rfc3339(due)}, issued_at=EARLIER)
+    rec = record("fine", due, "running")
+    r = recovery.recover(e, {rec["fire_id"]: (rec, 5)}, CFG.agent_id, NOW)
+    ((orphan),) = r.orphans
+    assert orphan.due == due and r.catch_up == [] and r.skipped == 0
