@@ -21,9 +21,10 @@ from tests.support import history
 from tests.support.kernel import require_kernel
 
 
-def run_demo(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
-    """The demo's result, with its pid (its nftables table is named after it)."""
-    env = {**os.environ, "PYTHONPATH": ROOT}
+def run_demo(*args: str, timeout: float = 150, tmpdir: str = "") -> subprocess.CompletedProcess:
+    """The demo's result, with its pid (its nftables table is named after it); ``tmpdir``:
+    its TMPDIR (where it makes its working directory)."""
+    env = {**os.environ, "PYTHONPATH": ROOT, **({"TMPDIR": tmpdir} if tmpdir else {})}
     p = subprocess.Popen([sys.executable, "-m", "agent", "demo", *args], cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -57,8 +58,11 @@ def test_demo_keeps_its_invariants_and_cleans_up():
     etcd data (restarted here, the whole history read and checked), the jobs' side
     effects, and `millwright audit verify` of every agent's log."""
     require_kernel(os.geteuid() == 0, "the demo needs root (job users, cgroups, BPF, nftables)")
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "millwright-demo-*")))
-    r = run_demo("--duration", "30", "--keep")
+    # a TMPDIR of its own (other demos may run on this host at the same time), which job
+    # users can traverse like /tmp
+    tmp = tempfile.mkdtemp(prefix="mw-test-demo-")
+    os.chmod(tmp, 0o711)
+    r = run_demo("--duration", "30", "--keep", tmpdir=tmp)
     out = r.stdout
     assert r.returncode == 0, f"exit {r.returncode}\n--- stdout ---\n{out[-6000:]}\n--- stderr ---\n{r.stderr[-3000:]}"
     m = re.search(r"kept (\S+) ", out)
@@ -121,7 +125,9 @@ def test_demo_keeps_its_invariants_and_cleans_up():
         assert warm and all(r["state"] != "succeeded" for r in warm), warm
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "millwright-demo-*"))) <= before
+    left = os.listdir(tmp)   # the kept working directory was the only one it made
+    shutil.rmtree(tmp, ignore_errors=True)
+    assert left == [], left
 
 
 def test_demo_refuses_a_duration_too_short_for_a_failover():
