@@ -459,7 +459,7 @@ def test_push_exit_codes_no_answer_and_broker_unreachable(world, tmp_path):
     from agent.demo.services import free_port
 
     cfg = {"cluster": "t", "agent_id": "cli", "mqtt": {"url": world.mq.url, "insecure": True},
-           "signing": {"keys_file": world.keys_file}}
+           "etcd": {"insecure": True}, "signing": {"keys_file": world.keys_file}}
     path = tmp_path / "cli.yaml"
     path.write_text(yaml.safe_dump(cfg))
     job = tmp_path / "job.json"
