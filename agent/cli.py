@@ -32,11 +32,11 @@ class UserError(Exception):
 
 
 def config_path(given: Optional[str]) -> str:
-    """The config file a command reads: ``given`` (its ``-c FILE``), else ``$MILLWRIGHT_CONFIG``, else the
-    packaged default. A file that was named (by -c or the variable) and is missing is an
-    error naming it (loading names a -c FILE); none named and no packaged default is an error naming all three
-    places (ConfigError): a command never falls back to the built-in defaults (the
-    package's system paths) silently."""
+    """The config file a command reads: ``given`` (its ``-c FILE``), else
+    ``$MILLWRIGHT_CONFIG``, else the packaged default. A file named by -c or the variable
+    that is missing is an error naming it (loading names a -c FILE); with none named and no
+    packaged default, a ConfigError names all three places: a command never falls back to
+    the built-in defaults (the package's system paths) in silence."""
     from agent.config import ConfigError
 
     if given:
