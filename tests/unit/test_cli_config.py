@@ -103,3 +103,17 @@ def test_config_check_warns_about_a_template_user_that_does_not_exist(capsys, tm
     assert code == 0 and len(warnings) == 1, out
     assert warnings[0].startswith("warning: templates.missing.user: no user 'no-such-user-39' on this host: its runs "
                                   "would fail here (spawn_error)")
+
+
+def test_push_issued_at_fills_a_file_without_one_and_must_agree_with_one_that_has_it():
+    from agent.cli import UserError
+    from agent.cloud.cli import with_issued_at
+
+    assert with_issued_at({"id": "j"}, None) == {"id": "j"}
+    assert with_issued_at({"id": "j"}, "2026-12-02T12:00:00Z") == {"id": "j", "issued_at": "2026-12-02T12:00:00Z"}
+    same = {"id": "j", "issued_at": "2026-12-02T12:00:00Z"}
+    assert with_issued_at(same, "2026-12-02T12:00:00Z") == same
+    with pytest.raises(UserError, match="the document says issued_at"):
+        with_issued_at(same, "2026-12-02T12:00:01Z")
+    with pytest.raises(UserError, match="not an RFC 3339 time"):
+        with_issued_at({"id": "j"}, "yesterday")
