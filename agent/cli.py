@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from agent import __version__
 
+if TYPE_CHECKING:
+    from agent.config import Config
+
 DEFAULT_CONFIG = "/etc/millwright/agent.yaml"
+CONFIG_ENV = "MILLWRIGHT_CONFIG"
 
 
 class UserError(Exception):
@@ -24,6 +29,34 @@ class UserError(Exception):
     def __init__(self, message: str, code: int = 2):
         super().__init__(message)
         self.code = code
+
+
+def config_path(given: Optional[str]) -> str:
+    """The config file a command reads: ``given`` (its ``-c FILE``), else
+    ``$MILLWRIGHT_CONFIG``, else the packaged default. A file named by -c or the variable
+    that is missing is an error naming it (loading names a -c FILE); with none named and no
+    packaged default, a ConfigError names all three places: a command never falls back to
+    the built-in defaults (the package's system paths) in silence."""
+    from agent.config import ConfigError
+
+    if given:
+        return given   # load_config names it when it cannot be read
+    env = os.environ.get(CONFIG_ENV)
+    if env:
+        if not os.path.exists(env):
+            raise ConfigError([f"{CONFIG_ENV}={env}: config file not found"])
+        return env
+    if os.path.exists(DEFAULT_CONFIG):
+        return DEFAULT_CONFIG
+    raise ConfigError([f"no config file: no -c FILE, {CONFIG_ENV} is not set and {DEFAULT_CONFIG} does not "
+                       f"exist (give -c FILE or export {CONFIG_ENV}=FILE)"])
+
+
+def load_cli_config(args: argparse.Namespace) -> Config:
+    """The config of :func:`config_path`, loaded and validated (ConfigError on a bad one)."""
+    from agent.config import load_config
+
+    return load_config(config_path(getattr(args, "config", None)))
 
 
 def _target(spec: str) -> Callable[[argparse.Namespace], int]:
@@ -41,9 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(func=target)
         return sp
 
-    def with_config(sp: argparse.ArgumentParser, required: bool = False) -> None:
-        sp.add_argument("-c", "--config", default=None if required else DEFAULT_CONFIG,
-                        required=required, help=f"agent config (default {DEFAULT_CONFIG})")
+    def with_config(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("-c", "--config", default=None,
+                        help=f"agent config (default: ${CONFIG_ENV}, else {DEFAULT_CONFIG})")
 
     sp = cmd("run", "agent.runtime.daemon:cli_run", "run the agent in the foreground")
     with_config(sp)
@@ -65,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--kid", required=True, help="key id to sign with")
     sp.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the accepted/rejected status")
     sp.add_argument("--no-wait", action="store_true", help="publish without waiting for the status")
+    sp.add_argument("--issued-at", metavar="RFC3339",
+                    help="the document's issued_at when the file has none (default: now; push prints it)")
     sp.add_argument("--target-agent", metavar="ID", help="run only on this agent (adds target.agent)")
     sp.add_argument("--target-label", metavar="KEY=VALUE", action="append",
                     help="run on an agent with this label (repeatable: all must match; adds target.labels)")
@@ -116,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
              "write a new ed25519 signing key pair (private file 0600) and print the agents' keys-file entry")
     sp.add_argument("--kid", required=True, help="key id ([A-Za-z0-9._-]{1,128})")
     sp.add_argument("--out", required=True, help="private keys file to create (never overwritten)")
+    sp.add_argument("--agent-keys", metavar="FILE",
+                    help="also append the public entry to this agents' keys file (signing.keys_file; "
+                         "created with mode 0600 when missing)")
 
     jobs = sub.add_parser("jobs", help="list jobs or show one, read from etcd")
     jsub = jobs.add_subparsers(dest="jobs_command", metavar="SUBCOMMAND")
@@ -165,19 +203,22 @@ def build_parser() -> argparse.ArgumentParser:
     cfg = sub.add_parser("config", help="configuration tools")
     csub = cfg.add_subparsers(dest="config_command", metavar="SUBCOMMAND")
     sp = cmd("check", "agent.cli:cli_config_check", "validate a config file; one line per problem, exit 2", csub)
-    sp.add_argument("file", nargs="?", default=DEFAULT_CONFIG)
+    sp.add_argument("file", nargs="?", default=None, help=f"default: ${CONFIG_ENV}, else {DEFAULT_CONFIG}")
     sp = cmd("reference", "agent.cli:cli_config_reference", "print the configuration reference (Markdown)", csub)
     return p
 
 
 def cli_config_check(args: argparse.Namespace) -> int:
     from agent.config import load_config
-    from agent.configcheck import require_secure_mqtt
+    from agent.configcheck import require_secure_mqtt, unknown_users
 
-    cfg = load_config(args.file)
+    path = config_path(args.file)
+    cfg = load_config(path)
     require_secure_mqtt(cfg)
-    print(f"{args.file}: ok (cluster {cfg.cluster}, agent {cfg.agent_id}, {cfg.shards} shards, "
+    print(f"{path}: ok (cluster {cfg.cluster}, agent {cfg.agent_id}, {cfg.shards} shards, "
           f"{len(cfg.templates)} templates)")
+    for line in unknown_users(cfg):
+        print(f"warning: {line}")
     for line in _backend_lines(cfg):
         print(line)
     return 0

@@ -315,6 +315,23 @@ def _is_root_user(name: str) -> bool:
         return False
 
 
+def unknown_users(cfg: Config) -> list[str]:
+    """Templates whose ``user`` does not exist on this host: not a config error (a config
+    may be checked where it does not run), but every run of such a template would fail
+    with spawn_error here. A run takes the user's name and groups; its uid is its own."""
+    import pwd
+
+    out = []
+    for name, t in sorted(cfg.templates.items()):
+        try:
+            pwd.getpwnam(t.user)
+        except KeyError:
+            out.append(f"templates.{name}.user: no user {t.user!r} on this host: its runs would fail here "
+                       f"(spawn_error); the package creates millwright-jobs, the default; elsewhere name an "
+                       f"existing user (e.g. nobody) or create it")
+    return out
+
+
 def credential_keys(cfg: Config) -> list[str]:
     """The keys of ``cfg`` that hold a secret (passwords; TLS key paths are not secrets)."""
     return [k for k, v in (("etcd.password", cfg.etcd.password), ("mqtt.password", cfg.mqtt.password))

@@ -1,7 +1,8 @@
 #!/usr/bin/python3
 """Windows, gates and progress (issue 37): what they cost and how fast they act.
 
-1. Gate-open -> run-start latency, per gate kind (a retained MQTT topic, an etcd key), on
+1. Gate-open -> run-start latency, per gate kind (a retained MQTT topic, an etcd key, a
+   probe command: ``test -e FILE``, re-probed every second while a firing waits), on
    a real agent, etcd and mosquitto: each flip stores a job due now while its gate is
    closed, waits until the agent says it waits, opens the gate and reads the run's start
    from the job's own clock (tests/jobs/effect.sh); p50/p99 over ``--flips``.
@@ -51,11 +52,20 @@ def ms(x: float) -> str:
     return f"{x * 1000:.1f} ms"
 
 
-def templates(out: str) -> dict:
+def templates(out: str, flag: str) -> dict:
     fx = {"argv": [EFFECT, out, "a1", "0", "0"], "user": "root", "allow_root": True,
           "allow_exec": ["/bin/*", "/usr/bin/*", EFFECT]}
     return {"fx": fx, "by_mqtt": {**fx, "gates": {"line": {"mqtt": TOPIC, "equals": "stopped"}}},
-            "by_etcd": {**fx, "gates": {"line": {"etcd": KEY, "equals": "open"}}}}
+            "by_etcd": {**fx, "gates": {"line": {"etcd": KEY, "equals": "open"}}},
+            "by_probe": {**fx, "gates": {"line": {"command": ["/usr/bin/test", "-e", flag]}}}}
+
+
+def set_flag(path: str, value: str) -> None:
+    """The probe gate's plant state: the file exists while the line is stopped."""
+    if value == "open":
+        open(path, "w").close()
+    elif os.path.exists(path):
+        os.unlink(path)
 
 
 def starts(out: str) -> dict[str, float]:
@@ -70,16 +80,18 @@ def world_bench(flips: int, windows: int) -> None:
     try:
         with EtcdServer(os.path.join(top, "etcd")) as etcd, MosquittoServer(os.path.join(top, "mq")) as mq:
             out = effects_file(pathlib.Path(top))
-            w = CloudWorld(etcd, mq, pathlib.Path(top), templates(out), 8)
+            flag = os.path.join(top, "line-stopped")
+            w = CloudWorld(etcd, mq, pathlib.Path(top), templates(out, flag), 8)
             store = SigningStore(JobStore(w.cluster.client, w.cluster.keys, 8, "bench"), w.ring, "t")
             plc = Pusher(mq.url, client_id="bench-plc")
             try:
                 w.cluster.start("a1")
                 wait_for(lambda: w.cluster.all_owned_by({"a1"}), 30, what="a1 owns the shards")
                 setters = {"mqtt": lambda v: plc.link.publish(TOPIC, v.encode(), qos=1, retain=True),
-                           "etcd": lambda v: w.cluster.client.put(w.cluster.keys.prefix + KEY, v)}
-                values = {"mqtt": ("running", "stopped"), "etcd": ("closed", "open")}
-                for kind in ("mqtt", "etcd"):
+                           "etcd": lambda v: w.cluster.client.put(w.cluster.keys.prefix + KEY, v),
+                           "probe": lambda v: set_flag(flag, v)}
+                values = {"mqtt": ("running", "stopped"), "etcd": ("closed", "open"), "probe": ("closed", "open")}
+                for kind in ("mqtt", "etcd", "probe"):
                     closed, opened = values[kind]
                     lat = []
                     for i in range(flips):

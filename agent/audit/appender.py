@@ -34,7 +34,7 @@ from agent.audit.record import FORMAT_VERSION, seal
 from agent.audit.recovery import Resume, last_record, read_checkpoints, resume_chain, torn_fields
 from agent.runtime.timefmt import format_ts
 
-log = logging.getLogger("agent.audit.writer")  # one logger for all of the writer's lines
+log = logging.getLogger(__name__)
 
 MAX_GAP_TYPES = 32   # record types a gap record counts by name; further types are left out
 

@@ -20,7 +20,7 @@ from agent.audit.record import FORMAT_VERSION, seal
 from agent.audit.recovery import CheckpointTail, torn_fields
 from agent.runtime.timefmt import format_ts
 
-log = logging.getLogger("agent.audit.writer")  # one logger for all of the writer's lines
+log = logging.getLogger(__name__)
 
 
 class CheckpointChain:

@@ -1,8 +1,10 @@
 """`millwright audit verify` and `millwright audit show`.
 
-Defaults come from the config (``audit.dir``, ``audit.key_file``); a missing default
-config file (``/etc/millwright/agent.yaml``) is not an error, so an auditor can verify a
-copied directory with ``millwright audit verify DIR --key-file KEY``.
+Defaults come from the config (``-c``, ``$MILLWRIGHT_CONFIG`` or the packaged
+``/etc/millwright/agent.yaml``: ``audit.dir``, ``audit.key_file``). A command given all it
+needs (``audit show DIR``, ``audit verify DIR --key-file KEY``: a copied directory) reads
+no config; one that needs a config and finds none says what it looked for, and never
+falls back to the built-in system paths.
 """
 
 from __future__ import annotations
@@ -14,21 +16,24 @@ import time
 
 from agent.audit.keyfile import KeyFileError, load_key
 from agent.audit.record import parse_time
-from agent.audit.show import Filter, print_json, print_table, records
+from agent.audit.show import Filter, print_json, print_table, rows
 from agent.audit.verify import verify
-from agent.cli import DEFAULT_CONFIG, UserError
-from agent.config import Config, load_config
+from agent.cli import UserError, load_cli_config
+from agent.config import AuditConfig
 
 
-def _config(args: argparse.Namespace) -> Config:
-    path = getattr(args, "config", None)
-    if path is None or (path == DEFAULT_CONFIG and not os.path.exists(path)):
-        return Config()
-    return load_config(path)
+def _audit_config(args: argparse.Namespace, needs_key: bool) -> AuditConfig:
+    """The audit section: the command line's DIR and --key-file where given, the config's
+    for the rest (a config is read only when something is missing)."""
+    key_file = getattr(args, "key_file", None)
+    if args.dir and (key_file or not needs_key):
+        return AuditConfig(dir=args.dir, key_file=key_file or "")
+    audit = load_cli_config(args).audit
+    return AuditConfig(dir=args.dir or audit.dir, key_file=key_file or audit.key_file)
 
 
-def _directory(args: argparse.Namespace, cfg: Config) -> str:
-    d = args.dir or cfg.audit.dir
+def _directory(audit: AuditConfig) -> str:
+    d = audit.dir
     if not os.path.exists(d):
         raise UserError(f"audit directory {d} does not exist")
     if not os.path.isdir(d):
@@ -39,9 +44,9 @@ def _directory(args: argparse.Namespace, cfg: Config) -> str:
 
 
 def cli_verify(args: argparse.Namespace) -> int:
-    cfg = _config(args)
-    directory = _directory(args, cfg)
-    key_file = args.key_file or cfg.audit.key_file
+    audit = _audit_config(args, needs_key=True)
+    directory = _directory(audit)
+    key_file = audit.key_file
     try:
         key = load_key(key_file, create=False)
     except KeyFileError as exc:
@@ -65,8 +70,7 @@ def cli_verify(args: argparse.Namespace) -> int:
 
 
 def cli_show(args: argparse.Namespace) -> int:
-    cfg = _config(args)
-    directory = _directory(args, cfg)
+    directory = _directory(_audit_config(args, needs_key=False))
     types = None
     if args.type:
         types = {t.strip() for spec in args.type for t in spec.split(",") if t.strip()}
@@ -76,11 +80,11 @@ def cli_show(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UserError(f"--since/--until: {exc}") from None
     flt = Filter(types=types, job=args.job, since=since, until=until)
-    rows = records(directory, flt)
+    listed = rows(directory, flt)
     if args.json:
-        print_json(rows, sys.stdout)
+        print_json(listed, sys.stdout)
     else:
-        n = print_table(rows, sys.stdout)
+        n = print_table(listed, sys.stdout)
         if n == 0:
             print("(no matching records)", file=sys.stderr)
     sys.stdout.flush()

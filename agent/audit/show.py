@@ -1,17 +1,20 @@
 """Reading the audit log for people: filter by type, job and time; a table or JSON lines.
 
 ``show`` does not verify (use ``audit verify`` for that) and needs no key; lines that are
-not records (a torn write) are skipped.
+not records (a torn write) are skipped. Asked for ``checkpoint`` records, it also lists the
+checkpoint chain (``checkpoints.jsonl``: the closed, retired and head checkpoints that
+``audit verify`` counts), merged in time order; their SEQ is their own chain's (``cp N``).
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 from dataclasses import dataclass
 from typing import Iterator, Optional, TextIO
 
-from agent.audit.files import iter_lines, list_files
+from agent.audit.files import CHECKPOINTS, iter_lines, list_files
 from agent.runtime.timefmt import format_ts
 
 _HIDDEN = ("v", "seq", "ts", "type", "prev", "mac", "agent", "job")
@@ -45,8 +48,24 @@ class Filter:
 
 
 def records(directory: str, flt: Filter) -> Iterator[tuple[bytes, dict]]:
-    """(raw line, record) of matching records, oldest first."""
-    for _, name in list_files(directory):
+    """(raw line, record) of matching records of the audit files, oldest first."""
+    for raw, rec, _ in _read(directory, [name for _, name in list_files(directory)], flt, False):
+        yield raw, rec
+
+
+def rows(directory: str, flt: Filter) -> Iterator[tuple[bytes, dict, bool]]:
+    """(raw line, record, from the checkpoint chain) of what ``audit show`` lists: the
+    matching records, and when the filter asks for checkpoints, the chain's too."""
+    files = _read(directory, [name for _, name in list_files(directory)], flt, False)
+    if flt.types is None or "checkpoint" not in flt.types:
+        return files
+    chain = _read(directory, [CHECKPOINTS], Filter(types={"checkpoint"}, job=flt.job, since=flt.since,
+                                                   until=flt.until), True)
+    return heapq.merge(files, chain, key=lambda row: str(row[1].get("ts", "")))
+
+
+def _read(directory: str, names: list[str], flt: Filter, chain: bool) -> Iterator[tuple[bytes, dict, bool]]:
+    for name in names:
         try:
             lines = iter_lines(os.path.join(directory, name))
             for ln in lines:
@@ -57,8 +76,8 @@ def records(directory: str, flt: Filter) -> Iterator[tuple[bytes, dict]]:
                 except ValueError:
                     continue
                 if isinstance(rec, dict) and flt.match(rec):
-                    yield ln.raw, rec
-        except FileNotFoundError:  # removed by retention while we read
+                    yield ln.raw, rec, chain
+        except FileNotFoundError:  # removed by retention while we read (or no checkpoints yet)
             continue
 
 
@@ -76,20 +95,21 @@ def _details(rec: dict, width: int = 160) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def print_table(rows: Iterator[tuple[bytes, dict]], out: TextIO) -> int:
+def print_table(listed: Iterator[tuple[bytes, dict, bool]], out: TextIO) -> int:
     n = 0
     out.write(f"{'TIME (UTC)':<23}  {'SEQ':>8}  {'TYPE':<16}  {'JOB':<24}  DETAILS\n")
-    for _, rec in rows:
+    for _, rec, chain in listed:
         ts = str(rec.get("ts", ""))[:23].replace("T", " ")
         job = str(rec.get("job") or "-")
-        out.write(f"{ts:<23}  {rec.get('seq', ''):>8}  {str(rec.get('type', '')):<16}  {job:<24}  {_details(rec)}\n")
+        seq = f"cp {rec.get('seq', '')}" if chain else rec.get("seq", "")
+        out.write(f"{ts:<23}  {seq:>8}  {str(rec.get('type', '')):<16}  {job:<24}  {_details(rec)}\n")
         n += 1
     return n
 
 
-def print_json(rows: Iterator[tuple[bytes, dict]], out: TextIO) -> int:
+def print_json(listed: Iterator[tuple[bytes, dict, bool]], out: TextIO) -> int:
     n = 0
-    for raw, _ in rows:
+    for raw, _, _ in listed:
         out.write(raw.decode("ascii", "replace") + "\n")
         n += 1
     return n

@@ -59,7 +59,7 @@ from agent.runtime.recent import RecentMemory
 
 from .facts import Unfounded, marker_writer, marker_writers, rebuild
 
-log = logging.getLogger("millwright.cloud.answers")
+log = logging.getLogger(__name__)
 
 MARKERS = counter("millwright_answers_total", "Durable answer markers by event (written, handed, cleared, "
                   "seen_delivered, republished, unfounded, expired)", ("event",))
@@ -79,8 +79,8 @@ def answer_name(doc: dict) -> Optional[str]:
         return "accepted"
     if state == JobState.REJECTED and doc.get("push_sha256") and doc.get("kind") is None:
         return "rejected." + doc["push_sha256"]
-    if state in TERMINAL and doc.get("run_id"):
-        return "run." + doc["run_id"]
+    if state in TERMINAL and isinstance(doc.get("fire_id"), str) and doc["fire_id"]:
+        return "run." + doc["fire_id"]
     return None
 
 
@@ -396,4 +396,4 @@ class Answers:
         MARKERS.labels("unfounded").inc()
         log.warning("answer marker without a fact behind it deleted unpublished",
                     extra={"fields": {"key": key, "reason": reason, "writer": writer}})
-        self.record("job", event="answer_unfounded", job_id=job_id, key=key, reason=reason, writer=writer)
+        self.record("job", event="answer_unfounded", job=job_id, key=key, reason=reason, writer=writer)

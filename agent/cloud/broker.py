@@ -85,10 +85,10 @@ def cli_broker_acl(args) -> int:
 
 
 def cli_broker_settings(args) -> int:
-    from agent.config import load_config
-
     size = args.max_payload_bytes
     if size is None:
-        size = load_config(args.config).mqtt.max_payload_bytes
+        from agent.cli import load_cli_config
+
+        size = load_cli_config(args).mqtt.max_payload_bytes
     print(settings_text(size), end="")
     return 0

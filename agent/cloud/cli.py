@@ -3,9 +3,11 @@
 `millwright keygen`: a new ed25519 signing pair; `millwright broker acl`: the broker's
 per-cluster ACL and settings (agent/cloud/broker.py).
 
-Binding: the CLI adds ``cluster`` (from the config), ``kind`` and ``issued_at`` (now) when the
-document does not carry them, so what it signs is valid only in that cluster and only for
-``mqtt.max_age_s``.
+Binding: the CLI adds ``cluster`` (from the config), ``kind`` and ``issued_at`` (``--issued-at``,
+else now) when the document does not carry them, so what it signs is valid only in that
+cluster and only for ``mqtt.max_age_s``. A push that stamped ``issued_at`` prints it: the same
+document pushed again is a repeat only with the same ``issued_at`` (a conflict answer says
+when that is all that differs).
 
 Four-eyes approval: ``push --save OUT`` keeps the signed document it publishes; ``push OUT
 --approve`` adds another key's approval to that file (a signature over the same bytes),
@@ -34,17 +36,15 @@ EXIT_ACCEPTED, EXIT_REJECTED, EXIT_USAGE, EXIT_NO_ANSWER, EXIT_BROKER = 0, 1, 2,
 
 
 def _config(args):
-    from agent.config import load_config
+    from agent.cli import load_cli_config
     from agent.configcheck import require_secure_mqtt
 
-    if not os.path.exists(args.config):
-        raise UserError(f"{args.config}: config file not found (use -c FILE)")
-    cfg = load_config(args.config)
+    cfg = load_cli_config(args)
     require_secure_mqtt(cfg)  # plain or anonymous MQTT only with mqtt.insecure: true
     if cfg.mqtt.username is not None and cfg.mqtt.username == cfg.agent_id:
         # the broker makes a client's id its username: this connection would take over
         # (and, being a clean session, discard) the agent's own session
-        raise UserError(f"{args.config}: mqtt.username is this agent's id ({cfg.agent_id}): push, cancel and get "
+        raise UserError(f"{cfg.source}: mqtt.username is this agent's id ({cfg.agent_id}): push, cancel and get "
                         "connect as a cloud user; use a config with a cloud user's credentials")
     return cfg
 
@@ -226,6 +226,7 @@ def cli_push(args) -> int:
         raise UserError(f"{args.file}: not valid JSON ({str(exc)[:120]})") from None
     if not isinstance(doc, dict):
         raise UserError(f"{args.file}: a job document must be a JSON object")
+    stamped = False
     if getattr(args, "approve", False):
         if getattr(args, "target_agent", None) or getattr(args, "target_label", None) or getattr(args, "fanout", False):
             raise UserError("--approve adds a signature to the document as it is: drop --target-*/--fanout")
@@ -233,6 +234,8 @@ def cli_push(args) -> int:
     else:
         doc = with_target(doc, getattr(args, "target_agent", None), getattr(args, "target_label", None),
                           getattr(args, "fanout", False))
+        doc = with_issued_at(doc, getattr(args, "issued_at", None))
+        stamped = "issued_at" not in doc
         payload = _sign(bind(doc, cfg.cluster, "job"), ring, args.kid)
     if getattr(args, "save", None):
         _write(args.save, payload)
@@ -244,8 +247,28 @@ def cli_push(args) -> int:
                               wait=not getattr(args, "no_wait", False))
     if getattr(args, "no_wait", False):
         print(f"published {job_id}")
-        return 0
-    return _report(status, job_id, args.timeout)
+        code = 0
+    else:
+        code = _report(status, job_id, args.timeout)
+    if stamped:   # what a repeat of this very push needs (--issued-at), since the file lacks it
+        print(f"issued_at {json.loads(payload)['issued_at']} (stamped by push: the file has none)")
+    return code
+
+
+def with_issued_at(doc: dict, issued_at: Optional[str]) -> dict:
+    """The document with the command line's --issued-at (checked: RFC 3339, and the file's
+    own issued_at, if any, is the same)."""
+    if issued_at is None:
+        return doc
+    from agent.runtime.timefmt import parse_rfc3339
+
+    try:
+        parse_rfc3339(issued_at)
+    except (ValueError, TypeError):
+        raise UserError(f"--issued-at {issued_at!r}: not an RFC 3339 time (e.g. 2026-12-02T12:00:00Z)") from None
+    if "issued_at" in doc and doc["issued_at"] != issued_at:
+        raise UserError(f"--issued-at {issued_at}: the document says issued_at {doc['issued_at']!r}; drop one")
+    return {**doc, "issued_at": issued_at}
 
 
 def cli_cancel(args) -> int:
@@ -262,23 +285,48 @@ def cli_cancel(args) -> int:
 
 
 def cli_keygen(args) -> int:
-    """Write a new ed25519 pair to --out (0600, never overwritten) and print the agents' entry."""
+    """Write a new ed25519 pair to --out (0600, never overwritten), print the agents' entry
+    (and with --agent-keys append it to that keys file), then the guidance: after the
+    entry, stdout flushed first, so it never lands before the YAML it describes."""
+    from agent.jobs.keysfile import KeysFileError, add_public_entry, check_can_add
     from agent.jobs.signing import HAVE_ED25519, SignatureError, keygen_files
 
     if not HAVE_ED25519:
         raise UserError("ed25519 needs python3-cryptography (apt install python3-cryptography)")
+    agent_keys = getattr(args, "agent_keys", None)
     try:
+        if agent_keys:
+            check_can_add(agent_keys, args.kid)   # refused before any key is made
         entry = keygen_files(args.kid, args.out)
+    except KeysFileError as exc:
+        raise UserError(str(exc)) from None
     except FileExistsError:
         raise UserError(f"{args.out}: exists; keygen never overwrites a key") from None
     except OSError as exc:
         raise UserError(f"{args.out}: {exc.strerror or exc}") from None
     except SignatureError as exc:
         raise UserError(f"--kid: {exc.detail}") from None
+    sys.stdout.write(entry)
+    sys.stdout.flush()
+    created = False
+    if agent_keys:
+        try:
+            created = add_public_entry(agent_keys, args.kid, entry)
+        except KeysFileError as exc:
+            raise UserError(f"{exc} (the private key is in {args.out}; add the entry above by hand)") from None
+        except OSError as exc:
+            raise UserError(f"{agent_keys}: {exc.strerror or exc} (the private key is in {args.out}; "
+                            "add the entry above by hand)") from None
     print(f"# private key written to {args.out} (mode 0600): keep it with the signer (cloud), never on gateways",
           file=sys.stderr)
-    print("# add this to every agent's signing.keys_file (public key only):", file=sys.stderr)
-    sys.stdout.write(entry)
+    if agent_keys:
+        print(f"# the public entry above was {'written to new' if created else 'appended to'} {agent_keys}"
+              f"{' (mode 0600)' if created else ''}: the keys file of every agent (signing.keys_file) needs it; "
+              "an agent reads its keys file at start", file=sys.stderr)
+    else:
+        print("# add the entry above to every agent's signing.keys_file (public key only; a root-owned file, "
+              "mode 0600), or make one with --agent-keys FILE; an agent reads its keys file at start",
+              file=sys.stderr)
     return 0
 
 

@@ -34,6 +34,7 @@ from agent.jobs.envelope import (
     UNSUPPORTED_VERSION,
     clip,
 )
+from agent.jobs.render import run_id
 from agent.jobs.states import TERMINAL, JobState
 from agent.runtime.timefmt import now_rfc3339
 
@@ -80,7 +81,8 @@ def _json(kv: Any) -> dict:
 
 
 def _base(job_id: str, shard: int, state: str, agent: str, ts: Any) -> dict:
-    return {"v": 1, "job_id": job_id, "run_id": None, "state": state, "attempt": 0, "agent": agent, "shard": shard,
+    return {"v": 1, "job_id": job_id, "run_id": None, "fire_id": None, "state": state, "attempt": None,
+            "agent": agent, "shard": shard,
             "ts": ts if isinstance(ts, str) else now_rfc3339(), "exit_code": None, "reason": None, "usage": None}
 
 
@@ -103,7 +105,9 @@ def rebuild(client: Any, keys: Keys, shard: int, job_id: str, name: str, marker:
         if rec.get("agent") != agent:
             raise Unfounded("other_writer")
         doc = _base(job_id, shard, rec["state"], agent, rec.get("ended_at"))
-        doc.update({"run_id": fire_id, "attempt": rec.get("attempt"), "exit_code": rec.get("exit_code"),
+        attempt = rec.get("attempt")
+        doc.update({"run_id": run_id(fire_id, attempt) if isinstance(attempt, int) else None, "fire_id": fire_id,
+                    "attempt": attempt, "exit_code": rec.get("exit_code"),
                     "reason": rec.get("reason"), "usage": rec.get("usage"), "due": rec.get("due"),
                     "health": rec.get("health")})
         if rec.get("stderr_tail") is not None:

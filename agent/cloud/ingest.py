@@ -36,7 +36,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Optional
 
 from agent.coordination.etcd import EtcdError, EtcdUnavailable, Put
-from agent.coordination.jobstore import APPROVED, CREATED, JobCancelled, JobConflict, JobStore
+from agent.coordination.jobstore import APPROVED, CREATED, JobCancelled, JobConflict, JobStore, public_doc
 from agent.coordination.keys import shard_of
 from agent.coordination.quota import ClusterQuota
 from agent.jobs.approvals import answer_fields
@@ -153,7 +153,8 @@ class Ingest:
         return kv is not None and kv.value.decode() != self.agent_id
 
     def _status(self, job_id: Optional[str], state: str, payload: bytes, **extra: Any) -> dict:
-        doc = {"v": 1, "job_id": job_id, "run_id": None, "state": state, "attempt": 0, "agent": self.agent_id,
+        doc = {"v": 1, "job_id": job_id, "run_id": None, "fire_id": None, "state": state, "attempt": None,
+               "agent": self.agent_id,
                "shard": shard_of(job_id, self.shards) if job_id else None, "ts": now_rfc3339(),
                "exit_code": None, "reason": None, "usage": None, "push_sha256": push_digest(payload)}
         doc.update({k: v for k, v in extra.items() if v is not None})
@@ -233,7 +234,7 @@ class Ingest:
             return Outcome(kind, "silent", job_id, reason, detail, authenticated=authenticated)
         REJECTED.labels(reason).inc()
         INGESTED.labels(kind, "rejected").inc()
-        self.record("job", event="rejected", kind=kind, job_id=job_id, reason=reason, detail=detail,
+        self.record("job", event="rejected", kind=kind, job=job_id, reason=reason, detail=detail,
                     push_sha256=push_digest(payload), agent=self.agent_id)
         log.info("push rejected" if kind == "push" else "cancel rejected",
                  extra={"fields": {"job_id": job_id, "reason": reason, "detail": detail}})
@@ -325,8 +326,7 @@ class Ingest:
             return self._reject("push", payload, job.id, CANCELLED, f"id: job {job.id} was cancelled; "
                                 "a cancelled id cannot be pushed again", as_owner)
         if isinstance(created, JobConflict):
-            return self._reject("push", payload, job.id, CONFLICT, f"id: job {job.id} already exists with "
-                                "different content", as_owner)
+            return self._reject("push", payload, job.id, CONFLICT, self._conflict(job), as_owner)
         result, stored = created
         if result == APPROVED:   # the stored document gained approvals: answered like a new push, unmarked
             doc = {**self._status(job.id, JobState.ACCEPTED, payload, shard=stored.shard),
@@ -334,7 +334,7 @@ class Ingest:
             self._emit(doc)
             INGESTED.labels("push", "approved").inc()
             for kid, role in job.signers[1:]:
-                self.record("job", event="approval", job_id=job.id, kid=kid, role=role, agent=self.agent_id)
+                self.record("job", event="approval", job=job.id, kid=kid, role=role, agent=self.agent_id)
             self.notify("stored", stored)
             return Outcome("push", "accepted", job.id, status=doc, stored=stored)
         if result == CREATED:
@@ -342,7 +342,7 @@ class Ingest:
                 self.quota.stored(len(payload))
             self._emit(doc, ledger=job.id, marker=marker)
             INGESTED.labels("push", "accepted").inc()
-            self.record("job", event="accepted", job_id=job.id, shard=stored.shard, template=job.template,
+            self.record("job", event="accepted", job=job.id, shard=stored.shard, template=job.template,
                         push_sha256=push_digest(payload), agent=self.agent_id,
                         signers=[{"kid": k, "role": r} for k, r in job.signers])
             self.notify("stored", self._with_parsed(stored, job))
@@ -434,6 +434,22 @@ class Ingest:
             if self.outbox is not None:
                 self.outbox.release_many(unfilled)
 
+    def _conflict(self, job) -> str:
+        """The detail of a conflict: which fields differ from the stored job (unknown for a
+        finished job's tombstone, which keeps only a digest), and, when only ``issued_at``
+        does (the same file pushed again, stamped anew), how to repeat the push."""
+        detail = f"id: job {job.id} already exists with different content"
+        stored = self.store.get(job.id)
+        if stored is None or stored.tombstone:
+            return detail
+        mine, theirs = job.doc, public_doc(stored.doc)
+        differ = sorted(k for k in set(mine) | set(theirs) if k != "sig" and mine.get(k) != theirs.get(k))
+        if differ == ["issued_at"]:
+            return (f"{detail}: only issued_at differs (stored {theirs.get('issued_at')}, this push "
+                    f"{mine.get('issued_at')}); to repeat the push, sign it with the stored issued_at "
+                    f"(millwright push --issued-at {theirs.get('issued_at')})")
+        return f"{detail} ({', '.join(differ)} differ)" if differ else detail
+
     def _stored_twin(self, payload: bytes):
         """The stored job if this payload is a valid, signed copy of it (ignoring the clock)."""
         try:
@@ -505,6 +521,6 @@ class Ingest:
         doc = self._status(job_id, RecordState.CANCELLED, payload, reason="cancelled_by_cloud", detail=detail)
         self._emit(doc, ledger=ledger_key)
         INGESTED.labels("cancel", "cancelled").inc()
-        self.record("job", event="cancelled", job_id=job_id, by="cloud", agent=self.agent_id, state=state)
+        self.record("job", event="cancelled", job=job_id, by="cloud", agent=self.agent_id, state=state)
         self.notify("cancelled", job_id)
         return Outcome("cancel", "cancelled", job_id, status=doc)

@@ -72,7 +72,7 @@ from .link import Link, Message
 from .ratelimit import TokenBucket
 from .topics import ID_RE, Topics
 
-log = logging.getLogger("millwright.cloud.queries")
+log = logging.getLogger(__name__)
 
 QUERIES = counter("millwright_jobs_get_total", "jobs/get requests by result", ("result",))
 QUERY_SECONDS = histogram("millwright_jobs_get_seconds", "jobs/get arrival to answer",

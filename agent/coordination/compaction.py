@@ -20,7 +20,7 @@ from typing import Any, Optional
 from agent.coordination.worker import EtcdWorkers
 from agent.runtime.metrics import counter, gauge
 
-log = logging.getLogger("millwright.compaction")
+log = logging.getLogger(__name__)
 
 COMPACTIONS = counter("millwright_etcd_compactions_total", "History compactions run by this agent", ("result",))
 COMPACTED_REV = gauge("millwright_etcd_compacted_revision", "Revision this agent last compacted to")

@@ -67,7 +67,7 @@ def kill_victim(stage: Stage, feed: StatusFeed, jobs: list[DemoJob], t0: datetim
     victim_pools = {p: sorted(s for s, a in o.items() if a == victim) for p, o in pools.items()}
     mine = sorted(s for s, a in owners.items() if a == victim)
     running = [k[0] for k, d in feed.runs.items() if d.get("agent") == victim
-               and not any(s.get("job_id") == k[0] and s.get("run_id") == k[1] and s.get("state") in TERMINAL
+               and not any(s.get("job_id") == k[0] and s.get("fire_id") == k[1] and s.get("state") in TERMINAL
                            for s in feed.statuses)]
     kill_wall = utcnow()
     kill_mono = time.monotonic()

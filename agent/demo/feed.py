@@ -57,7 +57,7 @@ class StatusFeed:
         state, jid, who = d.get("state"), d.get("job_id"), d.get("agent") or "?"
         j = self.job(jid)
         cron = j is not None and "cron" in j.doc.get("schedule", {})
-        fid = d.get("run_id")
+        fid = d.get("fire_id")
         run = f" @{str(d.get('due'))[11:19]}" if cron and d.get("due") else ""
         if state == JobState.ACCEPTED:
             if j is not None and not j.accepted_by:

@@ -233,7 +233,7 @@ def summary(res: DemoResult, ck: Checks, live: Live) -> int:
              f"its retry.on: attempt {r.get('attempt')} {r.get('state')} {r.get('reason') or ''} "
                  f"on {r.get('agent')}")
     # the cloud's view: a final status for every finished firing
-    finals = {(d.get("job_id"), d.get("run_id")) for d in res.statuses if d.get("state") in TERMINAL}
+    finals = {(d.get("job_id"), d.get("fire_id")) for d in res.statuses if d.get("state") in TERMINAL}
     missing = collections.Counter(r.get("agent") for (jid, f), r in recs.items()
                                   if r.get("state") in TERMINAL and r.get("state") != RecordState.MISFIRED
                                   and (jid, f) not in finals)

@@ -49,7 +49,7 @@ from agent.execute.release import Releaser
 from agent.execute.runs import ExitReason, RunHandle, RunResult, RunSpec
 from agent.execute.runstate import Run, RunTable
 
-log = logging.getLogger("millwright.execute")
+log = logging.getLogger(__name__)
 
 # An armed launcher (prepare(..., guard_until=...)) is used only if its guard is known to
 # hold this long past the release time; and a discard this close to the release time is

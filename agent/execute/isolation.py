@@ -16,7 +16,7 @@ from agent.execute.namespaces import JobNamespaces
 from agent.execute.netfilter import NetRules, resolve_endpoints
 from agent.runtime.kernel import capability_number
 
-log = logging.getLogger("millwright.execute")
+log = logging.getLogger(__name__)
 
 
 class IsolationError(Exception):

@@ -38,7 +38,7 @@ from agent.runtime import kernel
 if TYPE_CHECKING:  # pragma: no cover
     from agent.execute.executor import Executor
 
-log = logging.getLogger("millwright.execute")
+log = logging.getLogger(__name__)
 
 # Python 3.12 warns on fork() in a threaded process; our child only makes system calls
 # (no locks, no imports, no logging) before exec, which is what makes it safe.

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable
 from agent.execute.confine import RUN_FILES_ID
 from agent.runtime import kernel as k
 
-log = logging.getLogger("millwright.execute")
+log = logging.getLogger(__name__)
 
 # directories never covered whole (a secret file in them is covered alone)
 SHARED_DIRS = frozenset({"/", "/etc", "/var", "/var/lib", "/var/log", "/run", "/tmp", "/var/tmp", "/usr", "/home",

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 from agent.execute.confine import ID_BLOCKS
 
-log = logging.getLogger("millwright.execute")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 
-log = logging.getLogger("millwright.execute")
+log = logging.getLogger(__name__)
 
 
 class OutputStream:

@@ -12,7 +12,7 @@ import os
 import signal
 from typing import Optional
 
-log = logging.getLogger("millwright.execute")
+log = logging.getLogger(__name__)
 
 
 def proc_state(pid: int) -> Optional[tuple[str, int]]:

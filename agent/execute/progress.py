@@ -25,7 +25,7 @@ import stat
 import time
 from typing import Any, Optional
 
-log = logging.getLogger("millwright.execute")
+log = logging.getLogger(__name__)
 
 PROGRESS_NAME = "progress"          # the FIFO, in the run directory
 RESULT_NAME = "result.json"

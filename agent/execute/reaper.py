@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from agent.execute.guard import RunGuard
     from agent.execute.launch import Staged
 
-log = logging.getLogger("millwright.execute")
+log = logging.getLogger(__name__)
 
 REAP_AGAIN_S = (0.2, 1.0, 3.0)   # after a run ended, its process group is swept for zombies again
 RESWEEP_TICK_S = 0.1             # ... in sweeps of every group due, at most this often

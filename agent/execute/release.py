@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 from agent.execute.runstate import Run
 
-log = logging.getLogger("millwright.execute")
+log = logging.getLogger(__name__)
 
 
 class Releaser:

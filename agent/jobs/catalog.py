@@ -487,7 +487,7 @@ class JobCatalog:
         self.audit.record("job", event="rejected_stored", job=job_id, shard=stored.shard, reason=reason,
                           detail=detail, revision=stored.revision)
         self.statuses.publish_status({
-            "v": 1, "job_id": job_id, "run_id": None, "state": JobState.REJECTED, "attempt": None,
+            "v": 1, "job_id": job_id, "run_id": None, "fire_id": None, "state": JobState.REJECTED, "attempt": None,
             "agent": self.agent_id, "shard": stored.shard, "ts": rfc(utcnow()), "exit_code": None,
             "reason": reason, "detail": f"stored job refused: {detail}", "usage": None, "source": "store"})
 

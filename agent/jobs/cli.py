@@ -22,13 +22,11 @@ FOLLOW_POLL_S = 0.2
 
 
 def _open(args):
-    from agent.config import load_config
+    from agent.cli import load_cli_config
     from agent.coordination.etcd import EtcdClient
     from agent.coordination.keys import Keys
 
-    if not os.path.exists(args.config):
-        raise UserError(f"{args.config}: config file not found (use -c FILE)")
-    cfg = load_config(args.config)
+    cfg = load_cli_config(args)
     return cfg, EtcdClient(cfg.etcd), Keys(cfg.cluster)
 
 
@@ -243,6 +241,8 @@ def _find_run(client, keys, shards: int, ref: str) -> Optional[dict]:
 
 
 def cli_logs(args) -> int:
+    from agent.jobs.render import run_id
+
     cfg, client, keys = _open(args)
     rec = _etcd(lambda: _find_run(client, keys, cfg.shards, args.run), cfg)
     if rec is None:
@@ -272,6 +272,11 @@ def cli_logs(args) -> int:
         raise UserError(f"run {ref} ran on this agent ({agent}) but its output is not in "
                         f"{os.path.join(cfg.state_dir, 'runs')} (removed, or the run never started)", EXIT_NOT_FOUND)
     paths = {s: os.path.join(run_dir, f"{s}.log") for s in ("stdout", "stderr")}
+    attempt = int(rec.get("attempt") or 1)
+    rid = run_id(rec["fire_id"], attempt)
+    if not args.json:   # which run this is, on stderr: stdout stays the job's own output
+        print(f"# {ref} attempt {attempt} (run_id {rid}): {rec.get('state')} on {agent}"
+              + ("" if "/" in args.run else f"; the latest run of {rec['job_id']}"), file=sys.stderr, flush=True)
     if not args.follow:
         out = {}
         for s, p in paths.items():
@@ -281,7 +286,8 @@ def cli_logs(args) -> int:
             except OSError:
                 out[s] = ""
         if args.json:
-            _print_json({"run": ref, "agent": agent, "state": rec.get("state"), "dir": run_dir, **out})
+            _print_json({"run": ref, "run_id": rid, "fire_id": rec["fire_id"], "attempt": attempt, "agent": agent,
+                         "state": rec.get("state"), "dir": run_dir, **out})
         else:
             sys.stdout.write(out["stdout"])
             sys.stdout.flush()

@@ -48,7 +48,7 @@ from agent.coordination.worker import EtcdWorkers
 from agent.jobs import schedule as sch
 from agent.runtime.metrics import counter
 
-log = logging.getLogger("millwright.retention")
+log = logging.getLogger(__name__)
 
 DELETED = counter("millwright_retention_deleted_total", "Keys and run directories removed by retention", ("kind",))
 PASSES = counter("millwright_retention_passes_total", "Retention passes by result", ("result",))

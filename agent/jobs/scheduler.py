@@ -163,19 +163,23 @@ class Scheduler:
 
     def job_cancelled(self, e: JobEntry, reason: str = EndReason.CANCELLED) -> None:
         """Its runs are stopped and every firing not started ends `cancelled`; ``reason``:
-        cancelled (a cancel), deleted or tombstoned (its key changed outside retention)."""
+        cancelled (a cancel), deleted or tombstoned (its key changed outside retention).
+        A cancel's one job-level `cancelled` status is ingest's answer to it (reason
+        cancelled_by_cloud); the others are announced here."""
         if e.cancelled:
             return
         e.cancelled = True
         if e.next_timer:
             e.next_timer.cancel()
+        e.next_due = None
         for f in list(e.firings.values()):
             if f.state == S.RUNNING and f.handle is not None:
                 f.handle.terminate(EndReason.CANCELLED)
             elif f.state in NOT_STARTED:
                 self._unqueue(f)
                 self._finish_without_run(f, RecordState.CANCELLED, EndReason.CANCELLED)
-        self.statuses.send(e, None, RecordState.CANCELLED, reason=reason)
+        if reason != EndReason.CANCELLED:
+            self.statuses.send(e, None, RecordState.CANCELLED, reason=reason)
         self.audit.record("job", event=reason, job=e.job.id, shard=e.shard)
 
     def _unqueue(self, f: Firing, release: bool = True) -> None:

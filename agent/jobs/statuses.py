@@ -1,11 +1,16 @@
 """The status documents a job's firings produce (docs/contract.md: MQTT status), and the
-durable answer marker a final one is written with (agent/cloud/answers.py)."""
+durable answer marker a final one is written with (agent/cloud/answers.py).
+
+A status about a run names it as the run's environment does: ``run_id`` is
+``<fire_id>.<attempt>`` (MILLWRIGHT_RUN_ID, ``{run_id}``) and ``fire_id`` the firing (the
+run record's key, MILLWRIGHT_FIRE_ID); a status about the job alone has both null."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
 from agent.coordination.keys import Keys
+from agent.jobs.render import run_id
 from agent.runtime.timefmt import format_optional as rfc
 from agent.runtime.timefmt import utcnow
 
@@ -28,8 +33,8 @@ class Statuses:
         self.answer_markers = False
 
     def doc(self, e: JobEntry, f: Optional[Firing], state: str, **fields: Any) -> dict:
-        doc = {"v": 1, "job_id": e.job.id, "run_id": f.fire_id if f else None, "state": state,
-               "attempt": f.attempt if f else None, "agent": self.agent_id, "shard": e.shard % self.shards,
+        doc = {"v": 1, "job_id": e.job.id, "run_id": run_id(f.fire_id, f.attempt) if f else None,
+               "fire_id": f.fire_id if f else None, "state": state, "attempt": f.attempt if f else None, "agent": self.agent_id, "shard": e.shard % self.shards,
                "ts": rfc(utcnow()), "exit_code": None, "reason": None, "usage": None}
         if f is not None:
             doc["due"] = rfc(f.due)

@@ -186,7 +186,9 @@ def _ranges(nums: list[int]) -> str:
 def cli_status(args) -> int:
     path = args.socket
     if not path:
-        path = load_config(args.config).admin.socket if os.path.exists(args.config) else "/run/millwright/admin.sock"
+        from agent.cli import config_path
+
+        path = load_config(config_path(args.config)).admin.socket
     doc = query(path)
     print(json.dumps(doc, indent=2, sort_keys=True) if args.json else render(doc))
     return 0

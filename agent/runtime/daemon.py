@@ -437,7 +437,9 @@ class Agent:
 
 
 def cli_run(args) -> int:
-    cfg = load_config(args.config)
+    from agent.cli import config_path
+
+    cfg = load_config(config_path(args.config))
     logs.setup(cfg.agent_id)
     try:
         metrics.serve(cfg.metrics.listen)

@@ -23,7 +23,7 @@ from agent.signals import abi, check
 if TYPE_CHECKING:
     from agent.signals import bpfsys
 
-log = logging.getLogger("agent.signals.sensor")  # one logger for all of the sensor's lines
+log = logging.getLogger(__name__)
 
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -24,7 +24,7 @@ from agent.signals.decode import decode_conn, decode_exec
 from agent.signals.model import ConnEvent, ExecEvent, Gap
 from agent.signals.procscan import ProcessScanner
 
-log = logging.getLogger("agent.signals.sensor")  # one logger for all of the sensor's lines
+log = logging.getLogger(__name__)
 
 LOST_EVENTS = metrics.counter("millwright_bpf_lost_events_total", "Sensor events lost in the perf buffer (gaps).")
 EVENTS = metrics.counter("millwright_bpf_events_total", "Sensor events delivered, by kind.", ("kind",))

@@ -115,7 +115,7 @@ class Supervision:
         slot = self.sensing.slot_of(spec.run_key) if self.sensing is not None else None
         ep = self.exec_policies.get(f.entry.job.template)
         self.runs[spec.run_key] = {
-            "firing": f, "slot": slot,
+            "firing": f, "slot": slot, "run_id": spec.run_id,
             "health": JobHealth(tpl.health, self.clock(), slot=slot) if tpl else None,
             "exec": ep.for_run(spec.argv[0], job_argv=spec.argv) if ep is not None else None,
         }
@@ -141,7 +141,8 @@ class Supervision:
         if v is None:
             return None
         f = r["firing"]
-        self.agent.record("policy_violation", job=f.entry.job.id, run_id=f.fire_id, attempt=f.attempt,
+        self.agent.record("policy_violation", job=f.entry.job.id, run_id=r["run_id"],
+                          fire_id=f.fire_id, attempt=f.attempt,
                           **v.to_record())
         log.warning("exec policy violation", extra={"fields": {"job": f.entry.job.id, "path": v.path,
                                                                 "action": v.action}})
@@ -173,7 +174,8 @@ class Supervision:
         if d is None:
             return
         f = r["firing"]
-        self.agent.record("job", event="health", job=f.entry.job.id, run_id=f.fire_id, attempt=f.attempt,
+        self.agent.record("job", event="health", job=f.entry.job.id, run_id=r["run_id"],
+                          fire_id=f.fire_id, attempt=f.attempt,
                           **d.to_record())
         self.gate.health_changed(f, d.state, d.rule)
         if d.end_run and f.handle is not None:

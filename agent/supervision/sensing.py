@@ -55,7 +55,7 @@ class RunSensing:
         # slots of finished runs, oldest first: slot -> (reusable at, the run's info)
         self.ended: "collections.OrderedDict[int, tuple[float, dict]]" = collections.OrderedDict()
         self.by_run_key: dict[str, int] = {}
-        self.runs: dict[int, dict] = {}  # slot -> {job, run_id, attempt, run_key, firing}
+        self.runs: dict[int, dict] = {}  # slot -> {job, run_id, fire_id, attempt, run_key, firing}
         self.exec_listeners: list[ExecListener] = []
         self.signal_listeners: list[SignalListener] = []
         agent.status_providers["sensor"] = self.status
@@ -83,7 +83,7 @@ class RunSensing:
             log.warning("no free sensor slot; run not attributed", extra={"fields": {"run": spec.run_key}})
             return
         self.by_run_key[spec.run_key] = slot
-        self.runs[slot] = {"job": spec.job_id, "run_id": spec.fire_id or spec.run_id, "attempt": spec.attempt,
+        self.runs[slot] = {"job": spec.job_id, "run_id": spec.run_id, "fire_id": spec.fire_id, "attempt": spec.attempt,
                            "run_key": spec.run_key, "argv0": spec.argv[0] if spec.argv else None,
                            "seen_job_exec": False}
         self.sensor.track(handle.pid, slot)
@@ -147,7 +147,7 @@ class RunSensing:
         if audit is not None:
             audit.exec(pid=ev.pid, ppid=ev.ppid, uid=ev.uid, filename=ev.filename, argv=ev.argv,
                        job=info["job"] if info else None, run_id=info["run_id"] if info else None,
-                       verdict=verdict, gid=ev.gid, attempt=info["attempt"] if info else None,
+                       fire_id=info["fire_id"] if info else None, verdict=verdict, gid=ev.gid, attempt=info["attempt"] if info else None,
                        slot=ev.slot, source=ev.source, exec_ts=round(ev.ts, 6), after_run_ended=late)
 
     def _on_gap(self, gap: Any) -> None:

@@ -181,7 +181,7 @@ def test_final_status_reaches_the_cloud_from_a_peer(world):
         d = fin[0]
         # never handed to the broker by a1: a2's publication is the first answer, unmarked
         assert d["published_by"] == "a2" and d["agent"] == "a1" and "redelivery" not in d
-        assert d["exit_code"] == 3 and "boom-on-stderr" in d["stderr_tail"] and d["run_id"] == rec["fire_id"]
+        assert d["exit_code"] == 3 and "boom-on-stderr" in d["stderr_tail"] and d["fire_id"] == rec["fire_id"]
         assert world.col.wait(lambda m: any(x.get("job_id") == jid and x.get("state") == "accepted"
                                             for x in world.col.docs()), 30)
         print(f"\nfinal status republished by a2 {took:.2f}s after a1's kill -9 (lease TTL 4 s); "
@@ -392,7 +392,7 @@ def test_answer_markers_sweep_clear_and_bound(etcd_server):
               "stderr_tail": "why\n", "usage": None, "due": ts(5), "health": None}
     client.put(keys.run(1, "j9", record["fire_id"]), json.dumps(record))
     client.put(keys.answer(1, "j9", "run." + record["fire_id"]), marker_value(
-        {"job_id": "j9", "run_id": record["fire_id"], "state": "succeeded", "exit_code": 0, "agent": "gone",
+        {"job_id": "j9", "run_id": record["fire_id"] + ".2", "fire_id": record["fire_id"], "state": "succeeded", "exit_code": 0, "agent": "gone",
          "ts": ts(1), "note": "anything a client wrote"}))
     published, audited = [], []
     ans = Answers(client, keys, "me", enqueue=lambda j, d, k: published.append((j, d, k)), in_outbox=lambda k: False,
@@ -408,8 +408,8 @@ def test_answer_markers_sweep_clear_and_bound(etcd_server):
     assert doc["push_sha256"] == "0123456789abcdef" and doc["ts"] == ts(2)  # the stored job's _accepted.at
     _, run, _ = by_job["j9"]  # rebuilt from the fenced record, not the marker's words
     assert (run["state"], run["exit_code"], run["attempt"], run["stderr_tail"]) == ("failed", 3, 2, "why\n")
-    assert "note" not in run and run["run_id"] == record["fire_id"]
-    assert sorted((a["job_id"], a["reason"]) for a in audited if a.get("event") == "answer_unfounded") == [
+    assert "note" not in run and (run["run_id"], run["fire_id"]) == (record["fire_id"] + ".2", record["fire_id"])
+    assert sorted((a["job"], a["reason"]) for a in audited if a.get("event") == "answer_unfounded") == [
         ("j7", "no_job"), ("j8", "other_writer")]
     remaining = {kv.key for kv in client.get_prefix(keys.answers_prefix())[0]}
     assert keys.answer(1, "j7", "accepted") not in remaining and keys.answer(1, "j8", "accepted") not in remaining
@@ -458,8 +458,8 @@ def test_push_exit_codes_no_answer_and_broker_unreachable(world, tmp_path):
     """`millwright push`: 3 when no agent answers in time, 4 when the broker is unreachable."""
     from agent.demo.services import free_port
 
-    cfg = {"cluster": "t", "agent_id": "cli", "mqtt": {"url": world.mq.url, "insecure": True}, "etcd": {"insecure": True},
-           "signing": {"keys_file": world.keys_file}}
+    cfg = {"cluster": "t", "agent_id": "cli", "mqtt": {"url": world.mq.url, "insecure": True},
+           "etcd": {"insecure": True}, "signing": {"keys_file": world.keys_file}}
     path = tmp_path / "cli.yaml"
     path.write_text(yaml.safe_dump(cfg))
     job = tmp_path / "job.json"

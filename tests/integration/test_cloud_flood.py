@@ -97,7 +97,8 @@ def test_a_gateways_status_flood_and_fake_answers_drop_no_owed_answer(world):
         # the gateway's fakes: "a1 delivered these" (they name a1, on the gateway's topic)
         fakes = [{"v": 1, "job_id": j, "run_id": None, "state": "accepted", "agent": "a1", "push_sha256": "0" * 16,
                   "ts": rec["ended_at"]} for j in ids]
-        fakes.append({"v": 1, "job_id": run_job, "run_id": rec["fire_id"], "state": "succeeded", "agent": "a1",
+        fakes.append({"v": 1, "job_id": run_job, "run_id": f"{rec['fire_id']}.{rec['attempt']}",
+                      "fire_id": rec["fire_id"], "state": "succeeded", "agent": "a1",
                       "exit_code": 0, "ts": rec["ended_at"]})
         fakes.append(dict(fakes[-1], state="failed", exit_code=3))
         t0 = time.monotonic()
@@ -118,7 +119,7 @@ def test_a_gateways_status_flood_and_fake_answers_drop_no_owed_answer(world):
             d = got[(j, "accepted")]
             assert d["agent"] == "a1" and "redelivery" not in d and d.get("push_sha256") != "0" * 16, d
         d = got[(run_job, "failed")]
-        assert (d["exit_code"], d["run_id"], d["agent"]) == (3, rec["fire_id"], "a1") and "boom" in d["stderr_tail"]
+        assert (d["exit_code"], d["fire_id"], d["agent"]) == (3, rec["fire_id"], "a1") and "boom" in d["stderr_tail"]
         unmarked = [d for _, t, d in world.col.messages if T.kind(t) == "status" and T.agent_of(t) != "gw"
                     and (d.get("job_id"), d.get("state")) in owed and not d.get("redelivery")]
         assert len(unmarked) == len(owed), len(unmarked)  # exactly one first answer each

@@ -472,3 +472,43 @@ def test_pushes_past_the_cluster_quota_are_refused_and_redeliveries_still_answer
         assert [f for t, f in env.records if f.get("reason") == "quota_exceeded"]
     finally:
         c.close()
+
+
+def test_a_conflict_says_which_fields_differ_and_when_only_issued_at_does(env):
+    """The same document signed anew (push stamped a new issued_at on a file without one)
+    is a conflict whose answer says so, with the stored issued_at, which makes a repeat of
+    it; another difference is named. Fails on a build whose answer said only "different
+    content"."""
+    now = datetime.now(timezone.utc)
+    first, later = rfc(now - timedelta(minutes=5)), rfc(now)
+    assert env.ingest.push(signed(job_doc("again", now=now, issued_at=first), env.ring)).result == "accepted"
+    out = env.ingest.push(signed(job_doc("again", now=now, issued_at=later), env.ring))
+    assert (out.result, out.reason) == ("rejected", "conflict")
+    assert out.detail == (f"id: job again already exists with different content: only issued_at differs (stored "
+                          f"{first}, this push {later}); to repeat the push, sign it with the stored issued_at "
+                          f"(millwright push --issued-at {first})")
+    assert out.status["detail"] == out.detail
+    assert env.ingest.push(signed(job_doc("again", now=now, issued_at=first), env.ring)).result == "redelivery"
+    out = env.ingest.push(signed(job_doc("again", line="4", now=now, issued_at=later), env.ring))
+    assert out.detail == "id: job again already exists with different content (issued_at, params differ)"
+
+
+def test_ingest_audits_the_job_under_the_key_run_records_use(env):
+    """`audit show --job ID` finds a job's ingest records (accepted, rejected, cancelled)
+    beside its run records: all carry the id as `job`. Fails on a build that wrote `job_id`."""
+    assert env.ingest.push(signed(job_doc("audited"), env.ring)).result == "accepted"
+    assert env.ingest.push(signed(job_doc("audited", line="5"), env.ring)).reason == "conflict"
+    assert env.ingest.cancel(signed(cancel_doc("audited"), env.ring)).result == "cancelled"
+    events = [(f["event"], f.get("job"), "job_id" in f) for t, f in env.records if t == "job"]
+    assert events == [("accepted", "audited", False), ("rejected", "audited", False), ("cancelled", "audited", False)]
+
+
+def test_answers_about_the_job_alone_name_no_run(env):
+    """accepted, rejected and cancelled answers carry run_id, fire_id and attempt as null,
+    as the owner's scheduled status does (a run's statuses carry all three)."""
+    env.ingest.push(signed(job_doc("no-run"), env.ring))
+    env.ingest.cancel(signed(cancel_doc("no-run"), env.ring))
+    docs = [d for d in env.statuses() if d.get("job_id") == "no-run"]
+    assert [d["state"] for d in docs] == ["accepted", "cancelled"]
+    assert all((d["run_id"], d["fire_id"], d["attempt"]) == (None, None, None) for d in docs), docs
+    assert docs[1]["reason"] == "cancelled_by_cloud"

@@ -69,7 +69,8 @@ def test_exec_events_of_a_job_are_audited_with_job_and_run_id(cluster):
         r = by_file.get(path)
         assert r is not None, (path, sorted(by_file))
         assert r["argv"] == argv
-        assert r["run_id"] == rec["fire_id"]
+        # named as the run's environment names it (MILLWRIGHT_RUN_ID, MILLWRIGHT_FIRE_ID)
+        assert (r["run_id"], r["fire_id"]) == (f"{rec['fire_id']}.{rec['attempt']}", rec["fire_id"])
         # each run has a uid of its own from the reserved range (job isolation), not the
         # template user's
         assert RUN_ID_FIRST <= r["uid"] <= RUN_ID_LAST

@@ -26,3 +26,18 @@ def test_the_scheduler_class_is_under_500_lines():
     tree = ast.parse(open(path).read())
     (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Scheduler"]
     assert cls.end_lineno - cls.lineno + 1 < 500
+
+
+def test_every_logger_is_named_after_its_module():
+    """One scheme for logger names (docs/development.md): the module's own, so a log line
+    says where it came from (`execute.launch`, `runtime.daemon`) and a prefix filters a
+    package. Fails on a name picked by hand (`millwright.execute` beside `agent.jobs.…`)."""
+    bad = []
+    for path in modules():
+        for node in ast.walk(ast.parse(open(path).read())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "getLogger" and node.args
+                    and not (isinstance(node.args[0], ast.Name) and node.args[0].id == "__name__")):
+                bad.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    allowed = {"agent/runtime/logs.py", "agent/demo/stage.py"}   # the handlers' setup: the root, noisy libraries
+    assert [b for b in bad if b.split(":")[0] not in allowed] == []

@@ -121,3 +121,22 @@ def test_parse_time_forms():
     assert parse_time("90s", now=100.0) == 10.0
     with pytest.raises(ValueError):
         parse_time("2026-13-02T12:00:00Z")
+
+
+def test_show_type_checkpoint_lists_the_checkpoints_verify_counts(env, capsys):
+    """`--type checkpoint` includes the checkpoint chain (checkpoints.jsonl: closed,
+    retired and head checkpoints), as many as `audit verify` counts; fails on a build that
+    listed only the checkpoint records inside the audit files."""
+    code, out, _ = run(capsys, "audit", "verify", "-c", env["cfg"])
+    counted = int(out.split(" checkpoints")[0].rsplit(" ", 1)[1])
+    code, out, _ = run(capsys, "audit", "show", "-c", env["cfg"], "--type", "checkpoint")
+    rows = out.splitlines()[1:]
+    chain = [r for r in rows if " cp " in r]
+    assert code == 0 and counted > 0 and len(chain) == counted, out
+    assert {r.split("kind=")[1].split()[0] for r in chain} >= {"closed", "head"}
+    # the checkpoint records that open each rotated-to file are still listed, in time order
+    assert len(rows) > len(chain) and [r[:23] for r in rows] == sorted(r[:23] for r in rows)
+    code, out, _ = run(capsys, "audit", "show", "-c", env["cfg"], "--type", "checkpoint", "--json")
+    assert len(out.splitlines()) == len(rows) and all(json.loads(x)["type"] == "checkpoint" for x in out.splitlines())
+    code, out, _ = run(capsys, "audit", "show", "-c", env["cfg"], "--job", "job-1")
+    assert " cp " not in out   # checkpoints name no job

@@ -44,9 +44,10 @@ def test_answer_names_match_marker_names():
     assert answer_name({"state": "accepted", "push_sha256": "ab"}) == "accepted"
     assert answer_name({"state": "rejected", "push_sha256": "ab"}) == "rejected.ab"
     assert answer_name({"state": "rejected", "push_sha256": "ab", "kind": "cancel"}) is None
-    assert answer_name({"state": "failed", "run_id": "20261201T130000.000Z"}) == "run.20261201T130000.000Z"
-    assert answer_name({"state": "running", "run_id": "x"}) is None
-    assert answer_name({"state": "cancelled", "run_id": None}) is None
+    assert answer_name({"state": "failed", "run_id": "20261201T130000.000Z.2",
+                        "fire_id": "20261201T130000.000Z"}) == "run.20261201T130000.000Z"
+    assert answer_name({"state": "running", "run_id": "x.1", "fire_id": "x"}) is None
+    assert answer_name({"state": "cancelled", "run_id": None, "fire_id": None}) is None
 
 
 def test_outbox_markers_are_returned_on_delivery(tmp_path):

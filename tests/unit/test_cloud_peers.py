@@ -40,8 +40,8 @@ class World:
 
 def test_a_status_too_large_is_dropped_before_parsing_and_makes_its_agent_missed():
     w = World(max_bytes=1000)
-    w.status("gw", {"job_id": "j", "state": "succeeded", "run_id": "f"}, pad=2000)
-    w.status("a2", {"job_id": "j", "state": "succeeded", "run_id": "f"})
+    w.status("gw", {"job_id": "j", "state": "succeeded", "run_id": "f.1", "fire_id": "f"}, pad=2000)
+    w.status("a2", {"job_id": "j", "state": "succeeded", "run_id": "f.1", "fire_id": "f"})
     w.drain()
     assert w.missed == ["gw"] and [a for a, _ in w.saw] == ["a2"] and len(w.link.acked) == 2
 
@@ -101,7 +101,7 @@ def _answers() -> Answers:
 
 def _doc(age_s: float, **kw) -> dict:
     ts = format_rfc3339(datetime.fromtimestamp(time.time() - age_s, timezone.utc))
-    return dict({"job_id": "j", "state": "succeeded", "run_id": "f", "agent": "a1", "ts": ts}, **kw)
+    return dict({"job_id": "j", "state": "succeeded", "run_id": "f.1", "fire_id": "f", "agent": "a1", "ts": ts}, **kw)
 
 
 def test_delivered_only_when_seen_under_the_markers_writer():

@@ -27,6 +27,7 @@ from agent.jobs.catalog import JobCatalog, JobEntry
 from agent.jobs.claims import ClaimKind, ClaimWriter
 from agent.jobs.firing import ClaimState, Firing, FiringState
 from agent.jobs.records import RunRecords
+from agent.jobs.render import run_id
 from agent.jobs.schedule import RetryPolicy, fire_id, format_rfc3339
 from agent.jobs.scheduler import Scheduler
 from agent.jobs.signing import KeyRing, sign
@@ -437,3 +438,47 @@ def test_a_one_shot_due_finer_than_its_fire_id_is_done_with_its_record_not_run_a
     r = recovery.recover(e, {rec["fire_id"]: (rec, 5)}, CFG.agent_id, NOW)
     ((orphan),) = r.orphans
     assert orphan.due == due and r.catch_up == [] and r.skipped == 0
+
+
+# --- issue 39: one name per meaning, one answer per cancel -------------------------------------
+
+def test_a_runs_status_names_it_as_its_environment_does():
+    """run_id is <fire_id>.<attempt> (MILLWRIGHT_RUN_ID, {run_id}), fire_id the firing; a
+    status about the job alone has neither. Fails on a build whose run_id was the fire id."""
+    agent = Agent()
+    st, e = Statuses(agent, KEYS, CFG.agent_id, CFG.shards), entry()
+    f = Firing(e, NOW, fire_id("j1", NOW), attempt=2)
+    doc = st.doc(e, f, "running")
+    assert (doc["run_id"], doc["fire_id"], doc["attempt"]) == (f"{f.fire_id}.2", f.fire_id, 2)
+    assert run_id(f.fire_id, 2) == doc["run_id"]   # what launching puts in the run's environment
+    doc = st.doc(e, None, "scheduled")
+    assert (doc["run_id"], doc["fire_id"], doc["attempt"]) == (None, None, None)
+
+
+def _scheduler(agent: Agent) -> tuple[Scheduler, JobCatalog]:
+    lease = SimpleNamespace(lease_id=None, valid_until=0.0, is_valid=lambda: False)
+    executor = SimpleNamespace(default_limits=Limits(), stage=lambda spec: None, unstage=lambda s: None)
+    c = catalog_with(agent)
+    sched = Scheduler(CFG, c, fencing=agent, lease=lease, loop=EventLoop(), client=None, keys=KEYS,
+                      workers=Workers(), executor=executor, admission=Admission(Budget(4, 1000, 4)), sink=agent,
+                      audit=agent)
+    c.listener = sched
+    return sched, c
+
+
+@pytest.mark.parametrize("reason, statuses", [("cancelled", []), ("deleted", [("cancelled", "deleted")])])
+def test_a_cancelled_job_leaves_the_due_list_at_once_and_a_cancel_is_answered_once(reason, statuses):
+    """A cloud cancel is answered by ingest (`cancelled_by_cloud`): the owner publishes no
+    second job-level `cancelled`; a stop nobody answered (a deleted key) is announced by
+    the owner. Either way the job's timer and due time go at once. Fails on a build whose
+    owner answered every cancel again and kept the due time (`in_s` growing negative)."""
+    agent = Agent(fence=Fence(0, KEYS.shard(0), 1))
+    sched, c = _scheduler(agent)
+    c.job_stored(stored("cron-job", {"cron": "*/10 * * * * *", "tz": "UTC"}))
+    assert [d["job_id"] for d in c.status()["due"]] == ["cron-job"]
+    c.job_cancelled("cron-job", reason)
+    assert c.status()["due"] == [] and c.entries["cron-job"].next_due is None
+    # (a firing the cancel ends gets its own final status, run_id set: not counted here)
+    assert [(d["state"], d["reason"]) for d in agent.statuses
+            if d["state"] == "cancelled" and d["run_id"] is None] == statuses
+    assert [f["event"] for t, f in agent.audit if t == "job"] == [reason]

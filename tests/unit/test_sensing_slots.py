@@ -44,7 +44,7 @@ def test_a_late_exec_event_names_the_finished_run_not_the_next_one():
     s._on_exec(_exec(slot_a, 103))               # a's exec, delivered after a ended
     s._on_exec(_exec(slot_b, 104))
     late, live = agent.audit.of_type("exec")
-    assert (late["job"], late["run_id"], late["after_run_ended"]) == ("job-a", "job-a-f1", True)
+    assert (late["job"], late["run_id"], late["fire_id"], late["after_run_ended"]) == ("job-a", "job-a-f1.1", "job-a-f1", True)
     assert (live["job"], "after_run_ended" in live) == ("job-b", False)
 
 
