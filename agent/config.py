@@ -378,15 +378,18 @@ def _build(cls: Any, data: dict, path: str, problems: list[str], src: str) -> An
     return cls(**kwargs)
 
 
-def load_config(path: Optional[str]) -> Config:
+def load_config(path: Optional[str], broker: bool = False) -> Config:
     """Load and validate a config file (None: the built-in defaults), its file mode
-    included (see agent/configcheck.py file_mode_problems)."""
-    from agent.configcheck import validate
+    included (see agent/configcheck.py file_mode_problems); ``broker``: the broker
+    connection's checks too (configcheck.mqtt_insecurities), reported with the others."""
+    from agent.configcheck import mqtt_insecurities, validate
 
     if path is None:
         cfg = Config()
         problems: list[str] = []
         validate(cfg, problems)
+        if broker:
+            problems.extend(mqtt_insecurities(cfg))
         if problems:
             raise ConfigError(problems)
         return cfg
@@ -398,13 +401,15 @@ def load_config(path: Optional[str]) -> Config:
         raise ConfigError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
     except UnicodeDecodeError:
         raise ConfigError([f"{path}: is not UTF-8"]) from None
-    return parse_config(text, path, file_mode=mode)
+    return parse_config(text, path, file_mode=mode, broker=broker)
 
 
-def parse_config(text: str, source: str = "<string>", file_mode: Optional[int] = None) -> Config:
+def parse_config(text: str, source: str = "<string>", file_mode: Optional[int] = None,
+                 broker: bool = False) -> Config:
     """Parse and validate config text; ``file_mode``: the permission bits of the file it
-    was read from, checked against what it holds (None: not from a file)."""
-    from agent.configcheck import file_mode_problems, validate
+    was read from, checked against what it holds (None: not from a file); ``broker``: as
+    for :func:`load_config`."""
+    from agent.configcheck import file_mode_problems, mqtt_insecurities, validate
 
     try:
         data = yaml.safe_load(text)
@@ -423,6 +428,8 @@ def parse_config(text: str, source: str = "<string>", file_mode: Optional[int] =
     validate(cfg, problems)
     if file_mode is not None:
         problems.extend(file_mode_problems(cfg, file_mode))
+    if broker:
+        problems.extend(mqtt_insecurities(cfg))
     if problems:
         raise ConfigError(problems)
     return cfg

@@ -55,6 +55,15 @@ def make_channel(run_dir: str, owner: Optional[tuple[int, int, int]]) -> tuple[s
     return fifo, result
 
 
+def _unlink_if_empty(path: str) -> None:
+    try:
+        st = os.lstat(path)
+        if stat.S_ISREG(st.st_mode) and st.st_size == 0:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
 def parse_line(raw: bytes) -> tuple[Optional[dict], Optional[str]]:
     """(the line's fields, None) or (None, why it is invalid). A valid line is a JSON
     object with only ``progress`` (a number 0..100), ``step`` (a string of at most
@@ -219,6 +228,7 @@ class ProgressChannel:
         self.close()
         result, why = read_result_file(self.result_path)
         if result is None and why is None:
+            _unlink_if_empty(self.result_path)   # a run that wrote nothing leaves no files
             result, why = self.result, self.result_error
         return result, (f"result refused: {why}" if why else None)
 

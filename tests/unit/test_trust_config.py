@@ -46,6 +46,14 @@ def test_password_over_plaintext_is_an_error_unless_insecure():
     assert not mqtt_insecurities(parse_config(LAB + "mqtt: {url: 'mqtts://b:8883', username: u, password: p}"))
 
 
+def test_config_check_names_every_problem_of_the_shipped_file_etcd_and_broker_alike():
+    r = millwright("config", "check", "configs/agent.yaml")
+    assert r.returncode == 2, r
+    assert "Traceback" not in r.stderr
+    for key in ("etcd.endpoints[0]", "etcd.username", "mqtt.url", "mqtt.username"):
+        assert f"configs/agent.yaml: {key}:" in r.stderr, (key, r.stderr)
+
+
 @pytest.mark.parametrize("rx", [r"(a+)+$", r"^(\w*x?)*$", r"(a|b+)*c", r"((ab)*)+", r"(.*,)*z"])
 def test_nested_quantifiers_are_refused(rx):
     assert regex_risk(rx)
