@@ -38,6 +38,8 @@ from typing import Any, Callable, Optional
 from agent.execute import metrics as m
 from agent.execute.armed import pick_launcher
 from agent.execute.backends import QuotaBackend, Usage, probe
+from agent.execute.backends.pool import DEFAULT_SIZE as DEFAULT_POOL
+from agent.execute.backends.pool import SlotPool
 from agent.execute.confine import RUN_FILES_ID
 from agent.execute.guard import RunGuard
 from agent.execute.isolation import Isolation
@@ -68,7 +70,8 @@ class Executor:
     def __init__(self, backend: QuotaBackend, base_dir: str, *, output_max_bytes: int = 1024 * 1024,
                  kill_grace_s: float = 5.0, poststart: Optional[list] = None, watch_interval_s: float = 0.2,
                  subreaper: bool = True, keep_work_dir: bool = False, drain_timeout_s: float = 5.0,
-                 spawn_mode: str = "auto", guard: bool = True, isolation: Optional[Isolation] = None):
+                 spawn_mode: str = "auto", guard: bool = True, isolation: Optional[Isolation] = None,
+                 slot_pool: int = DEFAULT_POOL):
         self.backend = backend
         # confines every run with a user (docs/security.md); None: runs as before (tests, dev)
         self.isolation = isolation
@@ -101,7 +104,12 @@ class Executor:
             set_child_subreaper()
         # runs die with the agent: a keeper process kills them when our end of its pipe closes
         self.guard: Optional[RunGuard] = RunGuard() if guard else None
-        self.reaper = Reaper(backend, self.runs, self.guard, self._discard_held, watch_interval_s=watch_interval_s,
+        # run slots (quota containers) reused run after run; the run guard removes them
+        # with the agent
+        self.slots = SlotPool(backend, slot_pool, on_made=self.guard.pooled if self.guard else (lambda d: None),
+                              on_removed=self.guard.unpooled if self.guard else (lambda d: None))
+        self.reaper = Reaper(backend, self.slots, self.runs, self.guard, self._discard_held,
+                             watch_interval_s=watch_interval_s,
                              drain_timeout_s=drain_timeout_s, keep_work_dir=keep_work_dir,
                              release_confinement=isolation.release if isolation is not None else (lambda c: None))
         self.reaper.start()
@@ -307,6 +315,7 @@ class Executor:
         self._releaser.stop()
         self.reaper.stop()
         self.reaper.join(timeout=5)
+        self.reaper.orphan_slots += [(s, time.monotonic()) for s in self.slots.close()]
         if self.guard is not None:
             self.guard.close()
         for _ in range(50):   # run cgroups the kernel did not let go of at once

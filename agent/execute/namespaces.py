@@ -168,13 +168,19 @@ class JobNamespaces:
 
         return _in_thread(confined, "millwright-confine")
 
-    def inside(self, network: str, spawn: Callable[[], Any]) -> Any:
+    def inside(self, network: str, spawn: Callable[[], Any], stay: bool = False) -> Any:
         """spawn() with the calling thread in the jobs' namespaces (and the none network
-        namespace for ``network == "none"``), then back in the agent's."""
+        namespace for ``network == "none"``), then back in the agent's; ``stay``: a thread
+        that ends after the spawn stays there (it runs nothing of the agent's any more)."""
         # setns into a mount namespace needs a thread that shares no file-system attributes
         # (cwd, root, umask) with another: this one gets its own copy (a no-op once it has
         # one, unless a thread it started since shares it again)
         k.unshare(k.CLONE_FS)
+        if stay:
+            k.setns(self.jobs_mnt, k.CLONE_NEWNS)
+            if network == "none":
+                k.setns(self.none_net, k.CLONE_NEWNET)
+            return spawn()
         cwd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             k.setns(self.jobs_mnt, k.CLONE_NEWNS)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from agent.execute import metrics as m
 from agent.execute.backends import QuotaBackend, Slot, Usage
+from agent.execute.backends.pool import SlotPool
 from agent.execute.output import OutputStream
 from agent.execute.processes import killpg, reap_group
 from agent.execute.runs import ExitReason, RunHandle, RunResult, tail_text
@@ -41,6 +42,7 @@ log = logging.getLogger("millwright.execute")
 
 REAP_AGAIN_S = (0.2, 1.0, 3.0)   # after a run ended, its process group is swept for zombies again
 RESWEEP_TICK_S = 0.1             # ... in sweeps of every group due, at most this often
+LAUNCHER_FAILED = 126           # a launcher's exit code when it ends without exec'ing the job
 POLLED_WATCH_S = 0.02            # the watch tick while a leader is polled (no pidfd: kernel < 5.3)
 
 
@@ -68,12 +70,13 @@ class Reaper(threading.Thread):
     ``discard_held(handle, reason)`` is the executor's: it discards a prepared run that
     has not been released (True if it did), for armed runs whose guard turned false."""
 
-    def __init__(self, backend: QuotaBackend, runs: RunTable, guard: Optional["RunGuard"],
+    def __init__(self, backend: QuotaBackend, slots: SlotPool, runs: RunTable, guard: Optional["RunGuard"],
                  discard_held: Callable[[RunHandle, str], bool], *, watch_interval_s: float = 0.2,
                  drain_timeout_s: float = 5.0, keep_work_dir: bool = False,
                  release_confinement: Callable[[Any], None] = lambda conf: None):
         super().__init__(name="millwright-reaper", daemon=True)
         self.backend = backend
+        self.slots = slots
         self.runs = runs
         self.guard = guard
         self.discard_held = discard_held
@@ -176,7 +179,7 @@ class Reaper(threading.Thread):
         keep = []
         for slot, since in self.orphan_slots:
             self.backend.kill_all(slot)
-            if not self.backend.remove(slot):
+            if not self.slots.discard(slot):
                 keep.append((slot, since))
         self.orphan_slots = keep
 
@@ -368,6 +371,7 @@ class Reaper(threading.Thread):
         killpg(run.handle.pgid, signal.SIGKILL)
         left = self.backend.members(run.slot) if run.slot is not None else []
         if left and run.slot is not None:
+            run.left_behind = True   # its slot is not reused
             self.backend.kill_all(run.slot)
         # nothing alive in the run's cgroups: nothing can appear there any more, so the
         # first drain round need not list them again (a run's end is the reaper's hot path)
@@ -388,35 +392,49 @@ class Reaper(threading.Thread):
         if left:
             log.warning("processes of a run survived SIGKILL", extra={"fields": {
                 "run": run.handle.run_key, "pids": left[:10]}})
-        elif run.slot is not None and not run.slot.removed:
-            # usage first (it lives in the cgroup), then the cgroup itself; the kernel
-            # may report EBUSY for a moment after the last task exited: retry shortly
+        elif run.slot is not None and not run.slot_back:
+            # usage first (it lives in the cgroup, read once), then the slot goes back to the
+            # pool or is removed; the kernel may report EBUSY for a moment after the last
+            # task exited: retry shortly
             if run.usage is None:
                 run.usage = self._read_usage(run)
-            if not self.backend.remove(run.slot) and time.monotonic() - run.drain_started < self.drain_timeout_s:
+            if self.slots.give_back(run.slot, clean=n == 0 and self._clean(run)):
+                run.slot_back = True
+            elif time.monotonic() - run.drain_started < self.drain_timeout_s:
                 run.timers.append(self.call_at(time.monotonic() + min(0.1, 0.002 * 2 ** n), self._drain, run, n + 1))
                 return
         self._finalize(run)
 
+    @staticmethod
+    def _clean(run: Run) -> bool:
+        """The run left its slot as it found it: nothing outlived its leader, no quota event,
+        and not 126 (what a launcher that could not join its slot exits with: a slot whose
+        cgroup went away must not fail every run after it)."""
+        u = run.usage
+        return (not run.left_behind and run.kill_reason not in (ExitReason.OOM, ExitReason.PIDS_LIMIT)
+                and (u is None or (u.oom_kills == 0 and u.pids_max_events == 0))
+                and (run.status is None or os.waitstatus_to_exitcode(run.status) != LAUNCHER_FAILED))
+
     def _read_usage(self, run: Run) -> Usage:
+        """The run's usage, read once at its end (the slot's counters become its base)."""
         if run.slot is None:
             return Usage()
         try:
-            return self.backend.usage(run.slot, run.rusage)
+            return self.backend.usage(run.slot, run.rusage, final=True)
         except Exception:
             log.exception("reading usage failed")
             return Usage()
 
-    def _remove_slot(self, slot: Slot) -> None:
-        """A run's quota container goes; one the kernel does not let go of yet is retried
-        by the watch tick (orphan_slots)."""
-        if not slot.removed and not self.backend.remove(slot):
+    def _give_back(self, slot: Slot, clean: bool) -> None:
+        """A run's quota container goes back to the pool or is removed; one the kernel does
+        not let go of yet is retried by the watch tick (orphan_slots), never reused."""
+        if not slot.removed and not self.slots.give_back(slot, clean):
             m.CGROUP_CLEANUP_FAILURES.inc()
             self.orphan_slots.append((slot, time.monotonic()))
 
     def _drop_staged(self, staged: "Staged") -> None:
         if staged.slot is not None:
-            self._remove_slot(staged.slot)
+            self._give_back(staged.slot, True)   # no process ever ran in it
         prepared = staged.process
         if prepared is not None and prepared.confinement is not None:
             self.release_confinement(prepared.confinement)
@@ -442,10 +460,11 @@ class Reaper(threading.Thread):
             run.pidfd = None
         handle = run.handle
         usage = run.usage or Usage()
-        if run.slot is not None:
+        if run.slot is not None and not run.slot_back:
             if run.usage is None:
-                usage = self._read_usage(run)
-            self._remove_slot(run.slot)
+                usage = run.usage = self._read_usage(run)
+            run.slot_back = True
+            self._give_back(run.slot, self._clean(run))
         if self.guard is not None and handle.pgid:
             self.guard.remove(handle.pgid)
         if handle.pgid:

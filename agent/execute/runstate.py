@@ -46,6 +46,8 @@ class Run:
         self.handle = handle
         self.on_exit = on_exit
         self.slot: Optional[Slot] = None
+        self.slot_back = False      # its slot went back to the pool (or was removed)
+        self.left_behind = False    # processes outlived its leader: its slot is not reused
         self.pidfd: Optional[int] = None
         self.streams: list[OutputStream] = []
         self.phase = RunPhase.STARTING

@@ -188,7 +188,7 @@ def test_cgroup2_run_limits_usage_and_cleanup_with_real_processes(tree, base_dir
                                            ({"pids.events": "max 4\n"}, "pids_limit")])
 def test_cgroup2_quota_events_end_the_run_with_their_reason(tree, base_dir, events, reason):
     mount, fs = tree
-    fs.overrides = {"quota-": events}
+    fs.overrides = {"slot-": events}   # every run slot of this test (it has one run)
     b = _v2(mount, fs)
     ex = Executor(b, base_dir, watch_interval_s=0.05)
     try:
