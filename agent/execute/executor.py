@@ -58,6 +58,10 @@ log = logging.getLogger("millwright.execute")
 # not trusted to beat the launcher's own timer (the run is released, then terminated).
 ARM_MARGIN_S = 0.5
 ARM_DISCARD_MARGIN_S = 0.002
+# An armed run is accounted as released (on_release, the backstop go byte, watched by the
+# reaper) this long after its due time, on the reaper's thread: its launcher went by itself
+# at the due time, and a short job has ended by then, so release and end are one wake-up.
+ARMED_RELEASE_LAG_S = 0.005
 
 class Executor:
     """Start runs under a quota backend; one reaper thread reports their ends.
@@ -188,7 +192,10 @@ class Executor:
             if run is not None:
                 run.on_release = on_release
                 run.guard = guard
-                self._releaser.at(release_at, run)
+                if run.armed_at is not None:   # it goes by itself: accounted on the reaper
+                    self.reaper.call_at(release_at + ARMED_RELEASE_LAG_S, self._armed_release, run)
+                else:
+                    self._releaser.at(release_at, run)
         return handle
 
     def release(self, handle: RunHandle) -> bool:
@@ -209,8 +216,15 @@ class Executor:
         self.release_armed(handle)
         self.reaper.terminate(handle, reason, grace_s)
 
+    def _armed_release(self, run: Run) -> None:
+        """The reaper's accounting of an armed run after its due time, unless a release or
+        a discard took it already."""
+        if self.runs.held(run.handle) is not None:
+            self._timed_release(run)
+
     def _timed_release(self, run: Run) -> None:
-        """The release thread's release of a prepared run at its time."""
+        """The release of a prepared run at its time (the release thread's; the reaper's
+        for an armed run)."""
         # read both first: a discarded run may be finalised (fields cleared) by the reaper
         # before this thread gets to the callback
         guard, on_release = run.guard, run.on_release

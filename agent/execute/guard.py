@@ -83,14 +83,17 @@ class RunGuard:
     def _send(self, data: bytes) -> None:
         if self._proc is None:
             return
-        if self._proc.poll() is None:
-            try:
-                self._write(data)
-                return
-            except OSError:
-                pass
+        try:   # (no poll of the keeper per line: once it is gone, its pipe has no reader)
+            self._write(data)
+            return
+        except OSError:
+            pass
         # the keeper died (killed, OOM): start another and tell it every live run again
         os.close(self._w)
+        try:
+            self._proc.wait(1.0)
+        except subprocess.TimeoutExpired:
+            pass
         self.restarts += 1
         self._start()
 

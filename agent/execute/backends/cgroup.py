@@ -28,6 +28,7 @@ class CgroupBackend(QuotaBackend):
 
     enforces_cpu_rate = True
     poolable = True
+    contains_runs = True
 
     def __init__(self, root_name: str = DEFAULT_ROOT, fs: Optional[CgroupFS] = None):
         if not re.match(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$", root_name or ""):

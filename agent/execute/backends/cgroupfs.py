@@ -11,22 +11,28 @@ import fcntl
 import os
 
 JOINER_FD_MIN = 10
+READ_SIZE = 65536
+WHOLE_BELOW = 2048
 
 
 class CgroupFS:
     """The few filesystem operations the cgroup backends use (overridable in tests)."""
 
     def read(self, path: str) -> str:
-        # os.read, not open(): a run's end reads a dozen small cgroup files, and the text
-        # layer costs several times the syscalls' own time on the reaper's path
+        # os.read, not open(): a run's end reads a handful of small cgroup files, and the
+        # text layer costs several times the syscalls' own time on the reaper's path. A
+        # cgroup file's read(2) returns a whole page of its seq_file (or its end): less
+        # than half a page is all of it, with no second read to see the end.
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             chunks = []
             while True:
-                chunk = os.read(fd, 65536)
+                chunk = os.read(fd, READ_SIZE)
                 if not chunk:
                     break
                 chunks.append(chunk)
+                if len(chunk) < WHOLE_BELOW:
+                    break
         finally:
             os.close(fd)
         return b"".join(chunks).decode()

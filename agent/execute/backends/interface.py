@@ -67,6 +67,7 @@ class QuotaBackend:
     why = ""
     enforces_cpu_rate = False
     poolable = False   # its slots are worth keeping for another run (cgroups: made and removed on disk)
+    contains_runs = False   # a slot holds every process of its run (members() lists them all)
 
     def setup(self) -> None:
         """Prepare the backend's root (create cgroups, enable controllers)."""
