@@ -51,6 +51,11 @@ class SlotPool:
         with self._lock:
             return self._count
 
+    def holds(self, slot: Slot) -> bool:
+        """``slot`` is free in the pool (its cgroups exist, empty, for another run)."""
+        with self._lock:
+            return any(s is slot for s in self._free.get(slot.limits, ()))
+
     def take(self, limits: Limits) -> Slot:
         """A slot holding ``limits``: a free one (one that held the same limits first), else
         a new one. OSError if a new one cannot be made."""
