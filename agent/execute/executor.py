@@ -8,16 +8,18 @@ die with the agent), backends (quotas).
 Life of a run (cf. Nomad's task runner hooks)::
 
     start()  [caller's thread, normally the daemon's event loop]
-      prepare: user lookup, argv resolution, clean env, run dir, quota slot (cgroup)
-      fork -> child: own process group, stdio, chdir, setgroups/setgid/setuid, rlimits,
-              then BLOCKS on a pipe
-      parent: setpgid, attach child to its cgroup, run the poststart hooks (the BPF
-              sensor starts tracking the pid here), release the child, wait for exec
+      stage (or staged ahead on another thread): user lookup, argv resolution, clean
+              env, run dir, a quota slot from the pool (cgroups reused run after run)
+      spawn -> launcher: own session, stdio, cwd, joins its cgroups itself (the
+              slot's `tasks` files, inherited), [setpriv], then BLOCKS on a pipe
+      parent: run guard, the poststart hooks (the BPF sensor starts tracking the pid
+              here), release the launcher (or arm it: it releases itself at its due time)
     reaper   [ONE adapter thread, "millwright-reaper"]
-      pidfd of the leader + stdout/stderr pipes in one poll(); timers for timeout and
-      kill grace; a watch tick that polls the backend for quota events (oom, pids)
+      pidfd of the leader + stdout/stderr pipes in one epoll; timers for timeout, kill
+      grace and an armed run's release accounting; a watch tick that polls the backend
+      for quota events (oom, pids)
       leader exit -> SIGKILL what is left of the group/cgroup, reap orphans of the
-      group, read usage, remove the cgroup -> on_exit(handle, result)
+      group, read usage once, give the slot back -> on_exit(handle, result)
 
 `on_exit(handle, result)` runs ON THE REAPER THREAD: the daemon passes a function that
 only posts to its loop (``lambda h, r: loop.post(self._run_ended, h, r)``). It is called
@@ -179,9 +181,10 @@ class Executor:
         lease's local validity, which only grows while the lease lives). If it covers
         release_at with ARM_MARGIN_S to spare, the launcher is *armed*: it releases itself
         at release_at on a kernel timer (agent/execute/armed.py), so no
-        thread of this busy process is on the due time's path; the release thread still
-        runs then, for on_release and as a backstop (its go byte releases the launcher if
-        it has not gone yet)."""
+        thread of this busy process is on the due time's path; the reaper accounts for it
+        ARMED_RELEASE_LAG_S after its due time, on its own thread: on_release, and a go
+        byte as a backstop (it releases the launcher if it has not gone yet). A run
+        discarded before then gets no on_release."""
         arm_at = None
         if release_at is not None and self.can_arm and (
                 guard is None or (guard_until is not None and release_at + ARM_MARGIN_S <= guard_until)):

@@ -23,9 +23,9 @@ and no exec of our own.
 
 from __future__ import annotations
 
+import _thread
 import logging
 import os
-import threading
 from typing import Any, Callable, Iterable
 
 from agent.execute.confine import RUN_FILES_ID
@@ -59,18 +59,22 @@ def _under(path: str, parent: str) -> bool:
 
 def _in_thread(fn: Callable[[], Any], name: str) -> Any:
     """fn() on a new thread (namespace and Landlock changes that must not stay on the
-    caller's), its result or exception here."""
+    caller's), its result or exception here. A bare thread and one lock: the caller
+    waits once, for the end (threading.Thread's start() waits for the start too)."""
     box: dict = {}
+    done = _thread.allocate_lock()
+    done.acquire()
 
     def body() -> None:
         try:
             box["value"] = fn()
         except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
             box["error"] = exc
+        finally:
+            done.release()
 
-    t = threading.Thread(target=body, name=name, daemon=True)
-    t.start()
-    t.join()
+    _thread.start_new_thread(body, ())
+    done.acquire()
     if "error" in box:
         raise box["error"]
     return box.get("value")
