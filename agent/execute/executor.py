@@ -38,6 +38,7 @@ import time
 from typing import Any, Callable, Optional
 
 from agent.execute import metrics as m
+from agent.execute import pspawn, threadcreds
 from agent.execute.armed import pick_launcher
 from agent.execute.backends import QuotaBackend, Usage, probe
 from agent.execute.backends.pool import DEFAULT_SIZE as DEFAULT_POOL
@@ -88,6 +89,9 @@ class Executor:
         if spawn_mode not in ("shim", "fork"):
             raise ValueError(f"spawn_mode must be auto, shim or fork, not {spawn_mode!r}")
         self.spawn_mode = spawn_mode
+        # confined runs' launchers come from a thread that took the run's ids (no setpriv)
+        self.thread_switch = (isolation is not None and spawn_mode == "shim" and threadcreds.available()
+                              and pspawn.available())
         # (shell, script) of the armed launcher, picked once; None: runs are never armed
         self.armed_launcher = pick_launcher() if spawn_mode == "shim" else None
         self.can_arm = self.armed_launcher is not None

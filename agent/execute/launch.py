@@ -24,7 +24,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 from agent.execute import metrics as m
-from agent.execute import pspawn
+from agent.execute import pspawn, threadcreds
 from agent.execute.backends import safe_name
 from agent.execute.confine import RUN_FILES_ID, Confinement
 from agent.execute.isolation import IsolationError
@@ -423,10 +423,13 @@ def spawn(ex: "Executor", run: Run, hold: bool = False, arm_at: Optional[float] 
     slot = run.slot
     if ex.spawn_mode == "shim":
         switch: list[str] = []
-        if conf is not None:
+        # a confined run's launcher comes from a thread of its own that took the run's ids
+        # (agent/execute/threadcreds.py): no setpriv in its chain
+        own_ids = conf is not None and ex.thread_switch
+        if conf is not None and not own_ids:
             assert ex.setpriv is not None  # shim mode is chosen only when setpriv exists
             switch = conf.setpriv_args(ex.setpriv)
-        elif ids is not None:
+        elif ids is not None and conf is None:
             uid, gid, groups = ids
             assert ex.setpriv is not None  # shim mode is chosen only when setpriv exists
             switch = [ex.setpriv, f"--reuid={uid}", f"--regid={gid}",
@@ -448,8 +451,20 @@ def spawn(ex: "Executor", run: Run, hold: bool = False, arm_at: Optional[float] 
         argv += [path] + list(spec.argv[1:])
 
         def start() -> int:
+            workdir: Optional[str] = cwd
+            if own_ids:
+                assert conf is not None
+                # this thread ends after the spawn: it never runs the agent's code again. Its
+                # working directory (its own: inside() unshared it) is set while it is still
+                # root, as a launcher's was before setpriv, and the launcher inherits it
+                os.chdir(cwd)
+                workdir = None
+                try:
+                    threadcreds.become(conf)
+                except OSError as exc:
+                    raise SpawnError("user", f"cannot take the run's ids: {exc.strerror or exc}") from None
             if pspawn.available():   # one GIL drop per spawn (agent/execute/pspawn.py)
-                return pspawn.spawn(argv, env, cwd, go_r, out_w, ep_w, inherit)
+                return pspawn.spawn(argv, env, workdir, go_r, out_w, ep_w, inherit)
             run.popen = subprocess.Popen(argv, stdin=go_r, stdout=out_w, stderr=ep_w, cwd=cwd, env=env,
                                          start_new_session=True, close_fds=True, restore_signals=True)
             return run.popen.pid
@@ -461,7 +476,7 @@ def spawn(ex: "Executor", run: Run, hold: bool = False, arm_at: Optional[float] 
                 raise SpawnError("exec", f"cannot start the launcher in {cwd}: {exc.strerror or exc}") from None
 
         try:
-            pid = _on_thread(ex, conf, launch)
+            pid = _on_thread(ex, conf, launch, own=own_ids)
         except SpawnError:
             for fd in (go_r, go_w, out_w, ep_w):
                 os.close(fd)
@@ -523,13 +538,13 @@ def spawn(ex: "Executor", run: Run, hold: bool = False, arm_at: Optional[float] 
         go(ex, run)
 
 
-def _on_thread(ex: "Executor", conf: Optional[Confinement], launch: Any) -> int:
+def _on_thread(ex: "Executor", conf: Optional[Confinement], launch: Any, own: bool = False) -> int:
     """launch(own_thread) on the thread a confined run's launcher comes from: the caller's,
-    or a root run's own (own_thread: it ends after the spawn)."""
+    or one of its own (``own``, or a root run; own_thread: it ends after the spawn)."""
     if conf is None or ex.isolation is None:
         return launch(False)
     try:
-        return ex.isolation.start_thread(conf, launch)
+        return ex.isolation.start_thread(conf, launch, own=own)
     except SpawnError:
         raise
     except OSError as exc:

@@ -172,6 +172,11 @@ class JobNamespaces:
 
         return _in_thread(confined, "millwright-confine")
 
+    def on_own_thread(self, start: Callable[[], Any]) -> Any:
+        """start() on a thread of its own, which ends after it (a run's spawn that takes
+        the run's ids)."""
+        return _in_thread(start, "millwright-spawn")
+
     def inside(self, network: str, spawn: Callable[[], Any], stay: bool = False) -> Any:
         """spawn() with the calling thread in the jobs' namespaces (and the none network
         namespace for ``network == "none"``), then back in the agent's; ``stay``: a thread

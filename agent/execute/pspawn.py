@@ -104,11 +104,12 @@ def _cstrings(items: Iterable[str]) -> ctypes.Array:
     return (ctypes.c_char_p * len(encoded))(*encoded)
 
 
-def spawn(argv: list[str], env: Mapping[str, str], cwd: str, stdin: int, stdout: int, stderr: int,
+def spawn(argv: list[str], env: Mapping[str, str], cwd: Optional[str], stdin: int, stdout: int, stderr: int,
           inherit: Sequence[int] = ()) -> int:
     """Start argv[0] (an absolute path) and return its pid. OSError (with the errno of the
     failed step: chdir, exec) if it could not start. ``inherit``: fds the child gets as 3,
-    4, ... (each numbered above those targets: a dup2 must not overwrite a later source)."""
+    4, ... (each numbered above those targets: a dup2 must not overwrite a later source).
+    ``cwd`` None: the calling thread's working directory."""
     lib = _load()
     if lib is None:
         raise OSError(0, f"posix_spawn is not usable here: {_missing}")
@@ -124,7 +125,7 @@ def spawn(argv: list[str], env: Mapping[str, str], cwd: str, stdin: int, stdout:
             err = quick.posix_spawn_file_actions_adddup2(actions, fd, target)
             if err:
                 raise OSError(err, os.strerror(err))
-        err = (quick.posix_spawn_file_actions_addchdir_np(actions, os.fsencode(cwd))
+        err = ((quick.posix_spawn_file_actions_addchdir_np(actions, os.fsencode(cwd)) if cwd is not None else 0)
                or quick.posix_spawn_file_actions_addclosefrom_np(actions, len(targets)))
         if err:
             raise OSError(err, os.strerror(err))
