@@ -92,6 +92,12 @@ class Executor:
         # confined runs' launchers come from a thread that took the run's ids (no setpriv)
         self.thread_switch = (isolation is not None and spawn_mode == "shim" and threadcreds.available()
                               and pspawn.available())
+        if self.thread_switch:
+            # such a thread shares the agent's memory while it has a run's ids: only a
+            # process with CAP_SYS_PTRACE may trace a non-dumpable process, so no process of
+            # the run can trace it, whatever fs.suid_dumpable says (the kernel would make the
+            # agent non-dumpable at the first switch anyway; this makes it so from the start)
+            threadcreds.not_dumpable()
         # (shell, script) of the armed launcher, picked once; None: runs are never armed
         self.armed_launcher = pick_launcher() if spawn_mode == "shim" else None
         self.can_arm = self.armed_launcher is not None

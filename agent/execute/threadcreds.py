@@ -52,6 +52,16 @@ def _call(nr: int, what: str, *args: object) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
+PR_SET_DUMPABLE = 4
+
+
+def not_dumpable() -> None:
+    """The agent's process is not dumpable (no core dump; only CAP_SYS_PTRACE may trace it
+    or read its /proc files): a thread of it that took a run's ids must not be traceable by
+    that run's processes."""
+    k.prctl(PR_SET_DUMPABLE, 0)
+
+
 def become(conf: Confinement) -> None:
     """The calling thread takes the run's credentials, for good (see the module
     docstring): what setpriv does with ``conf.setpriv_args()``. OSError if a step fails
