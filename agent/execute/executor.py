@@ -273,9 +273,9 @@ class Executor:
         return True
 
     def release_armed(self, handle: RunHandle) -> None:
-        """An armed run whose launcher may have released itself and that the release
-        thread has not got to yet: account it as released now (on_release included), so
-        a terminate() that follows stops it like any running run."""
+        """An armed run whose launcher may have released itself and that the reaper has not
+        accounted for yet: account it as released now (on_release included), so a
+        terminate() that follows stops it like any running run."""
         run = self.runs.held(handle)
         if run is None or run.armed_at is None:
             return

@@ -1,5 +1,6 @@
 """The executor's state of a run while it lives: its phase, the per-run record that the
-spawning thread, the release thread and the reaper share, and the table of live runs."""
+spawning thread, the release thread (or, for an armed run, the reaper) and the reaper share,
+and the table of live runs."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class GoPipe(NamedTuple):
 
 class Run:
     """One live run: what its handle does not show. The spawning thread fills it, the
-    release thread releases it, the reaper thread ends it; ``go`` is changed only under
+    release thread (an armed run: the reaper) releases it, the reaper thread ends it; ``go`` is changed only under
     the RunTable's lock."""
 
     def __init__(self, handle: RunHandle, on_exit: Callable[[RunHandle, RunResult], Any]):
