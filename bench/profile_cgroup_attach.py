@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """What attaching a launcher to its cgroup v1 hierarchies costs the rest of the host
-(issue 18): the old way (the launcher's pid written to each hierarchy's cgroup.procs,
-which takes the kernel's global cgroup_threadgroup_rwsem for writing) against the new one
-(the spawning thread moves itself in, starts the launcher, moves back: no global lock).
+(issues 18, 36): the agent writing the launcher's pid to each hierarchy's cgroup.procs
+(which takes the kernel's global cgroup_threadgroup_rwsem for writing) against the
+launcher joining them itself (it writes "0" to each `tasks` file it inherited: a thread
+moving itself takes no global lock, and no thread of the agent moves at all).
 
 Blocks of runs alternate between the two ways (so both see the same machine load), each
 run prepared like the scheduler does (held, then released). A probe process meanwhile
@@ -42,10 +43,14 @@ print("\n".join(f"{a:.6f} {b:.6f}" for a, b in out))
 
 
 class PidAttach(Cgroup1Backend):
-    """The other way: never join, always write the pid."""
+    """The other way: the launcher never joins by itself, the agent writes its pid."""
 
-    def joinable(self, slot):
-        return []
+    def create(self, name, limits):
+        slot = super().create(name, limits)
+        for fd in slot.join_fds.values():
+            self.fs.close_fd(fd)
+        slot.join_fds.clear()
+        return slot
 
 
 def pct(xs, p):
@@ -59,7 +64,7 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="mw-attach-")
     root = f"mw-attach-{os.getpid()}"
     ways = {"pid written to cgroup.procs": PidAttach(root_name=root + "-old"),
-            "thread joins, launcher born inside": Cgroup1Backend(root_name=root + "-new")}
+            "the launcher joins by itself": Cgroup1Backend(root_name=root + "-new")}
     exs = {}
     for name, b in ways.items():
         b.setup()

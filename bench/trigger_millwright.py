@@ -248,7 +248,7 @@ shards: 64
 state_dir: {tmp}/state
 etcd: {{endpoints: ["{etcd.endpoint}"], lease_ttl_s: 10, renew_deadline_s: 6, retry_period_s: 1, insecure: true}}
 audit: {{dir: {tmp}/audit, key_file: {tmp}/audit.key}}
-admin: {{socket: {tmp}/admin.sock}}
+admin: {{socket: {tmp}/admin/admin.sock}}
 metrics: {{listen: ""}}
 bpf: {{enabled: {"true" if o.bpf else "false"}, mode: monitor}}
 execute: {{max_concurrent: 256, memory_mb: 65536, cpu: 256, quota_backend: {o.backend}, claim_lead_s: {o.lead}}}

@@ -13,7 +13,10 @@
 // context where "current" is unrelated, still land on the right slot.
 //
 // Aggregation: per-slot and per-endpoint counters live in array maps that userspace
-// samples; only exec events and tracked-socket state changes go through the perf buffer.
+// samples; only exec events and tracked-socket state changes go through perf buffers:
+// a job's events through `events`, which wakes the agent's reader at each one (the exec
+// policy acts on them), execs outside any job (node activity) through `node_events`,
+// whose reader the kernel wakes once per batch of them (agent/signals/polling.py).
 //
 // The structs below are mirrored in Python in agent/signals/abi.py (one place); the
 // loader checks that the sizes agree before the program is used.
@@ -132,6 +135,7 @@ struct ep_stats {
 };
 
 BPF_PERF_OUTPUT(events);
+BPF_PERF_OUTPUT(node_events);
 BPF_PERCPU_ARRAY(exec_scratch, struct exec_event, 1);
 BPF_TABLE("lru_hash", u32, struct exec_event, exec_stash, 1024);
 BPF_TABLE("lru_hash", u32, u32, parent, 16384);
@@ -294,7 +298,10 @@ TRACEPOINT_PROBE(sched, sched_process_exec) {
     u32 size = offsetof(struct exec_event, args) + e->args_len;
     if (size > sizeof(struct exec_event))
         size = sizeof(struct exec_event);
-    events.perf_submit(args, e, size);
+    if (slot)
+        events.perf_submit(args, e, size);
+    else
+        node_events.perf_submit(args, e, size);
     exec_stash.delete(&old);
     return 0;
 }

@@ -8,16 +8,18 @@ die with the agent), backends (quotas).
 Life of a run (cf. Nomad's task runner hooks)::
 
     start()  [caller's thread, normally the daemon's event loop]
-      prepare: user lookup, argv resolution, clean env, run dir, quota slot (cgroup)
-      fork -> child: own process group, stdio, chdir, setgroups/setgid/setuid, rlimits,
-              then BLOCKS on a pipe
-      parent: setpgid, attach child to its cgroup, run the poststart hooks (the BPF
-              sensor starts tracking the pid here), release the child, wait for exec
+      stage (or staged ahead on another thread): user lookup, argv resolution, clean
+              env, run dir, a quota slot from the pool (cgroups reused run after run)
+      spawn -> launcher: own session, stdio, cwd, joins its cgroups itself (the
+              slot's `tasks` files, inherited), [setpriv], then BLOCKS on a pipe
+      parent: run guard, the poststart hooks (the BPF sensor starts tracking the pid
+              here), release the launcher (or arm it: it releases itself at its due time)
     reaper   [ONE adapter thread, "millwright-reaper"]
-      pidfd of the leader + stdout/stderr pipes in one poll(); timers for timeout and
-      kill grace; a watch tick that polls the backend for quota events (oom, pids)
+      pidfd of the leader + stdout/stderr pipes in one epoll; timers for timeout, kill
+      grace and an armed run's release accounting; a watch tick that polls the backend
+      for quota events (oom, pids)
       leader exit -> SIGKILL what is left of the group/cgroup, reap orphans of the
-      group, read usage, remove the cgroup -> on_exit(handle, result)
+      group, read usage once, give the slot back -> on_exit(handle, result)
 
 `on_exit(handle, result)` runs ON THE REAPER THREAD: the daemon passes a function that
 only posts to its loop (``lambda h, r: loop.post(self._run_ended, h, r)``). It is called
@@ -36,8 +38,11 @@ import time
 from typing import Any, Callable, Optional
 
 from agent.execute import metrics as m
+from agent.execute import pspawn, threadcreds
 from agent.execute.armed import pick_launcher
 from agent.execute.backends import QuotaBackend, Usage, probe
+from agent.execute.backends.pool import DEFAULT_SIZE as DEFAULT_POOL
+from agent.execute.backends.pool import SlotPool
 from agent.execute.confine import RUN_FILES_ID
 from agent.execute.guard import RunGuard
 from agent.execute.isolation import Isolation
@@ -56,6 +61,10 @@ log = logging.getLogger(__name__)
 # not trusted to beat the launcher's own timer (the run is released, then terminated).
 ARM_MARGIN_S = 0.5
 ARM_DISCARD_MARGIN_S = 0.002
+# An armed run is accounted as released (on_release, the backstop go byte, watched by the
+# reaper) this long after its due time, on the reaper's thread: its launcher went by itself
+# at the due time, and a short job has ended by then, so release and end are one wake-up.
+ARMED_RELEASE_LAG_S = 0.005
 
 class Executor:
     """Start runs under a quota backend; one reaper thread reports their ends.
@@ -68,7 +77,8 @@ class Executor:
     def __init__(self, backend: QuotaBackend, base_dir: str, *, output_max_bytes: int = 1024 * 1024,
                  kill_grace_s: float = 5.0, poststart: Optional[list] = None, watch_interval_s: float = 0.2,
                  subreaper: bool = True, keep_work_dir: bool = False, drain_timeout_s: float = 5.0,
-                 spawn_mode: str = "auto", guard: bool = True, isolation: Optional[Isolation] = None):
+                 spawn_mode: str = "auto", guard: bool = True, isolation: Optional[Isolation] = None,
+                 slot_pool: int = DEFAULT_POOL):
         self.backend = backend
         # confines every run with a user (docs/security.md); None: runs as before (tests, dev)
         self.isolation = isolation
@@ -79,6 +89,15 @@ class Executor:
         if spawn_mode not in ("shim", "fork"):
             raise ValueError(f"spawn_mode must be auto, shim or fork, not {spawn_mode!r}")
         self.spawn_mode = spawn_mode
+        # confined runs' launchers come from a thread that took the run's ids (no setpriv)
+        self.thread_switch = (isolation is not None and spawn_mode == "shim" and threadcreds.available()
+                              and pspawn.available())
+        if self.thread_switch:
+            # such a thread shares the agent's memory while it has a run's ids: only a
+            # process with CAP_SYS_PTRACE may trace a non-dumpable process, so no process of
+            # the run can trace it, whatever fs.suid_dumpable says (the kernel would make the
+            # agent non-dumpable at the first switch anyway; this makes it so from the start)
+            threadcreds.not_dumpable()
         # (shell, script) of the armed launcher, picked once; None: runs are never armed
         self.armed_launcher = pick_launcher() if spawn_mode == "shim" else None
         self.can_arm = self.armed_launcher is not None
@@ -101,7 +120,12 @@ class Executor:
             set_child_subreaper()
         # runs die with the agent: a keeper process kills them when our end of its pipe closes
         self.guard: Optional[RunGuard] = RunGuard() if guard else None
-        self.reaper = Reaper(backend, self.runs, self.guard, self._discard_held, watch_interval_s=watch_interval_s,
+        # run slots (quota containers) reused run after run; the run guard removes them
+        # with the agent
+        self.slots = SlotPool(backend, slot_pool, on_made=self.guard.pooled if self.guard else (lambda d: None),
+                              on_removed=self.guard.unpooled if self.guard else (lambda d: None))
+        self.reaper = Reaper(backend, self.slots, self.runs, self.guard, self._discard_held,
+                             watch_interval_s=watch_interval_s,
                              drain_timeout_s=drain_timeout_s, keep_work_dir=keep_work_dir,
                              release_confinement=isolation.release if isolation is not None else (lambda c: None))
         self.reaper.start()
@@ -171,9 +195,10 @@ class Executor:
         lease's local validity, which only grows while the lease lives). If it covers
         release_at with ARM_MARGIN_S to spare, the launcher is *armed*: it releases itself
         at release_at on a kernel timer (agent/execute/armed.py), so no
-        thread of this busy process is on the due time's path; the release thread still
-        runs then, for on_release and as a backstop (its go byte releases the launcher if
-        it has not gone yet)."""
+        thread of this busy process is on the due time's path; the reaper accounts for it
+        ARMED_RELEASE_LAG_S after its due time, on its own thread: on_release, and a go
+        byte as a backstop (it releases the launcher if it has not gone yet). A run
+        discarded before then gets no on_release."""
         arm_at = None
         if release_at is not None and self.can_arm and (
                 guard is None or (guard_until is not None and release_at + ARM_MARGIN_S <= guard_until)):
@@ -185,7 +210,10 @@ class Executor:
             if run is not None:
                 run.on_release = on_release
                 run.guard = guard
-                self._releaser.at(release_at, run)
+                if run.armed_at is not None:   # it goes by itself: accounted on the reaper
+                    self.reaper.call_at(release_at + ARMED_RELEASE_LAG_S, self._armed_release, run)
+                else:
+                    self._releaser.at(release_at, run)
         return handle
 
     def release(self, handle: RunHandle) -> bool:
@@ -206,8 +234,15 @@ class Executor:
         self.release_armed(handle)
         self.reaper.terminate(handle, reason, grace_s)
 
+    def _armed_release(self, run: Run) -> None:
+        """The reaper's accounting of an armed run after its due time, unless a release or
+        a discard took it already."""
+        if self.runs.held(run.handle) is not None:
+            self._timed_release(run)
+
     def _timed_release(self, run: Run) -> None:
-        """The release thread's release of a prepared run at its time."""
+        """The release of a prepared run at its time (the release thread's; the reaper's
+        for an armed run)."""
         # read both first: a discarded run may be finalised (fields cleared) by the reaper
         # before this thread gets to the callback
         guard, on_release = run.guard, run.on_release
@@ -243,9 +278,9 @@ class Executor:
         return True
 
     def release_armed(self, handle: RunHandle) -> None:
-        """An armed run whose launcher may have released itself and that the release
-        thread has not got to yet: account it as released now (on_release included), so
-        a terminate() that follows stops it like any running run."""
+        """An armed run whose launcher may have released itself and that the reaper has not
+        accounted for yet: account it as released now (on_release included), so a
+        terminate() that follows stops it like any running run."""
         run = self.runs.held(handle)
         if run is None or run.armed_at is None:
             return
@@ -314,6 +349,7 @@ class Executor:
         self._releaser.stop()
         self.reaper.stop()
         self.reaper.join(timeout=5)
+        self.reaper.orphan_slots += [(s, time.monotonic()) for s in self.slots.close()]
         if self.guard is not None:
             self.guard.close()
         for _ in range(50):   # run cgroups the kernel did not let go of at once

@@ -44,6 +44,7 @@ class RunGuard:
         self.python = python or _system_python()
         self._lock = threading.Lock()
         self._live: dict[int, tuple[tuple[str, ...], bool]] = {}   # pgid -> (cgroup dirs, leader reaped)
+        self._pooled: set[str] = set()   # cgroup dirs of the executor's slots (removed at the end)
         self._proc: Optional[subprocess.Popen] = None
         self._w = -1
         self.restarts = 0
@@ -67,6 +68,8 @@ class RunGuard:
         finally:
             os.close(r)
         self._w = w
+        if self._pooled:
+            self._write(_line("c", 0, tuple(sorted(self._pooled))))
         for pgid, (paths, reaped) in self._live.items():
             self._write(_line("+", pgid, paths))
             if reaped:
@@ -80,14 +83,17 @@ class RunGuard:
     def _send(self, data: bytes) -> None:
         if self._proc is None:
             return
-        if self._proc.poll() is None:
-            try:
-                self._write(data)
-                return
-            except OSError:
-                pass
+        try:   # (no poll of the keeper per line: once it is gone, its pipe has no reader)
+            self._write(data)
+            return
+        except OSError:
+            pass
         # the keeper died (killed, OOM): start another and tell it every live run again
         os.close(self._w)
+        try:
+            self._proc.wait(1.0)
+        except subprocess.TimeoutExpired:
+            pass
         self.restarts += 1
         self._start()
 
@@ -97,6 +103,21 @@ class RunGuard:
         with self._lock:
             self._live[pgid] = (paths, False)
             self._send(_line("+", pgid, paths))
+
+    def pooled(self, cgroup_dirs: Iterable[str]) -> None:
+        """Cgroups of a run slot that now exists (reused run after run): removed at the end
+        like a run's, once whatever runs in them was killed."""
+        paths = tuple(d for d in cgroup_dirs if d and " " not in d and "\n" not in d)
+        with self._lock:
+            self._pooled.update(paths)
+            self._send(_line("c", 0, paths))
+
+    def unpooled(self, cgroup_dirs: Iterable[str]) -> None:
+        """The slot's cgroups were removed."""
+        paths = tuple(d for d in cgroup_dirs if d in self._pooled)
+        with self._lock:
+            self._pooled.difference_update(paths)
+            self._send(_line("u", 0, paths))
 
     def leader_exited(self, pgid: int) -> None:
         """Call BEFORE reaping the run's leader: once it is reaped, its pid (= the process
@@ -238,12 +259,33 @@ def kill_runs(live: dict, give_up_after_s: float = KILL_FOR_S) -> int:
     return first
 
 
+def remove_cgroups(dirs: Iterable[str]) -> None:
+    """The agent's run slots (their runs were killed): none left behind. One that still
+    holds a process (whatever survived) stays for the next agent's reclaim."""
+    for d in dirs:
+        for pid in _cgroup_procs(d):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        for _ in range(200):
+            try:
+                os.rmdir(d)
+            except FileNotFoundError:
+                break
+            except OSError:   # the killed tasks leave the cgroup asynchronously
+                time.sleep(0.005)
+                continue
+            break
+
+
 def keeper_main() -> int:  # pragma: no cover - runs as its own process
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGTSTP):
         signal.signal(s, signal.SIG_IGN)   # only the agent's end of the pipe ends us
     import select
 
     live: dict[int, tuple] = {}   # pgid -> (leader not reaped yet, cgroup dirs)
+    pooled: set = set()           # cgroup dirs of the agent's run slots
     deadline: Optional[float] = None
     buf = b""
     while True:
@@ -287,7 +329,12 @@ def keeper_main() -> int:  # pragma: no cover - runs as its own process
                 live[int(parts[1])] = (False, live[int(parts[1])][1])
             elif parts[0] == "-":
                 live.pop(int(parts[1]), None)
+            elif parts[0] == "c":
+                pooled.update(parts[2:])
+            elif parts[0] == "u":
+                pooled.difference_update(parts[2:])
     kill_runs(live)
+    remove_cgroups(pooled)
     return 0
 
 

@@ -98,14 +98,21 @@ class Isolation:
             return RUN_FILES_ID, conf.gid, 0o070
         return conf.uid, conf.gid, 0o700
 
-    def start_thread(self, conf: Confinement, start: Callable[[], Any]) -> Any:
-        """start() on the thread a run's launcher must come from: the caller's, or for a
-        root run one of its own (its Landlock domain)."""
-        return self.namespaces.on_root_thread(start) if conf.root else start()
+    def start_thread(self, conf: Confinement, start: Callable[[bool], Any], own: bool = False) -> Any:
+        """start(own_thread) on the thread a run's launcher must come from: a root run's own
+        (its Landlock domain), one of its own for any run with ``own`` (it takes the run's
+        ids: agent/execute/threadcreds.py), else the caller's; own_thread: True when the
+        thread ends after the spawn."""
+        if conf.root:
+            return self.namespaces.on_root_thread(lambda: start(True))
+        if own:
+            return self.namespaces.on_own_thread(lambda: start(True))
+        return start(False)
 
-    def inside(self, conf: Confinement, spawn: Callable[[], Any]) -> Any:
-        """spawn() with the calling thread in the run's namespaces."""
-        return self.namespaces.inside(conf.network, spawn)
+    def inside(self, conf: Confinement, spawn: Callable[[], Any], stay: bool = False) -> Any:
+        """spawn() with the calling thread in the run's namespaces (``stay``: it is not
+        taken back to the agent's, a thread that ends after the spawn)."""
+        return self.namespaces.inside(conf.network, spawn, stay=stay)
 
     def close(self) -> None:
         self.net.close()

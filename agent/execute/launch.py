@@ -24,7 +24,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 from agent.execute import metrics as m
-from agent.execute import pspawn
+from agent.execute import pspawn, threadcreds
 from agent.execute.backends import safe_name
 from agent.execute.confine import RUN_FILES_ID, Confinement
 from agent.execute.isolation import IsolationError
@@ -158,6 +158,17 @@ def _child(go_r: int, err_w: int, out_w: int, errp_w: int, cwd: str, ids: Option
 _ULIMIT = {resource.RLIMIT_AS: ("-v", 1024), resource.RLIMIT_CPU: ("-t", 1), resource.RLIMIT_MEMLOCK: ("-l", 1024),
            resource.RLIMIT_NOFILE: ("-n", 1)}
 _ULIMIT_NPROC = {"bash": "-u"}   # dash and mksh: -p
+
+
+def join_lines(n: int) -> str:
+    """The launcher script's first lines: it joins its cgroups by writing "0" (itself) to
+    the `tasks` files it inherited as fds 3 .. 2+n, then closes them; if any write fails it
+    exits without exec'ing anything (the job never runs outside its quota)."""
+    if not n:
+        return ""
+    fds = range(3, 3 + n)
+    return ("".join(f"echo 0 >&{fd} || exit 126\n" for fd in fds)
+            + "exec " + " ".join(f"{fd}>&-" for fd in fds) + "\n")
 
 
 def ulimit_lines(shell: str, rlimits: list) -> str:
@@ -352,7 +363,7 @@ def stage(ex: "Executor", spec: Any) -> Staged:
         st.process = prepare_process(ex, spec, created)
         if ex.spawn_mode == "shim":
             _check_executable(st.process.path)
-        st.slot = _create_slot(ex, spec)
+        st.slot = _take_slot(ex, spec)
     except SpawnError as exc:
         st.error = exc
     except Exception as exc:   # a bug or an unexpected OS error: the run's spawn_error, not the caller's
@@ -376,9 +387,9 @@ def _check_executable(path: str) -> None:
         raise SpawnError("exec", f"exec {path}: not an executable file")
 
 
-def _create_slot(ex: "Executor", spec: Any) -> Any:
+def _take_slot(ex: "Executor", spec: Any) -> Any:
     try:
-        return ex.backend.create(safe_name(spec.run_key), spec.limits)
+        return ex.slots.take(spec.limits)
     except OSError as exc:
         raise SpawnError("cgroup", f"cannot create the run's quota container: {exc.strerror or exc}") from None
 
@@ -406,10 +417,11 @@ def spawn(ex: "Executor", run: Run, hold: bool = False, arm_at: Optional[float] 
     rlimits += ex.job_rlimits
     limit = ex.output_max_bytes if spec.output_max_bytes is None else int(spec.output_max_bytes)
     fds: list[int] = []
-    try:
-        for _ in range(4):
+    try:   # the go pipe, stdout, stderr, and a fork-mode child's exec-error pipe
+        for _ in range(3 if ex.spawn_mode == "shim" else 4):
             fds.extend(os.pipe())
-        go_r, go_w, err_r, err_w, out_r, out_w, ep_r, ep_w = fds
+        go_r, go_w, out_r, out_w, ep_r, ep_w = fds[:6]
+        err_r, err_w = fds[6:] if len(fds) > 6 else (-1, -1)
         run.streams = [OutputStream(out_r, out_path, limit), OutputStream(ep_r, err_path, limit, tail=STDERR_TAIL_BYTES)]
         run.progress = ProgressChannel(channel[0], channel[1], spec.step_timeout_s)
     except OSError as exc:
@@ -417,66 +429,78 @@ def spawn(ex: "Executor", run: Run, hold: bool = False, arm_at: Optional[float] 
             os.close(fd)
         raise SpawnError("pipes", f"cannot create pipes: {exc.strerror}") from None
     run.t0 = time.monotonic()   # started_at and t0 are set again at the release (_go)
+    slot = run.slot
     if ex.spawn_mode == "shim":
-        os.close(err_r)
-        os.close(err_w)
         switch: list[str] = []
-        if conf is not None:
+        # a confined run's launcher comes from a thread of its own that took the run's ids
+        # (agent/execute/threadcreds.py): no setpriv in its chain
+        own_ids = conf is not None and ex.thread_switch
+        if conf is not None and not own_ids:
             assert ex.setpriv is not None  # shim mode is chosen only when setpriv exists
             switch = conf.setpriv_args(ex.setpriv)
-        elif ids is not None:
+        elif ids is not None and conf is None:
             uid, gid, groups = ids
             assert ex.setpriv is not None  # shim mode is chosen only when setpriv exists
             switch = [ex.setpriv, f"--reuid={uid}", f"--regid={gid}",
                       f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups", "--"]
+        # the launcher joins its cgroups by itself, first thing, through the files the slot
+        # keeps open (inherited as fds 3, 4, ...): no cgroup move on any thread of the agent
+        joining = list(slot.join_fds.items()) if pspawn.available() else []
+        inherit = [fd for _, fd in joining]
+        slot.joined = {h for h, _ in joining}
         if arm_at is not None:
             # user switch first, then wait: at the due time only the job's own exec is left
             assert ex.armed_launcher is not None  # arm_at is given only when one exists
             shell, script = ex.armed_launcher
-            argv = switch + [shell, "-c", ulimit_lines(shell, rlimits) + script, "millwright-run",
-                             str(int(arm_at * 1e6))]
+            argv = switch + [shell, "-c", join_lines(len(inherit)) + ulimit_lines(shell, rlimits) + script,
+                             "millwright-run", str(int(arm_at * 1e6))]
         else:
-            argv = [SHIM_SH, "-c", ulimit_lines(SHIM_SH, rlimits) + SHIM_SCRIPT, "millwright-run"] + switch
+            argv = [SHIM_SH, "-c", join_lines(len(inherit)) + ulimit_lines(SHIM_SH, rlimits) + SHIM_SCRIPT,
+                    "millwright-run"] + switch
         argv += [path] + list(spec.argv[1:])
-        slot = run.slot
 
         def start() -> int:
+            workdir: Optional[str] = cwd
+            if own_ids:
+                assert conf is not None
+                # this thread ends after the spawn: it never runs the agent's code again. Its
+                # working directory (its own: inside() unshared it) is set while it is still
+                # root, as a launcher's was before setpriv, and the launcher inherits it
+                os.chdir(cwd)
+                workdir = None
+                try:
+                    threadcreds.become(conf)
+                except OSError as exc:
+                    raise SpawnError("user", f"cannot take the run's ids: {exc.strerror or exc}") from None
             if pspawn.available():   # one GIL drop per spawn (agent/execute/pspawn.py)
-                return pspawn.spawn(argv, env, cwd, go_r, out_w, ep_w)
+                return pspawn.spawn(argv, env, workdir, go_r, out_w, ep_w, inherit)
             run.popen = subprocess.Popen(argv, stdin=go_r, stdout=out_w, stderr=ep_w, cwd=cwd, env=env,
                                          start_new_session=True, close_fds=True, restore_signals=True)
             return run.popen.pid
 
-        def launch() -> int:
-            try:
-                joined = ex.backend.enter(slot)   # the launcher is born in its cgroups
-            except OSError as exc:
-                raise SpawnError("cgroup", f"cannot confine the run: {exc.strerror or exc}") from None
-            try:   # the cgroup moves are done in the agent's mount namespace, the spawn in the run's
-                return _inside(ex, conf, start)
+        def launch(own_thread: bool) -> int:
+            try:   # the spawn in the run's namespaces
+                return _inside(ex, conf, start, stay=own_thread)
             except OSError as exc:
                 raise SpawnError("exec", f"cannot start the launcher in {cwd}: {exc.strerror or exc}") from None
-            finally:
-                ex.backend.leave(slot, joined)
 
         try:
-            pid = _on_thread(ex, conf, launch)
+            pid = _on_thread(ex, conf, launch, own=own_ids)
         except SpawnError:
             for fd in (go_r, go_w, out_w, ep_w):
                 os.close(fd)
             raise
-        err_r = -1
         rlimits = []   # the launcher sets them itself
     else:
         root_caps = conf.capabilities if conf is not None and conf.root else None
 
-        def fork() -> int:
+        def fork(own_thread: bool) -> int:
             child = os.fork()
             if child == 0:  # pragma: no cover - child
                 _child(go_r, err_w, out_w, ep_w, cwd, ids, rlimits, path, list(spec.argv), env, root_caps)
             return child
 
-        pid = _on_thread(ex, conf, lambda: _inside(ex, conf, fork))
+        pid = _on_thread(ex, conf, lambda own_thread: _inside(ex, conf, lambda: fork(own_thread), stay=own_thread))
         os.close(err_w)
         rlimits = []   # the child set them itself
     for fd in (go_r, out_w, ep_w):
@@ -523,23 +547,25 @@ def spawn(ex: "Executor", run: Run, hold: bool = False, arm_at: Optional[float] 
         go(ex, run)
 
 
-def _on_thread(ex: "Executor", conf: Optional[Confinement], launch: Any) -> int:
-    """launch() on the thread a confined run's launcher comes from (a root run's own)."""
+def _on_thread(ex: "Executor", conf: Optional[Confinement], launch: Any, own: bool = False) -> int:
+    """launch(own_thread) on the thread a confined run's launcher comes from: the caller's,
+    or one of its own (``own``, or a root run; own_thread: it ends after the spawn)."""
     if conf is None or ex.isolation is None:
-        return launch()
+        return launch(False)
     try:
-        return ex.isolation.start_thread(conf, launch)
+        return ex.isolation.start_thread(conf, launch, own=own)
     except SpawnError:
         raise
     except OSError as exc:
         raise SpawnError("isolation", f"cannot confine the run: {exc.strerror or exc}") from None
 
 
-def _inside(ex: "Executor", conf: Optional[Confinement], spawn: Any) -> int:
-    """spawn() inside the run's namespaces when it is confined."""
+def _inside(ex: "Executor", conf: Optional[Confinement], spawn: Any, stay: bool = False) -> int:
+    """spawn() inside the run's namespaces when it is confined (``stay``: a thread that
+    ends after it need not come back to the agent's)."""
     if conf is None or ex.isolation is None:
         return spawn()
-    return ex.isolation.inside(conf, spawn)
+    return ex.isolation.inside(conf, spawn, stay=stay)
 
 
 def go(ex: "Executor", run: Run) -> None:

@@ -23,9 +23,9 @@ and no exec of our own.
 
 from __future__ import annotations
 
+import _thread
 import logging
 import os
-import threading
 from typing import Any, Callable, Iterable
 
 from agent.execute.confine import RUN_FILES_ID
@@ -59,18 +59,22 @@ def _under(path: str, parent: str) -> bool:
 
 def _in_thread(fn: Callable[[], Any], name: str) -> Any:
     """fn() on a new thread (namespace and Landlock changes that must not stay on the
-    caller's), its result or exception here."""
+    caller's), its result or exception here. A bare thread and one lock: the caller
+    waits once, for the end (threading.Thread's start() waits for the start too)."""
     box: dict = {}
+    done = _thread.allocate_lock()
+    done.acquire()
 
     def body() -> None:
         try:
             box["value"] = fn()
         except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
             box["error"] = exc
+        finally:
+            done.release()
 
-    t = threading.Thread(target=body, name=name, daemon=True)
-    t.start()
-    t.join()
+    _thread.start_new_thread(body, ())
+    done.acquire()
     if "error" in box:
         raise box["error"]
     return box.get("value")
@@ -168,13 +172,24 @@ class JobNamespaces:
 
         return _in_thread(confined, "millwright-confine")
 
-    def inside(self, network: str, spawn: Callable[[], Any]) -> Any:
+    def on_own_thread(self, start: Callable[[], Any]) -> Any:
+        """start() on a thread of its own, which ends after it (a run's spawn that takes
+        the run's ids)."""
+        return _in_thread(start, "millwright-spawn")
+
+    def inside(self, network: str, spawn: Callable[[], Any], stay: bool = False) -> Any:
         """spawn() with the calling thread in the jobs' namespaces (and the none network
-        namespace for ``network == "none"``), then back in the agent's."""
+        namespace for ``network == "none"``), then back in the agent's; ``stay``: a thread
+        that ends after the spawn stays there (it runs nothing of the agent's any more)."""
         # setns into a mount namespace needs a thread that shares no file-system attributes
         # (cwd, root, umask) with another: this one gets its own copy (a no-op once it has
         # one, unless a thread it started since shares it again)
         k.unshare(k.CLONE_FS)
+        if stay:
+            k.setns(self.jobs_mnt, k.CLONE_NEWNS)
+            if network == "none":
+                k.setns(self.none_net, k.CLONE_NEWNET)
+            return spawn()
         cwd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             k.setns(self.jobs_mnt, k.CLONE_NEWNS)

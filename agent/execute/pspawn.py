@@ -26,7 +26,7 @@ import ctypes.util
 import os
 import signal
 import threading
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Mapping, Optional, Sequence
 
 POSIX_SPAWN_SETSIGDEF = 0x04
 POSIX_SPAWN_SETSIGMASK = 0x08
@@ -104,9 +104,12 @@ def _cstrings(items: Iterable[str]) -> ctypes.Array:
     return (ctypes.c_char_p * len(encoded))(*encoded)
 
 
-def spawn(argv: list[str], env: Mapping[str, str], cwd: str, stdin: int, stdout: int, stderr: int) -> int:
+def spawn(argv: list[str], env: Mapping[str, str], cwd: Optional[str], stdin: int, stdout: int, stderr: int,
+          inherit: Sequence[int] = ()) -> int:
     """Start argv[0] (an absolute path) and return its pid. OSError (with the errno of the
-    failed step: chdir, exec) if it could not start."""
+    failed step: chdir, exec) if it could not start. ``inherit``: fds the child gets as 3,
+    4, ... (each numbered above those targets: a dup2 must not overwrite a later source).
+    ``cwd`` None: the calling thread's working directory."""
     lib = _load()
     if lib is None:
         raise OSError(0, f"posix_spawn is not usable here: {_missing}")
@@ -115,12 +118,15 @@ def spawn(argv: list[str], env: Mapping[str, str], cwd: str, stdin: int, stdout:
     if quick.posix_spawn_file_actions_init(actions) != 0:
         raise OSError(ctypes.get_errno(), "posix_spawn_file_actions_init")
     try:
-        for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
+        targets = [(stdin, 0), (stdout, 1), (stderr, 2)] + [(fd, 3 + i) for i, fd in enumerate(inherit)]
+        if any(fd < len(targets) for fd in inherit):
+            raise OSError(0, f"an fd to inherit is below {len(targets)}: {list(inherit)}")
+        for fd, target in targets:
             err = quick.posix_spawn_file_actions_adddup2(actions, fd, target)
             if err:
                 raise OSError(err, os.strerror(err))
-        err = (quick.posix_spawn_file_actions_addchdir_np(actions, os.fsencode(cwd))
-               or quick.posix_spawn_file_actions_addclosefrom_np(actions, 3))
+        err = ((quick.posix_spawn_file_actions_addchdir_np(actions, os.fsencode(cwd)) if cwd is not None else 0)
+               or quick.posix_spawn_file_actions_addclosefrom_np(actions, len(targets)))
         if err:
             raise OSError(err, os.strerror(err))
         pid = ctypes.c_int(0)

@@ -1,12 +1,17 @@
-"""The executor's one adapter thread, ``millwright-reaper``: poll() over the runs' pidfds
-and output pipes, a timer heap and a command queue; and everything that happens to a run
-on it, from its registration to its end (on_exit).
+"""The executor's one adapter thread, ``millwright-reaper``: one epoll over the runs'
+pidfds and output pipes, a timer heap any thread may add to, and a command queue; and
+everything that happens to a run on it, from its registration to its end (on_exit).
 
 Life of a run here: registered once its launcher is released (or never held): pidfd and
-output pipes watched, its timeout timer set. A watch tick polls the backend for quota
-events (oom, pids) and the runs' guards. When the leader exits, what is left of the
-group and cgroup is SIGKILLed, orphans of the group are reaped, usage is read, the
-cgroup removed, and on_exit(handle, result) is called, exactly once per run.
+output pipes watched, its timeout timer set. An armed run (its launcher releases itself
+on a kernel timer) is released here too, on this thread's timer heap, a few
+milliseconds after its due time: a short job has usually ended by then, so its release,
+its exit and its end are one wake-up of this thread, with no hand-off between threads. A
+watch tick polls the backend for quota events (oom, pids) and the runs' guards. When the
+leader exits, what is left of the group and cgroup is SIGKILLed, orphans of the group
+are reaped, usage is read once, the slot goes back to the pool, and on_exit(handle,
+result) is called, exactly once per run, after the rest of the wake-up's work (the runs
+that ended together reach the caller's loop together).
 
 Orphans of a run re-parent to the agent (a child subreaper), and are collected by
 process group, never touching the agent's other children."""
@@ -28,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from agent.execute import metrics as m
 from agent.execute.backends import QuotaBackend, Slot, Usage
+from agent.execute.backends.pool import SlotPool
 from agent.execute.output import OutputStream
 from agent.execute.processes import killpg, reap_group
 from agent.execute.runs import ExitReason, RunHandle, RunResult, tail_text
@@ -41,6 +47,7 @@ log = logging.getLogger(__name__)
 
 REAP_AGAIN_S = (0.2, 1.0, 3.0)   # after a run ended, its process group is swept for zombies again
 RESWEEP_TICK_S = 0.1             # ... in sweeps of every group due, at most this often
+LAUNCHER_FAILED = 126           # a launcher's exit code when it ends without exec'ing the job
 POLLED_WATCH_S = 0.02            # the watch tick while a leader is polled (no pidfd: kernel < 5.3)
 
 
@@ -53,6 +60,7 @@ class Timer:
         self.when, self.fn, self.args, self.cancelled = when, fn, args, False
 
     def cancel(self) -> None:
+        """Any thread: it will not run (if it has not begun)."""
         self.cancelled = True
         self.fn, self.args = _noop, ()   # no reference cycle run -> timers -> timer -> run
 
@@ -68,12 +76,13 @@ class Reaper(threading.Thread):
     ``discard_held(handle, reason)`` is the executor's: it discards a prepared run that
     has not been released (True if it did), for armed runs whose guard turned false."""
 
-    def __init__(self, backend: QuotaBackend, runs: RunTable, guard: Optional["RunGuard"],
+    def __init__(self, backend: QuotaBackend, slots: SlotPool, runs: RunTable, guard: Optional["RunGuard"],
                  discard_held: Callable[[RunHandle, str], bool], *, watch_interval_s: float = 0.2,
                  drain_timeout_s: float = 5.0, keep_work_dir: bool = False,
                  release_confinement: Callable[[Any], None] = lambda conf: None):
         super().__init__(name="millwright-reaper", daemon=True)
         self.backend = backend
+        self.slots = slots
         self.runs = runs
         self.guard = guard
         self.discard_held = discard_held
@@ -81,15 +90,20 @@ class Reaper(threading.Thread):
         self.drain_timeout_s = drain_timeout_s
         self.keep_work_dir = keep_work_dir
         self.release_confinement = release_confinement
-        self.poller = select.poll()
+        self.ep = select.epoll()
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
-        self.poller.register(self.wake_r, select.POLLIN)
+        self.ep.register(self.wake_r, select.EPOLLIN)
         self.fds: dict[int, tuple] = {}
         self.cmds: "queue.SimpleQueue" = queue.SimpleQueue()
         self.timers: list = []
         self.seq = itertools.count()
+        # other threads add timers and commands: they wake this thread only if it sleeps
+        # past what they add (_sleep_until: when its wait ends; -inf while it is awake)
+        self._tlock = threading.Lock()
+        self._sleep_until = float("-inf")
+        self._ending: list[tuple[Run, RunResult]] = []   # on_exit calls of this wake-up
         self.running: set[Run] = set()
         self.polled: set[Run] = set()
         self.throttled: set[Run] = set()   # runs whose progress FIFO spent its budget this tick
@@ -105,10 +119,30 @@ class Reaper(threading.Thread):
     def post(self, fn: Callable, *args: Any) -> None:
         """Run fn(*args) on the reaper thread, after everything posted before."""
         self.cmds.put((fn, args))
+        with self._tlock:
+            asleep = self._sleep_until > float("-inf")
+        if asleep:
+            self._wake()
+
+    def _wake(self) -> None:
         try:
             os.write(self.wake_w, b"x")
         except (BlockingIOError, OSError):
             pass
+
+    def on_thread(self) -> bool:
+        return threading.current_thread() is self
+
+    def call_at(self, when: float, fn: Callable, *args: Any) -> Timer:
+        """fn(*args) on the reaper thread at ``when`` (time.monotonic()). Any thread; the
+        reaper is woken only if it would sleep past ``when``."""
+        t = Timer(when, fn, args)
+        with self._tlock:
+            heapq.heappush(self.timers, (when, next(self.seq), t))
+            wake = when < self._sleep_until
+        if wake:
+            self._wake()
+        return t
 
     def stop(self) -> None:
         """The thread ends once no run's pidfd or pipe is watched any more."""
@@ -116,11 +150,17 @@ class Reaper(threading.Thread):
 
     def register(self, run: Run) -> None:
         """A run whose job was released (or is not held): watch it until it ends."""
-        self.post(self._register, run)
+        if self.on_thread():
+            self._register(run)
+        else:
+            self.post(self._register, run)
 
     def terminate(self, handle: RunHandle, reason: str, grace_s: Optional[float]) -> None:
         """SIGTERM to a running run's group, SIGKILL ``grace_s`` (None: its own grace) later."""
-        self.post(self._terminate, handle, reason, grace_s)
+        if self.on_thread():
+            self._terminate(handle, reason, grace_s)
+        else:
+            self.post(self._terminate, handle, reason, grace_s)
 
     def finish(self, run: Run) -> None:
         """A run that never got a process (spawn error): its result and on_exit."""
@@ -154,21 +194,15 @@ class Reaper(threading.Thread):
             return None
         return max(min(heads), self.next_resweep)
 
-    def call_at(self, when: float, fn: Callable, *args: Any) -> Timer:
-        """fn(*args) on this thread at ``when`` (time.monotonic()). Reaper thread."""
-        t = Timer(when, fn, args)
-        heapq.heappush(self.timers, (when, next(self.seq), t))
-        return t
-
     def watch_fd(self, fd: int, what: tuple) -> None:
         self.fds[fd] = what
-        self.poller.register(fd, select.POLLIN)
+        self.ep.register(fd, select.EPOLLIN)
 
     def unwatch_fd(self, fd: int) -> None:
         if self.fds.pop(fd, None) is not None:
             try:
-                self.poller.unregister(fd)
-            except (KeyError, ValueError):
+                self.ep.unregister(fd)
+            except (KeyError, ValueError, OSError):
                 pass
 
     def retry_orphan_slots(self) -> None:
@@ -177,7 +211,7 @@ class Reaper(threading.Thread):
         keep = []
         for slot, since in self.orphan_slots:
             self.backend.kill_all(slot)
-            if not self.backend.remove(slot):
+            if not self.slots.discard(slot):
                 keep.append((slot, since))
         self.orphan_slots = keep
 
@@ -192,61 +226,94 @@ class Reaper(threading.Thread):
 
     def run(self) -> None:
         next_watch = time.monotonic()
-        while True:
-            now = time.monotonic()
-            while self.timers and (self.timers[0][2].cancelled or self.timers[0][0] <= now):
-                _, _, t = heapq.heappop(self.timers)
-                if not t.cancelled:
-                    fn, args = t.fn, t.args
-                    t.fn, t.args = _noop, ()
-                    self._safe(fn, *args)
-            if self._watching() and now >= next_watch:
-                self._safe(self._watch)
-                next_watch = now + (POLLED_WATCH_S if self.polled else self.watch_interval_s)
-            resweep_at = self._resweep_due()
-            if resweep_at is not None and now >= resweep_at:
-                self._safe(self._resweep, now)
-                self.next_resweep = now + RESWEEP_TICK_S
-                resweep_at = self._resweep_due()
-            if self._stopping and not self.fds_for_runs():
-                break
-            wait = 1.0
-            if self.timers:
-                wait = min(wait, self.timers[0][0] - now)
-            if self._watching():
-                wait = min(wait, next_watch - now)
-            if resweep_at is not None:
-                wait = min(wait, resweep_at - now)
-            try:
-                events = self.poller.poll(max(0, int(wait * 1000) + (1 if wait > 0 else 0)))
-            except InterruptedError:
-                events = []
-            for fd, ev in events:
-                if fd == self.wake_r:
-                    try:
-                        while os.read(self.wake_r, 4096):
-                            pass
-                    except (BlockingIOError, OSError):
-                        pass
-                    continue
-                what = self.fds.get(fd)
-                if what is None:
-                    continue
-                kind, run, stream = what
-                if kind == "pid":
-                    self._safe(self._on_pidfd, run)
-                elif kind == "progress":
-                    self._safe(self._on_progress, run)
-                else:
-                    self._safe(self._on_output, run, stream, ev)
+        try:
             while True:
-                try:
-                    fn, args = self.cmds.get_nowait()
-                except queue.Empty:
+                now = time.monotonic()
+                due = []
+                with self._tlock:
+                    while self.timers and (self.timers[0][2].cancelled or self.timers[0][0] <= now):
+                        _, _, t = heapq.heappop(self.timers)
+                        if not t.cancelled:
+                            due.append(t)
+                for t in due:
+                    if not t.cancelled:
+                        fn, args = t.fn, t.args
+                        t.fn, t.args = _noop, ()
+                        self._safe(fn, *args)
+                if self._watching() and now >= next_watch:
+                    self._safe(self._watch)
+                    next_watch = now + (POLLED_WATCH_S if self.polled else self.watch_interval_s)
+                resweep_at = self._resweep_due()
+                if resweep_at is not None and now >= resweep_at:
+                    self._safe(self._resweep, now)
+                    self.next_resweep = now + RESWEEP_TICK_S
+                    resweep_at = self._resweep_due()
+                self._deliver()
+                if self._stopping and not self.fds_for_runs():
                     break
-                self._safe(fn, *args)
-        os.close(self.wake_r)
-        os.close(self.wake_w)
+                wait = 1.0
+                if self._watching():
+                    wait = min(wait, next_watch - now)
+                if resweep_at is not None:
+                    wait = min(wait, resweep_at - now)
+                with self._tlock:
+                    if self.timers:
+                        wait = min(wait, self.timers[0][0] - now)
+                    if not self.cmds.empty():
+                        wait = 0.0
+                    wait = max(0.0, wait)
+                    self._sleep_until = now + wait
+                try:
+                    events = self.ep.poll(wait)
+                except InterruptedError:
+                    events = []
+                with self._tlock:
+                    self._sleep_until = float("-inf")
+                pidfds = []
+                for fd, ev in events:
+                    if fd == self.wake_r:
+                        try:
+                            while os.read(self.wake_r, 4096):
+                                pass
+                        except (BlockingIOError, OSError):
+                            pass
+                        continue
+                    what = self.fds.get(fd)
+                    if what is None:
+                        continue
+                    kind, run, stream = what
+                    if kind == "pid":
+                        pidfds.append(run)   # after the output that came with it
+                    elif kind == "progress":
+                        self._safe(self._on_progress, run)
+                    else:
+                        self._safe(self._on_output, run, stream, ev)
+                for run in pidfds:
+                    if run.pidfd is not None:
+                        self._safe(self._on_pidfd, run)
+                while True:
+                    try:
+                        fn, args = self.cmds.get_nowait()
+                    except queue.Empty:
+                        break
+                    self._safe(fn, *args)
+                self._deliver()
+        finally:
+            self._deliver()
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+            self.ep.close()
+
+    def _deliver(self) -> None:
+        """on_exit of the runs that ended in this wake-up, in order, then their handles."""
+        ending, self._ending = self._ending, []
+        for run, result in ending:
+            handle = run.handle
+            try:
+                run.on_exit(handle, result)
+            except Exception:
+                log.exception("on_exit callback failed", extra={"fields": {"run": handle.run_key}})
+            handle.done.set()
 
     def fds_for_runs(self) -> bool:
         return bool(self.running or self.polled)
@@ -365,52 +432,57 @@ class Reaper(threading.Thread):
         self.retry_orphan_slots()
 
     def _poll_exit(self, run: Run) -> None:
-        leader, pgid = run.handle.pid, run.handle.pgid
-        assert leader is not None and pgid is not None  # polled only once spawned
+        leader = run.handle.pid
+        assert leader is not None  # polled only once spawned
         try:   # exited? (not reaped yet: the guard must hear of it before the pid is freed)
             if os.waitid(os.P_PID, leader, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
                 return
         except ChildProcessError:
             pass
-        if self.guard is not None:
-            self.guard.leader_exited(pgid)
-        try:
-            pid, status, ru = os.wait4(leader, os.WNOHANG)
-        except ChildProcessError:
-            pid, status, ru = leader, 0, None
-        if pid:
-            self.polled.discard(run)
-            self._leader_exited(run, status, ru)
+        self.polled.discard(run)
+        self._leader_exited(run)
 
     def _on_pidfd(self, run: Run) -> None:
-        leader, pgid, pidfd = run.handle.pid, run.handle.pgid, run.pidfd
-        assert leader is not None and pgid is not None and pidfd is not None  # watched only once spawned
-        if self.guard is not None:   # the leader exited; its pid is freed by the wait4 below
-            self.guard.leader_exited(pgid)
-        try:
-            pid, status, ru = os.wait4(leader, os.WNOHANG)
-        except ChildProcessError:
-            pid, status, ru = leader, 0, None
-        if not pid:
-            return
+        pidfd = run.pidfd
+        assert pidfd is not None  # watched only once spawned
         self.unwatch_fd(pidfd)
         os.close(pidfd)
         run.pidfd = None
-        self._leader_exited(run, status, ru)
+        self._leader_exited(run)
 
-    def _leader_exited(self, run: Run, status: int, rusage: Any) -> None:
-        run.status, run.rusage = status, rusage
-        if run.popen is not None:   # we reaped it: subprocess must never waitpid() it again
-            run.popen.returncode = os.waitstatus_to_exitcode(status)
+    def _leader_exited(self, run: Run) -> None:
+        """The leader exited and is not reaped yet: as a zombie it keeps its pid, the run's
+        process group id, from being given to another process while the rest of the group
+        is killed and the run guard told."""
+        leader, pgid = run.handle.pid, run.handle.pgid
+        assert leader is not None and pgid is not None
         run.t_end = time.monotonic()
         run.ended_at = time.time()
         run.phase = RunPhase.DRAINING
         self.running.discard(run)
         run.drain_started = run.t_end
+        contained = run.slot is not None and self.backend.contains_runs
+        left = self.backend.members(run.slot) if contained and run.slot is not None else []
         # the leader is gone: whatever it left behind is killed now
-        killpg(run.handle.pgid, signal.SIGKILL)
-        left = self.backend.members(run.slot) if run.slot is not None else []
+        killpg(pgid, signal.SIGKILL)
+        if self.guard is not None:
+            if contained and not left:
+                # nothing of the run is alive (its cgroups hold every process it had): the
+                # keeper forgets it, in one line, before the leader's pid is freed
+                self.guard.remove(pgid)
+            else:   # from the reap on, the keeper finds it by its cgroups only
+                self.guard.leader_exited(pgid)
+        try:
+            pid, status, ru = os.wait4(leader, os.WNOHANG)
+        except ChildProcessError:
+            pid, status, ru = leader, 0, None
+        run.status, run.rusage = (status, ru) if pid else (0, None)
+        if run.popen is not None:   # we reaped it: subprocess must never waitpid() it again
+            run.popen.returncode = os.waitstatus_to_exitcode(run.status)
+        if not contained and run.slot is not None:
+            left = self.backend.members(run.slot)   # (a group scan: after the reap, cheap when empty)
         if left and run.slot is not None:
+            run.left_behind = True   # its slot is not reused
             self.backend.kill_all(run.slot)
         # nothing alive in the run's cgroups: nothing can appear there any more, so the
         # first drain round need not list them again (a run's end is the reaper's hot path)
@@ -431,35 +503,49 @@ class Reaper(threading.Thread):
         if left:
             log.warning("processes of a run survived SIGKILL", extra={"fields": {
                 "run": run.handle.run_key, "pids": left[:10]}})
-        elif run.slot is not None and not run.slot.removed:
-            # usage first (it lives in the cgroup), then the cgroup itself; the kernel
-            # may report EBUSY for a moment after the last task exited: retry shortly
+        elif run.slot is not None and not run.slot_back:
+            # usage first (it lives in the cgroup, read once), then the slot goes back to the
+            # pool or is removed; the kernel may report EBUSY for a moment after the last
+            # task exited: retry shortly
             if run.usage is None:
                 run.usage = self._read_usage(run)
-            if not self.backend.remove(run.slot) and time.monotonic() - run.drain_started < self.drain_timeout_s:
+            if self.slots.give_back(run.slot, clean=n == 0 and self._clean(run)):
+                run.slot_back = True
+            elif time.monotonic() - run.drain_started < self.drain_timeout_s:
                 run.timers.append(self.call_at(time.monotonic() + min(0.1, 0.002 * 2 ** n), self._drain, run, n + 1))
                 return
         self._finalize(run)
 
+    @staticmethod
+    def _clean(run: Run) -> bool:
+        """The run left its slot as it found it: nothing outlived its leader, no quota event,
+        and not 126 (what a launcher that could not join its slot exits with: a slot whose
+        cgroup went away must not fail every run after it)."""
+        u = run.usage
+        return (not run.left_behind and run.kill_reason not in (ExitReason.OOM, ExitReason.PIDS_LIMIT)
+                and (u is None or (u.oom_kills == 0 and u.pids_max_events == 0))
+                and (run.status is None or os.waitstatus_to_exitcode(run.status) != LAUNCHER_FAILED))
+
     def _read_usage(self, run: Run) -> Usage:
+        """The run's usage, read once at its end (the slot's counters become its base)."""
         if run.slot is None:
             return Usage()
         try:
-            return self.backend.usage(run.slot, run.rusage)
+            return self.backend.usage(run.slot, run.rusage, final=True)
         except Exception:
             log.exception("reading usage failed")
             return Usage()
 
-    def _remove_slot(self, slot: Slot) -> None:
-        """A run's quota container goes; one the kernel does not let go of yet is retried
-        by the watch tick (orphan_slots)."""
-        if not slot.removed and not self.backend.remove(slot):
+    def _give_back(self, slot: Slot, clean: bool) -> None:
+        """A run's quota container goes back to the pool or is removed; one the kernel does
+        not let go of yet is retried by the watch tick (orphan_slots), never reused."""
+        if not slot.removed and not self.slots.give_back(slot, clean):
             m.CGROUP_CLEANUP_FAILURES.inc()
             self.orphan_slots.append((slot, time.monotonic()))
 
     def _drop_staged(self, staged: "Staged") -> None:
         if staged.slot is not None:
-            self._remove_slot(staged.slot)
+            self._give_back(staged.slot, True)   # no process ever ran in it
         prepared = staged.process
         if prepared is not None and prepared.confinement is not None:
             self.release_confinement(prepared.confinement)
@@ -501,10 +587,11 @@ class Reaper(threading.Thread):
             run.pidfd = None
         handle = run.handle
         usage = run.usage or Usage()
-        if run.slot is not None:
+        if run.slot is not None and not run.slot_back:
             if run.usage is None:
-                usage = self._read_usage(run)
-            self._remove_slot(run.slot)
+                usage = run.usage = self._read_usage(run)
+            run.slot_back = True
+            self._give_back(run.slot, self._clean(run))
         if self.guard is not None and handle.pgid:
             self.guard.remove(handle.pgid)
         if handle.pgid:
@@ -557,11 +644,7 @@ class Reaper(threading.Thread):
             m.OUTPUT_TRUNCATED.inc(result.output_dropped_bytes)
         handle.result = result
         log.debug("run ended", extra={"fields": {"run": handle.run_key, "reason": reason, "exit_code": exit_code}})
-        try:
-            run.on_exit(handle, result)
-        except Exception:
-            log.exception("on_exit callback failed", extra={"fields": {"run": handle.run_key}})
-        handle.done.set()
+        self._ending.append((run, result))   # on_exit at the end of this wake-up (_deliver)
 
 
 def _exit_reason(run: Run, usage: Usage, exit_code: Optional[int]) -> str:

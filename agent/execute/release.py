@@ -1,4 +1,5 @@
-"""Releases prepared runs at their due time (``executor.prepare(release_at=...)``)."""
+"""Releases prepared runs at their due time (``executor.prepare(release_at=...)``) whose
+launcher is not armed (an armed one releases itself; the reaper accounts for it)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ class Releaser:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name="millwright-release", daemon=True)
                 self.thread.start()
-            self.cv.notify()
+            if self.heap[0][2] is run:   # a later one changes nothing for the waiting thread
+                self.cv.notify()
 
     def stop(self) -> None:
         with self.cv:

@@ -1,5 +1,6 @@
 """The executor's state of a run while it lives: its phase, the per-run record that the
-spawning thread, the release thread and the reaper share, and the table of live runs."""
+spawning thread, the release thread (or, for an armed run, the reaper) and the reaper share,
+and the table of live runs."""
 
 from __future__ import annotations
 
@@ -39,13 +40,15 @@ class GoPipe(NamedTuple):
 
 class Run:
     """One live run: what its handle does not show. The spawning thread fills it, the
-    release thread releases it, the reaper thread ends it; ``go`` is changed only under
+    release thread (an armed run: the reaper) releases it, the reaper thread ends it; ``go`` is changed only under
     the RunTable's lock."""
 
     def __init__(self, handle: RunHandle, on_exit: Callable[[RunHandle, RunResult], Any]):
         self.handle = handle
         self.on_exit = on_exit
         self.slot: Optional[Slot] = None
+        self.slot_back = False      # its slot went back to the pool (or was removed)
+        self.left_behind = False    # processes outlived its leader: its slot is not reused
         self.pidfd: Optional[int] = None
         self.streams: list[OutputStream] = []
         self.phase = RunPhase.STARTING

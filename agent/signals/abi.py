@@ -148,6 +148,10 @@ MAPS = {
     "exec_scratch": (ct.c_uint32, ExecEventRaw),
 }
 
+# The perf event arrays the program writes to: a job's events (the reader is woken at
+# each), and execs outside any job (node activity; the reader is woken once per batch)
+PERF_MAPS = ("events", "node_events")
+
 # The tracepoints the program attaches to, and the fields it reads from each.
 # Optional fields switch a -D flag on when the running kernel's format file has them.
 TRACEPOINTS: dict[str, dict[str, Any]] = {

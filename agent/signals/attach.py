@@ -56,9 +56,10 @@ class KernelObjects:
 
 def attach(*, tracefs: Optional[str], node_activity: bool, perf_pages: int, timeout_s: float,
            on_raw: Callable[[int, bytes], None], on_lost: Callable[[int, int], None],
-           info: dict[str, Any]) -> KernelObjects:
+           info: dict[str, Any], node_wakeup: int = 1) -> KernelObjects:
     """Load and attach the program (blocking, about 1-2 s); perf records go to ``on_raw``
-    and ``on_lost`` from inside ``perf.poll()``. The loader's figures (bcc version,
+    and ``on_lost`` from inside ``perf.poll()`` and ``perf.consume()``; execs outside any
+    job wake the reader once per ``node_wakeup`` of them. The loader's figures (bcc version,
     compile time, peak RSS, cflags) are put in ``info`` as soon as it answers."""
     reason = check.preflight(tracefs)
     if reason:
@@ -117,14 +118,21 @@ def attach(*, tracefs: Optional[str], node_activity: bool, perf_pages: int, time
             proc.kill()
         errf.close()
     info.update({k: doc[k] for k in ("bcc_version", "import_s", "compile_s", "loader_maxrss_kb", "cflags")})
+    missing = [m for m in abi.PERF_MAPS if m not in doc["maps"]]
+    if missing:
+        for fd in fds:
+            os.close(fd)
+        raise LoadError(f"the loader handed over no {', '.join(missing)} map")
     kernel = KernelObjects({}, [fds[i] for i in doc["maps"].values()], [fds[i] for i in doc["tracepoints"].values()])
     from agent.signals import bpfsys
 
     for name, (k, v) in abi.MAPS.items():
         kernel.maps[name] = bpfsys.Map(name, fds[doc["maps"][name]], k, v)
     try:
-        kernel.perf = bpfsys.PerfBuffers(fds[doc["maps"]["events"]], bpfsys.online_cpus(), perf_pages,
-                                         on_raw, on_lost)
+        outputs = [(fds[doc["maps"]["events"]], 1)]
+        if node_activity:
+            outputs.append((fds[doc["maps"]["node_events"]], node_wakeup))
+        kernel.perf = bpfsys.PerfBuffers(outputs, bpfsys.online_cpus(), perf_pages, on_raw, on_lost)
     except OSError as exc:
         kernel.close()
         raise LoadError(f"perf buffers: {exc}") from None

@@ -18,6 +18,12 @@ from typing import Any, Callable, Iterator, Optional
 RAW_CB = ct.CFUNCTYPE(None, ct.py_object, ct.c_void_p, ct.c_int)
 LOST_CB = ct.CFUNCTYPE(None, ct.py_object, ct.c_ulonglong)
 
+
+class PerfBufferOpts(ct.Structure):
+    """BCC's struct bcc_perf_buffer_opts (libbcc_bpf 0.22+)."""
+
+    _fields_ = [("pid", ct.c_int), ("cpu", ct.c_int), ("wakeup_events", ct.c_int)]
+
 _lib: Optional[ct.CDLL] = None
 
 
@@ -54,6 +60,11 @@ def lib() -> ct.CDLL:
     so.bpf_open_perf_buffer.restype = ct.c_void_p
     so.perf_reader_poll.argtypes = [ct.c_int, ct.POINTER(ct.c_void_p), ct.c_int]
     so.perf_reader_poll.restype = ct.c_int
+    so.perf_reader_consume.argtypes = [ct.c_int, ct.POINTER(ct.c_void_p)]
+    so.perf_reader_consume.restype = ct.c_int
+    if hasattr(so, "bpf_open_perf_buffer_opts"):
+        so.bpf_open_perf_buffer_opts.argtypes = [RAW_CB, LOST_CB, ct.py_object, ct.c_int, ct.POINTER(PerfBufferOpts)]
+        so.bpf_open_perf_buffer_opts.restype = ct.c_void_p
     so.perf_reader_free.argtypes = [ct.c_void_p]
     so.perf_reader_free.restype = None
     so.perf_reader_fd.argtypes = [ct.c_void_p]
@@ -119,31 +130,41 @@ class Map:
 
 
 class PerfBuffers:
-    """One perf ring per CPU, wired into the program's BPF_PERF_OUTPUT map."""
+    """Perf rings, one per CPU and perf event array, wired into the program's
+    BPF_PERF_OUTPUT maps: ``outputs`` is (map fd, wakeup_events) per array. The kernel
+    wakes the reader after that many records on a ring (1: at each); what sits below the
+    mark is read by ``consume()``. Where libbcc_bpf cannot set the mark (before 0.22),
+    every ring wakes at each record (``batched`` is False)."""
 
-    def __init__(self, events_map_fd: int, cpus: list[int], page_cnt: int,
+    def __init__(self, outputs: list[tuple[int, int]], cpus: list[int], page_cnt: int,
                  on_raw: Callable[[int, bytes], None], on_lost: Callable[[int, int], None]):
         so = lib()
         self._lib = so
         self._cbs = []  # keep the ctypes callbacks alive
+        self.batched = hasattr(so, "bpf_open_perf_buffer_opts")
         readers = []
-        events = Map("events", events_map_fd, ct.c_int, ct.c_int)
         try:
-            for cpu in cpus:
-                def raw(cookie, data, size, _cpu=cpu):
-                    on_raw(_cpu, ct.string_at(data, size))
+            for map_fd, wakeup in outputs:
+                events = Map("events", map_fd, ct.c_int, ct.c_int)
+                for cpu in cpus:
+                    def raw(cookie, data, size, _cpu=cpu):
+                        on_raw(_cpu, ct.string_at(data, size))
 
-                def lost(cookie, n, _cpu=cpu):
-                    on_lost(_cpu, int(n))
+                    def lost(cookie, n, _cpu=cpu):
+                        on_lost(_cpu, int(n))
 
-                rcb, lcb = RAW_CB(raw), LOST_CB(lost)
-                self._cbs.append((rcb, lcb))
-                r = so.bpf_open_perf_buffer(rcb, lcb, None, -1, cpu, page_cnt)
-                if not r:
-                    e = ct.get_errno()
-                    raise BpfSysError(e, f"perf buffer for cpu {cpu}: {os.strerror(e) if e else 'failed'}")
-                readers.append(r)
-                events.set(cpu, so.perf_reader_fd(r))
+                    rcb, lcb = RAW_CB(raw), LOST_CB(lost)
+                    self._cbs.append((rcb, lcb))
+                    if wakeup > 1 and self.batched:
+                        opts = PerfBufferOpts(pid=-1, cpu=cpu, wakeup_events=wakeup)
+                        r = so.bpf_open_perf_buffer_opts(rcb, lcb, None, page_cnt, ct.byref(opts))
+                    else:
+                        r = so.bpf_open_perf_buffer(rcb, lcb, None, -1, cpu, page_cnt)
+                    if not r:
+                        e = ct.get_errno()
+                        raise BpfSysError(e, f"perf buffer for cpu {cpu}: {os.strerror(e) if e else 'failed'}")
+                    readers.append(r)
+                    events.set(cpu, so.perf_reader_fd(r))
         except Exception:
             for r in readers:
                 so.perf_reader_free(r)
@@ -152,8 +173,12 @@ class PerfBuffers:
         self._readers = (ct.c_void_p * self._n)(*readers)
 
     def poll(self, timeout_ms: int) -> None:
-        """Wait up to timeout_ms and run the callbacks for what arrived (poll thread)."""
+        """Wait up to timeout_ms and run the callbacks for what woke us (poll thread)."""
         self._lib.perf_reader_poll(self._n, self._readers, int(timeout_ms))
+
+    def consume(self) -> None:
+        """Run the callbacks for every record in every ring, woken or not (poll thread)."""
+        self._lib.perf_reader_consume(self._n, self._readers)
 
     def close(self) -> None:
         for i in range(self._n):

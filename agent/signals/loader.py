@@ -80,7 +80,7 @@ def load(config: dict) -> tuple[dict, list[int]]:
                                    f"{ct.sizeof(mine)} in abi.py")
     fds: list[int] = []
     maps = {}
-    for name in list(abi.MAPS) + ["events"]:
+    for name in list(abi.MAPS) + list(abi.PERF_MAPS):
         maps[name] = len(fds)
         fds.append(b[name.encode()].map_fd)
     tps = {}

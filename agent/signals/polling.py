@@ -4,8 +4,13 @@ The thread reads the perf buffers (exec and connection events, loss records) and
 ``sample_interval_s`` the kernel's per-slot and per-endpoint counters; every
 ``proc_interval_s`` it reads the node's /proc TCP counters and, in degraded mode, scans
 /proc for processes. It never touches agent state: whatever it finds it hands to the
-loop thread through ``post(fn, *args)``. What it needs from the loop thread it reads
-from :class:`Published`.
+loop thread through ``post(fn, *args)``, the events of one wake-up in one post. What it
+needs from the loop thread it reads from :class:`Published`.
+
+Execs outside any job (node activity: every exec on the host) come through a perf ring of
+their own that wakes this thread only once per NODE_WAKEUP_EVENTS of them; the rest are
+read at the next wake-up, at the latest the next sample tick. A job's events wake it at
+each (the exec policy acts on them).
 """
 
 from __future__ import annotations
@@ -31,6 +36,15 @@ EVENTS = metrics.counter("millwright_bpf_events_total", "Sensor events delivered
 
 PostFn = Callable[..., None]
 
+NODE_WAKEUP_EVENTS = 32      # node execs per ring that wake the poll thread
+EXEC_RECORD_MAX = 1536       # bytes of one exec record in a ring, at most (with its header)
+
+
+def node_wakeup(perf_pages: int, page_size: int = 4096) -> int:
+    """Node execs per wake-up: NODE_WAKEUP_EVENTS, or what a quarter of a ring holds (a
+    ring must never fill before its reader is woken)."""
+    return max(1, min(NODE_WAKEUP_EVENTS, perf_pages * page_size // (4 * EXEC_RECORD_MAX)))
+
 
 class Published:
     """What the loop thread publishes for the poll thread. Each attribute is replaced by
@@ -55,6 +69,14 @@ def deliver(cb: Optional[Callable[[Any], None]], ev: Any) -> None:
     """Runs on the loop thread: hand one event to its listener, if there is one."""
     if cb is not None:
         cb(ev)
+
+
+def deliver_all(batch: list) -> None:
+    """Runs on the loop thread: the events of one wake-up of the poll thread, in order,
+    each to its listener (read when the event was read)."""
+    for cb, ev in batch:
+        if cb is not None:
+            cb(ev)
 
 
 class Poller:
@@ -83,6 +105,7 @@ class Poller:
         self._stop = threading.Event()
         self._last_sample: Any = None
         self._exec_seen: dict[int, list] = {}   # slot -> [gen, delivered, last kernel count, reported]
+        self._batch: list[tuple[Optional[Callable[[Any], None]], Any]] = []   # events of this wake-up
 
     @property
     def running(self) -> bool:
@@ -106,7 +129,14 @@ class Poller:
         first scan is the baseline: only processes started from then on are reported)."""
         for ev in self.scanner.scan():
             EVENTS.labels("exec" if ev.slot is not None else "node_exec").inc()
-            self._post(deliver, self._listeners.on_exec, ev)
+            self._batch.append((self._listeners.on_exec, ev))
+        self._flush()
+
+    def _flush(self) -> None:
+        """One post to the loop with the events read since the last."""
+        if self._batch:
+            batch, self._batch = self._batch, []
+            self._post(deliver_all, batch)
 
     # ------------------------------------------------------------------ the thread
     def _main(self) -> None:
@@ -121,6 +151,9 @@ class Poller:
                     # round up: a timeout rounded down ends short of the tick, which turns
                     # the last millisecond before every tick into a busy loop of poll(0)
                     kernel.perf.poll(math.ceil(wait * 1000))
+                    if kernel.perf.batched:   # what the batched rings hold below their mark
+                        kernel.perf.consume()
+                    self._flush()
                 else:
                     self._stop.wait(max(0.0, next_proc - now))
                 now = time.monotonic()
@@ -217,14 +250,14 @@ class Poller:
                     seen = self._exec_seen[slot] = [gen, 0, 0, 0]
                 seen[1] += 1
             EVENTS.labels("exec" if ev.slot is not None else "node_exec").inc()
-            self._post(deliver, self._listeners.on_exec, ev)
+            self._batch.append((self._listeners.on_exec, ev))
         elif kind == abi.EV_CONN:
             cev = decode_conn(data, offset)
             EVENTS.labels(cev.kind).inc()
-            self._post(deliver, self._listeners.on_conn, cev)
+            self._batch.append((self._listeners.on_conn, cev))
 
     def on_lost(self, cpu: int, n: int) -> None:
         self.lost_total += n
         LOST_EVENTS.inc(n)
         log.warning("sensor events lost", extra={"fields": {"lost": n, "cpu": cpu, "total": self.lost_total}})
-        self._post(deliver, self._listeners.on_gap, Gap(lost=n, cpu=cpu, ts=time.time(), total_lost=self.lost_total))
+        self._batch.append((self._listeners.on_gap, Gap(lost=n, cpu=cpu, ts=time.time(), total_lost=self.lost_total)))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import socket
 import threading
 import time
@@ -26,7 +27,7 @@ from agent.signals import abi
 from agent.signals.attach import KernelObjects, LoadError, attach
 from agent.signals.history import SignalHistory
 from agent.signals.model import ConnEvent, EndpointSignals, ExecEvent, Gap, NodeSignals, SlotSignals
-from agent.signals.polling import Poller, PostFn, Published
+from agent.signals.polling import Poller, PostFn, Published, node_wakeup
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,8 @@ class Sensor:
             try:
                 self._kernel = attach(tracefs=self.tracefs, node_activity=self.node_activity,
                                       perf_pages=self.perf_pages, timeout_s=self.load_timeout_s,
-                                      on_raw=self._poller.on_raw, on_lost=self._poller.on_lost, info=self.info)
+                                      on_raw=self._poller.on_raw, on_lost=self._poller.on_lost, info=self.info,
+                                      node_wakeup=node_wakeup(self.perf_pages, mmap.PAGESIZE))
                 self.mode = "bpf"
                 DEGRADED.set(0)
                 maps = self._kernel.maps

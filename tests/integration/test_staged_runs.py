@@ -59,11 +59,16 @@ class StageGate:
 
 def leftovers(la: LocalAgent, staged: Any) -> list[str]:
     """What exists of a staged run: its run and work directories (and anything else of its
-    name under the executor's base dir), its cgroups (as staged, and by name in every
-    cgroup v1 hierarchy: under the agent's root, and top-level <root>@<run>)."""
+    name under the executor's base dir), its cgroups unless its slot went back to the
+    executor's pool (empty, for another run), and any cgroup of its name in every cgroup v1
+    hierarchy (under the agent's root, and top-level <root>@<run>)."""
     name = safe_name(staged.run_key)   # <base_dir>/<name>/work, <root>/<name>, <root>@<name>
     paths = [staged.process.run_dir, staged.work_dir_created]
-    paths += sorted(staged.slot.paths.values()) if staged.slot is not None and staged.slot.paths else []
+    slot = staged.slot
+    if slot is not None and slot.paths:
+        pooled = la.executor.slots.holds(slot) and all(
+            not open(os.path.join(d, "cgroup.procs")).read().strip() for d in slot.paths.values())
+        paths += [] if pooled else sorted(slot.paths.values())
     paths += glob.glob(os.path.join(la.executor.base_dir, name + "*"))
     paths += glob.glob(f"/sys/fs/cgroup/*/{la.cgroup_root}/{name}") + glob.glob(f"/sys/fs/cgroup/*/{la.cgroup_root}@{name}")
     return sorted({p for p in paths if p and os.path.exists(p)})

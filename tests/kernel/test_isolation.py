@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from agent.execute import Executor, RunSpec
+from agent.execute import Executor, Limits, RunSpec
 from agent.runtime import kernel as kcalls
 from agent.execute.backends import probe
 from agent.execute.isolation import Isolation
@@ -207,6 +207,37 @@ def test_runs_get_their_own_ids_and_a_root_run_only_its_listed_capabilities(agen
     # any name that resolves to uid 0 needs allow_root
     r, _, _ = run(ex, "alias", ["/bin/true"], "root")
     assert r.reason == "spawn_error" and "allow_root" in r.error
+
+
+@pytest.mark.parametrize("who,spec", AS, ids=["job_user", "root"])
+def test_a_confined_launcher_is_born_with_the_runs_ids_without_setpriv(agent, who, spec):
+    """The launcher of a confined run comes from a thread of the agent that took the run's
+    ids for itself: while it waits for its go byte it already is the run's user, its chain
+    holds no setpriv, and the agent's own threads keep theirs (the agent is not dumpable:
+    no process of the run may trace the thread that had its ids)."""
+    import ctypes
+
+    ex = agent["ex"]
+    assert ex.thread_switch
+    h = ex.prepare(RunSpec(f"born-{who}", ["/bin/true"], limits=Limits(0.5, 64, 16), **spec),
+                   lambda h, r: None, release_at=time.monotonic() + 30, guard=lambda: True,
+                   guard_until=time.monotonic() + 60)
+    try:
+        assert h.pid
+        # (posix_spawn returns as the launcher's exec replaces its memory: its argv may be
+        # in place a moment later)
+        deadline = time.monotonic() + 5
+        while not (cmd := open(f"/proc/{h.pid}/cmdline", "rb").read().split(b"\0"))[0] and time.monotonic() < deadline:
+            time.sleep(0.005)
+        status = dict(line.split(":", 1) for line in open(f"/proc/{h.pid}/status").read().splitlines())
+        uid, gid = (int(status[k].split()[0]) for k in ("Uid", "Gid"))
+        assert os.path.basename(cmd[0]) in (b"lksh", b"bash") and b"setpriv" not in b" ".join(cmd), cmd
+        assert gid >= 70000 and (uid == 0) == (spec["user"] == "root") and (uid == 0 or uid == gid)
+        assert (os.getuid(), os.getgid()) == (0, 0)   # the agent's thread that spawned it kept its ids
+        assert ctypes.CDLL(None).prctl(3, 0, 0, 0, 0) == 0   # PR_GET_DUMPABLE
+    finally:
+        h.terminate()
+        h.wait(20)
 
 
 @pytest.mark.parametrize("network,reaches_local,refused_as", [

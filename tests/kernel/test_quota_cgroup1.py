@@ -48,6 +48,11 @@ def _run_dirs(b: Cgroup1Backend) -> list[str]:
     return out
 
 
+def _slot_names(b: Cgroup1Backend) -> list[str]:
+    root = b.roots["memory"]
+    return [d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))]
+
+
 @pytest.fixture(scope="module")
 def backend():
     b = _cgroup1()
@@ -192,14 +197,17 @@ def test_budget_of_two_runs_ten_due_jobs_never_more_than_two_at_once(executor, b
 
 
 def test_a_thousand_short_runs_leave_no_cgroups_fds_or_zombies(backend, base_dir):
-    ex = Executor(backend, base_dir, kill_grace_s=1.0)
+    """1,000 short runs, 8 at a time: their slots are reused (a few made, none left over
+    the pool's bound while it lives), and once the executor closed no cgroup, no fd and
+    no zombie is left."""
+    ex = Executor(backend, base_dir, kill_grace_s=1.0, slot_pool=4)
+    closed = False
     try:
         c = Collector()
         fds_before = set(os.listdir("/proc/self/fd"))
         # warm-up so lazily opened fds (e.g. /dev/null) are counted in the baseline
         ex.start(RunSpec("warm", ["/bin/true"], limits=Limits(0.1, 16, 8)), c)
         c.wait(["warm"])
-        fds_before = set(os.listdir("/proc/self/fd"))
         n, parallel = 1000, 8
         sem = threading.Semaphore(parallel)
         pgids = set()
@@ -215,16 +223,22 @@ def test_a_thousand_short_runs_leave_no_cgroups_fds_or_zombies(backend, base_dir
         results = c.wait([f"short-{i}" for i in range(n)], timeout=300)
         assert all(r.reason == "succeeded" for r in results), {r.reason for r in results}
         assert not ex.live()
-        left = _run_dirs(backend)
-        assert left == [], left[:5]
+        slots = _slot_names(backend)
+        assert len(slots) == ex.slots.free() <= 4, slots   # only the pool's free slots, empty
+        assert all(open(os.path.join(d, "cgroup.procs")).read() == "" for d in _run_dirs(backend))
+        assert ex.slots.reused >= n - 100, (ex.slots.made, ex.slots.reused)
         assert zombies_left(pgids) == []
+        assert c.threads == {"millwright-reaper"}
+        ex.close(close_backend=False)
+        closed = True
+        assert _run_dirs(backend) == []
         # only fds of the kinds the executor opens (pipes, pidfds, cgroup and run files): other
         # threads of this pytest process (watches, agents' fixtures) may open unrelated fds
         new = set(os.listdir("/proc/self/fd")) - fds_before
         assert [fd for fd in new if executor_kind(fd)] == []
-        assert c.threads == {"millwright-reaper"}
     finally:
-        ex.close(close_backend=False)
+        if not closed:
+            ex.close(close_backend=False)
 
 
 # --------------------------------------------------------------------------- issue 3 execution
@@ -396,12 +410,11 @@ def test_poststart_hooks_run_before_the_job_does_anything(executor, base_dir):
     marker = os.path.join(base_dir, "ran")
 
     def hook(handle):
-        # the process exists, is in its cgroup and has not exec'ed the job yet
-        with open(f"/proc/{handle.pid}/cgroup") as fh:
-            cg = fh.read()
+        # the process exists, its cgroups are known and it has not exec'ed the job yet
+        # (it joins them by itself before it may: test_the_launcher_joins_its_cgroups_...)
         with open(f"/proc/{handle.pid}/cmdline", "rb") as fh:
             cmd = fh.read()
-        seen.append((handle.run_key, f"/{ROOT_NAME}/" in cg, b"touch" not in cmd.split(b"\0")[0]))
+        seen.append((handle.run_key, f"/{ROOT_NAME}/" in handle.cgroup["memory"], b"touch" not in cmd.split(b"\0")[0]))
         if handle.run_key == "vetoed":
             raise RuntimeError("sensor could not track the pid")
 
@@ -742,35 +755,90 @@ def _thread_cgroups() -> str:
         return fh.read()
 
 
-@pytest.mark.parametrize("limits,joined", [
-    (Limits(cpu=1.0, memory_mb=128, pids=64), {"memory", "cpu", "pids", "cpuacct"}),
-    (Limits(cpu=0.1, memory_mb=16, pids=4), set()),   # too tight for the spawning thread: pid attach
-])
-def test_the_launcher_is_born_in_its_cgroups_and_the_spawning_thread_goes_home(executor, limits, joined):
+@pytest.mark.parametrize("limits", [Limits(cpu=1.0, memory_mb=128, pids=64), Limits(cpu=0.1, memory_mb=16, pids=4)])
+@pytest.mark.parametrize("armed", [False, True])
+def test_the_launcher_joins_its_cgroups_itself_and_no_thread_of_the_agent_moves(executor, limits, armed, monkeypatch):
+    """The launcher writes itself into each of its cgroups through the files its slot keeps
+    open (inherited fds), before it may exec: the job runs inside every one of them, the
+    agent writes no pid into them and its own threads never leave their cgroups, however
+    tight the run's limits."""
     c = Collector()
-    seen = {}
-
-    def hook(h):
-        # before the job can exec: the launcher, and only it, is in every run cgroup
-        seen["procs"] = {k: open(os.path.join(d, "cgroup.procs")).read().split() for k, d in h.cgroup.items()}
-        seen["pid"] = str(h.pid)
-        seen["joined"] = set(executor.runs.get(h.run_key).slot.joined)
-
     home = _thread_cgroups()
-    executor.poststart.append(hook)
-    try:
-        h = executor.start(RunSpec("born", ["/bin/cat", "/proc/self/cgroup"], limits=limits), c)
-        (r,) = c.wait(["born"])
-    finally:
-        executor.poststart.remove(hook)
+    written: list[str] = []
+    fs = executor.backend.fs
+    monkeypatch.setattr(fs, "write", lambda path, data, w=fs.write: (written.append(path), w(path, data))[1])
+    spec = RunSpec(f"born-{armed}", ["/bin/cat", "/proc/self/cgroup"], limits=limits)
+    if armed:
+        h = executor.prepare(spec, c, release_at=time.monotonic() + 0.05, guard=lambda: True,
+                             guard_until=time.monotonic() + 10)
+    else:
+        h = executor.start(spec, c)
+    slot = executor.runs.get(h.run_key).slot
+    (r,) = c.wait([spec.run_key])
     assert _thread_cgroups() == home
     assert r.reason == "succeeded", r
-    assert seen["procs"] == {k: [seen["pid"]] for k in h.cgroup}
-    mine = [line.split(":", 2) for line in open(r.stdout_path).read().splitlines()]
-    inside = {ctrl for _, ctrls, path in mine for ctrl in ctrls.split(",")
-              if path.startswith((f"/{ROOT_NAME}/born-", f"/{ROOT_NAME}@born-"))}
-    assert {"memory", "cpu", "pids", "cpuacct"} <= inside
-    assert seen["joined"] == joined   # born inside where the limits leave room, else attached by pid
+    assert slot.joined == {"memory", "cpu", "pids", "cpuacct"}
+    mine = {ctrl: path for _, ctrls, path in (line.split(":", 2) for line in open(r.stdout_path).read().splitlines())
+            for ctrl in ctrls.split(",")}
+    for ctrl in ("memory", "cpu", "pids", "cpuacct"):
+        assert os.path.join(executor.backend.mounts[ctrl], mine[ctrl].lstrip("/")) == h.cgroup[ctrl], (ctrl, mine)
+    assert not [p for p in written if p.endswith(("cgroup.procs", "tasks"))], written
+
+
+def test_a_launcher_that_cannot_join_its_cgroups_never_execs_the_job(executor, base_dir):
+    """A slot whose cgroup went away under it (its `tasks` file open, the directory
+    removed): the launcher's join fails and it ends without exec'ing the job."""
+    marker = os.path.join(base_dir, "ran-outside")
+    spec = RunSpec("no-join", ["/usr/bin/touch", marker], limits=Limits(0.5, 64, 16))
+    staged = executor.stage(spec)
+    assert staged.error is None
+    os.rmdir(staged.slot.paths["pids"])   # empty: the kernel lets it go; the fd stays open
+    c = Collector()
+    executor.start(spec, c, staged=staged)
+    (r,) = c.wait(["no-join"])
+    # failed (exit 126), or spawn_error when its go byte found it gone already
+    assert (r.reason, r.exit_code) in (("failed", 126), ("spawn_error", None)), r
+    assert "I/O error" in (r.stderr_tail or "") or "No such device" in (r.stderr_tail or ""), r.stderr_tail
+    assert not os.path.exists(marker)
+    assert not os.path.exists(staged.slot.paths["memory"])   # not reused: removed
+
+
+def test_a_slot_is_reused_only_after_a_clean_end_and_the_pool_keeps_at_most_its_size(backend, base_dir):
+    """Eight runs at once with a pool of three: three slots stay, the others are removed;
+    the next runs take the pooled ones (same cgroups, limits rewritten where they
+    differ, usage counted from zero again); a run that left a process behind its leader
+    gives its slot up for good."""
+    ex = Executor(backend, base_dir, kill_grace_s=1.0, slot_pool=3)
+    try:
+        c = Collector()
+        keys = [f"wide-{i}" for i in range(8)]
+        hs = [ex.start(RunSpec(k, [PY, "-c", "import time; sum(range(10**6)); time.sleep(0.3)"],
+                               limits=Limits(0.5, 64, 16)), c) for k in keys]
+        first = c.wait(keys)
+        assert all(r.reason == "succeeded" for r in first), first
+        assert ex.slots.free() == 3 and len(_slot_names(backend)) == 3
+        pooled = {h.cgroup["memory"] for h in hs} & {os.path.join(backend.roots["memory"], n)
+                                                      for n in _slot_names(backend)}
+        assert len(pooled) == 3
+        h = ex.start(RunSpec("again", [PY, "-c", "pass"], limits=Limits(0.25, 48, 8)), c)
+        (r,) = c.wait(["again"])
+        assert h.cgroup["memory"] in pooled and r.reason == "succeeded"
+        assert open(os.path.join(h.cgroup["memory"], "memory.limit_in_bytes")).read().strip() == str(48 << 20)
+        assert open(os.path.join(h.cgroup["cpu"], "cpu.cfs_quota_us")).read().strip() == "25000"
+        assert open(os.path.join(h.cgroup["pids"], "pids.max")).read().strip() == "8"
+        assert 0 < r.usage.cpu_s < min(x.usage.cpu_s for x in first)   # its own, not the slot's total
+        # a process outlives the leader (its own session): killed with the cgroup, and the
+        # slot is not handed out again
+        h2 = ex.start(RunSpec("leaves", ["/bin/sh", "-c", "setsid sleep 30 & sleep 0.2"], limits=Limits(0.25, 48, 8)), c)
+        (r2,) = c.wait(["leaves"])
+        assert r2.reason == "succeeded" and h2.cgroup["memory"] in pooled
+        assert not os.path.exists(h2.cgroup["memory"]) and ex.slots.free() == 2
+        hs3 = [ex.start(RunSpec(f"after-{i}", ["/bin/true"], limits=Limits(0.25, 48, 8)), c) for i in range(3)]
+        c.wait([f"after-{i}" for i in range(3)])
+        assert h2.cgroup["memory"] not in {x.cgroup["memory"] for x in hs3}
+    finally:
+        ex.close(close_backend=False)
+    assert _run_dirs(backend) == []
 
 
 def test_a_cluster_leaves_no_agent_cgroup_root_behind(etcd_server, tmp_path):
@@ -917,26 +985,40 @@ def test_a_staged_run_starts_in_the_directories_and_cgroups_made_ahead_on_anothe
             (where, staged.slot.paths)
     assert h.cgroup == staged.slot.paths
     assert makers == ["stager", "stager"]
-    assert not os.path.exists(work) and not any(os.path.exists(d) for d in cgroup_dirs)
+    assert not os.path.exists(work)
+    # the slot went back to the pool for another run, empty
+    assert all(os.path.isdir(d) and open(os.path.join(d, "cgroup.procs")).read() == "" for d in cgroup_dirs)
+    assert executor.slots.free() == 1
 
 
-def test_an_unstaged_run_leaves_no_cgroup_and_no_directory(executor):
+def test_an_unstaged_run_leaves_no_cgroup_and_no_directory(backend, base_dir):
     """A run staged with its claim but never started (fenced, cancelled) gives back its
-    quota container and its empty run and work directories."""
-    spec = RunSpec("st-dropped", ["/bin/true"], limits=Limits(0.1, 16, 8))
-    fds_before = set(os.listdir("/proc/self/fd"))
-    staged = executor.stage(spec)
-    assert staged.error is None
-    run_dir, work = staged.process.run_dir, staged.work_dir_created
-    cgroup_dirs = list(staged.slot.paths.values())
-    assert os.path.isdir(work) and all(os.path.isdir(d) for d in cgroup_dirs)
-    assert staged.slot.join_fds   # the cgroups' tasks files, opened for the spawn
-    executor.unstage(staged)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and (os.path.exists(run_dir) or any(os.path.exists(d) for d in cgroup_dirs)):
-        time.sleep(0.01)
-    assert not os.path.exists(run_dir) and not any(os.path.exists(d) for d in cgroup_dirs)
-    assert set(os.listdir("/proc/self/fd")) <= fds_before   # and their fds were closed
+    quota container (to the pool, or removed where the pool is full) and its empty run
+    and work directories."""
+    for size in (1, 0):
+        ex = Executor(backend, base_dir, slot_pool=size)
+        try:
+            spec = RunSpec("st-dropped", ["/bin/true"], limits=Limits(0.1, 16, 8))
+            fds_before = set(os.listdir("/proc/self/fd"))
+            staged = ex.stage(spec)
+            assert staged.error is None
+            run_dir, work = staged.process.run_dir, staged.work_dir_created
+            cgroup_dirs = list(staged.slot.paths.values())
+            assert os.path.isdir(work) and all(os.path.isdir(d) for d in cgroup_dirs)
+            assert staged.slot.join_fds   # the cgroups' tasks files, for the launcher to join by
+            ex.unstage(staged)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and os.path.exists(run_dir):
+                time.sleep(0.01)
+            assert not os.path.exists(run_dir)
+            if size:
+                assert ex.slots.free() == 1 and all(os.path.isdir(d) for d in cgroup_dirs)
+            else:
+                assert not any(os.path.exists(d) for d in cgroup_dirs)
+                assert set(os.listdir("/proc/self/fd")) <= fds_before   # and their fds were closed
+        finally:
+            ex.close(close_backend=False)
+        assert not any(os.path.exists(d) for d in cgroup_dirs)
 
 
 def test_a_staging_error_is_the_runs_spawn_error_and_nothing_is_left(executor):
@@ -952,41 +1034,3 @@ def test_a_staging_error_is_the_runs_spawn_error_and_nothing_is_left(executor):
     assert r.reason == "spawn_error" and "does not exist" in (r.error or ""), r
     time.sleep(0.2)
     assert len(calls) == 1
-
-
-def test_spawning_threads_home_files_stay_bounded(backend, monkeypatch):
-    """Each thread that moves itself into a run's cgroups keeps its home `tasks` files
-    open for the way back; threads come and go for months, so that cache is emptied at
-    its bound (HOME_FDS_MAX) and the agent's open files stay bounded with it."""
-    def tasks_fds() -> int:
-        n = 0
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                n += os.readlink(f"/proc/self/fd/{fd}").endswith("/tasks")
-            except OSError:
-                pass
-        return n
-
-    monkeypatch.setattr(backend, "HOME_FDS_MAX", 6)
-    slot = backend.create("home-fds", Limits(1.0, 128, 64))
-    try:
-        joined = backend.joinable(slot)
-        assert len(joined) >= 2, joined   # memory and pids at least: more than one entry per thread
-        before = tasks_fds()
-        seen = []
-
-        def hop() -> None:
-            backend.leave(slot, backend.enter(slot))
-            seen.append(backend.home_fds_open())
-
-        for _ in range(12):   # 12 threads x the joined hierarchies: well past the bound
-            t = threading.Thread(target=hop)
-            t.start()
-            t.join()
-        assert len(seen) == 12 and max(seen) <= 6, seen
-        assert min(seen[3:]) < max(seen), seen   # emptied and refilled, not just capped once
-        assert tasks_fds() <= before + 6
-        with open(os.path.join(slot.paths["pids"], "tasks")) as fh:
-            assert fh.read().split() == []   # every thread went home
-    finally:
-        backend.remove(slot)

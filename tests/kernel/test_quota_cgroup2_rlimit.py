@@ -184,11 +184,38 @@ def test_cgroup2_run_limits_usage_and_cleanup_with_real_processes(tree, base_dir
     assert not os.path.exists(os.path.join(mount, "system.slice", "millwright.service", "mw-test"))
 
 
+def test_cgroup2_a_slot_serves_the_next_run_counted_from_its_last_and_with_its_own_limits(tree, base_dir):
+    """A v2 slot given back after a clean run is reset (memory.peak through its own fd)
+    and serves the next run: the limits that differ are rewritten, and the next run's
+    usage is counted from what the slot's counters held at the last run's end (this tree's
+    counters never move: the second run used nothing)."""
+    mount, fs = tree
+    b = _v2(mount, fs)
+    ex = Executor(b, base_dir, watch_interval_s=0.05)
+    try:
+        c = Collector()
+        h1 = ex.start(RunSpec("v2-first", ["/bin/true"], limits=Limits(cpu=0.5, memory_mb=64, pids=16)), c)
+        (r1,) = c.wait(["v2-first"])
+        assert ex.slots.free() == 1
+        fs.writes.clear()
+        h2 = ex.start(RunSpec("v2-second", ["/bin/true"], limits=Limits(cpu=0.5, memory_mb=32, pids=16)), c)
+        (r2,) = c.wait(["v2-second"])
+    finally:
+        ex.close(close_backend=False)
+    d = h1.cgroup["unified"]
+    assert h2.cgroup["unified"] == d and r1.reason == r2.reason == "succeeded"
+    written = {os.path.basename(p): v for p, v in fs.writes}
+    assert written.get("memory.max") == str(32 << 20) and "cpu.max" not in written and "pids.max" not in written
+    assert (r1.usage.cpu_s, r1.usage.throttled_s) == (1.5, 0.25)
+    assert (r2.usage.cpu_s, r2.usage.throttled_s) == (0.0, 0.0)
+    assert not os.path.exists(d)   # removed with the pool at close
+
+
 @pytest.mark.parametrize("events,reason", [({"memory.events": "oom 1\noom_kill 1\noom_group_kill 1\n"}, "oom"),
                                            ({"pids.events": "max 4\n"}, "pids_limit")])
 def test_cgroup2_quota_events_end_the_run_with_their_reason(tree, base_dir, events, reason):
     mount, fs = tree
-    fs.overrides = {"quota-": events}
+    fs.overrides = {"slot-": events}   # every run slot of this test (it has one run)
     b = _v2(mount, fs)
     ex = Executor(b, base_dir, watch_interval_s=0.05)
     try:

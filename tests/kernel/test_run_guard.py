@@ -31,7 +31,11 @@ from agent.execute.backends import probe
 b = probe(sys.argv[1], root_name=sys.argv[2], reclaim=True)
 assert b.name == sys.argv[1], b.why
 ex = Executor(b, sys.argv[3])
+# two runs at once first: afterwards one slot is free in the pool, one holds the run below
+warm = [ex.start(RunSpec(k, ["/bin/sleep", "0.2"]), lambda h, r: None) for k in ("w1", "w2")]
+assert all(w.wait(10) is not None for w in warm)
 h = ex.start(RunSpec("t", ["/bin/sh", "-c", {TREE!r}]), lambda h, r: None)
+assert ex.slots.free() == 1 or b.name == "rlimit", ex.slots.free()
 print(h.pgid, flush=True)
 time.sleep(120)
 """
@@ -63,14 +67,17 @@ def test_a_killed_agents_run_dies_with_it(backend, tmp_path):
         pgid = int(agent.stdout.readline())
         wait_for(lambda: len(group_alive(pgid)) >= 4, 10, what="the run's tree")
         cg_dirs = [os.path.join(m, root) for m in ("/sys/fs/cgroup/memory", "/sys/fs/cgroup/pids")]
+
+        def run_cgroups():
+            return [x for d in cg_dirs if os.path.isdir(d) for x in os.listdir(d)
+                    if os.path.isdir(os.path.join(d, x))]
+
+        if backend == "cgroup1":   # the run's slot and a free one in the pool
+            assert len(run_cgroups()) == 4, run_cgroups()
         agent.kill()
         agent.wait()
         wait_for(lambda: not group_alive(pgid), 10, interval=0.005, what="the run to die with its agent")
-        if backend == "cgroup1":   # the keeper removed the emptied run cgroups
-            def run_cgroups():
-                return [x for d in cg_dirs if os.path.isdir(d) for x in os.listdir(d)
-                        if os.path.isdir(os.path.join(d, x))]
-
+        if backend == "cgroup1":   # the keeper removed the emptied run cgroups, the pooled one too
             wait_for(lambda: not run_cgroups(), 10, what="run cgroups removed")
     finally:
         if agent.poll() is None:
@@ -128,6 +135,8 @@ def test_a_group_whose_leader_was_reaped_is_never_signalled():
 def test_run_guard_tells_the_keeper_in_order():
     g = RunGuard()
     try:
+        g.pooled(["/x/y", "/x/z"])
+        g.unpooled(["/x/z"])
         g.add(123456789, ["/x/y"])
         g.leader_exited(123456789)
         g.remove(123456789)

@@ -167,6 +167,50 @@ def test_exec_events_attributed_to_slot_and_node_activity(sensor_pump):
     child.wait()
 
 
+def test_node_execs_reach_the_loop_in_batches_and_a_jobs_at_once(sensor_pump):
+    """Execs outside any job come through a ring that wakes the poll thread once per
+    batch, and the events of one wake-up reach the loop in one post; every one of them
+    still arrives. A job's exec is not held back for a batch."""
+    from agent.signals.polling import deliver_all
+
+    sensor, pump = sensor_pump
+    posts: list[list] = []
+    real = pump.post
+
+    def counting(fn, *args):
+        if fn is deliver_all:
+            posts.append([ev for _cb, ev in args[0]])
+        real(fn, *args)
+
+    sensor._poller._post = counting
+    try:
+        assert sensor._kernel.perf.batched   # libbcc_bpf here can set the wake-up mark
+        marker = f"mw-batch-{os.getpid()}-{time.monotonic_ns()}"
+        n = 200
+        subprocess.run(["/bin/sh", "-c", f"i=0; while [ $i -lt {n} ]; do /bin/true {marker} $i; i=$((i+1)); done"],
+                       check=True, timeout=60)
+
+        def node():
+            return [e for e in pump.execs if e.slot is None and marker in e.argv]
+
+        assert pump.run_until(lambda: len(node()) >= n, 10), len(node())
+        # all of them, once each (in order per CPU: one ring per CPU)
+        assert sorted(int(e.argv[2]) for e in node()) == list(range(n))
+        with_marker = [p for p in posts if any(e.slot is None and marker in e.argv for e in p)]
+        assert len(with_marker) <= n // 8, [len(p) for p in with_marker]
+        # a job's exec: delivered at its own wake-up, not after a batch of 32
+        slot = 12
+        before = len(posts)
+        p = _spawn(sensor, slot, ["/bin/true", marker])
+        p.wait(timeout=10)
+        assert pump.run_until(lambda: any(e.slot == slot and marker in e.argv for e in pump.execs), 10)
+        job_post = next(i for i, q in enumerate(posts) if any(e.slot == slot for e in q))
+        assert job_post >= before
+    finally:
+        sensor._poller._post = real
+        sensor.untrack(12)
+
+
 # ------------------------------------------------------------------------ acceptance 2
 
 

@@ -66,7 +66,7 @@ def test_incomplete_access_settings_name_their_key(etcd, key, words):
 
 def test_config_check_and_run_refuse_plaintext_etcd_with_one_line_each(tmp_path, capsys):
     cfg = tmp_path / "agent.yaml"
-    cfg.write_text("cluster: t\n")
+    cfg.write_text("cluster: t\nmqtt: {insecure: true}\n")   # the etcd lines alone
     for argv in (["config", "check", str(cfg)], ["run", "-c", str(cfg)]):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()

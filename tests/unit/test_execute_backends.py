@@ -84,6 +84,8 @@ class _DirFS(CgroupFS):
     def __init__(self, dirs=()):
         self.dirs: set[str] = set(dirs)
         self.writes: dict[str, str] = {}
+        self.joiners: list[str] = []
+        self.closed: list[int] = []
 
     def mkdir(self, path: str) -> None:
         self.dirs.add(path)
@@ -103,6 +105,13 @@ class _DirFS(CgroupFS):
     def write(self, path: str, data: str) -> None:
         self.writes[path] = data
 
+    def open_joiner(self, path: str) -> int:
+        self.joiners.append(path)
+        return 100 + len(self.joiners)
+
+    def close_fd(self, fd: int) -> None:
+        self.closed.append(fd)
+
 
 def test_cgroup1_run_cpu_cgroups_are_top_level_and_found_again_when_stale():
     fs = _DirFS({"/m", "/c", "/p", "/a"})
@@ -111,6 +120,8 @@ def test_cgroup1_run_cpu_cgroups_are_top_level_and_found_again_when_stale():
     assert b.roots == {"memory": "/m/t", "pids": "/p/t"}   # no root in cpu, cpuacct
     slot = b.create("r1", Limits(cpu=0.5, memory_mb=64, pids=8))
     assert slot.paths == {"memory": "/m/t/r1", "pids": "/p/t/r1", "cpu": "/c/t@r1", "cpuacct": "/a/t@r1"}
+    # the launcher joins each by itself, through its `tasks` file kept open with the slot
+    assert sorted(fs.joiners) == sorted(d + "/tasks" for d in slot.paths.values())
     assert fs.writes["/c/t@r1/cpu.cfs_quota_us"] == "50000"
     assert "/c/t/cpu.shares" not in fs.writes            # no weight of our own: one process's
     fs.mkdir("/c/t@r2")                                  # a dead agent's run, cpu cgroup left alone
@@ -118,3 +129,4 @@ def test_cgroup1_run_cpu_cgroups_are_top_level_and_found_again_when_stale():
     assert {s.name: s.paths["cpu"] for s in b.stale_slots()} == {"r1": "/c/t@r1", "r2": "/c/t@r2"}
     b.remove(slot)
     assert not fs.dirs & {"/m/t/r1", "/p/t/r1", "/c/t@r1", "/a/t@r1"}
+    assert sorted(fs.closed) == [101, 102, 103, 104] and slot.join_fds == {}

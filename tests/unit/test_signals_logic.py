@@ -158,3 +158,12 @@ def test_watch_url_and_records():
     e = decode_exec(_exec_bytes([b"/bin/true"], pid=3, slot=2, filename=b"/bin/true"), 0.0)
     rec = e.to_record()
     assert rec["argv"] == ["/bin/true"] and rec["node_activity"] is False and rec["filename"] == "/bin/true"
+
+
+def test_a_node_exec_ring_wakes_its_reader_well_before_it_could_fill():
+    from agent.signals.polling import EXEC_RECORD_MAX, NODE_WAKEUP_EVENTS, node_wakeup
+
+    assert node_wakeup(64) == NODE_WAKEUP_EVENTS              # the default ring: a batch of 32
+    assert node_wakeup(1) == 1                                 # a one-page ring: every record
+    for pages in (1, 2, 4, 8, 16, 32, 64, 128):
+        assert node_wakeup(pages) * EXEC_RECORD_MAX * 4 <= max(pages * 4096, 4 * EXEC_RECORD_MAX)

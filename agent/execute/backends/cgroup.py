@@ -23,10 +23,12 @@ DEFAULT_ROOT = "millwright"
 
 
 class CgroupBackend(QuotaBackend):
-    """Runs' cgroups under one root per agent (<root>/<run>), except where a backend puts
+    """Runs' cgroups under one root per agent (<root>/<slot>), except where a backend puts
     a hierarchy's run cgroups elsewhere (run_dir; cgroup v1's cpu: see Cgroup1Backend)."""
 
     enforces_cpu_rate = True
+    poolable = True
+    contains_runs = True
 
     def __init__(self, root_name: str = DEFAULT_ROOT, fs: Optional[CgroupFS] = None):
         if not re.match(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}$", root_name or ""):
@@ -75,7 +77,7 @@ class CgroupBackend(QuotaBackend):
     def attach(self, slot: Slot, pid: int) -> None:
         slot.pid = slot.pgid = pid
         for h, d in slot.paths.items():
-            if h not in slot.joined:   # born there already (enter)
+            if h not in slot.joined:   # the launcher joins the others by itself
                 self.fs.write(os.path.join(d, "cgroup.procs"), str(pid))
 
     def members(self, slot: Slot) -> list[int]:
@@ -101,9 +103,10 @@ class CgroupBackend(QuotaBackend):
                     pass
 
     def remove(self, slot: Slot) -> bool:
-        for fd in slot.join_fds.values():   # never entered (a staged run that did not start)
+        for fd in list(slot.join_fds.values()) + list(slot.keep_fds.values()):
             self.fs.close_fd(fd)
         slot.join_fds.clear()
+        slot.keep_fds.clear()
         ok = True
         for d in list(slot.paths.values()):
             try:

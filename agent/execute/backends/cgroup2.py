@@ -115,51 +115,90 @@ class Cgroup2Backend(CgroupBackend):
         if self.root is None:
             raise BackendUnavailable("cgroup2 backend used before setup()")
         d = os.path.join(self.root, name)
-        slot = Slot(name, limits, {"unified": d})
+        slot = Slot(name, Limits(), {"unified": d})
         try:
             self.fs.mkdir(d)
-            if limits.memory_bytes:
-                self.fs.write(os.path.join(d, "memory.max"), str(limits.memory_bytes))
-                if self.fs.exists(os.path.join(d, "memory.swap.max")):
-                    try:
-                        self.fs.write(os.path.join(d, "memory.swap.max"), "0")
-                    except OSError:
-                        pass
+            if self.fs.exists(os.path.join(d, "memory.swap.max")):
+                try:   # no swap beyond the limit
+                    self.fs.write(os.path.join(d, "memory.swap.max"), "0")
+                except OSError:
+                    pass
             self.fs.write(os.path.join(d, "memory.oom.group"), "1")
-            if limits.cpu:
-                self.fs.write(os.path.join(d, "cpu.max"), f"{max(1000, int(limits.cpu * CPU_PERIOD_US))} {CPU_PERIOD_US}")
-            if limits.pids:
-                self.fs.write(os.path.join(d, "pids.max"), str(int(limits.pids)))
+            self.reuse(slot, limits)
         except OSError:
             self.remove(slot)
             raise
         return slot
+
+    def reuse(self, slot: Slot, limits: Limits) -> None:
+        d = slot.paths["unified"]
+        old = slot.limits
+        if limits.memory_bytes != old.memory_bytes:
+            self.fs.write(os.path.join(d, "memory.max"), str(limits.memory_bytes) if limits.memory_bytes else "max")
+        if limits.cpu != old.cpu:
+            quota = str(max(1000, int(limits.cpu * CPU_PERIOD_US))) if limits.cpu else "max"
+            self.fs.write(os.path.join(d, "cpu.max"), f"{quota} {CPU_PERIOD_US}")
+        if limits.pids != old.pids:
+            self.fs.write(os.path.join(d, "pids.max"), str(int(limits.pids)) if limits.pids else "max")
+        slot.limits = limits
+
+    def recycle(self, slot: Slot) -> bool:
+        # memory.peak is cumulative; only kernels that reset it (6.12+: a write resets it for
+        # reads through the same fd) can hand the slot to another run with a true peak
+        d = slot.paths["unified"]
+        if not self.fs.exists(os.path.join(d, "memory.peak")):
+            slot.peak_rss = 0   # the polled memory.current peak is ours to reset
+            return True
+        fd = slot.keep_fds.get("peak")
+        try:
+            if fd is None:
+                fd = slot.keep_fds["peak"] = self.fs.open_rw(os.path.join(d, "memory.peak"))
+            self.fs.write_fd(fd, "reset\n")
+        except OSError:
+            return False
+        slot.peak_rss = 0
+        return True
 
     def check_all(self, slots: Iterable[Slot]) -> dict[str, str]:
         out = {}
         for s in slots:
             d = s.paths["unified"]
             ev = self.read_kv(os.path.join(d, "memory.events"))
-            if ev.get("oom_kill", 0) > 0 or ev.get("oom_group_kill", 0) > 0:
+            if max(ev.get("oom_kill", 0), ev.get("oom_group_kill", 0)) > s.base.get("oom_kill", 0):
                 out[s.name] = "oom"
-            elif self.read_kv(os.path.join(d, "pids.events")).get("max", 0) > 0:
+            elif self.read_kv(os.path.join(d, "pids.events")).get("max", 0) > s.base.get("pids_max", 0):
                 out[s.name] = "pids_limit"
             elif not self.fs.exists(os.path.join(d, "memory.peak")):
                 s.peak_rss = max(s.peak_rss, self.read_int(os.path.join(d, "memory.current")))
         return out
 
-    def usage(self, slot: Slot, rusage: Any = None) -> Usage:
+    def usage(self, slot: Slot, rusage: Any = None, final: bool = False) -> Usage:
         u = super().usage(slot, rusage)
         d = slot.paths["unified"]
         st = self.read_kv(os.path.join(d, "cpu.stat"))
-        if "usage_usec" in st:
-            u.cpu_s = st["usage_usec"] / 1e6
-        u.throttled_s = st.get("throttled_usec", 0) / 1e6
-        peak = self.read_int(os.path.join(d, "memory.peak"), -1)
-        u.max_rss_bytes = max(u.max_rss_bytes, peak, slot.peak_rss)
         ev = self.read_kv(os.path.join(d, "memory.events"))
-        u.oom_kills = max(ev.get("oom_kill", 0), ev.get("oom_group_kill", 0))
-        u.pids_max_events = self.read_kv(os.path.join(d, "pids.events")).get("max", 0)
+        raw = {"throttled_us": st.get("throttled_usec", 0),
+               "oom_kill": max(ev.get("oom_kill", 0), ev.get("oom_group_kill", 0)),
+               "pids_max": self.read_kv(os.path.join(d, "pids.events")).get("max", 0)}
+        if "usage_usec" in st:
+            raw["cpu_us"] = st["usage_usec"]
+        fd = slot.keep_fds.get("peak")
+        if fd is not None:   # reset for this run (recycle): read through the same fd
+            try:
+                peak = int(self.fs.pread(fd, 64).split()[0])
+            except (OSError, ValueError, IndexError):
+                peak = -1
+        else:
+            peak = self.read_int(os.path.join(d, "memory.peak"), -1)
+        u.max_rss_bytes = max(u.max_rss_bytes, peak, slot.peak_rss)
+        delta = {k: max(0, v - slot.base.get(k, 0)) for k, v in raw.items()}
+        if "cpu_us" in delta:
+            u.cpu_s = delta["cpu_us"] / 1e6
+        u.throttled_s = delta["throttled_us"] / 1e6
+        u.oom_kills = delta["oom_kill"]
+        u.pids_max_events = delta["pids_max"]
+        if final:
+            slot.base = raw
         return u
 
     def kill_all(self, slot: Slot) -> None:
@@ -170,4 +209,3 @@ class Cgroup2Backend(CgroupBackend):
             except OSError:
                 pass
         super().kill_all(slot)
-

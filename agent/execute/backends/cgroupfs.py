@@ -7,23 +7,32 @@ code paths run on a plain directory tree where the host has no usable cgroup2 hi
 
 from __future__ import annotations
 
+import fcntl
 import os
+
+JOINER_FD_MIN = 10
+READ_SIZE = 65536
+WHOLE_BELOW = 2048
 
 
 class CgroupFS:
     """The few filesystem operations the cgroup backends use (overridable in tests)."""
 
     def read(self, path: str) -> str:
-        # os.read, not open(): a run's end reads a dozen small cgroup files, and the text
-        # layer costs several times the syscalls' own time on the reaper's path
+        # os.read, not open(): a run's end reads a handful of small cgroup files, and the
+        # text layer costs several times the syscalls' own time on the reaper's path. A
+        # cgroup file's read(2) returns a whole page of its seq_file (or its end): less
+        # than half a page is all of it, with no second read to see the end.
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             chunks = []
             while True:
-                chunk = os.read(fd, 65536)
+                chunk = os.read(fd, READ_SIZE)
                 if not chunk:
                     break
                 chunks.append(chunk)
+                if len(chunk) < WHOLE_BELOW:
+                    break
         finally:
             os.close(fd)
         return b"".join(chunks).decode()
@@ -39,6 +48,25 @@ class CgroupFS:
     def open_writer(self, path: str) -> int:
         """An fd of a cgroup file to write again and again (each write(2) acts on its own)."""
         return os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+
+    def open_joiner(self, path: str) -> int:
+        """An fd of a cgroup's `tasks` file for a launcher to inherit and join by (a write
+        of "0"), numbered JOINER_FD_MIN or above: the launcher's shell names it by a single
+        digit below that, which no fd to be moved there may occupy."""
+        fd = self.open_writer(path)
+        if fd >= JOINER_FD_MIN:
+            return fd
+        try:
+            return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, JOINER_FD_MIN)
+        finally:
+            os.close(fd)
+
+    def open_rw(self, path: str) -> int:
+        return os.open(path, os.O_RDWR | os.O_CLOEXEC)
+
+    def pread(self, fd: int, n: int) -> str:
+        """Up to n bytes from the start of an open cgroup file."""
+        return os.pread(fd, n, 0).decode()
 
     def write_fd(self, fd: int, data: str) -> None:
         os.write(fd, data.encode())

@@ -1,9 +1,10 @@
 """The quota backend interface: what the executor asks of a backend for each run.
 
-The executor asks a backend for a *slot* per run (a cgroup, or just bookkeeping for
-rlimits), has the launcher born in it (enter/leave) or attaches the forked child to it
-before the child execs, polls it for quota events while the run lives, reads its usage
-when it ends and removes it."""
+The executor takes a *slot* per run (a cgroup, or just bookkeeping for rlimits) from its
+pool (agent/execute/backends/pool.py), lets the launcher join it by itself (``join_fds``)
+or attaches the child to it before the child execs, polls it for quota events while the
+run lives, reads its usage once when it ends, and gives it back to the pool (reset for
+the next run) or removes it."""
 
 from __future__ import annotations
 
@@ -32,9 +33,15 @@ class Slot:
     peak_rss: int = 0
     nprocs: int = 0
     removed: bool = False
-    joined: set = field(default_factory=set)   # hierarchies the launcher was born in (QuotaBackend.enter)
-    cpu_offset_s: float = 0.0                  # the spawning thread's own cpu time while it was inside
-    join_fds: dict = field(default_factory=dict)   # hierarchy -> its `tasks` file, opened by create() for enter()
+    # hierarchy -> an fd of the file a process joins the cgroup by writing "0" to (v1's
+    # `tasks`), open while the slot lives: the launcher inherits them and joins by itself
+    join_fds: dict = field(default_factory=dict)
+    joined: set = field(default_factory=set)   # hierarchies the current run's launcher joins by itself
+    keep_fds: dict = field(default_factory=dict)   # other files of the slot kept open while it lives
+    # the cumulative counters as the current run found them (a reused slot's are not zero):
+    # name -> value, subtracted from what the run's end reads
+    base: dict = field(default_factory=dict)
+    runs: int = 0   # runs it has held (more than one: it was reused)
 
 
 @dataclass
@@ -59,6 +66,8 @@ class QuotaBackend:
     name = "none"
     why = ""
     enforces_cpu_rate = False
+    poolable = False   # its slots are worth keeping for another run (cgroups: made and removed on disk)
+    contains_runs = False   # a slot holds every process of its run (members() lists them all)
 
     def setup(self) -> None:
         """Prepare the backend's root (create cgroups, enable controllers)."""
@@ -66,16 +75,19 @@ class QuotaBackend:
     def create(self, name: str, limits: Limits) -> Slot:
         return Slot(name, limits)
 
-    def enter(self, slot: Slot) -> Any:
-        """Move the calling thread into the slot, so that a process it creates now is born
-        there; leave(slot, token) right after the fork/vfork moves it back."""
-        return None
+    def reuse(self, slot: Slot, limits: Limits) -> None:
+        """Give a pooled slot another run's limits (only the values that differ are
+        written). OSError: the slot cannot hold them (the pool removes it)."""
+        slot.limits = limits
 
-    def leave(self, slot: Slot, token: Any) -> None:
-        """Undo enter(): the calling thread back where it was."""
+    def recycle(self, slot: Slot) -> bool:
+        """Reset an empty slot whose run ended cleanly for the next run (its usage was read:
+        the cumulative counters are its new ``base``). False: it cannot be reused."""
+        return True
 
     def attach(self, slot: Slot, pid: int) -> None:
-        """Put the (not yet exec'ed) child into the slot. Runs in the parent."""
+        """Put the (not yet exec'ed) child into the slot, where it does not join by itself
+        (``slot.joined``). Runs in the parent."""
         slot.pid = slot.pgid = pid
 
     def child_rlimits(self, limits: Limits, timeout_s: Optional[float]) -> list[tuple[int, int]]:
@@ -86,7 +98,9 @@ class QuotaBackend:
         """slot name -> quota reason ('oom' or 'pids_limit') for runs that hit a limit."""
         return {}
 
-    def usage(self, slot: Slot, rusage: Any = None) -> Usage:
+    def usage(self, slot: Slot, rusage: Any = None, final: bool = False) -> Usage:
+        """What the slot's current run used so far. ``final`` (its end, read once): the
+        cumulative counters read become the slot's base for a next run."""
         # ru_maxrss is not used: a forked/vforked child starts with the agent's own
         # resident set, so its high-water mark says more about the agent than the job.
         u = Usage(max_rss_bytes=slot.peak_rss)
