@@ -15,7 +15,8 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from agent.coordination.etcd import Create, EtcdError, EtcdUnavailable, Mod, Put
-from agent.coordination.fencing import Fence, StaleToken, fenced_txn
+from agent.coordination.fencing import Fence, FencedWrite, StaleToken
+from agent.coordination.groupcommit import GroupCommit
 from agent.coordination.keys import Keys
 from agent.jobs.states import RecordState
 from agent.runtime.timefmt import format_optional as rfc
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 # deadline but the shard is still held (RunRecords.waits).
 FENCE_WAIT_S = 0.1
 WRITE_RETRY_S = 0.3   # a write etcd did not answer is made again after this (while the shard is held)
+# A record that ends a firing, or says it waits for a retry, waits this long for other
+# writes to share its transaction (no process waits for it; the shard's hand-over does).
+RECORD_WAIT_S = 0.05
 
 _RESET_WHEN_RUNNING = ("ended_at", "exit_code", "reason", "retry_at")
 
@@ -52,6 +56,7 @@ class RunRecords:
         self.shards = shards
         self.on_settled = on_settled     # a shard's last write in flight finished
         self.in_flight: dict[int, int] = {}
+        self.commits = GroupCommit(client, loop, workers)   # claims' and records' fenced writes, batched
 
     # --- documents -------------------------------------------------------------------
     def key(self, f: Firing) -> str:
@@ -102,7 +107,7 @@ class RunRecords:
         the renewed session keeps the shard."""
         return self.fencing.fence_for(shard) is None and self.fencing.owns(shard) is not None
 
-    def submit(self, shard: int, op: Callable[[], Any], done: Callable[[Any, Optional[BaseException]], None]) -> None:
+    def submit(self, shard: int, write: FencedWrite, done: Callable[[Any, Optional[BaseException]], None]) -> None:
         """A record write, counted against its shard until it finished."""
         self._count(shard, +1)
 
@@ -113,7 +118,7 @@ class RunRecords:
                 if not self._count(shard, -1):
                     self.on_settled(shard)
 
-        self.workers.submit(op, finished)
+        self.commits.submit(write, finished, within=RECORD_WAIT_S)
 
     def _count(self, shard: int, delta: int) -> int:
         n = self.in_flight.get(shard, 0) + delta
@@ -146,9 +151,6 @@ class RunRecords:
         if answer is not None and answer[0]:
             ops.append(Put(answer[0], json.dumps(answer[1])))
 
-        def op() -> Any:
-            return fenced_txn(self.client, fence, compare=[Mod(key) == rev], success=ops)
-
         def done(r: Any, error: Optional[BaseException]) -> None:
             f.claim.writing -= 1
             if error is None and r.succeeded:
@@ -161,7 +163,7 @@ class RunRecords:
             elif error is not None and not isinstance(error, StaleToken):
                 log.warning("run record write failed", extra={"fields": {"job": e.job.id, "error": str(error)}})
 
-        self.submit(e.shard, op, done)
+        self.submit(e.shard, FencedWrite(fence, (Mod(key) == rev,), tuple(ops)), done)
 
     def _rewrite(self, f: Firing, state: str, fields: dict, rev: int, answer: Optional[tuple]) -> None:
         f.claim.writing -= 1
@@ -180,10 +182,10 @@ class RunRecords:
             return False
         key = self.key(f)
         rec = self.document(f, state, fence, reason=reason, ended_at=rfc(utcnow()))
-        cmp = [Mod(key) == f.claim.rev] if f.claim.rev else [Create(key) == 0]
+        cmp = (Mod(key) == f.claim.rev,) if f.claim.rev else (Create(key) == 0,)
         ops = self.ops(f, key, json.dumps(rec))
         doc, answer_key = answer
         if answer_key:
             ops.append(Put(answer_key, json.dumps(doc)))
-        self.submit(e.shard, lambda: fenced_txn(self.client, fence, compare=cmp, success=ops), lambda r, err: None)
+        self.submit(e.shard, FencedWrite(fence, cmp, tuple(ops)), lambda r, err: None)
         return True

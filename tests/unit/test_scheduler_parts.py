@@ -321,11 +321,12 @@ def test_a_claim_with_an_unknown_outcome_is_read_back_before_anything_is_decided
             v = landed.get(key)
             return None if v is None else KV(key, v.encode(), 50, 50, 1, 0)
 
-    def txn_without_answer(client: Any, fence: Any, compare: Any = (), success: Any = (), **kw: Any) -> Any:
-        landed[success[0].key] = success[0].value      # it landed, but no answer came
+    def txn_without_answer(client: Any, writes: Any, **kw: Any) -> Any:
+        for w in writes:
+            landed[w.success[0].key] = w.success[0].value      # it landed, but no answer came
         raise TimeoutError("no answer")
 
-    monkeypatch.setattr("agent.jobs.claims.fenced_txn", txn_without_answer)
+    monkeypatch.setattr("agent.coordination.fencing.fenced_batch", txn_without_answer)
     rr = RunRecords(Client(), KEYS, agent, EventLoop(), Workers(), CFG.agent_id, CFG.shards, lambda s: None)
     cw = ClaimWriter(Client(), agent, rr, EventLoop(), Workers(), CFG.agent_id, lambda x: True,
                      SimpleNamespace(stage=lambda spec: "staged", unstage=lambda s: None))
@@ -333,15 +334,19 @@ def test_a_claim_with_an_unknown_outcome_is_read_back_before_anything_is_decided
     f.move(FiringState.CLAIMING)
     outcomes_seen: list = []
     cw.claim(f, fence, False, None, lambda g, c: outcomes_seen.append(c))
+    assert outcomes_seen == []            # it waits for its batch
+    rr.commits.flush()
     (c,) = outcomes_seen
     assert c.kind is ClaimKind.CLAIMED and f.claim.rev == 50 and f.claim.record["agent"] == "gw-1"
 
     # someone else's record at the key: foreign, with what it says
     g = Firing(e, NOW + timedelta(minutes=1), fire_id("j1", NOW + timedelta(minutes=1)))
     g.move(FiringState.CLAIMING)
-    monkeypatch.setattr("agent.jobs.claims.fenced_txn", lambda *a, **k: (_ for _ in ()).throw(TimeoutError()))
+    monkeypatch.setattr("agent.coordination.fencing.fenced_batch",
+                        lambda *a, **k: (_ for _ in ()).throw(TimeoutError()))
     landed[rr.key(g)] = json.dumps({"agent": "gw-0", "attempt": 1, "started_at": "t"})
     cw.claim(g, fence, False, None, lambda g, c: outcomes_seen.append(c))
+    rr.commits.flush()
     c2 = outcomes_seen[1]
     assert (c2.kind, c2.record["agent"], c2.rev) == (ClaimKind.FOREIGN, "gw-0", 50)
 
