@@ -163,15 +163,14 @@ class GroupCommit:
 
         def landed(results: Any, error: Optional[BaseException]) -> None:
             self.in_flight -= flying
+            # each write's handler is a loop callback of its own: a timer that falls due
+            # meanwhile goes between them (a claim's handler spawns its run)
             for i, p in enumerate(batch):
                 r = results[i] if error is None else None
-                try:
-                    if isinstance(r, fencing.StaleToken):
-                        p.done(None, r)
-                    else:
-                        p.done(r, error)
-                except Exception:   # one write's handler must not cost the others theirs
-                    log.exception("fenced write handler failed")
+                if isinstance(r, fencing.StaleToken):
+                    self.loop.post(p.done, None, r)
+                else:
+                    self.loop.post(p.done, r, error)
             self._rearm()
 
         self.workers.submit(op, landed)

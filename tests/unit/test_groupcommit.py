@@ -26,6 +26,9 @@ class Loop:
     def clock(self) -> float:
         return self.now
 
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        fn(*args)
+
     def call_at(self, when: float, fn: Callable[..., Any], *args: Any) -> Any:
         t = [when, fn, args, False]
 

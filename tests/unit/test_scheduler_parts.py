@@ -86,6 +86,13 @@ class Workers:
         done(result, None)
 
 
+class InlineLoop(EventLoop):
+    """A loop never run: what is posted to it runs at once, on the caller's thread."""
+
+    def post(self, fn: Any, *args: Any) -> None:
+        fn(*args)
+
+
 def stored(job_id: str, schedule: dict, **kw: Any) -> StoredJob:
     doc = {"v": 1, "id": job_id, "cluster": CFG.cluster, "kind": "job", "template": "noop", "params": {},
            "schedule": schedule, "issued_at": format_rfc3339(NOW), **kw}
@@ -327,8 +334,8 @@ def test_a_claim_with_an_unknown_outcome_is_read_back_before_anything_is_decided
         raise TimeoutError("no answer")
 
     monkeypatch.setattr("agent.coordination.fencing.fenced_batch", txn_without_answer)
-    rr = RunRecords(Client(), KEYS, agent, EventLoop(), Workers(), CFG.agent_id, CFG.shards, lambda s: None)
-    cw = ClaimWriter(Client(), agent, rr, EventLoop(), Workers(), CFG.agent_id, lambda x: True,
+    rr = RunRecords(Client(), KEYS, agent, InlineLoop(), Workers(), CFG.agent_id, CFG.shards, lambda s: None)
+    cw = ClaimWriter(Client(), agent, rr, InlineLoop(), Workers(), CFG.agent_id, lambda x: True,
                      SimpleNamespace(stage=lambda spec: "staged", unstage=lambda s: None))
     f = Firing(e, NOW, fire_id("j1", NOW))
     f.move(FiringState.CLAIMING)
