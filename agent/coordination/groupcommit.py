@@ -155,22 +155,24 @@ class GroupCommit:
         self.in_flight |= flying
         BATCH_WRITES.observe(len(batch))
         writes = [p.write for p in batch]
-        client = self.client
+        client, post = self.client, self.loop.post
 
-        def op() -> list:
+        def op() -> None:
             outcomes = fencing.fenced_batch(client, writes)
-            return [_then(p, r) for p, r in zip(batch, outcomes)]
-
-        def landed(results: Any, error: Optional[BaseException]) -> None:
-            self.in_flight -= flying
-            # each write's handler is a loop callback of its own: a timer that falls due
-            # meanwhile goes between them (a claim's handler spawns its run)
-            for i, p in enumerate(batch):
-                r = results[i] if error is None else None
+            # each write's outcome goes to the loop as soon as it is known (after the work
+            # its ``then`` does), as a callback of its own: a timer that falls due goes
+            # between them, and a claim's run is not held back by the staging of others
+            for p, r in zip(batch, outcomes):
                 if isinstance(r, fencing.StaleToken):
-                    self.loop.post(p.done, None, r)
+                    post(p.done, None, r)
                 else:
-                    self.loop.post(p.done, r, error)
+                    post(p.done, _then(p, r), None)
+
+        def landed(_: Any, error: Optional[BaseException]) -> None:
+            self.in_flight -= flying
+            if error is not None:   # the batch's outcome is unknown: each write's is
+                for p in batch:
+                    post(p.done, None, error)
             self._rearm()
 
         self.workers.submit(op, landed)
