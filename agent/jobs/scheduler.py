@@ -338,6 +338,10 @@ class Scheduler:
         once. Any other is reported and the firing ends there."""
         f.claim.record, f.claim.rev = c.record if isinstance(c.record, dict) else None, c.rev
         fence = self.fencing.fence_for(f.entry.shard)
+        if fence is not None and f.claim.record is not None and f.claim.record.get("agent") == self.cfg.agent_id \
+                and f.claim.record.get("fence") == fence.token:
+            self._abandon(f, F.ALREADY_CLAIMED)   # this agent decided the firing already, under this fence
+            return
         judged = f.entry.foreign_ahead.pop(f.fire_id, None) == c.rev
         over = fence is not None and (c.rev > fence.token or judged) and not f.claim.taken_over
         self.foreign.report(f, "claim", AT_CLAIM, RecordState.RUNNING if over else RecordState.FAILED)

@@ -24,7 +24,7 @@ from agent.execute.limits import Limits
 from agent.jobs import outcomes, recovery
 from agent.jobs.admitting import Admitter
 from agent.jobs.catalog import JobCatalog, JobEntry
-from agent.jobs.claims import ClaimKind, ClaimWriter
+from agent.jobs.claims import Claim, ClaimKind, ClaimWriter
 from agent.jobs.firing import ClaimState, Firing, FiringState
 from agent.jobs.records import RunRecords
 from agent.jobs.schedule import RetryPolicy, fire_id, format_rfc3339
@@ -250,6 +250,20 @@ def test_recovery_believes_no_record_of_a_firing_off_the_schedule_or_far_ahead()
     assert e.foreign_ahead == {fire_id("j1", ahead): 6}        # its firing's claim may replace it
 
 
+@pytest.mark.parametrize("ahead_s", [-3.0, 2.0])
+def test_a_firing_whose_record_the_load_found_is_neither_caught_up_nor_armed_again(ahead_s):
+    """A one-shot due at a time with more than milliseconds (its fire id keeps milliseconds)
+    whose run the dead owner left `running`: its record decides it (owner_lost). It is not
+    run again as a missed firing, nor armed again when it is still ahead."""
+    due = NOW + timedelta(seconds=ahead_s, microseconds=569009)
+    e = entry("j1", {"at": format_rfc3339(due)}, issued_at=EARLIER)
+    rec = dict(record("j1", due, "running"), fence=3)
+    r = recovery.recover(e, {fire_id("j1", due): (rec, 5)}, CFG.agent_id, NOW + timedelta(microseconds=600000))
+    ((orphan,),) = (r.orphans,)
+    assert orphan.fire_id == fire_id("j1", due) and r.foreign == []
+    assert r.catch_up == [] and r.next_due is None
+
+
 # --- outcomes -------------------------------------------------------------------------------
 
 def test_outcomes_map_end_reasons_to_record_states_and_retry_criteria():
@@ -437,3 +451,30 @@ def test_cluster_quota_refuses_what_would_pass_it_and_counts_its_own_stores():
     t[0] = 3.0
     usage[KEYS.usage(1)] = {"jobs": 1, "bytes": 1024 * 1024 - 1000 - 500}   # 500 bytes left
     assert "quotas.stored_mb" in q.check(600) and q.check(100) is None and len(reads) == 2
+
+
+def test_a_claim_that_finds_a_record_this_agent_wrote_under_its_fence_does_not_claim_over_it():
+    """A claim that finds the firing's record written by this agent under the fence it holds
+    (its final record, say) is not a foreign record to claim over: the firing was decided
+    here, and running it again would run it twice."""
+    fence = Fence(3, KEYS.shard(3), 41)
+    agent = Agent(fence)
+    lease = SimpleNamespace(lease_id=None, valid_until=0.0, is_valid=lambda: False)
+    executor = SimpleNamespace(default_limits=Limits(), stage=lambda spec: None, unstage=lambda s: None)
+    c = catalog_with(agent)
+    sched = Scheduler(CFG, c, fencing=agent, lease=lease, loop=EventLoop(), client=None, keys=KEYS,
+                      workers=Workers(), executor=executor, admission=Admission(Budget(4, 1000, 4)), sink=agent,
+                      audit=agent)
+    claims: list = []
+    sched.claims.claim = lambda f, *a, **kw: claims.append(f.fire_id)   # type: ignore[method-assign]
+    e = entry("j1", {"at": format_rfc3339(NOW)}, issued_at=EARLIER)
+    c.entries["j1"] = e
+    for rec, claimed_over in ((dict(record("j1", NOW, "failed"), agent=CFG.agent_id, fence=41), False),
+                              (dict(record("j1", NOW, "failed"), agent="gw-0", fence=12), True)):
+        f = Firing(e, NOW, fire_id("j1", NOW))
+        e.firings[f.fire_id] = f
+        f.move(FiringState.CLAIMING)
+        claims.clear()
+        sched._claimed(f, Claim(ClaimKind.FOREIGN, record=rec, rev=50))
+        assert bool(claims) is claimed_over, rec
+        e.firings.pop(f.fire_id, None)
