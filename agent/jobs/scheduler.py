@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 from agent.jobs import outcomes, recovery
 from agent.jobs import schedule as sch
 from agent.jobs.admitting import Admitter
+from agent.jobs.catchup import CatchUps
 from agent.jobs.claimlead import ClaimLead
 from agent.jobs.claims import Claim, ClaimKind, ClaimWriter
 from agent.jobs.dependencies import DependencyCheck
@@ -91,6 +92,7 @@ class Scheduler:
                                  lambda f: self._finish_without_run(f, RecordState.FAILED, "quota_never_fits"))
         self.starts = StartGate(start_policies, self.statuses, loop)
         self.foreign = ForeignRecords(self.statuses, audit)
+        self.catch_ups = CatchUps(loop, self._fire, lambda e: catalog.current(e) and not e.cancelled)
         self.dependencies = DependencyCheck(client, keys, cfg.shards, loop, workers, self.statuses, catalog.current,
                                             catalog.keyring, cfg.cluster, audit)
 
@@ -121,6 +123,7 @@ class Scheduler:
         return len(running)
 
     def stop(self) -> None:
+        self.catch_ups.stop()
         self.catalog.stop()
         self.dependencies.stop()
         self.stop_runs()
@@ -149,7 +152,7 @@ class Scheduler:
             self._finish_without_run(f, RecordState.MISFIRED, f"misfire_{e.job.misfire}")
         if r.catch_up:  # catch-ups of one job run one after another, oldest first
             e.backlog.extend(r.catch_up[1:])
-            self._fire(e, r.catch_up[0])
+            self.catch_ups.add(e, r.catch_up[0])
         if r.next_due is not None:
             self._arm(e, r.next_due)
         if r.announce:

@@ -1,0 +1,67 @@
+"""Catch-up firings (misfire run_once/run_all) found when a unit is loaded, started a few
+at a time.
+
+A takeover finds the firings that fell due while no agent owned the shard; started all at
+once in the load's loop callback, their claims and spawns queued ahead of the firings due
+right after the takeover, which were then late too. Here they start BURST at a time, one
+turn every GAP_S, and wait while the loop lags more than LAG_BOUND_S (the firings due now
+go first), though never longer than WAIT_MAX_S: overload delays them, never drops them.
+Oldest first; a job's own later catch-ups still follow its first one (JobEntry.backlog).
+"""
+
+from __future__ import annotations
+
+import collections
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from agent.jobs.catalog import JobEntry
+    from agent.runtime.loop import EventLoop
+
+BURST = 4
+GAP_S = 0.01
+LAG_BOUND_S = 0.05
+WAIT_MAX_S = 5.0
+
+
+class CatchUps:
+    """Loop thread only."""
+
+    def __init__(self, loop: EventLoop, fire: Callable[[JobEntry, datetime], None],
+                 may_fire: Callable[[JobEntry], bool]):
+        self.loop = loop
+        self.fire = fire
+        self.may_fire = may_fire        # the entry is still installed and not cancelled
+        self.queue: collections.deque = collections.deque()   # (entry, due, queued at)
+        self._timer: Any = None
+
+    def add(self, e: JobEntry, due: datetime) -> None:
+        self.queue.append((e, due, self.loop.clock()))
+        if self._timer is None:
+            self._timer = self.loop.call_later(0, self._turn)
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def _turn(self) -> None:
+        self._timer = None
+        now = self.loop.clock()
+        lagging = getattr(self.loop, "lag", lambda: 0.0)() > LAG_BOUND_S
+        started = 0
+        while self.queue and started < BURST:
+            e, due, since = self.queue[0]
+            if lagging and now - since < WAIT_MAX_S:
+                break
+            self.queue.popleft()
+            if self.may_fire(e):
+                self.fire(e, due)
+                started += 1
+        if self.queue:
+            self._timer = self.loop.call_later(GAP_S, self._turn)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.queue.clear()
