@@ -557,5 +557,7 @@ class Scheduler:
 
     # --- status --------------------------------------------------------------------------
     def status(self) -> dict:
-        return {**self.catalog.status(), "admission": self.admitter.status()}
+        """What the jobs held here are doing; ``lag_s``: how late the loop runs due timers."""
+        return {**self.catalog.status(), "admission": self.admitter.status(),
+                "catch_ups": len(self.catch_ups), "lag_s": round(getattr(self.loop, "lag", lambda: 0.0)(), 3)}
 
