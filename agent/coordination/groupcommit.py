@@ -157,22 +157,32 @@ class GroupCommit:
         writes = [p.write for p in batch]
         client, post = self.client, self.loop.post
 
-        def op() -> None:
+        def op() -> list:
             outcomes = fencing.fenced_batch(client, writes)
-            # each write's outcome goes to the loop as soon as it is known (after the work
-            # its ``then`` does), as a callback of its own: a timer that falls due goes
-            # between them, and a claim's run is not held back by the staging of others
+            # a write with work after it (a claim: its run's staging) goes to the loop as soon
+            # as that is done, as a callback of its own: a claim's run is not held back by
+            # the staging of others, and a timer that falls due goes between their spawns.
+            # The other writes' outcomes go with the batch's own answer (one wake-up).
+            rest = []
             for p, r in zip(batch, outcomes):
-                if isinstance(r, fencing.StaleToken):
-                    post(p.done, None, r)
-                else:
+                if p.then is not None and not isinstance(r, fencing.StaleToken):
                     post(p.done, _then(p, r), None)
+                else:
+                    rest.append((p, r))
+            return rest
 
-        def landed(_: Any, error: Optional[BaseException]) -> None:
+        def landed(rest: Any, error: Optional[BaseException]) -> None:
             self.in_flight -= flying
             if error is not None:   # the batch's outcome is unknown: each write's is
-                for p in batch:
-                    post(p.done, None, error)
+                rest = [(p, None) for p in batch]
+            for p, r in rest:
+                try:
+                    if isinstance(r, fencing.StaleToken):
+                        p.done(None, r)
+                    else:
+                        p.done(r, error)
+                except Exception:   # one write's handler must not cost the others theirs
+                    log.exception("fenced write handler failed")
             self._rearm()
 
         self.workers.submit(op, landed)
