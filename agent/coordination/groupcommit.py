@@ -16,6 +16,7 @@ Loop thread only; the transaction runs on the given workers.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -72,6 +73,7 @@ class GroupCommit:
         self.workers = workers
         self.max_writes = min(max_writes, BATCH_MAX)
         self.max_bytes = max_bytes
+        self.spread = max(1, getattr(workers, "max_threads", 1))   # workers the work after a batch may use
         self.pending: list[_Pending] = []
         self.in_flight: set = set()      # keys of the batches on their way
         self._timer: Optional[Timer] = None
@@ -162,13 +164,20 @@ class GroupCommit:
             # a write with work after it (a claim: its run's staging) goes to the loop as soon
             # as that is done, as a callback of its own: a claim's run is not held back by
             # the staging of others, and a timer that falls due goes between their spawns.
-            # The other writes' outcomes go with the batch's own answer (one wake-up).
-            rest = []
+            # Past THEN_CHUNK such writes, the rest of the work is spread over the pool (the
+            # loop hands it out) while this worker does the first chunk. The other writes'
+            # outcomes go with the batch's own answer (one wake-up).
+            rest, work = [], []
             for p, r in zip(batch, outcomes):
                 if p.then is not None and not isinstance(r, fencing.StaleToken):
-                    post(p.done, _then(p, r), None)
+                    work.append((p, r))
                 else:
                     rest.append((p, r))
+            chunks = _chunks(work, self.spread)
+            if len(chunks) > 1:
+                post(self._hand_out, chunks[1:])
+            if chunks:
+                _work(chunks[0], post)
             return rest
 
         def landed(rest: Any, error: Optional[BaseException]) -> None:
@@ -187,6 +196,35 @@ class GroupCommit:
 
         self.workers.submit(op, landed)
         return bool(self.pending)
+
+
+    def _hand_out(self, chunks: list) -> None:
+        """A batch's work after the transaction, beyond its first chunk, to other workers."""
+        post = self.loop.post
+        for chunk in chunks:
+            self.workers.submit(functools.partial(_work, chunk, post), _nothing)
+
+
+THEN_CHUNK = 4   # writes whose work one worker does before the rest is spread over the pool
+
+
+def _chunks(work: list, spread: int) -> list:
+    """``work`` in at most ``spread`` chunks of at least THEN_CHUNK (the first the largest)."""
+    if not work:
+        return []
+    n = max(1, min(spread, -(-len(work) // THEN_CHUNK)))
+    size = -(-len(work) // n)
+    return [work[i:i + size] for i in range(0, len(work), size)]
+
+
+def _work(chunk: list, post: Callable[..., None]) -> None:
+    for p, r in chunk:
+        post(p.done, _then(p, r), None)
+
+
+def _nothing(result: Any, error: Optional[BaseException]) -> None:
+    if error is not None:
+        log.error("work after a fenced write failed", extra={"fields": {"error": str(error)}})
 
 
 def _then(p: _Pending, r: Any) -> Any:

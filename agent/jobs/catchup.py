@@ -1,5 +1,6 @@
-"""Catch-up firings (misfire run_once/run_all) found when a unit is loaded, started a few
-at a time.
+"""Catch-up firings (misfire run_once/run_all) found when a unit is loaded (a takeover, a
+start), started a few at a time. A job pushed or stored while its unit is held starts its
+due firing at once, as before.
 
 A takeover finds the firings that fell due while no agent owned the shard; started all at
 once in the load's loop callback, their claims and spawns queued ahead of the firings due
@@ -19,10 +20,10 @@ if TYPE_CHECKING:
     from agent.jobs.catalog import JobEntry
     from agent.runtime.loop import EventLoop
 
-BURST = 4
+BURST = 8
 GAP_S = 0.01
-LAG_BOUND_S = 0.05
-WAIT_MAX_S = 5.0
+LAG_BOUND_S = 0.1
+WAIT_MAX_S = 1.0
 
 
 class CatchUps:

@@ -152,7 +152,10 @@ class Scheduler:
             self._finish_without_run(f, RecordState.MISFIRED, f"misfire_{e.job.misfire}")
         if r.catch_up:  # catch-ups of one job run one after another, oldest first
             e.backlog.extend(r.catch_up[1:])
-            self.catch_ups.add(e, r.catch_up[0])
+            if e.at_load:   # a takeover's: paced behind the firings due now
+                self.catch_ups.add(e, r.catch_up[0])
+            else:
+                self._fire(e, r.catch_up[0])
         if r.next_due is not None:
             self._arm(e, r.next_due)
         if r.announce:

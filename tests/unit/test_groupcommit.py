@@ -215,3 +215,22 @@ def test_work_after_the_batch_runs_for_the_writes_that_succeeded_only(gc):
     assert results["a"][0][1] == "staged-a" and results["a"][0][0].succeeded
     assert results["taken"][0][1] is None and not results["taken"][0][0].succeeded
     assert results["c"][0] is None and isinstance(results["c"][1], StaleToken)
+
+
+def test_the_work_after_a_big_batch_is_spread_over_the_pool(gc):
+    """Many claims in one batch: the worker that ran the transaction stages the first chunk
+    and the loop hands the rest to other workers; each claim's outcome comes as its work is
+    done, once."""
+    g, loop, workers, etcd = gc
+    g.spread = 3
+    staged: list = []
+    seen: list = []
+    for i in range(10):
+        g.submit(write(f"c{i}"), lambda r, err, i=i: seen.append(i),
+                 then=lambda r, i=i: staged.append(i))
+    loop.advance()
+    workers.land()                 # the transaction, then the first chunk on the same worker
+    assert etcd.batches == [[f"c{i}" for i in range(10)]]
+    assert staged == [0, 1, 2, 3] and len(workers.queued) == 2   # the other chunks wait for workers
+    workers.land()
+    assert sorted(staged) == list(range(10)) and sorted(seen) == list(range(10))
