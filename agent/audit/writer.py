@@ -8,11 +8,13 @@ carrying the count, at the place in the chain where the loss happened.
 
 The writer thread hands the records to the chain (agent.audit.appender), which seals
 them (seq, prev, mac), appends them in batches and rotates at ``rotate_bytes``; this
-module decides when: it wakes once for the first record queued and takes what arrived
-within ``BATCH_WINDOW_S`` along (at a hundred runs a second, one wake-up per record was
-most of its CPU; a flush, a close or a long queue cuts the window short), it fsyncs at most every ``fsync_interval_s`` (0: after every
-record) and on close, and records a ``head`` checkpoint every ``checkpoint_interval_s``
-and at close, which lets ``verify`` detect a truncated tail. Opening the directory
+module decides when: while records keep coming it wakes at most once per
+``BATCH_WINDOW_S`` and takes all that arrived (at a hundred runs a second, one wake-up per
+record was most of its CPU); a record after a quiet spell is written at once, and a flush,
+a close or a long queue cuts the window short. It fsyncs at most every
+``fsync_interval_s`` (0: after every record) and on close, and records a ``head``
+checkpoint every ``checkpoint_interval_s`` and at close, which lets ``verify`` detect a
+truncated tail. Opening the directory
 recovers from a crash first (agent.audit.recovery).
 """
 
@@ -203,6 +205,7 @@ class AuditLog(RecordHelpers):
         chain = self._chain
         backoff = 0.0
         full = False
+        drained = 0.0
         while True:
             now = time.monotonic()
             deadline = now + 1.0
@@ -214,7 +217,11 @@ class AuditLog(RecordHelpers):
                 self._wake.wait(max(0.0, deadline - now))
             self._wake.clear()
             if window and self._q and not full and not self._closing:
-                self._hurry.wait(window)
+                # records keep coming: wake at most once a window (a record after a quiet
+                # spell is written at once)
+                delay = drained + window - time.monotonic()
+                if delay > 0:
+                    self._hurry.wait(delay)
             self._hurry.clear()
             batch = []
             q = self._q
@@ -224,6 +231,7 @@ class AuditLog(RecordHelpers):
             except IndexError:
                 pass
             full = len(batch) == _BATCH_MAX
+            drained = time.monotonic()
             flushes = []
             with self._io_lock:
                 ok = True
