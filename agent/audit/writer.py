@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 _REC, _GAP, _FLUSH = 0, 1, 2
 _BATCH_MAX = 4096
-BATCH_WINDOW_S = 0.02   # records queued within this of the first one are written with it
+BATCH_WINDOW_S = 0.01   # while records keep coming, the writer wakes at most once per this
 _HURRY_AT = 1024        # this many queued: write now
 
 
