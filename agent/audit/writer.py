@@ -8,14 +8,12 @@ carrying the count, at the place in the chain where the loss happened.
 
 The writer thread hands the records to the chain (agent.audit.appender), which seals
 them (seq, prev, mac), appends them in batches and rotates at ``rotate_bytes``; this
-module decides when: while records keep coming it wakes at most once per
-``BATCH_WINDOW_S`` and takes all that arrived (at a hundred runs a second, one wake-up per
-record was most of its CPU); a record after a quiet spell is written at once, and a flush,
-a close or a long queue cuts the window short. It fsyncs at most every
+module decides when: the first record queued wakes it and what arrives within
+``BATCH_WINDOW_S`` goes along (at a hundred runs a second, one wake-up per record was
+most of its CPU; a flush, a close or a long queue cuts the window short). It fsyncs at most every
 ``fsync_interval_s`` (0: after every record) and on close, and records a ``head``
 checkpoint every ``checkpoint_interval_s`` and at close, which lets ``verify`` detect a
-truncated tail. Opening the directory
-recovers from a crash first (agent.audit.recovery).
+truncated tail. Opening the directory recovers from a crash first (agent.audit.recovery).
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ log = logging.getLogger(__name__)
 
 _REC, _GAP, _FLUSH = 0, 1, 2
 _BATCH_MAX = 4096
-BATCH_WINDOW_S = 0.01   # while records keep coming, the writer wakes at most once per this
+BATCH_WINDOW_S = 0.02   # records that arrive within this of the first of a batch are written with it
 _HURRY_AT = 1024        # this many queued: write now
 
 
@@ -205,7 +203,6 @@ class AuditLog(RecordHelpers):
         chain = self._chain
         backoff = 0.0
         full = False
-        drained = 0.0
         while True:
             now = time.monotonic()
             deadline = now + 1.0
@@ -217,11 +214,7 @@ class AuditLog(RecordHelpers):
                 self._wake.wait(max(0.0, deadline - now))
             self._wake.clear()
             if window and self._q and not full and not self._closing:
-                # records keep coming: wake at most once a window (a record after a quiet
-                # spell is written at once)
-                delay = drained + window - time.monotonic()
-                if delay > 0:
-                    self._hurry.wait(delay)
+                self._hurry.wait(window)   # what arrives meanwhile goes with this batch
             self._hurry.clear()
             batch = []
             q = self._q
@@ -231,7 +224,6 @@ class AuditLog(RecordHelpers):
             except IndexError:
                 pass
             full = len(batch) == _BATCH_MAX
-            drained = time.monotonic()
             flushes = []
             with self._io_lock:
                 ok = True
