@@ -197,7 +197,6 @@ class GroupCommit:
         self.workers.submit(op, landed)
         return bool(self.pending)
 
-
     def _hand_out(self, chunks: list) -> None:
         """A batch's work after the transaction, beyond its first chunk, to other workers."""
         post = self.loop.post
