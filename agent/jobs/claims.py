@@ -8,6 +8,10 @@ read back before anything is decided, and every decision reaches the scheduler a
 ``Claim``: claimed (run it), again (claim once more), discard (its job went: end it),
 foreign (a record this agent never claimed holds the key), or give up (the record is not
 ours to write). Nothing here starts a process.
+
+Claims leave in the run records' group commit (records.py): the claims of a few
+milliseconds share one etcd transaction, each still with its own outcome; a batch whose
+answer is lost makes each of its claims read back its own record.
 """
 
 from __future__ import annotations

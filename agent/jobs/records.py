@@ -4,8 +4,10 @@ A record runs/<shard>/<job>/<fire_id> is written only in a transaction fenced by
 shard's token, and compared with the revision this agent last wrote (or created with
 create-revision==0), so no write of an agent that lost the shard, and no stale write of
 its own, lands. Its copy latest/<shard>/<job> is written in the same transaction while
-the firing is the job's newest. Each shard's writes in flight are counted: a shard is not
-handed over while one may still land.
+the firing is the job's newest. The writes (claims.py's included) leave in group commits
+(agent/coordination/groupcommit.py): the writes of a few milliseconds in one etcd
+transaction, each its own nested transaction with its own outcome. Each shard's writes in
+flight are counted: a shard is not handed over while one may still land.
 """
 
 from __future__ import annotations
