@@ -43,7 +43,7 @@ UNSURE_CLAIMS_MAX = 8    # earlier claims of one firing with an unknown outcome 
 # share of the time left, at most CLAIM_WAIT_MAX_S: the claim lead (claimlead.py) measures
 # the wait with the rest, and one transaction for several firings is what lets the agent
 # keep up with many firings a second. A claim at or after its due time leaves at the end
-# of the loop tick.
+# of the loop tick, unless the loop lags (then it waits a share of the lag).
 CLAIM_WAIT_SHARE = 0.25
 CLAIM_WAIT_MAX_S = 0.02
 
@@ -125,10 +125,17 @@ class ClaimWriter:
                 CLAIMS.labels("claimed").inc()
                 done(f, Claim(ClaimKind.CLAIMED, staged=staged))
 
+        self.records.commits.submit(FencedWrite(fence, compare, ops), landed, within=self._wait(f), then=stage)
+
+    def _wait(self, f: Firing) -> float:
+        """How long the claim of ``f`` may wait for others to share its transaction: a share
+        of the time left to its due time; past it, a share of the loop's lag (an agent that
+        is behind makes bigger batches, and so catches up faster); at most CLAIM_WAIT_MAX_S."""
         ahead = (f.due - utcnow()).total_seconds()
-        self.records.commits.submit(FencedWrite(fence, compare, ops), landed,
-                                    within=min(CLAIM_WAIT_MAX_S, max(0.0, ahead * CLAIM_WAIT_SHARE)),
-                                    then=stage)
+        if ahead > 0:
+            return min(CLAIM_WAIT_MAX_S, ahead * CLAIM_WAIT_SHARE)
+        lag = getattr(self.loop, "lag", None)
+        return min(CLAIM_WAIT_MAX_S, lag() * CLAIM_WAIT_SHARE) if lag is not None else 0.0
 
     def _give_up(self, f: Firing, why: FiringEnd, done: Done) -> None:
         CLAIMS.labels(why.value).inc()
