@@ -175,6 +175,10 @@ def report_run(res: dict, label: str, late_s: float) -> None:
                 print("  " + summary("job clock - sensor exec", wit["gaps"]))
         print("  lease policy decisions during the run (pause_runs holds new runs): "
               + (", ".join(f"{d} {v:.0f}" for d, v in res["lease_decisions"].items()) or "none"))
+        txns, writes = res.get("batches") or (0, 0)
+        if txns:
+            print(f"  fenced writes (claims, run records) {writes:.0f} in {txns:.0f} etcd transactions: "
+                  f"{writes / txns:.2f} per transaction")
         gcs = res.get("gc") or []
         by_gen = {g: [d for _, d, gg in gcs if gg == g] for g in sorted({g for _, _, g in gcs})}
         print("  garbage collector passes in the window (they hold the GIL): " + (", ".join(

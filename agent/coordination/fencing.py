@@ -9,9 +9,9 @@ local state believes. Mirrors etcd's concurrency.Mutex.IsOwner().
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence, Union
 
-from agent.coordination.etcd import Create, EtcdClient, TxnResult
+from agent.coordination.etcd import Create, EtcdClient, Txn, TxnResult
 from agent.coordination.keys import Keys
 from agent.runtime.metrics import counter
 
@@ -59,6 +59,56 @@ def fenced_txn(client: EtcdClient, fence: Fence, compare: Iterable[Any] = (), su
     inner_resp = r.responses[0]
     FENCED.labels("ok" if inner_resp.succeeded else "compare_failed").inc()
     return TxnResult(inner_resp.succeeded, r.revision, list(inner_resp.responses))
+
+
+@dataclass(frozen=True)
+class FencedWrite:
+    """One write of a batch: its caller's compares and operations, under ``fence``."""
+
+    fence: Fence
+    compare: tuple = ()
+    success: tuple = ()
+    failure: tuple = ()
+
+
+# A batch's path of nested transactions: the batch (one op per fence), a fence's guard (one
+# op per write), a write (its compares and operations). etcd bounds each path's ops
+# together by --max-txn-ops (128 by default): BATCH_MAX writes of a few ops each stay
+# well within it, whatever their fences.
+BATCH_MAX = 64
+
+
+def fenced_batch(client: EtcdClient, writes: Sequence[FencedWrite],
+                 timeout: float | None = None) -> list[Union[TxnResult, StaleToken]]:
+    """Run several fenced writes in ONE transaction: per fence a nested transaction that
+    compares it, holding per write a nested transaction of the write's own compares, so
+    each write keeps its own outcome. Returns, per write in order, its result (``succeeded``
+    reflects its compares) or the StaleToken of a fence that is no longer current (only the
+    writes under that fence fail). No two writes may put the same key (etcd refuses the
+    whole batch): the caller keeps them apart. Raises EtcdUnavailable/EtcdError for the
+    whole batch: then the outcome of every write is unknown."""
+    if len(writes) > BATCH_MAX:
+        raise ValueError(f"a fenced batch holds at most {BATCH_MAX} writes, not {len(writes)}")
+    groups: dict[tuple[str, int], list[int]] = {}
+    for i, w in enumerate(writes):
+        groups.setdefault((w.fence.key, w.fence.token), []).append(i)
+    ops = [Txn([Create(key) == token],
+               [Txn(list(writes[i].compare), list(writes[i].success), list(writes[i].failure)) for i in members], [])
+           for (key, token), members in groups.items()]
+    r = client.txn([], ops, [], timeout=timeout)
+    out: list[Union[TxnResult, StaleToken, None]] = [None] * len(writes)
+    for members, guarded in zip(groups.values(), r.responses):
+        if not guarded.succeeded:
+            w = writes[members[0]]
+            stale = StaleToken(f"shard {w.fence.shard}: token {w.fence.token} is stale")
+            FENCED.labels("stale").inc(len(members))
+            for i in members:
+                out[i] = stale
+            continue
+        for i, inner in zip(members, guarded.responses):
+            FENCED.labels("ok" if inner.succeeded else "compare_failed").inc()
+            out[i] = inner
+    return out  # type: ignore[return-value]   # every write has its outcome
 
 
 def fence_for(keys: Keys, shard: int, token: int) -> Fence:

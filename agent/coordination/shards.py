@@ -2,7 +2,9 @@
 
 Owned by the loop thread. Inputs are the members/ and shards/ watches, session events
 and results of etcd operations run on worker threads. Desired ownership is weighted
-rendezvous hashing over *available* live members. A shard is claimed with a
+rendezvous hashing over *available* live members, each weighted by the capacity its member
+record publishes: an agent whose loop stays late publishes less of it (loadshed.py) and so
+holds fewer shards. A shard is claimed with a
 create-revision==0 transaction bound to the session lease; its create revision becomes
 the fencing token. The desired owner of an unowned shard claims it at once; the others
 wait in rank order (a short stagger each) so a slow owner never leaves a shard orphaned.
@@ -20,6 +22,7 @@ from agent.coordination import hrw
 from agent.coordination.etcd import KV, Create, Delete, EtcdClient, Put
 from agent.coordination.fencing import Fence, StaleToken, fenced_txn
 from agent.coordination.keys import Keys
+from agent.coordination.loadshed import LoadShedding
 from agent.coordination.watch import WatchEvent
 from agent.coordination.worker import EtcdWorkers
 from agent.runtime.metrics import counter, gauge
@@ -29,6 +32,10 @@ log = logging.getLogger(__name__)
 SHARDS_OWNED = gauge("millwright_shards_owned", "Shards this agent holds")
 SHARD_EVENTS = counter("millwright_shard_events_total", "Shard ownership changes", ("event",))
 MEMBERS = gauge("millwright_members", "Live members seen in etcd")
+LOAD_WEIGHT = gauge("millwright_placement_weight", "Share of its configured capacity this agent publishes "
+                    "(below 1 while its loop stays late: it holds fewer shards)")
+
+LOAD_TICK_S = 1.0   # how often the loop's lag is sampled for load-aware placement
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,7 @@ class Member:
     lease: int
     labels: dict = field(default_factory=dict)        # targeting (agent/coordination/placement.py)
     templates: frozenset = frozenset()                # template names this agent can run
+    overloaded: bool = False                          # its loop stays late (loadshed.py)
 
 
 class ShardManager:
@@ -86,6 +94,8 @@ class ShardManager:
         # make a run's end worth a reconcile (release_idle), which at 100 runs/s would
         # otherwise walk every shard after nearly every run
         self._kept_busy: set[int] = set()
+        self.load = LoadShedding()
+        self._load_timer: Any = None
 
     # --- views --------------------------------------------------------------------
     def available_members(self) -> dict[str, float]:
@@ -137,7 +147,10 @@ class ShardManager:
         labels, templates = info.get("labels"), info.get("templates")
         labels = {str(k): v for k, v in labels.items() if isinstance(v, str)} if isinstance(labels, dict) else {}
         templates = frozenset(t for t in templates if isinstance(t, str)) if isinstance(templates, list) else frozenset()
-        self.members[agent] = Member(agent, cap if cap > 0 else 1.0, available, kv.lease, labels, templates)
+        load = info.get("load") if isinstance(info, dict) else None
+        overloaded = isinstance(load, dict) and load.get("overloaded") is True
+        self.members[agent] = Member(agent, cap if cap > 0 else 1.0, available, kv.lease, labels, templates,
+                                     overloaded)
         if agent == self.me and kv.lease == self.lease:
             self.registered = True
 
@@ -178,13 +191,23 @@ class ShardManager:
         self.registered = False
         self._register(capacity, info)
 
+    def _member_record(self, capacity: float, info: dict, lease: int) -> str:
+        """Our member record: the configured capacity times the load weight (what the plan
+        weighs us by), whether we take shards at all, and the load behind the weight."""
+        return json.dumps({"v": 1, "agent": self.me, "capacity": round(capacity * self.load.weight, 6),
+                           "available": self.unavailable_reason is None and not self.draining,
+                           "reason": self.unavailable_reason, "lease": f"{lease:x}",
+                           "load": self.load.record(), **info})
+
     def _register(self, capacity: float, info: dict) -> None:
         lease = self.lease
+        assert lease is not None  # registered only under a session lease
         key = self.keys.member(self.me)
-        value = json.dumps({"v": 1, "agent": self.me, "capacity": capacity,
-                            "available": self.unavailable_reason is None and not self.draining,
-                            "reason": self.unavailable_reason, "lease": f"{lease:x}", **info})
+        value = self._member_record(capacity, info, lease)
         self._member_value = (capacity, info)
+        if self._load_timer is None:
+            LOAD_WEIGHT.set(self.load.weight)
+            self._load_timer = self.loop.call_later(LOAD_TICK_S, self._load_tick)
 
         def op():
             # Never overwrite a live registration bound to another lease: that is either our
@@ -231,11 +254,24 @@ class ShardManager:
         if self.lease is not None and self.registered:
             lease = self.lease
             cap, info = self._member_value
-            value = json.dumps({"v": 1, "agent": self.me, "capacity": cap,
-                                "available": self.unavailable_reason is None and not self.draining,
-                                "reason": self.unavailable_reason, "lease": f"{lease:x}", **info})
+            value = self._member_record(cap, info, lease)
             self.workers.submit(lambda: self.client.put(self.keys.member(self.me), value, lease=lease),
                                 lambda r, e: None)
+
+    def _load_tick(self) -> None:
+        """Sample the loop's lag; publish the member record when the load policy changed
+        what it says (weight, overloaded). Ticks while a session lease is held."""
+        self._load_timer = None
+        if self.lease is None:
+            return
+        lag = getattr(self.loop, "lag", None)
+        headroom = any(m.available and not m.overloaded for a, m in self.members.items() if a != self.me)
+        if lag is not None and self.load.observe(lag(), self.clock(), headroom):
+            LOAD_WEIGHT.set(self.load.weight)
+            (log.warning if self.load.overloaded else log.info)("load changed: member record updated",
+                                                               extra={"fields": self.load.record()})
+            self.update_member()
+        self._load_timer = self.loop.call_later(LOAD_TICK_S, self._load_tick)
 
     def fence(self, reason: str) -> None:
         """Stop acting for every shard at once (renew deadline passed or lease lost)."""

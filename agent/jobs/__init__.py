@@ -9,7 +9,8 @@ state Enum and transitions, why it ended, the RunListener seam), and the firing 
 seams (the Protocols it needs from the agent), catalog (the jobs a unit holds: load,
 watch, trust, retirement), recovery (what a new owner finds and owes; pure), scheduler
 (due times -> admission -> claim -> run -> final record), admitting (holds and node
-quota), dependencies (depends_on, watched), claims (the fenced claim and its
+quota), catchup (missed firings found at a load, started a few at a time while the
+loop keeps up), dependencies (depends_on, watched), claims (the fenced claim and its
 read-backs), records (run-record documents and fenced writes), launching (run spec,
 prepare or start), outcomes (end reason -> state and retry; pure), statuses (status
 documents), claimlead (how far ahead a firing is claimed), startpolicy (what is asked

@@ -72,6 +72,7 @@ class JobEntry:
     backlog: list = field(default_factory=list)  # missed firings to run one after another
     latest_fire: str = ""   # newest fire_id with a record: the one latest/<shard>/<job> copies
     foreign_ahead: dict[str, int] = field(default_factory=dict)   # fire_id -> revision of a foreign record found ahead
+    at_load: bool = False    # installed by its unit's load (a takeover: its missed firings are paced)
 
     def fire_id(self, due: datetime, agent_id: str) -> str:
         """A fan-out job's firing on this agent names the agent: ``<fire id>@<agent>``."""
@@ -168,6 +169,15 @@ class JobCatalog:
     def in_unit(self, unit: int) -> list[JobEntry]:
         return list(self.by_shard.get(unit, {}).values())
 
+    def active_in(self, unit: int) -> bool:
+        """Whether a firing of the unit may have a live run or a record to write."""
+        return any(f.state in ACTIVE for e in self.in_unit(unit) for f in e.firings.values())
+
+    def running(self) -> list:
+        """The firings with a live run here."""
+        return [f for e in self.entries.values() for f in e.firings.values()
+                if f.state == FiringState.RUNNING and f.handle is not None]
+
     def start_watches(self) -> list[PrefixWatch]:
         post = self.loop.post
         w = PrefixWatch(self.client, self.keys.jobs_prefix(), "jobs",
@@ -228,7 +238,7 @@ class JobCatalog:
                 self._usage_changed(unit)
             for stored in jobs:
                 if not (self._misplaced(stored) or stored.cancelled or stored.tombstone or stored.id in self.entries):
-                    self._install(stored, runs.get(stored.id, {}))
+                    self._install(stored, runs.get(stored.id, {}), at_load=True)
             JOBS_OWNED.set(len(self.entries))
             if self._dirty.pop(unit, 0) > rev:
                 self._reload(unit)
@@ -415,7 +425,7 @@ class JobCatalog:
         return self.units.unit_of(placement.pool_of_doc(doc), storage)
 
     # --- install ----------------------------------------------------------------------
-    def _install(self, stored: StoredJob, records: Records) -> None:
+    def _install(self, stored: StoredJob, records: Records, at_load: bool = False) -> None:
         self.gc.settle()
         job = stored.parsed  # verified by this agent's ingest from the pushed bytes (StoredJob.parsed)
         if job is None or (job.key_retired_after is not None and utcnow() >= job.key_retired_after):
@@ -436,7 +446,7 @@ class JobCatalog:
         # the entry keeps the parsed job, not a second copy of the stored document (~2 KB
         # a job: bench_scale.py memory)
         slim = StoredJob(stored.shard, {"id": stored.id}, stored.revision, stored.create_revision)
-        e = JobEntry(job, slim, stored.shard, accepted_at)
+        e = JobEntry(job, slim, stored.shard, accepted_at, at_load=at_load)
         self._pop(job.id)
         self.entries[job.id] = e
         self.by_shard.setdefault(e.shard, {})[job.id] = e

@@ -8,6 +8,10 @@ read back before anything is decided, and every decision reaches the scheduler a
 ``Claim``: claimed (run it), again (claim once more), discard (its job went: end it),
 foreign (a record this agent never claimed holds the key), or give up (the record is not
 ours to write). Nothing here starts a process.
+
+Claims leave in the run records' group commit (records.py): the claims of a few
+milliseconds share one etcd transaction, each still with its own outcome; a batch whose
+answer is lost makes each of its claims read back its own record.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from agent.coordination.etcd import Create, Mod
-from agent.coordination.fencing import Fence, StaleToken, fenced_txn
+from agent.coordination.fencing import Fence, FencedWrite, StaleToken
 from agent.jobs.firing import Firing, FiringEnd, FiringState
 from agent.jobs.metrics import CLAIMS
 from agent.jobs.states import RecordState
@@ -35,6 +39,13 @@ if TYPE_CHECKING:
 
 READ_BACK_S = 0.2        # a read-back that failed, or found a write of ours still to land, is made again after this
 UNSURE_CLAIMS_MAX = 8    # earlier claims of one firing with an unknown outcome that are remembered
+# A claim made ahead of its due time waits for others to join its transaction for this
+# share of the time left, at most CLAIM_WAIT_MAX_S: the claim lead (claimlead.py) measures
+# the wait with the rest, and one transaction for several firings is what lets the agent
+# keep up with many firings a second. A claim at or after its due time leaves at the end
+# of the loop tick, unless the loop lags (then it waits a share of the lag).
+CLAIM_WAIT_SHARE = 0.25
+CLAIM_WAIT_MAX_S = 0.02
 
 
 class ClaimKind(enum.Enum):
@@ -59,6 +70,13 @@ class Claim:
 Done = Callable[[Firing, Claim], None]
 
 
+def decided_here(record: Optional[dict], agent_id: str, fence: Optional[Fence]) -> bool:
+    """A record this agent wrote under the fence it holds now: the firing was decided here
+    (its final record, say), so a claim must not take it over as a foreign one."""
+    return (fence is not None and record is not None and record.get("agent") == agent_id
+            and record.get("fence") == fence.token)
+
+
 class ClaimWriter:
     """Writes claims and reads back those with an unknown outcome (loop thread; etcd on
     the workers)."""
@@ -78,17 +96,16 @@ class ClaimWriter:
         """Write the claim of ``f`` (in state CLAIMING, its attempt set) under ``fence``;
         ``spec``: the run to stage once the claim landed (None: nothing to stage).
         ``takeover``: replace the record at ``f.claim.rev`` (a foreign one) instead of
-        creating it."""
+        creating it. The claims made within a few milliseconds of each other leave in one
+        transaction (the records' group commit), each with its own outcome."""
         key = self.records.key(f)
         rec = self.records.document(f, RecordState.RUNNING, fence, started_at=rfc(max(utcnow(), f.due)))
-        compare = [Mod(key) == f.claim.rev] if retry or takeover else [Create(key) == 0]
-        ops = self.records.ops(f, key, json.dumps(rec))
-
-        def op() -> Any:
-            r = fenced_txn(self.client, fence, compare=compare, success=ops)
-            # ours now: its directories and quota container are made here, on this worker,
-            # so the loop's spawn does no blocking file-system work
-            return r, (self.executor.stage(spec) if spec is not None and r.succeeded else None)
+        compare = (Mod(key) == f.claim.rev,) if retry or takeover else (Create(key) == 0,)
+        ops = tuple(self.records.ops(f, key, json.dumps(rec)))
+        def stage(r: Any) -> Any:
+            # ours now: its directories and quota container are made on the worker, so the
+            # loop's spawn does no blocking file-system work
+            return self.executor.stage(spec) if spec is not None else None
 
         def landed(result: Any, error: Optional[BaseException]) -> None:
             r: Any
@@ -115,7 +132,17 @@ class ClaimWriter:
                 CLAIMS.labels("claimed").inc()
                 done(f, Claim(ClaimKind.CLAIMED, staged=staged))
 
-        self.workers.submit(op, landed)
+        self.records.commits.submit(FencedWrite(fence, compare, ops), landed, within=self._wait(f), then=stage)
+
+    def _wait(self, f: Firing) -> float:
+        """How long the claim of ``f`` may wait for others to share its transaction: a share
+        of the time left to its due time; past it, a share of the loop's lag (an agent that
+        is behind makes bigger batches, and so catches up faster); at most CLAIM_WAIT_MAX_S."""
+        ahead = (f.due - utcnow()).total_seconds()
+        if ahead > 0:
+            return min(CLAIM_WAIT_MAX_S, ahead * CLAIM_WAIT_SHARE)
+        lag = getattr(self.loop, "lag", None)
+        return min(CLAIM_WAIT_MAX_S, lag() * CLAIM_WAIT_SHARE) if lag is not None else 0.0
 
     def _give_up(self, f: Firing, why: FiringEnd, done: Done) -> None:
         CLAIMS.labels(why.value).inc()

@@ -4,8 +4,10 @@ A record runs/<shard>/<job>/<fire_id> is written only in a transaction fenced by
 shard's token, and compared with the revision this agent last wrote (or created with
 create-revision==0), so no write of an agent that lost the shard, and no stale write of
 its own, lands. Its copy latest/<shard>/<job> is written in the same transaction while
-the firing is the job's newest. Each shard's writes in flight are counted: a shard is not
-handed over while one may still land.
+the firing is the job's newest. The writes (claims.py's included) leave in group commits
+(agent/coordination/groupcommit.py): the writes of a few milliseconds in one etcd
+transaction, each its own nested transaction with its own outcome. Each shard's writes in
+flight are counted: a shard is not handed over while one may still land.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from agent.coordination.etcd import Create, EtcdError, EtcdUnavailable, Mod, Put
-from agent.coordination.fencing import Fence, StaleToken, fenced_txn
+from agent.coordination.fencing import Fence, FencedWrite, StaleToken
+from agent.coordination.groupcommit import GroupCommit
 from agent.coordination.keys import Keys
 from agent.jobs.states import RecordState
 from agent.runtime.timefmt import format_optional as rfc
@@ -33,6 +36,9 @@ log = logging.getLogger(__name__)
 # deadline but the shard is still held (RunRecords.waits).
 FENCE_WAIT_S = 0.1
 WRITE_RETRY_S = 0.3   # a write etcd did not answer is made again after this (while the shard is held)
+# A record that ends a firing, or says it waits for a retry, waits this long for other
+# writes to share its transaction (no process waits for it; the shard's hand-over does).
+RECORD_WAIT_S = 0.05
 
 _RESET_WHEN_RUNNING = ("ended_at", "exit_code", "reason", "retry_at")
 
@@ -54,6 +60,7 @@ class RunRecords:
         self.in_flight: dict[int, int] = {}
         # ops that go with a firing's final record (a staged rollout's outcome: StartGate.final_ops)
         self.final_ops: Callable[[Firing, str], list] = lambda f, state: []
+        self.commits = GroupCommit(client, loop, workers)   # claims' and records' fenced writes, batched
 
     # --- documents -------------------------------------------------------------------
     def key(self, f: Firing) -> str:
@@ -104,7 +111,7 @@ class RunRecords:
         the renewed session keeps the shard."""
         return self.fencing.fence_for(shard) is None and self.fencing.owns(shard) is not None
 
-    def submit(self, shard: int, op: Callable[[], Any], done: Callable[[Any, Optional[BaseException]], None]) -> None:
+    def submit(self, shard: int, write: FencedWrite, done: Callable[[Any, Optional[BaseException]], None]) -> None:
         """A record write, counted against its shard until it finished."""
         self._count(shard, +1)
 
@@ -115,7 +122,7 @@ class RunRecords:
                 if not self._count(shard, -1):
                     self.on_settled(shard)
 
-        self.workers.submit(op, finished)
+        self.commits.submit(write, finished, within=RECORD_WAIT_S)
 
     def _count(self, shard: int, delta: int) -> int:
         n = self.in_flight.get(shard, 0) + delta
@@ -153,9 +160,6 @@ class RunRecords:
         if answer is not None:
             ops += self.final_ops(f, state)
 
-        def op() -> Any:
-            return fenced_txn(self.client, fence, compare=[Mod(key) == rev], success=ops)
-
         def done(r: Any, error: Optional[BaseException]) -> None:
             f.claim.writing -= 1
             if error is None and r.succeeded:
@@ -168,7 +172,7 @@ class RunRecords:
             elif error is not None and not isinstance(error, StaleToken):
                 log.warning("run record write failed", extra={"fields": {"job": e.job.id, "error": str(error)}})
 
-        self.submit(e.shard, op, done)
+        self.submit(e.shard, FencedWrite(fence, (Mod(key) == rev,), tuple(ops)), done)
 
     def _rewrite(self, f: Firing, state: str, fields: dict, rev: int, answer: Optional[tuple]) -> None:
         f.claim.writing -= 1
@@ -200,7 +204,7 @@ class RunRecords:
             for write in after:
                 write()
 
-        self.submit(e.shard, lambda: fenced_txn(self.client, fence, compare=[Mod(key) == rev], success=ops), done)
+        self.submit(e.shard, FencedWrite(fence, (Mod(key) == rev,), tuple(ops)), done)
         return True
 
     def write_not_run(self, f: Firing, state: str, reason: str, answer: tuple[dict, Optional[str]]) -> bool:
@@ -213,11 +217,11 @@ class RunRecords:
             return False
         key = self.key(f)
         rec = self.document(f, state, fence, reason=reason, ended_at=rfc(utcnow()))
-        cmp = [Mod(key) == f.claim.rev] if f.claim.rev else [Create(key) == 0]
+        cmp = (Mod(key) == f.claim.rev,) if f.claim.rev else (Create(key) == 0,)
         ops = self.ops(f, key, json.dumps(rec))
         doc, answer_key = answer
         if answer_key:
             ops.append(Put(answer_key, json.dumps(doc)))
         ops += self.final_ops(f, state)
-        self.submit(e.shard, lambda: fenced_txn(self.client, fence, compare=cmp, success=ops), lambda r, err: None)
+        self.submit(e.shard, FencedWrite(fence, cmp, tuple(ops)), lambda r, err: None)
         return True

@@ -49,6 +49,9 @@ class Recovered:
 def recover(e: JobEntry, records: Records, agent_id: str, now: datetime) -> Recovered:
     job, out = e.job, Recovered()
     mine = "@" + agent_id
+    # firings whose record decides them: never caught up or armed again. By fire id, not by
+    # due time: a fire id keeps milliseconds, a one-shot's due time may have more
+    handled: set[str] = set()
     for fire_id, (rec, rev) in sorted(records.items()):
         if job.fanout and not fire_id.endswith(mine):
             continue  # another agent's own firings of a fan-out job
@@ -69,10 +72,12 @@ def recover(e: JobEntry, records: Records, agent_id: str, now: datetime) -> Reco
             out.foreign.append((fire_id, why, rec if isinstance(rec, dict) else {}, rev))
             if due <= now:
                 _done_up_to(e, due)   # handled, whatever really happened to it
+                handled.add(fire_id)
             elif len(e.foreign_ahead) < FOREIGN_AHEAD_MAX:
                 e.foreign_ahead[fire_id] = rev   # its claim may replace exactly this record
             continue
         _done_up_to(e, due)
+        handled.add(fire_id)
         e.latest_fire = max(e.latest_fire, fire_id)
         state = rec.get("state")
         if state in TERMINAL:
@@ -97,16 +102,19 @@ def recover(e: JobEntry, records: Records, agent_id: str, now: datetime) -> Reco
         except ValueError:
             latest = []
         for due in latest:
-            if due not in recovery.run and e.fire_id(due, agent_id) not in records:
+            if due not in recovery.run and e.fire_id(due, agent_id) not in handled:
                 f = Firing(e, due, e.fire_id(due, agent_id))
                 e.firings[f.fire_id] = f
                 _done_up_to(e, due)
                 out.misfired.append(f)
     # a fire id names its due time to the millisecond: a due time with microseconds (a `{}`
     # job's issued_at) is later than the one its record's fire id parses to, and its firing,
-    # which has that record, must not run again
-    out.catch_up = [d for d in recovery.run if e.fire_id(d, agent_id) not in records]
-    out.next_due = recovery.next_due
+    # which has that record (in handled), must not run again
+    out.catch_up = [d for d in recovery.run if e.fire_id(d, agent_id) not in handled]
+    nxt = recovery.next_due
+    while nxt is not None and e.fire_id(nxt, agent_id) in handled:
+        nxt = sch.next_firing(job, nxt, e.accepted_at)
+    out.next_due = nxt
     out.announce = not records and job.schedule.kind != "now" and recovery.next_due is not None
     return out
 

@@ -34,8 +34,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 from agent.jobs import outcomes, recovery
 from agent.jobs import schedule as sch
 from agent.jobs.admitting import Admitter
+from agent.jobs.catchup import CatchUps
 from agent.jobs.claimlead import ClaimLead
-from agent.jobs.claims import Claim, ClaimKind, ClaimWriter
+from agent.jobs.claims import Claim, ClaimKind, ClaimWriter, decided_here
 from agent.jobs.crowding import Crowding
 from agent.jobs.dependencies import DependencyCheck
 from agent.jobs.firing import ACTIVE, NOT_STARTED, Firing, FiringEnd, FiringState
@@ -79,9 +80,6 @@ class Scheduler:
         self.catalog = catalog
         self.fencing = fencing
         self.loop = loop
-        self.client = client
-        self.keys = keys
-        self.workers = workers
         self.audit = audit
         self.statuses = Statuses(sink, keys, cfg.agent_id, cfg.shards)
         self.records = RunRecords(client, keys, fencing, loop, workers, cfg.agent_id, cfg.shards, self._settled)
@@ -96,6 +94,7 @@ class Scheduler:
         self.crowding = Crowding(self._unqueue, lambda f, why: self._finish_without_run(f, RecordState.MISFIRED, why))
         self.progress = ProgressReports(self.statuses, self.records, loop)
         self.foreign = ForeignRecords(self.statuses, audit)
+        self.catch_ups = CatchUps(loop, self._fire, lambda e: catalog.current(e) and not e.cancelled)
         self.dependencies = DependencyCheck(client, keys, cfg.shards, loop, workers, self.statuses, catalog.current,
                                             catalog.keyring, cfg.cluster, audit)
 
@@ -103,8 +102,7 @@ class Scheduler:
     def busy(self, shard: int) -> bool:
         """A shard is busy while a run of it may be alive or its record is being written:
         it is not handed over before both are done (no shard leaves with a live run)."""
-        return self.records.busy(shard) or any(f.state in ACTIVE for e in self.catalog.in_unit(shard)
-                                               for f in e.firings.values())
+        return self.records.busy(shard) or self.catalog.active_in(shard)
 
     def _settled(self, shard: int) -> None:
         if not self.busy(shard):
@@ -119,13 +117,13 @@ class Scheduler:
     def stop_runs(self, reason: str = EndReason.AGENT_STOPPED) -> int:
         """End every live run (SIGTERM, SIGKILL after kill_grace_s); each gets its final
         record, status and run_end audit record while the shard is still ours."""
-        running = [f for e in self.catalog.entries.values() for f in e.firings.values()
-                   if f.state == S.RUNNING and f.handle is not None]
+        running = self.catalog.running()
         for f in running:
             f.handle.terminate(reason)
         return len(running)
 
     def stop(self) -> None:
+        self.catch_ups.stop()
         self.catalog.stop()
         self.dependencies.stop()
         self.stop_runs()
@@ -152,9 +150,8 @@ class Scheduler:
                                f"{'+' if r.skipped_capped else ''} firing(s) skipped")
         for f in r.misfired:
             self._finish_without_run(f, RecordState.MISFIRED, f"misfire_{e.job.misfire}")
-        if r.catch_up:  # catch-ups of one job run one after another, oldest first
-            e.backlog.extend(r.catch_up[1:])
-            self._fire(e, r.catch_up[0])
+        if r.catch_up:
+            self.catch_ups.start(e, r.catch_up)
         if r.next_due is not None:
             self._arm(e, r.next_due)
         if r.announce:
@@ -350,6 +347,8 @@ class Scheduler:
         once. Any other is reported and the firing ends there."""
         f.claim.record, f.claim.rev = c.record if isinstance(c.record, dict) else None, c.rev
         fence = self.fencing.fence_for(f.entry.shard)
+        if decided_here(f.claim.record, self.cfg.agent_id, fence):
+            return self._abandon(f, F.ALREADY_CLAIMED)
         judged = f.entry.foreign_ahead.pop(f.fire_id, None) == c.rev
         over = fence is not None and (c.rev > fence.token or judged) and not f.claim.taken_over
         self.foreign.report(f, "claim", AT_CLAIM, RecordState.RUNNING if over else RecordState.FAILED)
@@ -564,5 +563,7 @@ class Scheduler:
 
     # --- status --------------------------------------------------------------------------
     def status(self) -> dict:
-        return {**self.catalog.status(), "admission": self.admitter.status()}
+        """What the jobs held here are doing; ``lag_s``: how late the loop runs due timers."""
+        return {**self.catalog.status(), "admission": self.admitter.status(),
+                "catch_ups": len(self.catch_ups), "lag_s": round(getattr(self.loop, "lag", lambda: 0.0)(), 3)}
 

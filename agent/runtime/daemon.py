@@ -322,10 +322,10 @@ class Agent:
                         "valid": self.session.is_valid(), "fenced": self.fenced_reason,
                         "valid_for_s": round(max(0.0, self.session.valid_until - time.monotonic()), 2),
                         "endpoint": self.client.endpoint},
-            "members": {m.agent: {"capacity": m.capacity, "available": m.available}
+            "members": {m.agent: {"capacity": m.capacity, "available": m.available, "overloaded": m.overloaded}
                         for m in self.shards.members.values()},
             "shards": {"owned": owned, "count": len(owned), "total": self.cfg.shards,
-                       "draining": self.shards.draining},
+                       "draining": self.shards.draining, "load": self.shards.load.record()},
             "labels": dict(self.cfg.labels),
             "pools": self.placement.status(),
         }

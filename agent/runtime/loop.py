@@ -4,6 +4,13 @@ All agent state is owned by the thread running :meth:`EventLoop.run`. Adapter th
 (etcd keepalive and watches, paho's network thread, the BPF poller) never touch that
 state: they call :meth:`post`, which is the only thread-safe entry point. Timers are one
 heap on the loop, not a thread per job.
+
+Past capacity (more due timers and posted callbacks than the thread can run), timers and
+posted callbacks take turns of at most ``SLICE_S`` each: due firings keep starting and the
+work already started (a claim that landed, a run that ended) keeps finishing, so lateness
+grows with the backlog and drains once it is gone; neither side starves the other. How
+late the loop runs its due timers is its lag (:meth:`EventLoop.lag`, the
+``millwright_scheduler_lag_seconds`` gauge).
 """
 
 from __future__ import annotations
@@ -18,11 +25,16 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
-from agent.runtime.metrics import counter
+from agent.runtime.metrics import counter, gauge
 
 log = logging.getLogger(__name__)
 
 STALLS = counter("millwright_loop_stalls_total", "Loop handlers that ran longer than the stall threshold")
+LAG = gauge("millwright_scheduler_lag_seconds",
+            "How late the event loop runs its due timers: the worst of the last second, or how overdue the next is")
+
+SLICE_S = 0.005      # past capacity, timers and posted callbacks take turns of this long
+LAG_WINDOW_S = 1.0   # the lag is the worst lateness of a due timer over this long
 
 
 class Timer:
@@ -58,6 +70,7 @@ class EventLoop:
         self._stopping = False
         self._thread: Optional[threading.Thread] = None
         self._busy: Optional[tuple[float, Callable[..., Any]]] = None   # (since, handler) while one runs
+        self._lag = (0.0, 0.0, 0.0)   # (window start, worst in the window, worst in the window before)
 
     # --- thread-safe -------------------------------------------------------------
     def post(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -66,6 +79,21 @@ class EventLoop:
 
     def stop(self) -> None:
         self.post(self._set_stopping)
+
+    def lag(self) -> float:
+        """How late the loop runs its due timers: the worst lateness over the last second,
+        or, when the loop is stuck, how overdue its next timer is. Safe from any thread."""
+        start, worst, before = self._lag
+        now = self.clock()
+        age = now - start
+        # the worst of the current window and the one before; a window no timer ran in is over
+        recent = max(worst, before) if age < LAG_WINDOW_S else worst if age < 2 * LAG_WINDOW_S else 0.0
+        try:
+            head = self._heap[0]
+        except IndexError:
+            head = None
+        overdue = now - head[0] if head is not None and not head[2].cancelled else 0.0
+        return max(recent, overdue, 0.0)
 
     # --- loop thread only ----------------------------------------------------------
     def call_at(self, when: float, fn: Callable[..., Any], *args: Any) -> Timer:
@@ -117,33 +145,49 @@ class EventLoop:
         t.start()
         return t
 
+    def _late(self, now: float, when: float) -> None:
+        start, worst, before = self._lag
+        if now - start >= LAG_WINDOW_S:
+            start, worst, before = now, 0.0, (worst if now - start < 2 * LAG_WINDOW_S else 0.0)
+        late = now - when
+        self._lag = (start, late if late > worst else worst, before)
+
     def run(self) -> None:
         self._thread = threading.current_thread()
+        LAG.set_function(self.lag)
+        clock, heap, q = self.clock, self._heap, self._queue
         while not self._stopping:
-            now = self.clock()
-            while self._heap and (self._heap[0][2].cancelled or self._heap[0][0] <= now):
-                _, _, t = heapq.heappop(self._heap)
+            # due timers, for at most SLICE_S while callbacks wait
+            now = clock()
+            turn_ends = now + SLICE_S
+            while heap and (heap[0][2].cancelled or heap[0][0] <= now):
+                when, _, t = heapq.heappop(heap)
                 if not t.cancelled:
+                    self._late(clock(), when)
                     fn, args = t.fn, t.args
                     t.fn, t.args = _noop, ()   # fired: no reference cycle through the handle
                     self._run_one(fn, args)
-                if self._stopping:
-                    return
+                    if self._stopping:
+                        return
+                    if not q.empty() and clock() >= turn_ends:
+                        break
             timeout = None
-            if self._heap:
-                timeout = max(0.0, self._heap[0][0] - self.clock())
+            if heap:
+                timeout = max(0.0, heap[0][0] - clock())
             try:
-                fn, args = self._queue.get(timeout=timeout if timeout is None or timeout < 3600 else 3600)
+                fn, args = q.get(timeout=timeout if timeout is None or timeout < 3600 else 3600)
             except queue.Empty:
                 continue
             self._run_one(fn, args)
-            # drain what is already queued, but let a timer that fell due meanwhile go first:
-            # a burst of callbacks must not hold back due firings
+            # drain what is already queued; a timer that fell due meanwhile goes first once
+            # this turn had SLICE_S (a burst of callbacks must not hold back due firings,
+            # nor a stream of due timers the work they started)
+            turn_ends = clock() + SLICE_S
             for _ in range(256):
-                if self._heap and self._heap[0][0] <= self.clock():
+                if heap and heap[0][0] <= (now := clock()) and now >= turn_ends:
                     break
                 try:
-                    fn, args = self._queue.get_nowait()
+                    fn, args = q.get_nowait()
                 except queue.Empty:
                     break
                 self._run_one(fn, args)

@@ -107,7 +107,8 @@ def test_a_signed_job_copied_to_another_key_or_shard_runs_once_under_its_own_key
              what="both copies refused at load")
     assert effects(out)[("flash-fw", fire_id("flash-fw", due.replace(microsecond=0)))] == 1
     assert sum(n for (j, _), n in effects(out).items() if j.startswith("flash-fw")) == 1
-    assert len(audit(c, "rejected_stored", reason="misplaced")) == 4
+    # the audit log is written by its own thread, a few milliseconds after the status
+    wait_for(lambda: len(audit(c, "rejected_stored", reason="misplaced")) == 4, 5, what="four audit records")
     assert metric(port, "millwright_jobs_rejected_stored_total", reason="misplaced") == 2
 
 
@@ -143,7 +144,7 @@ def test_forged_retrying_records_run_nothing_again(env):
         (st,) = wait_for(lambda: statuses(c, jid, state="rejected", reason="foreign_record"), 20,
                          what=f"{jid}'s forged record reported")
         assert st["count"] == 1 and why in st["records"][0]["why"] and st["source"] == "store"
-        (rec,) = audit(c, "foreign_record", job=jid)
+        (rec,) = wait_for(lambda: audit(c, "foreign_record", job=jid), 5, what=f"{jid}'s audit record")
         assert (rec["where"], rec["count"]) == ("load", 1) and why in rec["records"][0]["why"]
     # the reports came after the records were judged: neither firing ran again
     assert sum(n for (j, _), n in effects(out).items() if j == "once") == 1

@@ -27,8 +27,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-import agent.jobs.claims as claims_module
-import agent.jobs.records as records_module
+import agent.coordination.fencing as fencing
 from agent.coordination.etcd import EtcdUnavailable
 from agent.coordination.jobstore import JobStore
 from agent.coordination.keys import shard_of
@@ -80,16 +79,21 @@ def due_now(store: Any, job_id: str) -> None:
     store.create(job(job_id, {}, issued_at=format_rfc3339(datetime.now(timezone.utc).replace(microsecond=0))))
 
 
-def patch_fenced_txn(monkeypatch: Any, fn: Callable[..., Any]) -> None:
-    """Every fenced transaction of the scheduler (claims and record writes) through ``fn``."""
-    for module in (claims_module, records_module):
-        monkeypatch.setattr(module, "fenced_txn", fn)
+def patch_fenced_batch(monkeypatch: Any, fn: Callable[..., Any]) -> None:
+    """Every batch of the scheduler's fenced writes (claims and record writes, each batch
+    one transaction) through ``fn(client, writes, **kw)``."""
+    monkeypatch.setattr(fencing, "fenced_batch", fn)
 
 
 def writes_job(success: Any, job_id: str) -> bool:
-    """Whether a transaction's operations write one of the job's run records."""
+    """Whether a write's operations write one of the job's run records."""
     keys = (getattr(op, "key", b"") for op in success)
     return any(f"/{job_id}/" in (k.decode() if isinstance(k, bytes) else str(k)) for k in keys)
+
+
+def the_jobs(writes: Any, outcomes: Any, job_id: str) -> list:
+    """The outcomes of a batch's writes of the job's run records."""
+    return [r for w, r in zip(writes, outcomes) if writes_job(w.success, job_id)]
 
 
 class ReadBacks:
@@ -187,15 +191,16 @@ def test_a_claim_whose_reply_and_read_back_fail_in_the_gap_runs_once(env, monkey
     lost: list[int] = []        # the landed claim's revision (its reply was lost)
     reads: list[str] = []       # the read-backs of the job's record: "failed", "real"
     lock = threading.Lock()
-    real_txn = claims_module.fenced_txn
+    real_batch = fencing.fenced_batch
 
-    def fenced_txn(client: Any, fence: Any, compare: Any = (), success: Any = (), **kw: Any) -> Any:
-        r = real_txn(client, fence, compare=compare, success=success, **kw)
+    def fenced_batch(client: Any, writes: Any, **kw: Any) -> Any:
+        out = real_batch(client, writes, **kw)
         with lock:
-            if not lost and r.succeeded and writes_job(success, jid):
-                lost.append(r.revision)
-                raise EtcdUnavailable("the claim's reply was lost (injected)")
-        return r
+            mine = [r for r in the_jobs(writes, out, jid) if not isinstance(r, Exception) and r.succeeded]
+            if not lost and mine:
+                lost.append(mine[0].revision)
+                raise EtcdUnavailable("the reply of the claim's batch was lost (injected)")
+        return out
 
     def read_back(read: Callable[[], Any]) -> Any:
         """The first read-back fails, in the gap (which ends at the next read, 0.2 s later)."""
@@ -208,7 +213,7 @@ def test_a_claim_whose_reply_and_read_back_fail_in_the_gap_runs_once(env, monkey
         lapse.end()
         return read()
 
-    patch_fenced_txn(monkeypatch, fenced_txn)
+    patch_fenced_batch(monkeypatch, fenced_batch)
     try:
         with read_backs(la, jid, read_back):
             due_now(store, jid)
@@ -235,33 +240,35 @@ def test_a_claim_that_lands_after_its_read_back_found_nothing_is_still_ours(env,
     caplog.set_level(logging.DEBUG, logger="agent.jobs.scheduler")
     fences = la.on_loop(lambda: {s: la.agent.owns(s) for s in range(c.shards)})
     jid = "lands-late"
-    held: list[tuple] = []      # the first claim, not sent yet
+    held: list[tuple] = []      # the first claim's batch, not sent yet
     landed: list[int] = []      # its revision, once applied after the read-back
     claims: list[str] = []      # each claim's outcome: "held", "created", "exists"
     lock = threading.Lock()
-    real_txn = claims_module.fenced_txn
+    real_batch = fencing.fenced_batch
 
-    def fenced_txn(client: Any, fence: Any, compare: Any = (), success: Any = (), **kw: Any) -> Any:
-        mine = writes_job(success, jid)
+    def fenced_batch(client: Any, writes: Any, **kw: Any) -> Any:
+        mine = any(writes_job(w.success, jid) for w in writes)
         with lock:
             if mine and not claims:
                 claims.append("held")
-                held.append((client, fence, compare, success, kw))
+                held.append((client, writes, kw))
                 raise EtcdUnavailable("no answer (injected): the create is still queued")
-        r = real_txn(client, fence, compare=compare, success=success, **kw)
+        out = real_batch(client, writes, **kw)
         if mine and len(claims) == 1:
+            (r,) = the_jobs(writes, out, jid)
             claims.append("created" if r.succeeded else "exists")
-        return r
+        return out
 
     def read_back(read: Callable[[], Any]) -> Any:
         """The first read-back returns what etcd had; then the held create is applied."""
         kv = read()
         if held and not landed:
-            client, fence, compare, success, kwargs = held[0]
-            landed.append(real_txn(client, fence, compare=compare, success=success, **kwargs).revision)
+            client, writes, kwargs = held[0]
+            (r,) = the_jobs(writes, real_batch(client, writes, **kwargs), jid)
+            landed.append(r.revision)
         return kv
 
-    patch_fenced_txn(monkeypatch, fenced_txn)
+    patch_fenced_batch(monkeypatch, fenced_batch)
     with read_backs(la, jid, read_back):
         due_now(store, jid)
         rec = final_record(c, jid)
@@ -293,21 +300,23 @@ def test_a_claim_still_unresolved_when_its_shard_is_held_again_is_never_claimed_
     reading = threading.Event()
     claims: list[tuple[int, bool]] = []   # (fence token, landed) of each claim of the job
     lock = threading.Lock()
-    real_txn = claims_module.fenced_txn
+    real_batch = fencing.fenced_batch
 
-    def fenced_txn(client: Any, fence: Any, compare: Any = (), success: Any = (), **kw: Any) -> Any:
-        mine = writes_job(success, jid)
+    def fenced_batch(client: Any, writes: Any, **kw: Any) -> Any:
+        mine = [w for w in writes if writes_job(w.success, jid)]
         with lock:
-            first = mine and not claims
+            first = bool(mine) and not claims
             if first:
-                claims.append((fence.token, False))
+                claims.append((mine[0].fence.token, False))
         if first:
-            raise EtcdUnavailable("no answer (injected): the create did not land")
-        r = real_txn(client, fence, compare=compare, success=success, **kw)
+            raise EtcdUnavailable("no answer (injected): the create's batch did not land")
+        out = real_batch(client, writes, **kw)
         if mine:
             with lock:
-                claims.append((fence.token, r.succeeded))
-        return r
+                for w, r in zip(writes, out):
+                    if writes_job(w.success, jid):
+                        claims.append((w.fence.token, not isinstance(r, Exception) and r.succeeded))
+        return out
 
     def read_back(read: Callable[[], Any]) -> Any:
         """Each read-back waits for reads_open."""
@@ -322,7 +331,7 @@ def test_a_claim_still_unresolved_when_its_shard_is_held_again_is_never_claimed_
             assert load_go.wait(30), "the held load was never let go"
         return real_list(storage, *a, **kw)
 
-    patch_fenced_txn(monkeypatch, fenced_txn)
+    patch_fenced_batch(monkeypatch, fenced_batch)
     monkeypatch.setattr(sch.catalog.store, "list_shard", list_shard)
     try:
         with read_backs(la, jid, read_back):

@@ -64,3 +64,59 @@ def test_a_handler_holding_the_loop_is_logged_with_its_stack(caplog):
     fields = stalls[0].fields
     assert "slow_handler" in fields["handler"] and fields["held_s"] >= 0.3
     assert "slow_handler" in fields["stack"]
+
+
+def _busy(s: float) -> None:
+    end = time.perf_counter() + s
+    while time.perf_counter() < end:
+        pass
+
+
+def test_past_capacity_due_timers_and_posted_callbacks_take_turns():
+    """A stream of due timers does not starve the callbacks posted meanwhile (the work they
+    started), and a flood of callbacks does not hold back a due timer."""
+    loop = EventLoop()
+    order: list[str] = []
+    for i in range(400):
+        loop.call_later(0, lambda i=i: (_busy(0.001), order.append(f"timer-{i}")))
+    loop.post(lambda: order.append("posted"))
+    t = run_loop(loop)
+    time.sleep(0.01)
+    try:
+        deadline = time.monotonic() + 20
+        while len(order) < 401 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(order) == 401
+        assert order.index("posted") < 399, "the posted callback waited for every due timer"
+
+        flood: list[str] = []
+
+        def again(n: int) -> None:
+            _busy(0.001)
+            flood.append("cb")
+            if n:
+                loop.post(again, n - 1)
+        done = threading.Event()
+        loop.post(again, 300)
+        loop.post(lambda: loop.call_later(0.005, lambda: (flood.append("timer"), done.set())))
+        assert done.wait(20)
+        assert flood.index("timer") < 300, "the due timer waited for the whole flood"
+    finally:
+        loop.stop()
+        t.join(5)
+
+
+def test_the_lag_is_how_late_due_timers_run_and_goes_back_to_zero():
+    loop = EventLoop()
+    ran = threading.Event()
+    loop.post(lambda: time.sleep(0.3))   # holds the loop past the timer's due time
+    loop.call_later(0.05, ran.set)
+    t = run_loop(loop)
+    try:
+        assert ran.wait(5)
+        assert loop.lag() >= 0.25
+        time.sleep(2.1)   # two lag windows without a late timer
+        assert loop.lag() == 0.0
+    finally:
+        loop.stop()
+        t.join(5)

@@ -24,7 +24,7 @@ from agent.execute.limits import Limits
 from agent.jobs import outcomes, recovery
 from agent.jobs.admitting import Admitter
 from agent.jobs.catalog import JobCatalog, JobEntry
-from agent.jobs.claims import ClaimKind, ClaimWriter
+from agent.jobs.claims import Claim, ClaimKind, ClaimWriter
 from agent.jobs.firing import ClaimState, Firing, FiringState
 from agent.jobs.records import RunRecords
 from agent.jobs.render import run_id
@@ -85,6 +85,13 @@ class Workers:
             done(None, exc)
             return
         done(result, None)
+
+
+class InlineLoop(EventLoop):
+    """A loop never run: what is posted to it runs at once, on the caller's thread."""
+
+    def post(self, fn: Any, *args: Any) -> None:
+        fn(*args)
 
 
 def stored(job_id: str, schedule: dict, **kw: Any) -> StoredJob:
@@ -244,6 +251,20 @@ def test_recovery_believes_no_record_of_a_firing_off_the_schedule_or_far_ahead()
     assert e.foreign_ahead == {fire_id("j1", ahead): 6}        # its firing's claim may replace it
 
 
+@pytest.mark.parametrize("ahead_s", [-3.0, 2.0])
+def test_a_firing_whose_record_the_load_found_is_neither_caught_up_nor_armed_again(ahead_s):
+    """A one-shot due at a time with more than milliseconds (its fire id keeps milliseconds)
+    whose run the dead owner left `running`: its record decides it (owner_lost). It is not
+    run again as a missed firing, nor armed again when it is still ahead."""
+    due = NOW + timedelta(seconds=ahead_s, microseconds=569009)
+    e = entry("j1", {"at": format_rfc3339(due)}, issued_at=EARLIER)
+    rec = dict(record("j1", due, "running"), fence=3)
+    r = recovery.recover(e, {fire_id("j1", due): (rec, 5)}, CFG.agent_id, NOW + timedelta(microseconds=600000))
+    ((orphan,),) = (r.orphans,)
+    assert orphan.fire_id == fire_id("j1", due) and r.foreign == []
+    assert r.catch_up == [] and r.next_due is None
+
+
 # --- outcomes -------------------------------------------------------------------------------
 
 def test_outcomes_map_end_reasons_to_record_states_and_retry_criteria():
@@ -322,27 +343,32 @@ def test_a_claim_with_an_unknown_outcome_is_read_back_before_anything_is_decided
             v = landed.get(key)
             return None if v is None else KV(key, v.encode(), 50, 50, 1, 0)
 
-    def txn_without_answer(client: Any, fence: Any, compare: Any = (), success: Any = (), **kw: Any) -> Any:
-        landed[success[0].key] = success[0].value      # it landed, but no answer came
+    def txn_without_answer(client: Any, writes: Any, **kw: Any) -> Any:
+        for w in writes:
+            landed[w.success[0].key] = w.success[0].value      # it landed, but no answer came
         raise TimeoutError("no answer")
 
-    monkeypatch.setattr("agent.jobs.claims.fenced_txn", txn_without_answer)
-    rr = RunRecords(Client(), KEYS, agent, EventLoop(), Workers(), CFG.agent_id, CFG.shards, lambda s: None)
-    cw = ClaimWriter(Client(), agent, rr, EventLoop(), Workers(), CFG.agent_id, lambda x: True,
+    monkeypatch.setattr("agent.coordination.fencing.fenced_batch", txn_without_answer)
+    rr = RunRecords(Client(), KEYS, agent, InlineLoop(), Workers(), CFG.agent_id, CFG.shards, lambda s: None)
+    cw = ClaimWriter(Client(), agent, rr, InlineLoop(), Workers(), CFG.agent_id, lambda x: True,
                      SimpleNamespace(stage=lambda spec: "staged", unstage=lambda s: None))
     f = Firing(e, NOW, fire_id("j1", NOW))
     f.move(FiringState.CLAIMING)
     outcomes_seen: list = []
     cw.claim(f, fence, False, None, lambda g, c: outcomes_seen.append(c))
+    assert outcomes_seen == []            # it waits for its batch
+    rr.commits.flush()
     (c,) = outcomes_seen
     assert c.kind is ClaimKind.CLAIMED and f.claim.rev == 50 and f.claim.record["agent"] == "gw-1"
 
     # someone else's record at the key: foreign, with what it says
     g = Firing(e, NOW + timedelta(minutes=1), fire_id("j1", NOW + timedelta(minutes=1)))
     g.move(FiringState.CLAIMING)
-    monkeypatch.setattr("agent.jobs.claims.fenced_txn", lambda *a, **k: (_ for _ in ()).throw(TimeoutError()))
+    monkeypatch.setattr("agent.coordination.fencing.fenced_batch",
+                        lambda *a, **k: (_ for _ in ()).throw(TimeoutError()))
     landed[rr.key(g)] = json.dumps({"agent": "gw-0", "attempt": 1, "started_at": "t"})
     cw.claim(g, fence, False, None, lambda g, c: outcomes_seen.append(c))
+    rr.commits.flush()
     c2 = outcomes_seen[1]
     assert (c2.kind, c2.record["agent"], c2.rev) == (ClaimKind.FOREIGN, "gw-0", 50)
 
@@ -482,3 +508,25 @@ def test_a_cancelled_job_leaves_the_due_list_at_once_and_a_cancel_is_answered_on
     assert [(d["state"], d["reason"]) for d in agent.statuses
             if d["state"] == "cancelled" and d["run_id"] is None] == statuses
     assert [f["event"] for t, f in agent.audit if t == "job"] == [reason]
+
+
+def test_a_claim_that_finds_a_record_this_agent_wrote_under_its_fence_does_not_claim_over_it():
+    """A claim that finds the firing's record written by this agent under the fence it holds
+    (its final record, say) is not a foreign record to claim over: the firing was decided
+    here, and running it again would run it twice."""
+    fence = Fence(3, KEYS.shard(3), 41)
+    agent = Agent(fence)
+    sched, c = _scheduler(agent)
+    claims: list = []
+    sched.claims.claim = lambda f, *a, **kw: claims.append(f.fire_id)   # type: ignore[method-assign]
+    e = entry("j1", {"at": format_rfc3339(NOW)}, issued_at=EARLIER)
+    c.entries["j1"] = e
+    for rec, claimed_over in ((dict(record("j1", NOW, "failed"), agent=CFG.agent_id, fence=41), False),
+                              (dict(record("j1", NOW, "failed"), agent="gw-0", fence=12), True)):
+        f = Firing(e, NOW, fire_id("j1", NOW))
+        e.firings[f.fire_id] = f
+        f.move(FiringState.CLAIMING)
+        claims.clear()
+        sched._claimed(f, Claim(ClaimKind.FOREIGN, record=rec, rev=50))
+        assert bool(claims) is claimed_over, rec
+        e.firings.pop(f.fire_id, None)
