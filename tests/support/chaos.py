@@ -2,7 +2,8 @@
 
 A real 3-member etcd on loopback, 4 `millwright run` agents, a mosquitto; a workload of
 one-shot, retrying and cron jobs pushed over MQTT whose script (tests/jobs/effect.sh)
-records each run's side effect on its own clock; a nemesis that runs fault groups from a
+records each run's side effect on its own clock (some jobs fail every attempt, some wait
+for a dependency past their not_after and must never run); a nemesis that runs fault groups from a
 seeded plan (one fault, or two that overlap), each followed by a quiet window (at least
 TTL + 3 s with no fault). Every agent reaches each etcd member through a proxy of its own
 (tests/support/etcd_proxy.py); each member's data and each agent's state live on a small
@@ -13,7 +14,9 @@ file system of their own (tests/support/faults.py). The faults:
   (fsyncs throttled) or full;
 - links (nftables, tables `mw_chaos_*`, always removed): agent<->etcd cut both ways,
   requests only, replies only; agent<->broker cut, replies only; the agent's etcd replies
-  dropped (connections reset at the heal) or held and delivered late by its proxy;
+  dropped (connections reset at the heal) or held and delivered late by its proxy; its etcd
+  requests held by its proxy past its lease and delivered at the heal, their cancels lost
+  (late writes, that only the fence tells from live ones);
 - etcd: the leader killed and restarted, a member paused, the leader isolated on its peer
   port, quorum lost (2 of 3 members paused), a member's disk slow or full;
 - the broker killed (-9) and restarted.
@@ -82,6 +85,9 @@ CRON_SLEEP_S = 0.3
 JOB_SLEEP_MAX_S = 0.6
 KILL_GRACE_S = 1.0
 RETRY_BACKOFFS_S = (1.0, 2.0)   # the retrying jobs' waits before attempts 2 and 3 (backoff 1 s, max 2 s)
+EXHAUSTED_ATTEMPTS = 2          # the jobs that fail every attempt have this many
+WAIT_DEPENDENCY_S = 6.0         # a waiting job's dependency is due this long after it,
+EXPIRES_AFTER_S = 2.0           # and the waiting job expires (not_after) this long after its due time
 # A fault's consequences (lease expiry, a fenced agent's new session, rebalance) are over
 # one TTL after its heal; the next fault group starts at least 3 s after that.
 AFTER_HEAL_S = float(TTL_S)
@@ -99,12 +105,14 @@ RUN_OVERHEAD_S = 1.0
 LATENESS_BOUND_S = 2 * TTL_S + 2.0
 FAULTS = ("agent_kill9", "agent_restart", "agent_pause", "cut_etcd", "cut_broker",
           "cut_etcd_requests", "cut_etcd_replies", "cut_broker_replies", "etcd_replies_drop", "etcd_replies_delay",
+          "etcd_requests_delay",
           "clock_skew", "clock_jump", "agent_disk_slow", "agent_disk_full",
           "etcd_leader_kill", "etcd_member_pause", "etcd_leader_isolate", "etcd_quorum_loss",
           "etcd_disk_slow", "etcd_disk_full", "broker_kill")
 # faults aimed at one agent: they can cost the firings of its shards only
 AGENT_FAULTS = {"agent_kill9", "agent_restart", "agent_pause", "cut_etcd", "cut_broker", "cut_etcd_requests",
-                "cut_etcd_replies", "cut_broker_replies", "etcd_replies_drop", "etcd_replies_delay", "clock_skew",
+                "cut_etcd_replies", "cut_broker_replies", "etcd_replies_drop", "etcd_replies_delay",
+                "etcd_requests_delay", "clock_skew",
                 "clock_jump", "agent_disk_slow", "agent_disk_full"}
 ETCD_FAULTS = {"etcd_leader_kill", "etcd_member_pause", "etcd_leader_isolate", "etcd_quorum_loss", "etcd_disk_slow",
                "etcd_disk_full"}
@@ -112,10 +120,15 @@ ETCD_FAULTS = {"etcd_leader_kill", "etcd_member_pause", "etcd_leader_isolate", "
 HARMLESS_TO_RUNS = {"cut_broker", "cut_broker_replies", "broker_kill"}
 CLOCK_FAULTS = {"clock_skew": 2, "clock_jump": 30}   # seconds (a skew is +2 or -2; a jump is forward)
 DISK_FAULTS = {"agent_disk_slow", "agent_disk_full", "etcd_disk_slow", "etcd_disk_full"}
+PROXY_MODES = {"etcd_replies_drop": "drop", "etcd_replies_delay": "hold", "etcd_requests_delay": "hold_requests"}
+# faults that last past the lease (TTL_S more than drawn): the agent's shards move while its
+# requests are held, so what is delivered at the heal is late
+PAST_THE_LEASE = {"etcd_requests_delay"}
 # the outcomes a fault may cost besides owner_lost and misfired: a graceful stop kills its
 # runs (killed/agent_stopped); a full state disk fails their start (failed/spawn_error...)
 KILLS_RUNS = {"agent_restart"}
 FAILS_RUNS = {"agent_disk_full"}
+PROBE_S = 1.0
 OVERLAP_P = 0.35                # a fault group holds two overlapping faults this often
 DISK_SLOW_IOPS = 5              # a slow disk: every fsync waits about 1/5 s
 ETCD_DISK_MB, AGENT_DISK_MB = 256, 64
@@ -184,13 +197,13 @@ def plan_faults(rng: random.Random, horizon: float, kinds: tuple[str, ...] = FAU
     t = rng.uniform(QUIET_MIN_S, QUIET_MIN_S + QUIET_EXTRA_S)
     while True:
         kind = rng.choice(kinds)
-        duration = rng.uniform(1.5, 6.0)
+        duration = rng.uniform(1.5, 6.0) + (TTL_S if kind in PAST_THE_LEASE else 0)
         pick = rng.randrange(1 << 16)
         faults = [PlannedFault(kind, 0.0, duration, pick)]
         if rng.random() < OVERLAP_P:
             k2 = rng.choice(kinds)
             offset = rng.uniform(0.5, duration)
-            d2 = rng.uniform(1.5, 6.0)
+            d2 = rng.uniform(1.5, 6.0) + (TTL_S if k2 in PAST_THE_LEASE else 0)
             pick2 = pick + 1 + rng.randrange(3)   # another agent (of four) or member (of three)
             if k2 != kind and (_category(k2) != _category(kind) or _category(k2) == "agent"):
                 faults.append(PlannedFault(k2, offset, d2, pick2))
@@ -366,6 +379,9 @@ class ChaosRun:
                 shim = shim or fx.Clock.build(self.dir)
                 self.clocks[a] = fx.Clock(os.path.join(self.dir, f"clock-{a}"), shim)
                 env = self.clocks[a].env()
+            # each agent writes test/probe/<shard> under its fence every PROBE_S: more fenced
+            # writes for the checker to hold against the shard keys (a late one is stale)
+            env["MILLWRIGHT_TEST_FENCED_WRITES_S"] = str(PROBE_S)
             self.agents[a] = AgentProcess(a, os.path.join(self.dir, "agents"), self._config(a), env=env).start()
         self.client = EtcdClient(EtcdConfig(endpoints=self.etcd.endpoints, request_timeout_s=2.0))
         deadline = time.monotonic() + 90
@@ -404,7 +420,10 @@ class ChaosRun:
     # --- workload ------------------------------------------------------------------------
     def plan_workload(self, t0: datetime, horizon: float) -> list[tuple[float, dict]]:
         """(push at, document) for every job; one-shots are pushed 3-20 s before their due
-        time, so pushes go on while faults do."""
+        time, so pushes go on while faults do. Besides jobs that succeed (some after failed
+        attempts): jobs that fail every attempt (they end `failed` after exactly
+        max_attempts), and jobs that wait for a dependency due after their not_after (they
+        end `misfired`/expired and never run)."""
         rng = self.rng
         plan = []
         issued = (t0 - timedelta(seconds=4)).replace(microsecond=0)   # t0 is 4 s after now
@@ -426,6 +445,36 @@ class ChaosRun:
             plan.append((push_at, doc))
             self.firings.append(history.Firing(jid, fire_id(jid, due), due.timestamp(), "at",
                                                3 if retrying else 1))
+        for i in range(max(2, int(horizon / 15))):
+            # fails every attempt: `failed` after attempt EXHAUSTED_ATTEMPTS, never one more
+            jid = f"x{i:03d}-{self.seed % 1000}"
+            due = self._due_in(t0, horizon)
+            sleep = round(rng.uniform(0.1, JOB_SLEEP_MAX_S), 2)
+            self.sleep_of[jid] = sleep
+            doc = {"v": 1, "id": jid, "template": "fx", "params": {"sleep": f"{sleep:.2f}", "fail_until": "9"},
+                   "schedule": {"at": format_rfc3339(due)}, "misfire": "run_once",
+                   "retry": {"max_attempts": EXHAUSTED_ATTEMPTS, "backoff_s": 1.0, "max_backoff_s": 2.0, "jitter": 0}}
+            plan.append((max(time.time(), due.timestamp() - rng.uniform(3, 20)), doc))
+            self.firings.append(history.Firing(jid, fire_id(jid, due), due.timestamp(), "at", EXHAUSTED_ATTEMPTS,
+                                               expect="failed"))
+        for i in range(max(2, int(horizon / 20))):
+            # waits for a dependency due WAIT_DEPENDENCY_S after it, past its not_after
+            # (EXPIRES_AFTER_S after its due time): expires waiting, never runs
+            wid, did = f"w{i:03d}-{self.seed % 1000}", f"d{i:03d}-{self.seed % 1000}"
+            due = self._due_in(t0, max(1.0, horizon - WAIT_DEPENDENCY_S - 1))
+            dep_due = due + timedelta(seconds=WAIT_DEPENDENCY_S)
+            not_after = due + timedelta(seconds=EXPIRES_AFTER_S)
+            push_at = max(time.time(), due.timestamp() - rng.uniform(3, 20))
+            for jid, at in ((did, dep_due), (wid, due)):
+                self.sleep_of[jid] = 0.1
+                doc = {"v": 1, "id": jid, "template": "fx", "params": {"sleep": "0.10", "fail_until": "0"},
+                       "schedule": {"at": format_rfc3339(at)}, "misfire": "run_once"}
+                if jid == wid:
+                    doc.update(depends_on=[did], not_after=format_rfc3339(not_after))
+                plan.append((push_at, doc))
+            self.firings.append(history.Firing(did, fire_id(did, dep_due), dep_due.timestamp(), "at"))
+            self.firings.append(history.Firing(wid, fire_id(wid, due), due.timestamp(), "at", expect="misfired",
+                                               not_after=not_after.timestamp()))
         not_after = (t0 + timedelta(seconds=horizon)).replace(microsecond=0)
         self.n_cron = 4
         for i in range(self.n_cron):
@@ -438,10 +487,15 @@ class ChaosRun:
             d = math.floor(issued.timestamp() / CRON_PERIOD_S) * CRON_PERIOD_S + CRON_PERIOD_S
             while d < not_after.timestamp():
                 due = datetime.fromtimestamp(d, timezone.utc)
-                self.firings.append(history.Firing(jid, fire_id(jid, due), float(d), "cron", 1, may_skip=True))
+                self.firings.append(history.Firing(jid, fire_id(jid, due), float(d), "cron", 1, may_skip=True,
+                                                   not_after=not_after.timestamp()))
                 d += CRON_PERIOD_S
         plan.sort(key=lambda x: x[0])
         return plan
+
+    def _due_in(self, t0: datetime, horizon: float) -> datetime:
+        due = t0 + timedelta(seconds=self.rng.uniform(0, horizon))
+        return due.replace(microsecond=(due.microsecond // 1000) * 1000)
 
     def _push(self, doc: dict) -> None:
         from agent.jobs.signing import sign
@@ -570,9 +624,9 @@ class ChaosRun:
         elif kind in ("cut_broker", "cut_broker_replies"):
             way = "both" if kind == "cut_broker" else "replies"
             heal = self._rules(fx.cut_rules("127.0.0.1", [self.broker_ports[agent]], way)).heal
-        elif kind in ("etcd_replies_drop", "etcd_replies_delay"):
+        elif kind in PROXY_MODES:
             for p in self.proxies[agent]:
-                p.set_mode("drop" if kind == "etcd_replies_drop" else "hold")
+                p.set_mode(PROXY_MODES[kind])
 
             def heal():
                 for p in self.proxies[agent]:
@@ -680,6 +734,13 @@ class ChaosRun:
                  and g.offset_s > 0 and g.start - 1.0 <= se.start <= g.end + 2.0]
         return 0.05 + max(ahead, default=0)
 
+    def late_ok_s(self, se: history.SideEffect) -> float:
+        """How long after its job's not_after a run may start by its agent's clock fault (a
+        clock set behind expires the job that much later on the effect's clock)."""
+        behind = [-g.offset_s for g in self.faults if g.kind in CLOCK_FAULTS and g.target == se.agent
+                  and g.offset_s < 0 and g.start - 1.0 <= se.start <= g.end + 2.0]
+        return 0.05 + max(behind, default=0)
+
     def quiet(self, f: history.Firing) -> bool:
         return f.due >= self.t_quiet_from and is_quiet(self.faults, f, self.sleep_of[f.job])
 
@@ -744,7 +805,7 @@ class ChaosRun:
                             lateness_bound_s=LATENESS_BOUND_S, effective_due=self.effective_due,
                             affected=self.affected, max_run_s=JOB_SLEEP_MAX_S + KILL_GRACE_S + 1.0,
                             quiet=self.quiet, quiet_lateness_s=QUIET_LATENESS_S, early_ok_s=self.early_ok_s,
-                            rev_time=self.rev_time)
+                            late_ok_s=self.late_ok_s, rev_time=self.rev_time)
         # the outcomes besides owner_lost and misfired: each only where a fault could cost it
         finals = history.final_records(events, self.keys.prefix)
         other = {"killed": 0, "failed": 0}
@@ -752,8 +813,8 @@ class ChaosRun:
             r = finals.get((f.job, f.fire_id)) or {}
             what = "killed" if r.get("state") == "killed" else (
                 "failed" if r.get("state") == "failed" and r.get("reason") != "owner_lost" else None)
-            if what is None:
-                continue
+            if what is None or (f.expect == "failed" and (r.get("reason") or "").split(":")[0] == "failed"):
+                continue   # (a job that fails every attempt: its own failure, judged by the checker)
             other[what] += 1
             if (f.job, f.fire_id) not in ex[what]:
                 rep.fail(f"{history.name(f.job, f.fire_id)}: ended {r.get('state')}/{r.get('reason')} with no fault "
@@ -864,10 +925,15 @@ def run_and_check(seed: int, minutes: float, workdir: Optional[str] = None, log=
                   kinds: tuple[str, ...] = FAULTS) -> Result:
     res = ChaosRun(seed, minutes, workdir, log=log, kinds=kinds).run()
     if res.report.problems:
-        raise AssertionError(f"chaos seed {seed} failed (reproduce: make chaos SEED={seed} MINUTES={minutes:g}); "
-                             f"faults: {[(f.kind, f.target, round(f.end - f.start, 1)) for f in res.faults]}\n"
-                             + "\n".join(res.report.problems[:20]))
+        raise AssertionError(failure(res, kinds))
     return res
+
+
+def failure(res: Result, kinds: tuple[str, ...] = FAULTS) -> str:
+    only = "" if kinds == FAULTS else f" KINDS={','.join(kinds)}"
+    return (f"chaos seed {res.seed} failed (reproduce: make chaos SEED={res.seed} MINUTES={res.minutes:g}{only}); "
+            f"faults: {[(f.kind, f.target, round(f.end - f.start, 1)) for f in res.faults]}\n"
+            + "\n".join(res.report.problems[:20]))
 
 
 def seed_from_commit() -> tuple[int, str]:
@@ -883,6 +949,12 @@ def seed_from_commit() -> tuple[int, str]:
     return secrets.randbelow(10 ** 6), "random (no git commit)"
 
 
+def _report(path: str, doc: dict) -> None:
+    if path:
+        with open(path, "a") as fh:
+            fh.write(json.dumps(doc) + "\n")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="chaos", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=None, help="random seed (default: a new one, printed)")
@@ -890,6 +962,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seeds", type=int, default=1, help="run this many consecutive seeds from the first")
     ap.add_argument("--minutes", type=float, default=2.0)
     ap.add_argument("--kinds", default="", help="only these fault kinds (comma-separated; default: all)")
+    ap.add_argument("--report", default="", help="write each seed's outcome here, one JSON line per seed "
+                    "(problems, figures; or the error that stopped the run before it could be judged)")
     a = ap.parse_args(argv)
     kinds = tuple(k for k in a.kinds.split(",") if k) or FAULTS
     unknown = set(kinds) - set(FAULTS)
@@ -908,10 +982,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     figures = []
     for s in range(seed, seed + a.seeds):
         try:
-            figures.append(run_and_check(s, a.minutes, kinds=kinds).figures)
-        except AssertionError as exc:
-            print(f"FAIL: {exc}", file=sys.stderr)
+            res = ChaosRun(s, a.minutes, kinds=kinds).run()
+        except Exception as exc:  # noqa: BLE001 - the run could not be judged: said so, apart from a failure
+            _report(a.report, {"seed": s, "error": f"{type(exc).__name__}: {exc}"})
+            print(f"ERROR: seed {s} could not be judged: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2
+        _report(a.report, {"seed": s, "problems": res.report.problems, "figures": res.figures})
+        if res.report.problems:
+            print(f"FAIL: {failure(res, kinds)}", file=sys.stderr)
             return 1
+        figures.append(res.figures)
         print(f"PASS: seed {s}", flush=True)
     if len(figures) > 1:
         print("chaos: all seeds passed:\n" + "\n".join(json.dumps(f) for f in figures))

@@ -135,6 +135,9 @@ class Firing:
     may_skip: bool = False        # cron run_once/skip: may be skipped (no record) by the misfire policy
     missed_at_store: bool = False  # due before the job was stored: its misfire policy decides
     stored_at: float = 0.0        # when its job was stored (epoch s): it cannot start before
+    expect: str = "succeeded"     # how it ends when nothing goes wrong: succeeded, failed (every
+                                  # attempt fails: after max_attempts), misfired (it never runs)
+    not_after: Optional[float] = None   # its job's not_after (epoch s): no attempt starts from then on
 
 
 @dataclass
@@ -245,6 +248,7 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
           complete: bool = True, quiet: Optional[Callable[[Firing], bool]] = None,
           quiet_lateness_s: Optional[float] = None,
           early_ok_s: Optional[Callable[[SideEffect], float]] = None,
+          late_ok_s: Optional[Callable[[SideEffect], float]] = None,
           rev_time: Optional[Callable[[int], Optional[float]]] = None) -> Report:
     """Replay the history and judge it.
 
@@ -259,7 +263,9 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
     - per (job, firing, attempt) exactly one agent created its ``running`` record, once;
     - with ``effects`` (the side-effect log; None: the test keeps none): every side effect
       has that record, from the same agent, never before the due time (50 ms, or what
-      ``early_ok_s(effect)`` allows for a clock the test set ahead); an attempt ran at
+      ``early_ok_s(effect)`` allows for a clock the test set ahead), never at or after its
+      job's ``not_after`` (50 ms, or what ``late_ok_s(effect)`` allows for a clock the test
+      set behind); an attempt ran at
       most once, and exactly once when its record says its script ran to an exit
       (``succeeded``, or an exit code); runs of one firing never overlap (an attempt
       without an end line ended when its record says it did, else lasts ``max_run_s``);
@@ -275,9 +281,12 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
       run a fault caught in flight (``affected`` at some time within ``max_run_s`` of its
       due time); ``owner_lost`` and ``misfired`` within ``budget``;
     - ``quiet(firing)``: the firing was due, and could run to its end, with no fault nor
-      its recovery going on. It must have run, never been skipped, ``owner_lost`` or
-      ``misfired``, end ``succeeded``, one side effect per attempt, its first within
-      ``quiet_lateness_s`` of its due time on the side effect's own clock.
+      its recovery going on. It must end as the workload expects (``Firing.expect``):
+      ``succeeded``, or ``failed`` after exactly ``max_attempts`` (a job that fails every
+      attempt), one side effect per attempt, its first within ``quiet_lateness_s`` of its
+      due time on the side effect's own clock, never skipped, ``owner_lost`` or misfired;
+      or ``misfired`` without any side effect (a job that expires before it may start). A
+      misfire the workload expects is not counted against the budget.
     """
     rep = Report()
     shards_p, runs_p, probe_p = prefix + "shards/", prefix + "runs/", prefix + "test/probe/"
@@ -371,9 +380,9 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
     # --- side effects
     first_start: dict[tuple[str, str], float] = {}
     per_attempt: dict[tuple[str, str, int], list[SideEffect]] = {}
+    per_firing: dict[tuple[str, str], list[SideEffect]] = {}
     if effects is not None:
         effects = list(effects)
-        per_firing: dict[tuple[str, str], list[SideEffect]] = {}
         for se in effects:
             per_attempt.setdefault((se.job, se.fire_id, se.attempt), []).append(se)
             per_firing.setdefault((se.job, se.fire_id), []).append(se)
@@ -392,6 +401,12 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
             early = early_ok_s(se) if early_ok_s is not None else 0.05
             if due is not None and se.start < due - early:
                 rep.fail(f"{name(se.job, se.fire_id)} attempt {se.attempt}: ran at {se.start:.3f}, before its due time {due:.3f}")
+            # and never once its job expired, by its agent's clock (one set behind starts it late)
+            f = firings.get((se.job, se.fire_id)) if firings is not None else None
+            late = late_ok_s(se) if late_ok_s is not None else 0.05
+            if f is not None and f.not_after is not None and se.start >= f.not_after + late:
+                rep.fail(f"{name(se.job, se.fire_id)} attempt {se.attempt}: ran at {se.start:.3f}, after its job's "
+                         f"not_after {f.not_after:.3f}")
         for (job, fid, attempt), ses in sorted(per_attempt.items()):
             if len(ses) > 1:
                 rep.fail(f"{name(job, fid)} attempt {attempt} ran {len(ses)} times")
@@ -438,7 +453,8 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
         is_quiet = quiet is not None and quiet(f)
         if is_quiet:
             quiet_n += 1
-            _check_quiet(rep, f, recs, per_attempt if effects is not None else None, quiet_lateness_s, quiet_late)
+            _check_quiet(rep, f, recs, per_attempt if effects is not None else None, quiet_lateness_s, quiet_late,
+                         per_firing.get((job, fid), []))
         if not recs:
             if f.may_skip and (f.missed_at_store or affected(f.due)) and not is_quiet:
                 skipped += 1
@@ -456,7 +472,7 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
             continue
         if state == "failed" and not reason:
             rep.fail(f"{name(job, fid)}: failed without a reason")
-        if state == "misfired":
+        if state == "misfired" and f.expect != "misfired":
             misfired += 1
             if not (reason or "").startswith(MISFIRE_REASONS):
                 rep.fail(f"{name(job, fid)}: misfired with reason {reason!r}, not a misfire policy")
@@ -523,18 +539,27 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
 
 def _check_quiet(rep: Report, f: Firing, recs: Optional[list[tuple[int, dict]]],
                  per_attempt: Optional[dict[tuple[str, str, int], list[SideEffect]]],
-                 bound: Optional[float], late: list[float]) -> None:
-    """A firing due in a quiet window ran, once per attempt, on time, and succeeded."""
+                 bound: Optional[float], late: list[float], ran: list[SideEffect]) -> None:
+    """A firing due in a quiet window ended as the workload expects: it ran, once per
+    attempt, on time, and succeeded (or failed after its last attempt); or it never ran
+    and misfired."""
     n = name(f.job, f.fire_id)
     if not recs:
-        rep.fail(f"{n}: due in a quiet window at {f.due:.3f}, never ran (no run record)")
+        rep.fail(f"{n}: due in a quiet window at {f.due:.3f}, never "
+                 + ("resolved (no run record)" if f.expect == "misfired" else "ran (no run record)"))
         return
     last = recs[-1][1]
     state, reason, attempts = last.get("state"), last.get("reason"), int(last.get("attempt") or 1)
-    if state != "succeeded":
+    if state != f.expect or (f.expect == "failed" and (attempts != f.max_attempts or reason == "owner_lost")):
         rep.fail(f"{n}: due in a quiet window, ended {state}" + (f"/{reason}" if reason else "")
-                 + f" at attempt {attempts}")
+                 + f" at attempt {attempts}, not {f.expect}"
+                 + (f" after attempt {f.max_attempts}" if f.expect == "failed" else ""))
     if per_attempt is None:
+        return
+    if f.expect == "misfired":
+        if ran:
+            rep.fail(f"{n}: due in a quiet window, expected never to run, ran {len(ran)} time(s), first by "
+                     f"{ran[0].agent} at {min(se.start for se in ran):.3f}")
         return
     for a in range(1, attempts + 1):
         got = per_attempt.get((f.job, f.fire_id, a), [])
