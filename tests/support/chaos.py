@@ -545,6 +545,7 @@ class ChaosRun:
 
         def healthy() -> None:
             self.etcd.wait_healthy(60)
+            self._wait_writable()
 
         if kind == "etcd_leader_kill":
             m = self.etcd.leader()
@@ -595,7 +596,10 @@ class ChaosRun:
                 th = fx.BlkioThrottle(m.member_name)
                 self.throttles.append(th)
                 th.apply(m.proc.pid, disk.majmin, DISK_SLOW_IOPS)
-                heal = th.heal
+
+                def heal():
+                    th.heal()
+                    self._wait_writable()
             else:
                 disk.fill()
 
@@ -660,6 +664,20 @@ class ChaosRun:
         self.say(f"FAULT {kind} {f.target}" + (f" {f.offset_s:+d}s" if f.offset_s else "")
                  + f" for {pf.duration:.1f}s")
         return f, heal
+
+    def _wait_writable(self, timeout: float = 60.0) -> None:
+        """An etcd fault has healed when the cluster commits a write again: its members can
+        answer and agree on a leader seconds before that (after a quorum loss on a loaded
+        machine), and until then no agent can hold a lease, claim or record anything."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.client.put(self.keys.prefix + "test/heal", str(time.time()), timeout=1.0)
+                return
+            except Exception:  # noqa: BLE001 - tried again until the deadline (etcd faults)
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
 
     def _run_group(self, group: int, pg: PlannedGroup) -> list[Fault]:
         """Apply and heal the group's faults on their offsets (they may overlap)."""
@@ -882,7 +900,8 @@ class ChaosRun:
         self.log("chaos figures: " + json.dumps(res.figures))
         if rep.problems:
             self.keep = True
-            self.log(f"chaos: failed; kept {self.dir} (agents' logs and audit, effects.log)")
+            if os.environ.get("MILLWRIGHT_CHAOS_KEEP") != "0":
+                self.log(f"chaos: failed; kept {self.dir} (agents' logs and audit, effects.log)")
         return res
 
     def close(self) -> None:
@@ -913,7 +932,10 @@ class ChaosRun:
         for d in self.disks.values():
             d.unfill()
             d.close()
-        if self.own_dir and not self.keep and os.environ.get("MILLWRIGHT_CHAOS_KEEP") != "1":
+        # a failed run's directory is kept for a look (MILLWRIGHT_CHAOS_KEEP=1: every run's,
+        # =0: none, as the mutation harness runs it)
+        keep = {"1": True, "0": False}.get(os.environ.get("MILLWRIGHT_CHAOS_KEEP", ""), self.keep)
+        if self.own_dir and not keep:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -964,7 +986,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--kinds", default="", help="only these fault kinds (comma-separated; default: all)")
     ap.add_argument("--report", default="", help="write each seed's outcome here, one JSON line per seed "
                     "(problems, figures; or the error that stopped the run before it could be judged)")
+    ap.add_argument("--summarize", metavar="REPORT", default="",
+                    help="print the table of the seeds a --report file holds, and exit")
     a = ap.parse_args(argv)
+    if a.summarize:
+        with open(a.summarize) as fh:
+            docs = [json.loads(x) for x in fh if x.strip()]
+        for d in docs:
+            if "figures" not in d:
+                print(f"seed {d.get('seed')}: not judged: {d.get('error')}")
+            elif d.get("problems"):
+                print(f"seed {d['seed']}: FAILED, {len(d['problems'])} problem(s), first: {d['problems'][0]}")
+        print(seeds_table([d["figures"] for d in docs if "figures" in d]))
+        return 0
     kinds = tuple(k for k in a.kinds.split(",") if k) or FAULTS
     unknown = set(kinds) - set(FAULTS)
     if unknown:
@@ -995,7 +1029,30 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"PASS: seed {s}", flush=True)
     if len(figures) > 1:
         print("chaos: all seeds passed:\n" + "\n".join(json.dumps(f) for f in figures))
+        print("\n" + seeds_table(figures))
     return 0
+
+
+def seeds_table(figures: list[dict]) -> str:
+    """One line per seed: what the fault test did and what the checker found, for notes
+    and docs (from the figures each run prints, or its --report lines)."""
+    head = ("seed", "faults", "kinds", "firings", "quiet", "late p50/p99/max s", "quiet p99 s", "owner_lost",
+            "misfired", "other outcomes", "wall s")
+    rows = [head]
+    for f in figures:
+        out = dict(f.get("outcomes") or {})
+        other = ", ".join(f"{k} {v}" for k, v in sorted(out.items())
+                          if k not in ("succeeded", "failed/owner_lost", "skipped_by_policy"))
+        b = f.get("budgets") or {}
+        rows.append((str(f["seed"]), str(f["faults"]), str(len(f.get("fault_kinds") or {})), str(f["firings"]),
+                     str(f["quiet_firings"]),
+                     f"{f['lateness_p50_s']}/{f['lateness_p99_s']}/{f['lateness_max_s']}",
+                     str(f["quiet_lateness_p99_s"]), str(b.get("owner_lost")), str(b.get("misfired")),
+                     other or "-", str(f["wall_s"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

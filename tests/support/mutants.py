@@ -178,7 +178,9 @@ def run_fault_test(tree: str, kinds: tuple[str, ...], seed: int, minutes: float,
                    name: str) -> Verdict:
     """The fault test in the copy; its verdict from the JSON line it reports."""
     report = log + ".json"
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MILLWRIGHT_CHAOS_KEEP")}
+    # the copy's own code only; a killed run's directory is not kept (its output and verdict are)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["MILLWRIGHT_CHAOS_KEEP"] = "0"
     argv = [PY, "-m", "tests.support.chaos", "--seed", str(seed), "--minutes", f"{minutes:g}",
             "--kinds", ",".join(kinds), "--report", report]
     t0 = time.monotonic()
