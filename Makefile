@@ -45,13 +45,14 @@ chaos-mutants: setup
 
 # Before a release, on top of `make test`: the flap test's full 5 minutes, retention driven
 # to its larger bounds, a per-second job with 64 unmet dependencies watched for 10 minutes,
-# and ten consecutive 5-minute fault seeds from the commit's seed (CI runs that first seed
-# for 2 minutes): about 75 minutes.
+# ten consecutive 5-minute fault seeds from the commit's seed (CI runs that first seed for 2
+# minutes), and the mutation harness: about 85 minutes.
 test-release: setup
 	MILLWRIGHT_FLAP_TEST_S=300 $(PY) -m pytest -p no:cacheprovider tests/kernel/test_health_e2e.py -k flapping $(PYTEST_ARGS)
 	MILLWRIGHT_SLOW=1 $(PY) -m pytest -p no:cacheprovider tests/integration/test_retention.py $(PYTEST_ARGS)
 	MILLWRIGHT_BOUNDED_WORK_S=600 $(PY) -m pytest -p no:cacheprovider tests/integration/test_bounded_work.py $(PYTEST_ARGS)
 	$(PY) -m tests.support.chaos $(if $(SEED),--seed $(SEED),--from-commit) --seeds 10 --minutes 5
+	$(PY) -m tests.support.mutants
 
 bench: setup
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
