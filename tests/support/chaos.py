@@ -873,7 +873,8 @@ class ChaosRun:
         res.figures = {"seed": self.seed, "faults": len(self.faults), "fault_kinds": kinds,
                        "affected_share": round(affected_share(self.faults, t0, t0 + horizon), 3),
                        "firings": st.get("firings"), "firings_by_kind": by_kind,
-                       "quiet_firings": st.get("quiet_firings"), "side_effects": st.get("side_effects"),
+                       "quiet_firings": st.get("quiet_firings"),
+                       "quiet_overlapped": st.get("quiet_overlapped") or [], "side_effects": st.get("side_effects"),
                        "events": st.get("events"), "outcomes": outcomes,
                        "owner_lost": f"{st.get('owner_lost')}/{budget.owner_lost}",
                        "misfired": f"{st.get('misfired')}/{budget.misfired}", "budgets": budgets_by_type,
@@ -889,7 +890,8 @@ class ChaosRun:
         self.log(f"chaos seed {self.seed}: faults {len(self.faults)} by kind {kinds}; "
                  f"{res.figures['affected_share']:.0%} of the horizon affected")
         self.log(f"chaos seed {self.seed}: firings {st.get('firings')} {by_kind}; quiet-window firings checked "
-                 f"{st.get('quiet_firings')} (bound {QUIET_LATENESS_S:.1f} s); side effects {st.get('side_effects')}")
+                 f"{st.get('quiet_firings')} (bound {QUIET_LATENESS_S:.1f} s; skipped behind a fault's late run of "
+                 f"their job: {st.get('quiet_overlapped') or 'none'}); side effects {st.get('side_effects')}")
         self.log(f"chaos seed {self.seed}: lateness from effect clocks p50 {_r(st.get('lateness_p50_s'))} s "
                  f"p99 {_r(st.get('lateness_p99_s'))} s max {_r(st.get('lateness_max_s'))} s (bound "
                  f"{LATENESS_BOUND_S:.0f} s after a heal); quiet p50 {_r(st.get('quiet_lateness_p50_s'))} s "

@@ -452,3 +452,20 @@ def test_a_quiet_job_expected_to_expire_must_misfire_without_running_and_costs_n
     # never resolved at all
     rep = run_check(H(), [], firings=f, quiet=every, quiet_lateness_s=1.0)
     assert f"(j, {F1}): due in a quiet window at {DUE:.3f}, never resolved (no run record)" in problems(rep)
+
+
+def test_a_quiet_cron_firing_skipped_by_overlap_passes_only_behind_a_run_that_spans_its_due_time():
+    """A fault's late run of an earlier firing can reach past the fault's window: the next
+    firing of a job that forbids overlap is then skipped, even in a quiet window. The side
+    effects must show that run; a skip with nothing running fails."""
+    f0, f1 = F1, "20261203T120002.000Z"
+    cron = [Firing("j", f0, DUE, kind="cron", may_skip=True), Firing("j", f1, DUE + 2, kind="cron", may_skip=True)]
+    h = good()
+    h.run("a0", "misfired", fid=f1, reason="overlap", ended_at="2026-12-03T12:00:02.000Z")
+    quiet_second = lambda f: f.fire_id == f1  # noqa: E731
+    late_run = [fx(start=DUE + 1.9, end=DUE + 2.2)]
+    rep = run_check(h, late_run, firings=cron, quiet=quiet_second, quiet_lateness_s=1.0, affected=lambda d: d == DUE)
+    assert rep.problems == [] and rep.stats["quiet_overlapped"] == [f"(j, {f1}) behind {f0}"]
+    on_time = [fx(start=DUE + 0.01, end=DUE + 0.3)]
+    rep = run_check(h, on_time, firings=cron, quiet=quiet_second, quiet_lateness_s=1.0, affected=lambda d: d == DUE)
+    assert f"(j, {f1}): due in a quiet window, ended misfired/overlap at attempt 1, not succeeded" in problems(rep)
