@@ -1037,20 +1037,20 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def seeds_table(figures: list[dict]) -> str:
     """One line per seed: what the fault test did and what the checker found, for notes
-    and docs (from the figures each run prints, or its --report lines)."""
-    head = ("seed", "faults", "kinds", "firings", "quiet", "late p50/p99/max s", "quiet p99 s", "owner_lost",
-            "misfired", "other outcomes", "wall s")
+    and docs (from the figures each run prints, or its --report lines). Budgets are
+    used/budget; the outcomes are the final records (misfired includes the jobs expected
+    to expire, failed/failed the jobs expected to fail every attempt)."""
+    head = ("seed", "faults (kinds)", "firings", "quiet", "lateness p50/p99/max s", "quiet p99 s", "owner_lost",
+            "misfired", "killed", "failed other", "outcomes", "wall s")
     rows = [head]
     for f in figures:
         out = dict(f.get("outcomes") or {})
-        other = ", ".join(f"{k} {v}" for k, v in sorted(out.items())
-                          if k not in ("succeeded", "failed/owner_lost", "skipped_by_policy"))
+        outcomes = ", ".join(f"{k} {v}" for k, v in sorted(out.items(), key=lambda kv: -kv[1]))
         b = f.get("budgets") or {}
-        rows.append((str(f["seed"]), str(f["faults"]), str(len(f.get("fault_kinds") or {})), str(f["firings"]),
-                     str(f["quiet_firings"]),
-                     f"{f['lateness_p50_s']}/{f['lateness_p99_s']}/{f['lateness_max_s']}",
+        rows.append((str(f["seed"]), f"{f['faults']} ({len(f.get('fault_kinds') or {})})", str(f["firings"]),
+                     str(f["quiet_firings"]), f"{f['lateness_p50_s']}/{f['lateness_p99_s']}/{f['lateness_max_s']}",
                      str(f["quiet_lateness_p99_s"]), str(b.get("owner_lost")), str(b.get("misfired")),
-                     other or "-", str(f["wall_s"])))
+                     str(b.get("killed")), str(b.get("failed_other")), outcomes, str(f["wall_s"])))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
