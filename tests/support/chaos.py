@@ -9,8 +9,9 @@ TTL + 3 s with no fault). Every agent reaches each etcd member through a proxy o
 (tests/support/etcd_proxy.py); each member's data and each agent's state live on a small
 file system of their own (tests/support/faults.py). The faults:
 
-- agents: kill -9 and restart, SIGTERM and restart, SIGSTOP/SIGCONT; its wall clock set
-  2 s ahead or behind, or 30 s ahead (stepped back at the heal); its state disk slow
+- agents: kill -9 (aimed at an agent with a job running) and restart, SIGTERM and restart,
+  SIGSTOP/SIGCONT; its wall clock set 2 s ahead or behind, or 30 s ahead (stepped back at
+  the heal); its state disk slow
   (fsyncs throttled) or full;
 - links (nftables, tables `mw_chaos_*`, always removed): agent<->etcd cut both ways,
   requests only, replies only; agent<->broker cut, replies only; the agent's etcd replies
@@ -129,6 +130,10 @@ PAST_THE_LEASE = {"etcd_requests_delay"}
 KILLS_RUNS = {"agent_restart"}
 FAILS_RUNS = {"agent_disk_full"}
 PROBE_S = 1.0
+# faults aimed at an agent with a job running (a kill -9 then leaves a `running` record that
+# its shard's next owner must resolve), waiting at most AIM_WAIT_S for one
+AIMED = {"agent_kill9"}
+AIM_WAIT_S = 3.0
 OVERLAP_P = 0.35                # a fault group holds two overlapping faults this often
 DISK_SLOW_IOPS = 5              # a slow disk: every fsync waits about 1/5 s
 ETCD_DISK_MB, AGENT_DISK_MB = 256, 64
@@ -334,6 +339,8 @@ class ChaosRun:
         self.t_quiet_from = 0.0
         self.kinds = tuple(kinds)
         self.keep = False
+        self._effects_read = 0
+        self._in_flight: dict[tuple[str, str, str], tuple[str, float]] = {}
 
     def say(self, msg: str) -> None:
         self.log(f"{time.monotonic() - self.t_start:7.2f}s {msg}")
@@ -534,6 +541,8 @@ class ChaosRun:
         kind = pf.kind
         ids = sorted(self.agents)
         agent = ids[pf.pick % len(ids)]
+        if kind in AIMED:
+            agent = self._aim(agent)
         members = self.etcd.members
         f = Fault(kind, agent if kind in AGENT_FAULTS else "", time.time(), group=group,
                   loses_runs=kind not in HARMLESS_TO_RUNS)
@@ -678,6 +687,49 @@ class ChaosRun:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
+
+    def _aim(self, planned: str) -> str:
+        """The agent a kill -9 hits: one with a job running now (by the side-effect log: a
+        start line without its end line), waiting up to AIM_WAIT_S for one, so the kill
+        leaves a run its new owner must resolve as "may have run"; else the planned one."""
+        deadline = time.monotonic() + AIM_WAIT_S
+        while True:
+            running = self._runs_in_flight()
+            live = sorted({agent for agent, _ in running.values() if agent in self.agents and self.agents[agent].alive()})
+            if live:
+                agent = planned if planned in live else live[0]
+                what = sorted(k for k, (a, _) in running.items() if a == agent)[0]
+                self.say(f"  aimed at {agent}: {what[0]} {what[1]} attempt {what[2]} running")
+                return agent
+            if time.monotonic() > deadline:
+                return planned
+            time.sleep(0.05)
+
+    def _runs_in_flight(self) -> dict[tuple[str, str, str], tuple[str, float]]:
+        """(job, firing, attempt) -> (agent, start) of every run whose start line is in the
+        side-effect log without its end line (read on from where the last call stopped)."""
+        try:
+            with open(self.out, "rb") as fh:
+                fh.seek(self._effects_read)
+                data = fh.read()
+        except FileNotFoundError:
+            return {}
+        complete = data[:data.rfind(b"\n") + 1]
+        self._effects_read += len(complete)
+        for line in complete.decode(errors="replace").splitlines():
+            p = line.split()
+            if len(p) != 7:
+                continue
+            key = (p[1], p[2], p[3])
+            if p[0] == "start":
+                self._in_flight[key] = (p[4], float(p[6]))
+            else:
+                self._in_flight.pop(key, None)
+        # a run killed with its agent writes no end line: forgotten after the longest run
+        now_s = time.time()
+        for k in [k for k, (_, t) in self._in_flight.items() if now_s - t > JOB_SLEEP_MAX_S + KILL_GRACE_S + 1.0]:
+            del self._in_flight[k]
+        return dict(self._in_flight)
 
     def _run_group(self, group: int, pg: PlannedGroup) -> list[Fault]:
         """Apply and heal the group's faults on their offsets (they may overlap)."""
