@@ -11,8 +11,7 @@ file system of their own (tests/support/faults.py). The faults:
 
 - agents: kill -9 (aimed at an agent with a job running) and restart, SIGTERM and restart,
   SIGSTOP/SIGCONT; its wall clock set 2 s ahead or behind, or 30 s ahead (stepped back at
-  the heal); its state disk slow
-  (fsyncs throttled) or full;
+  the heal); its state disk slow (fsyncs throttled) or full;
 - links (nftables, tables `mw_chaos_*`, always removed): agent<->etcd cut both ways,
   requests only, replies only; agent<->broker cut, replies only; the agent's etcd replies
   dropped (connections reset at the heal) or held and delivered late by its proxy; its etcd
