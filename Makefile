@@ -4,7 +4,7 @@ PY ?= /usr/bin/python3
 PYTEST_ARGS ?=
 export PYTHONDONTWRITEBYTECODE = 1
 
-.PHONY: setup demo test test-unit test-integration test-kernel bench deb clean reference lint lint-tools chaos test-release
+.PHONY: setup demo test test-unit test-integration test-kernel bench deb clean reference lint lint-tools chaos chaos-mutants test-release
 
 setup:
 	@bash scripts/setup-host.sh
@@ -27,22 +27,32 @@ test-kernel: setup
 	$(PY) -m pytest -p no:cacheprovider tests/kernel $(PYTEST_ARGS)
 
 # The seeded fault test (tests/support/chaos.py): `make chaos SEED=1234 MINUTES=2` reproduces a
-# run; without SEED a new seed is drawn and printed; SEEDS=10 runs consecutive seeds.
+# run; without SEED a new seed is drawn and printed; SEEDS=10 runs consecutive seeds; KINDS=a,b
+# only those fault kinds.
 SEED ?=
 SEEDS ?= 1
 MINUTES ?= 2
+KINDS ?=
 chaos: setup
-	$(PY) -m tests.support.chaos $(if $(SEED),--seed $(SEED)) --seeds $(SEEDS) --minutes $(MINUTES)
+	$(PY) -m tests.support.chaos $(if $(SEED),--seed $(SEED)) --seeds $(SEEDS) --minutes $(MINUTES) $(if $(KINDS),--kinds $(KINDS))
+
+# The mutation harness (tests/support/mutants.py): each deliberate product bug of its table,
+# one at a time, in a copy of the tree under /tmp, must make the fault test fail; prints the
+# table and exits non-zero if one survives (about 20 minutes). MUTANTS=a,b runs only those.
+MUTANTS ?=
+chaos-mutants: setup
+	$(PY) -m tests.support.mutants $(if $(MUTANTS),--only $(MUTANTS))
 
 # Before a release, on top of `make test`: the flap test's full 5 minutes, retention driven
 # to its larger bounds, a per-second job with 64 unmet dependencies watched for 10 minutes,
-# and ten consecutive 5-minute fault seeds from the commit's seed (CI runs that first seed
-# for 2 minutes): about 75 minutes.
+# ten consecutive 5-minute fault seeds from the commit's seed (CI runs that first seed for 2
+# minutes), and the mutation harness: about 85 minutes.
 test-release: setup
 	MILLWRIGHT_FLAP_TEST_S=300 $(PY) -m pytest -p no:cacheprovider tests/kernel/test_health_e2e.py -k flapping $(PYTEST_ARGS)
 	MILLWRIGHT_SLOW=1 $(PY) -m pytest -p no:cacheprovider tests/integration/test_retention.py $(PYTEST_ARGS)
 	MILLWRIGHT_BOUNDED_WORK_S=600 $(PY) -m pytest -p no:cacheprovider tests/integration/test_bounded_work.py $(PYTEST_ARGS)
 	$(PY) -m tests.support.chaos $(if $(SEED),--seed $(SEED),--from-commit) --seeds 10 --minutes 5
+	$(PY) -m tests.support.mutants
 
 bench: setup
 	@for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

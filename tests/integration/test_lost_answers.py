@@ -22,7 +22,7 @@ import contextlib
 import logging
 import os
 import threading
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -362,3 +362,33 @@ def test_a_claim_still_unresolved_when_its_shard_is_held_again_is_never_claimed_
     assert held_again == [(old_fence.token, False)], f"the old firing claimed again: {held_again}"
     assert (rec["state"], rec["attempt"], rec["agent"]) == ("succeeded", 1, "sl0"), rec
     assert effects(out)[(jid, rec["fire_id"])] == 1
+
+
+@pytest.mark.xfail(strict=True, reason="product bug (issue 35, fault test seed 4): RunRecords.write_not_run drops a "
+                   "write etcd did not answer; the record is written only when the shard next moves")
+def test_the_final_record_of_a_firing_that_never_ran_is_written_again_when_etcd_did_not_answer(env, monkeypatch):
+    """A firing that expires waiting for its dependency ends `misfired`/expired without a
+    run (RunRecords.write_not_run). Its write fails without landing (EtcdUnavailable, as
+    when etcd is slow or cut off for a moment) while the shard stays held: the record must
+    be written again, as a run's final record is (RunRecords.write), not left to the
+    shard's next owner, which may never come."""
+    c, la, store, out = env
+    fences = la.on_loop(lambda: {s: la.agent.owns(s) for s in range(c.shards)})
+    real = records_module.fenced_txn
+    failed: list[int] = []
+
+    def fenced_txn(client: Any, fence: Any, compare: Any = (), success: Any = (), **kw: Any) -> Any:
+        if writes_job(success, "expires") and not failed:
+            failed.append(fence.shard)
+            raise EtcdUnavailable("test: etcd did not answer")
+        return real(client, fence, compare=compare, success=success, **kw)
+
+    patch_fenced_txn(monkeypatch, fenced_txn)
+    t = datetime.now(timezone.utc).replace(microsecond=0)
+    store.create(job("expires", {}, depends_on=["never-stored"], issued_at=format_rfc3339(t),
+                     not_after=format_rfc3339(t + timedelta(seconds=2))))
+    rec = final_record(c, "expires")
+    assert failed, "the record's first write was never made"
+    assert (rec["state"], rec["reason"], rec["agent"]) == ("misfired", "expired", "sl0"), rec
+    assert not effects(out)
+    no_self_fence(la, fences)

@@ -2,18 +2,21 @@
 
 A real 3-member etcd on loopback, 4 `millwright run` agents, a mosquitto; a workload of
 one-shot, retrying and cron jobs pushed over MQTT whose script (tests/jobs/effect.sh)
-records each run's side effect on its own clock; a nemesis that runs fault groups from a
+records each run's side effect on its own clock (some jobs fail every attempt, some wait
+for a dependency past their not_after and must never run); a nemesis that runs fault groups from a
 seeded plan (one fault, or two that overlap), each followed by a quiet window (at least
 TTL + 3 s with no fault). Every agent reaches each etcd member through a proxy of its own
 (tests/support/etcd_proxy.py); each member's data and each agent's state live on a small
 file system of their own (tests/support/faults.py). The faults:
 
-- agents: kill -9 and restart, SIGTERM and restart, SIGSTOP/SIGCONT; its wall clock set
-  2 s ahead or behind, or 30 s ahead (stepped back at the heal); its state disk slow
-  (fsyncs throttled) or full;
+- agents: kill -9 (aimed at an agent with a job running) and restart, SIGTERM and restart,
+  SIGSTOP/SIGCONT; its wall clock set 2 s ahead or behind, or 30 s ahead (stepped back at
+  the heal); its state disk slow (fsyncs throttled) or full;
 - links (nftables, tables `mw_chaos_*`, always removed): agent<->etcd cut both ways,
   requests only, replies only; agent<->broker cut, replies only; the agent's etcd replies
-  dropped (connections reset at the heal) or held and delivered late by its proxy;
+  dropped (connections reset at the heal) or held and delivered late by its proxy; its etcd
+  requests held by its proxy past its lease and delivered at the heal, their cancels lost
+  (late writes, that only the fence tells from live ones);
 - etcd: the leader killed and restarted, a member paused, the leader isolated on its peer
   port, quorum lost (2 of 3 members paused), a member's disk slow or full;
 - the broker killed (-9) and restarted.
@@ -82,6 +85,9 @@ CRON_SLEEP_S = 0.3
 JOB_SLEEP_MAX_S = 0.6
 KILL_GRACE_S = 1.0
 RETRY_BACKOFFS_S = (1.0, 2.0)   # the retrying jobs' waits before attempts 2 and 3 (backoff 1 s, max 2 s)
+EXHAUSTED_ATTEMPTS = 2          # the jobs that fail every attempt have this many
+WAIT_DEPENDENCY_S = 6.0         # a waiting job's dependency is due this long after it,
+EXPIRES_AFTER_S = 2.0           # and the waiting job expires (not_after) this long after its due time
 # A fault's consequences (lease expiry, a fenced agent's new session, rebalance) are over
 # one TTL after its heal; the next fault group starts at least 3 s after that.
 AFTER_HEAL_S = float(TTL_S)
@@ -99,12 +105,14 @@ RUN_OVERHEAD_S = 1.0
 LATENESS_BOUND_S = 2 * TTL_S + 2.0
 FAULTS = ("agent_kill9", "agent_restart", "agent_pause", "cut_etcd", "cut_broker",
           "cut_etcd_requests", "cut_etcd_replies", "cut_broker_replies", "etcd_replies_drop", "etcd_replies_delay",
+          "etcd_requests_delay",
           "clock_skew", "clock_jump", "agent_disk_slow", "agent_disk_full",
           "etcd_leader_kill", "etcd_member_pause", "etcd_leader_isolate", "etcd_quorum_loss",
           "etcd_disk_slow", "etcd_disk_full", "broker_kill")
 # faults aimed at one agent: they can cost the firings of its shards only
 AGENT_FAULTS = {"agent_kill9", "agent_restart", "agent_pause", "cut_etcd", "cut_broker", "cut_etcd_requests",
-                "cut_etcd_replies", "cut_broker_replies", "etcd_replies_drop", "etcd_replies_delay", "clock_skew",
+                "cut_etcd_replies", "cut_broker_replies", "etcd_replies_drop", "etcd_replies_delay",
+                "etcd_requests_delay", "clock_skew",
                 "clock_jump", "agent_disk_slow", "agent_disk_full"}
 ETCD_FAULTS = {"etcd_leader_kill", "etcd_member_pause", "etcd_leader_isolate", "etcd_quorum_loss", "etcd_disk_slow",
                "etcd_disk_full"}
@@ -112,10 +120,19 @@ ETCD_FAULTS = {"etcd_leader_kill", "etcd_member_pause", "etcd_leader_isolate", "
 HARMLESS_TO_RUNS = {"cut_broker", "cut_broker_replies", "broker_kill"}
 CLOCK_FAULTS = {"clock_skew": 2, "clock_jump": 30}   # seconds (a skew is +2 or -2; a jump is forward)
 DISK_FAULTS = {"agent_disk_slow", "agent_disk_full", "etcd_disk_slow", "etcd_disk_full"}
+PROXY_MODES = {"etcd_replies_drop": "drop", "etcd_replies_delay": "hold", "etcd_requests_delay": "hold_requests"}
+# faults that last past the lease (TTL_S more than drawn): the agent's shards move while its
+# requests are held, so what is delivered at the heal is late
+PAST_THE_LEASE = {"etcd_requests_delay"}
 # the outcomes a fault may cost besides owner_lost and misfired: a graceful stop kills its
 # runs (killed/agent_stopped); a full state disk fails their start (failed/spawn_error...)
 KILLS_RUNS = {"agent_restart"}
 FAILS_RUNS = {"agent_disk_full"}
+PROBE_S = 1.0
+# faults aimed at an agent with a job running (a kill -9 then leaves a `running` record that
+# its shard's next owner must resolve), waiting at most AIM_WAIT_S for one
+AIMED = {"agent_kill9"}
+AIM_WAIT_S = 3.0
 OVERLAP_P = 0.35                # a fault group holds two overlapping faults this often
 DISK_SLOW_IOPS = 5              # a slow disk: every fsync waits about 1/5 s
 ETCD_DISK_MB, AGENT_DISK_MB = 256, 64
@@ -184,13 +201,13 @@ def plan_faults(rng: random.Random, horizon: float, kinds: tuple[str, ...] = FAU
     t = rng.uniform(QUIET_MIN_S, QUIET_MIN_S + QUIET_EXTRA_S)
     while True:
         kind = rng.choice(kinds)
-        duration = rng.uniform(1.5, 6.0)
+        duration = rng.uniform(1.5, 6.0) + (TTL_S if kind in PAST_THE_LEASE else 0)
         pick = rng.randrange(1 << 16)
         faults = [PlannedFault(kind, 0.0, duration, pick)]
         if rng.random() < OVERLAP_P:
             k2 = rng.choice(kinds)
             offset = rng.uniform(0.5, duration)
-            d2 = rng.uniform(1.5, 6.0)
+            d2 = rng.uniform(1.5, 6.0) + (TTL_S if k2 in PAST_THE_LEASE else 0)
             pick2 = pick + 1 + rng.randrange(3)   # another agent (of four) or member (of three)
             if k2 != kind and (_category(k2) != _category(kind) or _category(k2) == "agent"):
                 faults.append(PlannedFault(k2, offset, d2, pick2))
@@ -323,6 +340,8 @@ class ChaosRun:
         self.t_quiet_from = 0.0
         self.kinds = tuple(kinds)
         self.keep = False
+        self._effects_read = 0
+        self._in_flight: dict[tuple[str, str, str], tuple[str, float]] = {}
 
     def say(self, msg: str) -> None:
         self.log(f"{time.monotonic() - self.t_start:7.2f}s {msg}")
@@ -368,6 +387,9 @@ class ChaosRun:
                 shim = shim or fx.Clock.build(self.dir)
                 self.clocks[a] = fx.Clock(os.path.join(self.dir, f"clock-{a}"), shim)
                 env = self.clocks[a].env()
+            # each agent writes test/probe/<shard> under its fence every PROBE_S: more fenced
+            # writes for the checker to hold against the shard keys (a late one is stale)
+            env["MILLWRIGHT_TEST_FENCED_WRITES_S"] = str(PROBE_S)
             self.agents[a] = AgentProcess(a, os.path.join(self.dir, "agents"), self._config(a), env=env).start()
         self.client = EtcdClient(EtcdConfig(endpoints=self.etcd.endpoints, request_timeout_s=2.0))
         deadline = time.monotonic() + 90
@@ -407,7 +429,10 @@ class ChaosRun:
     # --- workload ------------------------------------------------------------------------
     def plan_workload(self, t0: datetime, horizon: float) -> list[tuple[float, dict]]:
         """(push at, document) for every job; one-shots are pushed 3-20 s before their due
-        time, so pushes go on while faults do."""
+        time, so pushes go on while faults do. Besides jobs that succeed (some after failed
+        attempts): jobs that fail every attempt (they end `failed` after exactly
+        max_attempts), and jobs that wait for a dependency due after their not_after (they
+        end `misfired`/expired and never run)."""
         rng = self.rng
         plan = []
         issued = (t0 - timedelta(seconds=4)).replace(microsecond=0)   # t0 is 4 s after now
@@ -429,6 +454,36 @@ class ChaosRun:
             plan.append((push_at, doc))
             self.firings.append(history.Firing(jid, fire_id(jid, due), due.timestamp(), "at",
                                                3 if retrying else 1))
+        for i in range(max(2, int(horizon / 15))):
+            # fails every attempt: `failed` after attempt EXHAUSTED_ATTEMPTS, never one more
+            jid = f"x{i:03d}-{self.seed % 1000}"
+            due = self._due_in(t0, horizon)
+            sleep = round(rng.uniform(0.1, JOB_SLEEP_MAX_S), 2)
+            self.sleep_of[jid] = sleep
+            doc = {"v": 1, "id": jid, "template": "fx", "params": {"sleep": f"{sleep:.2f}", "fail_until": "9"},
+                   "schedule": {"at": format_rfc3339(due)}, "misfire": "run_once",
+                   "retry": {"max_attempts": EXHAUSTED_ATTEMPTS, "backoff_s": 1.0, "max_backoff_s": 2.0, "jitter": 0}}
+            plan.append((max(time.time(), due.timestamp() - rng.uniform(3, 20)), doc))
+            self.firings.append(history.Firing(jid, fire_id(jid, due), due.timestamp(), "at", EXHAUSTED_ATTEMPTS,
+                                               expect="failed"))
+        for i in range(max(2, int(horizon / 20))):
+            # waits for a dependency due WAIT_DEPENDENCY_S after it, past its not_after
+            # (EXPIRES_AFTER_S after its due time): expires waiting, never runs
+            wid, did = f"w{i:03d}-{self.seed % 1000}", f"d{i:03d}-{self.seed % 1000}"
+            due = self._due_in(t0, max(1.0, horizon - WAIT_DEPENDENCY_S - 1))
+            dep_due = due + timedelta(seconds=WAIT_DEPENDENCY_S)
+            not_after = due + timedelta(seconds=EXPIRES_AFTER_S)
+            push_at = max(time.time(), due.timestamp() - rng.uniform(3, 20))
+            for jid, at in ((did, dep_due), (wid, due)):
+                self.sleep_of[jid] = 0.1
+                doc = {"v": 1, "id": jid, "template": "fx", "params": {"sleep": "0.10", "fail_until": "0"},
+                       "schedule": {"at": format_rfc3339(at)}, "misfire": "run_once"}
+                if jid == wid:
+                    doc.update(depends_on=[did], not_after=format_rfc3339(not_after))
+                plan.append((push_at, doc))
+            self.firings.append(history.Firing(did, fire_id(did, dep_due), dep_due.timestamp(), "at"))
+            self.firings.append(history.Firing(wid, fire_id(wid, due), due.timestamp(), "at", expect="misfired",
+                                               not_after=not_after.timestamp()))
         not_after = (t0 + timedelta(seconds=horizon)).replace(microsecond=0)
         self.n_cron = 4
         for i in range(self.n_cron):
@@ -441,10 +496,15 @@ class ChaosRun:
             d = math.floor(issued.timestamp() / CRON_PERIOD_S) * CRON_PERIOD_S + CRON_PERIOD_S
             while d < not_after.timestamp():
                 due = datetime.fromtimestamp(d, timezone.utc)
-                self.firings.append(history.Firing(jid, fire_id(jid, due), float(d), "cron", 1, may_skip=True))
+                self.firings.append(history.Firing(jid, fire_id(jid, due), float(d), "cron", 1, may_skip=True,
+                                                   not_after=not_after.timestamp()))
                 d += CRON_PERIOD_S
         plan.sort(key=lambda x: x[0])
         return plan
+
+    def _due_in(self, t0: datetime, horizon: float) -> datetime:
+        due = t0 + timedelta(seconds=self.rng.uniform(0, horizon))
+        return due.replace(microsecond=(due.microsecond // 1000) * 1000)
 
     def _push(self, doc: dict) -> None:
         from agent.jobs.signing import sign
@@ -483,6 +543,8 @@ class ChaosRun:
         kind = pf.kind
         ids = sorted(self.agents)
         agent = ids[pf.pick % len(ids)]
+        if kind in AIMED:
+            agent = self._aim(agent)
         members = self.etcd.members
         f = Fault(kind, agent if kind in AGENT_FAULTS else "", time.time(), group=group,
                   loses_runs=kind not in HARMLESS_TO_RUNS)
@@ -494,6 +556,7 @@ class ChaosRun:
 
         def healthy() -> None:
             self.etcd.wait_healthy(60)
+            self._wait_writable()
 
         if kind == "etcd_leader_kill":
             m = self.etcd.leader()
@@ -544,7 +607,10 @@ class ChaosRun:
                 th = fx.BlkioThrottle(m.member_name)
                 self.throttles.append(th)
                 th.apply(m.proc.pid, disk.majmin, DISK_SLOW_IOPS)
-                heal = th.heal
+
+                def heal():
+                    th.heal()
+                    self._wait_writable()
             else:
                 disk.fill()
 
@@ -573,9 +639,9 @@ class ChaosRun:
         elif kind in ("cut_broker", "cut_broker_replies"):
             way = "both" if kind == "cut_broker" else "replies"
             heal = self._rules(fx.cut_rules("127.0.0.1", [self.broker_ports[agent]], way)).heal
-        elif kind in ("etcd_replies_drop", "etcd_replies_delay"):
+        elif kind in PROXY_MODES:
             for p in self.proxies[agent]:
-                p.set_mode("drop" if kind == "etcd_replies_drop" else "hold")
+                p.set_mode(PROXY_MODES[kind])
 
             def heal():
                 for p in self.proxies[agent]:
@@ -609,6 +675,63 @@ class ChaosRun:
         self.say(f"FAULT {kind} {f.target}" + (f" {f.offset_s:+d}s" if f.offset_s else "")
                  + f" for {pf.duration:.1f}s")
         return f, heal
+
+    def _wait_writable(self, timeout: float = 60.0) -> None:
+        """An etcd fault has healed when the cluster commits a write again: its members can
+        answer and agree on a leader seconds before that (after a quorum loss on a loaded
+        machine), and until then no agent can hold a lease, claim or record anything."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.client.put(self.keys.prefix + "test/heal", str(time.time()), timeout=1.0)
+                return
+            except Exception:  # noqa: BLE001 - tried again until the deadline (etcd faults)
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def _aim(self, planned: str) -> str:
+        """The agent a kill -9 hits: one with a job running now (by the side-effect log: a
+        start line without its end line), waiting up to AIM_WAIT_S for one, so the kill
+        leaves a run its new owner must resolve as "may have run"; else the planned one."""
+        deadline = time.monotonic() + AIM_WAIT_S
+        while True:
+            running = self._runs_in_flight()
+            live = sorted({agent for agent, _ in running.values() if agent in self.agents and self.agents[agent].alive()})
+            if live:
+                agent = planned if planned in live else live[0]
+                what = sorted(k for k, (a, _) in running.items() if a == agent)[0]
+                self.say(f"  aimed at {agent}: {what[0]} {what[1]} attempt {what[2]} running")
+                return agent
+            if time.monotonic() > deadline:
+                return planned
+            time.sleep(0.05)
+
+    def _runs_in_flight(self) -> dict[tuple[str, str, str], tuple[str, float]]:
+        """(job, firing, attempt) -> (agent, start) of every run whose start line is in the
+        side-effect log without its end line (read on from where the last call stopped)."""
+        try:
+            with open(self.out, "rb") as fh:
+                fh.seek(self._effects_read)
+                data = fh.read()
+        except FileNotFoundError:
+            return {}
+        complete = data[:data.rfind(b"\n") + 1]
+        self._effects_read += len(complete)
+        for line in complete.decode(errors="replace").splitlines():
+            p = line.split()
+            if len(p) != 7:
+                continue
+            key = (p[1], p[2], p[3])
+            if p[0] == "start":
+                self._in_flight[key] = (p[4], float(p[6]))
+            else:
+                self._in_flight.pop(key, None)
+        # a run killed with its agent writes no end line: forgotten after the longest run
+        now_s = time.time()
+        for k in [k for k, (_, t) in self._in_flight.items() if now_s - t > JOB_SLEEP_MAX_S + KILL_GRACE_S + 1.0]:
+            del self._in_flight[k]
+        return dict(self._in_flight)
 
     def _run_group(self, group: int, pg: PlannedGroup) -> list[Fault]:
         """Apply and heal the group's faults on their offsets (they may overlap)."""
@@ -683,6 +806,13 @@ class ChaosRun:
                  and g.offset_s > 0 and g.start - 1.0 <= se.start <= g.end + 2.0]
         return 0.05 + max(ahead, default=0)
 
+    def late_ok_s(self, se: history.SideEffect) -> float:
+        """How long after its job's not_after a run may start by its agent's clock fault (a
+        clock set behind expires the job that much later on the effect's clock)."""
+        behind = [-g.offset_s for g in self.faults if g.kind in CLOCK_FAULTS and g.target == se.agent
+                  and g.offset_s < 0 and g.start - 1.0 <= se.start <= g.end + 2.0]
+        return 0.05 + max(behind, default=0)
+
     def quiet(self, f: history.Firing) -> bool:
         return f.due >= self.t_quiet_from and is_quiet(self.faults, f, self.sleep_of[f.job])
 
@@ -747,7 +877,7 @@ class ChaosRun:
                             lateness_bound_s=LATENESS_BOUND_S, effective_due=self.effective_due,
                             affected=self.affected, max_run_s=JOB_SLEEP_MAX_S + KILL_GRACE_S + 1.0,
                             quiet=self.quiet, quiet_lateness_s=QUIET_LATENESS_S, early_ok_s=self.early_ok_s,
-                            rev_time=self.rev_time)
+                            late_ok_s=self.late_ok_s, rev_time=self.rev_time)
         # the outcomes besides owner_lost and misfired: each only where a fault could cost it
         finals = history.final_records(events, self.keys.prefix)
         other = {"killed": 0, "failed": 0}
@@ -755,8 +885,8 @@ class ChaosRun:
             r = finals.get((f.job, f.fire_id)) or {}
             what = "killed" if r.get("state") == "killed" else (
                 "failed" if r.get("state") == "failed" and r.get("reason") != "owner_lost" else None)
-            if what is None:
-                continue
+            if what is None or (f.expect == "failed" and (r.get("reason") or "").split(":")[0] == "failed"):
+                continue   # (a job that fails every attempt: its own failure, judged by the checker)
             other[what] += 1
             if (f.job, f.fire_id) not in ex[what]:
                 rep.fail(f"{history.name(f.job, f.fire_id)}: ended {r.get('state')}/{r.get('reason')} with no fault "
@@ -797,7 +927,8 @@ class ChaosRun:
         res.figures = {"seed": self.seed, "faults": len(self.faults), "fault_kinds": kinds,
                        "affected_share": round(affected_share(self.faults, t0, t0 + horizon), 3),
                        "firings": st.get("firings"), "firings_by_kind": by_kind,
-                       "quiet_firings": st.get("quiet_firings"), "side_effects": st.get("side_effects"),
+                       "quiet_firings": st.get("quiet_firings"),
+                       "quiet_overlapped": st.get("quiet_overlapped") or [], "side_effects": st.get("side_effects"),
                        "events": st.get("events"), "outcomes": outcomes,
                        "owner_lost": f"{st.get('owner_lost')}/{budget.owner_lost}",
                        "misfired": f"{st.get('misfired')}/{budget.misfired}", "budgets": budgets_by_type,
@@ -813,7 +944,8 @@ class ChaosRun:
         self.log(f"chaos seed {self.seed}: faults {len(self.faults)} by kind {kinds}; "
                  f"{res.figures['affected_share']:.0%} of the horizon affected")
         self.log(f"chaos seed {self.seed}: firings {st.get('firings')} {by_kind}; quiet-window firings checked "
-                 f"{st.get('quiet_firings')} (bound {QUIET_LATENESS_S:.1f} s); side effects {st.get('side_effects')}")
+                 f"{st.get('quiet_firings')} (bound {QUIET_LATENESS_S:.1f} s; skipped behind a fault's late run of "
+                 f"their job: {st.get('quiet_overlapped') or 'none'}); side effects {st.get('side_effects')}")
         self.log(f"chaos seed {self.seed}: lateness from effect clocks p50 {_r(st.get('lateness_p50_s'))} s "
                  f"p99 {_r(st.get('lateness_p99_s'))} s max {_r(st.get('lateness_max_s'))} s (bound "
                  f"{LATENESS_BOUND_S:.0f} s after a heal); quiet p50 {_r(st.get('quiet_lateness_p50_s'))} s "
@@ -824,7 +956,8 @@ class ChaosRun:
         self.log("chaos figures: " + json.dumps(res.figures))
         if rep.problems:
             self.keep = True
-            self.log(f"chaos: failed; kept {self.dir} (agents' logs and audit, effects.log)")
+            if os.environ.get("MILLWRIGHT_CHAOS_KEEP") != "0":
+                self.log(f"chaos: failed; kept {self.dir} (agents' logs and audit, effects.log)")
         return res
 
     def close(self) -> None:
@@ -855,7 +988,10 @@ class ChaosRun:
         for d in self.disks.values():
             d.unfill()
             d.close()
-        if self.own_dir and not self.keep and os.environ.get("MILLWRIGHT_CHAOS_KEEP") != "1":
+        # a failed run's directory is kept for a look (MILLWRIGHT_CHAOS_KEEP=1: every run's,
+        # =0: none, as the mutation harness runs it)
+        keep = {"1": True, "0": False}.get(os.environ.get("MILLWRIGHT_CHAOS_KEEP", ""), self.keep)
+        if self.own_dir and not keep:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -867,10 +1003,15 @@ def run_and_check(seed: int, minutes: float, workdir: Optional[str] = None, log=
                   kinds: tuple[str, ...] = FAULTS) -> Result:
     res = ChaosRun(seed, minutes, workdir, log=log, kinds=kinds).run()
     if res.report.problems:
-        raise AssertionError(f"chaos seed {seed} failed (reproduce: make chaos SEED={seed} MINUTES={minutes:g}); "
-                             f"faults: {[(f.kind, f.target, round(f.end - f.start, 1)) for f in res.faults]}\n"
-                             + "\n".join(res.report.problems[:20]))
+        raise AssertionError(failure(res, kinds))
     return res
+
+
+def failure(res: Result, kinds: tuple[str, ...] = FAULTS) -> str:
+    only = "" if kinds == FAULTS else f" KINDS={','.join(kinds)}"
+    return (f"chaos seed {res.seed} failed (reproduce: make chaos SEED={res.seed} MINUTES={res.minutes:g}{only}); "
+            f"faults: {[(f.kind, f.target, round(f.end - f.start, 1)) for f in res.faults]}\n"
+            + "\n".join(res.report.problems[:20]))
 
 
 def seed_from_commit() -> tuple[int, str]:
@@ -886,6 +1027,12 @@ def seed_from_commit() -> tuple[int, str]:
     return secrets.randbelow(10 ** 6), "random (no git commit)"
 
 
+def _report(path: str, doc: dict) -> None:
+    if path:
+        with open(path, "a") as fh:
+            fh.write(json.dumps(doc) + "\n")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="chaos", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=None, help="random seed (default: a new one, printed)")
@@ -893,7 +1040,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seeds", type=int, default=1, help="run this many consecutive seeds from the first")
     ap.add_argument("--minutes", type=float, default=2.0)
     ap.add_argument("--kinds", default="", help="only these fault kinds (comma-separated; default: all)")
+    ap.add_argument("--report", default="", help="write each seed's outcome here, one JSON line per seed "
+                    "(problems, figures; or the error that stopped the run before it could be judged)")
+    ap.add_argument("--summarize", metavar="REPORT", default="",
+                    help="print the table of the seeds a --report file holds, and exit")
     a = ap.parse_args(argv)
+    if a.summarize:
+        with open(a.summarize) as fh:
+            docs = [json.loads(x) for x in fh if x.strip()]
+        for d in docs:
+            if "figures" not in d:
+                print(f"seed {d.get('seed')}: not judged: {d.get('error')}")
+            elif d.get("problems"):
+                print(f"seed {d['seed']}: FAILED, {len(d['problems'])} problem(s), first: {d['problems'][0]}")
+        print(seeds_table([d["figures"] for d in docs if "figures" in d]))
+        return 0
     kinds = tuple(k for k in a.kinds.split(",") if k) or FAULTS
     unknown = set(kinds) - set(FAULTS)
     if unknown:
@@ -911,14 +1072,43 @@ def main(argv: Optional[list[str]] = None) -> int:
     figures = []
     for s in range(seed, seed + a.seeds):
         try:
-            figures.append(run_and_check(s, a.minutes, kinds=kinds).figures)
-        except AssertionError as exc:
-            print(f"FAIL: {exc}", file=sys.stderr)
+            res = ChaosRun(s, a.minutes, kinds=kinds).run()
+        except Exception as exc:  # noqa: BLE001 - the run could not be judged: said so, apart from a failure
+            _report(a.report, {"seed": s, "error": f"{type(exc).__name__}: {exc}"})
+            print(f"ERROR: seed {s} could not be judged: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2
+        _report(a.report, {"seed": s, "problems": res.report.problems, "figures": res.figures})
+        if res.report.problems:
+            print(f"FAIL: {failure(res, kinds)}", file=sys.stderr)
             return 1
+        figures.append(res.figures)
         print(f"PASS: seed {s}", flush=True)
     if len(figures) > 1:
         print("chaos: all seeds passed:\n" + "\n".join(json.dumps(f) for f in figures))
+        print("\n" + seeds_table(figures))
     return 0
+
+
+def seeds_table(figures: list[dict]) -> str:
+    """One line per seed: what the fault test did and what the checker found, for notes
+    and docs (from the figures each run prints, or its --report lines). Budgets are
+    used/budget; the outcomes are the final records (misfired includes the jobs expected
+    to expire, failed/failed the jobs expected to fail every attempt)."""
+    head = ("seed", "faults (kinds)", "firings", "quiet", "lateness p50/p99/max s", "quiet p99 s", "owner_lost",
+            "misfired", "killed", "failed other", "outcomes", "wall s")
+    rows = [head]
+    for f in figures:
+        out = dict(f.get("outcomes") or {})
+        outcomes = ", ".join(f"{k} {v}" for k, v in sorted(out.items(), key=lambda kv: -kv[1]))
+        b = f.get("budgets") or {}
+        rows.append((str(f["seed"]), f"{f['faults']} ({len(f.get('fault_kinds') or {})})", str(f["firings"]),
+                     str(f["quiet_firings"]), f"{f['lateness_p50_s']}/{f['lateness_p99_s']}/{f['lateness_max_s']}",
+                     str(f["quiet_lateness_p99_s"]), str(b.get("owner_lost")), str(b.get("misfired")),
+                     str(b.get("killed")), str(b.get("failed_other")), outcomes, str(f["wall_s"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -135,6 +135,9 @@ class Firing:
     may_skip: bool = False        # cron run_once/skip: may be skipped (no record) by the misfire policy
     missed_at_store: bool = False  # due before the job was stored: its misfire policy decides
     stored_at: float = 0.0        # when its job was stored (epoch s): it cannot start before
+    expect: str = "succeeded"     # how it ends when nothing goes wrong: succeeded, failed (every
+                                  # attempt fails: after max_attempts), misfired (it never runs)
+    not_after: Optional[float] = None   # its job's not_after (epoch s): no attempt starts from then on
 
 
 @dataclass
@@ -245,6 +248,7 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
           complete: bool = True, quiet: Optional[Callable[[Firing], bool]] = None,
           quiet_lateness_s: Optional[float] = None,
           early_ok_s: Optional[Callable[[SideEffect], float]] = None,
+          late_ok_s: Optional[Callable[[SideEffect], float]] = None,
           rev_time: Optional[Callable[[int], Optional[float]]] = None) -> Report:
     """Replay the history and judge it.
 
@@ -259,7 +263,9 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
     - per (job, firing, attempt) exactly one agent created its ``running`` record, once;
     - with ``effects`` (the side-effect log; None: the test keeps none): every side effect
       has that record, from the same agent, never before the due time (50 ms, or what
-      ``early_ok_s(effect)`` allows for a clock the test set ahead); an attempt ran at
+      ``early_ok_s(effect)`` allows for a clock the test set ahead), never at or after its
+      job's ``not_after`` (50 ms, or what ``late_ok_s(effect)`` allows for a clock the test
+      set behind); an attempt ran at
       most once, and exactly once when its record says its script ran to an exit
       (``succeeded``, or an exit code); runs of one firing never overlap (an attempt
       without an end line ended when its record says it did, else lasts ``max_run_s``);
@@ -275,9 +281,15 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
       run a fault caught in flight (``affected`` at some time within ``max_run_s`` of its
       due time); ``owner_lost`` and ``misfired`` within ``budget``;
     - ``quiet(firing)``: the firing was due, and could run to its end, with no fault nor
-      its recovery going on. It must have run, never been skipped, ``owner_lost`` or
-      ``misfired``, end ``succeeded``, one side effect per attempt, its first within
-      ``quiet_lateness_s`` of its due time on the side effect's own clock.
+      its recovery going on. It must end as the workload expects (``Firing.expect``):
+      ``succeeded``, or ``failed`` after exactly ``max_attempts`` (a job that fails every
+      attempt), one side effect per attempt, its first within ``quiet_lateness_s`` of its
+      due time on the side effect's own clock, never skipped, ``owner_lost`` or misfired;
+      or ``misfired`` without any side effect (a job that expires before it may start). A
+      misfire the workload expects is not counted against the budget. A quiet firing
+      skipped as ``misfired``/``overlap`` passes only when the side effects show an earlier
+      firing of its job still waiting or running at its due time (a fault's late run
+      reaching past its window), listed in ``stats["quiet_overlapped"]``.
     """
     rep = Report()
     shards_p, runs_p, probe_p = prefix + "shards/", prefix + "runs/", prefix + "test/probe/"
@@ -371,9 +383,9 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
     # --- side effects
     first_start: dict[tuple[str, str], float] = {}
     per_attempt: dict[tuple[str, str, int], list[SideEffect]] = {}
+    per_firing: dict[tuple[str, str], list[SideEffect]] = {}
     if effects is not None:
         effects = list(effects)
-        per_firing: dict[tuple[str, str], list[SideEffect]] = {}
         for se in effects:
             per_attempt.setdefault((se.job, se.fire_id, se.attempt), []).append(se)
             per_firing.setdefault((se.job, se.fire_id), []).append(se)
@@ -392,6 +404,12 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
             early = early_ok_s(se) if early_ok_s is not None else 0.05
             if due is not None and se.start < due - early:
                 rep.fail(f"{name(se.job, se.fire_id)} attempt {se.attempt}: ran at {se.start:.3f}, before its due time {due:.3f}")
+            # and never once its job expired, by its agent's clock (one set behind starts it late)
+            f = firings.get((se.job, se.fire_id)) if firings is not None else None
+            late = late_ok_s(se) if late_ok_s is not None else 0.05
+            if f is not None and f.not_after is not None and se.start >= f.not_after + late:
+                rep.fail(f"{name(se.job, se.fire_id)} attempt {se.attempt}: ran at {se.start:.3f}, after its job's "
+                         f"not_after {f.not_after:.3f}")
         for (job, fid, attempt), ses in sorted(per_attempt.items()):
             if len(ses) > 1:
                 rep.fail(f"{name(job, fid)} attempt {attempt} ran {len(ses)} times")
@@ -426,6 +444,10 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
     late: list[float] = []
     quiet_late: list[float] = []
     quiet_n = 0
+    overlapped: list[str] = []    # quiet firings misfired behind a late run of the same job
+    jobs_firings: dict[str, list[Firing]] = {}
+    for f in firings.values():
+        jobs_firings.setdefault(f.job, []).append(f)
     owner_lost = misfired = skipped = 0
     failed_reasons: dict[str, int] = {}
     states: dict[str, int] = {}
@@ -438,7 +460,13 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
         is_quiet = quiet is not None and quiet(f)
         if is_quiet:
             quiet_n += 1
-            _check_quiet(rep, f, recs, per_attempt if effects is not None else None, quiet_lateness_s, quiet_late)
+            behind = _overlapped_by(f, jobs_firings.get(job, []), per_firing, max_run_s) if recs and \
+                recs[-1][1].get("state") == "misfired" and recs[-1][1].get("reason") == "overlap" else None
+            if behind is not None:
+                overlapped.append(f"{name(job, fid)} behind {behind}")
+            else:
+                _check_quiet(rep, f, recs, per_attempt if effects is not None else None, quiet_lateness_s,
+                             quiet_late, per_firing.get((job, fid), []))
         if not recs:
             if f.may_skip and (f.missed_at_store or affected(f.due)) and not is_quiet:
                 skipped += 1
@@ -456,7 +484,7 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
             continue
         if state == "failed" and not reason:
             rep.fail(f"{name(job, fid)}: failed without a reason")
-        if state == "misfired":
+        if state == "misfired" and f.expect != "misfired":
             misfired += 1
             if not (reason or "").startswith(MISFIRE_REASONS):
                 rep.fail(f"{name(job, fid)}: misfired with reason {reason!r}, not a misfire policy")
@@ -509,7 +537,7 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
                       "lateness_p50_s": percentile(late, 50), "lateness_p99_s": percentile(late, 99),
                       "lateness_max_s": max(late) if late else None})
     if quiet is not None:
-        rep.stats.update({"quiet_firings": quiet_n, "quiet_lateness_p50_s": percentile(quiet_late, 50),
+        rep.stats.update({"quiet_firings": quiet_n, "quiet_overlapped": overlapped, "quiet_lateness_p50_s": percentile(quiet_late, 50),
                           "quiet_lateness_p99_s": percentile(quiet_late, 99),
                           "quiet_lateness_max_s": max(quiet_late) if quiet_late else None})
     if budget is not None:
@@ -521,20 +549,52 @@ def check(events: Iterable[Event], prefix: str, *, firings: Optional[Iterable[Fi
     return rep
 
 
+# how long after its script's end line the agent may still count a run as running (it
+# reaps the process and ends the run on its loop)
+REAPED_WITHIN_S = 1.0
+
+
+def _overlapped_by(f: Firing, same_job: list[Firing], per_firing: dict[tuple[str, str], list[SideEffect]],
+                   max_run_s: float) -> Optional[str]:
+    """The earlier firing of ``f``'s job that was still waiting or running at ``f``'s due
+    time, by the side effects (its first run started after that time, or its run spans
+    it), or None. A firing whose job forbids overlap is then skipped (``misfired``/
+    ``overlap``) even in a quiet window: a run of an earlier firing, late because of a
+    fault, can reach past the fault's window into the next due time."""
+    for g in same_job:
+        ses = per_firing.get((g.job, g.fire_id), [])
+        if g.due >= f.due or not ses:
+            continue
+        start = min(se.start for se in ses)
+        end = max(se.end if se.end is not None else se.start + max_run_s for se in ses)
+        if start > f.due or end + REAPED_WITHIN_S >= f.due:
+            return g.fire_id
+    return None
+
+
 def _check_quiet(rep: Report, f: Firing, recs: Optional[list[tuple[int, dict]]],
                  per_attempt: Optional[dict[tuple[str, str, int], list[SideEffect]]],
-                 bound: Optional[float], late: list[float]) -> None:
-    """A firing due in a quiet window ran, once per attempt, on time, and succeeded."""
+                 bound: Optional[float], late: list[float], ran: list[SideEffect]) -> None:
+    """A firing due in a quiet window ended as the workload expects: it ran, once per
+    attempt, on time, and succeeded (or failed after its last attempt); or it never ran
+    and misfired."""
     n = name(f.job, f.fire_id)
     if not recs:
-        rep.fail(f"{n}: due in a quiet window at {f.due:.3f}, never ran (no run record)")
+        rep.fail(f"{n}: due in a quiet window at {f.due:.3f}, never "
+                 + ("resolved (no run record)" if f.expect == "misfired" else "ran (no run record)"))
         return
     last = recs[-1][1]
     state, reason, attempts = last.get("state"), last.get("reason"), int(last.get("attempt") or 1)
-    if state != "succeeded":
+    if state != f.expect or (f.expect == "failed" and (attempts != f.max_attempts or reason == "owner_lost")):
         rep.fail(f"{n}: due in a quiet window, ended {state}" + (f"/{reason}" if reason else "")
-                 + f" at attempt {attempts}")
+                 + f" at attempt {attempts}, not {f.expect}"
+                 + (f" after attempt {f.max_attempts}" if f.expect == "failed" else ""))
     if per_attempt is None:
+        return
+    if f.expect == "misfired":
+        if ran:
+            rep.fail(f"{n}: due in a quiet window, expected never to run, ran {len(ran)} time(s), first by "
+                     f"{ran[0].agent} at {min(se.start for se in ran):.3f}")
         return
     for a in range(1, attempts + 1):
         got = per_attempt.get((f.job, f.fire_id, a), [])

@@ -395,3 +395,77 @@ def test_a_firing_that_never_ran_is_dated_by_the_tests_clock_when_given():
     assert "resolved 30.00 s after its due time" in problems(run_check(h, [], firings=f, lateness_bound_s=5.0))
     seen = {rev: DUE + 1.0}
     assert not run_check(h, [], firings=f, lateness_bound_s=5.0, rev_time=seen.get).problems
+
+
+def test_a_run_at_or_after_its_jobs_not_after_fails():
+    """A firing that waited past its job's not_after must never start (its effect's clock),
+    unless the test set its agent's clock behind by that much."""
+    f = [Firing("j", F1, DUE, not_after=DUE + 2.0)]
+    assert not run_check(good(), [fx(start=DUE + 1.9, end=DUE + 2.1)], firings=f).problems
+    rep = run_check(good(), [fx(start=DUE + 6.0, end=DUE + 6.2)], firings=f)
+    assert f"(j, {F1}) attempt 1: ran at {DUE + 6.0:.3f}, after its job's not_after {DUE + 2.0:.3f}" in problems(rep)
+    assert not run_check(good(), [fx(start=DUE + 3.0, end=DUE + 3.2)], firings=f, late_ok_s=lambda se: 2.05).problems
+
+
+def exhausted(attempts: int) -> H:
+    h = H()
+    h.shard(1, "a0")
+    for a in range(1, attempts + 1):
+        h.run("a0", "running", attempt=a)
+        h.run("a0", "failed" if a == attempts else "retrying", attempt=a, exit_code=3, reason="failed: exit 3",
+              ended_at="2026-12-03T12:00:01.000Z")
+    return h
+
+
+def test_a_quiet_job_that_fails_every_attempt_ends_failed_after_exactly_max_attempts():
+    every = lambda f: True  # noqa: E731
+    two = [Firing("j", F1, DUE, max_attempts=2, expect="failed")]
+    ran = [fx(), fx(attempt=2, start=DUE + 1.3, end=DUE + 1.5)]
+    assert not run_check(exhausted(2), ran, firings=two, quiet=every, quiet_lateness_s=1.0).problems
+    # one attempt short: failed at attempt 1 of 2
+    rep = run_check(exhausted(1), ran[:1], firings=two, quiet=every, quiet_lateness_s=1.0)
+    assert f"(j, {F1}): due in a quiet window, ended failed/failed: exit 3 at attempt 1, not failed after attempt 2" \
+        in problems(rep)
+    # one attempt too many: out of range, and not how it should end
+    rep = run_check(exhausted(3), ran + [fx(attempt=3, start=DUE + 2.6, end=DUE + 2.8)], firings=two, quiet=every,
+                    quiet_lateness_s=1.0)
+    assert f"(j, {F1}): 'running' attempt 3 outside 1..2 (max_attempts 2)" in problems(rep)
+    # and a job expected to succeed that failed is a failure too
+    rep = run_check(exhausted(2), ran, firings=[Firing("j", F1, DUE, max_attempts=2)], quiet=every,
+                    quiet_lateness_s=1.0)
+    assert "ended failed/failed: exit 3 at attempt 2, not succeeded" in problems(rep)
+
+
+def test_a_quiet_job_expected_to_expire_must_misfire_without_running_and_costs_no_budget():
+    every = lambda f: True  # noqa: E731
+    h = H()
+    h.shard(1, "a0")
+    h.run("a0", "misfired", reason="expired", ended_at="2026-12-03T12:00:02.000Z")
+    f = [Firing("j", F1, DUE, expect="misfired", not_after=DUE + 2.0)]
+    rep = run_check(h, [], firings=f, quiet=every, quiet_lateness_s=1.0, budget=Budget(0, 0))
+    assert rep.problems == [] and rep.stats["misfired"] == 0
+    # it ran after all (its dependency came after its not_after): three oracles say so
+    rep = run_check(good(), [fx(start=DUE + 6.0, end=DUE + 6.2)], firings=f, quiet=every, quiet_lateness_s=1.0)
+    assert "due in a quiet window, ended succeeded at attempt 1, not misfired" in problems(rep)
+    assert "due in a quiet window, expected never to run, ran 1 time(s)" in problems(rep)
+    assert "after its job's not_after" in problems(rep)
+    # never resolved at all
+    rep = run_check(H(), [], firings=f, quiet=every, quiet_lateness_s=1.0)
+    assert f"(j, {F1}): due in a quiet window at {DUE:.3f}, never resolved (no run record)" in problems(rep)
+
+
+def test_a_quiet_cron_firing_skipped_by_overlap_passes_only_behind_a_run_that_spans_its_due_time():
+    """A fault's late run of an earlier firing can reach past the fault's window: the next
+    firing of a job that forbids overlap is then skipped, even in a quiet window. The side
+    effects must show that run; a skip with nothing running fails."""
+    f0, f1 = F1, "20261203T120002.000Z"
+    cron = [Firing("j", f0, DUE, kind="cron", may_skip=True), Firing("j", f1, DUE + 2, kind="cron", may_skip=True)]
+    h = good()
+    h.run("a0", "misfired", fid=f1, reason="overlap", ended_at="2026-12-03T12:00:02.000Z")
+    quiet_second = lambda f: f.fire_id == f1  # noqa: E731
+    late_run = [fx(start=DUE + 1.9, end=DUE + 2.2)]
+    rep = run_check(h, late_run, firings=cron, quiet=quiet_second, quiet_lateness_s=1.0, affected=lambda d: d == DUE)
+    assert rep.problems == [] and rep.stats["quiet_overlapped"] == [f"(j, {f1}) behind {f0}"]
+    on_time = [fx(start=DUE + 0.01, end=DUE + 0.3)]
+    rep = run_check(h, on_time, firings=cron, quiet=quiet_second, quiet_lateness_s=1.0, affected=lambda d: d == DUE)
+    assert f"(j, {f1}): due in a quiet window, ended misfired/overlap at attempt 1, not succeeded" in problems(rep)
