@@ -118,6 +118,7 @@ def test_upgrade_keeps_config_and_state_and_restarts(deb):
     _run([os.path.join(PKG, "test-upgrade.sh"), "--deb", deb], timeout=1200)
 
 
+@pytest.mark.release   # ~10 minutes of qemu debootstrap on a fresh host: make test-release
 def test_arm64_install_and_unit_tests_under_qemu(deb):
     _require(ROOT_TOOLS + ["update-binfmts"], root=True)
     require_kernel(os.path.exists("/usr/libexec/qemu-binfmt/aarch64-binfmt-P")
