@@ -223,5 +223,29 @@ class RunRecords:
         if answer_key:
             ops.append(Put(answer_key, json.dumps(doc)))
         ops += self.final_ops(f, state)
-        self.submit(e.shard, FencedWrite(fence, cmp, tuple(ops)), lambda r, err: None)
+        self._submit_until_answered(e.shard, FencedWrite(fence, cmp, tuple(ops)))
         return True
+
+    def _submit_until_answered(self, shard: int, write: FencedWrite) -> None:
+        """A write whose firing is already forgotten: made again (WRITE_RETRY_S later) while
+        etcd does not answer it and the shard is held under the same fence, and counted as
+        in flight meanwhile (the shard is not handed over with its record unwritten). Its
+        compare lets it land once: a retry after a write that did land finds the record."""
+        def done(r: Any, error: Optional[BaseException]) -> None:
+            if isinstance(error, (EtcdUnavailable, EtcdError)):
+                self._count(shard, +1)
+                self.loop.call_later(WRITE_RETRY_S, again)
+            elif error is not None and not isinstance(error, StaleToken):
+                log.warning("run record write failed", extra={"fields": {"shard": shard, "error": str(error)}})
+
+        def again() -> None:
+            fence = self.fencing.fence_for(shard)
+            if fence is not None and fence.token == write.fence.token:
+                self.submit(shard, write, done)
+            elif fence is None and self.waits(shard):   # past the renew deadline, still held
+                self._count(shard, +1)
+                self.loop.call_later(FENCE_WAIT_S, again)
+            if not self._count(shard, -1):
+                self.on_settled(shard)   # the shard left: its next owner resolves the firing
+
+        self.submit(shard, write, done)

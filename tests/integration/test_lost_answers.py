@@ -364,8 +364,6 @@ def test_a_claim_still_unresolved_when_its_shard_is_held_again_is_never_claimed_
     assert effects(out)[(jid, rec["fire_id"])] == 1
 
 
-@pytest.mark.xfail(strict=True, reason="product bug (issue 35, fault test seed 4): RunRecords.write_not_run drops a "
-                   "write etcd did not answer; the record is written only when the shard next moves")
 def test_the_final_record_of_a_firing_that_never_ran_is_written_again_when_etcd_did_not_answer(env, monkeypatch):
     """A firing that expires waiting for its dependency ends `misfired`/expired without a
     run (RunRecords.write_not_run). Its write fails without landing (EtcdUnavailable, as
@@ -374,16 +372,16 @@ def test_the_final_record_of_a_firing_that_never_ran_is_written_again_when_etcd_
     shard's next owner, which may never come."""
     c, la, store, out = env
     fences = la.on_loop(lambda: {s: la.agent.owns(s) for s in range(c.shards)})
-    real = records_module.fenced_txn
+    real_batch = fencing.fenced_batch
     failed: list[int] = []
 
-    def fenced_txn(client: Any, fence: Any, compare: Any = (), success: Any = (), **kw: Any) -> Any:
-        if writes_job(success, "expires") and not failed:
-            failed.append(fence.shard)
+    def fenced_batch(client: Any, writes: Any, **kw: Any) -> Any:
+        if not failed and any(writes_job(w.success, "expires") for w in writes):
+            failed.append(writes[0].fence.shard)
             raise EtcdUnavailable("test: etcd did not answer")
-        return real(client, fence, compare=compare, success=success, **kw)
+        return real_batch(client, writes, **kw)
 
-    patch_fenced_txn(monkeypatch, fenced_txn)
+    patch_fenced_batch(monkeypatch, fenced_batch)
     t = datetime.now(timezone.utc).replace(microsecond=0)
     store.create(job("expires", {}, depends_on=["never-stored"], issued_at=format_rfc3339(t),
                      not_after=format_rfc3339(t + timedelta(seconds=2))))
