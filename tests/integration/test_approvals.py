@@ -140,7 +140,7 @@ def test_a_job_runs_once_two_roles_approved_it(world, tmp_path):
     approved = [rec for rec in audit if rec.get("event") == "approval_approved"]
     assert len(approved) == 1
     assert {(s["kid"], s["role"]) for s in approved[0]["signed_by"]} == {("op-1", "operator"), ("qa-1", "quality")}
-    refused = [rec for rec in audit if rec.get("event") == "rejected" and rec.get("job_id") == "flash-1"]
+    refused = [rec for rec in audit if rec.get("event") == "rejected" and rec.get("job") == "flash-1"]
     assert {rec["reason"] for rec in refused} >= {"key_retired", "bad_signature"}
     # jobs show says how it stands
     show = millwright("jobs", "show", "flash-1", "-c", cfg, "--json")
