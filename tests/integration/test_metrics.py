@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 import urllib.request
 from datetime import datetime, timezone
@@ -182,20 +181,30 @@ def sc(tmp_path_factory):
             s.info["final"] = {d.get("job_id"): d for d in collector.docs() if d.get("state") in final}
             time.sleep(1.0)  # sensor poll, audit flush
 
+            s.snap["a1"] = m()   # step A's runs: the loss probe's below are not counted
+            pokes: list[str] = []
+
             def lost() -> bool:
-                # the kernel writes its "lost N" record with the next event after the reader
-                # caught up: make a few (execs on the node are node-activity events)
-                subprocess.run(["/bin/true"])
+                # the kernel writes a ring's "lost N" record with the ring's next event after the
+                # reader caught up, and a job's execs have a ring of their own (node execs
+                # another): a short job execs on some CPU, until its ring reports the loss
+                jid = f"poke-{len(pokes)}"
+                pokes.append(jid)
+                d = {"v": 1, "id": jid, "template": "rec", "params": {"sleep": "0", "code": "0"}, "schedule": {},
+                     "issued_at": testkit.rfc(datetime.now(timezone.utc)), "cluster": CLUSTER, "kind": "job"}
+                assert collector.link.publish_wait(collector.topics.push, testkit.signed(d, ring), 1, timeout=5)
+                collector.wait(lambda msgs: any(x.get("job_id") == jid and x.get("state") in final
+                                                for _, _, x in msgs), 15)
                 return msum(m(), "millwright_bpf_lost_events_total") > 0
             # a working sensor must report the loss; a degraded one (no BPF here) cannot, and
             # the BPF tests then go through require_kernel. A timeout is kept for
             # test_bpf_events_and_losses, so the other metrics of step A are still judged.
             if msum(m(), "millwright_bpf_degraded") == 0:
                 try:
-                    scenario_wait(lost, 8, "lost BPF events", interval=0.3)
+                    scenario_wait(lost, 40, "lost BPF events", interval=0.1)
                 except AssertionError as exc:
                     s.info["bpf_loss_error"] = str(exc)
-            s.snap["a1"] = m()
+            s.snap["bpf"] = m()
         step("A", a_jobs)
 
         def b_outbox():
@@ -358,7 +367,7 @@ def test_bpf_events_and_losses(sc):
     # a one-page perf buffer cannot hold a burst of 900 execs made while nobody reads it: events are lost and the loss
     # is an audit gap (source bpf)
     assert "bpf_loss_error" not in sc.info, sc.info["bpf_loss_error"]
-    assert msum(snap, "millwright_bpf_lost_events_total") > 0
+    assert msum(sc.snap["bpf"], "millwright_bpf_lost_events_total") > 0
     assert any(g.get("source") == "bpf" for g in agent_audit(sc.info["a0"], {"gap"}))
 
 
