@@ -2,7 +2,8 @@
 
 Integration with agent.runtime.daemon.Agent (all registered in __init__, nothing else to call):
 - ``agent.status_sinks``      += sink: every status document -> the durable outbox (loop thread;
-                                  one SQLite transaction per loop burst, no network)
+                                  one SQLite transaction per loop burst, no network; held in
+                                  memory and retried while the state disk refuses it: outboxwriter.py)
 - ``agent.checkpoint_sinks``  += sink: audit checkpoints -> outbox, topic agents/<id>/audit/checkpoint
 - ``agent.drain_hooks``       += publishes presence ``draining``, then calls done()
 - ``agent.status_providers["cloud"]``: connection, outbox depth, pending pushes, paho version
@@ -32,6 +33,7 @@ from .ingest import Ingest
 from .link import Link, Message
 from .mqtt import PAHO_VERSION, MqttLink
 from .outbox import Outbox, OutboxPublisher
+from .outboxwriter import OutboxWriter
 from .peers import PeerStatuses
 from .presence import presence_doc, will_doc
 from .queries import JobQueries
@@ -88,14 +90,18 @@ class CloudComponent:
         self.store = JobStore(agent.client, agent.keys, cfg.shards, cfg.agent_id)
         path = os.path.join(cfg.state_dir, OUTBOX_FILE)
         try:
-            self.outbox = Outbox(path, m.outbox_max, m.outbox_full_policy, on_drop=self._dropped)
+            self.outbox = Outbox(path, m.outbox_max, m.outbox_full_policy)
         except (OSError, sqlite3.Error) as exc:
             from agent.cli import UserError
 
             raise UserError(f"state_dir: cannot open the status outbox {path}: {exc}") from None
-        self._gap = 0
+        # statuses, republished answers and audit checkpoints go in through the writer, which
+        # never raises: it holds them while the state disk refuses writes (ingest writes its own)
+        self.writer = OutboxWriter(self.outbox, schedule=lambda delay, fn: agent.loop.post(agent.loop.call_later,
+                                                                                            delay, fn),
+                                   record=lambda *a, **k: agent.loop.post(lambda: agent.record(*a, **k)))
+        self.outbox.on_drop = self.writer.dropped
         self._statuses: list = []  # (topic, doc, marker) for the outbox, loop thread only
-        self._gap_lock = threading.Lock()
         # production gates on the plant broker (agent/jobs/gates.py): their topics' last values
         self.gate_topics = RetainedTopics(g.mqtt for t in cfg.templates.values() if t is not None
                                           for g in t.gates.values() if g is not None and g.mqtt)
@@ -111,12 +117,12 @@ class CloudComponent:
                              reconnect_max_s=m.reconnect_max_s)
         owned = lambda: agent.owned_shards  # noqa: E731 - a snapshot readable from any thread
         self.answers = Answers(agent.client, agent.keys, self.agent_id, enqueue=self._republish,
-                               in_outbox=self.outbox.has_marker, owned=owned, fence_for=self._fence_for,
+                               in_outbox=self.writer.has_marker, owned=owned, fence_for=self._fence_for,
                                republish_after_s=max(30.0, 3 * cfg.etcd.lease_ttl_s),
                                record=lambda *a, **k: agent.loop.post(lambda: agent.record(*a, **k)),
                                connected=lambda: self.link.connected)
         agent.answer_markers = True  # the scheduler writes final run statuses as markers too
-        self.publisher = OutboxPublisher(self.outbox, self.link, on_tick=self._flush_gap,
+        self.publisher = OutboxPublisher(self.outbox, self.link, on_tick=self.writer.flush_gap,
                                          on_delivered=self.answers.delivered, on_handing=self.answers.handing,
                                          hold=os.environ.get(HOLD_OUTBOX_ENV) == "1")
         self.ingest = Ingest(store=self.store, keyring=self.keyring, templates=cfg.templates, topics=self.topics,
@@ -169,11 +175,11 @@ class CloudComponent:
     def _write_statuses(self) -> None:
         """Loop thread: the queued statuses, in order, in one outbox transaction."""
         items, self._statuses = self._statuses, []
-        self.outbox.enqueue_many(items)
+        self.writer.write(items)
 
     def _republish(self, job_id, doc: dict, marker: str) -> None:
         """Answers' sweep thread: an answer whose writer is gone, published by this owner."""
-        self.outbox.enqueue(self.topics.status(job_id), doc, marker=marker)
+        self.writer.write([(self.topics.status(job_id), doc, marker)])
 
     def _fence_for(self, shard: int):
         """Ingest threads: the shard's fence if this agent holds it (a snapshot read)."""
@@ -183,21 +189,7 @@ class CloudComponent:
 
     def checkpoint_sink(self, doc: dict) -> None:
         """Audit writer thread: an anchor for the cloud, sent in order via the outbox."""
-        self.outbox.enqueue(self.topics.checkpoint(self.agent_id), {"v": 1, "agent": self.agent_id, **doc})
-
-    def _dropped(self, n: int, policy: str) -> None:
-        with self._gap_lock:
-            self._gap += n
-
-    def _flush_gap(self) -> None:
-        with self._gap_lock:
-            n, self._gap = self._gap, 0
-        if n:
-            log.warning("status outbox full: documents dropped", extra={"fields": {"dropped": n,
-                                                                                   "policy": self.outbox.policy}})
-            reason = f"outbox_full:{self.outbox.policy}"
-            # EventLoop.post takes positional arguments only
-            self.agent.loop.post(lambda: self.agent.record("gap", source="mqtt_outbox", count=n, reason=reason))
+        self.writer.write([(self.topics.checkpoint(self.agent_id), {"v": 1, "agent": self.agent_id, **doc}, None)])
 
     def _notify(self, kind: str, obj: Any) -> None:
         for listener in list(self.agent.job_listeners):
@@ -282,11 +274,14 @@ class CloudComponent:
         self.link.stop()
         self.publisher.stop()
         self._write_statuses()
+        self.writer.close()   # tries what is held once more, logs what is lost
+        self.writer.flush_gap()
         self.outbox.close()
 
     def status(self) -> dict:
         return {"connected": self.link.connected, "broker": f"{self.link.host}:{self.link.port}",
                 "client_id": self.link.client_id, "outbox_depth": self.outbox.depth,
+                "outbox_held": self.writer.held, "outbox_writable": not self.writer.failing,
                 "pending_pushes": self.dispatcher.pending, "paho": PAHO_VERSION,
                 "held_get_requests": self.queries.held, "queued_get_requests": self.queries.queued,
                 "queued_peer_statuses": self.peers.depth,

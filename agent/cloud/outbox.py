@@ -21,6 +21,11 @@ Bounded: at most ``outbox_max`` rows. When full, the configured policy applies:
 Every drop is counted (millwright_mqtt_outbox_dropped_total) and reported as an audit
 ``gap`` record (source mqtt_outbox), aggregated at most once per second.
 
+A write the state disk refuses (full, I/O error, read-only) raises here; the component's
+writes go through agent/cloud/outboxwriter.py, which holds them in memory and retries. The
+publisher sends nothing meanwhile (a row is marked sent before it goes out): one warning
+per outage, each attempt counted in millwright_mqtt_outbox_write_errors_total{error}.
+
 Also holds the ingest ledger: ids of the jobs this agent has published ``accepted`` for,
 written in the same transaction as that status, so that a redelivered push is answered
 with a status marked as a redelivery, and a push whose status never got written (a crash
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -50,16 +56,39 @@ DEPTH = gauge("millwright_mqtt_outbox_depth", "Status documents waiting in the o
 DROPPED = counter("millwright_mqtt_outbox_dropped_total", "Outbox documents dropped because it was full",
                   ("policy",))
 PUBLISHED = counter("millwright_mqtt_outbox_published_total", "Outbox documents acknowledged by the broker")
+WRITE_ERRORS = counter("millwright_mqtt_outbox_write_errors_total",
+                       "Outbox writes SQLite refused (each attempt), by error", ("error",))
 
 KEEP_STATES = TERMINAL | {JobState.ACCEPTED, JobState.REJECTED}
 POLICIES = ("drop_oldest_terminal", "drop_oldest", "reject_new")
 LEDGER_KEEP_S = 7 * 86400
+# what a write the state disk refuses raises: SQLite's errors, and the file system's through it
+WRITE_FAILURES = (sqlite3.Error, OSError)
 
 
 def keep_state(doc: dict) -> bool:
     """Rows the default policy keeps longest: final answers (not intermediate states)."""
     state = doc.get("state")
     return state is None or state in KEEP_STATES
+
+
+def error_kind(exc: BaseException) -> str:
+    """A bounded label for a refused write: disk_full, read_only, io_error, locked,
+    cannot_open or other."""
+    name = getattr(exc, "sqlite_errorname", "") or ""   # Python 3.11+
+    text = str(exc).lower()
+    code = getattr(exc, "errno", None)
+    if name.startswith("SQLITE_FULL") or "disk is full" in text or code == errno.ENOSPC:
+        return "disk_full"
+    if name.startswith("SQLITE_READONLY") or "readonly" in text or code == errno.EROFS:
+        return "read_only"
+    if name.startswith("SQLITE_IOERR") or "disk i/o error" in text or code == errno.EIO:
+        return "io_error"
+    if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "is locked" in text:
+        return "locked"
+    if name.startswith("SQLITE_CANTOPEN") or "unable to open" in text:
+        return "cannot_open"
+    return "other"
 
 
 class Outbox:
@@ -385,6 +414,7 @@ class OutboxPublisher:
         self._cursor = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._refused: Optional[str] = None   # the error while the state disk refuses writes
 
     def start(self) -> "OutboxPublisher":
         self._thread = threading.Thread(target=self._run, name="mqtt-outbox", daemon=True)
@@ -421,14 +451,32 @@ class OutboxPublisher:
             self.outbox.wake.clear()
             try:
                 self.step()
+            except WRITE_FAILURES as exc:
+                self._write_refused(exc)
+                time.sleep(0.5)
             except Exception:
                 log.exception("outbox publisher step failed")
                 time.sleep(0.5)
+            else:
+                if self._refused is not None:
+                    log.info("status outbox writable again: publishing", extra={"fields": {"error": self._refused}})
+                    self._refused = None
             if self.on_tick:
                 try:
                     self.on_tick()
                 except Exception:
                     log.exception("outbox tick failed")
+
+    def _write_refused(self, exc: BaseException) -> None:
+        """Rows are marked sent before they go out and deleted after their PUBACK: while the
+        disk refuses those writes nothing is published (no row may go out unmarked); one
+        warning per outage, every attempt counted."""
+        kind = error_kind(exc)
+        WRITE_ERRORS.labels(kind).inc()
+        if self._refused is None:
+            log.warning("status outbox cannot be written: nothing is published until it can be",
+                        extra={"fields": {"error": kind, "detail": str(exc)[:200], "path": self.outbox.path}})
+        self._refused = kind
 
     def step(self) -> None:
         """One pass (the publisher thread's loop body): delete what the broker acknowledged,
