@@ -212,8 +212,8 @@ class Demo:
         self.live.phase(f"3/6 jobs run; at +{self.kill_at:g} s one agent is killed with SIGKILL")
         self._tick(self.t0_mono + min(GATE_OPENS_AT, self.kill_at - 2))
         assert self.stage.console is not None
+        self.gate_opened = utcnow()   # before the publish: an agent can start the job before its ack is back
         self.stage.console.publish(GATE_TOPIC, b"stopped", retain=True)
-        self.gate_opened = utcnow()
         self.live.line("plant", f"line 1 reports stopped on {GATE_TOPIC}: spindle-check-line1's gate opens")
         self._tick(self.t0_mono + self.kill_at)
         self.live.phase("4/6 failover")

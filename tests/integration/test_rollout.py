@@ -131,8 +131,7 @@ def test_rollout_of_ten_agents_aborts_after_the_threshold_through_a_kill_and_a_b
             transport duplicate, same agent and seq, counts once)."""
             seen: dict = {}
             for d in col.docs():
-                rid = d.get("run_id") or ""
-                if d.get("job_id") == "fw-1" and rid == f"{h['base']}@{d.get('agent')}" \
+                if d.get("job_id") == "fw-1" and d.get("fire_id") == f"{h['base']}@{d.get('agent')}" \
                         and d.get("state") in ("succeeded", "failed", "aborted", "timed_out", "killed", "cancelled"):
                     seen.setdefault(d["agent"], set()).add((d["state"], d.get("seq")))
             return seen
