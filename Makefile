@@ -46,7 +46,8 @@ chaos-mutants: setup
 	$(PY) -m tests.support.mutants $(if $(MUTANTS),--only $(MUTANTS))
 
 # Before a release, on top of `make test`: the arm64 install under qemu, the 60 s broker
-# outage, ingest and flood under paho 2, the flap test's full 5 minutes, retention driven
+# outage, ingest and flood under paho 2, windows of 20 s a minute for 3 minutes, the flap
+# test's full 5 minutes, retention driven
 # to its larger bounds, a per-second job with 64 unmet dependencies watched for 10 minutes,
 # ten consecutive 5-minute fault seeds from the commit's seed (CI runs that first seed for 2
 # minutes), and the mutation harness: about 85 minutes.
@@ -55,7 +56,7 @@ test-release: setup
 	MILLWRIGHT_CLOUD_OUTAGE_S=60 $(PY) -m pytest -p no:cacheprovider tests/integration/test_cloud_outbox.py $(PYTEST_ARGS)
 	@$(MAKE) --no-print-directory test-cloud-paho2 PAHO2_MORE="tests/integration/test_cloud_ingest.py tests/integration/test_cloud_flood.py -k 'not fuzz_ingest'"
 	MILLWRIGHT_FLAP_TEST_S=300 $(PY) -m pytest -p no:cacheprovider tests/kernel/test_health_e2e.py -k flapping $(PYTEST_ARGS)
-	MILLWRIGHT_SLOW=1 $(PY) -m pytest -p no:cacheprovider tests/integration/test_retention.py $(PYTEST_ARGS)
+	MILLWRIGHT_SLOW=1 $(PY) -m pytest -p no:cacheprovider tests/integration/test_retention.py tests/integration/test_windows.py $(PYTEST_ARGS)
 	MILLWRIGHT_BOUNDED_WORK_S=600 $(PY) -m pytest -p no:cacheprovider tests/integration/test_bounded_work.py $(PYTEST_ARGS)
 	$(PY) -m tests.support.chaos $(if $(SEED),--seed $(SEED),--from-commit) --seeds 10 --minutes 5
 	$(PY) -m tests.support.mutants

@@ -1,9 +1,10 @@
 """Maintenance windows on real agents and a real etcd (issue 37, acceptance 1 and 4).
 
 A per-5-second cron job whose window is open 20 s of every minute runs only inside the
-windows for 3 minutes, judged by its side effects' own clocks (tests/jobs/effect.sh), also
-across a kill -9 of its owner inside a window and one outside; a long run with
-``end: stop`` is stopped within kill_grace_s + 1 s of its window's end, every minute."""
+windows for 3 minutes (make test-release; make test: 12 s of every 30 s, four windows),
+judged by its side effects' own clocks (tests/jobs/effect.sh), also across a kill -9 of its
+owner inside a window and one outside; a long run with ``end: stop`` is stopped within
+kill_grace_s + 1 s of its window's end, in every window."""
 
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ from tests.support.jobs import effects_file
 from tests.support.waiting import wait_for
 
 EFFECT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jobs", "effect.sh")
-OPEN_S = 20          # the window: the first 20 s of every minute
+SLOW = os.environ.get("MILLWRIGHT_SLOW") == "1"
+PERIOD_S = 60 if SLOW else 30   # a window opens every PERIOD_S (a divisor of 60) ...
+OPEN_S = 20 if SLOW else 12     # ... and stays open OPEN_S
+SECONDS = ",".join(str(s) for s in range(0, 60, PERIOD_S))   # the cron seconds the windows open at
 GRACE_S = 1.0        # execute.kill_grace_s of the test cluster
 
 
@@ -30,12 +34,12 @@ def effect_template(out: str, agent: str) -> dict:
 
 
 def in_window(t: float) -> bool:
-    return t % 60 < OPEN_S
+    return t % PERIOD_S < OPEN_S
 
 
 def close_of(t: float) -> float:
     """The end of the window that ``t`` is in."""
-    return (t // 60) * 60 + OPEN_S
+    return (t // PERIOD_S) * PERIOD_S + OPEN_S
 
 
 def test_a_cron_job_runs_only_inside_its_window_through_owner_kills_and_end_stop_stops_long_runs(etcd_server,
@@ -48,16 +52,18 @@ def test_a_cron_job_runs_only_inside_its_window_through_owner_kills_and_end_stop
     store = c.job_store()
     now = datetime.now(timezone.utc)
     # start just after a window closed, so the first firings are due outside one
-    t0 = (now.timestamp() // 60) * 60 + OPEN_S + 60 * (now.timestamp() % 60 > OPEN_S - 5)
+    t0 = (now.timestamp() // PERIOD_S) * PERIOD_S + OPEN_S + PERIOD_S * (now.timestamp() % PERIOD_S > OPEN_S - 5)
     while time.time() < t0 + 2:
         time.sleep(0.2)
-    not_after = format_rfc3339(datetime.fromtimestamp(t0 + 40 + 200, timezone.utc))
-    window = {"cron": "0 * * * * *", "duration_s": OPEN_S, "tz": "Europe/Berlin"}
+    w1 = t0 + PERIOD_S - OPEN_S   # the first window opens here (t0 is a window's end)
+    not_after = format_rfc3339(datetime.fromtimestamp(w1 + 4 * PERIOD_S + 20, timezone.utc))
+    window = {"cron": f"{SECONDS} * * * * *", "duration_s": OPEN_S, "tz": "Europe/Berlin"}
     store.create({"v": 1, "id": "tick", "template": "fx", "params": {"sleep": "0"},
                   "schedule": {"cron": "*/5 * * * * *", "tz": "UTC"}, "misfire": "run_once",
                   "window": window, "not_after": not_after})
+    long_at = ",".join(str(s + 2) for s in range(0, 60, PERIOD_S))   # 2 s into each window
     store.create({"v": 1, "id": "long", "template": "fx", "params": {"sleep": "60"},
-                  "schedule": {"cron": "2 * * * * *", "tz": "UTC"}, "window": {**window, "end": "stop"},
+                  "schedule": {"cron": f"{long_at} * * * * *", "tz": "UTC"}, "window": {**window, "end": "stop"},
                   "not_after": not_after, "timeout_s": 120})
 
     def owner_of(job: str) -> str:
@@ -71,17 +77,16 @@ def test_a_cron_job_runs_only_inside_its_window_through_owner_kills_and_end_stop
         time.sleep(6)             # past the lease: the survivor takes the shard over
         c.start(victim, extra=effect_template(out, victim))
 
-    w1 = t0 + 40                  # the first window opens here (t0 is a window's end)
-    kill_owner_at(w1 + 60 + 8)    # inside the second window
-    kill_owner_at(w1 + 120 + 35)  # outside, before the third window
-    while time.time() < w1 + 180 + OPEN_S + 3:
+    kill_owner_at(w1 + PERIOD_S + 8)                                          # inside the second window
+    kill_owner_at(w1 + 2 * PERIOD_S + OPEN_S + (PERIOD_S - OPEN_S) // 4)      # outside, before the fourth
+    while time.time() < w1 + 3 * PERIOD_S + OPEN_S + 3:
         time.sleep(0.5)
 
     effects = history.parse_effects(out)
     starts = [(e.job, e.start) for e in effects]
     assert [s for s in starts if not in_window(s[1])] == []                 # never outside a window
-    per_window = {w: [j for j, t in starts if j == "tick" and w <= t < w + OPEN_S] for w in (w1, w1 + 60, w1 + 120,
-                                                                                               w1 + 180)}
+    per_window = {w: [j for j, t in starts if j == "tick" and w <= t < w + OPEN_S]
+                  for w in (w1 + k * PERIOD_S for k in range(4))}
     assert all(per_window.values()), per_window                              # and it did run in each
     # firings due outside a window wait for the next one (run_once: the newest of them runs)
     recs = c.job_runs("tick")
