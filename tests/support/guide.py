@@ -120,6 +120,7 @@ class GuideRun:
             return
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
+            self.proc.poll()   # the script itself, reaped: a zombie leader would keep its group "alive"
             try:
                 os.killpg(self.proc.pid, 0)
             except ProcessLookupError:
