@@ -365,18 +365,55 @@ class EtcdCluster:
     def endpoints_on(self, host: str) -> list[str]:
         return [f"http://{host}:{m.port}" for m in self.members]
 
-    def start(self, timeout: float = 30.0) -> "EtcdCluster":
-        for m in self.members:  # members wait for each other: start all, then wait
-            exe = m._argv()[0]
-            if shutil.which(exe) is None:
-                raise RuntimeError(f"{exe} not found: run `make setup` (scripts/setup-host.sh) as root")
-            m.logf = open(os.path.join(m.dir, f"{m.name}.log"), "ab")
-            m.proc = subprocess.Popen(m._argv(), stdout=m.logf, stderr=subprocess.STDOUT,
-                                      stdin=subprocess.DEVNULL, start_new_session=True,
-                                      preexec_fn=_die_with_parent)
-            m.started_once = True
-        self.wait_healthy(timeout)
-        return self
+    def start(self, timeout: float = 30.0, tries: int = 3) -> "EtcdCluster":
+        """Start every member and wait until they agree on a leader. A port free_port()
+        found free can be taken by another process before etcd binds it (on another
+        loopback address too): such a member exits at once, and the cluster is made again
+        on new ports, at most ``tries`` times."""
+        for attempt in range(tries):
+            for m in self.members:  # members wait for each other: start all, then wait
+                exe = m._argv()[0]
+                if shutil.which(exe) is None:
+                    raise RuntimeError(f"{exe} not found: run `make setup` (scripts/setup-host.sh) as root")
+                m.logf = open(os.path.join(m.dir, f"{m.name}.log"), "ab")
+                m.proc = subprocess.Popen(m._argv(), stdout=m.logf, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True,
+                                          preexec_fn=_die_with_parent)
+                m.started_once = True
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and not self._port_lost():
+                if self._healthy():
+                    return self
+                time.sleep(0.1)
+            if not self._port_lost() or attempt + 1 == tries:
+                break
+            self._new_ports()
+        tails = "\n".join(f"--- member {m.index}:\n{m.log_tail(10)}" for m in self.members)
+        raise RuntimeError(f"etcd cluster not healthy in {timeout}s\n{tails}")
+
+    def _port_lost(self) -> bool:
+        return any(m.proc is not None and m.proc.poll() is not None and "address already in use" in m.log_tail(10)
+                   for m in self.members)
+
+    def _new_ports(self) -> None:
+        """A new cluster on new ports: every member stopped, its data emptied (the data
+        directory may be a mount point: only what is in it goes)."""
+        for m in self.members:
+            m.stop()
+            data = os.path.join(m.dir, "data")
+            for name in os.listdir(data) if os.path.isdir(data) else ():
+                path = os.path.join(data, name)
+                shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+            m.port, m.peer_port, m.started_once = free_port(), free_port(), False
+            open(os.path.join(m.dir, f"{m.name}.log"), "wb").close()   # the bind error is history now
+        self.token = f"mw-{os.getpid()}-{int(time.time() * 1000)}"
+        self.initial_cluster = ",".join(f"{m.member_name}={m.peer_url}" for m in self.members)
+
+    def _healthy(self) -> bool:
+        up = [m for m in self.members if m.proc is not None and not m.paused]
+        sts = [m.status(0.5) for m in up]
+        leaders = {st.get("leader") for st in sts if st}
+        return bool(sts) and all(sts) and len(leaders) == 1 and "0" not in leaders
 
     def leader(self, timeout: float = 10.0) -> EtcdMember:
         """The current leader (asked of every running member until one names it)."""
@@ -402,10 +439,7 @@ class EtcdCluster:
         """Wait until every running member answers and they agree on one leader."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            up = [m for m in self.members if m.proc is not None and not m.paused]
-            sts = [m.status(0.5) for m in up]
-            leaders = {st.get("leader") for st in sts if st}
-            if sts and all(sts) and len(leaders) == 1 and "0" not in leaders:
+            if self._healthy():
                 return
             time.sleep(0.1)
         tails = "\n".join(f"--- member {m.index}:\n{m.log_tail(10)}" for m in self.members)
