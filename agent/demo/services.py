@@ -117,7 +117,8 @@ class _Child:
     def _ready(self, timeout: float) -> bool:
         raise NotImplementedError
 
-    def start(self, timeout: float = 15.0) -> "_Child":
+    def spawn(self) -> None:
+        """The process, its output appended to its log; not waited for."""
         exe = self._argv()[0]
         if shutil.which(exe) is None:
             raise RuntimeError(f"{exe} not found: run `make setup` (scripts/setup-host.sh) as root")
@@ -125,6 +126,9 @@ class _Child:
         self.proc = subprocess.Popen(self._argv(), stdout=self.logf, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True,
                                      preexec_fn=_die_with_parent)
+
+    def start(self, timeout: float = 15.0) -> "_Child":
+        self.spawn()
         if not self._ready(timeout):
             tail = self.log_tail()
             self.stop()
@@ -372,13 +376,7 @@ class EtcdCluster:
         on new ports, at most ``tries`` times."""
         for attempt in range(tries):
             for m in self.members:  # members wait for each other: start all, then wait
-                exe = m._argv()[0]
-                if shutil.which(exe) is None:
-                    raise RuntimeError(f"{exe} not found: run `make setup` (scripts/setup-host.sh) as root")
-                m.logf = open(os.path.join(m.dir, f"{m.name}.log"), "ab")
-                m.proc = subprocess.Popen(m._argv(), stdout=m.logf, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True,
-                                          preexec_fn=_die_with_parent)
+                m.spawn()
                 m.started_once = True
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and not self._port_lost():
