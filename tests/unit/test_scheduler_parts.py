@@ -380,13 +380,7 @@ def test_the_scheduler_resolves_a_run_left_running_by_an_owner_that_is_gone(retr
     """Built from the catalog and fakes of its seams: the orphan is failed owner_lost, or
     retried where the job opted in; the status names the previous agent."""
     agent = Agent()
-    lease = SimpleNamespace(lease_id=None, valid_until=0.0, is_valid=lambda: False)
-    executor = SimpleNamespace(default_limits=Limits(), stage=lambda spec: None, unstage=lambda s: None)
-    c = catalog_with(agent)
-    sched = Scheduler(CFG, c, fencing=agent, lease=lease, loop=EventLoop(), client=None, keys=KEYS,
-                      workers=Workers(), executor=executor, admission=Admission(Budget(4, 1000, 4)), sink=agent,
-                      audit=agent)
-    c.listener = sched
+    sched, c = _scheduler(agent)
     due = NOW - timedelta(minutes=5)
     s = stored("orphaned", {"at": format_rfc3339(due)}, retry={"max_attempts": 3, "on": retry_on}, issued_at=EARLIER)
     rec = record("orphaned", due, "running")
