@@ -576,7 +576,10 @@ class AgentProcess:
     def signal(self, sig: int) -> None:
         p = self.proc
         if p is not None and p.poll() is None:
-            os.kill(p.pid, sig)
+            try:
+                os.kill(p.pid, sig)
+            except ProcessLookupError:   # it ended and was reaped (by a poll on another thread) meanwhile
+                pass
 
     def kill(self) -> None:
         p = self.proc
