@@ -91,7 +91,8 @@ def test_a_due_firing_waits_for_its_gate_and_starts_within_a_second_of_it_openin
     world.store.create(job(jid, f"by_{kind}"))
     assert world.col.wait(lambda m: statuses(world, jid, "waiting"), 20)
     (w,) = statuses(world, jid, "waiting")
-    assert w["reason"] == "gate:line" and "closed" in w["detail"]
+    # held either way: the gate's value may not have reached the agent yet (unknown holds too)
+    assert w["reason"] == "gate:line" and ("closed" in w["detail"] or "unknown" in w["detail"]), w
     # jobs show (etcd alone) says what it waits for
     shown = millwright("jobs", "show", jid, "--json", "-c", world.cluster.agents["a1"].config_path)
     assert shown.returncode == 0, shown.stderr
