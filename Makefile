@@ -13,9 +13,9 @@ demo: setup
 	$(PY) -m agent demo
 
 # make test: the whole suite but the tests marked `release` (the arm64 install under qemu);
-# the broker outage test with a 20 s outage (60 s in test-release)
+# the broker outage test with a 10 s outage (60 s in test-release)
 test: setup lint
-	MILLWRIGHT_CLOUD_OUTAGE_S=$${MILLWRIGHT_CLOUD_OUTAGE_S:-20} $(PY) -m pytest -p no:cacheprovider --durations=25 -m "not release" $(PYTEST_ARGS)
+	MILLWRIGHT_CLOUD_OUTAGE_S=$${MILLWRIGHT_CLOUD_OUTAGE_S:-10} $(PY) -m pytest -p no:cacheprovider --durations=25 -m "not release" $(PYTEST_ARGS)
 	@$(MAKE) --no-print-directory test-cloud-paho2
 	@$(MAKE) --no-print-directory test-cloud-sync-ack
 

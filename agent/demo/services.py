@@ -218,7 +218,10 @@ class EtcdServer(_Child):
         listen = ",".join([url] + [self.endpoint_on(h) for h in self.extra_hosts])
         peer = f"http://{self.host}:{self.peer_port}"
         tls = ["--cert-file", self.tls.cert, "--key-file", self.tls.key] if self.tls else []
-        return ["etcd", "--name", "mw", "--data-dir", os.path.join(self.dir, "data"),
+        # a single member has no peer to lose its leadership to: a short election timeout
+        # only shortens its (re)start to its first leader (0.6 s to 0.2 s on average)
+        fast_election = ["--heartbeat-interval", "25", "--election-timeout", "250"]
+        return ["etcd", "--name", "mw", "--data-dir", os.path.join(self.dir, "data"), *fast_election,
                 "--listen-client-urls", listen, "--advertise-client-urls", url,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", f"mw={peer}", "--initial-cluster-state", "new",

@@ -39,9 +39,9 @@ def run_dirs(c: Cluster, agent_id: str, job_id: str) -> list[str]:
 
 def test_keep_runs_bounds_records_and_run_dirs_and_misfire_recovery_and_depends_on_still_hold(etcd_server, tmp_path):
     """A job firing every second with keep_runs N keeps at most N (+ in flight) records and
-    N run directories. Suite version: 40 firings, keep_runs 5; MILLWRIGHT_SLOW=1: the
+    N run directories. Suite version: 20 firings, keep_runs 5; MILLWRIGHT_SLOW=1: the
     issue's 10 minutes (600 firings) with keep_runs 20."""
-    keep, seconds = (20, 600) if SLOW else (5, 40)
+    keep, seconds = (20, 600) if SLOW else (5, 20)
     c, store, out = make_env(etcd_server, tmp_path, {"keep_runs": keep, "interval_s": 0.2, "disk_interval_s": 1.0,
                                                      "max_deletes_per_s": 500})
     try:

@@ -184,7 +184,7 @@ def earliest_starts(spec: ro.RolloutSpec, starts: list[float], successes: list[f
 
 
 def test_per_minute_with_growth_spaces_the_starts(etcd_server, tmp_path):
-    """Acceptance 2: per_minute 6, doubled after every 2 successes: each start comes when
+    """Acceptance 2: per_minute 12, doubled after every 2 successes: each start comes when
     the rate allows it, within 1 s, on the side effects' own clock."""
     agents = LINE1[:6]
     fleet = Fleet(etcd_server, tmp_path)
@@ -192,14 +192,14 @@ def test_per_minute_with_growth_spaces_the_starts(etcd_server, tmp_path):
         for a in agents:
             fleet.start(a)
         wait_for(lambda: fleet.c.members() == set(agents), 60, what="6 members")
-        rollout = {"per_minute": 6, "growth": {"factor": 2, "after_succeeded": 2}}
+        rollout = {"per_minute": 12, "growth": {"factor": 2, "after_succeeded": 2}}
         fleet.push("fw-rate", rollout, sleep="1")
         wait_for(lambda: len(fleet.finals("fw-rate")) == len(agents), 120, interval=0.5, what="every agent ran")
         assert {r["state"] for r in fleet.finals("fw-rate").values()} == {"succeeded"}
         effects = sorted((se for se in history.parse_effects(fleet.out) if se.job == "fw-rate"),
                          key=lambda se: se.start)
         starts = [se.start for se in effects]
-        spec = ro.RolloutSpec(per_minute=6.0, growth_factor=2.0, growth_after=2)
+        spec = ro.RolloutSpec(per_minute=12.0, growth_factor=2.0, growth_after=2)
         expected = earliest_starts(spec, starts, [se.end for se in effects if se.end is not None])
         late = [(round(s - e, 3)) for s, e in zip(starts[1:], expected)]
         print(f"\nstarts after the earliest the rate allows (s): {late}")

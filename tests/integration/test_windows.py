@@ -22,8 +22,8 @@ from tests.support.waiting import wait_for
 
 EFFECT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jobs", "effect.sh")
 SLOW = os.environ.get("MILLWRIGHT_SLOW") == "1"
-PERIOD_S = 60 if SLOW else 30   # a window opens every PERIOD_S (a divisor of 60) ...
-OPEN_S = 20 if SLOW else 12     # ... and stays open OPEN_S
+PERIOD_S = 60 if SLOW else 20   # a window opens every PERIOD_S (a divisor of 60) ...
+OPEN_S = 20 if SLOW else 10     # ... and stays open OPEN_S
 SECONDS = ",".join(str(s) for s in range(0, 60, PERIOD_S))   # the cron seconds the windows open at
 GRACE_S = 1.0        # execute.kill_grace_s of the test cluster
 
