@@ -285,3 +285,49 @@ class _WatchStream:
             with self._lock:
                 self._requests, self._call = None, None
             q.put(None)
+
+
+class OnDemandWatch:
+    """A watch that runs only while someone needs it: started at the first need, stopped
+    ``idle_s`` after the last one went (a watch costs etcd and this process something even
+    when nothing changes). Owned by the loop that ``call_later`` belongs to."""
+
+    def __init__(self, call_later: Callable[[float, Callable[[], None]], Any],
+                 make: Callable[[int], PrefixWatch], needed: Callable[[], bool], idle_s: float):
+        self.call_later = call_later
+        self.make = make          # revision -> a started PrefixWatch from that revision
+        self.needed = needed
+        self.idle_s = idle_s
+        self.watch: Optional[PrefixWatch] = None
+        self._idle_timer: Any = None
+
+    @property
+    def running(self) -> bool:
+        return self.watch is not None
+
+    def need_from(self, revision: int) -> None:
+        """Make sure it watches (from ``revision`` when it starts now)."""
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        if self.watch is None:
+            self.watch = self.make(revision)
+
+    def maybe_idle(self) -> None:
+        """Called when a need went: if none is left, stop after ``idle_s``."""
+        if not self.needed() and self.watch is not None and self._idle_timer is None:
+            self._idle_timer = self.call_later(self.idle_s, self._stop_if_idle)
+
+    def _stop_if_idle(self) -> None:
+        self._idle_timer = None
+        if not self.needed() and self.watch is not None:
+            self.watch.stop(timeout=0.5)
+            self.watch = None
+
+    def stop(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        if self.watch is not None:
+            self.watch.stop(timeout=1.0)
+            self.watch = None

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from agent.coordination.jobstore import public_doc
 from agent.coordination.keys import Keys, shard_of
-from agent.coordination.watch import PrefixWatch, WatchEvent
+from agent.coordination.watch import OnDemandWatch, PrefixWatch, WatchEvent
 from agent.jobs import schedule as sch
 from agent.jobs.document import Job
 from agent.jobs.envelope import JobRejected
@@ -127,8 +127,8 @@ class DependencyCheck:
         self.audit = audit
         self.waiting: dict[str, _Waiter] = {}        # firing key -> waiter
         self.by_dep: dict[str, set[str]] = {}        # dependency job id -> firing keys
-        self.watch: Optional[PrefixWatch] = None
-        self._idle_timer: Any = None
+        self.watch = OnDemandWatch(self.loop.call_later, self._start_watch, lambda: bool(self.waiting),
+                                   WATCH_IDLE_S)
 
     def check(self, f: Firing, ready: Callable[[Firing], None], expired: Callable[[Firing], None]) -> None:
         """``ready(f)`` once every dependency succeeded, ``expired(f)`` if the job expires
@@ -184,7 +184,7 @@ class DependencyCheck:
             self.statuses.send(f.entry, f, JobState.WAITING, reason="dependencies", waiting_for=pending,
                                **({"not_believed": doubts} if doubts else {}))
         if revision:
-            self._watch_from(revision + 1)
+            self.watch.need_from(revision + 1)
         if w.again:
             self._read(key)
         elif w.timer is None:
@@ -213,21 +213,15 @@ class DependencyCheck:
                 keys.discard(f.key)
                 if not keys:
                     del self.by_dep[dep]
-        if not self.waiting and self.watch is not None and self._idle_timer is None:
-            self._idle_timer = self.loop.call_later(WATCH_IDLE_S, self._stop_if_idle)
+        self.watch.maybe_idle()
 
     # --- the watch on latest/ ----------------------------------------------------------
-    def _watch_from(self, revision: int) -> None:
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
-        if self.watch is not None:
-            return
+    def _start_watch(self, revision: int) -> PrefixWatch:
         post = self.loop.post
-        self.watch = PrefixWatch(self.client, self.keys.latest_prefix(), "dependencies",
-                                 on_snapshot=lambda kvs, rev: post(self._changed_all),
-                                 on_events=lambda evs, rev: post(self._changed, evs),
-                                 start_revision=revision, puts_only=True).start()
+        return PrefixWatch(self.client, self.keys.latest_prefix(), "dependencies",
+                           on_snapshot=lambda kvs, rev: post(self._changed_all),
+                           on_events=lambda evs, rev: post(self._changed, evs),
+                           start_revision=revision, puts_only=True).start()
 
     def _changed(self, events: list[WatchEvent]) -> None:
         for ev in events:
@@ -239,13 +233,5 @@ class DependencyCheck:
         for key in list(self.waiting):
             self._read(key)
 
-    def _stop_if_idle(self) -> None:
-        self._idle_timer = None
-        if not self.waiting and self.watch is not None:
-            self.watch.stop(timeout=0.5)
-            self.watch = None
-
     def stop(self) -> None:
-        if self.watch is not None:
-            self.watch.stop(timeout=1.0)
-            self.watch = None
+        self.watch.stop()

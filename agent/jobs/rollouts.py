@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from agent.coordination.etcd import Create, Delete, EtcdError, EtcdUnavailable, Get, Mod, Put, Txn, Version
 from agent.coordination.fencing import StaleToken, fenced_txn
-from agent.coordination.watch import PrefixWatch, WatchEvent
+from agent.coordination.watch import OnDemandWatch, PrefixWatch, WatchEvent
 from agent.jobs import rollout as ro
 from agent.jobs.firing import Firing, FiringState
 from agent.jobs.metrics import ROLLOUT_DECISIONS
@@ -115,8 +115,8 @@ class RolloutGate:
         self.clock: Callable[[], float] = time.time
         self.adopt: Callable[[Firing], None] = lambda f: None   # the scheduler's: run a firing it did not make
         self.trackers: dict[str, _Tracker] = {}
-        self.watch: Optional[PrefixWatch] = None
-        self._idle_timer: Any = None
+        self.watch = OnDemandWatch(self.loop.call_later, self._start_watch, lambda: bool(self.trackers),
+                                   WATCH_IDLE_S)
         self._sweep_timer: Any = None
 
     # --- StartPolicy ------------------------------------------------------------------------
@@ -280,7 +280,7 @@ class RolloutGate:
                 return
             kvs, rev = result
             self._replace(tr, kvs, rev)
-            self._watch_from(rev + 1)
+            self.watch.need_from(rev + 1)
             self._changed(tr)
 
         self.workers.submit(lambda: self.client.get_prefix(tr.prefix), done)
@@ -302,8 +302,7 @@ class RolloutGate:
             for t in tr.timers.values():
                 t.cancel()
             del self.trackers[tr.entry.job.id]
-            if not self.trackers and self.watch is not None and self._idle_timer is None:
-                self._idle_timer = self.loop.call_later(WATCH_IDLE_S, self._stop_if_idle)
+            self.watch.maybe_idle()
 
     def _sweep(self) -> None:
         """Trackers of jobs no longer installed here: their slots go back. An outcome of ours
@@ -322,17 +321,12 @@ class RolloutGate:
             self._sweep_timer = self.loop.call_later(SWEEP_S, self._sweep)
 
     # --- the watch on rollouts/ -------------------------------------------------------------
-    def _watch_from(self, revision: int) -> None:
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
-        if self.watch is not None:
-            return
+    def _start_watch(self, revision: int) -> PrefixWatch:
         post = self.loop.post
-        self.watch = PrefixWatch(self.client, self.keys.rollouts_prefix(), "rollouts",
-                                 on_snapshot=lambda kvs, rev: post(self._snapshot, kvs, rev),
-                                 on_events=lambda evs, rev: post(self._events, evs),
-                                 start_revision=revision).start()
+        return PrefixWatch(self.client, self.keys.rollouts_prefix(), "rollouts",
+                           on_snapshot=lambda kvs, rev: post(self._snapshot, kvs, rev),
+                           on_events=lambda evs, rev: post(self._events, evs),
+                           start_revision=revision).start()
 
     def _events(self, events: list[WatchEvent]) -> None:
         """Watched changes, applied to the trackers whose state is older (the events of one
@@ -363,16 +357,8 @@ class RolloutGate:
             self._replace(tr, [kv for kv in kvs if kv.key.startswith(tr.prefix)], rev)
             self._changed(tr)
 
-    def _stop_if_idle(self) -> None:
-        self._idle_timer = None
-        if not self.trackers and self.watch is not None:
-            self.watch.stop(timeout=0.5)
-            self.watch = None
-
     def stop(self) -> None:
-        if self.watch is not None:
-            self.watch.stop(timeout=1.0)
-            self.watch = None
+        self.watch.stop()
 
     # --- what a change means ------------------------------------------------------------------
     def _changed(self, tr: _Tracker) -> None:
