@@ -115,6 +115,27 @@ def stats(xs: list[float], late_s: float) -> dict:
             "late": sum(1 for x in xs if x > late_s)}
 
 
+def backlog_end(due_off: dict[str, float], lateness: dict[str, float], burst_end: float,
+                bound: float = 0.05) -> dict:
+    """How the backlog of a burst ended, from the firings themselves (offsets from the first
+    due time): when the last firing due by ``burst_end`` started (``drained``: seconds after
+    burst_end), and from when on every firing due started within ``bound`` of its due time
+    (``on_time_from``: seconds after burst_end; None: not by the end of the run)."""
+    starts = [due_off[j] + d for j, d in lateness.items() if due_off[j] <= burst_end]
+    drained = (max(starts) - burst_end) if starts else None
+    after = sorted((due_off[j], d) for j, d in lateness.items())
+    on_time = None
+    for t, d in reversed(after):   # the latest due time of a firing later than the bound
+        if d > bound:
+            on_time = t - burst_end if t >= burst_end else 0.0
+            break
+    else:
+        on_time = 0.0
+    if after and on_time is not None and on_time + burst_end >= after[-1][0]:
+        on_time = None   # late up to the last firing of the run
+    return {"drained": drained, "on_time_from": on_time}
+
+
 def buckets(due_off: dict[str, float], lateness: dict[str, float], width: float,
             lag: Optional[list] = None) -> list[dict]:
     """Per ``width``-second bucket of the run (from the first due time): the firings due in

@@ -7,8 +7,9 @@ nor the template names one (admission charges what the run is actually held to).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 DEFAULT_PIDS = 512
 
@@ -30,7 +31,7 @@ class Limits:
 def _get(res: Any, key: str) -> Any:
     if res is None:
         return None
-    if isinstance(res, Mapping):
+    if type(res) is dict or isinstance(res, Mapping):   # (a job's own: a dict, no ABC check)
         return res.get(key)
     return getattr(res, key, None)
 

@@ -81,9 +81,7 @@ def become(conf: Confinement) -> None:
     # a root run: uid 0 kept, only its template's capabilities, in the bounding set too
     # (what exec gives root), inheritable the same, no ambient ones, no_new_privs
     keep = set(conf.capabilities)
-    for cap in range(k.cap_last_cap() + 1):
-        if cap not in keep:
-            k.prctl(k.PR_CAPBSET_DROP, cap)
+    k.drop_bounding_except(keep)
     k.prctl(k.PR_CAP_AMBIENT, k.PR_CAP_AMBIENT_CLEAR_ALL)
     k.prctl(k.PR_SET_NO_NEW_PRIVS, 1)
     mask = 0

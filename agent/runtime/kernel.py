@@ -150,12 +150,30 @@ def keep_only_capabilities(caps: set[int]) -> None:
     _check(libc().syscall(number, ctypes.byref(header), ctypes.byref(data)), "capset")
 
 
+_cap_last: Optional[int] = None
+
+
 def cap_last_cap() -> int:
-    try:
-        with open("/proc/sys/kernel/cap_last_cap") as fh:
-            return int(fh.read())
-    except (OSError, ValueError):
-        return 40
+    """The kernel's highest capability number (fixed while it runs: read once)."""
+    global _cap_last
+    if _cap_last is None:
+        try:
+            with open("/proc/sys/kernel/cap_last_cap") as fh:
+                _cap_last = int(fh.read())
+        except (OSError, ValueError):
+            return 40
+    return _cap_last
+
+
+def drop_bounding_except(keep: set[int]) -> None:
+    """PR_CAPBSET_DROP of every capability not in ``keep`` (the calling thread's bounding
+    set). One prctl per capability: the loop calls libc directly (a root run's spawn
+    thread makes some forty of these per run). OSError on the first refusal."""
+    fn = libc().prctl
+    for cap in range(cap_last_cap() + 1):
+        if cap not in keep and fn(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"prctl {PR_CAPBSET_DROP}: {os.strerror(err)}")
 
 
 # capability names (capabilities(7)) -> numbers, for a template's `capabilities`

@@ -6,11 +6,13 @@ from __future__ import annotations
 import logging
 import os
 import re
+import resource
 import signal
+import threading
 import time
 from typing import Optional
 
-from agent.execute.backends.cgroupfs import CgroupFS, parse_kv
+from agent.execute.backends.cgroupfs import READ_SIZE, CgroupFS, parse_kv
 from agent.execute.backends.interface import QuotaBackend, Slot
 from agent.execute.limits import Limits
 from agent.execute.processes import alive
@@ -20,6 +22,12 @@ log = logging.getLogger(__name__)
 NEEDED = ("memory", "cpu", "pids")   # the controllers a cgroup backend needs
 CPU_PERIOD_US = 100_000               # the cpu quota's period
 DEFAULT_ROOT = "millwright"
+KEPT_FDS_SHARE = 4    # at most 1/this of the soft RLIMIT_NOFILE goes to slots' kept read fds
+
+
+def _kept_fds_budget() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 4096 if soft == resource.RLIM_INFINITY else max(0, soft // KEPT_FDS_SHARE)
 
 
 class CgroupBackend(QuotaBackend):
@@ -36,6 +44,10 @@ class CgroupBackend(QuotaBackend):
         self.root_name = root_name.strip("/")
         self.fs = fs or CgroupFS()
         self.roots: dict[str, str] = {}     # hierarchy -> root cgroup dir
+        # fds of slots' counter files kept open for reading (read_kept): at most this many
+        # at once, so that many live slots never starve the runs' own pipes of fds
+        self._kept_left = _kept_fds_budget()
+        self._kept_lock = threading.Lock()
 
     def hierarchies(self) -> list[str]:
         """Every hierarchy a run has a cgroup in (after setup)."""
@@ -74,6 +86,38 @@ class CgroupBackend(QuotaBackend):
         except OSError:
             return {}
 
+    def read_kept(self, slot: Slot, path: str) -> str:
+        """A slot's file, read through an fd kept open while the slot lives: a pread from
+        offset 0 makes the kernel generate a cgroup file anew, so a read is one system call,
+        not three (a run's end reads five of them on the reaper). Plain reads once the fd
+        budget is spent. OSError as from a read."""
+        fd = slot.keep_fds.get(path)
+        if fd is None:
+            with self._kept_lock:
+                if self._kept_left <= 0:
+                    return self.fs.read(path)
+                self._kept_left -= 1
+            try:
+                fd = self.fs.open_reader(path)
+            except OSError:
+                with self._kept_lock:
+                    self._kept_left += 1
+                raise
+            slot.keep_fds[path] = fd
+        return self.fs.pread(fd, READ_SIZE)
+
+    def kept_int(self, slot: Slot, path: str, default: int = 0) -> int:
+        try:
+            return int(self.read_kept(slot, path).split()[0])
+        except (OSError, ValueError, IndexError):
+            return default
+
+    def kept_kv(self, slot: Slot, path: str) -> dict[str, int]:
+        try:
+            return parse_kv(self.read_kept(slot, path))
+        except OSError:
+            return {}
+
     def attach(self, slot: Slot, pid: int) -> None:
         slot.pid = slot.pgid = pid
         for h, d in slot.paths.items():
@@ -103,10 +147,14 @@ class CgroupBackend(QuotaBackend):
                     pass
 
     def remove(self, slot: Slot) -> bool:
+        kept = [fd for key, fd in slot.keep_fds.items() if key.startswith("/")]   # read_kept's
         for fd in list(slot.join_fds.values()) + list(slot.keep_fds.values()):
             self.fs.close_fd(fd)
         slot.join_fds.clear()
         slot.keep_fds.clear()
+        if kept:
+            with self._kept_lock:
+                self._kept_left += len(kept)
         ok = True
         for d in list(slot.paths.values()):
             try:

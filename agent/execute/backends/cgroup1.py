@@ -177,6 +177,7 @@ class Cgroup1Backend(CgroupBackend):
         if d is None:
             return []
         try:
+            # (not read_kept: v1 caches a pid list per open file for a second)
             text = self.fs.read(os.path.join(d, "cgroup.procs"))
         except OSError:
             return []
@@ -186,11 +187,11 @@ class Cgroup1Backend(CgroupBackend):
         out = {}
         for s in slots:
             mem = self._path(s, "memory")
-            if mem and self.read_kv(os.path.join(mem, "memory.oom_control")).get("oom_kill", 0) > s.base.get("oom_kill", 0):
+            if mem and self.kept_kv(s, os.path.join(mem, "memory.oom_control")).get("oom_kill", 0) > s.base.get("oom_kill", 0):
                 out[s.name] = "oom"
                 continue
             pids = self._path(s, "pids")
-            if pids and self.read_kv(os.path.join(pids, "pids.events")).get("max", 0) > s.base.get("pids_max", 0):
+            if pids and self.kept_kv(s, os.path.join(pids, "pids.events")).get("max", 0) > s.base.get("pids_max", 0):
                 out[s.name] = "pids_limit"
         return out
 
@@ -201,17 +202,17 @@ class Cgroup1Backend(CgroupBackend):
         if acct and self._cpuacct_usage is None:   # looked up once
             self._cpuacct_usage = self.fs.exists(os.path.join(acct, "cpuacct.usage"))
         if acct and self._cpuacct_usage:
-            raw["cpu_ns"] = self.read_int(os.path.join(acct, "cpuacct.usage"))
+            raw["cpu_ns"] = self.kept_int(slot, os.path.join(acct, "cpuacct.usage"))
         mem = self._path(slot, "memory")
         if mem:
-            u.max_rss_bytes = max(u.max_rss_bytes, self.read_int(os.path.join(mem, "memory.max_usage_in_bytes")))
-            raw["oom_kill"] = self.read_kv(os.path.join(mem, "memory.oom_control")).get("oom_kill", 0)
+            u.max_rss_bytes = max(u.max_rss_bytes, self.kept_int(slot, os.path.join(mem, "memory.max_usage_in_bytes")))
+            raw["oom_kill"] = self.kept_kv(slot, os.path.join(mem, "memory.oom_control")).get("oom_kill", 0)
         cpu = self._path(slot, "cpu")
         if cpu:
-            raw["throttled_ns"] = self.read_kv(os.path.join(cpu, "cpu.stat")).get("throttled_time", 0)
+            raw["throttled_ns"] = self.kept_kv(slot, os.path.join(cpu, "cpu.stat")).get("throttled_time", 0)
         pids = self._path(slot, "pids")
         if pids:
-            raw["pids_max"] = self.read_kv(os.path.join(pids, "pids.events")).get("max", 0)
+            raw["pids_max"] = self.kept_kv(slot, os.path.join(pids, "pids.events")).get("max", 0)
         d = {k: max(0, v - slot.base.get(k, 0)) for k, v in raw.items()}
         if "cpu_ns" in d:
             u.cpu_s = d["cpu_ns"] / 1e9

@@ -61,6 +61,10 @@ class CgroupFS:
         finally:
             os.close(fd)
 
+    def open_reader(self, path: str) -> int:
+        """An fd of a cgroup file to read again and again with pread()."""
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
     def open_rw(self, path: str) -> int:
         return os.open(path, os.O_RDWR | os.O_CLOEXEC)
 
