@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Optional, Protocol
@@ -97,6 +98,7 @@ class Firing:
     timer: Any = None
     wait_reason: Optional[str] = None
     started_mono: float = 0.0
+    ready_mono: float = 0.0  # when its start became the agent's own work: the later of its due time and its first claim
     health: str = "healthy"
     lead: float = 0.0        # how far ahead of `due` its claim was planned (0: at or after due)
     limits: Any = None       # the limits admission let in, which the run then gets
@@ -124,6 +126,12 @@ class Firing:
         self.state = to
         if wait_reason is not None:
             self.wait_reason = wait_reason
+
+    def mark_ready(self) -> None:
+        """At its first claim: from here on, only the agent's own queues delay its start."""
+        if not self.ready_mono:
+            now = time.monotonic()
+            self.ready_mono = now + max(0.0, self.due.timestamp() - time.time())
 
     def finish(self, why: FiringEnd) -> None:
         """DONE, saying why."""

@@ -317,6 +317,7 @@ class Scheduler:
             return
         if retry:
             f.attempt += 1
+        f.mark_ready()
         f.move(S.CLAIMING)
         f.run = self.launcher.plan(f)
         self.claims.claim(f, fence, retry, f.run.spec if isinstance(f.run, Planned) else None, self._claimed,
@@ -400,10 +401,7 @@ class Scheduler:
             return
         e = f.entry
         f.started_mono = time.monotonic()
-        started = getattr(handle, "started_at", None) or time.time()
-        if f.attempt == 1:
-            TRIGGER_DELAY.observe(max(0.0, started - f.due.timestamp()))
-        FIRINGS.labels("started").inc()
+        _count_start(self.loop, f, getattr(handle, "started_at", None) or time.time())
         self.audit.record("job", event="run_start", job=e.job.id, fire_id=f.fire_id, attempt=f.attempt,
                           shard=e.shard, pid=getattr(handle, "pid", None), argv=argv, user=user)
         if f.state == S.RUNNING:
@@ -563,7 +561,16 @@ class Scheduler:
 
     # --- status --------------------------------------------------------------------------
     def status(self) -> dict:
-        """What the jobs held here are doing; ``lag_s``: how late the loop runs due timers."""
+        """What the jobs held here are doing; ``lag_s``: how late the agent starts what falls due."""
         return {**self.catalog.status(), "admission": self.admitter.status(),
                 "catch_ups": len(self.catch_ups), "lag_s": round(getattr(self.loop, "lag", lambda: 0.0)(), 3)}
 
+
+def _count_start(loop: Any, f: Firing, started: float) -> None:
+    """A run let go: its trigger delay, and how late the agent's own queues (claims, spawns)
+    started it, which the loop counts in its lag."""
+    if f.attempt == 1:
+        TRIGGER_DELAY.observe(max(0.0, started - f.due.timestamp()))
+        if f.ready_mono:
+            loop.note_late(f.started_mono - f.ready_mono)
+    FIRINGS.labels("started").inc()

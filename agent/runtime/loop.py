@@ -9,8 +9,10 @@ Past capacity (more due timers and posted callbacks than the thread can run), ti
 posted callbacks take turns of at most ``SLICE_S`` each: due firings keep starting and the
 work already started (a claim that landed, a run that ended) keeps finishing, so lateness
 grows with the backlog and drains once it is gone; neither side starves the other. How
-late the loop runs its due timers is its lag (:meth:`EventLoop.lag`, the
-``millwright_scheduler_lag_seconds`` gauge).
+late the loop runs its due timers, and how late work it was told of started (a firing
+whose claim and spawn queued behind others: :meth:`EventLoop.note_late`), is its lag
+(:meth:`EventLoop.lag`, the ``millwright_scheduler_lag_seconds`` gauge): a backlog of
+claims or spawns shows there even while the timers themselves run on time.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ log = logging.getLogger(__name__)
 
 STALLS = counter("millwright_loop_stalls_total", "Loop handlers that ran longer than the stall threshold")
 LAG = gauge("millwright_scheduler_lag_seconds",
-            "How late the event loop runs its due timers: the worst of the last second, or how overdue the next is")
+            "How late the agent starts what falls due (its loop's timers, its firings' claims and spawns): "
+            "the worst of the last second, or how overdue the next timer is")
 
 SLICE_S = 0.005      # past capacity, timers and posted callbacks take turns of this long
 LAG_WINDOW_S = 1.0   # the lag is the worst lateness of a due timer over this long
@@ -81,8 +84,9 @@ class EventLoop:
         self.post(self._set_stopping)
 
     def lag(self) -> float:
-        """How late the loop runs its due timers: the worst lateness over the last second,
-        or, when the loop is stuck, how overdue its next timer is. Safe from any thread."""
+        """How late the loop runs its due timers and starts the work noted late: the worst
+        lateness over the last second, or, when the loop is stuck, how overdue its next
+        timer is. Safe from any thread."""
         start, worst, before = self._lag
         now = self.clock()
         age = now - start
@@ -145,11 +149,18 @@ class EventLoop:
         t.start()
         return t
 
+    def note_late(self, late: float) -> None:
+        """Work that was due ``late`` seconds before it started (a firing's first run, after
+        its claim and spawn): counted in the lag like a timer run that late."""
+        self._note(self.clock(), late)
+
     def _late(self, now: float, when: float) -> None:
+        self._note(now, now - when)
+
+    def _note(self, now: float, late: float) -> None:
         start, worst, before = self._lag
         if now - start >= LAG_WINDOW_S:
             start, worst, before = now, 0.0, (worst if now - start < 2 * LAG_WINDOW_S else 0.0)
-        late = now - when
         self._lag = (start, late if late > worst else worst, before)
 
     def run(self) -> None:

@@ -120,3 +120,22 @@ def test_the_lag_is_how_late_due_timers_run_and_goes_back_to_zero():
     finally:
         loop.stop()
         t.join(5)
+
+
+def test_work_noted_late_counts_in_the_lag_while_the_timers_run_on_time():
+    """A backlog of claims and spawns behind on-time timers: the lag says so, then clears."""
+    now = [100.0]
+    loop = EventLoop(clock=lambda: now[0])
+    assert loop.lag() == 0.0
+    loop.note_late(3.5)            # a firing started 3.5 s after it was due
+    assert loop.lag() == 3.5
+    loop.note_late(0.2)            # later, smaller ones do not hide the worst of the window
+    assert loop.lag() == 3.5
+    now[0] += 1.5                  # the next window: the one before still counts
+    loop.note_late(0.001)
+    assert loop.lag() == 3.5
+    now[0] += 1.0                  # two windows on, only on-time work was noted
+    loop.note_late(0.001)
+    assert loop.lag() == 0.001
+    now[0] += 2.5                  # nothing noted for two windows
+    assert loop.lag() == 0.0
