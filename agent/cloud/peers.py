@@ -1,11 +1,11 @@
-"""Peers' statuses: every agent reads the cluster's statuses, bounded against a flooding peer.
+"""Peers' statuses: every agent reads its cluster members' statuses, bounded against a flooding peer.
 
-Every agent subscribes to ``millwright/<c>/agents/+/status/+`` to learn which answers
-reached the broker (agent/cloud/answers.py: an answer a dead peer already delivered is not
-published again). Whoever can publish there (with the shipped broker ACL: each agent under
-its own prefix; without it, any broker client) could otherwise make every agent parse
-everything on the link's thread and stall its ingest. So on the link's thread a status
-costs only its topic, its length and a token:
+Every agent subscribes to ``millwright/<c>/agents/<member>/status/+`` of each member
+(agent/cloud/peersubs.py) to learn which answers reached the broker (agent/cloud/answers.py:
+an answer a dead peer already delivered is not published again). A member (or whoever
+forged a membership) could otherwise make every agent parse everything it publishes there
+on the link's thread and stall its ingest. So on the link's thread a status costs only its
+topic, its length and a token:
 
  1. the topic's agent segment: the only sender identity the broker vouches for (its ACL);
  2. the size, before any parsing (``max_bytes``);
@@ -15,7 +15,10 @@ costs only its topic, its length and a token:
  4. a bounded queue (``queue_max`` statuses, ``queue_bytes`` bytes): when full, the new
     status is dropped (drop-new: the link's thread never waits);
 
-and it is acknowledged (a peer's status is no durable state of this agent). One worker
+and it is acknowledged (a peer's status is no durable state of this agent). A status
+refused for its agent's rate (or too large while its bucket is empty) also tells
+``flooding(agent)``, at most every ``FLOODING_EVERY_S`` per agent: peersubs.py then stops
+the broker from sending that agent's statuses at all for a while. One worker
 thread parses what is queued and tells :meth:`Answers.saw` which agent's topic carried it.
 
 A status dropped at 2-4 is counted (``millwright_mqtt_peer_statuses_total{result}``),
@@ -55,6 +58,7 @@ MIN_COST = 1024          # bytes: what a status costs at least against its agent
 RATE_PER_S = 1 << 20     # bytes per agent and second: 1,000 statuses/s, twice an agent's at
 BURST = 4 << 20          # ~500 pushes/s; 4,000 statuses at once (a group commit's burst)
 MISSED_EVERY_S = 0.5     # answers.py's margin (1 s) covers the lag of a throttled `missed`
+FLOODING_EVERY_S = 1.0
 QUEUE_MAX = 20000
 QUEUE_BYTES = 16 * 1024 * 1024
 BUCKETS_MAX = 4096       # agents told apart (a flood under made-up agent ids evicts the oldest)
@@ -67,6 +71,7 @@ class PeerStatuses:
 
     def __init__(self, topics: Topics, link: Link, saw: Callable[[str, dict], None],
                  missed: Callable[[str], None], record: Callable[..., None] = lambda *a, **k: None, *,
+                 flooding: Callable[[str], None] = lambda agent: None,
                  max_bytes: int = MAX_BYTES, rate: float = RATE_PER_S, burst: float = BURST,
                  queue_max: int = QUEUE_MAX, queue_bytes: int = QUEUE_BYTES, report_s: float = REPORT_S,
                  clock: Callable[[], float] = time.monotonic):
@@ -75,6 +80,7 @@ class PeerStatuses:
         self.saw = saw
         self.missed = missed
         self.record = record
+        self.flooding = flooding
         self.max_bytes = max_bytes
         self.rate, self.burst = rate, burst
         self.queue_max, self.queue_bytes = queue_max, queue_bytes
@@ -82,6 +88,7 @@ class PeerStatuses:
         self.clock = clock
         self._buckets: RecentMemory[str, TokenBucket] = RecentMemory(BUCKETS_MAX)  # link thread only
         self._missed_at: RecentMemory[str, float] = RecentMemory(BUCKETS_MAX)     # link thread only
+        self._flooding_at: RecentMemory[str, float] = RecentMemory(BUCKETS_MAX)   # link thread only
         self._count = {r: PEER_STATUSES.labels(r) for r in ("read", "too_large", "rate_limited", "queue_full",
                                                              "bad_json")}
         self._q: "collections.deque[tuple[str, bytes]]" = collections.deque()
@@ -99,15 +106,15 @@ class PeerStatuses:
         if agent is None or not ID_RE.fullmatch(agent):
             return
         size = len(msg.payload)
-        if size > self.max_bytes:
-            self._dropped(agent, "too_large")
-            return
         bucket = self._buckets.get(agent)
         if bucket is None:
             bucket = TokenBucket(self.rate, self.burst, self.clock)
             self._buckets.remember(agent, bucket)
-        if not bucket.take(max(size, MIN_COST)):
-            self._dropped(agent, "rate_limited")
+        within = bucket.take(max(size, MIN_COST))   # what the link read counts, parsed or not
+        if size > self.max_bytes or not within:
+            self._dropped(agent, "too_large" if size > self.max_bytes else "rate_limited")
+            if not within:
+                self._flooding(agent)
             return
         with self._cv:
             if len(self._q) >= self.queue_max or self._bytes + size > self.queue_bytes:
@@ -120,6 +127,13 @@ class PeerStatuses:
                 self._bytes += size
         if full:
             self._dropped(agent, "queue_full")
+
+    def _flooding(self, agent: str) -> None:
+        now = self.clock()
+        last = self._flooding_at.get(agent)
+        if last is None or now - last >= FLOODING_EVERY_S:
+            self._flooding_at.remember(agent, now)
+            self.flooding(agent)
 
     def _dropped(self, agent: str, reason: str) -> None:
         self._count[reason].inc()
