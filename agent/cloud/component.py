@@ -145,7 +145,8 @@ class CloudComponent:
         agent.members_listeners.append(lambda: self.peer_subs.members_changed(list(agent.shards.members)))
         self.peers = PeerStatuses(self.topics, self.link, saw=self.answers.saw, missed=self.answers.missed,
                                   record=lambda *a, **k: agent.loop.post(lambda: agent.record(*a, **k)),
-                                  flooding=lambda peer: agent.loop.post(self.peer_subs.flooding, peer))
+                                  flooding=lambda peer: agent.loop.post(self.peer_subs.flooding, peer),
+                                  wanted=lambda: self.peer_subs.snapshot)
         self.dispatcher = Dispatcher(self.ingest, self.link, self.topics, lambda: agent.owned_shards,
                                      m.ingest_grace_s, workers=workers)
         self.watch: Optional[PrefixWatch] = None

@@ -18,7 +18,10 @@ topic, its length and a token:
 and it is acknowledged (a peer's status is no durable state of this agent). A status
 refused for its agent's rate (or too large while its bucket is empty) also tells
 ``flooding(agent)``, at most every ``FLOODING_EVERY_S`` per agent: peersubs.py then stops
-the broker from sending that agent's statuses at all for a while. One worker
+the broker from sending that agent's statuses at all for a while. A status of an agent
+not in ``wanted()`` (peersubs.py's current set) is dropped unread and told the same way:
+peersubs.py unsubscribes from it again (a subscription a previous run of this agent left in
+its persistent session, or what the broker sent before an unsubscribe took effect). One worker
 thread parses what is queued and tells :meth:`Answers.saw` which agent's topic carried it.
 
 A status dropped at 2-4 is counted (``millwright_mqtt_peer_statuses_total{result}``),
@@ -48,7 +51,8 @@ from .topics import ID_RE, Topics
 log = logging.getLogger(__name__)
 
 PEER_STATUSES = counter("millwright_mqtt_peer_statuses_total",
-                        "Peers' statuses received, by result (read, too_large, rate_limited, queue_full, bad_json)",
+                        "Peers' statuses received, by result (read, too_large, rate_limited, queue_full, bad_json, "
+                        "unsubscribed)",
                         ("result",))
 
 # A status is a few hundred bytes; the largest an agent writes (a 4 KiB stderr tail, every
@@ -72,6 +76,7 @@ class PeerStatuses:
     def __init__(self, topics: Topics, link: Link, saw: Callable[[str, dict], None],
                  missed: Callable[[str], None], record: Callable[..., None] = lambda *a, **k: None, *,
                  flooding: Callable[[str], None] = lambda agent: None,
+                 wanted: Callable[[], Optional[frozenset]] = lambda: None,
                  max_bytes: int = MAX_BYTES, rate: float = RATE_PER_S, burst: float = BURST,
                  queue_max: int = QUEUE_MAX, queue_bytes: int = QUEUE_BYTES, report_s: float = REPORT_S,
                  clock: Callable[[], float] = time.monotonic):
@@ -81,6 +86,7 @@ class PeerStatuses:
         self.missed = missed
         self.record = record
         self.flooding = flooding
+        self.wanted = wanted
         self.max_bytes = max_bytes
         self.rate, self.burst = rate, burst
         self.queue_max, self.queue_bytes = queue_max, queue_bytes
@@ -90,7 +96,7 @@ class PeerStatuses:
         self._missed_at: RecentMemory[str, float] = RecentMemory(BUCKETS_MAX)     # link thread only
         self._flooding_at: RecentMemory[str, float] = RecentMemory(BUCKETS_MAX)   # link thread only
         self._count = {r: PEER_STATUSES.labels(r) for r in ("read", "too_large", "rate_limited", "queue_full",
-                                                             "bad_json")}
+                                                             "bad_json", "unsubscribed")}
         self._q: "collections.deque[tuple[str, bytes]]" = collections.deque()
         self._bytes = 0
         self._cv = threading.Condition()
@@ -104,6 +110,13 @@ class PeerStatuses:
         self.link.ack(msg)
         agent = self.topics.agent_of(msg.topic)
         if agent is None or not ID_RE.fullmatch(agent):
+            return
+        wanted = self.wanted()
+        if wanted is not None and agent not in wanted:
+            # not (or no longer) subscribed to: what the broker had already sent, or a
+            # subscription a previous run left in the session: told like a flood (unsubscribe)
+            self._count["unsubscribed"].inc()
+            self._flooding(agent)
             return
         size = len(msg.payload)
         bucket = self._buckets.get(agent)

@@ -68,6 +68,7 @@ class PeerSubscriptions:
         self.cooling: dict[str, float] = {}       # a flooding peer -> until when it is not read
         self.strikes: dict[str, tuple[int, float]] = {}  # peer -> (floods in a row, last resubscribed at)
         self.subscribed: set[str] = set()
+        self.snapshot: frozenset[str] = frozenset()   # ``subscribed`` for other threads (peers.py)
 
     def topic(self, agent: str) -> str:
         return self.topics.agent_prefix(agent) + "status/+"
@@ -94,8 +95,12 @@ class PeerSubscriptions:
         self._apply()
 
     def flooding(self, agent: str) -> None:
-        """peers.py: ``agent``'s statuses overflow its rate: not read for a cool-off."""
-        if agent not in self.subscribed or agent in self.cooling:
+        """peers.py: ``agent``'s statuses overflow its rate: not read for a cool-off. Or they
+        arrive although it is not subscribed to (``stray``)."""
+        if agent not in self.subscribed:
+            self.stray(agent)
+            return
+        if agent in self.cooling:
             return
         now = self.clock()
         n, resubscribed = self.strikes.get(agent, (0, now))
@@ -109,6 +114,12 @@ class PeerSubscriptions:
         self.record("mqtt", event="peer_statuses_unsubscribed", agent=agent, cool_off_s=wait)
         self.call_later(wait, self._cooled, agent)
         self._apply()
+
+    def stray(self, agent: str) -> None:
+        """A status of ``agent`` arrived although it is not in the set: unsubscribe again
+        (harmless if the broker had only sent it before the last unsubscribe took effect)."""
+        if ID_RE.fullmatch(agent) and agent not in self.subscribed:
+            self.link.unsubscribe(self.topic(agent))
 
     def _cooled(self, agent: str) -> None:
         if self.cooling.get(agent, float("inf")) <= self.clock() + 1e-6:
@@ -130,6 +141,7 @@ class PeerSubscriptions:
             self.reading(agent)   # before the SUBSCRIBE: nothing of it read earlier counts
             self.link.subscribe(self.topic(agent), 1)
         self.subscribed = wanted
+        self.snapshot = frozenset(wanted)
         for agent in [a for a in self.strikes if a not in self.members and a not in self.departed]:
             del self.strikes[agent]
         PEER_SUBSCRIPTIONS.set(len(wanted))

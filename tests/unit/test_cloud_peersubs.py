@@ -126,3 +126,18 @@ def test_peers_tell_a_flooding_agent_once_a_second_and_a_quiet_one_never():
     for i in range(3):
         peers.on_message(message(T.status("j", "gw"), big, mid=i))
     assert told == ["gw", "gw"]
+
+
+def test_a_status_of_a_peer_not_subscribed_to_is_dropped_and_unsubscribed_again():
+    w = World()
+    w.subs.members_changed(["me", "a1"])
+    read: list = []
+    peers = PeerStatuses(T, FakeLink(), saw=lambda a, d: read.append(a), missed=lambda a: None,
+                         flooding=w.subs.flooding, wanted=lambda: w.subs.snapshot, clock=w.clock)
+    doc = json.dumps({"job_id": "j", "state": "accepted"}).encode()
+    for agent in ("a1", "old"):       # "old": left in the persistent session by a previous run
+        peers.on_message(message(T.status("j", agent), doc))
+    while peers._q:
+        peers.handle(*peers._q.popleft())
+    assert read == ["a1"] and w.link.unsubscribed == [T.agent_prefix("old") + "status/+"]
+    assert "old" not in w.peers()
