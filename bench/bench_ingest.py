@@ -154,9 +154,10 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True, flood_sta
     col.link._on_message = on_msg
     pusher = MqttLink(as_user("bench-pusher"), "bench-pusher", clean_session=True, max_inflight=200)
     try:
-        if flood_statuses:
+        if flood_statuses and os.environ.get("BENCH_FLOOD_MEMBER", "1") == "1":
             # the gateway is an agent of the cluster as far as etcd says (a member that takes
-            # no shards): every agent reads its statuses as any peer's
+            # no shards): every agent reads its statuses as any peer's (BENCH_FLOOD_MEMBER=0:
+            # not a member, so no agent subscribes to it: what the flood costs beside the agents)
             import json
 
             cl.client.put(cl.keys.member("gw"), json.dumps({"capacity": 1.0, "available": False}))
