@@ -242,6 +242,15 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True, flood_sta
             gw_cpu = usage.ru_utime + usage.ru_stime
         time.sleep(1.0)  # what the agents still had queued
         cpu = (agents_cpu_s(cl, names) - cpu0) / n_agents
+        received = {}
+        for a in names:   # what the agents' links received of their peers' statuses (this code's status)
+            try:
+                from agent.runtime.admin import query
+
+                cloud = query(os.path.join(cl.agents[a].dir, "admin.sock")).get("cloud", {})
+                received[a] = cloud.get("peer_statuses_received")
+            except Exception:
+                received[a] = None
         pcpu = {k: proc_cpu_s(pid) - pcpu0[k] for k, pid in procs.items() if k != "gateway"}
         if gw is not None:
             pcpu["gateway"] = gw_cpu - pcpu0["gateway"]
@@ -250,7 +259,7 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True, flood_sta
         burst_lat = [arrived[j] - sent[j] for j in ids]
         observe("burst_end", {"pushes": PUSHES, "per_s": burst_rate, "p99_ms": pct(burst_lat, 99) * 1000})
         return {"agents": n_agents, "paho": "2.x" if paho2 else "1.6", "burst_per_s": burst_rate, "agent_cpu_s": cpu,
-                "proc_cpu_s": pcpu,
+                "proc_cpu_s": pcpu, "peer_statuses_received": received,
                 "burst_p99_ms": pct(burst_lat, 99) * 1000, "paced_rate": RATE,
                 "p50_ms": statistics.median(lat) * 1000, "p99_ms": pct(lat, 99) * 1000}
     finally:
@@ -302,6 +311,8 @@ def main_flood() -> int:
         noisy.append(f["burst_per_s"])
         cq.append(q["agent_cpu_s"])
         cf.append(f["agent_cpu_s"])
+        print(f"  peers' statuses received per agent (quiet / flood): {q['peer_statuses_received']} / "
+              f"{f['peer_statuses_received']}")
         print(f"round {i + 1}: quiet {quiet[-1]:.0f}/s ({cq[-1]:.2f} s CPU per agent), flood {noisy[-1]:.0f}/s "
               f"({cf[-1]:.2f} s CPU per agent) (load {os.getloadavg()[0]:.1f})", flush=True)
     mq, mf = statistics.median(quiet), statistics.median(noisy)

@@ -296,6 +296,7 @@ class CloudComponent:
                 "pending_pushes": self.dispatcher.pending, "paho": PAHO_VERSION,
                 "held_get_requests": self.queries.held, "queued_get_requests": self.queries.queued,
                 "queued_peer_statuses": self.peers.depth,
+                "peer_statuses_received": self.peers.received, "peer_statuses_read": self.peers.read,
                 "peer_subscriptions": len(self.peer_subs.subscribed),
                 "peers_cooling_off": sorted(self.peer_subs.cooling),
                 "keys": self.keyring.kids}

@@ -104,10 +104,12 @@ class PeerStatuses:
         self._stop = False
         self._thread: Optional[threading.Thread] = None
         self.read = 0
+        self.received = 0   # link thread only (a figure for the status)
 
     # --- the link's thread -------------------------------------------------------------
     def on_message(self, msg: Message) -> None:
         self.link.ack(msg)
+        self.received += 1
         agent = self.topics.agent_of(msg.topic)
         if agent is None or not ID_RE.fullmatch(agent):
             return
