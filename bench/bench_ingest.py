@@ -248,7 +248,7 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True, flood_sta
                 from agent.runtime.admin import query
 
                 cloud = query(os.path.join(cl.agents[a].dir, "admin.sock")).get("cloud", {})
-                received[a] = cloud.get("peer_statuses_received")
+                received[a] = (cloud.get("peer_statuses_received"), cloud.get("peer_statuses_read"))
             except Exception:
                 received[a] = None
         pcpu = {k: proc_cpu_s(pid) - pcpu0[k] for k, pid in procs.items() if k != "gateway"}
@@ -311,7 +311,7 @@ def main_flood() -> int:
         noisy.append(f["burst_per_s"])
         cq.append(q["agent_cpu_s"])
         cf.append(f["agent_cpu_s"])
-        print(f"  peers' statuses received per agent (quiet / flood): {q['peer_statuses_received']} / "
+        print(f"  peers' statuses (received, read) per agent (quiet / flood): {q['peer_statuses_received']} / "
               f"{f['peer_statuses_received']}")
         print(f"round {i + 1}: quiet {quiet[-1]:.0f}/s ({cq[-1]:.2f} s CPU per agent), flood {noisy[-1]:.0f}/s "
               f"({cf[-1]:.2f} s CPU per agent) (load {os.getloadavg()[0]:.1f})", flush=True)

@@ -146,6 +146,7 @@ class CloudComponent:
         self.peers = PeerStatuses(self.topics, self.link, saw=self.answers.saw, missed=self.answers.missed,
                                   record=lambda *a, **k: agent.loop.post(lambda: agent.record(*a, **k)),
                                   flooding=lambda peer: agent.loop.post(self.peer_subs.flooding, peer),
+                                  stray=lambda peer: agent.loop.post(self.peer_subs.stray, peer),
                                   wanted=lambda: self.peer_subs.snapshot)
         self.dispatcher = Dispatcher(self.ingest, self.link, self.topics, lambda: agent.owned_shards,
                                      m.ingest_grace_s, workers=workers)

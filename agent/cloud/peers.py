@@ -19,9 +19,10 @@ and it is acknowledged (a peer's status is no durable state of this agent). A st
 refused for its agent's rate (or too large while its bucket is empty) also tells
 ``flooding(agent)``, at most every ``FLOODING_EVERY_S`` per agent: peersubs.py then stops
 the broker from sending that agent's statuses at all for a while. A status of an agent
-not in ``wanted()`` (peersubs.py's current set) is dropped unread and told the same way:
-peersubs.py unsubscribes from it again (a subscription a previous run of this agent left in
-its persistent session, or what the broker sent before an unsubscribe took effect). One worker
+not in ``wanted()`` (peersubs.py's current set) is dropped unread and told ``stray(agent)``
+(as often): peersubs.py unsubscribes it again (a subscription a previous run
+of this agent left in its persistent session, or what the broker sent before an
+unsubscribe took effect), or subscribes again if the set changed meanwhile. One worker
 thread parses what is queued and tells :meth:`Answers.saw` which agent's topic carried it.
 
 A status dropped at 2-4 is counted (``millwright_mqtt_peer_statuses_total{result}``),
@@ -76,6 +77,7 @@ class PeerStatuses:
     def __init__(self, topics: Topics, link: Link, saw: Callable[[str, dict], None],
                  missed: Callable[[str], None], record: Callable[..., None] = lambda *a, **k: None, *,
                  flooding: Callable[[str], None] = lambda agent: None,
+                 stray: Callable[[str], None] = lambda agent: None,
                  wanted: Callable[[], Optional[frozenset]] = lambda: None,
                  max_bytes: int = MAX_BYTES, rate: float = RATE_PER_S, burst: float = BURST,
                  queue_max: int = QUEUE_MAX, queue_bytes: int = QUEUE_BYTES, report_s: float = REPORT_S,
@@ -86,6 +88,7 @@ class PeerStatuses:
         self.missed = missed
         self.record = record
         self.flooding = flooding
+        self.stray = stray
         self.wanted = wanted
         self.max_bytes = max_bytes
         self.rate, self.burst = rate, burst
@@ -118,7 +121,7 @@ class PeerStatuses:
             # not (or no longer) subscribed to: what the broker had already sent, or a
             # subscription a previous run left in the session: told like a flood (unsubscribe)
             self._count["unsubscribed"].inc()
-            self._flooding(agent)
+            self._flooding(agent, self.stray)
             return
         size = len(msg.payload)
         bucket = self._buckets.get(agent)
@@ -129,7 +132,7 @@ class PeerStatuses:
         if size > self.max_bytes or not within:
             self._dropped(agent, "too_large" if size > self.max_bytes else "rate_limited")
             if not within:
-                self._flooding(agent)
+                self._flooding(agent, self.flooding)
             return
         with self._cv:
             if len(self._q) >= self.queue_max or self._bytes + size > self.queue_bytes:
@@ -143,12 +146,12 @@ class PeerStatuses:
         if full:
             self._dropped(agent, "queue_full")
 
-    def _flooding(self, agent: str) -> None:
+    def _flooding(self, agent: str, tell: Callable[[str], None]) -> None:
         now = self.clock()
         last = self._flooding_at.get(agent)
         if last is None or now - last >= FLOODING_EVERY_S:
             self._flooding_at.remember(agent, now)
-            self.flooding(agent)
+            tell(agent)
 
     def _dropped(self, agent: str, reason: str) -> None:
         self._count[reason].inc()

@@ -95,8 +95,7 @@ class PeerSubscriptions:
         self._apply()
 
     def flooding(self, agent: str) -> None:
-        """peers.py: ``agent``'s statuses overflow its rate: not read for a cool-off. Or they
-        arrive although it is not subscribed to (``stray``)."""
+        """peers.py: ``agent``'s statuses overflow its rate: not read for a cool-off."""
         if agent not in self.subscribed:
             self.stray(agent)
             return
@@ -116,9 +115,11 @@ class PeerSubscriptions:
         self._apply()
 
     def stray(self, agent: str) -> None:
-        """A status of ``agent`` arrived although it is not in the set: unsubscribe again
-        (harmless if the broker had only sent it before the last unsubscribe took effect)."""
-        if ID_RE.fullmatch(agent) and agent not in self.subscribed:
+        """peers.py: a status of ``agent`` arrived although it was not in the set (peers.py
+        read the set's snapshot): unsubscribe again, unless the set took it in meanwhile."""
+        if not ID_RE.fullmatch(agent):
+            return
+        if agent not in self.subscribed:
             self.link.unsubscribe(self.topic(agent))
 
     def _cooled(self, agent: str) -> None:
@@ -134,6 +135,7 @@ class PeerSubscriptions:
 
     def _apply(self) -> None:
         wanted = self.wanted()
+        self.snapshot = frozenset(wanted)   # before the SUBSCRIBEs: what they bring is wanted
         for agent in sorted(self.subscribed - wanted):
             self.link.unsubscribe(self.topic(agent))
             self.not_reading(agent)
@@ -141,7 +143,6 @@ class PeerSubscriptions:
             self.reading(agent)   # before the SUBSCRIBE: nothing of it read earlier counts
             self.link.subscribe(self.topic(agent), 1)
         self.subscribed = wanted
-        self.snapshot = frozenset(wanted)
         for agent in [a for a in self.strikes if a not in self.members and a not in self.departed]:
             del self.strikes[agent]
         PEER_SUBSCRIPTIONS.set(len(wanted))

@@ -133,7 +133,8 @@ def test_a_status_of_a_peer_not_subscribed_to_is_dropped_and_unsubscribed_again(
     w.subs.members_changed(["me", "a1"])
     read: list = []
     peers = PeerStatuses(T, FakeLink(), saw=lambda a, d: read.append(a), missed=lambda a: None,
-                         flooding=w.subs.flooding, wanted=lambda: w.subs.snapshot, clock=w.clock)
+                         flooding=w.subs.flooding, stray=w.subs.stray, wanted=lambda: w.subs.snapshot,
+                         clock=w.clock)
     doc = json.dumps({"job_id": "j", "state": "accepted"}).encode()
     for agent in ("a1", "old"):       # "old": left in the persistent session by a previous run
         peers.on_message(message(T.status("j", agent), doc))
@@ -141,3 +142,10 @@ def test_a_status_of_a_peer_not_subscribed_to_is_dropped_and_unsubscribed_again(
         peers.handle(*peers._q.popleft())
     assert read == ["a1"] and w.link.unsubscribed == [T.agent_prefix("old") + "status/+"]
     assert "old" not in w.peers()
+
+
+def test_a_stray_report_about_a_peer_the_set_took_in_meanwhile_changes_nothing():
+    w = World()
+    w.subs.members_changed(["me", "a1"])
+    w.subs.stray("a1")        # read from the snapshot before a1 joined the set
+    assert "a1" in w.peers() and w.link.unsubscribed == [] and not w.subs.cooling
