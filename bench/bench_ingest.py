@@ -13,11 +13,11 @@ JSON, noise; aimed at the burst's job ids) as fast as the broker takes them. Fig
 burst's accepted+durable/s in both runs and their ratio.
 
 --flood (issue 34): the same, while a gateway publishes BENCH_FLOOD statuses under its own
-prefix (all the broker ACL lets it write; it is also a member in etcd, taking no shards)
-as fast as the broker takes them, QoS 1: fake
-`accepted` and `succeeded` answers about the burst's jobs, 8 KiB each, every tenth 40 KiB
-(over an agent's 32 KiB cap for peers' statuses; BENCH_FLOOD_KB=40 for all of them). Every agent receives every status of
-the cluster; the figure says what that costs its ingest.
+prefix (all the broker ACL lets it write; it is also a member in etcd, taking no shards,
+so every agent subscribes to its statuses until it floods) as fast as the broker takes
+them, QoS 1: fake `accepted` and `succeeded` answers about the burst's jobs, 8 KiB each,
+every tenth 40 KiB (over an agent's 32 KiB cap for peers' statuses; BENCH_FLOOD_KB=40 for
+all of them). The figure says what the flood costs the agents' ingest.
 
 The broker is configured as the product ships it (a user per client, the cluster's ACL,
 message_size_limit = mqtt.max_payload_bytes; plain TCP on loopback instead of TLS). The
