@@ -13,10 +13,15 @@ JSON, noise; aimed at the burst's job ids) as fast as the broker takes them. Fig
 burst's accepted+durable/s in both runs and their ratio.
 
 --flood (issue 34): the same, while a gateway publishes BENCH_FLOOD statuses under its own
-prefix (all the broker ACL lets it write) as fast as the broker takes them, QoS 1: fake
-`accepted` and `succeeded` answers about the burst's jobs, 8 KiB each, every tenth 40 KiB
-(over an agent's 32 KiB cap for peers' statuses; BENCH_FLOOD_KB=40 for all of them). Every agent receives every status of
-the cluster; the figure says what that costs its ingest.
+prefix (all the broker ACL lets it write; it is also a member in etcd, taking no shards,
+so every agent subscribes to its statuses until it floods) as fast as the broker takes
+them, QoS 1: fake `accepted` and `succeeded` answers about the burst's jobs, 8 KiB each,
+every tenth 40 KiB (over an agent's 32 KiB cap for peers' statuses; BENCH_FLOOD_KB=40 for
+all of them). The figure says what the flood costs the agents' ingest.
+
+The broker is configured as the product ships it (a user per client, the cluster's ACL,
+message_size_limit = mqtt.max_payload_bytes; plain TCP on loopback instead of TLS). The
+flood figure also gives each process's CPU during the burst (/proc/<pid>/stat).
 
 Latency first, on an idle system: BENCH_RATE pushes per second for 5 s (open loop), push
 publish -> accepted status received by a subscriber (p50/p99). Then throughput: a burst of
@@ -77,6 +82,37 @@ def agents_cpu_s(cl, names) -> float:
     return sum(sum(psutil.Process(cl.agents[a].pid).cpu_times()[:2]) for a in names)
 
 
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, its threads included) process ``pid`` used so far:
+    /proc/<pid>/stat utime + stime; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# The broker as the product ships it (packaging/debian/examples/mosquitto-millwright.conf):
+# a user per client, the per-cluster ACL `millwright broker acl` writes, and the settings
+# `millwright broker settings` writes (message_size_limit = mqtt.max_payload_bytes, client
+# id = username). Plain TCP on loopback (the shipped listener is TLS).
+BROKER_PAYLOAD_LIMIT = 65536
+BROKER_CLOUD_USERS = ("bench-pusher", "bench-junk", "bench-collector")
+
+
+def shipped_broker(workdir: str, names: list) -> tuple:
+    """(MosquittoServer, {user: password}): the agents ``names`` and the gateway ``gw``
+    are agents of the ACL (each writes only under its own prefix), the bench's clients
+    cloud users."""
+    from agent.cloud.broker import acl_text, settings_text
+
+    agents = list(names) + ["gw"]
+    users = {u: f"{u}-pw" for u in agents + list(BROKER_CLOUD_USERS)}
+    acl = acl_text("t", {a: a for a in agents}, list(BROKER_CLOUD_USERS))
+    return MosquittoServer(workdir, users=users, acl=acl, extra_conf=settings_text(BROKER_PAYLOAD_LIMIT)), users
+
+
 def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True, flood_statuses: int = 0,
         observe: Optional[Callable[[str, dict], None]] = None, agent_env: Optional[dict] = None) -> dict:
     """One run. ``observe(phase, info)`` is called at ready (info: the pids of the agents,
@@ -86,7 +122,11 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True, flood_sta
     observe = observe or (lambda phase, info: None)
     base = tempfile.mkdtemp(prefix="mw-bench-ingest-")
     etcd = EtcdServer(os.path.join(base, "etcd"))
-    mq = MosquittoServer(os.path.join(base, "mq"))  # (it runs as root itself when started by root)
+    names = [f"a{i}" for i in range(n_agents)]
+    mq, users = shipped_broker(os.path.join(base, "mq"), names)  # (it runs as root itself when started by root)
+
+    def as_user(user: str) -> MqttConfig:
+        return MqttConfig(url=mq.url, username=user, password=users[user], insecure=True)
     for s in (etcd, mq):
         os.makedirs(s.dir, exist_ok=True)
         s.start()
@@ -98,9 +138,9 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True, flood_sta
                  extra={"mqtt": {"url": mq.url}, "signing": {"keys_file": keys}, "templates": TEMPLATES,
                         "bpf": {"enabled": False}}, env=env)
     topics = Topics("t")
-    names = [f"a{i}" for i in range(n_agents)]
     # the cloud's view: the agents' own statuses (a gateway's flood is not the cloud's to parse)
-    col = StatusCollector(mq.url, "t", agents=tuple(names) if flood_statuses else None).start()
+    col = StatusCollector(mq.url, "t", agents=tuple(names) if flood_statuses else None,
+                          mqtt_cfg=as_user("bench-collector")).start()
     arrived: dict[str, float] = {}
     lock = threading.Lock()
     orig = col._msg
@@ -112,10 +152,17 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True, flood_sta
             with lock:
                 arrived.setdefault(d["job_id"], time.monotonic())
     col.link._on_message = on_msg
-    pusher = MqttLink(MqttConfig(url=mq.url), "bench-pusher", clean_session=True, max_inflight=200)
+    pusher = MqttLink(as_user("bench-pusher"), "bench-pusher", clean_session=True, max_inflight=200)
     try:
+        if flood_statuses and os.environ.get("BENCH_FLOOD_MEMBER", "1") == "1":
+            # the gateway is an agent of the cluster as far as etcd says (a member that takes
+            # no shards): every agent reads its statuses as any peer's (BENCH_FLOOD_MEMBER=0:
+            # not a member, so no agent subscribes to it: what the flood costs beside the agents)
+            import json
+
+            cl.client.put(cl.keys.member("gw"), json.dumps({"capacity": 1.0, "available": False}))
         for n in names:
-            cl.start(n)
+            cl.start(n, extra={"mqtt": {"username": n, "password": users[n], "insecure": True}})
         wait_for(lambda: cl.all_owned_by(set(names)) and len(set(cl.owners().values())) == n_agents, 60,
                  what="agents own the shards")
         time.sleep(1.0)
@@ -153,7 +200,8 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True, flood_sta
             lines = os.path.join(base, "flood.txt")
             with open(lines, "wb") as fh:
                 fh.writelines(p + b"\n" for p in flood_payloads(flood_statuses, ids))
-            gw = subprocess.Popen(["mosquitto_pub", "-h", mq.host, "-p", str(mq.port), "-i", "bench-gw", "-q", "1",
+            gw = subprocess.Popen(["mosquitto_pub", "-h", mq.host, "-p", str(mq.port), "-i", "gw", "-u", "gw",
+                                   "-P", users["gw"], "-q", "1",
                                    "-t", topics.status("flood", "gw"), "-l"], stdin=open(lines, "rb"),
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if junk:
@@ -165,7 +213,7 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True, flood_sta
             other = KeyRing.from_mapping({"cloud-1": {"alg": "hmac-sha256", "secret": generate_hmac_secret()}})
             rnd = random.Random(16)
             junk_payloads = [_junk(rnd, i, ids, ring, other) for i in range(junk)]
-            junker = MqttLink(MqttConfig(url=mq.url), "bench-junk", clean_session=True, max_inflight=200)
+            junker = MqttLink(as_user("bench-junk"), "bench-junk", clean_session=True, max_inflight=200)
             junker.start()
             junker.wait_connected(10)
 
@@ -175,6 +223,9 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True, flood_sta
             flood = threading.Thread(target=flood_all, daemon=True)
             flood.start()
         observe("burst_start", {"pushes": PUSHES})
+        procs = {**{a: cl.agents[a].pid for a in names}, "mosquitto": mq.proc.pid, "etcd": etcd.proc.pid,
+                 "bench": os.getpid(), **({"gateway": gw.pid} if gw is not None else {})}
+        pcpu0 = {k: proc_cpu_s(pid) for k, pid in procs.items()}
         cpu0 = agents_cpu_s(cl, names)
         t0 = time.monotonic()
         for j, p in zip(ids, payloads):
@@ -184,15 +235,31 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True, flood_sta
         if flood is not None:
             flood.join(120)
             junker.stop()
+        gw_cpu = 0.0
         if gw is not None:
-            gw.wait(300)
+            _, status, usage = os.wait4(gw.pid, 0)   # reaped here: its CPU is in the rusage
+            gw.returncode = os.waitstatus_to_exitcode(status)
+            gw_cpu = usage.ru_utime + usage.ru_stime
         time.sleep(1.0)  # what the agents still had queued
         cpu = (agents_cpu_s(cl, names) - cpu0) / n_agents
+        received = {}
+        for a in names:   # what the agents' links received of their peers' statuses (this code's status)
+            try:
+                from agent.runtime.admin import query
+
+                cloud = query(os.path.join(cl.agents[a].dir, "admin.sock")).get("cloud", {})
+                received[a] = (cloud.get("peer_statuses_received"), cloud.get("peer_statuses_read"))
+            except Exception:
+                received[a] = None
+        pcpu = {k: proc_cpu_s(pid) - pcpu0[k] for k, pid in procs.items() if k != "gateway"}
+        if gw is not None:
+            pcpu["gateway"] = gw_cpu - pcpu0["gateway"]
         t_last = max(arrived[j] for j in ids)
         burst_rate = PUSHES / (t_last - t0)
         burst_lat = [arrived[j] - sent[j] for j in ids]
         observe("burst_end", {"pushes": PUSHES, "per_s": burst_rate, "p99_ms": pct(burst_lat, 99) * 1000})
         return {"agents": n_agents, "paho": "2.x" if paho2 else "1.6", "burst_per_s": burst_rate, "agent_cpu_s": cpu,
+                "proc_cpu_s": pcpu, "peer_statuses_received": received,
                 "burst_p99_ms": pct(burst_lat, 99) * 1000, "paced_rate": RATE,
                 "p50_ms": statistics.median(lat) * 1000, "p99_ms": pct(lat, 99) * 1000}
     finally:
@@ -233,19 +300,29 @@ def main_flood() -> int:
           f"load={os.getloadavg()[0]:.1f}")
     rounds = int(os.environ.get("BENCH_ROUNDS", "3"))  # alternated, so a shared machine's load hits both alike
     quiet, noisy, cq, cf = [], [], [], []
+    pq: list = []
+    pf: list = []
     for i in range(rounds):
         q = run(2, False, paced=False)
         f = run(2, False, paced=False, flood_statuses=n)
+        pq.append(q["proc_cpu_s"])
+        pf.append(f["proc_cpu_s"])
         quiet.append(q["burst_per_s"])
         noisy.append(f["burst_per_s"])
         cq.append(q["agent_cpu_s"])
         cf.append(f["agent_cpu_s"])
+        print(f"  peers' statuses (received, read) per agent (quiet / flood): {q['peer_statuses_received']} / "
+              f"{f['peer_statuses_received']}")
         print(f"round {i + 1}: quiet {quiet[-1]:.0f}/s ({cq[-1]:.2f} s CPU per agent), flood {noisy[-1]:.0f}/s "
               f"({cf[-1]:.2f} s CPU per agent) (load {os.getloadavg()[0]:.1f})", flush=True)
     mq, mf = statistics.median(quiet), statistics.median(noisy)
     print(f"median quiet: {mq:.0f} accepted+durable/s; median under the flood: {mf:.0f}/s; "
           f"ratio {mf / mq:.2f}; CPU per agent {statistics.median(cq):.2f} s quiet, {statistics.median(cf):.2f} s "
           f"with the flood  load={os.getloadavg()[0]:.1f}")
+    print("median CPU seconds per process during the burst (quiet / flood):")
+    for k in pf[0]:
+        print(f"  {k:>10}: {statistics.median(p.get(k, 0.0) for p in pq):6.2f} / "
+              f"{statistics.median(p[k] for p in pf):6.2f}")
     return 0
 
 

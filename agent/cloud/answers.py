@@ -21,9 +21,9 @@ act for the shard; a stale delete can at worst remove a marker whose twin was de
 
 Before a status with a marker is first handed to paho, its marker is stamped ``handed``
 (:meth:`Answers.handing`; a republished copy also stamps its ``published_by``). Every agent
-also sees the cluster's statuses on the broker (:meth:`Answers.saw`, fed by
-agent/cloud/peers.py), and believes a status delivered only for the agent whose topic it
-came on: an answer counts as delivered when it went out under the prefix of one of its
+also sees its cluster members' statuses on the broker (:meth:`Answers.saw`, fed by
+agent/cloud/peers.py; which members it reads: agent/cloud/peersubs.py), and believes a
+status delivered only for the agent whose topic it came on: an answer counts as delivered when it went out under the prefix of one of its
 marker's writers (the ``agent`` that decided it, the one that republished it:
 ``published_by``), never because any other client said so. The shard's
 owner sweeps its shards' markers (see :meth:`sweep`): one whose answer it saw is deleted
@@ -32,7 +32,10 @@ or that is older than ``republish_after_s`` and not in its own outbox is publish
 ``"published_by": <its id>``, rebuilt from the fact it answers (agent/cloud/facts.py; a
 marker without one is deleted, counted ``unfounded`` and audited): unmarked (the first
 answer) if it was never handed, or handed but certainly not seen; else marked
-``"redelivery": true``. So after a takeover the new owner publishes what the dead agent
+``"redelivery": true``. "Certainly not seen" needs this agent to have read every status
+of each writer since well before the answer was written: subscribed to it (:meth:`reading`;
+never for a writer it does not read, :meth:`not_reading`), nothing of it dropped
+(:meth:`missed`), no reconnect (:meth:`watching`). So after a takeover the new owner publishes what the dead agent
 left undelivered, within a sweep, and the cloud gets exactly one unmarked answer.
 
 Bounded: markers older than ``keep_s`` (7 days) are deleted by the sweep without being
@@ -68,7 +71,6 @@ KEEP_S = 7 * 86400
 CLEAR_BATCH = 64
 CLEAR_LINGER_S = 0.25  # how long delivered markers wait for company before their delete
 SEEN_MAX = 200000
-MISSED_MAX = 4096
 SEEN_MARGIN_S = 1.0  # subscribe -> SUBACK, generously
 
 
@@ -149,8 +151,9 @@ class Answers:
         # answers this agent saw on the broker (its status subscription), by the agent whose
         # topic carried them: "<agent>|<job>/<name>"
         self._seen: RecentMemory[str, bool] = RecentMemory(SEEN_MAX)
-        # agents some of whose statuses this agent did not read (peers.py dropped them): when
-        self._missed: RecentMemory[str, float] = RecentMemory(MISSED_MAX)
+        # the writers whose statuses this agent reads (subscribed: peersubs.py), and since
+        # when without a gap (the subscription, or the last status of theirs dropped unread)
+        self._reading: dict[str, float] = {}
         self._seen_lock = threading.Lock()
         self.watching_since: Optional[float] = None  # wall time since which nothing was missed
 
@@ -169,13 +172,24 @@ class Answers:
 
     def missed(self, agent: str) -> None:
         """Some status of ``agent`` was not read (too large, over its rate, the queue full):
-        from now on, an answer of that writer that was not seen may still have been
+        an answer of that writer written before now that was not seen may still have been
         delivered (as after a reconnect, but for that writer only)."""
         now = time.time()
         with self._seen_lock:
-            if len(self._missed) >= self._missed.limit and agent not in self._missed:
-                self.watching_since = now  # too many writers to tell apart: all of them
-            self._missed.remember(agent, now)
+            if agent in self._reading:
+                self._reading[agent] = max(self._reading[agent], now)
+
+    def reading(self, agent: str) -> None:
+        """This agent subscribes to ``agent``'s statuses from now on (only its answers
+        written after now can be known missing)."""
+        with self._seen_lock:
+            self._reading[agent] = time.time()
+
+    def not_reading(self, agent: str) -> None:
+        """This agent stops reading ``agent``'s statuses: none of its answers is known
+        missing until :meth:`reading` again (those seen stay delivered)."""
+        with self._seen_lock:
+            self._reading.pop(agent, None)
 
     def watching(self, connected: bool) -> None:
         """On every (re)connect: only answers written after it (plus a margin) can be known
@@ -188,18 +202,19 @@ class Answers:
                                now: float) -> Optional[bool]:
         """True: delivered (seen under the prefix of one of its writers: the agent that
         decided it, the one that republished it). False: certainly not delivered (this
-        agent has been subscribed, and has read every status of those writers, since well
-        before the answer was written, and did not see it). None: cannot tell."""
+        agent has been subscribed to those writers, and has read every status of theirs,
+        since well before the answer was written, and did not see it). None: cannot tell."""
         if not writers:
             return None
         with self._seen_lock:
             if any(f"{w}|{job_id}/{name}" in self._seen for w in writers):
                 return True
             since = self.watching_since
-            missed = [t for t in (self._missed.get(w) for w in writers) if t is not None]
-        if since is not None and missed:
-            since = max(since, *missed)
-        if since is not None and _age_s(doc, now) < now - since - SEEN_MARGIN_S:
+            read_since = [self._reading.get(w) for w in writers]
+        if since is None or None in read_since:
+            return None   # not subscribed to one of them: it may have delivered it unseen
+        since = max(since, *(t for t in read_since if t is not None))
+        if _age_s(doc, now) < now - since - SEEN_MARGIN_S:
             return False
         return None
 

@@ -35,6 +35,7 @@ from .mqtt import PAHO_VERSION, MqttLink
 from .outbox import Outbox, OutboxPublisher
 from .outboxwriter import OutboxWriter
 from .peers import PeerStatuses
+from .peersubs import PeerSubscriptions
 from .presence import presence_doc, will_doc
 from .queries import JobQueries
 from .topics import Topics
@@ -110,7 +111,7 @@ class CloudComponent:
                              on_connect=self._connected, on_message=self._message,
                              on_publish=self._published, on_disconnect=lambda rc: self.gate_topics.link_down(),
                              subscriptions=((self.topics.push, 1), (self.topics.cancel, 1),
-                                            (self.topics.jobs_get, 0), (self.topics.status_filter(), 1))
+                                            (self.topics.jobs_get, 0))
                              + tuple((t, 1) for t in sorted(self.gate_topics.topics)),
                              topic_kind=self.topics.kind,
                              reconnect_min_s=m.reconnect_min_s,
@@ -135,8 +136,18 @@ class CloudComponent:
                                   cluster=cfg.cluster, max_age_s=m.get_max_age_s, max_skew_s=m.max_skew_s,
                                   page_bytes=m.get_page_bytes,
                                   report_unauthenticated=self.ingest.report_unauthenticated)
+        # peers' statuses: one subscription per member (peersubs.py), none for the wildcard
+        # an older agent's persistent session may still hold
+        self.link.unsubscribe(self.topics.status_filter())
+        self.peer_subs = PeerSubscriptions(self.topics, self.link, self.agent_id, reading=self.answers.reading,
+                                           not_reading=self.answers.not_reading, call_later=agent.loop.call_later,
+                                           record=agent.record)
+        agent.members_listeners.append(lambda: self.peer_subs.members_changed(list(agent.shards.members)))
         self.peers = PeerStatuses(self.topics, self.link, saw=self.answers.saw, missed=self.answers.missed,
-                                  record=lambda *a, **k: agent.loop.post(lambda: agent.record(*a, **k)))
+                                  record=lambda *a, **k: agent.loop.post(lambda: agent.record(*a, **k)),
+                                  flooding=lambda peer: agent.loop.post(self.peer_subs.flooding, peer),
+                                  stray=lambda peer: agent.loop.post(self.peer_subs.stray, peer),
+                                  wanted=lambda: self.peer_subs.snapshot)
         self.dispatcher = Dispatcher(self.ingest, self.link, self.topics, lambda: agent.owned_shards,
                                      m.ingest_grace_s, workers=workers)
         self.watch: Optional[PrefixWatch] = None
@@ -208,7 +219,7 @@ class CloudComponent:
         elif msg.topic == self.topics.jobs_get:
             self.queries.on_message(msg)
         elif self.topics.kind(msg.topic) == "status":
-            # every agent sees the cluster's answers on the broker: a dead peer's answer that
+            # every agent sees its members' answers on the broker: a dead peer's answer that
             # was delivered is not published again (answers.py); bounded per peer (peers.py)
             self.peers.on_message(msg)
         else:
@@ -223,6 +234,7 @@ class CloudComponent:
         self.dispatcher.start()
         self.answers.start()
         self.peers.start()
+        self.peer_subs.start()   # this agent's own statuses until the members/ view arrives
         self.queries.start()
         threading.Thread(target=self._start_watch, name="mqtt-jobs-watch-start", daemon=True).start()
         self.link.start()
@@ -285,4 +297,7 @@ class CloudComponent:
                 "pending_pushes": self.dispatcher.pending, "paho": PAHO_VERSION,
                 "held_get_requests": self.queries.held, "queued_get_requests": self.queries.queued,
                 "queued_peer_statuses": self.peers.depth,
+                "peer_statuses_received": self.peers.received, "peer_statuses_read": self.peers.read,
+                "peer_subscriptions": len(self.peer_subs.subscribed),
+                "peers_cooling_off": sorted(self.peer_subs.cooling),
                 "keys": self.keyring.kids}

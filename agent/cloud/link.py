@@ -12,6 +12,10 @@ What a consumer may rely on:
   before the PUBACK is made durable inside that callback;
 - ``publish`` never blocks (rc != 0 while disconnected; QoS 1 messages are still queued
   and sent after the reconnect); ``publish_wait`` waits for the broker's acknowledgement;
+- ``subscribe``/``unsubscribe`` change the link's subscriptions from any thread without
+  blocking: the current set is subscribed again on every (re)connect, and an unsubscribe
+  that could not be sent is sent on the next connect (a persistent session keeps what it
+  was subscribed to across connections);
 - the callbacks given at construction run on the link's own thread and must not block.
 """
 
@@ -55,6 +59,10 @@ class Link(Protocol):
     def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> tuple[int, int]:
         """(rc, mid)."""
         ...
+
+    def subscribe(self, topic: str, qos: int = 1) -> None: ...
+
+    def unsubscribe(self, topic: str) -> None: ...
 
     def publish_wait(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
                      timeout: float = 2.0) -> bool: ...

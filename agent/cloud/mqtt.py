@@ -14,7 +14,10 @@ What the rest of the cloud package relies on:
 - an ack is only sent on the connection the message came from: message ids are per
   connection, so after a reconnect the broker redelivers instead (``generation``);
 - TLS (CA, client certificate), username/password, a last will, and reconnects with
-  capped exponential backoff (paho's own loop thread).
+  capped exponential backoff (paho's own loop thread);
+- subscriptions that change while it runs (:meth:`subscribe`, :meth:`unsubscribe`): the
+  current set is subscribed on every connect; an unsubscribe that was not sent (no
+  connection) is sent on the next one, since the persistent session still holds it.
 
 Callbacks run on paho's network thread; they must not block.
 """
@@ -74,7 +77,8 @@ class MqttLink:
         self.cfg = cfg
         self.client_id = client_id
         self.clean_session = clean_session
-        self.subscriptions = subscriptions
+        self.subscriptions: dict[str, int] = dict(subscriptions)   # under _lock
+        self._unsubscribe_pending: set[str] = set()                  # under _lock
         self.topic_kind = topic_kind
         self._on_connect = on_connect
         self._on_disconnect = on_disconnect
@@ -158,9 +162,12 @@ class MqttLink:
         session_present = bool(getattr(flags, "session_present", None) if not isinstance(flags, dict)
                                else flags.get("session present"))
         CONNECTS.labels("ok").inc()
-        for topic, qos in self.subscriptions:
-            client.subscribe(topic, qos)
         with self._lock:
+            for topic in sorted(self._unsubscribe_pending):
+                if _rc(client.unsubscribe(topic)[0]) == 0:
+                    self._unsubscribe_pending.discard(topic)
+            for topic, qos in self.subscriptions.items():
+                client.subscribe(topic, qos)
             self.generation += 1
             self.connected = True
             gen = self.generation
@@ -225,6 +232,22 @@ class MqttLink:
             else:
                 return True  # synchronous mode: paho acks when on_message returns
         return _rc(rc) == 0
+
+    def subscribe(self, topic: str, qos: int = 1) -> None:
+        """Subscribe now if connected, and on every connect from now on."""
+        with self._lock:
+            self.subscriptions[topic] = qos
+            self._unsubscribe_pending.discard(topic)
+            if self.connected:
+                self.client.subscribe(topic, qos)
+
+    def unsubscribe(self, topic: str) -> None:
+        """Unsubscribe now if connected, else on the next connect; never again subscribed
+        on a connect (until :meth:`subscribe`)."""
+        with self._lock:
+            self.subscriptions.pop(topic, None)
+            if not self.connected or _rc(self.client.unsubscribe(topic)[0]) != 0:
+                self._unsubscribe_pending.add(topic)
 
     def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> tuple[int, int]:
         """(rc, mid). rc != 0 when not connected; QoS 1 messages are still queued by paho."""

@@ -1,11 +1,11 @@
-"""Peers' statuses: every agent reads the cluster's statuses, bounded against a flooding peer.
+"""Peers' statuses: every agent reads its cluster members' statuses, bounded against a flooding peer.
 
-Every agent subscribes to ``millwright/<c>/agents/+/status/+`` to learn which answers
-reached the broker (agent/cloud/answers.py: an answer a dead peer already delivered is not
-published again). Whoever can publish there (with the shipped broker ACL: each agent under
-its own prefix; without it, any broker client) could otherwise make every agent parse
-everything on the link's thread and stall its ingest. So on the link's thread a status
-costs only its topic, its length and a token:
+Every agent subscribes to ``millwright/<c>/agents/<member>/status/+`` of each member
+(agent/cloud/peersubs.py) to learn which answers reached the broker (agent/cloud/answers.py:
+an answer a dead peer already delivered is not published again). A member (or whoever
+forged a membership) could otherwise make every agent parse everything it publishes there
+on the link's thread and stall its ingest. So on the link's thread a status costs only its
+topic, its length and a token:
 
  1. the topic's agent segment: the only sender identity the broker vouches for (its ACL);
  2. the size, before any parsing (``max_bytes``);
@@ -15,7 +15,14 @@ costs only its topic, its length and a token:
  4. a bounded queue (``queue_max`` statuses, ``queue_bytes`` bytes): when full, the new
     status is dropped (drop-new: the link's thread never waits);
 
-and it is acknowledged (a peer's status is no durable state of this agent). One worker
+and it is acknowledged (a peer's status is no durable state of this agent). A status
+refused for its agent's rate (or too large while its bucket is empty) also tells
+``flooding(agent)``, at most every ``FLOODING_EVERY_S`` per agent: peersubs.py then stops
+the broker from sending that agent's statuses at all for a while. A status of an agent
+not in ``wanted()`` (peersubs.py's current set) is dropped unread and told ``stray(agent)``
+(as often): peersubs.py unsubscribes it again (a subscription a previous run
+of this agent left in its persistent session, or what the broker sent before an
+unsubscribe took effect), or subscribes again if the set changed meanwhile. One worker
 thread parses what is queued and tells :meth:`Answers.saw` which agent's topic carried it.
 
 A status dropped at 2-4 is counted (``millwright_mqtt_peer_statuses_total{result}``),
@@ -45,7 +52,8 @@ from .topics import ID_RE, Topics
 log = logging.getLogger(__name__)
 
 PEER_STATUSES = counter("millwright_mqtt_peer_statuses_total",
-                        "Peers' statuses received, by result (read, too_large, rate_limited, queue_full, bad_json)",
+                        "Peers' statuses received, by result (read, too_large, rate_limited, queue_full, bad_json, "
+                        "unsubscribed)",
                         ("result",))
 
 # A status is a few hundred bytes; the largest an agent writes (a 4 KiB stderr tail, every
@@ -55,6 +63,7 @@ MIN_COST = 1024          # bytes: what a status costs at least against its agent
 RATE_PER_S = 1 << 20     # bytes per agent and second: 1,000 statuses/s, twice an agent's at
 BURST = 4 << 20          # ~500 pushes/s; 4,000 statuses at once (a group commit's burst)
 MISSED_EVERY_S = 0.5     # answers.py's margin (1 s) covers the lag of a throttled `missed`
+FLOODING_EVERY_S = 1.0
 QUEUE_MAX = 20000
 QUEUE_BYTES = 16 * 1024 * 1024
 BUCKETS_MAX = 4096       # agents told apart (a flood under made-up agent ids evicts the oldest)
@@ -67,6 +76,9 @@ class PeerStatuses:
 
     def __init__(self, topics: Topics, link: Link, saw: Callable[[str, dict], None],
                  missed: Callable[[str], None], record: Callable[..., None] = lambda *a, **k: None, *,
+                 flooding: Callable[[str], None] = lambda agent: None,
+                 stray: Callable[[str], None] = lambda agent: None,
+                 wanted: Callable[[], Optional[frozenset]] = lambda: None,
                  max_bytes: int = MAX_BYTES, rate: float = RATE_PER_S, burst: float = BURST,
                  queue_max: int = QUEUE_MAX, queue_bytes: int = QUEUE_BYTES, report_s: float = REPORT_S,
                  clock: Callable[[], float] = time.monotonic):
@@ -75,6 +87,9 @@ class PeerStatuses:
         self.saw = saw
         self.missed = missed
         self.record = record
+        self.flooding = flooding
+        self.stray = stray
+        self.wanted = wanted
         self.max_bytes = max_bytes
         self.rate, self.burst = rate, burst
         self.queue_max, self.queue_bytes = queue_max, queue_bytes
@@ -82,8 +97,9 @@ class PeerStatuses:
         self.clock = clock
         self._buckets: RecentMemory[str, TokenBucket] = RecentMemory(BUCKETS_MAX)  # link thread only
         self._missed_at: RecentMemory[str, float] = RecentMemory(BUCKETS_MAX)     # link thread only
+        self._flooding_at: RecentMemory[str, float] = RecentMemory(BUCKETS_MAX)   # link thread only
         self._count = {r: PEER_STATUSES.labels(r) for r in ("read", "too_large", "rate_limited", "queue_full",
-                                                             "bad_json")}
+                                                             "bad_json", "unsubscribed")}
         self._q: "collections.deque[tuple[str, bytes]]" = collections.deque()
         self._bytes = 0
         self._cv = threading.Condition()
@@ -91,23 +107,32 @@ class PeerStatuses:
         self._stop = False
         self._thread: Optional[threading.Thread] = None
         self.read = 0
+        self.received = 0   # link thread only (a figure for the status)
 
     # --- the link's thread -------------------------------------------------------------
     def on_message(self, msg: Message) -> None:
         self.link.ack(msg)
+        self.received += 1
         agent = self.topics.agent_of(msg.topic)
         if agent is None or not ID_RE.fullmatch(agent):
             return
-        size = len(msg.payload)
-        if size > self.max_bytes:
-            self._dropped(agent, "too_large")
+        wanted = self.wanted()
+        if wanted is not None and agent not in wanted:
+            # not (or no longer) subscribed to: what the broker had already sent, or a
+            # subscription a previous run left in the session: told like a flood (unsubscribe)
+            self._count["unsubscribed"].inc()
+            self._flooding(agent, self.stray)
             return
+        size = len(msg.payload)
         bucket = self._buckets.get(agent)
         if bucket is None:
             bucket = TokenBucket(self.rate, self.burst, self.clock)
             self._buckets.remember(agent, bucket)
-        if not bucket.take(max(size, MIN_COST)):
-            self._dropped(agent, "rate_limited")
+        within = bucket.take(max(size, MIN_COST))   # what the link read counts, parsed or not
+        if size > self.max_bytes or not within:
+            self._dropped(agent, "too_large" if size > self.max_bytes else "rate_limited")
+            if not within:
+                self._flooding(agent, self.flooding)
             return
         with self._cv:
             if len(self._q) >= self.queue_max or self._bytes + size > self.queue_bytes:
@@ -120,6 +145,13 @@ class PeerStatuses:
                 self._bytes += size
         if full:
             self._dropped(agent, "queue_full")
+
+    def _flooding(self, agent: str, tell: Callable[[str], None]) -> None:
+        now = self.clock()
+        last = self._flooding_at.get(agent)
+        if last is None or now - last >= FLOODING_EVERY_S:
+            self._flooding_at.remember(agent, now)
+            tell(agent)
 
     def _dropped(self, agent: str, reason: str) -> None:
         self._count[reason].inc()

@@ -124,6 +124,7 @@ class Agent:
         self.watches: list[PrefixWatch] = []
         # hooks other parts register (jobs, cloud, health): called on the loop thread
         self.shard_listeners: list[ShardListener] = []
+        self.members_listeners: list[Callable[[], None]] = []  # after the members/ view changed (cloud)
         self.busy_checks: list[Callable[[int], bool]] = []
         self.status_providers: dict[str, Callable[[], Any]] = {}
         self.stop_hooks: list[Callable[[], None]] = []
@@ -247,10 +248,14 @@ class Agent:
     def _members_snapshot(self, kvs: list, rev: int) -> None:
         self.shards.members_snapshot(kvs, rev)
         self.placement.members_changed()
+        for listener in self.members_listeners:
+            listener()
 
     def _members_events(self, events: list, rev: int) -> None:
         self.shards.members_events(events, rev)
         self.placement.members_changed()
+        for listener in self.members_listeners:
+            listener()
 
     # --- shards ------------------------------------------------------------------------
     def publish_status(self, doc: dict) -> None:

@@ -2,7 +2,9 @@
 statuses, fake `accepted` and `failed` answers about another agent's jobs among them, under
 its own prefix (all the shipped broker ACL lets it write). That agent dies with its answers
 undelivered. No owed answer is dropped: the shard's new owner publishes every one, rebuilt
-from etcd, because an answer counts as delivered only under its writer's own prefix. (The
+from etcd, because an answer counts as delivered only under its writer's own prefix; the
+flooding member is unsubscribed for a cool-off. A member that floods and dies with answers
+it may have delivered gets them republished, marked ``redelivery``. (The
 ingest figure under such a flood is bench/bench_ingest.py --flood.) Real agents, etcd and
 mosquitto."""
 
@@ -44,8 +46,8 @@ def _ids_on(owners: dict, agent: str, prefix: str, n: int) -> list[str]:
     return out
 
 
-def flood(url: str, fakes: list[dict], n: int) -> int:
-    """``n`` statuses from the gateway "gw" under its own prefix, QoS 1, as fast as the
+def flood(url: str, fakes: list[dict], n: int, agent: str = "gw") -> int:
+    """``n`` statuses from the gateway ``agent`` under its own prefix, QoS 1, as fast as the
     broker takes them: the fakes in turn, padded to 8 KiB, every tenth 40 KiB (over an
     agent's peer status cap). Returns the bytes sent."""
     link = MqttLink(MqttConfig(url=url), "gw-flood", clean_session=True, max_inflight=200,
@@ -57,10 +59,10 @@ def flood(url: str, fakes: list[dict], n: int) -> int:
         for i in range(n):
             fake = dict(fakes[i % len(fakes)], seq=i, pad="x" * (40000 if i % 10 == 0 else 8000))
             payload = json.dumps(fake).encode()
-            while link.publish(T.status(fake["job_id"], "gw"), payload, 1)[0] != 0:
+            while link.publish(T.status(fake["job_id"], agent), payload, 1)[0] != 0:
                 time.sleep(0.01)
             sent += len(payload)
-        assert link.publish_wait(T.status("last", "gw"), b"{}", 1, timeout=60)
+        assert link.publish_wait(T.status("last", agent), b"{}", 1, timeout=60)
     finally:
         link.stop()
     return sent
@@ -101,6 +103,9 @@ def test_a_gateways_status_flood_and_fake_answers_drop_no_owed_answer(world):
                       "fire_id": rec["fire_id"], "state": "succeeded", "agent": "a1",
                       "exit_code": 0, "ts": rec["ended_at"]})
         fakes.append(dict(fakes[-1], state="failed", exit_code=3))
+        # the gateway is a member as far as etcd says (forged or real): a2 reads its statuses
+        world.cluster.client.put(world.cluster.keys.member("gw"), json.dumps({"capacity": 1.0, "available": False}))
+        time.sleep(1.0)
         t0 = time.monotonic()
         sent = flood(world.mq.url, fakes, FLOOD)
         flood_s = time.monotonic() - t0
@@ -127,6 +132,8 @@ def test_a_gateways_status_flood_and_fake_answers_drop_no_owed_answer(world):
                              for r in world.cluster.audit("a2")), 30, what="a2's audit record of the gateway's drops")
         reasons = {r["reason"] for r in world.cluster.audit("a2") if r.get("event") == "peer_statuses_dropped"}
         assert "too_large" in reasons, reasons
+        assert any(r.get("event") == "peer_statuses_unsubscribed" and r.get("agent") == "gw"
+                   for r in world.cluster.audit("a2"))   # the broker stopped sending them for a while
         assert a2.alive()
         print(f"\ngateway flood: {FLOOD} statuses, {sent / 1e6:.0f} MB in {flood_s:.1f}s; a1 kill -9'd after it; "
               f"all {len(owed)} owed answers published by a2 {took:.2f}s after the kill (dropped at a2: "
@@ -134,3 +141,45 @@ def test_a_gateways_status_flood_and_fake_answers_drop_no_owed_answer(world):
     finally:
         pusher.stop()
 
+
+
+def test_a_member_that_floods_and_dies_has_its_answers_republished_marked_redelivery(world):
+    """a1 floods its own status topic (here the test's client writes there: the fixture's
+    broker has no ACL), so a2 stops reading a1 for a cool-off; meanwhile a1 writes answers,
+    hands them to the broker and dies. a2 cannot know they were not delivered and
+    republishes each, marked ``redelivery`` (had it read a1 all along, or only missed some
+    of its statuses before these answers, they would go out unmarked)."""
+    world.cluster.env = {"MILLWRIGHT_TEST_HOLD_OUTBOX": "1"}
+    a1 = world.cluster.start("a1")
+    world.cluster.env = {}
+    world.cluster.start("a2")
+    wait_for(lambda: world.cluster.converged({"a1": 1.0, "a2": 1.0}), 40, what="two agents share the shards")
+    assert world.col.wait(lambda m: any(t == T.presence("a2") and d.get("state") == "online" for _, t, d in m), 30)
+    ids = _ids_on(world.cluster.owners(), "a1", "handed", 10)
+    pusher = Pusher(world.mq.url, "flood-pusher")
+    try:
+        flood(world.mq.url, [{"v": 1, "job_id": "noise", "state": "running", "agent": "a1"}], 1000, agent="a1")
+        wait_for(lambda: any(r.get("event") == "peer_statuses_unsubscribed" and r.get("agent") == "a1"
+                             for r in world.cluster.audit("a2")), 30, what="a2 stops reading a1")
+        time.sleep(1.2)  # past a2's margin for its last drop of a1's statuses: only the cool-off hides them
+        for j in ids:
+            pusher.push(signed(job_doc(j), world.ring))
+        client, keys = world.cluster.client, world.cluster.keys
+
+        def markers():
+            return [kv for s in range(SHARDS) for kv in client.get_prefix(keys.answers_prefix(s))[0]
+                    if kv.key.split("/")[-2] in ids]
+        wait_for(lambda: len(markers()) == len(ids), 30, interval=0.05, what="a1's answers in etcd")
+        for kv in markers():   # as a1's publisher stamps them before the broker gets them
+            client.put(kv.key, json.dumps(dict(json.loads(kv.value), handed=True)))
+        a1.kill()
+
+        def republished():
+            got = {d["job_id"]: d for _, t, d in world.col.messages
+                   if T.agent_of(t) == "a2" and d.get("published_by") == "a2" and d.get("job_id") in ids
+                   and d.get("state") == "accepted"}
+            return len(got) == len(ids) and got
+        got = wait_for(republished, 60, what="a1's answers republished by a2")
+        assert all(d.get("redelivery") is True and d["agent"] == "a1" for d in got.values()), got
+    finally:
+        pusher.stop()

@@ -26,6 +26,8 @@ class FakeLink:
         self.mid = 0
         self.sent: list[tuple[int, str, object]] = []   # (mid, topic, JSON document or raw bytes)
         self.acked: list[Message] = []
+        self.subscriptions: dict[str, int] = {}
+        self.unsubscribed: list[str] = []
 
     def start(self) -> "FakeLink":
         self.started = True
@@ -51,6 +53,13 @@ class FakeLink:
             doc = payload
         self.sent.append((self.mid, topic, doc))
         return 0, self.mid
+
+    def subscribe(self, topic: str, qos: int = 1) -> None:
+        self.subscriptions[topic] = qos
+
+    def unsubscribe(self, topic: str) -> None:
+        self.subscriptions.pop(topic, None)
+        self.unsubscribed.append(topic)
 
     def publish_wait(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
                      timeout: float = 2.0) -> bool:

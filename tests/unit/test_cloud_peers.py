@@ -75,7 +75,7 @@ def test_a_full_queue_drops_the_new_status_and_never_blocks_the_link():
 
 
 def test_drops_are_reported_in_the_audit_log_per_agent_and_reason():
-    w = World(max_bytes=100, rate=0.0, burst=1024.0)
+    w = World(max_bytes=100, rate=0.0, burst=2048.0)
     w.status("gw", {"job_id": "j"}, pad=500)
     w.status("gw", {"job_id": "j"})
     w.status("gw", {"job_id": "j"})   # over its rate
@@ -94,9 +94,13 @@ def test_junk_and_other_topics_never_reach_answers():
     assert w.saw == [] and w.missed == []
 
 
-def _answers() -> Answers:
-    return Answers(None, None, "me", enqueue=lambda *a: None, in_outbox=lambda k: False, owned=frozenset,
-                   fence_for=lambda s: None)
+def _answers(reading_since: float = 100.0) -> Answers:
+    """Connected and subscribed to a1's and a2's statuses since ``reading_since`` seconds ago."""
+    a = Answers(None, None, "me", enqueue=lambda *a: None, in_outbox=lambda k: False, owned=frozenset,
+                fence_for=lambda s: None)
+    a.watching_since = time.time() - reading_since
+    a._reading.update({"a1": a.watching_since, "a2": a.watching_since})
+    return a
 
 
 def _doc(age_s: float, **kw) -> dict:
@@ -106,7 +110,6 @@ def _doc(age_s: float, **kw) -> dict:
 
 def test_delivered_only_when_seen_under_the_markers_writer():
     a = _answers()
-    a.watching_since = time.time() - 100
     marker = _doc(10)
     now = time.time()
     assert a._seen_or_known_missing(("a1",), "j", "run.f", marker, now) is False  # subscribed long before: missing
@@ -118,7 +121,6 @@ def test_delivered_only_when_seen_under_the_markers_writer():
 
 def test_a_missed_status_of_the_writer_makes_its_older_answers_unknown():
     a = _answers()
-    a.watching_since = time.time() - 100
     a.missed("a1")
     now = time.time()
     assert a._seen_or_known_missing(("a1",), "j", "run.f", _doc(10), now) is None     # may have been the dropped one
@@ -137,14 +139,12 @@ def test_the_markers_writer_is_who_last_published_it():
 
 def test_a_republished_answer_is_delivered_when_either_writer_delivered_it():
     a = _answers()
-    a.watching_since = time.time() - 100
     marker = _doc(10, published_by="a2")   # a1 decided it, a2 republished it (and died too)
     now = time.time()
     assert a._seen_or_known_missing(("a1", "a2"), "j", "run.f", marker, now) is False
     a.saw("a1", _doc(5))                   # a1 had delivered it after all
     assert a._seen_or_known_missing(("a1", "a2"), "j", "run.f", marker, now) is True
     b = _answers()
-    b.watching_since = time.time() - 100
     b.missed("a2")                         # a status of the republisher went unread
     assert b._seen_or_known_missing(("a1", "a2"), "j", "run.f", marker, now) is None
 
@@ -158,3 +158,18 @@ def test_ten_thousand_large_statuses_cost_the_link_thread_no_parsing():
     # queued: the gateway's burst of bytes, within the queue's bytes; the rest dropped
     assert w.peers.depth == min(int(w.peers.burst), w.peers.queue_bytes) // len(body)
     assert w.missed == ["gw"]
+
+
+def test_only_the_statuses_of_a_writer_it_reads_tell_an_answer_missing():
+    a = _answers()
+    now = time.time()
+    assert a._seen_or_known_missing(("a3",), "j", "run.f", _doc(10, agent="a3"), now) is None  # never subscribed
+    a.reading("a3")
+    assert a._seen_or_known_missing(("a3",), "j", "run.f", _doc(10, agent="a3"), now) is None  # before it
+    later = now + 10 + SEEN_MARGIN_S
+    assert a._seen_or_known_missing(("a3",), "j", "run.f", _doc(-2, agent="a3"), later) is False
+    a.not_reading("a1")                                  # unsubscribed (a flood's cool-off)
+    assert a._seen_or_known_missing(("a1",), "j", "run.f", _doc(10), now) is None
+    assert a._seen_or_known_missing(("a1", "a2"), "j", "run.f", _doc(10, published_by="a2"), now) is None
+    a.saw("a1", _doc(0))
+    assert a._seen_or_known_missing(("a1",), "j", "run.f", _doc(10), now) is True  # what it saw stays seen
