@@ -524,3 +524,36 @@ def test_a_claim_that_finds_a_record_this_agent_wrote_under_its_fence_does_not_c
         sched._claimed(f, Claim(ClaimKind.FOREIGN, record=rec, rev=50))
         assert bool(claims) is claimed_over, rec
         e.firings.pop(f.fire_id, None)
+
+
+def test_a_first_run_notes_its_lateness_from_the_later_of_due_and_claim_to_the_loop():
+    """The lag sees a backlog of claims and spawns: a run's lateness is measured from its
+    due time (claimed ahead) or its first claim (a catch-up, or one that waited on purpose),
+    and only the first attempt counts (a retry's delay is its backoff)."""
+    import time as _time
+
+    from agent.jobs.scheduler import _count_start
+
+    class Noted:
+        def __init__(self) -> None:
+            self.late: list[float] = []
+
+        def note_late(self, late: float) -> None:
+            self.late.append(late)
+
+    e = entry()
+    ahead = Firing(e, datetime.now(timezone.utc) + timedelta(seconds=2), "ahead")
+    ahead.mark_ready()
+    ahead.mark_ready()                                   # a claim made again keeps the first mark
+    assert 1.9 < ahead.ready_mono - _time.monotonic() <= 2.0
+    ahead.started_mono = ahead.ready_mono + 0.3          # started 0.3 s after it was due
+    caught_up = Firing(e, datetime.now(timezone.utc) - timedelta(seconds=60), "caught-up")
+    caught_up.mark_ready()
+    caught_up.started_mono = caught_up.ready_mono + 0.01   # 60 s after due, 10 ms after its claim
+    retry = Firing(e, datetime.now(timezone.utc) - timedelta(seconds=5), "retry", attempt=2)
+    retry.mark_ready()
+    retry.started_mono = retry.ready_mono + 4.0
+    loop = Noted()
+    for f in (ahead, caught_up, retry):
+        _count_start(loop, f, _time.time())
+    assert [round(x, 3) for x in loop.late] == [0.3, 0.01]
