@@ -53,3 +53,14 @@ class ForeignRecords:
         self.audit.record("job", event="foreign_record", job=e.job.id, where="load", count=len(found), records=shown)
         self.statuses.send(e, None, JobState.REJECTED, reason="foreign_record", source="store", count=len(found),
                            records=shown, detail=f"{len(found)} run record(s) not believed: {shown[0]['why']}{more}")
+
+    def early_at_load(self, e: JobEntry, found: list[tuple[str, float, dict, int]]) -> None:
+        """Fenced records of firings ahead of this agent's clock, believed (an owner whose
+        clock runs ahead ran them early; running them again could run them twice): each load
+        that finds some says so once, in the log, the metric and the audit log."""
+        FOREIGN_RECORDS.labels("early").inc(len(found))
+        shown = [{"fire_id": fid, "ahead_s": round(ahead, 3), "agent": rec.get("agent"), "state": rec.get("state"),
+                  "revision": rev} for fid, ahead, rec, rev in found[:SHOWN]]
+        log.warning("run records ahead of this agent's clock believed", extra={"fields": {
+            "job": e.job.id, "count": len(found), "most_ahead_s": round(max(a for _, a, _, _ in found), 3)}})
+        self.audit.record("job", event="early_record", job=e.job.id, where="load", count=len(found), records=shown)

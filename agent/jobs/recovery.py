@@ -5,8 +5,9 @@ job's schedule, adds the firings to the entry, and says what the scheduler must 
 
 Records are not signed and etcd is writable by more than agents, so a record is believed
 only where the signed job allows what it says: its firing is on the job's schedule and not
-in the future, its attempt within 1..max_attempts (a `retrying` one before the last), its
-fence older than the write. Any other is foreign: reported, never run from; a past firing
+further ahead than an owner whose clock runs fast could have claimed it (and, ahead at all,
+only with a fence), its attempt within 1..max_attempts (a `retrying` one before the last),
+its fence older than the write. Any other is foreign: reported, never run from; a past firing
 it names counts as handled (forged state may stop work, never start it), a future one's
 claim replaces it when it falls due."""
 
@@ -27,8 +28,12 @@ if TYPE_CHECKING:
 
 
 # a firing is claimed at most the claim lead ahead of its due time (execute.claim_lead_s,
-# under a second); a record further ahead than this was not made by a claim
+# under a second) by its owner's clock, and owners' clocks differ by up to CLOCK_SKEW_MAX_S:
+# a fenced record up to both ahead may be an owner's honest early run (believed: running its
+# firing again could run it twice; forged, it can only stop that firing, and it is reported);
+# a record further ahead was not made by a claim
 FUTURE_SLACK_S = 5.0
+CLOCK_SKEW_MAX_S = 60.0
 FOREIGN_AHEAD_MAX = 64   # foreign records of future firings remembered per job (their claims replace them)
 
 
@@ -37,6 +42,8 @@ class Recovered:
     retrying: list[tuple[Firing, datetime]] = field(default_factory=list)   # (firing, retry_at) to re-arm
     orphans: list[Firing] = field(default_factory=list)     # `running` by an owner that is gone
     foreign: list[tuple[str, str, dict, int]] = field(default_factory=list)   # (fire_id, why, record, revision)
+    early: list[tuple[str, float, dict, int]] = field(default_factory=list)   # (fire_id, seconds ahead, record,
+    #                                          revision): believed, though its firing is ahead of this agent's clock
     error: Optional[str] = None       # the schedule cannot be computed: nothing below applies
     skipped: int = 0                  # firings the misfire policy skipped
     skipped_capped: bool = False
@@ -76,6 +83,9 @@ def recover(e: JobEntry, records: Records, agent_id: str, now: datetime) -> Reco
             elif len(e.foreign_ahead) < FOREIGN_AHEAD_MAX:
                 e.foreign_ahead[fire_id] = rev   # its claim may replace exactly this record
             continue
+        ahead = (due - now).total_seconds()
+        if ahead > FUTURE_SLACK_S:
+            out.early.append((fire_id, ahead, rec, rev))
         _done_up_to(e, due)
         handled.add(fire_id)
         e.latest_fire = max(e.latest_fire, fire_id)
@@ -136,7 +146,7 @@ def foreign(job: Any, accepted_at: datetime, fire_id: str, due: datetime, rec: A
     if state == RecordState.RETRYING and attempt >= most:
         return f"`retrying` after attempt {attempt} of {most}"
     ahead = (due - now).total_seconds()
-    if ahead > FUTURE_SLACK_S:
+    if ahead > FUTURE_SLACK_S + CLOCK_SKEW_MAX_S:
         return f"its firing is due at {format_rfc3339(due)}: no claim is made that far ahead"
     fence = rec.get("fence")
     if ahead > 0 and fence is None:

@@ -141,6 +141,8 @@ class Scheduler:
             self._orphan(f, now)
         if r.foreign:
             self.foreign.at_load(e, r.foreign)
+        if r.early:
+            self.foreign.early_at_load(e, r.early)
         if r.error is not None:
             log.error("cannot compute the schedule; ignoring job", extra={"fields": {"job": e.job.id, "error": r.error}})
             return

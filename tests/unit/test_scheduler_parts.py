@@ -251,6 +251,26 @@ def test_recovery_believes_no_record_of_a_firing_off_the_schedule_or_far_ahead()
     assert e.foreign_ahead == {fire_id("j1", ahead): 6}        # its firing's claim may replace it
 
 
+def test_a_fenced_record_an_owner_with_a_fast_clock_wrote_ahead_is_believed_and_reported():
+    """An owner whose clock ran 30 s ahead claimed and ran a firing 30 s early; the shard
+    moved to an agent with the right clock. Its record is believed (running the firing
+    again would run it twice) and reported as early; without a fence it is foreign."""
+    e = entry("j1", {"cron": "*/10 * * * * *", "tz": "UTC"}, issued_at=EARLIER)
+    now = NOW.replace(microsecond=0) - timedelta(seconds=NOW.second % 10)
+    early = now + timedelta(seconds=30)
+    r = recovery.recover(e, {fire_id("j1", early): (record("j1", early, "succeeded"), 6)}, CFG.agent_id, now)
+    assert r.foreign == [] and e.foreign_ahead == {}
+    ((fid, ahead, seen, rev),) = r.early
+    assert fid == fire_id("j1", early) and ahead == 30.0 and rev == 6 and seen["agent"] == "gw-0"
+    assert r.next_due == now + timedelta(seconds=10)   # the firings before it, with no record, still run
+
+    e2 = entry("j1", {"cron": "*/10 * * * * *", "tz": "UTC"}, issued_at=EARLIER)
+    unfenced = {k: v for k, v in record("j1", early, "succeeded").items() if k != "fence"}
+    r2 = recovery.recover(e2, {fire_id("j1", early): (unfenced, 6)}, CFG.agent_id, now)
+    assert r2.early == [] and "names no fence" in r2.foreign[0][1]
+    assert e2.foreign_ahead == {fire_id("j1", early): 6}   # its firing's claim may replace it
+
+
 @pytest.mark.parametrize("ahead_s", [-3.0, 2.0])
 def test_a_firing_whose_record_the_load_found_is_neither_caught_up_nor_armed_again(ahead_s):
     """A one-shot due at a time with more than milliseconds (its fire id keeps milliseconds)
