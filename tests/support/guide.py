@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from agent.execute.processes import group_members
+
 FENCE_RE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.S | re.M)
 HEADING_RE = re.compile(r"^(#{1,6}) +(.*?) *$", re.M)
 
@@ -121,27 +123,11 @@ class GuideRun:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             self.proc.poll()   # the script itself, reaped: a zombie leader would keep its group "alive"
-            if not _live_members(self.proc.pid):
+            # only zombies left (an orphan's wait for PID 1, late or never on some hosts): done
+            if not group_members(self.proc.pid):
                 return
             time.sleep(0.2)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def _live_members(pgid: int) -> list[int]:
-    """The processes of group ``pgid`` that are not zombies: an orphan's zombie waits for
-    PID 1 to reap it, which on some hosts is late or never, and has nothing left to end."""
-    live = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            live.append(int(entry))
-    return live
