@@ -66,7 +66,7 @@ def test_the_seeded_plans_leave_quiet_windows_and_budgets_that_can_be_exceeded()
             spans[f.group] = (min(s0, f.start), max(s1, f.end + f.reach_s))
         groups = [spans[g] for g in sorted(spans)]
         gaps = [b[0] - a[1] for a, b in zip(groups, groups[1:])]
-        assert faults and min(gaps) >= chaos.QUIET_MIN_S, (seed, gaps)
+        assert faults and all(g >= chaos.QUIET_MIN_S for g in gaps), (seed, gaps)   # one group: no gap
         crons = sum(1 for f in run.firings if f.kind == "cron")
         assert share < 0.85, (seed, share)   # a 30 s clock jump reaches 30 s past its heal
         assert len(quiet) >= 20, (seed, len(quiet), len(run.firings))
