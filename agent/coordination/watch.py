@@ -276,6 +276,16 @@ class _WatchStream:
         except grpc.RpcError as exc:
             with self._lock:
                 changed = self._changed
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                # A watch far behind gets up to 1,000 revisions in one response, which can
+                # pass gRPC's 4 MiB limit: resuming at the same revision would fail for
+                # ever. A paged list cannot be too large, so these watches start over from one.
+                relisted = [w.name for w in watches if not w.stopped and w._next_rev is not None]
+                for w in watches:
+                    w._next_rev = None
+                log.warning("watch response too large; relisting",
+                            extra={"fields": {"watches": relisted, "error": exc.details()}})
+                return established
             if not changed:
                 log.debug("watch stream broke", extra={"fields": {"code": str(exc.code())}})
                 if gen is not None:

@@ -49,6 +49,32 @@ def test_watch_resumes_after_etcd_restart_without_missing_or_repeating_events(et
     writer.close()
 
 
+def test_a_watch_whose_backlog_passes_grpcs_message_limit_relists_instead_of_retrying_for_ever(etcd_server):
+    """Resumed far behind, a watch gets up to 1,000 revisions in one response: 60 values
+    of 100 KiB pass gRPC's 4 MiB receive limit. The watch lists the prefix afresh (in
+    pages) and goes on from there; before, it retried the same revision for ever."""
+    writer = EtcdClient(EtcdConfig(endpoints=[etcd_server.endpoint], request_timeout_s=5.0))
+    client = EtcdClient(EtcdConfig(endpoints=[etcd_server.endpoint], request_timeout_s=5.0))
+    start = writer.put("/big/first", "x") + 1
+    for i in range(60):
+        writer.put(f"/big/k{i:02d}", "v" * (100 << 10))
+    listed: list[set] = []
+    seen: list[str] = []
+    w = PrefixWatch(client, "/big/", "big", on_snapshot=lambda kvs, rev: listed.append({kv.key for kv in kvs}),
+                    on_events=lambda evs, rev: seen.extend(e.kv.key for e in evs), start_revision=start,
+                    max_backoff_s=0.5).start()
+    try:
+        wait_for(lambda: listed, 15, what="a relist after the too-large response")
+        assert listed[0] == {"/big/first"} | {f"/big/k{i:02d}" for i in range(60)}
+        writer.put("/big/after", "1")
+        wait_for(lambda: "/big/after" in seen, 5, what="events after the relist")
+        assert w.restarts >= 1
+    finally:
+        w.stop()
+        client.close()
+        writer.close()
+
+
 def test_puts_only_watch_gets_no_deletes_and_no_previous_values(etcd_server):
     """The cloud's watches look only at writes: etcd sends them no delete events and no
     previous values; a watch without the option still gets both."""

@@ -58,6 +58,7 @@ def read_history(client, prefix: str, *, contiguous: bool = False, timeout: floa
     to the sentinel's must carry an event under the prefix (true when the test's etcd
     holds nothing else), so a lost batch is detected even inside the stream."""
     import etcd3.etcdrpc as rpc
+    import grpc
     from etcd3 import utils
 
     sentinel = prefix + SENTINEL
@@ -72,7 +73,13 @@ def read_history(client, prefix: str, *, contiguous: bool = False, timeout: floa
         yield req
         stop.wait(timeout + 5)
 
-    stream = rpc.WatchStub(c.channel).Watch(reqs(), **client._md(c))
+    # its own channel: from revision 1 one response carries up to 1,000 revisions, past
+    # gRPC's default 4 MiB receive limit once values are large (the 2,000-job test's)
+    channel = c.channel
+    if not client.endpoint.startswith("https"):
+        host, port = client.endpoint_hostport()
+        channel = grpc.insecure_channel(f"{host}:{port}", options=[("grpc.max_receive_message_length", 1 << 30)])
+    stream = rpc.WatchStub(channel).Watch(reqs(), **client._md(c))
     q: queue.Queue = queue.Queue()
 
     def pump():
@@ -117,6 +124,8 @@ def read_history(client, prefix: str, *, contiguous: bool = False, timeout: floa
     finally:
         stop.set()
         stream.cancel()
+        if channel is not c.channel:
+            channel.close()
     return [e for e in out if e.key != sentinel]
 
 
