@@ -12,7 +12,7 @@ import shutil
 from datetime import datetime, timezone
 
 from agent.coordination.keys import shard_of
-from tests.support import chaos
+from tests.support import chaos, history
 from tests.support.faults import BlkioThrottle
 from tests.support.kernel import require_kernel
 
@@ -77,6 +77,24 @@ def test_the_seeded_plans_leave_quiet_windows_and_budgets_that_can_be_exceeded()
         assert budget.owner_lost < len(run.firings) * 0.85, (seed, budget, len(run.firings))
         print(f"seed {seed}: {len(faults)} faults in {len(groups)} groups, {share:.0%} affected, {len(quiet)}/{len(run.firings)} firings "
               f"quiet, budgets owner_lost {budget.owner_lost} misfired {budget.misfired} ({crons} cron firings)")
+
+
+def test_an_agent_fault_can_cost_the_shards_its_agent_held_at_any_time_in_its_window():
+    """Fault seed 9: a clock fault on a2 made it give up shard 8 to a0 while a0's state
+    disk was full, and a0 took it back to a peer before the post-heal poll; the owners
+    polled at the fault's start and after its heal did not show it, so the spawn error
+    was judged as one with no fault in flight. The shard keys' history shows it."""
+    P = "/millwright/c/shards/"
+
+    def put(rev, shard, agent):
+        return history.Event(rev, f"{P}{shard:04d}", "put", agent.encode())
+
+    events = [put(2, 8, "a2"), put(3, 4, "a0"), put(4, 5, "a0"), history.Event(5, f"{P}0005", "delete"),
+              put(10, 8, "a0"), put(12, 8, "a1"), put(20, 9, "a0")]
+    assert chaos.held_during(events, P, "a0", 6, 15) == {4, 8}     # 8 held only in between
+    assert chaos.held_during(events, P, "a0", 4, 15) == {4, 5, 8}  # 5 still held at revision 4
+    assert chaos.held_during(events, P, "a2", 11, 30) == set()     # 8 left a2 in the window's past
+    assert chaos.held_during(events, P, "a0", 0, 1 << 62) == {4, 5, 8, 9}
 
 
 def test_seeded_faults_keep_exactly_once_fencing_and_lateness(tmp_path):

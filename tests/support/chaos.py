@@ -284,6 +284,26 @@ def exposed(faults: list[Fault], firings: list[history.Firing], sleep_of: dict[s
     return out
 
 
+def held_during(events: list[history.Event], shards_prefix: str, agent: str, rev0: int, rev1: int) -> set[int]:
+    """The shards ``agent`` owned at revision ``rev0`` or was given in (rev0, rev1], by the
+    history of the shard keys (an owner key's value is its agent's id): a shard can pass
+    to a faulty agent and leave it again between two polls of the owners."""
+    owner: dict[str, str] = {}
+    held: set[str] = set()
+    for e in events:
+        if e.rev > rev1:
+            break
+        if not e.key.startswith(shards_prefix):
+            continue
+        value = e.value.decode() if e.kind == "put" else ""
+        if e.rev <= rev0:
+            owner[e.key] = value
+        elif value == agent:
+            held.add(e.key)
+    held |= {k for k, v in owner.items() if v == agent}
+    return {int(k.rsplit("/", 1)[1]) for k in held}
+
+
 def budgets(faults: list[Fault], firings: list[history.Firing], sleep_of: dict[str, float],
             shard_of_job: Callable[[str], int]) -> tuple[history.Budget, dict[str, set]]:
     """owner_lost and misfired budgets: how many firings the faults could cost each (see
@@ -799,6 +819,16 @@ class ChaosRun:
         i = bisect.bisect_left(self.rev_clock, (rev, 0.0))
         return self.rev_clock[i][1] if i < len(self.rev_clock) else None
 
+    def rev_read_before(self, t: float) -> int:
+        """A revision every write before ``t`` (this process's clock) is after: the last
+        read done by then (0 before the first)."""
+        return max((rev for rev, when in self.rev_clock if when <= t), default=0)
+
+    def rev_read_after(self, t: float) -> int:
+        """A revision every write until ``t`` is at or before: the first read after it
+        (every revision when none was)."""
+        return min((rev for rev, when in self.rev_clock if when >= t), default=1 << 62)
+
     def early_ok_s(self, se: history.SideEffect) -> float:
         """How early a run may start by its agent's clock fault (the shim reads the offset
         every 200 ms; a run claimed ahead under it starts up to its claim lead later)."""
@@ -872,6 +902,11 @@ class ChaosRun:
             f.stored_at = self.stored_at.get(f.job, 0.0)
         from agent.coordination.keys import shard_of
 
+        for g in self.faults:
+            if g.shards is not None:
+                w0, w1 = g.window()
+                g.shards = g.shards | held_during(events, self.keys.shards_prefix(), g.target,
+                                                  self.rev_read_before(w0), self.rev_read_after(w1))
         budget, ex = budgets(self.faults, self.firings, self.sleep_of, lambda j: shard_of(j, SHARDS))
         rep = history.check(events, self.keys.prefix, firings=self.firings, effects=effects, budget=budget,
                             lateness_bound_s=LATENESS_BOUND_S, effective_due=self.effective_due,
