@@ -25,6 +25,7 @@ from .mqtt import MqttLink
 from .topics import Topics
 
 PAGE_RETRY_S = 3.0  # a page request not answered in this time is signed and sent again
+ROUND_RETRY_S = 1.0  # shards no finished chain vouched for are asked for again after this
 
 
 def query_doc(cluster: str, correlation: str, *, job_id: Optional[str] = None, flt: Optional[dict] = None,
@@ -118,16 +119,27 @@ class Asker:
 
     def list(self, flt: Optional[dict] = None, include: Iterable[str] = (), timeout: float = 30.0) -> dict:
         """Every page of a filter from every agent, each next page asked for with its cursor.
-        ``{"jobs", "pages": [(agent, answer, bytes)], "complete", "missing": [shards], "errors"}``;
-        complete when the agents whose last page came in cover every shard."""
+        ``{"jobs", "pages": [(agent, answer, bytes)], "complete", "missing": [shards],
+        "errors", "rounds"}``; complete when the agents whose last page came in cover every
+        shard. A chain of pages counts only for the shards its last page vouches for (those
+        its agent held all along, queries.py), each shard from one chain; shards no chain
+        vouched for (moved while read, or an answer lost) are asked for again in another
+        round."""
         include = tuple(include)
+        flt = dict(flt or {})
         deadline = time.monotonic() + timeout
-        asked: dict[str, tuple[Optional[str], float]] = {self.ask(flt=flt, include=include): (None, time.monotonic())}
+        # correlation id -> (cursor, asked at, its chain): a chain is (first correlation, agent);
+        # a request without a cursor starts one per agent that answers it
+        asked: dict[str, tuple[Optional[str], float, Optional[tuple]]] = {
+            self.ask(flt=flt, include=include): (None, time.monotonic(), None)}
+        round_at = time.monotonic()
+        rounds = 1
         taken: dict[str, int] = {}
         pages: list = []
         jobs: dict[str, dict] = {}
-        done: dict[str, list[int]] = {}
-        chains: set[str] = set()     # agents whose pages are still coming
+        chain: dict[tuple, list] = {}  # chain -> its pages so far
+        covered: set[int] = set()
+        chains: set[tuple] = set()     # chains whose pages are still coming
         errors: list[dict] = []
         shard_count: Optional[int] = None
         while time.monotonic() < deadline:
@@ -141,25 +153,35 @@ class Asker:
                 if "error" in doc:
                     errors.append(doc)
                     continue
-                pages.append((agent, doc, size))
                 shard_count = doc.get("shard_count", shard_count)
-                for j in doc.get("jobs") or []:
-                    jobs.setdefault(j.get("id"), j)
+                key = asked[corr][2] or (corr, agent)
+                chain.setdefault(key, []).append((agent, doc, size))
                 if doc.get("next"):
-                    chains.add(agent)
-                    asked[self.ask(flt=flt, include=include, cursor=doc["next"])] = (doc["next"], time.monotonic())
-                else:
-                    chains.discard(agent)
-                    done[agent] = list(doc.get("shards") or [])
+                    chains.add(key)
+                    asked[self.ask(flt=flt, include=include, cursor=doc["next"])] = (doc["next"], time.monotonic(), key)
+                    continue
+                chains.discard(key)
+                vouched = {s for s in doc.get("shards") or [] if isinstance(s, int)} - covered
+                covered |= vouched
+                for a, d, n in chain.pop(key, []):
+                    kept = [j for j in d.get("jobs") or [] if j.get("shard") in vouched]
+                    pages.append((a, dict(d, jobs=kept), n))
+                    for j in kept:
+                        jobs.setdefault(j.get("id"), j)
             now = time.monotonic()
-            for corr, (cursor, at) in list(asked.items()):  # a page request lost or rate-limited
+            for corr, (cursor, at, root) in list(asked.items()):  # a page request lost or rate-limited
                 if cursor is not None and not taken.get(corr) and now - at > PAGE_RETRY_S:
                     del asked[corr]
-                    asked[self.ask(flt=flt, include=include, cursor=cursor)] = (cursor, now)
-            covered = {s for shards in done.values() for s in shards}
-            if shard_count is not None and not chains and covered >= set(range(shard_count)):
+                    asked[self.ask(flt=flt, include=include, cursor=cursor)] = (cursor, now, root)
+            if shard_count is None:
+                continue
+            missing = sorted(set(range(shard_count)) - covered)
+            if not missing and not chains:
                 return {"jobs": list(jobs.values()), "pages": pages, "complete": True, "missing": [],
-                        "errors": errors}
-        covered = {s for shards in done.values() for s in shards}
+                        "errors": errors, "rounds": rounds}
+            if missing and not chains and now - round_at > ROUND_RETRY_S:
+                asked[self.ask(flt=dict(flt, shards=missing), include=include)] = (None, now, None)
+                round_at, rounds = now, rounds + 1
         missing = sorted(set(range(shard_count or 0)) - covered) if shard_count else []
-        return {"jobs": list(jobs.values()), "pages": pages, "complete": False, "missing": missing, "errors": errors}
+        return {"jobs": list(jobs.values()), "pages": pages, "complete": False, "missing": missing, "errors": errors,
+                "rounds": rounds}

@@ -4,7 +4,7 @@ in signed requests, with bounded work, answered under the answering agent's own 
 Request on ``millwright/<c>/jobs/get`` (QoS 0 or 1), a document signed like a cancel::
 
     {"v":1, "cluster":"<c>", "kind":"query", "issued_at":"<RFC 3339>", "correlation":"<1-128 chars>",
-     "id":"<job id>"  |  "filter":{"state","template","updated_since","limit"},
+     "id":"<job id>"  |  "filter":{"state","template","updated_since","limit","shards"},
      "include":["params","stderr"]?, "cursor":"<a previous answer's next>"?, "sig":{...}}
 
 Checked in this order: size (on the link's thread, before parsing), a bounded queue (the
@@ -29,12 +29,16 @@ runs[<=5], doc}}``. Every agent holds an id request whose shard it does not own 
 ``hold_s`` (the lease TTL plus a margin): if the shard becomes its own meanwhile (a
 takeover), it answers then.
 
-By filter: each agent that owns shards answers one page for them: ``{"v":1, "correlation",
-"agent", "ts", "shards", "shard_count", "jobs": [...], "next": "<cursor>" | null}``, at
-most ``mqtt.get_page_bytes`` of JSON and GET_SCAN_MAX jobs read. The requester asks for
-the next page with the same signed filter and ``"cursor": <next>``; only the agent the
-cursor names answers it. It has everything when every agent's last page (``next`` null)
-is in and their ``shards`` cover ``0..shard_count-1``.
+By filter: each agent that owns shards (of the filter's ``shards``, when given) answers one
+page for them: ``{"v":1, "correlation", "agent", "ts", "shards", "shard_count", "jobs":
+[...], "next": "<cursor>" | null}``, at most ``mqtt.get_page_bytes`` of JSON and
+GET_SCAN_MAX jobs read. The requester asks for the next page with the same signed filter
+and ``"cursor": <next>``; only the agent the cursor names answers it. A page's ``shards``
+are those its chain of pages vouches for: owned by the agent at every page so far (the
+cursor carries them), so a shard that moves while the pages are read is vouched for by
+neither agent, and its jobs are asked for again (agent/cloud/asking.py), never counted
+complete from a chain that skipped part of it. The requester has everything when every
+agent's last page (``next`` null) is in and their ``shards`` cover ``0..shard_count-1``.
 
 A job's view carries its params and its runs' stderr tails only when ``include`` asks.
 """
@@ -92,7 +96,7 @@ GET_SCAN_MAX = 2000       # jobs read for one page of a filter
 FILTER_LIMIT = 1000       # jobs in one page at most
 REPLAYS_MAX = 20000
 QUERY_KEYS = ("v", "cluster", "kind", "issued_at", "correlation", "id", "filter", "include", "cursor", "sig")
-FILTER_KEYS = ("state", "template", "updated_since", "limit")
+FILTER_KEYS = ("state", "template", "updated_since", "limit", "shards")
 INCLUDE = ("params", "stderr")
 
 
@@ -106,22 +110,33 @@ def _size(doc: Any) -> int:
 
 @dataclass(frozen=True)
 class Cursor:
-    """Where one agent's next page of a filter starts: after ``job_id`` of ``shard``."""
+    """Where one agent's next page of a filter starts: after ``job_id`` of ``shard``; and
+    the shards its pages vouch for so far (``held``, a hex bit mask in the text; None in a
+    cursor of an agent before it: then the shards owned now)."""
 
     agent: str
     shard: int
     job_id: str
+    held: Optional[frozenset] = None
 
     def text(self) -> str:
-        return f"{self.agent}/{self.shard:04d}/{self.job_id}"
+        base = f"{self.agent}/{self.shard:04d}/{self.job_id}"
+        return base if self.held is None else f"{base}/{sum(1 << s for s in self.held):x}"
 
     @staticmethod
     def parse(text: Any, shards: int) -> "Cursor":
         parts = text.split("/") if isinstance(text, str) else []
-        if len(parts) != 3 or not ID_RE.fullmatch(parts[0]) or not parts[1].isdigit() or \
+        if len(parts) not in (3, 4) or not ID_RE.fullmatch(parts[0]) or not parts[1].isdigit() or \
                 not int(parts[1]) < shards or not ID_RE.fullmatch(parts[2]):
             raise bad("cursor", "not a cursor of this cluster (pass an answer's `next` unchanged)")
-        return Cursor(parts[0], int(parts[1]), parts[2])
+        held = None
+        if len(parts) == 4:
+            mask = parts[3]
+            if not 0 < len(mask) <= (shards + 3) // 4 or any(c not in "0123456789abcdef" for c in mask) \
+                    or int(mask, 16) >> shards:
+                raise bad("cursor", "not a cursor of this cluster (pass an answer's `next` unchanged)")
+            held = frozenset(s for s in range(shards) if int(mask, 16) >> s & 1)
+        return Cursor(parts[0], int(parts[1]), parts[2], held)
 
 
 @dataclass(frozen=True)
@@ -188,6 +203,11 @@ def _fields(doc: dict, shards: int, now: datetime, max_age_s: float, max_skew_s:
     lim = flt.get("limit", FILTER_LIMIT)
     if not isinstance(lim, int) or isinstance(lim, bool) or not 0 < lim <= FILTER_LIMIT:
         raise bad("filter.limit", f"1..{FILTER_LIMIT} (jobs per page)")
+    if "shards" in flt:
+        want = flt["shards"]
+        if not isinstance(want, list) or not 0 < len(want) <= shards or len(set(want)) != len(want) or \
+                any(not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < shards for x in want):
+            raise bad("filter.shards", f"a list of distinct shard numbers 0..{shards - 1}")
     return Query(corr, None, dict(flt, limit=lim), frozenset(include),
                  Cursor.parse(cursor, shards) if cursor is not None else None, digest)
 
@@ -379,10 +399,10 @@ class JobQueries:
         q = req.query
         owned = self.owned()
         if q.job_id is None:
-            if not owned:
+            if q.cursor is None and not owned & set((q.filter or {}).get("shards", owned)):
                 QUERIES.labels("no_shards").inc()
                 return
-            self._page(req, owned)
+            self._page(req, owned)   # a chain of pages always ends (with no shard if none is left)
             return
         if req.shard not in owned:
             self._hold(req)
@@ -400,14 +420,17 @@ class JobQueries:
     def _page(self, req: Request, owned: frozenset) -> None:
         q = req.query
         f = q.filter or {}
-        head = {"shards": sorted(owned), "shard_count": self.shards, "jobs": [], "next": None}
+        vouched = owned if q.cursor is None or q.cursor.held is None else owned & q.cursor.held
+        if "shards" in f:
+            vouched = vouched & frozenset(f["shards"])
+        head = {"shards": sorted(vouched), "shard_count": self.shards, "jobs": [], "next": None}
         budget = self.page_bytes - 512 - _size(head)
         after = (q.cursor.shard, q.cursor.job_id) if q.cursor else None
-        jobs, nxt = view.list_page(self.client, self.keys, self.shards, owned, state=f.get("state"),
+        jobs, nxt = view.list_page(self.client, self.keys, self.shards, vouched, state=f.get("state"),
                                    template=f.get("template"), updated_since=f.get("updated_since"), after=after,
                                    limit=f.get("limit", FILTER_LIMIT), max_bytes=budget, scan_max=GET_SCAN_MAX,
                                    shape=lambda v: fitted(shaped(v, q.include), budget))
-        head.update(jobs=jobs, next=Cursor(self.agent_id, *nxt).text() if nxt else None)
+        head.update(jobs=jobs, next=Cursor(self.agent_id, *nxt, held=vouched).text() if nxt else None)
         self._reply(req, head, "page")
 
     def _reply(self, req: Request, body: dict, result: str) -> None:

@@ -77,6 +77,47 @@ def test_a_filter_over_10000_jobs_is_answered_in_bounded_pages(world):
         ask.stop()
 
 
+def test_a_shard_that_moves_while_its_pages_are_read_is_asked_for_again_never_counted_complete(world):
+    """CI once got 8,816 of 10,000 jobs with the answer counted complete: a shard moved
+    between two pages of one agent's chain, and the chain's last page named the shards
+    its agent owned then, whether it had read them or not. Now a chain vouches only for
+    the shards its agent held at every page, and the rest are asked for again."""
+    import threading
+
+    ids = _store(world, 400)
+    world.cluster.start("a1")
+    wait_for(lambda: world.cluster.all_owned_by({"a1"}), 40, what="a1 owns every shard")
+    assert world.col.wait(lambda m: any(t == world.col.topics.presence("a1") and d.get("state") == "online"
+                                        for _, t, d in m), 30)
+    ask = Asker(MqttConfig(url=world.mq.url), "t", world.ring, KID)
+    assert ask.start(10)
+    asking, gate, got = ask.ask, threading.Event(), {}
+    second_page = threading.Event()
+
+    def held_at_the_second_page(**kw):
+        if kw.get("cursor") is not None and not gate.is_set():
+            second_page.set()
+            gate.wait(60)
+        return asking(**kw)
+
+    ask.ask = held_at_the_second_page   # the cloud side pauses between two pages of a1's chain
+    reader = threading.Thread(target=lambda: got.update(ask.list({"limit": 20}, timeout=90)), daemon=True)
+    try:
+        reader.start()
+        assert second_page.wait(30)
+        world.cluster.start("a2")
+        wait_for(lambda: world.cluster.converged({"a1": 1.0, "a2": 1.0}), 60, what="a2 takes half the shards")
+        gate.set()
+        reader.join(100)
+        assert got["complete"], (got["missing"], len(got["jobs"]))
+        seen = [j["id"] for _, d, _ in got["pages"] for j in d["jobs"]]
+        assert len(seen) == len(ids) and set(seen) == set(ids)   # every job exactly once
+        assert got["rounds"] >= 2 and {agent for agent, d, _ in got["pages"] if d["jobs"]} == {"a1", "a2"}
+    finally:
+        gate.set()
+        ask.stop()
+
+
 def test_millwright_get_asks_with_a_signed_query(world):
     """The operator's verb: one job, every page of a filter, and the exit codes."""
     import json

@@ -75,10 +75,26 @@ def test_an_authentic_query_with_a_bad_field_names_it(change, reason, field):
     assert exc.value.reason == reason and exc.value.field == field and exc.value.bound is True
 
 
+def test_a_cursor_carries_the_shards_its_chain_of_pages_vouches_for():
+    """A chain of pages vouches only for the shards its agent held at every page: the
+    cursor carries them (a hex bit mask), and a cursor of an agent before it (no mask)
+    still parses."""
+    c = q.Cursor("a1", 3, "flush-9", frozenset({0, 3, 7}))
+    assert c.text() == "a1/0003/flush-9/89" and q.Cursor.parse(c.text(), 8) == c
+    assert q.Cursor.parse("a1/0003/flush-9", 8).held is None
+    assert q.Cursor.parse("a1/0003/flush-9/0", 8).held == frozenset()
+    got = parse(signed(query_doc("c", "x", flt={"shards": [2, 5]}, cursor=c.text(), now=NOW)))
+    assert got.filter["shards"] == [2, 5] and got.cursor.held == {0, 3, 7}
+
+
 @pytest.mark.parametrize("flt,cursor,field", [
     ({"owner": "me"}, None, "filter"), ({"updated_since": "yesterday"}, None, "filter.updated_since"),
     ({"limit": 0}, None, "filter.limit"), ({"limit": 1001}, None, "filter.limit"),
     ({}, "a1/0099/j", "cursor"), ({}, "a1/3/../x", "cursor"), ({}, 7, "cursor"),
+    ({}, "a1/0003/j/100", "cursor"), ({}, "a1/0003/j/xz", "cursor"), ({}, "a1/0003/j/", "cursor"),
+    ({"shards": []}, None, "filter.shards"), ({"shards": [8]}, None, "filter.shards"),
+    ({"shards": [1, 1]}, None, "filter.shards"), ({"shards": [True]}, None, "filter.shards"),
+    ({"shards": "1"}, None, "filter.shards"),
 ])
 def test_filters_and_cursors_are_checked(flt, cursor, field):
     with pytest.raises(JobRejected) as exc:
