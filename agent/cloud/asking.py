@@ -135,6 +135,7 @@ class Asker:
         round_at = time.monotonic()
         rounds = 1
         taken: dict[str, int] = {}
+        answered: set[tuple[str, str]] = set()
         pages: list = []
         jobs: dict[str, dict] = {}
         chain: dict[tuple, list] = {}  # chain -> its pages so far
@@ -150,6 +151,9 @@ class Asker:
                     fresh = [(c, a) for c in asked for a in self.answers.get(c, [])[taken.get(c, 0):]]
             for corr, (agent, doc, size) in fresh:
                 taken[corr] = taken.get(corr, 0) + 1
+                if (corr, agent) in answered:
+                    continue   # a second copy (QoS 1 delivers at least once)
+                answered.add((corr, agent))
                 if "error" in doc:
                     errors.append(doc)
                     continue

@@ -11,9 +11,10 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from agent.cloud import queries as q
-from agent.cloud.asking import query_doc
+from agent.cloud.asking import Asker, query_doc
 from agent.cloud.ratelimit import TokenBucket
 from agent.cloud.topics import Topics
+from agent.config import MqttConfig
 from agent.jobs.envelope import JobRejected
 from agent.jobs.signing import KeyRing, generate_hmac_secret, sign
 from tests.support.link import FakeLink, message
@@ -215,3 +216,42 @@ def test_a_query_ages_out_with_its_issued_at():
     with pytest.raises(JobRejected) as exc:
         parse(signed(doc))
     assert exc.value.reason == "too_old"
+
+
+class ScriptedAsker(Asker):
+    """The requester's page-following logic against scripted agents: ``ask`` hands the
+    request to ``answer(kw)``, which returns [(agent, page)] answered to it."""
+
+    def __init__(self, answer) -> None:
+        super().__init__(MqttConfig(url="mqtt://127.0.0.1:1"), "c", RING, "k1")
+        self.answer, self.asked = answer, []
+
+    def ask(self, **kw) -> str:
+        corr = f"q{len(self.asked)}"
+        self.asked.append(kw)
+        self.answers[corr] = [(agent, dict(page, correlation=corr, agent=agent), 100)
+                              for agent, page in self.answer(kw)]
+        return corr
+
+
+def _page(shards, jobs, nxt=None) -> dict:
+    return {"shards": shards, "shard_count": 2, "jobs": [{"id": j, "shard": s} for s, j in jobs], "next": nxt}
+
+
+def test_the_requester_counts_a_chain_only_for_the_shards_it_vouched_for_and_asks_again_for_the_rest():
+    """a1 reads shard 0 and part of shard 1, loses shard 1 before its last page: its jobs
+    of shard 1 are not counted, and shard 1 is asked for again (a2 answers it). A second
+    copy of an answer (QoS 1) is taken once."""
+    def answer(kw):
+        if kw.get("cursor") == "a1/0001/j1":
+            return [("a1", _page([0], []))]              # shard 1 gone
+        if kw["flt"].get("shards") == [1]:
+            return [("a2", _page([1], [(1, "j1"), (1, "j2")]))]
+        return [("a1", _page([0, 1], [(0, "j0"), (1, "j1")], "a1/0001/j1"))] * 2   # delivered twice
+
+    ask = ScriptedAsker(answer)
+    got = ask.list({}, timeout=5)
+    assert got["complete"] and got["rounds"] == 2 and ask.asked[-1]["flt"] == {"shards": [1]}
+    assert sorted((a, j["id"]) for a, d, _ in got["pages"] for j in d["jobs"]) == [
+        ("a1", "j0"), ("a2", "j1"), ("a2", "j2")]
+    assert len(ask.asked) == 3   # the second copy asked for no second next page
