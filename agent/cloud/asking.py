@@ -25,6 +25,7 @@ from .mqtt import MqttLink
 from .topics import Topics
 
 PAGE_RETRY_S = 3.0  # a page request not answered in this time is signed and sent again
+PAGE_TRIES = 3       # then its chain is given up (its agent gone): its shards are asked for again
 ROUND_RETRY_S = 1.0  # shards no finished chain vouched for are asked for again after this
 
 
@@ -128,10 +129,10 @@ class Asker:
         include = tuple(include)
         flt = dict(flt or {})
         deadline = time.monotonic() + timeout
-        # correlation id -> (cursor, asked at, its chain): a chain is (first correlation, agent);
-        # a request without a cursor starts one per agent that answers it
-        asked: dict[str, tuple[Optional[str], float, Optional[tuple]]] = {
-            self.ask(flt=flt, include=include): (None, time.monotonic(), None)}
+        # correlation id -> (cursor, asked at, its chain, tries): a chain is (first correlation,
+        # agent); a request without a cursor starts one per agent that answers it
+        asked: dict[str, tuple[Optional[str], float, Optional[tuple], int]] = {
+            self.ask(flt=flt, include=include): (None, time.monotonic(), None, 1)}
         round_at = time.monotonic()
         rounds = 1
         taken: dict[str, int] = {}
@@ -162,7 +163,7 @@ class Asker:
                 chain.setdefault(key, []).append((agent, doc, size))
                 if doc.get("next"):
                     chains.add(key)
-                    asked[self.ask(flt=flt, include=include, cursor=doc["next"])] = (doc["next"], time.monotonic(), key)
+                    asked[self.ask(flt=flt, include=include, cursor=doc["next"])] = (doc["next"], time.monotonic(), key, 1)
                     continue
                 chains.discard(key)
                 vouched = {s for s in doc.get("shards") or [] if isinstance(s, int)} - covered
@@ -173,10 +174,14 @@ class Asker:
                     for j in kept:
                         jobs.setdefault(j.get("id"), j)
             now = time.monotonic()
-            for corr, (cursor, at, root) in list(asked.items()):  # a page request lost or rate-limited
+            for corr, (cursor, at, root, tries) in list(asked.items()):  # a page request lost or rate-limited
                 if cursor is not None and not taken.get(corr) and now - at > PAGE_RETRY_S:
                     del asked[corr]
-                    asked[self.ask(flt=flt, include=include, cursor=cursor)] = (cursor, now, root)
+                    if tries < PAGE_TRIES:
+                        asked[self.ask(flt=flt, include=include, cursor=cursor)] = (cursor, now, root, tries + 1)
+                    elif root is not None:   # its agent does not answer: the chain vouches for nothing
+                        chains.discard(root)
+                        chain.pop(root, None)
             if shard_count is None:
                 continue
             missing = sorted(set(range(shard_count)) - covered)
@@ -184,7 +189,7 @@ class Asker:
                 return {"jobs": list(jobs.values()), "pages": pages, "complete": True, "missing": [],
                         "errors": errors, "rounds": rounds}
             if missing and not chains and now - round_at > ROUND_RETRY_S:
-                asked[self.ask(flt=dict(flt, shards=missing), include=include)] = (None, now, None)
+                asked[self.ask(flt=dict(flt, shards=missing), include=include)] = (None, now, None, 1)
                 round_at, rounds = now, rounds + 1
         missing = sorted(set(range(shard_count or 0)) - covered) if shard_count else []
         return {"jobs": list(jobs.values()), "pages": pages, "complete": False, "missing": missing, "errors": errors,

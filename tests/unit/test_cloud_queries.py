@@ -255,3 +255,26 @@ def test_the_requester_counts_a_chain_only_for_the_shards_it_vouched_for_and_ask
     assert sorted((a, j["id"]) for a, d, _ in got["pages"] for j in d["jobs"]) == [
         ("a1", "j0"), ("a2", "j1"), ("a2", "j2")]
     assert len(ask.asked) == 3   # the second copy asked for no second next page
+
+
+def test_a_chain_whose_agent_stops_answering_is_given_up_and_its_shards_asked_for_again(monkeypatch):
+    """a1 dies after its first page: its next page is asked for PAGE_TRIES times, then its
+    chain vouches for nothing, and the shards are asked for again (a2, their new owner,
+    answers them)."""
+    from agent.cloud import asking
+
+    monkeypatch.setattr(asking, "PAGE_RETRY_S", 0.05)
+    monkeypatch.setattr(asking, "ROUND_RETRY_S", 0.05)
+
+    def answer(kw):
+        if kw.get("cursor"):
+            return []                                                   # a1 is gone
+        if kw["flt"].get("shards") == [0, 1]:
+            return [("a2", _page([0, 1], [(0, "j0"), (1, "j1")]))]
+        return [("a1", _page([0, 1], [(0, "j0")], "a1/0000/j0"))]
+
+    ask = ScriptedAsker(answer)
+    got = ask.list({}, timeout=5)
+    assert got["complete"] and got["rounds"] == 2
+    assert sum(1 for kw in ask.asked if kw.get("cursor")) == asking.PAGE_TRIES
+    assert sorted((a, j["id"]) for a, d, _ in got["pages"] for j in d["jobs"]) == [("a2", "j0"), ("a2", "j1")]
