@@ -332,10 +332,13 @@ def test_misfire_policies_for_firings_missed_while_no_agent_owned_the_shard(env)
 
     from agent.jobs.schedule import parse_rfc3339
 
-    # a firing due before its shard was acquired (the agent's `acquired` audit record; one
-    # agent takes the shards one after another) was missed
-    acquired = {a["shard"]: parse_rfc3339(a["ts"]) for a in c.audit("a0") if a.get("event") == "acquired"}
-    missed = lambda r: parse_rfc3339(r["due"]) < acquired[shard_of(r["job_id"], c.shards)]
+    # a firing due before the first one the agent armed at the job's load (its `scheduled`
+    # status's `due`) was missed: the shard's `acquired` audit record comes earlier, and a
+    # firing due between the two is one the agent also counts as missed
+    first_armed = {d["job_id"]: parse_rfc3339(d["due"]) for d in c.statuses("a0")
+                   if d.get("state") == "scheduled" and d.get("job_id", "").startswith("m-")}
+    assert set(first_armed) == {"m-once", "m-skip", "m-all"}, first_armed
+    missed = lambda r: parse_rfc3339(r["due"]) < first_armed[r["job_id"]]
     caught_up = lambda j: [r for (jj, f), r in recs.items() if jj == j and r["state"] != "misfired" and missed(r)]
     assert len(caught_up("m-once")) == 1
     assert len(caught_up("m-skip")) == 0
