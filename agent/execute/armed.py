@@ -59,9 +59,12 @@ BASH = ("/bin/bash", BASH_SCRIPT)
 # mksh's read -t compares its deadline with the clock before each select and gives up on
 # one already past without looking at the pipe ("read -t 0" is no poll), and drops the
 # bytes of a line it was reading when the deadline passes between two of them. So the wait
-# reads "g\n" with one read(2) (-N 2; the agent writes it in one write) and is never
-# shorter than 0.1 ms: a launcher that gets its "a" later than that before its due time
-# looks at the pipe for 0.1 ms, where bash polls. The select looks at the pipe once more
+# reads "g\n" with one read(2) (-N 2; the agent writes it in one write), and a launcher
+# that gets its "a" less than 0.1 ms before its due time (or after it) waits up to 50 ms
+# for the agent's word, where bash polls: it looks at the pipe only if the shell is not
+# descheduled for longer than its timeout between its two clock reads, and a late
+# launcher's "g" comes from the agent's armed release 5 ms after the due time (at once
+# when the arming itself was late). The select looks at the pipe once more
 # when its timer fires: an EOF already there is seen as EOF (exit 126). Its status is 142
 # on a timeout, 1 on EOF, 2 when a signal the shell catches interrupts it (SIGCHLD,
 # SIGWINCH, SIGALRM; nothing sends them to a launcher): exit 126, where bash would keep
@@ -78,7 +81,7 @@ KSH_SCRIPT = """function w {
   u=$(( 10#${1#"$s"} - 10#${n#*.} ))
   s=$(( s - ${n%.*} ))
   if (( u < 0 )); then u=$(( u + 1000000 )); s=$(( s - 1 )); fi
-  t=0.0001
+  t=0.05
   if (( s > 0 || (s == 0 && u >= 100) )); then typeset -Z6 u; t=$s.$u; fi
   read -r -N 2 -t $t m || (( $? > 128 )) || exit 126
 }

@@ -214,6 +214,7 @@ def test_a_job_cancelled_or_deleted_while_its_claim_is_in_flight_never_runs(env,
     if quota_backend == "cgroup1":
         assert any(p.startswith("/sys/fs/cgroup/") for p in before), before
     fid = f.fire_id
+    held = la.on_loop(lambda: la.agent.owns(f.entry.shard))
     if how == "cancelled":
         assert store.cancel(jid)[0] == "cancelled"
         wait_for(lambda: la.on_loop(lambda: la.scheduler.catalog.entries[jid].cancelled), 20, interval=0.05,
@@ -222,7 +223,11 @@ def test_a_job_cancelled_or_deleted_while_its_claim_is_in_flight_never_runs(env,
         c.client.delete(store.key(jid)[1])
         wait_for(lambda: la.on_loop(lambda: jid not in la.scheduler.catalog.entries), 20, interval=0.05,
                  what="the job dropped")
-    assert la.on_loop(lambda: la.agent.fence_for(f.entry.shard)) is not None   # still ours
+    # still ours, under the claim's fence (a keepalive slower than the renew deadline on a
+    # loaded host makes the session invalid for a moment without a self-fence)
+    fence = wait_for(lambda: la.on_loop(lambda: la.agent.fence_for(f.entry.shard)), 10, interval=0.05,
+                     what="the shard held")
+    assert fence == held, (fence, held)
     g.open()
     settle(la, f)
     assert effects(out)[(jid, fid)] == 0, "the job ran"
