@@ -221,6 +221,9 @@ class ExecuteConfig:
     cpu: float = doc("CPU budget for all runs together (cores).", default=1.0)
     quota_backend: str = doc("auto, cgroup2, cgroup1 or rlimit.", default="auto")
     output_max_bytes: int = doc("stdout/stderr kept per run (each).", default=1024 * 1024)
+    runtime_dir: str = doc("A directory on a tmpfs for each run's progress FIFO and result file (nothing "
+                           "there needs to outlive its run; a state disk would journal two files per "
+                           "run). Empty: they are made in the run directories.", default="/run/millwright/runs")
     kill_grace_s: float = doc("Between SIGTERM and SIGKILL on timeout, cancel, stop or self-fence; with a "
                               "0.5 s margin it must fit in etcd.lease_ttl_s - etcd.renew_deadline_s.", default=3.0)
     claim_lead_s: float = doc("At most this long before its due time a firing's run record is claimed "

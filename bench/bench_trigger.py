@@ -28,7 +28,7 @@ after (the machine is shared: figures under load are pessimistic). At the end: o
 firing, load) and the p99 ratio Millwright / APScheduler per rate.
 
 Usage: bench_trigger.py [--alone [--repeat 3] | --sweep | --burst] [--jobs 3000 --over 30 | --segments 1000:60,100:20]
-                        [--backend auto|cgroup1|rlimit] [--lead 0.25] [--bpf] [--user root] [--slim] [--skip-peer]
+                        [--backend auto|cgroup1|rlimit] [--lead 0.25] [--runtime-dir DIR] [--bpf] [--user root] [--slim] [--skip-peer]
 Prerequisite: APScheduler 3.x for the peer (Debian: python3-apscheduler; scripts/setup-host.sh).
 """
 
@@ -64,7 +64,8 @@ def child_main(a: argparse.Namespace) -> None:
     else:
         from trigger_millwright import CgroupTrace, Options, run_millwright
 
-        o = Options(backend=a.backend, lead=a.lead, bpf=a.bpf, slim=a.slim, user=a.user, drain_s=a.drain)
+        o = Options(backend=a.backend, lead=a.lead, bpf=a.bpf, slim=a.slim, user=a.user, drain_s=a.drain,
+                    runtime_dir=a.runtime_dir)
         res = run_millwright(w, o, on_start=lambda ts: print(f"START {ts!r}", flush=True),
                              trace=CgroupTrace() if a.trace_cgroup else None,
                              say=lambda line: print(line, flush=True))
@@ -79,6 +80,7 @@ class Child:
                 "--user", a.user, "--drain", repr(a.drain)]
         if which == "millwright":
             argv += ["--backend", a.backend, "--lead", repr(a.lead)]
+            argv += [] if a.runtime_dir is None else ["--runtime-dir", a.runtime_dir]
             argv += [flag for flag, on in (("--bpf", a.bpf), ("--slim", a.slim), ("--trace-cgroup", a.trace_cgroup)) if on]
         if start_ts is not None:
             argv += ["--start-ts", repr(start_ts)]
@@ -404,6 +406,8 @@ def add_workload_args(ap: argparse.ArgumentParser, backend: str = "auto") -> Non
     ap.add_argument("--over", type=float, default=30.0)
     ap.add_argument("--backend", default=backend)
     ap.add_argument("--lead", type=float, default=0.25, help="execute.claim_lead_s")
+    ap.add_argument("--runtime-dir", default=None,
+                    help='execute.runtime_dir (default: a fresh dir on /dev/shm; "": the run directories)')
     ap.add_argument("--bpf", action="store_true", help="the agent's BPF sensor on (exec policy in monitor mode)")
     ap.add_argument("--user", default="root", help="the job's user, for both schedulers (e.g. nobody: a user switch per job)")
 

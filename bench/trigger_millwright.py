@@ -55,6 +55,9 @@ class Options:
     slim: bool = False
     user: str = "root"
     drain_s: float = 30.0   # after the last due time, wait this long at most for the runs still to come
+    # execute.runtime_dir; None: a fresh one on /dev/shm (a tmpfs, as /run is on a systemd
+    # host; this host's /run may be on disk); "": the run directories (the layout before it)
+    runtime_dir: Optional[str] = None
 
 
 def run_listeners_of(jobs_component: Any) -> list:
@@ -241,6 +244,9 @@ def run_millwright(w: Workload, o: Options, on_start: Optional[Callable[[float],
     # covers the directories that hold the agent's secrets (agent/execute/namespaces.py)
     job_dir = tempfile.mkdtemp(prefix="mw-bench-job-")
     script, out = job_script(job_dir)
+    runtime = o.runtime_dir
+    if runtime is None:
+        runtime = tempfile.mkdtemp(prefix="mw-bench-run-", dir="/dev/shm") if os.path.isdir("/dev/shm") else ""
     etcd = EtcdServer(os.path.join(tmp, "etcd")).start()
     ring = write_keys(f"{tmp}/keys.yaml")
     cfg = parse_config(f"""
@@ -254,7 +260,7 @@ audit: {{dir: {tmp}/audit, key_file: {tmp}/audit.key}}
 admin: {{socket: {tmp}/admin/admin.sock}}
 metrics: {{listen: ""}}
 bpf: {{enabled: {"true" if o.bpf else "false"}, mode: monitor}}
-execute: {{max_concurrent: 256, memory_mb: 65536, cpu: 256, quota_backend: {o.backend}, claim_lead_s: {o.lead}}}
+execute: {{max_concurrent: 256, memory_mb: 65536, cpu: 256, quota_backend: {o.backend}, claim_lead_s: {o.lead}, runtime_dir: "{runtime}"}}
 templates:
   clock: {{argv: ["{script}"], user: {o.user}, allow_root: true, allow_exec: ["/bin/*", "/usr/bin/*"]}}
 """, "bench")
@@ -392,6 +398,8 @@ templates:
         trace.report([(due[j], d) for j, d in lateness.items()])
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(job_dir, ignore_errors=True)
+    if o.runtime_dir is None and runtime:
+        shutil.rmtree(runtime, ignore_errors=True)
     return {"scheduler": "millwright", "n": w.n, "start_ts": start_ts, "due_off": due_off,
             "lateness": lateness, "counts": counts, "release": release, "ahead": ahead, "failed": failed,
             "claimed_late": claimed_late, "lead_end": lead_end, "ended": firings,

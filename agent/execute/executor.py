@@ -49,6 +49,7 @@ from agent.execute.isolation import Isolation
 from agent.execute.launch import DEFAULT_PATH, SHIM_SH, SpawnError, Staged, go, job_rlimits, spawn, stage
 from agent.execute.limits import Limits, default_limits
 from agent.execute.processes import kill, set_child_subreaper
+from agent.execute.progress import scratch_dir as make_scratch_dir
 from agent.execute.reaper import Reaper
 from agent.execute.release import Releaser
 from agent.execute.runs import ExitReason, RunHandle, RunResult, RunSpec
@@ -78,7 +79,7 @@ class Executor:
                  kill_grace_s: float = 5.0, poststart: Optional[list] = None, watch_interval_s: float = 0.2,
                  subreaper: bool = True, keep_work_dir: bool = False, drain_timeout_s: float = 5.0,
                  spawn_mode: str = "auto", guard: bool = True, isolation: Optional[Isolation] = None,
-                 slot_pool: int = DEFAULT_POOL):
+                 slot_pool: int = DEFAULT_POOL, scratch_dir: Optional[str] = None):
         self.backend = backend
         # confines every run with a user (docs/security.md); None: runs as before (tests, dev)
         self.isolation = isolation
@@ -116,6 +117,8 @@ class Executor:
                 os.chown(self.base_dir, RUN_FILES_ID, RUN_FILES_ID)
         except OSError:
             pass
+        # runs' progress FIFOs and result files (progress.py); None: in their run dirs
+        self.scratch_dir = scratch_dir and make_scratch_dir(scratch_dir, RUN_FILES_ID if isolation else None)
         if subreaper:
             set_child_subreaper()
         # runs die with the agent: a keeper process kills them when our end of its pipe closes
@@ -138,8 +141,12 @@ class Executor:
         a dead predecessor left) and apply execute.* settings. With ``agent_config`` (the
         whole Config) and root, every run is isolated (docs/security.md): an isolation that
         cannot be set up is an error, never a silent fallback."""
+        runtime_dir = getattr(execute_config, "runtime_dir", "")
+        if runtime_dir and "scratch_dir" not in kw:   # one per agent, as its cgroup root
+            kw["scratch_dir"] = os.path.join(os.path.abspath(runtime_dir), root_name)
         if agent_config is not None and os.geteuid() == 0 and "isolation" not in kw:
-            kw["isolation"] = Isolation.from_config(agent_config, root_name, os.path.abspath(base_dir))
+            exposed = [os.path.abspath(base_dir)] + ([kw["scratch_dir"]] if kw.get("scratch_dir") else [])
+            kw["isolation"] = Isolation.from_config(agent_config, root_name, exposed)
         backend = probe(execute_config.quota_backend, root_name=root_name, reclaim=reclaim,
                         runs_weight=execute_config.max_concurrent)
         log.info("quota backend", extra={"fields": {"backend": backend.name, "why": backend.why}})
@@ -357,6 +364,11 @@ class Executor:
             if not self.reaper.orphan_slots:
                 break
             time.sleep(0.02)
+        if self.scratch_dir is not None:
+            try:
+                os.rmdir(self.scratch_dir)   # empty once every run ended
+            except OSError:
+                pass
         if close_backend:
             self.backend.close()
         if self.isolation is not None:   # the nftables table goes with it; namespaces with their last process

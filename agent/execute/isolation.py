@@ -45,8 +45,9 @@ class Isolation:
             "root_runs": "landlock" if self.namespaces.landlock else "pid namespace"}})
 
     @classmethod
-    def from_config(cls, cfg: Any, name: str, base_dir: str) -> "Isolation":
-        """From the agent's whole configuration (agent/config.py)."""
+    def from_config(cls, cfg: Any, name: str, exposed: list[str]) -> "Isolation":
+        """From the agent's whole configuration (agent/config.py); ``exposed``: the
+        directories runs reach (the runs' directory, the executor's scratch directory)."""
         hide = [cfg.state_dir, cfg.audit.dir, cfg.signing.keys_file, cfg.audit.key_file,
                 os.path.dirname(cfg.admin.socket)]
         if cfg.source and not cfg.source.startswith("<"):
@@ -61,7 +62,7 @@ class Isolation:
             parent = os.path.dirname(os.path.abspath(path)) if path and not path.startswith("<") else ""
             if os.path.basename(parent) == "millwright":
                 hide.append(parent)
-        return cls(name, hide, [base_dir], list(cfg.etcd.endpoints) + [cfg.mqtt.url])
+        return cls(name, hide, exposed, list(cfg.etcd.endpoints) + [cfg.mqtt.url])
 
     def confine(self, uid: int, groups: Iterable[int], network: str, allow_root: bool,
                 capabilities: Iterable[str]) -> Confinement:

@@ -315,7 +315,10 @@ def _prepare(ex: "Executor", spec: Any, created: list, conf: Optional[Confinemen
                 os.chown(cwd, ids[0], ids[1])
         if owner is None and ids is not None:
             owner = (ids[0], ids[1], 0o700)
-        channel = make_channel(run_dir, owner)
+        if ex.scratch_dir is None:
+            channel = make_channel(run_dir, owner)
+        else:   # on a tmpfs, named after the run dir
+            channel = make_channel(ex.scratch_dir, owner, os.path.basename(run_dir) + ".")
         out = os.path.join(run_dir, "stdout.log")
         err = os.path.join(run_dir, "stderr.log")
     except OSError as exc:
@@ -423,7 +426,7 @@ def spawn(ex: "Executor", run: Run, hold: bool = False, arm_at: Optional[float] 
         go_r, go_w, out_r, out_w, ep_r, ep_w = fds[:6]
         err_r, err_w = fds[6:] if len(fds) > 6 else (-1, -1)
         run.streams = [OutputStream(out_r, out_path, limit), OutputStream(ep_r, err_path, limit, tail=STDERR_TAIL_BYTES)]
-        run.progress = ProgressChannel(channel[0], channel[1], spec.step_timeout_s)
+        run.progress = ProgressChannel(channel[0], channel[1], spec.step_timeout_s, scratch=ex.scratch_dir is not None)
     except OSError as exc:
         for fd in fds:
             os.close(fd)

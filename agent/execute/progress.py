@@ -1,12 +1,14 @@
 """A run's progress and result channel (docs/jobs.md, "Progress and results").
 
-Every run gets two paths in its run directory, named in its environment:
+Every run gets two paths, named in its environment:
 ``MILLWRIGHT_PROGRESS``, a FIFO the job appends JSON lines to
 (``{"progress": 0..100, "step": "...", "detail": {...}, "result": {...}}``), and
-``MILLWRIGHT_RESULT``, an empty file for one JSON object of at most 4 KiB. The run
-directory is the agent's (a run cannot create, rename or replace anything in it); the two
-entries are made by the agent and owned by the run's own id (a root run's: its group), so
-the run can write them and no other run can.
+``MILLWRIGHT_RESULT``, an empty file for one JSON object of at most 4 KiB. They are made in
+the executor's scratch directory (``execute.runtime_dir``, on a tmpfs: two entries per run
+that need no journal, and nothing there outlives its run; named after the run) or, without
+one, in the run directory. Either directory is the agent's (a run cannot create, rename or
+replace anything in it); the two entries are made by the agent and owned by the run's own
+id (a root run's: its group), so the run can write them and no other run can.
 
 The reaper thread reads the FIFO as lines come (its fd is in the reaper's poll set; the
 agent holds it open for writing too, so a job that closes it causes no hang-up storm),
@@ -36,10 +38,11 @@ READ_PER_TICK = 64 * 1024           # bytes read from one run's FIFO per watch t
 LINE_KEYS = ("progress", "step", "detail", "result")
 
 
-def make_channel(run_dir: str, owner: Optional[tuple[int, int, int]]) -> tuple[str, str]:
-    """Create the run's FIFO and result file in ``run_dir`` (owned by ``owner`` = (uid,
-    gid, directory mode), or the agent's when None) and return their paths."""
-    fifo, result = os.path.join(run_dir, PROGRESS_NAME), os.path.join(run_dir, RESULT_NAME)
+def make_channel(directory: str, owner: Optional[tuple[int, int, int]], prefix: str = "") -> tuple[str, str]:
+    """Create the run's FIFO and result file in ``directory``, their names after
+    ``prefix`` (owned by ``owner`` = (uid, gid, directory mode), or the agent's when
+    None) and return their paths."""
+    fifo, result = os.path.join(directory, prefix + PROGRESS_NAME), os.path.join(directory, prefix + RESULT_NAME)
     for path in (fifo, result):
         try:
             os.unlink(path)   # a staged run made again: its entries are made new
@@ -53,6 +56,29 @@ def make_channel(run_dir: str, owner: Optional[tuple[int, int, int]]) -> tuple[s
             os.chown(path, uid, gid, follow_symlinks=False)
             os.chmod(path, mode & 0o666)
     return fifo, result
+
+
+def scratch_dir(path: str, owner_id: Optional[int]) -> Optional[str]:
+    """Make the executor's scratch directory (0711: runs reach their own entries by path
+    and list nothing; owned by ``owner_id`` when given) and clear what a dead predecessor's
+    runs left there (they died with it: the run guard). None when it cannot be made: the
+    channels then stay in the run directories."""
+    path = os.path.abspath(path)
+    try:
+        os.makedirs(path, mode=0o711, exist_ok=True)
+        os.chmod(path, 0o711)
+        if owner_id is not None:
+            os.chown(path, owner_id, owner_id)
+        for name in os.listdir(path):
+            try:
+                os.unlink(os.path.join(path, name))
+            except OSError:
+                pass
+    except OSError as exc:
+        log.warning("no scratch directory: progress channels go to the run directories",
+                    extra={"fields": {"path": path, "error": exc.strerror or str(exc)}})
+        return None
+    return path
 
 
 def _unlink_if_empty(path: str) -> None:
@@ -131,9 +157,9 @@ class ProgressChannel:
     """One run's FIFO as the reaper reads it (reaper thread only)."""
 
     __slots__ = ("fd", "fifo", "result_path", "step_timeout_s", "buf", "skipping", "lines", "invalid", "error",
-                 "last", "last_mono", "result", "result_error", "pending", "budget")
+                 "last", "last_mono", "result", "result_error", "pending", "budget", "scratch")
 
-    def __init__(self, fifo: str, result_path: str, step_timeout_s: Optional[float]):
+    def __init__(self, fifo: str, result_path: str, step_timeout_s: Optional[float], scratch: bool = False):
         # read-write: the agent is a writer too, so the job's closing it is no hang-up
         self.fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
         self.fifo, self.result_path = fifo, result_path
@@ -148,6 +174,7 @@ class ProgressChannel:
         self.result_error: Optional[str] = None
         self.pending: list[dict] = []      # valid lines not handed over yet
         self.budget = READ_PER_TICK
+        self.scratch = scratch             # its files are scratch: both go at the end (its record has the result)
 
     def read(self) -> bool:
         """Read what the FIFO holds, within this tick's budget. True: the budget is spent
@@ -227,8 +254,14 @@ class ProgressChannel:
         self.buf.clear()
         self.close()
         result, why = read_result_file(self.result_path)
-        if result is None and why is None:
+        if self.scratch:
+            try:
+                os.unlink(self.result_path)
+            except OSError:
+                pass
+        elif result is None and why is None:
             _unlink_if_empty(self.result_path)   # a run that wrote nothing leaves no files
+        if result is None and why is None:
             result, why = self.result, self.result_error
         return result, (f"result refused: {why}" if why else None)
 
