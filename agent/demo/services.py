@@ -542,6 +542,7 @@ class AgentProcess:
         cfg: dict[str, Any] = {"agent_id": agent_id, "state_dir": os.path.join(self.dir, "state"),
                "admin": {"socket": os.path.join(self.dir, "admin.sock")},
                "metrics": {"listen": ""}, "mqtt": {"insecure": True},
+               "execute": {"runtime_dir": os.path.join(self.dir, "run")},   # not the host's /run
                "audit": {"dir": os.path.join(self.dir, "audit"), "key_file": os.path.join(self.dir, "audit.key")}}
         for k, v in config.items():
             if isinstance(v, dict) and isinstance(cfg.get(k), dict):
