@@ -72,7 +72,7 @@ mw_deb_or_build() {
 # tests read relative to the repo (README.md, CHANGELOG.md, docs/, configs/, bpf/).
 mw_tests_tar() {
   local p paths=()
-  for p in tests/__init__.py tests/conftest.py tests/support tests/unit pyproject.toml README.md CHANGELOG.md docs configs bpf; do
+  for p in tests/__init__.py tests/conftest.py tests/support tests/unit pyproject.toml README.md CHANGELOG.md docs configs bpf packaging/debian/examples; do
     [ -e "$MW_REPO/$p" ] && paths+=("$p")
   done
   tar -C "$MW_REPO" --exclude=__pycache__ --exclude='*.pyc' -cf - "${paths[@]}"

@@ -16,8 +16,8 @@ def millwright_env() -> dict:
     return {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-def millwright(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """``millwright ARGS`` (``python -m agent``) run where the agent under test lives, its
-    output as text."""
-    return subprocess.run([sys.executable, "-m", "agent", *args], capture_output=True, text=True, cwd=REPO_ROOT,
+def millwright(*args: str, timeout: float = 60, cwd: str = REPO_ROOT) -> subprocess.CompletedProcess:
+    """``millwright ARGS`` (``python -m agent``) run in ``cwd`` (where the agent under test
+    lives unless given), its output as text."""
+    return subprocess.run([sys.executable, "-m", "agent", *args], capture_output=True, text=True, cwd=cwd,
                           env=millwright_env(), timeout=timeout)

@@ -9,13 +9,13 @@ import os
 
 import pytest
 
-from tests.support import mutants
+from agent.demo.services import REPO_ROOT
 from tests.support.mutants import MUTANTS, AnchorMissing, Mutant, apply, oracle_of
 
 
 @pytest.mark.parametrize("m", MUTANTS, ids=[m.name for m in MUTANTS])
 def test_every_mutant_applies_to_the_tree_once_and_compiles(m, tmp_path):
-    src = os.path.join(mutants.ROOT, m.path)
+    src = os.path.join(REPO_ROOT, m.path)   # the agent under test: a checkout's, or the installed package's
     dst = tmp_path / m.path
     dst.parent.mkdir(parents=True)
     dst.write_text(open(src).read())

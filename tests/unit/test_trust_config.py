@@ -18,6 +18,8 @@ from agent.jobs.signing import KeyFileError, KeyRing, generate_hmac_secret, sign
 from tests.support.commands import millwright
 
 
+# the tree the tests come from (a checkout, or tests/unit's copy beside an installed .deb)
+TREE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAB = "etcd: {insecure: true}\n"   # the loopback etcd of a lab: plaintext, no users
 
 
@@ -47,7 +49,7 @@ def test_password_over_plaintext_is_an_error_unless_insecure():
 
 
 def test_config_check_names_every_problem_of_the_shipped_file_etcd_and_broker_alike():
-    r = millwright("config", "check", "configs/agent.yaml")
+    r = millwright("config", "check", "configs/agent.yaml", cwd=TREE)
     assert r.returncode == 2, r
     assert "Traceback" not in r.stderr
     for key in ("etcd.endpoints[0]", "etcd.username", "mqtt.url", "mqtt.username"):
