@@ -69,7 +69,8 @@ mw_deb_or_build() {
 
 # Write to stdout a tar of what tests/unit needs from the checkout, except agent/ (the
 # tests must import the installed package): the tests, pytest's config, and the files
-# tests read relative to the repo (README.md, CHANGELOG.md, docs/, configs/, bpf/).
+# tests read relative to the repo (README.md, CHANGELOG.md, docs/, configs/, bpf/, the broker
+# examples).
 mw_tests_tar() {
   local p paths=()
   for p in tests/__init__.py tests/conftest.py tests/support tests/unit pyproject.toml README.md CHANGELOG.md docs configs bpf packaging/debian/examples; do
