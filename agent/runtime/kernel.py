@@ -1,6 +1,11 @@
 """The few system calls job isolation needs that Python's os module lacks (Python 3.10+):
 setns, unshare, mount, prctl, capset, landlock, through ctypes. Each raises OSError with
-the call's errno."""
+the call's errno.
+
+All but mount and umount are quick calls that never wait: they keep the GIL (``quick()``,
+a PyDLL). A launcher's spawn thread makes some fifty of them; through a CDLL each one
+drops the GIL and must win it back, which beside a busy thread of the agent costs up to
+the switch interval (5 ms) every time: ~80 ms per spawn, measured."""
 
 from __future__ import annotations
 
@@ -42,17 +47,31 @@ _SYSCALLS = {  # landlock_create_ruleset, landlock_restrict_self: the same on ev
 _CAPSET = {"x86_64": 126, "aarch64": 91, "armv7l": 185, "armv6l": 185, "i686": 185, "riscv64": 91}
 
 _libc: Optional[ctypes.CDLL] = None
+_quick: Optional[ctypes.CDLL] = None
+
+
+def _load(kind: type) -> ctypes.CDLL:
+    lib = kind(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    lib.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+    lib.syscall.restype = ctypes.c_long
+    lib.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    return lib
 
 
 def libc() -> ctypes.CDLL:
+    """The C library, dropping the GIL around each call: for calls that may wait (mount)."""
     global _libc
     if _libc is None:
-        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        lib.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-        lib.syscall.restype = ctypes.c_long
-        lib.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-        _libc = lib
+        _libc = _load(ctypes.CDLL)
     return _libc
+
+
+def quick() -> ctypes.CDLL:
+    """The C library, keeping the GIL: for system calls that never wait."""
+    global _quick
+    if _quick is None:
+        _quick = _load(ctypes.PyDLL)
+    return _quick
 
 
 def _check(ret: int, what: str) -> int:
@@ -63,11 +82,11 @@ def _check(ret: int, what: str) -> int:
 
 
 def setns(fd: int, nstype: int) -> None:
-    _check(libc().setns(fd, nstype), "setns")
+    _check(quick().setns(fd, nstype), "setns")
 
 
 def unshare(flags: int) -> None:
-    _check(libc().unshare(flags), "unshare")
+    _check(quick().unshare(flags), "unshare")
 
 
 def mount(source: Optional[str], target: str, fstype: Optional[str], flags: int, data: Optional[str] = None) -> None:
@@ -83,12 +102,12 @@ def umount(target: str, flags: int = 0) -> None:
 
 
 def prctl(option: int, a: int = 0, b: int = 0, c: int = 0, d: int = 0) -> int:
-    return _check(libc().prctl(option, a, b, c, d), f"prctl {option}")
+    return _check(quick().prctl(option, a, b, c, d), f"prctl {option}")
 
 
 def landlock_abi() -> int:
     """The kernel's Landlock ABI version, 0 where Landlock is missing or disabled."""
-    ret = libc().syscall(_SYSCALLS["landlock_create_ruleset"], None, ctypes.c_size_t(0),
+    ret = quick().syscall(_SYSCALLS["landlock_create_ruleset"], None, ctypes.c_size_t(0),
                          ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
     return int(ret) if ret > 0 else 0
 
@@ -103,13 +122,13 @@ def landlock_scope_self() -> None:
     that may signal, and connect to abstract Unix sockets of, only its own domain. Needs
     no_new_privs or CAP_SYS_ADMIN; cannot be undone (call it on a thread that ends)."""
     attr = _RulesetAttr(0, 0, LANDLOCK_SCOPE_SIGNAL | LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET)
-    fd = _check(libc().syscall(_SYSCALLS["landlock_create_ruleset"], ctypes.byref(attr),
+    fd = _check(quick().syscall(_SYSCALLS["landlock_create_ruleset"], ctypes.byref(attr),
                                ctypes.c_size_t(ctypes.sizeof(attr)), ctypes.c_uint32(0)), "landlock_create_ruleset")
     try:
-        _check(libc().syscall(_SYSCALLS["landlock_restrict_self"], ctypes.c_int(fd), ctypes.c_uint32(0)),
+        _check(quick().syscall(_SYSCALLS["landlock_restrict_self"], ctypes.c_int(fd), ctypes.c_uint32(0)),
                "landlock_restrict_self")
     finally:
-        os.close(fd)
+        quick().close(fd)
 
 
 class _CapHeader(ctypes.Structure):
@@ -147,7 +166,7 @@ def keep_only_capabilities(caps: set[int]) -> None:
     number = _CAPSET.get(platform.machine())
     if number is None:
         raise OSError(0, f"capset: unknown system call number on {platform.machine()}")
-    _check(libc().syscall(number, ctypes.byref(header), ctypes.byref(data)), "capset")
+    _check(quick().syscall(number, ctypes.byref(header), ctypes.byref(data)), "capset")
 
 
 _cap_last: Optional[int] = None
@@ -169,7 +188,7 @@ def drop_bounding_except(keep: set[int]) -> None:
     """PR_CAPBSET_DROP of every capability not in ``keep`` (the calling thread's bounding
     set). One prctl per capability: the loop calls libc directly (a root run's spawn
     thread makes some forty of these per run). OSError on the first refusal."""
-    fn = libc().prctl
+    fn = quick().prctl
     for cap in range(cap_last_cap() + 1):
         if cap not in keep and fn(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0:
             err = ctypes.get_errno()
