@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
@@ -40,6 +41,11 @@ log = logging.getLogger(__name__)
 FENCES = counter("millwright_self_fences_total", "Times the agent stopped acting for its shards", ("reason",))
 ETCD_UP = gauge("millwright_etcd_up", "1 while the session lease is valid")
 START_TIME = gauge("millwright_start_time_seconds", "Unix time the agent started")
+# How long a thread that runs Python keeps the GIL while another waits for it (CPython's
+# default is 5 ms). The loop, the spawn threads and the reaper each win the GIL back after
+# every system call; beside a thread that computes (a retention pass, the json of an etcd
+# page) each win waits up to this long, and a firing's path makes dozens of them.
+GIL_SWITCH_S = 0.001
 STOP_RECORD_S = 5.0  # after the last SIGKILL, how long a stop waits for final run records
 
 
@@ -393,6 +399,7 @@ class Agent:
 
     def run(self) -> int:
         START_TIME.set(self.started_at)
+        sys.setswitchinterval(GIL_SWITCH_S)
         log.info("agent starting", extra={"fields": {"agent": self.cfg.agent_id, "cluster": self.cfg.cluster,
                                                      "version": __version__, "config": self.cfg.source,
                                                      "endpoints": ",".join(self.cfg.etcd.endpoints)}})
