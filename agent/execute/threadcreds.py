@@ -47,7 +47,7 @@ def available() -> bool:
 
 
 def _call(nr: int, what: str, *args: object) -> None:
-    if k.quick().syscall(nr, *args) != 0:   # set*id, capset: never wait
+    if k.quick().syscall(nr, *args) != 0:   # set*id, capset: return at once
         err = ctypes.get_errno()
         raise OSError(err, f"{what}: {os.strerror(err)}")
 

@@ -2,10 +2,12 @@
 setns, unshare, mount, prctl, capset, landlock, through ctypes. Each raises OSError with
 the call's errno.
 
-All but mount and umount are quick calls that never wait: they keep the GIL (``quick()``,
-a PyDLL). A launcher's spawn thread makes some fifty of them; through a CDLL each one
-drops the GIL and must win it back, which beside a busy thread of the agent costs up to
-the switch interval (5 ms) every time: ~80 ms per spawn, measured."""
+All but mount and umount keep the GIL (``quick()``, a PyDLL): on a launcher's spawn path
+each returns within microseconds, and a spawn thread makes some fifty of them. Through a
+CDLL each one drops the GIL and must win it back, which beside a busy thread of the agent
+costs up to the switch interval every time: ~70 ms per spawn, measured
+(bench/bench_confined_spawn.py). The slow ones, unsharing a mount or network namespace,
+run once, at start, before any run."""
 
 from __future__ import annotations
 
@@ -67,7 +69,7 @@ def libc() -> ctypes.CDLL:
 
 
 def quick() -> ctypes.CDLL:
-    """The C library, keeping the GIL: for system calls that never wait."""
+    """The C library, keeping the GIL: for system calls that return at once."""
     global _quick
     if _quick is None:
         _quick = _load(ctypes.PyDLL)
