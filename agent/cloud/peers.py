@@ -56,12 +56,13 @@ PEER_STATUSES = counter("millwright_mqtt_peer_statuses_total",
                         "unsubscribed)",
                         ("result",))
 
-# A status is a few hundred bytes; the largest an agent writes (a 4 KiB stderr tail, every
+# A status is about 240 bytes; the largest an agent writes (a 4 KiB stderr tail, every
 # byte of it escaped) stays well below this.
 MAX_BYTES = 32 * 1024
-MIN_COST = 1024          # bytes: what a status costs at least against its agent's rate
-RATE_PER_S = 1 << 20     # bytes per agent and second: 1,000 statuses/s, twice an agent's at
-BURST = 4 << 20          # ~500 pushes/s; 4,000 statuses at once (a group commit's burst)
+MIN_COST = 256           # bytes: what a status costs at least against its agent's rate (a status's size)
+RATE_PER_S = 1 << 20     # bytes per agent and second: 4,000 small statuses/s, four times an agent's at
+BURST = 1 << 20          # ~500 pushes/s, 4,000 at once (a group commit's burst), but only 128 of 8 KiB:
+                         # a flood of large statuses is cut (and unsubscribed) before the broker queues much
 MISSED_EVERY_S = 0.5     # answers.py's margin (1 s) covers the lag of a throttled `missed`
 FLOODING_EVERY_S = 1.0
 QUEUE_MAX = 20000

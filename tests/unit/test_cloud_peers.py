@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 
 from agent.cloud.answers import SEEN_MARGIN_S, Answers
 from agent.cloud.facts import marker_writer, marker_writers
-from agent.cloud.peers import PeerStatuses
+from agent.cloud.peers import MIN_COST, PeerStatuses
 from agent.cloud.topics import Topics
 from agent.runtime.timefmt import format_rfc3339
 from tests.support.fakes import ManualClock
@@ -47,7 +47,7 @@ def test_a_status_too_large_is_dropped_before_parsing_and_makes_its_agent_missed
 
 
 def test_a_flooding_agent_is_rate_limited_alone():
-    w = World(rate=10 * 1024, burst=5 * 1024)  # bytes: a small status costs 1 KiB
+    w = World(rate=10 * MIN_COST, burst=5 * MIN_COST)  # bytes: a small status costs MIN_COST
     for i in range(50):
         w.status("gw", {"job_id": f"j{i}", "state": "accepted", "push_sha256": "ab"})
     w.status("a2", {"job_id": "k", "state": "accepted", "push_sha256": "ab"})
@@ -61,7 +61,7 @@ def test_a_flooding_agent_is_rate_limited_alone():
     w.status("gw", {"job_id": "big", "state": "accepted"}, pad=20000)
     w.drain()
     assert [a for a, _ in w.saw].count("gw") == 10 and w.missed == ["gw", "gw"]
-    w.clock.t += 1.0  # 10 KiB: not enough for a 20 KiB status, which costs its length
+    w.clock.t += 1.0  # ten small statuses' worth: not enough for a 20 KiB status, which costs its length
     w.status("gw", {"job_id": "big", "state": "accepted"}, pad=20000)
     w.drain()
     assert [a for a, _ in w.saw].count("gw") == 10
@@ -75,7 +75,7 @@ def test_a_full_queue_drops_the_new_status_and_never_blocks_the_link():
 
 
 def test_drops_are_reported_in_the_audit_log_per_agent_and_reason():
-    w = World(max_bytes=100, rate=0.0, burst=2048.0)
+    w = World(max_bytes=100, rate=0.0, burst=1024.0)  # the large status costs its ~530 bytes, a small one MIN_COST
     w.status("gw", {"job_id": "j"}, pad=500)
     w.status("gw", {"job_id": "j"})
     w.status("gw", {"job_id": "j"})   # over its rate
