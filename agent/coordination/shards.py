@@ -300,6 +300,10 @@ class ShardManager:
         """Whether this agent may take an unowned shard at all (pools: only if eligible)."""
         return True
 
+    def _would_claim(self) -> bool:
+        """Whether this agent claims a free shard that the plan does not give to a peer."""
+        return not self.draining and not self.unavailable_reason and self.may_claim()
+
     def reconcile(self) -> None:
         self._reconcile_timer = None
         MEMBERS.set(len(self.members))
@@ -313,7 +317,7 @@ class ShardManager:
             holder = self.holders.get(s)
             want = plan.get(s)
             if holder is None:
-                if self.draining or self.unavailable_reason or s in self._claiming or not self.may_claim():
+                if s in self._claiming or not self._would_claim():
                     continue
                 if want == self.me or want is None:
                     self._claim(s)
@@ -324,7 +328,11 @@ class ShardManager:
             if holder.agent == self.me and holder.lease == self.lease:
                 if s not in self.mine:
                     self._acquire(s, holder.token)  # our claim's reply was lost; the key is ours
-                if (want != self.me or self.draining) and s not in self._releasing:
+                # a shard no available member is planned for (want None: our own member
+                # record not seen yet, or none available) stays with us while we would
+                # claim it were it free: releasing it would only make us claim it again
+                planned_away = want != self.me and not (want is None and self._would_claim())
+                if (planned_away or self.draining) and s not in self._releasing:
                     if self.busy(s):
                         self._kept_busy.add(s)
                     else:

@@ -53,3 +53,17 @@ def test_runs_ending_on_shards_that_stay_schedule_no_reconcile():
     busy.clear()
     m.release_idle()
     assert loop.calls == []
+
+
+def test_shards_held_before_our_own_member_record_is_seen_stay_held():
+    """At start-up the shards watch can report our claims before the members watch reports
+    our own registration (two streams; seen on a loaded CI host): the plan is empty then.
+    Releasing the shards would only make us claim them again, under new fences, and give
+    up the firings claimed under the old ones."""
+    m, loop, released = _manager(set())
+    m.members = {}
+    m.reconcile()
+    assert released == []
+    m.unavailable_reason = "memory_pressure"   # handed off: they go, even with no peer to take them
+    m.reconcile()
+    assert released == [0, 1]
