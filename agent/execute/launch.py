@@ -430,6 +430,12 @@ def spawn(ex: "Executor", run: Run, hold: bool = False, arm_at: Optional[float] 
     except OSError as exc:
         for fd in fds:
             os.close(fd)
+        run.streams, run.progress = [], None   # their fds are closed: the run's end must not close them again
+        for entry in channel:   # nothing will open its progress FIFO and result file
+            try:
+                os.unlink(entry)
+            except OSError:
+                pass
         raise SpawnError("pipes", f"cannot create pipes: {exc.strerror}") from None
     run.t0 = time.monotonic()   # started_at and t0 are set again at the release (_go)
     slot = run.slot

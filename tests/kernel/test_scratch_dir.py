@@ -57,3 +57,43 @@ def test_what_a_predecessor_left_is_cleared_and_an_unusable_dir_falls_back_to_th
     assert r.result == {"ok": True}
     assert open(r.stdout_path).read().split() == [os.path.join(h.run_dir, "progress"),
                                                   os.path.join(h.run_dir, "result.json")]
+
+
+def test_a_run_whose_channel_cannot_be_opened_leaves_no_entry_and_closes_no_fd_twice(tmp_path, monkeypatch):
+    """The spawn fails at its pipes (here: the progress FIFO cannot be opened, as at the fd
+    limit): a clean `pipes` error, the channel's entries gone, and the run's end closes none
+    of the fds the failure already closed (by then their numbers may be another's)."""
+    import threading
+
+    from agent.execute import launch
+
+    def no_fds(*_a, **_k):
+        raise OSError(24, "Too many open files")
+
+    scratch = tmp_path / "scratch"
+    ex = Executor(RlimitBackend(), str(tmp_path / "runs"), scratch_dir=str(scratch))
+    c = Collector()
+    hold = threading.Event()
+    mine: list[int] = []
+    try:
+        ex.reaper.post(hold.wait, 10)   # the run's end waits until this test holds the freed fd numbers
+        monkeypatch.setattr(launch, "ProgressChannel", no_fds)
+        ex.start(RunSpec("j3/f1/1", ["/bin/sh", "-c", "true"]), c)
+        monkeypatch.undo()
+        for _ in range(4):
+            mine.extend(os.pipe())   # the lowest free numbers: those the failure closed
+        hold.set()
+        (r,) = c.wait(["j3/f1/1"])
+        for fd in mine:
+            os.fstat(fd)   # still this test's: raises EBADF if the run's end closed it
+        assert r.error is not None and "cannot create pipes" in r.error, r.error
+        assert os.listdir(scratch) == []
+    finally:
+        hold.set()
+        for fd in mine:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        ex.close()
+    assert not scratch.exists()
