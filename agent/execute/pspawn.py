@@ -22,11 +22,12 @@ Popen.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import signal
 import threading
 from typing import Iterable, Mapping, Optional, Sequence
+
+from agent.runtime import kernel
 
 POSIX_SPAWN_SETSIGDEF = 0x04
 POSIX_SPAWN_SETSIGMASK = 0x08
@@ -56,9 +57,8 @@ def _load() -> Optional[tuple]:
         if _lib is not None or _missing is not None:
             return _lib
         try:
-            name = ctypes.util.find_library("c") or "libc.so.6"
-            quick = ctypes.PyDLL(name, use_errno=True)    # user-space bookkeeping: keeps the GIL
-            spawning = ctypes.CDLL(name, use_errno=True)  # the spawn: drops the GIL around it
+            quick = kernel.quick()      # user-space bookkeeping: keeps the GIL
+            spawning = kernel.libc()    # the spawn: drops the GIL around it
             for fn in ("posix_spawn_file_actions_init", "posix_spawn_file_actions_destroy",
                        "posix_spawn_file_actions_adddup2", "posix_spawn_file_actions_addchdir_np",
                        "posix_spawn_file_actions_addclosefrom_np", "posix_spawnattr_init",

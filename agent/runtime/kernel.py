@@ -61,7 +61,7 @@ def _load(kind: type) -> ctypes.CDLL:
 
 
 def libc() -> ctypes.CDLL:
-    """The C library, dropping the GIL around each call: for calls that may wait (mount)."""
+    """The C library, dropping the GIL around each call: for calls that may wait (mount, posix_spawn)."""
     global _libc
     if _libc is None:
         _libc = _load(ctypes.CDLL)
