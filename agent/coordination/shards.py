@@ -405,9 +405,13 @@ class ShardManager:
 
         self.workers.submit(op, done)
 
+    def waiting_on_runs(self) -> bool:
+        """Whether the last reconcile kept a shard (here or in a pool) for its runs."""
+        return bool(self._kept_busy) or any(f._kept_busy for f in self.followers)
+
     def release_idle(self) -> None:
         """Called when runs end: shards waiting to move may go now."""
-        if self._kept_busy or any(f._kept_busy for f in self.followers):
+        if self.waiting_on_runs():
             self.reconcile_soon()
 
     def drain(self) -> None:

@@ -105,7 +105,8 @@ class Scheduler:
         return self.records.busy(shard) or self.catalog.active_in(shard)
 
     def _settled(self, shard: int) -> None:
-        if not self.busy(shard):
+        # busy() lists the shard's jobs: asked only while a shard waits for its runs to move
+        if self.fencing.waiting_on_runs() and not self.busy(shard):
             self.fencing.release_idle()
 
     def drain_started(self, done: Callable[[], None]) -> None:

@@ -29,6 +29,9 @@ class Fencing(Protocol):
     def release_idle(self) -> None:
         """Units waiting to move may go now (their runs and record writes ended)."""
 
+    def waiting_on_runs(self) -> bool:
+        """Whether a unit waits for its runs and record writes before it moves."""
+
 
 class Lease(Protocol):
     """The session lease runs are claimed under (agent/coordination/session.py)."""

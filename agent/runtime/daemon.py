@@ -312,6 +312,9 @@ class Agent:
         """Runs ended: units waiting to move (cluster or pool shards) may go now."""
         self.shards.release_idle()
 
+    def waiting_on_runs(self) -> bool:
+        return self.shards.waiting_on_runs()
+
     def _probe(self, fence: Fence) -> None:
         """Test knob: periodic fenced writes that the history checker audits."""
         if self.shards.mine.get(fence.shard) != fence or self._stopping:

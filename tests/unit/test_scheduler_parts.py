@@ -62,6 +62,9 @@ class Agent:
     def release_idle(self) -> None:
         self.released += 1
 
+    def waiting_on_runs(self) -> bool:
+        return True   # as while a shard waits to move: every settled shard is checked
+
     def publish_status(self, doc: dict) -> None:
         self.statuses.append(doc)
 

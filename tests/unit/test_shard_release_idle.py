@@ -37,9 +37,10 @@ def test_a_shard_kept_for_its_runs_goes_when_they_end_and_only_then_is_a_reconci
     m.release_idle()
     assert loop.run_all() == 1 and released == [0]
     busy.discard(1)
+    assert m.waiting_on_runs()        # the scheduler asks busy() of a settled shard only now
     m.release_idle()
     assert loop.run_all() == 1 and released == [0, 1]
-    assert m._kept_busy == set()
+    assert m._kept_busy == set() and not m.waiting_on_runs()
     m.release_idle()                  # nothing waits for its runs: no reconcile
     assert loop.calls == []
 
