@@ -58,6 +58,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Callable, Optional
@@ -132,6 +133,8 @@ PROBE_S = 1.0
 # faults aimed at an agent with a job running (a kill -9 then leaves a `running` record that
 # its shard's next owner must resolve), waiting at most AIM_WAIT_S for one
 AIMED = {"agent_kill9"}
+# agent faults that act on the agent's process (its pid): not applied while it is down
+PROCESS_FAULTS = {"agent_kill9", "agent_restart", "agent_pause", "agent_disk_slow"}
 AIM_WAIT_S = 3.0
 OVERLAP_P = 0.35                # a fault group holds two overlapping faults this often
 DISK_SLOW_IOPS = 5              # a slow disk: every fsync waits about 1/5 s
@@ -578,6 +581,13 @@ class ChaosRun:
             self.etcd.wait_healthy(60)
             self._wait_writable()
 
+        if kind in PROCESS_FAULTS and not a.alive():
+            # an aimed kill -9 may have moved onto this agent within the group: it is down
+            # until that fault heals, so this one has no process to act on (counted as a
+            # fault all the same: its window only widens what the oracles forgive)
+            f.note = f"not applied: {agent} was down (another fault of the group)"
+            self.say(f"  {f.note}")
+            return f, lambda: None
         if kind == "etcd_leader_kill":
             m = self.etcd.leader()
             f.target = m.member_name
@@ -1110,6 +1120,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             res = ChaosRun(s, a.minutes, kinds=kinds).run()
         except Exception as exc:  # noqa: BLE001 - the run could not be judged: said so, apart from a failure
             _report(a.report, {"seed": s, "error": f"{type(exc).__name__}: {exc}"})
+            traceback.print_exc()   # where the harness broke: a harness bug, or a fault it could not inject
             print(f"ERROR: seed {s} could not be judged: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 2
         _report(a.report, {"seed": s, "problems": res.report.problems, "figures": res.figures})
