@@ -340,8 +340,7 @@ class ShardManager:
 
     def _fallback_claim(self, s: int) -> None:
         self._fallback.pop(s, None)
-        if s not in self.holders and s not in self._claiming and self.lease is not None \
-                and not self.draining and not self.unavailable_reason and self.may_claim():
+        if s not in self.holders and s not in self._claiming and self.lease is not None and self._would_claim():
             self._claim(s)
 
     def _claim(self, s: int) -> None:
