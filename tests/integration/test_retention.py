@@ -210,6 +210,7 @@ class _Endpoint:
         self.endpoint = url
 
 
+@pytest.mark.release   # ~40 s: make test-release runs it with MILLWRIGHT_SLOW=1
 def test_three_member_etcd_leader_kill_and_restart_during_1000_firings(etcd_cluster, tmp_path):
     c, store, out = make_env(_Endpoint(etcd_cluster.endpoints[0]), tmp_path, {})
     c.cfg["etcd"]["endpoints"] = list(etcd_cluster.endpoints)
