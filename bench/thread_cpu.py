@@ -5,6 +5,8 @@ while it runs, and at its end. A thread's CPU in the window is its last reading 
 its first (0 for a thread born inside the window); a thread that ended between two
 polls is missing its last slice, which shows as ``(threads ended between polls)``: the
 process total (/proc/<pid>/stat, which keeps what ended threads used) minus the sum.
+Beside the CPU, each thread's voluntary context switches (/proc/<pid>/task/*/status): how
+often it went to sleep, i.e. its wake-ups, the cost that hand-offs between threads add.
 
 Names: for this process, the Python thread names (``threading``; a native thread such
 as gRPC's by its kernel name, ``[native] comm``); for another process, the kernel names.
@@ -46,6 +48,17 @@ def _py_name(t: threading.Thread) -> str:
     return t.name
 
 
+def _voluntary_switches(path: str) -> int:
+    try:
+        with open(path) as fh:
+            for line in fh:
+                if line.startswith("voluntary_ctxt_switches:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def process_cpu(pid: int) -> tuple[float, float, float, float]:
     """(user, system, children's user, children's system) seconds of a process so far."""
     got = _stat_fields(f"/proc/{pid}/stat")
@@ -61,13 +74,13 @@ class ThreadCPU:
     def __init__(self, pid: Optional[int] = None):
         self.pid = pid or os.getpid()
         self.own = self.pid == os.getpid()
-        self.first: dict[int, tuple[float, float]] = {}
-        self.last: dict[int, tuple[float, float]] = {}
+        self.first: dict[int, tuple[float, float, int]] = {}
+        self.last: dict[int, tuple[float, float, int]] = {}
         self.names: dict[int, str] = {}
         self.total0 = (0.0, 0.0, 0.0, 0.0)
         self.lock = threading.Lock()
 
-    def _read(self) -> dict[int, tuple[str, float, float]]:
+    def _read(self) -> dict[int, tuple[str, float, float, int]]:
         out = {}
         try:
             tids = os.listdir(f"/proc/{self.pid}/task")
@@ -77,12 +90,13 @@ class ThreadCPU:
             got = _stat_fields(f"/proc/{self.pid}/task/{tid}/stat")
             if got is not None:
                 comm, f = got
-                out[int(tid)] = (comm, int(f[11]) / _TICK, int(f[12]) / _TICK)
+                out[int(tid)] = (comm, int(f[11]) / _TICK, int(f[12]) / _TICK,
+                                 _voluntary_switches(f"/proc/{self.pid}/task/{tid}/status"))
         return out
 
     def _names(self, tasks: dict) -> None:
         py = {t.native_id: _py_name(t) for t in threading.enumerate()} if self.own else {}
-        for tid, (comm, _, _) in tasks.items():
+        for tid, (comm, *_) in tasks.items():
             if tid not in self.names or tid in py:
                 self.names[tid] = py.get(tid) or (f"[native] {comm}" if self.own else comm)
 
@@ -91,7 +105,7 @@ class ThreadCPU:
             tasks = self._read()
             self.total0 = process_cpu(self.pid)
             self._names(tasks)
-            self.first = {tid: (u, s) for tid, (_, u, s) in tasks.items()}
+            self.first = {tid: (u, s, v) for tid, (_, u, s, v) in tasks.items()}
             self.last = dict(self.first)
         return self
 
@@ -100,33 +114,39 @@ class ThreadCPU:
         with self.lock:
             tasks = self._read()
             self._names(tasks)
-            for tid, (_, u, s) in tasks.items():
-                self.first.setdefault(tid, (0.0, 0.0))
-                self.last[tid] = (u, s)
+            for tid, (_, u, s, v) in tasks.items():
+                self.first.setdefault(tid, (0.0, 0.0, 0))
+                self.last[tid] = (u, s, v)
 
     def stop(self) -> dict:
-        """{"threads": {kind: [user_s, sys_s]}, "user_s", "sys_s", "children_s"} for the window."""
+        """{"threads": {kind: [user_s, sys_s]}, "switches": {kind: voluntary switches},
+        "user_s", "sys_s", "children_s"} for the window."""
         self.poll()
         total1 = process_cpu(self.pid)
         rows: dict[str, list[float]] = {}
+        switches: dict[str, int] = {}
         with self.lock:
-            for tid, (u1, s1) in self.last.items():
-                u0, s0 = self.first.get(tid, (0.0, 0.0))
-                row = rows.setdefault(kind(self.names.get(tid, str(tid))), [0.0, 0.0])
+            for tid, (u1, s1, v1) in self.last.items():
+                u0, s0, v0 = self.first.get(tid, (0.0, 0.0, 0))
+                k = kind(self.names.get(tid, str(tid)))
+                row = rows.setdefault(k, [0.0, 0.0])
                 row[0] += u1 - u0
                 row[1] += s1 - s0
+                switches[k] = switches.get(k, 0) + v1 - v0
         user, system = total1[0] - self.total0[0], total1[1] - self.total0[1]
         gone = [user - sum(r[0] for r in rows.values()), system - sum(r[1] for r in rows.values())]
         if gone[0] + gone[1] > 0.0:
             rows["(threads ended between polls)"] = gone
-        return {"threads": rows, "user_s": user, "sys_s": system,
+        return {"threads": rows, "switches": switches, "user_s": user, "sys_s": system,
                 "children_s": (total1[2] - self.total0[2]) + (total1[3] - self.total0[3])}
 
 
 def per_firing_table(cpu: dict, firings: int, exclude: tuple[str, ...] = (), width: int = 60) -> list[str]:
-    """Lines: ms of CPU per firing per thread kind (user+sys, and the sys share), largest
+    """Lines: ms of CPU per firing per thread kind (user+sys, and the sys share) and its
+    wake-ups per firing (voluntary switches; short-lived threads are not seen), largest
     first, then the total (without the ``exclude``d kinds, e.g. the benchmark's own thread)."""
     n = max(1, firings)
+    switches = cpu.get("switches", {})
     rows = [(k, u, s) for k, (u, s) in cpu["threads"].items() if k not in exclude]
     rows.sort(key=lambda r: -(r[1] + r[2]))
     lines = []
@@ -134,9 +154,12 @@ def per_firing_table(cpu: dict, firings: int, exclude: tuple[str, ...] = (), wid
         ms = (u + s) * 1000 / n
         if ms < 0.005:
             continue
-        lines.append(f"  {k[:width]:<{width}} {ms:7.3f} ms/firing  (sys {s * 1000 / n:6.3f})")
+        wakes = f"  wake-ups {switches[k] / n:5.2f}" if k in switches else ""
+        lines.append(f"  {k[:width]:<{width}} {ms:7.3f} ms/firing  (sys {s * 1000 / n:6.3f}){wakes}")
     tu, ts = sum(r[1] for r in rows), sum(r[2] for r in rows)
-    lines.append(f"  {'total':<{width}} {(tu + ts) * 1000 / n:7.3f} ms/firing  (sys {ts * 1000 / n:6.3f})")
+    tw = sum(v for k, v in switches.items() if k not in exclude)
+    lines.append(f"  {'total':<{width}} {(tu + ts) * 1000 / n:7.3f} ms/firing  (sys {ts * 1000 / n:6.3f})"
+                 f"  wake-ups {tw / n:5.2f}")
     return lines
 
 
