@@ -161,12 +161,13 @@ class GroupCommit:
 
         def op() -> list:
             outcomes = fencing.fenced_batch(client, writes)
-            # writes with work after them (a claim: its run's staging) go to the loop in
-            # groups of THEN_CHUNK once their work is done (_work), each a callback of its
-            # own, so a timer that falls due goes between their spawns. Past THEN_CHUNK such
-            # writes, the rest of the work is spread over the pool (the loop hands it out)
-            # while this worker does the first chunk. The other writes' outcomes go with
-            # the batch's own answer (one wake-up).
+            # writes with work after them (a claim: its run's staging) go to the loop once
+            # their chunk's work is done, all at once (one wake-up of the loop per chunk),
+            # each a callback of its own, so a timer that falls due goes between their
+            # spawns. Past THEN_CHUNK such writes, the rest of the work is spread over the
+            # pool (the loop hands it out) while this worker does the first chunk, so a
+            # claim's run waits for the staging of at most its chunk. The other writes'
+            # outcomes go with the batch's own answer (one wake-up).
             rest, work = [], []
             for p, r in zip(batch, outcomes):
                 if p.then is not None and not isinstance(r, fencing.StaleToken):
@@ -217,15 +218,9 @@ def _chunks(work: list, spread: int) -> list:
 
 
 def _work(chunk: list, post: Callable[..., None]) -> None:
-    """Each write's work, its outcome posted in groups of THEN_CHUNK: one wake-up of the
-    loop per group, and a claim's run waits for at most THEN_CHUNK - 1 other stagings."""
-    done: list = []
-    for i, (p, r) in enumerate(chunk):
-        done.append((p.done, _then(p, r)))
-        if len(done) == THEN_CHUNK or i == len(chunk) - 1:
-            for fn, out in done:
-                post(fn, out, None)
-            done.clear()
+    done = [(p.done, _then(p, r)) for p, r in chunk]
+    for fn, r in done:
+        post(fn, r, None)
 
 
 def _nothing(result: Any, error: Optional[BaseException]) -> None:
