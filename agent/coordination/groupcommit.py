@@ -161,12 +161,11 @@ class GroupCommit:
 
         def op() -> list:
             outcomes = fencing.fenced_batch(client, writes)
-            # writes with work after them (a claim: its run's staging) go to the loop once
-            # their chunk's work is done, all at once (one wake-up of the loop per chunk),
-            # each a callback of its own, so a timer that falls due goes between their
-            # spawns. Past THEN_CHUNK such writes, the rest of the work is spread over the
-            # pool (the loop hands it out) while this worker does the first chunk, so a
-            # claim's run waits for the staging of at most its chunk. The other writes'
+            # a write with work after it (a claim: its run's staging) goes to the loop as soon
+            # as that is done, as a callback of its own: a claim's run is not held back by
+            # the staging of others, and a timer that falls due goes between their spawns.
+            # Past THEN_CHUNK such writes, the rest of the work is spread over the pool (the
+            # loop hands it out) while this worker does the first chunk. The other writes'
             # outcomes go with the batch's own answer (one wake-up).
             rest, work = [], []
             for p, r in zip(batch, outcomes):
@@ -218,9 +217,8 @@ def _chunks(work: list, spread: int) -> list:
 
 
 def _work(chunk: list, post: Callable[..., None]) -> None:
-    done = [(p.done, _then(p, r)) for p, r in chunk]
-    for fn, r in done:
-        post(fn, r, None)
+    for p, r in chunk:
+        post(p.done, _then(p, r), None)
 
 
 def _nothing(result: Any, error: Optional[BaseException]) -> None:
