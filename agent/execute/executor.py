@@ -64,13 +64,8 @@ ARM_MARGIN_S = 0.5
 ARM_DISCARD_MARGIN_S = 0.002
 # An armed run is accounted as released (on_release, the backstop go byte, watched by the
 # reaper) this long after its due time, on the reaper's thread: its launcher went by itself
-# at the due time, and a short job has ended by then, so release and end are one wake-up
-# of the reaper and one of the caller's loop. A launcher armed less than ARMED_TIGHT_S
-# before its due time may wait for the go byte (agent/execute/armed.py): its run is
-# accounted ARMED_TIGHT_LAG_S after the due time.
-ARMED_RELEASE_LAG_S = 0.02
-ARMED_TIGHT_S = 0.01
-ARMED_TIGHT_LAG_S = 0.005
+# at the due time, and a short job has ended by then, so release and end are one wake-up.
+ARMED_RELEASE_LAG_S = 0.005
 
 class Executor:
     """Start runs under a quota backend; one reaper thread reports their ends.
@@ -223,9 +218,7 @@ class Executor:
                 run.on_release = on_release
                 run.guard = guard
                 if run.armed_at is not None:   # it goes by itself: accounted on the reaper
-                    tight = release_at - time.monotonic() < ARMED_TIGHT_S
-                    lag = ARMED_TIGHT_LAG_S if tight else ARMED_RELEASE_LAG_S
-                    self.reaper.call_at(release_at + lag, self._armed_release, run)
+                    self.reaper.call_at(release_at + ARMED_RELEASE_LAG_S, self._armed_release, run)
                 else:
                     self._releaser.at(release_at, run)
         return handle
@@ -268,12 +261,11 @@ class Executor:
                 # an armed launcher past its time (guard_until was wrong): it may have
                 # exec'd, so it counts as released and is terminated like a running run
                 self.reaper.terminate(run.handle, ExitReason.FENCED, None)
-        if on_release is None:
-            return
-        if self.reaper.on_thread():   # with the run's end, when it ended by then
-            self.reaper.defer(_call_on_release, on_release, run.handle, ok)
-        else:
-            _call_on_release(on_release, run.handle, ok)
+        if on_release is not None:
+            try:
+                on_release(run.handle, ok)
+            except Exception:
+                log.exception("on_release callback failed", extra={"fields": {"run": run.handle.run_key}})
 
     def _discard_held(self, handle: RunHandle, reason: str) -> bool:
         """A prepared run not released yet ends with ``reason`` without exec'ing its job.
@@ -386,10 +378,3 @@ class Executor:
 def _timer_may_have_fired(run: Run) -> bool:
     """An armed launcher this close to its due time may have released itself."""
     return run.armed_at is not None and time.time() >= run.armed_at - ARM_DISCARD_MARGIN_S
-
-
-def _call_on_release(on_release: Callable[[RunHandle, bool], Any], handle: RunHandle, ok: bool) -> None:
-    try:
-        on_release(handle, ok)
-    except Exception:
-        log.exception("on_release callback failed", extra={"fields": {"run": handle.run_key}})

@@ -104,7 +104,6 @@ class Reaper(threading.Thread):
         self._tlock = threading.Lock()
         self._sleep_until = float("-inf")
         self._ending: list[tuple[Run, RunResult]] = []   # on_exit calls of this wake-up
-        self._deferred: list[tuple[Callable, tuple]] = []   # calls made before them (defer())
         self.running: set[Run] = set()
         self.polled: set[Run] = set()
         self.throttled: set[Run] = set()   # runs whose progress FIFO spent its budget this tick
@@ -249,6 +248,7 @@ class Reaper(threading.Thread):
                     self._safe(self._resweep, now)
                     self.next_resweep = now + RESWEEP_TICK_S
                     resweep_at = self._resweep_due()
+                self._deliver()
                 if self._stopping and not self.fds_for_runs():
                     break
                 wait = 1.0
@@ -259,8 +259,8 @@ class Reaper(threading.Thread):
                 with self._tlock:
                     if self.timers:
                         wait = min(wait, self.timers[0][0] - now)
-                    if not self.cmds.empty() or self._ending or self._deferred:
-                        wait = 0.0   # (what this wake-up owes is delivered after the poll)
+                    if not self.cmds.empty():
+                        wait = 0.0
                     wait = max(0.0, wait)
                     self._sleep_until = now + wait
                 try:
@@ -304,21 +304,8 @@ class Reaper(threading.Thread):
             os.close(self.wake_w)
             self.ep.close()
 
-    def defer(self, fn: Callable, *args: Any) -> None:
-        """Reaper thread: fn(*args) at the end of this wake-up, before its on_exit calls
-        (an armed run's on_release and its end, when it ended by then, reach the caller
-        together: one wake-up of the caller's loop, not two)."""
-        self._deferred.append((fn, args))
-
     def _deliver(self) -> None:
-        """The deferred calls of this wake-up, then on_exit of the runs that ended in it,
-        in order, then their handles."""
-        deferred, self._deferred = self._deferred, []
-        for fn, args in deferred:
-            try:
-                fn(*args)
-            except Exception:
-                log.exception("deferred reaper callback failed")
+        """on_exit of the runs that ended in this wake-up, in order, then their handles."""
         ending, self._ending = self._ending, []
         for run, result in ending:
             handle = run.handle
