@@ -6,7 +6,8 @@ its first (0 for a thread born inside the window); a thread that ended between t
 polls is missing its last slice, which shows as ``(threads ended between polls)``: the
 process total (/proc/<pid>/stat, which keeps what ended threads used) minus the sum.
 Beside the CPU, each thread's voluntary context switches (/proc/<pid>/task/*/status): how
-often it went to sleep, i.e. its wake-ups, the cost that hand-offs between threads add.
+often it went to sleep, i.e. its wake-ups (fewer of them did not mean less CPU per firing:
+docs/benchmarks.md).
 
 Names: for this process, the Python thread names (``threading``; a native thread such
 as gRPC's by its kernel name, ``[native] comm``); for another process, the kernel names.
