@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--cluster", required=True)
     sp.add_argument("--agent", action="append", metavar="ID[=USERNAME]",
                     help="an agent and its broker username (default: the agent id); repeatable")
+    sp.add_argument("--peers-user", action="append", metavar="ID=USERNAME",
+                    help="an agent's second user, which only reads the members' statuses (its "
+                         "mqtt.peers_username); repeatable")
     sp.add_argument("--cloud-user", action="append", metavar="NAME",
                     help="a cloud-side client's username (push, cancel, get); repeatable, one per client")
     sp.add_argument("--gate-topic", action="append", metavar="TOPIC",

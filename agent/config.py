@@ -22,6 +22,7 @@ import yaml
 
 ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+BROKER_USERNAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-@")
 
 
 def doc(text: str, **kw: Any) -> Any:
@@ -87,6 +88,13 @@ class MqttConfig:
     username: Optional[str] = doc("Broker user.", default=None)
     password: Optional[str] = doc("Broker password.", default=None)
     tls: Optional[TLSConfig] = doc("TLS settings for mqtts://.", default=None)
+    peers_username: Optional[str] = doc(
+        "A second broker user of this agent that only reads its members' statuses, on a connection of its own "
+        "with a clean session: a member's status flood then never waits in the push session, and is cut at once "
+        "by dropping that connection (`millwright broker acl --peers-user ID=USER`). Unset: the statuses come on "
+        "the push connection, where a flood the broker queued before the unsubscribe is read in full.",
+        default=None)
+    peers_password: Optional[str] = doc("The password of mqtt.peers_username (default: mqtt.password).", default=None)
     keepalive_s: int = doc("MQTT keepalive.", default=30)
     max_payload_bytes: int = doc("Pushes larger than this are rejected with reason too_large; the broker's "
                                  "message_size_limit should equal it.", default=65536)

@@ -10,6 +10,7 @@ import re
 from typing import Any
 
 from agent.config import (
+    BROKER_USERNAME_CHARS,
     FENCE_KILL_MARGIN_S,
     ID_RE,
     NAME_RE,
@@ -39,6 +40,9 @@ def mqtt_insecurities(cfg: "Config") -> list[str]:
     if m.username is None and (m.tls is None or m.tls.cert is None):
         out.append(f"{cfg.source}: mqtt.username: no broker credentials (mqtt.username and mqtt.password, or a "
                    "client certificate in mqtt.tls.cert and mqtt.tls.key)" + fix)
+    if m.peers_username is not None and m.peers_password is None and m.password is None:
+        out.append(f"{cfg.source}: mqtt.peers_password: mqtt.peers_username has no password (mqtt.peers_password, "
+                   "or mqtt.password for both users)" + fix)
     return out
 
 
@@ -131,6 +135,10 @@ def validate(cfg: Config, problems: list[str]) -> None:
     m = cfg.mqtt
     if not re.match(r"^mqtts?://[^/:]+(:\d{1,5})?/?$", m.url or ""):
         bad("mqtt.url", f"{m.url!r} is not mqtt://host:port or mqtts://host:port")
+    if m.peers_username is not None and (not m.peers_username or m.peers_username == m.username or any(
+            c not in BROKER_USERNAME_CHARS for c in m.peers_username)):
+        bad("mqtt.peers_username", f"{m.peers_username!r}: a broker user of letters, digits and . _ - @, other "
+            "than mqtt.username (the broker makes a client's id its username: one user, one connection)")
     if m.max_age_s <= 0:
         bad("mqtt.max_age_s", "must be greater than 0")
     if m.max_skew_s < 0:
@@ -334,7 +342,8 @@ def unknown_users(cfg: Config) -> list[str]:
 
 def credential_keys(cfg: Config) -> list[str]:
     """The keys of ``cfg`` that hold a secret (passwords; TLS key paths are not secrets)."""
-    return [k for k, v in (("etcd.password", cfg.etcd.password), ("mqtt.password", cfg.mqtt.password))
+    return [k for k, v in (("etcd.password", cfg.etcd.password), ("mqtt.password", cfg.mqtt.password),
+                           ("mqtt.peers_password", cfg.mqtt.peers_password))
             if v is not None]
 
 

@@ -19,6 +19,15 @@ them, QoS 1: fake `accepted` and `succeeded` answers about the burst's jobs, 8 K
 every tenth 40 KiB (over an agent's 32 KiB cap for peers' statuses; BENCH_FLOOD_KB=40 for
 all of them). The figure says what the flood costs the agents' ingest.
 
+BENCH_PEERS_LINK=0: the agents read their peers' statuses on the push connection (no
+mqtt.peers_username), as before the peers link; default 1, each agent with its peers user.
+
+BENCH_PIN=1 (--flood): the agents, etcd and the bench's cloud clients (pusher, collector: the
+same work in both runs) run on CPU 0, the broker and the flooding gateway on CPU 1, in quiet
+and flood runs alike. In a plant the flooding gateway is another machine and the broker the
+cloud's; on this 2-core machine they otherwise take the agents' cores, and the ratio then
+measures the attacker's CPU as much as the agents' cost of the flood.
+
 The broker is configured as the product ships it (a user per client, the cluster's ACL,
 message_size_limit = mqtt.max_payload_bytes; plain TCP on loopback instead of TLS). The
 flood figure also gives each process's CPU during the burst (/proc/<pid>/stat).
@@ -55,6 +64,31 @@ from tests.support.waiting import wait_for  # noqa: E402
 PUSHES = int(os.environ.get("BENCH_PUSHES", "2000"))
 RATE = float(os.environ.get("BENCH_RATE", "100"))
 PAHO2 = os.path.join(ROOT, ".cache", "paho2")
+
+
+PIN = os.environ.get("BENCH_PIN", "0") == "1"
+PEERS_LINK = os.environ.get("BENCH_PEERS_LINK", "1") == "1"   # agents read statuses on a link of their own
+AGENT_CPUS = {0}    # BENCH_PIN: the agents, etcd and the bench's cloud clients (the same in both runs)
+BROKER_CPUS = {1}   # BENCH_PIN: the broker and the flooding gateway
+
+
+class spawned_on:
+    """Children forked inside this block start on ``cpus`` (they inherit the affinity of
+    the thread that forks them); the bench's own thread gets its affinity back after."""
+
+    def __init__(self, cpus: Optional[set]):
+        self.cpus = cpus
+        self.saved: Optional[set] = None
+
+    def __enter__(self):
+        if self.cpus is not None:
+            self.saved = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, self.cpus)
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            os.sched_setaffinity(0, self.saved)
 
 
 def pct(xs, p):
@@ -108,8 +142,9 @@ def shipped_broker(workdir: str, names: list) -> tuple:
     from agent.cloud.broker import acl_text, settings_text
 
     agents = list(names) + ["gw"]
-    users = {u: f"{u}-pw" for u in agents + list(BROKER_CLOUD_USERS)}
-    acl = acl_text("t", {a: a for a in agents}, list(BROKER_CLOUD_USERS))
+    peers = {a: f"{a}-peers" for a in names}
+    users = {u: f"{u}-pw" for u in agents + list(peers.values()) + list(BROKER_CLOUD_USERS)}
+    acl = acl_text("t", {a: a for a in agents}, list(BROKER_CLOUD_USERS), peers_users=peers)
     return MosquittoServer(workdir, users=users, acl=acl, extra_conf=settings_text(BROKER_PAYLOAD_LIMIT)), users
 
 
@@ -120,6 +155,9 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True, flood_sta
     run while it returns: bench/profile_ingest.py profiles the phases through it);
     ``agent_env``: more environment for the agents."""
     observe = observe or (lambda phase, info: None)
+    broker_cpus = BROKER_CPUS if PIN else None
+    if PIN:
+        os.sched_setaffinity(0, AGENT_CPUS)   # the bench's threads, and what it starts but the broker's side
     base = tempfile.mkdtemp(prefix="mw-bench-ingest-")
     etcd = EtcdServer(os.path.join(base, "etcd"))
     names = [f"a{i}" for i in range(n_agents)]
@@ -129,7 +167,8 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True, flood_sta
         return MqttConfig(url=mq.url, username=user, password=users[user], insecure=True)
     for s in (etcd, mq):
         os.makedirs(s.dir, exist_ok=True)
-        s.start()
+        with spawned_on(broker_cpus if s is mq else None):
+            s.start()
     keys = os.path.join(base, "keys.yaml")
     ring = write_keys(keys)
     env = {"PYTHONPATH": PAHO2} if paho2 else {}
@@ -162,12 +201,20 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True, flood_sta
 
             cl.client.put(cl.keys.member("gw"), json.dumps({"capacity": 1.0, "available": False}))
         for n in names:
-            cl.start(n, extra={"mqtt": {"username": n, "password": users[n], "insecure": True}})
+            with spawned_on(None):
+                cl.start(n, extra={"mqtt": {"username": n, "password": users[n], "insecure": True,
+                                            **({"peers_username": f"{n}-peers", "peers_password": users[f"{n}-peers"]}
+                                               if PEERS_LINK else {})}})
         wait_for(lambda: cl.all_owned_by(set(names)) and len(set(cl.owners().values())) == n_agents, 60,
                  what="agents own the shards")
         time.sleep(1.0)
         pusher.start()
         pusher.wait_connected(10)
+        if PIN:   # every thread of each process where it was put
+            for who, pid, cpus in [(a, cl.agents[a].pid, AGENT_CPUS) for a in names] + [
+                    ("etcd", etcd.proc.pid, AGENT_CPUS), ("mosquitto", mq.proc.pid, BROKER_CPUS)]:
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    assert os.sched_getaffinity(int(tid)) == cpus, (who, tid, os.sched_getaffinity(int(tid)))
         observe("ready", {"agents": {a: cl.agents[a].pid for a in names}, "etcd": etcd.proc.pid,
                           "mosquitto": mq.proc.pid})
         sent: dict[str, float] = {}
@@ -200,10 +247,11 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True, flood_sta
             lines = os.path.join(base, "flood.txt")
             with open(lines, "wb") as fh:
                 fh.writelines(p + b"\n" for p in flood_payloads(flood_statuses, ids))
-            gw = subprocess.Popen(["mosquitto_pub", "-h", mq.host, "-p", str(mq.port), "-i", "gw", "-u", "gw",
-                                   "-P", users["gw"], "-q", "1",
-                                   "-t", topics.status("flood", "gw"), "-l"], stdin=open(lines, "rb"),
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            with spawned_on(broker_cpus):
+                gw = subprocess.Popen(["mosquitto_pub", "-h", mq.host, "-p", str(mq.port), "-i", "gw", "-u", "gw",
+                                       "-P", users["gw"], "-q", "1",
+                                       "-t", topics.status("flood", "gw"), "-l"], stdin=open(lines, "rb"),
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if junk:
             import random
 
@@ -248,7 +296,8 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True, flood_sta
                 from agent.runtime.admin import query
 
                 cloud = query(os.path.join(cl.agents[a].dir, "admin.sock")).get("cloud", {})
-                received[a] = (cloud.get("peer_statuses_received"), cloud.get("peer_statuses_read"))
+                received[a] = (cloud.get("peer_statuses_received"), cloud.get("peer_statuses_read"),
+                               (cloud.get("peers_link") or {}).get("cut"))
             except Exception:
                 received[a] = None
         pcpu = {k: proc_cpu_s(pid) - pcpu0[k] for k, pid in procs.items() if k != "gateway"}
@@ -298,6 +347,10 @@ def main_flood() -> int:
     print(f"status flood benchmark: burst of {PUSHES} valid pushes on 2 agents, quiet vs while a gateway publishes "
           f"{n} statuses (8-40 KiB, fake answers) at full speed; cpus={os.cpu_count()} "
           f"load={os.getloadavg()[0]:.1f}")
+    print(f"peers' statuses on {'a link of their own (mqtt.peers_username)' if PEERS_LINK else 'the push link'}")
+    if PIN:
+        print(f"pinned (BENCH_PIN=1): agents, etcd and the bench's cloud clients on CPUs {sorted(AGENT_CPUS)}; "
+              f"the broker and the flooding gateway on CPUs {sorted(BROKER_CPUS)}")
     rounds = int(os.environ.get("BENCH_ROUNDS", "3"))  # alternated, so a shared machine's load hits both alike
     quiet, noisy, cq, cf = [], [], [], []
     pq: list = []
@@ -311,7 +364,7 @@ def main_flood() -> int:
         noisy.append(f["burst_per_s"])
         cq.append(q["agent_cpu_s"])
         cf.append(f["agent_cpu_s"])
-        print(f"  peers' statuses (received, read) per agent (quiet / flood): {q['peer_statuses_received']} / "
+        print(f"  peers' statuses (received, read, peers link cuts) per agent (quiet / flood): {q['peer_statuses_received']} / "
               f"{f['peer_statuses_received']}")
         print(f"round {i + 1}: quiet {quiet[-1]:.0f}/s ({cq[-1]:.2f} s CPU per agent), flood {noisy[-1]:.0f}/s "
               f"({cf[-1]:.2f} s CPU per agent) (load {os.getloadavg()[0]:.1f})", flush=True)

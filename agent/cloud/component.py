@@ -15,6 +15,7 @@ Integration with agent.runtime.daemon.Agent (all registered in __init__, nothing
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sqlite3
@@ -25,6 +26,7 @@ from agent.coordination.jobstore import JobStore, StoredJob
 from agent.coordination.quota import ClusterQuota
 from agent.coordination.watch import PrefixWatch
 from agent.jobs.signing import KeyFileError, KeyRing
+from agent.runtime.recent import RecentMemory
 
 from .answers import Answers
 from .dispatch import Dispatcher
@@ -35,10 +37,10 @@ from .mqtt import PAHO_VERSION, MqttLink
 from .outbox import Outbox, OutboxPublisher
 from .outboxwriter import OutboxWriter
 from .peers import PeerStatuses
-from .peersubs import PeerSubscriptions
+from .peersubs import MAX_PEERS, PeerSubscriptions
 from .presence import presence_doc, will_doc
 from .queries import JobQueries
-from .topics import Topics
+from .topics import ID_RE, Topics
 
 log = logging.getLogger(__name__)
 
@@ -137,17 +139,28 @@ class CloudComponent:
                                   page_bytes=m.get_page_bytes,
                                   report_unauthenticated=self.ingest.report_unauthenticated)
         # peers' statuses: one subscription per member (peersubs.py), none for the wildcard
-        # an older agent's persistent session may still hold
+        # an older agent's persistent session may still hold; on a link of their own when
+        # the agent has a peers user (a clean session: a flood is cut with the connection)
         self.link.unsubscribe(self.topics.status_filter())
-        self.peer_subs = PeerSubscriptions(self.topics, self.link, self.agent_id, reading=self.answers.reading,
+        self.peers_link: Optional[MqttLink] = None
+        if m.peers_username:
+            self.peers_link = MqttLink(
+                dataclasses.replace(m, username=m.peers_username, password=m.peers_password or m.password),
+                m.peers_username, clean_session=True, on_connect=self._peers_connected,
+                on_message=self._peers_message, topic_kind=self.topics.kind, reconnect_min_s=m.reconnect_min_s,
+                reconnect_max_s=m.reconnect_max_s, report_connected=False)
+        status_link: Link = self.peers_link or self.link
+        self._push_link_strays: RecentMemory[str, bool] = RecentMemory(MAX_PEERS)   # the push link's thread
+        self.peer_subs = PeerSubscriptions(self.topics, status_link, self.agent_id, reading=self.answers.reading,
                                            not_reading=self.answers.not_reading, call_later=agent.loop.call_later,
                                            record=agent.record)
         agent.members_listeners.append(lambda: self.peer_subs.members_changed(list(agent.shards.members)))
-        self.peers = PeerStatuses(self.topics, self.link, saw=self.answers.saw, missed=self.answers.missed,
+        self.peers = PeerStatuses(self.topics, status_link, saw=self.answers.saw, missed=self.answers.missed,
                                   record=lambda *a, **k: agent.loop.post(lambda: agent.record(*a, **k)),
                                   flooding=lambda peer: agent.loop.post(self.peer_subs.flooding, peer),
                                   stray=lambda peer: agent.loop.post(self.peer_subs.stray, peer),
-                                  wanted=lambda: self.peer_subs.snapshot)
+                                  wanted=lambda: self.peer_subs.snapshot,
+                                  cut=self._cut if self.peers_link is not None else None)
         self.dispatcher = Dispatcher(self.ingest, self.link, self.topics, lambda: agent.owned_shards,
                                      m.ingest_grace_s, workers=workers)
         self.watch: Optional[PrefixWatch] = None
@@ -208,7 +221,8 @@ class CloudComponent:
 
     # --- link callbacks (the link's thread) ---------------------------------------------
     def _connected(self, generation: int, session_present: bool) -> None:
-        self.answers.watching(True)
+        if self.peers_link is None:   # the statuses come on this link
+            self.answers.watching(True)
         self.link.publish(self.topics.presence(self.agent_id), presence_doc(self.agent_id, self._state), 1, True)
         self.outbox.wake.set()
 
@@ -221,9 +235,43 @@ class CloudComponent:
         elif self.topics.kind(msg.topic) == "status":
             # every agent sees its members' answers on the broker: a dead peer's answer that
             # was delivered is not published again (answers.py); bounded per peer (peers.py)
-            self.peers.on_message(msg)
+            if self.peers_link is None:
+                self.peers.on_message(msg)
+            else:
+                self._status_on_push_link(msg)
         else:
             self.dispatcher.on_message(msg)
+
+    def _status_on_push_link(self, msg: Message) -> None:
+        """A status on the push link while the peers link reads them: a subscription an
+        earlier run without ``mqtt.peers_username`` left in the persistent session. Not
+        read (the peers link reads that agent, or not, as peersubs.py decides); unsubscribed
+        here once per agent and run."""
+        self.link.ack(msg)
+        agent = self.topics.agent_of(msg.topic)
+        if agent is not None and ID_RE.fullmatch(agent) and self._push_link_strays.get(agent) is None:
+            self._push_link_strays.remember(agent, True)
+            self.link.unsubscribe(self.peer_subs.topic(agent))
+
+    # --- peers link callbacks (its own thread) -------------------------------------------
+    def _peers_connected(self, generation: int, session_present: bool) -> None:
+        self.answers.watching(True)   # a clean session: what was published meanwhile is gone
+
+    def _peers_message(self, msg: Message) -> None:
+        if self.topics.kind(msg.topic) == "status":
+            self.peers.on_message(msg)
+        elif self.peers_link is not None:   # nothing else is subscribed there (its user reads only statuses)
+            self.peers_link.ack(msg)
+
+    def _cut(self, agent: str) -> None:
+        """The peers link's thread: ``agent`` floods. Unsubscribed now (the reconnect does
+        not take it back; peersubs.py decides when it is read again) and the connection
+        ended: the broker discards what it had queued of the flood with the clean session."""
+        assert self.peers_link is not None
+        self.peers_link.unsubscribe(self.peer_subs.topic(agent))
+        if self.peers_link.drop_connection():
+            log.warning("a peer floods its statuses: the peers connection is cut, with what the broker queued",
+                        extra={"fields": {"agent": agent}})
 
     def _published(self, mid: int) -> None:
         self.publisher.on_publish(mid)
@@ -238,6 +286,8 @@ class CloudComponent:
         self.queries.start()
         threading.Thread(target=self._start_watch, name="mqtt-jobs-watch-start", daemon=True).start()
         self.link.start()
+        if self.peers_link is not None:
+            self.peers_link.start()
 
     def _start_watch(self) -> None:
         """Watch jobs/ from now on (no snapshot): lets non-owners release pushes at once."""
@@ -283,6 +333,8 @@ class CloudComponent:
         for w in (self.watch, self.answers_watch):
             if w is not None:
                 w.stop(timeout=1.0)
+        if self.peers_link is not None:
+            self.peers_link.stop()
         self.link.stop()
         self.publisher.stop()
         self._write_statuses()
@@ -298,6 +350,9 @@ class CloudComponent:
                 "held_get_requests": self.queries.held, "queued_get_requests": self.queries.queued,
                 "queued_peer_statuses": self.peers.depth,
                 "peer_statuses_received": self.peers.received, "peer_statuses_read": self.peers.read,
+                "peers_link": None if self.peers_link is None else {
+                    "connected": self.peers_link.connected, "client_id": self.peers_link.client_id,
+                    "cut": self.peers_link.dropped},
                 "peer_subscriptions": len(self.peer_subs.subscribed),
                 "peers_cooling_off": sorted(self.peer_subs.cooling),
                 "keys": self.keyring.kids}

@@ -18,7 +18,10 @@ topic, its length and a token:
 and it is acknowledged (a peer's status is no durable state of this agent). A status
 refused for its agent's rate (or too large while its bucket is empty) also tells
 ``flooding(agent)``, at most every ``FLOODING_EVERY_S`` per agent: peersubs.py then stops
-the broker from sending that agent's statuses at all for a while. A status of an agent
+the broker from sending that agent's statuses at all for a while. On a link of its own
+(``mqtt.peers_username``: a clean session that carries only statuses) ``cut(agent)`` runs
+first, on the link's thread: the agent is unsubscribed and the connection ended, so what
+the broker had already queued of the flood is discarded with the session instead of read. A status of an agent
 not in ``wanted()`` (peersubs.py's current set) is dropped unread and told ``stray(agent)``
 (as often): peersubs.py unsubscribes it again (a subscription a previous run
 of this agent left in its persistent session, or what the broker sent before an
@@ -80,6 +83,7 @@ class PeerStatuses:
                  flooding: Callable[[str], None] = lambda agent: None,
                  stray: Callable[[str], None] = lambda agent: None,
                  wanted: Callable[[], Optional[frozenset]] = lambda: None,
+                 cut: Optional[Callable[[str], None]] = None,
                  max_bytes: int = MAX_BYTES, rate: float = RATE_PER_S, burst: float = BURST,
                  queue_max: int = QUEUE_MAX, queue_bytes: int = QUEUE_BYTES, report_s: float = REPORT_S,
                  clock: Callable[[], float] = time.monotonic):
@@ -91,6 +95,7 @@ class PeerStatuses:
         self.flooding = flooding
         self.stray = stray
         self.wanted = wanted
+        self.cut = cut
         self.max_bytes = max_bytes
         self.rate, self.burst = rate, burst
         self.queue_max, self.queue_bytes = queue_max, queue_bytes
@@ -133,7 +138,7 @@ class PeerStatuses:
         if size > self.max_bytes or not within:
             self._dropped(agent, "too_large" if size > self.max_bytes else "rate_limited")
             if not within:
-                self._flooding(agent, self.flooding)
+                self._flooding(agent, self._flood)
             return
         with self._cv:
             if len(self._q) >= self.queue_max or self._bytes + size > self.queue_bytes:
@@ -146,6 +151,11 @@ class PeerStatuses:
                 self._bytes += size
         if full:
             self._dropped(agent, "queue_full")
+
+    def _flood(self, agent: str) -> None:
+        if self.cut is not None:
+            self.cut(agent)
+        self.flooding(agent)
 
     def _flooding(self, agent: str, tell: Callable[[str], None]) -> None:
         now = self.clock()

@@ -3,7 +3,8 @@ statuses, fake `accepted` and `failed` answers about another agent's jobs among 
 its own prefix (all the shipped broker ACL lets it write). That agent dies with its answers
 undelivered. No owed answer is dropped: the shard's new owner publishes every one, rebuilt
 from etcd, because an answer counts as delivered only under its writer's own prefix; the
-flooding member is unsubscribed for a cool-off. A member that floods and dies with answers
+flooding member is unsubscribed for a cool-off, and the connection an agent reads its peers'
+statuses on (``mqtt.peers_username``) is cut, with what the broker had queued. A member that floods and dies with answers
 it may have delivered gets them republished, marked ``redelivery``. (The
 ingest figure under such a flood is bench/bench_ingest.py --flood.) Real agents, etcd and
 mosquitto."""
@@ -19,6 +20,7 @@ import pytest
 from agent.cloud.mqtt import MqttLink
 from agent.config import MqttConfig
 from agent.coordination.keys import shard_of
+from agent.runtime.admin import query
 from tests.support.cloud import T, CloudWorld, Pusher
 from tests.support.cloudkit import TEMPLATES, job_doc, signed
 from tests.support.waiting import wait_for
@@ -72,7 +74,8 @@ def test_a_gateways_status_flood_and_fake_answers_drop_no_owed_answer(world):
     world.cluster.env = {"MILLWRIGHT_TEST_HOLD_OUTBOX": "1"}   # a1 answers nothing: every answer stays owed
     a1 = world.cluster.start("a1")
     world.cluster.env = {}
-    a2 = world.cluster.start("a2")
+    # a2 reads its peers' statuses on a link of its own (mqtt.peers_username)
+    a2 = world.cluster.start("a2", extra={"mqtt": {"peers_username": "a2-peers"}})
     wait_for(lambda: world.cluster.converged({"a1": 1.0, "a2": 1.0}), 40, what="two agents share the shards")
     assert world.col.wait(lambda m: any(t == T.presence("a2") and d.get("state") == "online" for _, t, d in m), 30)
     time.sleep(1.5)  # a2 trusts "not seen" only for answers written 1 s after its subscription began
@@ -135,9 +138,15 @@ def test_a_gateways_status_flood_and_fake_answers_drop_no_owed_answer(world):
         assert any(r.get("event") == "peer_statuses_unsubscribed" and r.get("agent") == "gw"
                    for r in world.cluster.audit("a2"))   # the broker stopped sending them for a while
         assert a2.alive()
+        cloud = query(os.path.join(a2.dir, "admin.sock"))["cloud"]
+        # the flood was cut with the peers connection: what the broker had queued of it went
+        # with the clean session, unread (a cut comes after ~1 MiB of it, about 100 statuses)
+        assert cloud["peers_link"]["cut"] >= 1 and cloud["peers_link"]["client_id"] == "a2-peers", cloud
+        assert cloud["peer_statuses_received"] < FLOOD // 10, cloud
         print(f"\ngateway flood: {FLOOD} statuses, {sent / 1e6:.0f} MB in {flood_s:.1f}s; a1 kill -9'd after it; "
               f"all {len(owed)} owed answers published by a2 {took:.2f}s after the kill (dropped at a2: "
-              f"{sorted(reasons)}); load {os.getloadavg()[0]:.1f}")
+              f"{sorted(reasons)}; peers link cut {cloud['peers_link']['cut']}x, statuses received "
+              f"{cloud['peer_statuses_received']}); load {os.getloadavg()[0]:.1f}")
     finally:
         pusher.stop()
 
