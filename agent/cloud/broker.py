@@ -63,7 +63,7 @@ def acl_text(cluster: str, agents: dict[str, str], cloud_users: list[str],
     for agent_id, user in (peers_users or {}).items():
         if agent_id not in agents:
             raise ValueError(f"{agent_id!r}: a peers user belongs to an agent of the cluster (name it with --agent)")
-        if user in agents.values() or user in cloud_users:
+        if user in agents.values() or user in cloud_users or list((peers_users or {}).values()).count(user) > 1:
             raise ValueError(f"{user!r}: a peers user is a user of its own (the broker makes a client's id its "
                              "username: one user, one connection)")
         lines += [f"user {_user(user)}", f"topic read {t.status_filter()}", ""]

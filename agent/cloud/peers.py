@@ -21,12 +21,13 @@ refused for its agent's rate (or too large while its bucket is empty) also tells
 the broker from sending that agent's statuses at all for a while. On a link of its own
 (``mqtt.peers_username``: a clean session that carries only statuses) ``cut(agent)`` runs
 first, on the link's thread: the agent is unsubscribed and the connection ended, so what
-the broker had already queued of the flood is discarded with the session instead of read. A status of an agent
-not in ``wanted()`` (peersubs.py's current set) is dropped unread and told ``stray(agent)``
-(as often): peersubs.py unsubscribes it again (a subscription a previous run
-of this agent left in its persistent session, or what the broker sent before an
-unsubscribe took effect), or subscribes again if the set changed meanwhile. One worker
-thread parses what is queued and tells :meth:`Answers.saw` which agent's topic carried it.
+the broker had already queued of the flood is discarded with the session instead of
+read. A status of an agent not in ``wanted()`` (peersubs.py's current set) is dropped
+unread and told ``stray(agent)`` (as often): peersubs.py unsubscribes it again (a
+subscription a previous run of this agent left in its persistent session, or what the
+broker sent before an unsubscribe took effect), or subscribes again if the set changed
+meanwhile. One worker thread parses what is queued and tells :meth:`Answers.saw` which
+agent's topic carried it.
 
 A status dropped at 2-4 is counted (``millwright_mqtt_peer_statuses_total{result}``),
 audited (aggregated: one ``mqtt``/``peer_statuses_dropped`` record per agent and reason at

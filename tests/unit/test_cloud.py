@@ -421,7 +421,7 @@ def test_an_agents_peers_user_only_reads_the_statuses():
     text = acl_text("t", {"a1": "a1", "a2": "a2"}, ["cloud"], peers_users={"a1": "a1-peers"})
     blocks = {b.splitlines()[0]: b.splitlines()[1:] for b in text.split("\n\n") if b.startswith("user ")}
     assert blocks["user a1-peers"] == ["topic read millwright/t/agents/+/status/+"]
-    for bad in ({"a3": "a3-peers"}, {"a1": "a2"}, {"a1": "cloud"}, {"a1": "a 1"}):
+    for bad in ({"a3": "a3-peers"}, {"a1": "a2"}, {"a1": "cloud"}, {"a1": "a 1"}, {"a1": "p", "a2": "p"}):
         with pytest.raises(ValueError):
             acl_text("t", {"a1": "a1", "a2": "a2"}, ["cloud"], peers_users=bad)
     base = "etcd: {insecure: true}\nmqtt: {url: 'mqtts://b:8883', tls: {ca: /ca, cert: /c.pem, key: /c.key}, "
