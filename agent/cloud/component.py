@@ -44,6 +44,10 @@ from .topics import ID_RE, Topics
 
 log = logging.getLogger(__name__)
 
+# after a cut the peers link is back this soon: the honest statuses published meanwhile are
+# lost with the clean session (their answers count as possibly delivered)
+PEERS_RECONNECT_S = 0.1
+
 if TYPE_CHECKING:
     from agent.runtime.daemon import Agent
 
@@ -147,8 +151,9 @@ class CloudComponent:
             self.peers_link = MqttLink(
                 dataclasses.replace(m, username=m.peers_username, password=m.peers_password or m.password),
                 m.peers_username, clean_session=True, on_connect=self._peers_connected,
-                on_message=self._peers_message, topic_kind=self.topics.kind, reconnect_min_s=m.reconnect_min_s,
-                reconnect_max_s=m.reconnect_max_s, report_connected=False)
+                on_message=self._peers_message, topic_kind=self.topics.kind,
+                reconnect_min_s=min(PEERS_RECONNECT_S, m.reconnect_min_s), reconnect_max_s=m.reconnect_max_s,
+                report_connected=False)
         status_link: Link = self.peers_link or self.link
         self._push_link_strays: RecentMemory[str, bool] = RecentMemory(MAX_PEERS)   # the push link's thread
         self.peer_subs = PeerSubscriptions(self.topics, status_link, self.agent_id, reading=self.answers.reading,
