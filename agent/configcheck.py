@@ -323,6 +323,17 @@ def _is_root_user(name: str) -> bool:
         return False
 
 
+def shared_status_link(cfg: Config) -> list[str]:
+    """A production broker connection (not ``mqtt.insecure``) without ``mqtt.peers_username``:
+    not an error (it works, as before the peers link), but a member's status flood that the
+    broker queued is then read in full on the push connection."""
+    if cfg.mqtt.insecure or cfg.mqtt.peers_username is not None:
+        return []
+    return [f"{cfg.source}: mqtt.peers_username: unset: the members' statuses come on the push connection, where "
+            "a member's status flood the broker has queued is read in full; give the agent a second broker user "
+            "that only reads statuses (`millwright broker acl --peers-user`, docs/cloud.md)"]
+
+
 def unknown_users(cfg: Config) -> list[str]:
     """Templates whose ``user`` does not exist on this host: not a config error (a config
     may be checked where it does not run), but every run of such a template would fail

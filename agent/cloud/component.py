@@ -83,7 +83,7 @@ def load_keyring(path: str, record=None) -> KeyRing:
 
 class CloudComponent:
     def __init__(self, agent: Agent, workers: int = 2):
-        from agent.configcheck import require_secure_mqtt
+        from agent.configcheck import require_secure_mqtt, shared_status_link
 
         cfg = agent.cfg
         require_secure_mqtt(cfg)  # plain or anonymous MQTT only with mqtt.insecure: true
@@ -154,6 +154,8 @@ class CloudComponent:
                 on_message=self._peers_message, topic_kind=self.topics.kind,
                 reconnect_min_s=min(PEERS_RECONNECT_S, m.reconnect_min_s), reconnect_max_s=m.reconnect_max_s,
                 report_connected=False)
+        for line in shared_status_link(cfg):
+            log.warning(line)
         status_link: Link = self.peers_link or self.link
         self._push_link_strays: RecentMemory[str, bool] = RecentMemory(MAX_PEERS)   # the push link's thread
         self.peer_subs = PeerSubscriptions(self.topics, status_link, self.agent_id, reading=self.answers.reading,

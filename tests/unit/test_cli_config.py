@@ -105,6 +105,17 @@ def test_config_check_warns_about_a_template_user_that_does_not_exist(capsys, tm
                                   "would fail here (spawn_error)")
 
 
+def test_config_check_warns_when_the_peers_statuses_share_the_push_connection(capsys, tmp_path, no_default):
+    cfg = tmp_path / "agent.yaml"
+    secure = "etcd: {insecure: true}\nmqtt: {url: 'mqtts://b:8883', username: gw-1, password: p, tls: {ca: /ca}"
+    for extra, expected in (("}", 1), (", peers_username: gw-1-peers}", 0)):
+        cfg.write_text(secure + extra + "\n")
+        cfg.chmod(0o600)   # it holds a password
+        code, out, err = run(capsys, ["config", "check", str(cfg)])
+        warnings = [line for line in out.splitlines() if line.startswith("warning: ") and "mqtt.peers_username" in line]
+        assert code == 0 and len(warnings) == expected, (out, err)
+
+
 def test_push_issued_at_fills_a_file_without_one_and_must_agree_with_one_that_has_it():
     from agent.cli import UserError
     from agent.cloud.cli import with_issued_at
