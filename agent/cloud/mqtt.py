@@ -65,6 +65,25 @@ def _rc(value: Any) -> int:
         return -1
 
 
+def _tls_errors_are_connection_errors(client) -> None:
+    """paho 1.x handles a failed socket read or write only as ConnectionError: a TLS error
+    (SSLEOFError when a write meets a reset connection) escaped and ended its network
+    thread for good, the link still marked connected. Here the instance's socket calls
+    turn them into ConnectionResetError: a lost connection, reconnected (paho 2.x catches
+    OSError itself)."""
+    for name in ("_sock_send", "_sock_recv"):
+        call = getattr(client, name, None)
+        if call is None:
+            continue
+
+        def guarded(arg, _call=call):
+            try:
+                return _call(arg)
+            except ssl.SSLError as exc:   # the want-read/want-write ones paho turned into BlockingIOError
+                raise ConnectionResetError(f"TLS: {exc}") from exc
+        setattr(client, name, guarded)
+
+
 class MqttLink:
     """A :class:`~agent.cloud.link.Link` over paho (1.6 or 2.x)."""
 
@@ -116,6 +135,7 @@ class MqttLink:
             else:
                 self._real_puback = real
                 self.client._send_puback = lambda mid: paho.MQTT_ERR_SUCCESS  # deferred: see ack()
+            _tls_errors_are_connection_errors(self.client)
         self.client.max_inflight_messages_set(max_inflight)
         self.client.max_queued_messages_set(0)
         self.client.reconnect_delay_set(min_delay=max(0.1, reconnect_min_s), max_delay=max(reconnect_min_s, reconnect_max_s))

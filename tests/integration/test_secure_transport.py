@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import threading
 import time
@@ -350,3 +351,42 @@ def test_a_cut_peers_connection_drops_the_queue_and_comes_back_over_tls(secure_m
     finally:
         for c in (a1, a2, peers):
             c.stop()
+
+
+def _broken_for_writes():
+    """A socket that reads nothing yet and fails every write (its peer shut reading: EPIPE),
+    and that peer, to keep open: paho writes before it reads anything."""
+    ours, peer = socket.socketpair()
+    peer.shutdown(socket.SHUT_RD)
+    ours.setblocking(False)
+    return ours, peer
+
+
+def test_a_tls_write_on_a_broken_connection_is_a_reconnect_not_a_dead_link(secure_mqtt, pki):
+    """paho 1.6 ended its network thread on SSLEOFError (a TLS write on a broken
+    connection), the link still marked connected; the adapter makes it a lost connection."""
+    connects: list = []
+    holder: list = []
+    peers: list = []
+
+    def on_message(msg):
+        holder[0].ack(msg)
+        if msg.payload == b"reset":   # the connection breaks under paho, then it writes
+            broken, peer = _broken_for_writes()
+            peers.append(peer)
+            os.dup2(broken.fileno(), holder[0].client.socket().fileno())
+            broken.close()
+            holder[0].publish(T.status("after-reset", "a1"), b"x", 1)
+    a1 = MqttLink(mqtt_cfg(secure_mqtt, pki, "a1"), "a1", clean_session=True, on_message=on_message,
+                  on_connect=lambda gen, present: connects.append(gen), topic_kind=T.kind,
+                  subscriptions=((T.agent_prefix("a1") + "status/+", 1),), reconnect_min_s=0.2, reconnect_max_s=1.0)
+    holder.append(a1.start())
+    try:
+        assert a1.wait_connected(10)
+        time.sleep(0.3)
+        a1.publish(T.status("trigger", "a1"), b"reset", 1)   # it comes back to a1: the reset
+        wait_for(lambda: len(connects) >= 2 and a1.connected, 15, what="the link reconnected after the break")
+    finally:
+        a1.stop()
+        for peer in peers:
+            peer.close()
