@@ -157,7 +157,7 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True, flood_sta
     observe = observe or (lambda phase, info: None)
     broker_cpus = BROKER_CPUS if PIN else None
     if PIN:
-        os.sched_setaffinity(0, AGENT_CPUS)   # the bench's threads, and what it starts but the broker's side
+        os.sched_setaffinity(0, AGENT_CPUS)   # the bench's threads and what it starts, the broker's side aside
     base = tempfile.mkdtemp(prefix="mw-bench-ingest-")
     etcd = EtcdServer(os.path.join(base, "etcd"))
     names = [f"a{i}" for i in range(n_agents)]
@@ -201,10 +201,9 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True, flood_sta
 
             cl.client.put(cl.keys.member("gw"), json.dumps({"capacity": 1.0, "available": False}))
         for n in names:
-            with spawned_on(None):
-                cl.start(n, extra={"mqtt": {"username": n, "password": users[n], "insecure": True,
-                                            **({"peers_username": f"{n}-peers", "peers_password": users[f"{n}-peers"]}
-                                               if PEERS_LINK else {})}})
+            cl.start(n, extra={"mqtt": {"username": n, "password": users[n], "insecure": True,
+                                        **({"peers_username": f"{n}-peers", "peers_password": users[f"{n}-peers"]}
+                                           if PEERS_LINK else {})}})
         wait_for(lambda: cl.all_owned_by(set(names)) and len(set(cl.owners().values())) == n_agents, 60,
                  what="agents own the shards")
         time.sleep(1.0)
@@ -364,8 +363,8 @@ def main_flood() -> int:
         noisy.append(f["burst_per_s"])
         cq.append(q["agent_cpu_s"])
         cf.append(f["agent_cpu_s"])
-        print(f"  peers' statuses (received, read, peers link cuts) per agent (quiet / flood): {q['peer_statuses_received']} / "
-              f"{f['peer_statuses_received']}")
+        print(f"  peers' statuses (received, read, peers link cuts) per agent (quiet / flood): "
+              f"{q['peer_statuses_received']} / {f['peer_statuses_received']}")
         print(f"round {i + 1}: quiet {quiet[-1]:.0f}/s ({cq[-1]:.2f} s CPU per agent), flood {noisy[-1]:.0f}/s "
               f"({cf[-1]:.2f} s CPU per agent) (load {os.getloadavg()[0]:.1f})", flush=True)
     mq, mf = statistics.median(quiet), statistics.median(noisy)

@@ -291,8 +291,8 @@ class MqttLink:
         The socket's descriptor is replaced (dup2) by one end of a socketpair, shut for
         reading: paho's next read sees end-of-file (under TLS too: a ragged EOF reads as
         b""), so it reads nothing more of what the broker sent and reconnects; its writes
-        meanwhile go to the pair's other end, kept open until the next connect (a write
-        that failed would raise SSLEOFError in paho 1.6's thread under TLS). The broker's
+        meanwhile go to the pair's other end, kept open until the next connect, so that
+        end-of-file, not a failed write, is how paho learns of the cut. The broker's
         TCP socket is closed with unread data, which resets the connection: the broker ends
         the session at once, and a clean session's queue with it. Call it from the link's
         own thread (a callback): another thread would wait for paho's select to return.
