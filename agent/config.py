@@ -22,7 +22,7 @@ import yaml
 
 ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-BROKER_USERNAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-@")
+BROKER_USERNAME_RE = re.compile(r"^[A-Za-z0-9._@-]+$")   # a broker user in an ACL line and a config
 
 
 def doc(text: str, **kw: Any) -> Any:

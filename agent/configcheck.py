@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 from agent.config import (
-    BROKER_USERNAME_CHARS,
+    BROKER_USERNAME_RE,
     FENCE_KILL_MARGIN_S,
     ID_RE,
     NAME_RE,
@@ -135,8 +135,8 @@ def validate(cfg: Config, problems: list[str]) -> None:
     m = cfg.mqtt
     if not re.match(r"^mqtts?://[^/:]+(:\d{1,5})?/?$", m.url or ""):
         bad("mqtt.url", f"{m.url!r} is not mqtt://host:port or mqtts://host:port")
-    if m.peers_username is not None and (not m.peers_username or m.peers_username == m.username or any(
-            c not in BROKER_USERNAME_CHARS for c in m.peers_username)):
+    if m.peers_username is not None and (m.peers_username == m.username
+                                         or not BROKER_USERNAME_RE.fullmatch(m.peers_username)):
         bad("mqtt.peers_username", f"{m.peers_username!r}: a broker user of letters, digits and . _ - @, other "
             "than mqtt.username (the broker makes a client's id its username: one user, one connection)")
     if m.max_age_s <= 0:

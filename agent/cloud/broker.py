@@ -26,13 +26,13 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from agent.config import BROKER_USERNAME_CHARS, NAME_RE
+from agent.config import BROKER_USERNAME_RE, NAME_RE
 
 from .topics import ID_RE, Topics
 
 
 def _user(name: str) -> str:
-    if not name or any(c not in BROKER_USERNAME_CHARS for c in name):
+    if not BROKER_USERNAME_RE.fullmatch(name or ""):
         raise ValueError(f"{name!r}: a broker username here is letters, digits and . _ - @")
     return name
 
