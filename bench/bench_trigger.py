@@ -293,9 +293,10 @@ def print_buckets(res: dict) -> None:
             burst_end = res["burst_end_s"]
             after = [(t, v) for t, v in lag if t >= burst_end]
             below = next((t for t, v in after if v < 0.05), None)
-            print("lag gauge after the burst: " + ("never below 50 ms" if below is None
+            print("lag gauge after the burst: " + ("never below 50 ms while sampled (until the run's last firing)"
+                                                   if below is None
                                                    else f"below 50 ms {below - burst_end:.1f} s after the burst's end")
-                  + " (the loop's timer lateness: a backlog of claims and spawns does not show in it)")
+                  + " (how late the agent starts firings, admission, claims and spawns included)")
     sys.stdout.flush()
 
 

@@ -2,7 +2,7 @@
 with headroom, and takes them back once it keeps up again. A small, pure policy.
 
 The signal is the event loop's lag (agent/runtime/loop.py: how late the agent starts what
-falls due, its timers and its firings' claims and spawns).
+falls due, its timers and its firings' admission, claims and spawns).
 While it stays above ``high_s`` for ``sustain_s`` the agent is *overloaded* (its member
 record says so) and, if some other available member is not, it halves the weight it
 publishes as its capacity (never below ``floor`` of its configured one): the bounded-load

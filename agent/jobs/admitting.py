@@ -45,6 +45,9 @@ class Admitter:
             f.move(S.HELD)
             self.held.append(f)
             return
+        # from here only the agent's own queues delay it: a wait for the node's budget is
+        # one (past capacity the runs in flight hold it), and the loop's lag counts it
+        f.mark_ready()
         f.limits = self.launcher.limits(f.entry)
         decision = self.admission.request(f.key, f.due.timestamp(), f.limits)
         if decision == ADMITTED:

@@ -98,7 +98,7 @@ class Firing:
     timer: Any = None
     wait_reason: Optional[str] = None
     started_mono: float = 0.0
-    ready_mono: float = 0.0  # when its start became the agent's own work: the later of its due time and its first claim
+    ready_mono: float = 0.0  # when its start became the agent's own work: the later of its due time and its admission request
     health: str = "healthy"
     lead: float = 0.0        # how far ahead of `due` its claim was planned (0: at or after due)
     limits: Any = None       # the limits admission let in, which the run then gets
@@ -128,7 +128,8 @@ class Firing:
             self.wait_reason = wait_reason
 
     def mark_ready(self) -> None:
-        """At its first claim: from here on, only the agent's own queues delay its start."""
+        """When it first asks for admission (or, without, its first claim): from here on
+        only the agent's own queues (admission, claims, spawns) delay its start."""
         if not self.ready_mono:
             now = time.monotonic()
             self.ready_mono = now + max(0.0, self.due.timestamp() - time.time())

@@ -10,9 +10,9 @@ posted callbacks take turns of at most ``SLICE_S`` each: due firings keep starti
 work already started (a claim that landed, a run that ended) keeps finishing, so lateness
 grows with the backlog and drains once it is gone; neither side starves the other. How
 late the loop runs its due timers, and how late work it was told of started (a firing
-whose claim and spawn queued behind others: :meth:`EventLoop.note_late`), is its lag
-(:meth:`EventLoop.lag`, the ``millwright_scheduler_lag_seconds`` gauge): a backlog of
-claims or spawns shows there even while the timers themselves run on time.
+that waited for admission, its claim or its spawn behind others: :meth:`EventLoop.note_late`),
+is its lag (:meth:`EventLoop.lag`, the ``millwright_scheduler_lag_seconds`` gauge): a
+backlog shows there even while the timers themselves run on time.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 STALLS = counter("millwright_loop_stalls_total", "Loop handlers that ran longer than the stall threshold")
 LAG = gauge("millwright_scheduler_lag_seconds",
-            "How late the agent starts what falls due (its loop's timers, its firings' claims and spawns): "
+            "How late the agent starts what falls due (its loop's timers; its firings' admission, claims and spawns): "
             "the worst of the last second, or how overdue the next timer is")
 
 SLICE_S = 0.005      # past capacity, timers and posted callbacks take turns of this long

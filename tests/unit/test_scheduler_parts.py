@@ -341,6 +341,37 @@ def test_a_firing_over_the_node_budget_waits_and_is_claimed_when_a_slot_frees():
     assert claimed == [("first", False), ("second", False)]
 
 
+def test_a_wait_for_the_node_budget_counts_in_the_lag_a_pause_does_not():
+    """Past capacity the backlog waits for admission (the runs in flight hold the node's
+    budget): that wait is the agent's own, so a firing's lateness, which the loop's lag
+    counts, runs from its due time once it asked for admission. A firing held while new
+    runs are paused (a lease policy's decision) is ready only once it asks again."""
+    import time as _time
+
+    a, claimed, _ = admitter(1)
+    e = entry()
+    first = Firing(e, datetime.now(timezone.utc), "first")
+    second = Firing(e, datetime.now(timezone.utc) - timedelta(seconds=1), "second")
+    a.request(first)
+    before = _time.monotonic()
+    a.request(second)
+    assert second.state is FiringState.WAITING and before <= second.ready_mono <= _time.monotonic()
+    _time.sleep(0.05)
+    a.release(first)
+    assert claimed[-1] == ("second", False)
+    second.mark_ready()   # the claim marks it again: the first mark stays
+    assert _time.monotonic() - second.ready_mono >= 0.05
+
+    b, _, _ = admitter(4)
+    held = Firing(e, datetime.now(timezone.utc), "held")
+    b.pause("etcd_retransmits")
+    b.request(held)
+    assert held.state is FiringState.HELD and not held.ready_mono
+    _time.sleep(0.02)
+    b.resume()
+    assert _time.monotonic() - held.ready_mono < 0.02
+
+
 # --- records and claims ---------------------------------------------------------------------
 
 def test_a_record_names_its_fence_and_a_claim_resets_what_an_earlier_attempt_left():
