@@ -580,6 +580,25 @@ def test_a_claim_that_finds_a_record_this_agent_wrote_under_its_fence_does_not_c
         e.firings.pop(f.fire_id, None)
 
 
+def test_a_firing_sent_back_to_its_start_policies_is_not_counted_late_for_that_wait():
+    """Admitted, but a window closed before its claim: the firing waits on the window
+    again, and its lateness (the lag) counts from its next admission request, not the
+    first one: a window's wait is a policy's, not the agent's."""
+    agent = Agent(Fence(0, KEYS.shard(0), 1))
+    sched, c = _scheduler(agent)
+    e = entry("j1", {"at": format_rfc3339(NOW)}, issued_at=EARLIER)
+    c.entries["j1"] = e
+    f = Firing(e, NOW, fire_id("j1", NOW))
+    e.firings[f.fire_id] = f
+    f.mark_ready()
+    f.move(FiringState.WAITING, wait_reason="quota")
+    asked: list = []
+    sched.starts.still = lambda g: False                          # type: ignore[method-assign]
+    sched.starts.request = lambda g, go, end: asked.append(g)     # type: ignore[method-assign]
+    sched._claim(f)
+    assert asked == [f] and f.ready_mono == 0.0
+
+
 def test_a_first_run_notes_its_lateness_from_the_later_of_due_and_claim_to_the_loop():
     """The lag sees a backlog of claims and spawns: a run's lateness is measured from its
     due time (claimed ahead) or its first claim (a catch-up, or one that waited on purpose),
