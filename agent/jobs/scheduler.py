@@ -316,7 +316,6 @@ class Scheduler:
             return
         if f.state != S.CLAIMING and not self.starts.still(f):   # a window closed or a gate shut meanwhile
             self.admitter.release(f)
-            f.ready_mono = 0.0   # waiting on a start policy again: not the agent's own delay
             self._may_start(f, retry)
             return
         if retry:

@@ -591,12 +591,16 @@ def test_a_firing_sent_back_to_its_start_policies_is_not_counted_late_for_that_w
     f = Firing(e, NOW, fire_id("j1", NOW))
     e.firings[f.fire_id] = f
     f.mark_ready()
+    first = f.ready_mono
     f.move(FiringState.WAITING, wait_reason="quota")
-    asked: list = []
-    sched.starts.still = lambda g: False                          # type: ignore[method-assign]
-    sched.starts.request = lambda g, go, end: asked.append(g)     # type: ignore[method-assign]
-    sched._claim(f)
-    assert asked == [f] and f.ready_mono == 0.0
+    claims: list = []
+    still = iter([False])                                           # the window closed once
+    sched.starts.still = lambda g: next(still, True)                # type: ignore[method-assign]
+    sched.claims.claim = lambda g, *a, **kw: claims.append(g)       # type: ignore[method-assign]
+    import time as _time
+    _time.sleep(0.02)
+    sched._claim(f)                                                 # back to the policies, admitted again
+    assert claims == [f] and f.ready_mono >= first + 0.02
 
 
 def test_a_first_run_notes_its_lateness_from_the_later_of_due_and_claim_to_the_loop():
