@@ -368,8 +368,9 @@ def test_a_wait_for_the_node_budget_counts_in_the_lag_a_pause_does_not():
     b.request(held)
     assert held.state is FiringState.HELD and not held.ready_mono
     _time.sleep(0.02)
+    resumed = _time.monotonic()
     b.resume()
-    assert _time.monotonic() - held.ready_mono < 0.02
+    assert held.ready_mono >= resumed   # ready from its release, not from its due time
 
 
 # --- records and claims ---------------------------------------------------------------------
