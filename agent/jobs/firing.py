@@ -134,6 +134,11 @@ class Firing:
             now = time.monotonic()
             self.ready_mono = now + max(0.0, self.due.timestamp() - time.time())
 
+    def unmark_ready(self) -> None:
+        """Back at its start policies: their wait (a window closed before its claim) is not
+        the agent's own delay; its next admission request marks it again."""
+        self.ready_mono = 0.0
+
     def finish(self, why: FiringEnd) -> None:
         """DONE, saying why."""
         self.move(FiringState.DONE)

@@ -99,7 +99,7 @@ class StartGate:
     def request(self, f: Firing, go: Callable[[Firing], None], refuse: Refuse) -> None:
         """``go(f)`` once every policy says go, ``refuse(...)`` if one says end."""
         self._unsubscribe(f)
-        f.ready_mono = 0.0   # a policy's wait (a window closed before its claim) is not the agent's own delay
+        f.unmark_ready()
         for i, p in enumerate(self.policies):
             v = p.judge(f)
             if v.kind == "go":

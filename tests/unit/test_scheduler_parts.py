@@ -606,7 +606,7 @@ def test_a_firing_sent_back_to_its_start_policies_is_not_counted_late_for_that_w
 
 def test_a_first_run_notes_its_lateness_from_the_later_of_due_and_claim_to_the_loop():
     """The lag sees a backlog of claims and spawns: a run's lateness is measured from its
-    due time (claimed ahead) or its first claim (a catch-up, or one that waited on purpose),
+    due time (claimed ahead) or when it was marked ready (a catch-up, or one that waited on purpose),
     and only the first attempt counts (a retry's delay is its backoff)."""
     import time as _time
 
