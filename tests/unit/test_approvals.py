@@ -187,10 +187,12 @@ def test_the_start_gate_sends_the_state_a_policy_waits_in_and_gathers_final_ops(
                             subscribe=lambda f, w: (lambda: None),
         final_ops=lambda f, s: [("op", s)], done=lambda f: sent.append("done"))
     gate = StartGate([hooks], statuses, ManualLoop())
+    unmarked = []
     f = SimpleNamespace(key="k", entry=None, state=None, wait_reason=None, notes={},
-                        move=lambda to, wait_reason=None: None)
+                        move=lambda to, wait_reason=None: None, unmark_ready=lambda: unmarked.append(1))
     gate.request(f, lambda g: None, lambda *a: None)
     assert sent == [("waiting_approval", "approvals")]
+    assert unmarked == [1]      # a firing back at its start policies is not ready: its wait is no lag
     assert gate.final_ops(f, "failed") == [("op", "failed")]
     gate.done(f)
     assert sent[-1] == "done"
