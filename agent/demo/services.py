@@ -13,6 +13,7 @@ confined to its cluster's prefix (``enable_auth``, ``add_agent``, ``add_ops``,
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -84,7 +85,32 @@ def _die_with_parent() -> None:
         pass
 
 
+LISTEN_PORTS_FROM = 20000   # services' ports are picked from here up to the kernel's ephemeral range
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            return int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A free TCP port below the kernel's ephemeral range. A service that is stopped and
+    started again on its port (a broker outage, an etcd restart) must find it free: a port
+    from the ephemeral range can meanwhile be taken as the local port of any outgoing
+    connection on the host, and the restart then fails with "Address already in use"."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(LISTEN_PORTS_FROM, low) if low > LISTEN_PORTS_FROM + 1 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

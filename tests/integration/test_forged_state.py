@@ -202,8 +202,9 @@ def test_a_record_pre_created_for_a_future_firing_neither_stops_nor_repeats_it(e
     put(c, c.keys.run(shard_of("late-forgery", SHARDS), "late-forgery", fid2),
         dict(fake, job_id="late-forgery", fire_id=fid2))
     for jid, fid in (("early-forgery", fid1), ("late-forgery", fid2)):
-        wait_for(lambda: [r["state"] for r in c.job_runs(jid).values()] == ["succeeded"] and
-                 c.job_runs(jid)[fid]["agent"] == "f0", 60, what=f"{jid} run by the agent")
+        # one read: the forged record says succeeded too, and the claim over it names f0
+        wait_for(lambda: [(k, r["state"], r["agent"]) for k, r in c.job_runs(jid).items()] == [(fid, "succeeded", "f0")],
+                 60, what=f"{jid} run by the agent")
         assert effects(out)[(jid, fid)] == 1
         assert statuses(c, jid, state="running", reason="foreign_record")   # the claim over it, reported
     assert sorted((r["job"], r["where"]) for r in audit(c, "foreign_record")) == [
