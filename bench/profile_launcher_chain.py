@@ -46,14 +46,12 @@ def children_cpu() -> float:
 
 
 def cgroups(name: str) -> dict[str, str]:
-    """A test cgroup in each v1 hierarchy (empty when one is missing)."""
-    out = {}
-    for h in HIERARCHIES:
-        root = f"/sys/fs/cgroup/{h}"
-        if not os.path.exists(os.path.join(root, "tasks")):
-            return {}
-        out[h] = os.path.join(root, name)
-        os.makedirs(out[h], exist_ok=True)
+    """A test cgroup in each v1 hierarchy (none when one is missing)."""
+    if not all(os.path.exists(f"/sys/fs/cgroup/{h}/tasks") for h in HIERARCHIES):
+        return {}
+    out = {h: f"/sys/fs/cgroup/{h}/{name}" for h in HIERARCHIES}
+    for d in out.values():
+        os.makedirs(d, exist_ok=True)
     return out
 
 
