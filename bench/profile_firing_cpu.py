@@ -48,7 +48,7 @@ sys.path.insert(0, HERE)
 
 import bench_trigger  # noqa: E402
 from thread_cpu import kind, per_firing_table  # noqa: E402
-from trigger_millwright import Options, run_millwright  # noqa: E402
+from trigger_millwright import Options, run_millwright, window_start  # noqa: E402
 from trigger_workload import BENCH_THREADS, Workload, load, summary  # noqa: E402
 
 _FRAME = re.compile(r"^(?P<fn>.*) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
@@ -159,10 +159,10 @@ def main() -> None:
         if spy:
             # whole seconds (py-spy's -d), ending inside the CPU window: its own CPU is then
             # among the window's reaped children, where it is taken out again
-            t = threading.Thread(target=record, args=(ts - a.lead - 0.5, math.floor(w.span + 0.75)), name="py-spy",
+            t = threading.Thread(target=record, args=(window_start(ts, a.lead), math.floor(w.span + 0.75)), name="py-spy",
                                  daemon=True)
         else:
-            t = threading.Thread(target=sample, args=(ts - a.lead - 0.5,), name="bench-sampler", daemon=True)
+            t = threading.Thread(target=sample, args=(window_start(ts, a.lead),), name="bench-sampler", daemon=True)
         t.start()
         runner.append(t)
 

@@ -9,7 +9,7 @@ alternated over three rounds:
 - ``true``: /bin/true exec'd directly (the floor: one exec of a dynamic binary);
 - ``launcher, exec true``: the armed launcher's shell (lksh where installed) exec'ing it;
 - ``launcher, 3 joins, exec true``: the same after joining cgroup v1 cpu, memory and pids
-  by writing "0" to inherited `tasks` fds, as the launcher does (agent/execute/launch.py);
+  by writing "0" to inherited `tasks` fds, with the launcher's own lines (launch.join_lines);
 - ``sh, exec true`` and ``launcher, 3 joins, exec sh, exec true``: a job whose body is a
   /bin/sh script, like the trigger benchmark's, directly and behind the launcher.
 
@@ -35,9 +35,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from agent.execute.armed import pick_launcher  # noqa: E402
+from agent.execute.backends.cgroup import NEEDED as HIERARCHIES  # noqa: E402
+from agent.execute.launch import join_lines  # noqa: E402
 
-HIERARCHIES = ("cpu", "memory", "pids")
-JOIN = "".join(f"echo 0 >&{fd} || exit 1\n" for fd in (3, 4, 5)) + "exec 3>&- 4>&- 5>&-\n"
+JOIN = join_lines(len(HIERARCHIES))   # the launcher's own first lines: fds 3.. are the `tasks` files
 
 
 def children_cpu() -> float:

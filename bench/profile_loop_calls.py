@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from agent.runtime import loop as loop_module  # noqa: E402
-from trigger_millwright import Options, run_millwright  # noqa: E402
+from trigger_millwright import Options, run_millwright, window_start  # noqa: E402
 from trigger_workload import Workload  # noqa: E402
 
 WAITS = ("{method 'get' of '_queue.SimpleQueue' objects}", "{method 'acquire' of '_thread.lock' objects}")
@@ -55,7 +55,7 @@ def main() -> None:
 
     def on_start(first_due: float) -> None:
         def edges() -> None:
-            time.sleep(max(0.0, first_due - a.lead - 0.5 - time.time()))
+            time.sleep(max(0.0, window_start(first_due, a.lead) - time.time()))
             loops[-1].post(prof.enable)
             time.sleep(max(0.0, first_due + w.span + 1.5 - time.time()))
             loops[-1].post(prof.disable)

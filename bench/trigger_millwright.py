@@ -231,6 +231,12 @@ class CgroupTrace:
                   + ", ".join(f"{k} {v / max(1, len(sel)):.2f}" for k, v in top))
 
 
+def window_start(first_due: float, lead: float) -> float:
+    """Where the measured CPU window begins (epoch seconds): just before the first claim,
+    ``lead`` ahead of the first due time."""
+    return first_due - lead - 0.5
+
+
 def run_millwright(w: Workload, o: Options, on_start: Optional[Callable[[float], None]] = None,
                    trace: Optional[CgroupTrace] = None, say: Callable[[str], None] = print) -> dict:
     """Run the workload on one agent; the figures as a JSON-able dict. ``on_start(ts)`` is
@@ -339,7 +345,7 @@ templates:
 
     # the window: from just before the first claim to the last run's end (+1 s: its final
     # record, status and audit record); before it, the agent's idle CPU for as long as there is
-    window_at = start_ts - o.lead - 0.5
+    window_at = window_start(start_ts, o.lead)
     idle = None
     if window_at - time.time() >= 1.5:
         pre = ThreadCPU().start()
