@@ -52,11 +52,14 @@ def test_importing_the_agent_turns_grpc_fork_handlers_off_and_forks_beside_grpc_
     assert res.returncode == 0, res.stderr[-2000:]
     assert "setting 0" in res.stdout
     assert "forks 20 failed 0" in res.stdout
-    # gRPC logs from fork_posix.cc whenever its prefork handler runs (at debug verbosity)
+    # with the handlers on, forks beside a busy channel log fork_posix.cc lines at debug
+    # verbosity (the prefork handler skipping itself): seen on every run without the setting
     assert "fork_posix" not in res.stderr
 
 
 def test_an_operator_setting_is_kept():
-    res = _run("1")
+    # "false" (not "1"): a fork with the handlers on is what may hang
+    res = _run("false")
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "setting 1" in res.stdout
+    assert "setting false" in res.stdout
+    assert "fork_posix" not in res.stderr
