@@ -7,11 +7,10 @@ gRPC's prefork handler for 20 minutes)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.support.commands import millwright_env
 
 # forks (Popen with preexec_fn: a real fork, not vfork) while another thread is inside
 # gRPC, connecting a channel to a port nobody listens on
@@ -40,8 +39,9 @@ print("forks", len(rcs), "failed", sum(1 for rc in rcs if rc))
 
 
 def _run(env_value: str | None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GRPC_")}
-    env.update(PYTHONPATH=ROOT, GRPC_VERBOSITY="debug")
+    # without this process's own setting (importing the agent made it)
+    env = {k: v for k, v in millwright_env().items() if not k.startswith("GRPC_")}
+    env["GRPC_VERBOSITY"] = "debug"
     if env_value is not None:
         env["GRPC_ENABLE_FORK_SUPPORT"] = env_value
     return subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=60)
