@@ -379,9 +379,15 @@ def _print_one(ans: Optional[dict], args) -> int:
         return EXIT_REJECTED
     if not args.json:
         job = ans["job"]
+        if job.get("truncated") is True:   # a stub: the view could not fit the answer (agent/jobs/bounded.py)
+            print(f"{job.get('id')}  shard {job.get('shard')}  its view is {job.get('bytes')} bytes: cut whole "
+                  f"(answered by {ans.get('agent')})")
+            return EXIT_ACCEPTED
         print(f"{job['id']}  shard {job['shard']}  {job.get('template')}  {job['state']}  next due "
               f"{job.get('next_due') or '-'}  (answered by {ans.get('agent')})")
-        for r in job.get("runs") or []:
+        for r in job.get("runs") if isinstance(job.get("runs"), list) else []:
+            if not isinstance(r, dict):
+                continue
             print(f"  {r.get('fire_id')}  attempt {r.get('attempt')}  {r.get('state')}  {r.get('agent')}  "
                   f"exit {r.get('exit_code')}  {r.get('reason') or ''}".rstrip())
     return EXIT_ACCEPTED
@@ -394,7 +400,7 @@ def _print_list(got: dict, args) -> int:
                           "pages": len(got["pages"])}, indent=2, sort_keys=True))
     else:
         for j in jobs:
-            print(f"{j.get('id')}  shard {j.get('shard')}  {j.get('template')}  {j.get('state')}  next due "
+            print(f"{j.get('id')}  shard {j.get('shard')}  {j.get('template')}  {j.get('state', 'cut whole')}  next due "
                   f"{j.get('next_due') or '-'}")
         print(f"{len(jobs)} job(s) in {len(got['pages'])} page(s)")
     for e in got["errors"]:

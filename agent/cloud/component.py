@@ -141,7 +141,8 @@ class CloudComponent:
                                   owned, hold_s=cfg.etcd.lease_ttl_s + 5.0, keyring=self.keyring,
                                   cluster=cfg.cluster, max_age_s=m.get_max_age_s, max_skew_s=m.max_skew_s,
                                   page_bytes=m.get_page_bytes,
-                                  report_unauthenticated=self.ingest.report_unauthenticated)
+                                  report_unauthenticated=self.ingest.report_unauthenticated,
+                                  record=lambda *a, **k: agent.loop.post(lambda: agent.record(*a, **k)))
         # peers' statuses: one subscription per member (peersubs.py), none for the wildcard
         # an older agent's persistent session may still hold; on a link of their own when
         # the agent has a peers user (a clean session: a flood is cut with the connection)

@@ -56,7 +56,7 @@ from typing import Any, Callable, Optional
 
 from agent.coordination.etcd import EtcdError, EtcdUnavailable
 from agent.coordination.keys import Keys, shard_of
-from agent.jobs import view
+from agent.jobs import bounded, view
 from agent.jobs.envelope import (
     KIND_QUERY,
     SKEW,
@@ -79,6 +79,9 @@ from .topics import ID_RE, Topics
 log = logging.getLogger(__name__)
 
 QUERIES = counter("millwright_jobs_get_total", "jobs/get requests by result", ("result",))
+OVERSIZED = counter("millwright_jobs_get_oversized_total",
+                    "stored jobs whose view had to be cut to fit a jobs/get answer (once per job and agent)",
+                    ("result",))
 QUERY_SECONDS = histogram("millwright_jobs_get_seconds", "jobs/get arrival to answer",
                           buckets=(.002, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 10))
 
@@ -95,6 +98,7 @@ PAGE_BURST = 100.0
 GET_SCAN_MAX = 2000       # jobs read for one page of a filter
 FILTER_LIMIT = 1000       # jobs in one page at most
 REPLAYS_MAX = 20000
+OVERSIZED_MAX = 10000     # jobs remembered as reported oversized (a report per job, not per answer)
 QUERY_KEYS = ("v", "cluster", "kind", "issued_at", "correlation", "id", "filter", "include", "cursor", "sig")
 FILTER_KEYS = ("state", "template", "updated_since", "limit", "shards")
 INCLUDE = ("params", "stderr")
@@ -105,7 +109,7 @@ def _now() -> str:
 
 
 def _size(doc: Any) -> int:
-    return len(json.dumps(doc, separators=(",", ":"), ensure_ascii=False, default=str).encode())
+    return bounded.size(doc)
 
 
 @dataclass(frozen=True)
@@ -223,19 +227,18 @@ def shaped(job: dict, include: frozenset) -> dict:
     return out
 
 
-def fitted(job: dict, max_bytes: int) -> dict:
-    """``job`` within ``max_bytes`` of JSON: its runs' stderr tails, then its document, then
-    its runs and placement are left out (named in ``omitted``) until it fits."""
+def fitted(job: dict, max_bytes: int, job_id: Optional[str] = None, shard: Optional[int] = None) -> dict:
+    """``job`` within ``max_bytes`` of JSON, whatever etcd holds: its runs' stderr tails are
+    left out first (named in ``omitted``), then its largest parts are cut (named in
+    ``cut``, agent/jobs/bounded.py), and a view that cannot fit even so is a stub with its
+    id (``job_id``: the etcd key's) and the marker."""
     if _size(job) <= max_bytes:
         return job
-    out = dict(job, runs=[{k: v for k, v in r.items() if k != "stderr_tail"} for r in job.get("runs") or []
-                          if isinstance(r, dict)], omitted=["stderr"])
-    for drop in ("doc", "runs", "placement"):
-        if _size(out) <= max_bytes:
-            return out
-        out.pop(drop, None)
-        out["omitted"] = out["omitted"] + [drop]
-    return out
+    out = dict(job, runs=[{k: v for k, v in r.items() if k != "stderr_tail"} if isinstance(r, dict) else r
+                          for r in job.get("runs") or []] if isinstance(job.get("runs"), list) else job.get("runs"),
+               omitted=["stderr"])
+    return bounded.fitted(out, max_bytes, job_id if job_id is not None else job.get("id"),
+                          shard if shard is not None else job.get("shard"))
 
 
 class Request:
@@ -254,7 +257,7 @@ class JobQueries:
                  max_age_s: float, max_skew_s: float, page_bytes: int,
                  report_unauthenticated: Callable[[str, bytes, str, Callable[[int], bool]], Any],
                  threads: int = 2, rate: Optional[TokenBucket] = None, page_rate: Optional[TokenBucket] = None,
-                 queue_max: int = QUEUE_MAX):
+                 queue_max: int = QUEUE_MAX, record: Optional[Callable[..., Any]] = None):
         self.client = client
         self.keys = keys
         self.shards = shards
@@ -277,6 +280,10 @@ class JobQueries:
         self._cv = threading.Condition()
         self._replays: RecentMemory[str, bool] = RecentMemory(REPLAYS_MAX)
         self._replays_lock = threading.Lock()
+        self.record = record or (lambda *a, **k: None)
+        # jobs already reported oversized (job id -> True), so a job is reported once, not per answer
+        self._oversized: RecentMemory[str, bool] = RecentMemory(OVERSIZED_MAX)
+        self._oversized_lock = threading.Lock()
         # held id requests by shard, and all of them in arrival order (deadlines increase)
         self._held: dict[int, "collections.deque[Request]"] = {}
         self._held_order: "collections.deque[Request]" = collections.deque()
@@ -392,8 +399,7 @@ class JobQueries:
         if not isinstance(corr, str) or not 0 < len(corr) <= 128 or any(c in corr for c in "+#/\0"):
             return
         if shard_of(corr, self.shards) in self.owned():
-            self._publish(corr, {"v": 1, "correlation": corr, "agent": self.agent_id, "ts": _now(),
-                                 "error": exc.reason, "detail": exc.detail})
+            self._publish(corr, {**self._envelope(corr), "error": exc.reason, "detail": exc.detail})
 
     def _answer(self, req: Request) -> None:
         q = req.query
@@ -412,10 +418,12 @@ class JobQueries:
         except (EtcdUnavailable, EtcdError):
             self._hold(req)  # try again shortly, within the request's time
             return
-        budget = self.page_bytes - 512  # the answer's own fields
+        env = self._envelope(q.correlation)
         if job is not None:
-            job = fitted(shaped(job, q.include), budget)
-        self._reply(req, {"found": job is not None, "job": job}, "found" if job else "not_found")
+            # the answer's bytes are the envelope's and the job's: "null" stands in its place
+            budget = self.page_bytes - _size(dict(env, found=True, job=None)) + len("null")
+            job = self._fitted(shaped(job, q.include), budget, q.job_id, req.shard)  # type: ignore[arg-type]
+        self._reply(req, {**env, "found": job is not None, "job": job}, "found" if job else "not_found")
 
     def _page(self, req: Request, owned: frozenset) -> None:
         q = req.query
@@ -423,24 +431,49 @@ class JobQueries:
         vouched = owned if q.cursor is None or q.cursor.held is None else owned & q.cursor.held
         if "shards" in f:
             vouched = vouched & frozenset(f["shards"])
-        head = {"shards": sorted(vouched), "shard_count": self.shards, "jobs": [], "next": None}
-        budget = self.page_bytes - 512 - _size(head)
+        head = {**self._envelope(q.correlation), "shards": sorted(vouched), "shard_count": self.shards, "jobs": [],
+                "next": None}
+        # the page's own bytes with the longest cursor it can carry (a job id has 128 characters
+        # at most); list_page counts "[]" and a comma per job again: a few bytes to spare
+        longest = Cursor(self.agent_id, self.shards - 1, "x" * 128, held=vouched).text()
+        budget = self.page_bytes - _size(dict(head, next=longest))
         after = (q.cursor.shard, q.cursor.job_id) if q.cursor else None
         jobs, nxt = view.list_page(self.client, self.keys, self.shards, vouched, state=f.get("state"),
                                    template=f.get("template"), updated_since=f.get("updated_since"), after=after,
                                    limit=f.get("limit", FILTER_LIMIT), max_bytes=budget, scan_max=GET_SCAN_MAX,
-                                   shape=lambda v: fitted(shaped(v, q.include), budget))
+                                   shape=lambda v, shard, job_id: self._fitted(shaped(v, q.include), budget - 2,
+                                                                               job_id, shard))
         head.update(jobs=jobs, next=Cursor(self.agent_id, *nxt, held=vouched).text() if nxt else None)
         self._reply(req, head, "page")
 
-    def _reply(self, req: Request, body: dict, result: str) -> None:
-        self._publish(req.query.correlation, {"v": 1, "correlation": req.query.correlation, "agent": self.agent_id,
-                                              "ts": _now(), **body})
+    def _envelope(self, correlation: str) -> dict:
+        return {"v": 1, "correlation": correlation, "agent": self.agent_id, "ts": _now()}
+
+    def _fitted(self, job: dict, budget: int, job_id: str, shard: int) -> dict:
+        """:func:`fitted`, reporting a job cut to fit (a metric, a log line and an audit
+        record) once per job: the answers themselves may repeat without end."""
+        out = fitted(job, budget, job_id, shard)
+        how = bounded.was_cut(out)
+        if how is not None:
+            with self._oversized_lock:
+                seen = job_id in self._oversized
+                self._oversized.remember(job_id, True)
+            if not seen:
+                OVERSIZED.labels(how).inc()
+                detail = {"job": job_id, "shard": shard, "result": how, "bytes": _size(job), "limit": budget,
+                          "cut": out.get("cut", [])}
+                log.warning("a stored job's view exceeds the jobs/get bound: cut (etcd holds more than an agent "
+                            "writes?)", extra={"fields": detail})
+                self.record("job", event="view_oversized", **detail)
+        return out
+
+    def _reply(self, req: Request, doc: dict, result: str) -> None:
+        self._publish(req.query.correlation, doc)
         QUERIES.labels(result).inc()
         QUERY_SECONDS.observe(time.monotonic() - req.received)
 
     def _publish(self, correlation: str, doc: dict) -> None:
-        payload = json.dumps(doc, separators=(",", ":"), ensure_ascii=False, default=str).encode()
+        payload = bounded.encode(doc)
         self.link.publish(self.topics.get_reply(correlation, self.agent_id), payload, 1)
 
     # --- held requests ----------------------------------------------------------------------

@@ -19,6 +19,20 @@ from agent.cli import UserError
 
 EXIT_NOT_FOUND, EXIT_UNREACHABLE = 1, 4
 FOLLOW_POLL_S = 0.2
+# `jobs show` prints at most this much of a job's view, whatever etcd holds (a signed
+# document is at most mqtt.max_payload_bytes, 5 runs' stderr tails 4 KiB each: a real view
+# fits); more is cut as jobs/get cuts it (agent/jobs/bounded.py)
+SHOW_MAX_BYTES = 256 * 1024
+
+
+def _obj(v) -> dict:
+    """``v`` when it is an object, else an empty one: a view's parts come from etcd."""
+    return v if isinstance(v, dict) else {}
+
+
+def _cut_note(v) -> Optional[str]:
+    """How a part cut whole is shown (agent/jobs/bounded.py's marker), or None."""
+    return f"(truncated: {v.get('bytes')} bytes)" if isinstance(v, dict) and v.get("truncated") is True else None
 
 
 def _open(args):
@@ -53,7 +67,7 @@ def _print_json(doc) -> None:
 
 def _run_rows(runs: list[dict]) -> list[list]:
     return [[r.get("fire_id"), r.get("attempt"), r.get("state"), r.get("agent"), r.get("started_at"),
-             r.get("ended_at"), r.get("exit_code"), (r.get("reason") or "")[:60]] for r in runs]
+             r.get("ended_at"), r.get("exit_code"), str(r.get("reason") or "")[:60]] for r in map(_obj, runs)]
 
 
 RUN_HEADER = ["FIRE_ID", "ATTEMPT", "STATE", "AGENT", "STARTED", "ENDED", "EXIT", "REASON"]
@@ -94,35 +108,49 @@ def cli_jobs_show(args) -> int:
     job_id = _valid_id(args.id)
     cfg, client, keys = _open(args)
     ring = _keyring(cfg)
+    from agent.jobs import bounded
+
     job = _etcd(lambda: view.get_job(client, keys, cfg.shards, job_id, templates=cfg.templates, keyring=ring), cfg)
     if job is None:
         raise UserError(f"no job {job_id} in cluster {cfg.cluster}", EXIT_NOT_FOUND)
+    job = bounded.fitted(job, SHOW_MAX_BYTES, job_id, job.get("shard"))
     if args.json:
         _print_json(job)
         return 0
-    acc = job.get("accepted") or {}
+    if bounded.was_cut(job) == "stub":
+        print(f"job       {job_id}  (shard {job['shard']})\n"
+              f"          its view is {job['bytes']} bytes, over {SHOW_MAX_BYTES}: cut whole (etcd holds more "
+              "than an agent writes)")
+        return 0
+    acc, doc = _obj(job.get("accepted")), _obj(job.get("doc"))
     lines = [f"job       {job['id']}  (shard {job['shard']})",
-             f"template  {job.get('template')}  params {json.dumps(job['doc'].get('params', {}), sort_keys=True)}",
-             f"schedule  {json.dumps(job['doc'].get('schedule', {}), sort_keys=True)}",
+             f"template  {job.get('template')}  params {json.dumps(doc.get('params', {}), sort_keys=True)}",
+             f"schedule  {json.dumps(doc.get('schedule', {}), sort_keys=True)}",
              f"state     {job['state']}" + (f" ({job['reason']})" if job.get("reason") else ""),
              f"next due  {job.get('next_due') or '-'}",
              f"accepted  {acc.get('at', '-')} by {acc.get('by', '-')}"]
-    where = job.get("placement")
+    where = _obj(job.get("placement"))
     if where:
         lines.append(f"target    {json.dumps(where.get('target'), sort_keys=True)}  pool {where.get('pool', '-')}  "
                      f"eligible {', '.join(where.get('eligible') or []) or '-'}"
                      + (f"  ({where['detail']})" if where.get("detail") else ""))
     lines += _maintenance_lines(job, cfg)
     if job.get("cancelled"):
-        c = job["cancelled"]
+        c = _obj(job["cancelled"])
         lines.append(f"cancelled {c.get('at')} by {c.get('by')} ({c.get('reason')})")
     if job.get("approval"):
-        lines.append(f"approvals {job['approval'].get('detail')}")
-    lines += _rollout_lines(job.get("rollout"))
+        lines.append(f"approvals {_obj(job['approval']).get('detail')}")
+    lines += _rollout_lines(_obj(job.get("rollout")))
+    if job.get("cut"):
+        lines.append(f"cut       {', '.join(map(str, job['cut']))}: over {SHOW_MAX_BYTES} bytes (etcd holds more "
+                     "than an agent writes?)")
     print("\n".join(lines))
-    if job["runs"]:
+    runs = job.get("runs")
+    if _cut_note(runs):
+        print(f"last runs: {_cut_note(runs)}")
+    elif runs:
         print("last runs:")
-        print(_table(_run_rows(job["runs"]), RUN_HEADER))
+        print(_table(_run_rows(runs), RUN_HEADER))
     return 0
 
 
@@ -140,16 +168,21 @@ def _rollout_lines(r: Optional[dict]) -> list[str]:
     """A staged rollout's progress: counts, limits, the abort, and each agent's state."""
     if not r:
         return []
-    c = r.get("counts", {})
-    spec = r.get("spec") or {}
+    c, spec = _obj(r.get("counts")), _obj(r.get("spec"))
     limits = ", ".join(f"{k} {json.dumps(v, sort_keys=True)}" for k, v in spec.items())
     lines = [f"rollout   {r.get('state')}  firing {r.get('firing') or '-'}: " + ", ".join(
         f"{c.get(k, 0)} {k}" for k in ("started", "running", "succeeded", "failed", "waiting", "aborted")),
         f"          {limits}" + (f"; now {r['rate_per_minute']:g}/min" if r.get("rate_per_minute") else "")]
     mark = r.get("aborted")
     if mark:
+        mark = _obj(mark)
         lines.append(f"aborted   {mark.get('at', '-')} by {mark.get('by', '-')}: {mark.get('detail', '')}")
-    for agent, a in (r.get("agents") or {}).items():
+    agents = r.get("agents")
+    if _cut_note(agents):
+        lines.append(f"  agents {_cut_note(agents)}")
+        return lines
+    for agent, a in _obj(agents).items():
+        a = _obj(a)
         rb = f"  rollback {a['rollback']}" if a.get("rollback") else ""
         lines.append(f"  {agent:<20} {a.get('state')}{rb}")
     return lines
@@ -159,7 +192,7 @@ def _maintenance_lines(job: dict, cfg) -> list[str]:
     """Its window (open until / opens at) and gates (the template's on this agent's config,
     and what the agents holding a waiting firing say of them)."""
     out = []
-    w = job.get("window")
+    w = _obj(job.get("window"))
     if w:
         if w.get("error"):
             out.append(f"window    invalid: {w['error']}")
@@ -173,7 +206,11 @@ def _maintenance_lines(job: dict, cfg) -> list[str]:
         what = f"mqtt {g.mqtt} = {g.equals!r}" if g.mqtt else f"etcd {g.etcd} = {g.equals!r}" if g.etcd else \
             f"probe {' '.join(g.command)}"
         out.append(f"gate      {name}: {what}")
-    for m in job.get("waiting") or ():
+    marks = job.get("waiting")
+    if _cut_note(marks):
+        out.append(f"waiting   {_cut_note(marks)}")
+    for m in marks if isinstance(marks, list) else ():
+        m = _obj(m)
         out.append(f"waiting   {m.get('fire_id')} on {m.get('agent')} since {m.get('since')}: {m.get('reason')}"
                    + (f" ({m['detail']})" if m.get("detail") else ""))
     return out

@@ -21,6 +21,7 @@ from typing import Iterable, Iterator, Optional
 from agent.coordination import placement
 from agent.coordination.etcd import KV, EtcdClient
 from agent.coordination.keys import Keys, shard_of
+from agent.jobs import bounded
 from agent.jobs import schedule as sch
 from agent.jobs.states import IN_PROGRESS, JobState, RecordState
 
@@ -384,12 +385,16 @@ def _latest_between(client, keys: Keys, shard: int, first: str, last: str) -> di
 def list_page(client, keys: Keys, shards: int, in_shards: Iterable[int], *, state: Optional[str] = None,
               template: Optional[str] = None, updated_since: Optional[str] = None,
               after: Optional[tuple[int, str]] = None, limit: int = 1000, max_bytes: Optional[int] = None,
-              scan_max: Optional[int] = None, shape=lambda v: v, batch: int = 64) -> tuple[list[dict], Optional[tuple[int, str]]]:
+              scan_max: Optional[int] = None, shape=lambda v, shard, job_id: v,
+              batch: int = 64) -> tuple[list[dict], Optional[tuple[int, str]]]:
     """One page of :func:`list_jobs` for a reader that must bound its work and its answer:
     the matching views of the jobs in ``in_shards``, in (shard, id) order, strictly after
     ``after`` (shard, job id); at most ``limit`` views, at most ``max_bytes`` of their
-    JSON (after ``shape``), and at most ``scan_max`` jobs read. Returns the views and where
-    the next page starts (the last job read or included), or None when the shards are done.
+    JSON (after ``shape(view, shard, job_id)``, the id of the etcd key), and at most
+    ``scan_max`` jobs read. Returns the views and where the next page starts (the last job
+    read or included), or None when the shards are done. The first view is held to
+    ``max_bytes`` too: one that does not fit is a stub (agent/jobs/bounded.py) with its
+    key's id, so a page always moves on and never exceeds its bound.
 
     Reads each job's state from its ``latest/`` copy (one key per job, in the same order as
     ``jobs/``), so a page costs the jobs it reads, never the whole shard's run records."""
@@ -426,8 +431,11 @@ def list_page(client, keys: Keys, shards: int, in_shards: Iterable[int], *, stat
                         (since is not None and (parse_time(v["updated_at"]) or now) < since):
                     last = (shard, job_id)
                     continue
-                v = shape(v)
-                size = len(json.dumps(v, separators=(",", ":"), ensure_ascii=False, default=str).encode()) + 1
+                v = shape(v, shard, job_id)
+                size = bounded.size(v) + 1
+                if not out and max_bytes is not None and used + size > max_bytes:
+                    v = bounded.stub(job_id, shard, size - 1)   # the first view is bounded too
+                    size = bounded.size(v) + 1
                 if out and (len(out) >= limit or (max_bytes is not None and used + size > max_bytes)):
                     return out, last
                 out.append(v)
