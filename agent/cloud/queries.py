@@ -41,6 +41,8 @@ complete from a chain that skipped part of it. The requester has everything when
 agent's last page (``next`` null) is in and their ``shards`` cover ``0..shard_count-1``.
 
 A job's view carries its params and its runs' stderr tails only when ``include`` asks.
+Every answer, by id too, is at most ``mqtt.get_page_bytes`` of its final encoding whatever
+etcd holds: a view too large is cut (agent/jobs/bounded.py), and reported once per job.
 """
 
 from __future__ import annotations

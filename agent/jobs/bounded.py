@@ -94,15 +94,15 @@ def shrink(value: Any, limit: int, path: Optional[list] = None, depth: int = 0,
     if whole <= limit:
         return value, []
     if isinstance(value, str):
-        out = _cut_string(value, limit)
-        return out, [_path(path)]
+        return _cut_string(value, limit), [_path(path)]
     if depth >= MAX_DEPTH or not isinstance(value, (dict, list)) or not value or len(value) > MAX_PARTS:
         # too deep, not cuttable, or so many parts that measuring each would cost more than
         # the answer is worth (a forged object of 100,000 keys): cut whole
         return marker(whole), [_path(path)]
     keys = list(value) if isinstance(value, dict) else list(range(len(value)))
     out: Any = dict(value) if isinstance(value, dict) else list(value)
-    total, cuts = whole, {}
+    total = whole
+    cuts: dict[Any, list[str]] = {}
     # a first pass leaves each cut part a fair share, so one oversized field costs that
     # field alone; a second cuts parts down to MIN_SHARE when the first was not enough
     for floor in (min(limit // 4, 2 * STRING_KEEP), MIN_SHARE):
