@@ -87,15 +87,20 @@ def cli_jobs_list(args) -> int:
     from agent.jobs import view
 
     cfg, client, keys = _open(args)
+    from agent.jobs import bounded
+
     jobs = _etcd(lambda: view.list_jobs(client, keys, cfg.shards, state=args.state, template=args.template,
                                         last_runs=1), cfg)
+    # each job's view within the bound of a jobs/get answer, whatever etcd holds
+    jobs = [bounded.fitted(j, cfg.mqtt.get_page_bytes) for j in jobs]
     if args.json:
         _print_json(jobs)
         return 0
     rows = []
     for j in jobs:
-        last = (j.get("runs") or [None])[-1] or {}
-        rows.append([j["id"], j["shard"], j.get("template"), j["state"], j.get("next_due"),
+        runs = j.get("runs")
+        last = _obj(runs[-1]) if isinstance(runs, list) and runs else {}
+        rows.append([j["id"], j["shard"], j.get("template"), j.get("state", "(cut whole)"), j.get("next_due"),
                      f"{last.get('fire_id')} {last.get('state')}" if last else None])
     print(_table(rows, ["ID", "SHARD", "TEMPLATE", "STATE", "NEXT_DUE", "LAST_RUN"]))
     print(f"{len(jobs)} job(s)")

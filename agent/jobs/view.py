@@ -26,6 +26,9 @@ from agent.jobs import schedule as sch
 from agent.jobs.states import IN_PROGRESS, JobState, RecordState
 
 LAST_RUNS = 5
+# waiting marks read per job: one per agent holding a waiting firing; more than an answer
+# could show are left unread (agent/jobs/bounded.py cuts an array of more parts whole)
+WAITING_MAX = bounded.MAX_PARTS
 
 
 def read_prefix(client: EtcdClient, prefix: str, keys_only: bool = False) -> Iterator[KV]:
@@ -145,18 +148,24 @@ def window_view(doc: dict, now: datetime) -> Optional[dict]:
 
 def waiting_marks(client: EtcdClient, keys: Keys, shard: int, job_id: Optional[str] = None) -> dict[str, list[dict]]:
     """The waiting marks of a shard's jobs (or one job's): job id -> the agents' marks
-    (agent/jobs/waitmarks.py: shown, never believed)."""
+    (agent/jobs/waitmarks.py: shown, never believed), at most WAITING_MAX per job, whatever
+    an etcd writer put there."""
     prefix = keys.waiting_prefix(shard, job_id)
     out: dict[str, list[dict]] = {}
     for kv in read_prefix(client, prefix):
+        jid = job_id or kv.key[len(prefix):].split("/", 1)[0]
+        marks = out.setdefault(jid, [])
+        if len(marks) >= WAITING_MAX:
+            if job_id is not None:
+                break   # one job's: nothing more to read
+            continue
         try:
             mark = json.loads(kv.value)
         except ValueError:
             continue
         if isinstance(mark, dict):
-            jid = job_id or kv.key[len(prefix):].split("/", 1)[0]
-            out.setdefault(jid, []).append(mark)
-    return out
+            marks.append(mark)
+    return {j: m for j, m in out.items() if m}
 
 
 def view(doc: dict, shard: int, runs: list[dict], last_runs: int = LAST_RUNS,

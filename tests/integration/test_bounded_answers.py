@@ -16,7 +16,9 @@ from agent.coordination.jobstore import JobStore
 from agent.coordination.keys import shard_of
 from agent.jobs import bounded
 from agent.jobs.cli import SHOW_MAX_BYTES
+from agent.jobs import view
 from tests.support.cloud import T, CloudWorld
+from tests.support.cluster import Cluster
 from tests.support.cloudkit import KID, TEMPLATES, job_doc
 from tests.support.commands import millwright
 from tests.support.waiting import wait_for
@@ -34,9 +36,8 @@ def world(etcd_server, mosquitto_server, tmp_path):
     w.close()
 
 
-def _forge(world) -> list[str]:
-    """40 signed jobs, 4 of them then given a 1 MB field straight in etcd."""
-    c = world.cluster
+def _forge(c) -> list[str]:
+    """40 signed jobs of cluster ``c``, 4 of them then given a 1 MB field straight in etcd."""
     store = c.signing(JobStore(c.client, c.keys, SHARDS, "seed"))
     ids = [f"fleet-{i:02d}" for i in range(36)] + list(FORGED)
     store.create_many([(store.sign(job_doc(j, template="flush")), ()) for j in ids])
@@ -65,7 +66,7 @@ def _forge(world) -> list[str]:
 
 
 def test_a_1_mb_forged_field_keeps_every_answer_within_get_page_bytes(world):
-    ids = _forge(world)
+    ids = _forge(world.cluster)
     a = world.cluster.start("b1")
     wait_for(lambda: world.cluster.all_owned_by({"b1"}), 60, what="the agent holding every shard")
     assert world.col.wait(lambda m: any(t == T.presence("b1") and d.get("state") == "online" for _, t, d in m), 30)
@@ -107,5 +108,37 @@ def test_a_1_mb_forged_field_keeps_every_answer_within_get_page_bytes(world):
             r = millwright("jobs", "show", job_id, "-c", a.config_path)
             assert r.returncode == 0 and "Traceback" not in r.stderr and len(r.stdout) <= SHOW_MAX_BYTES
             assert "cut" in r.stdout and job_id in r.stdout
+        r = millwright("jobs", "list", "-c", a.config_path, "--json")
+        assert r.returncode == 0, r.stderr
+        listed = {j["id"]: j for j in json.loads(r.stdout)}
+        assert set(listed) == set(ids) and all(bounded.size(j) <= PAGE_BYTES for j in listed.values())
+        assert {j for j, v in listed.items() if v.get("cut")} == {"big-accepted", "big-field", "big-run", "big-mark"}
     finally:
         ask.stop()
+
+
+def test_the_first_job_of_a_page_is_held_to_the_bound_and_waiting_marks_are_read_within_one(etcd_server, tmp_path):
+    """list_page itself, on a real etcd: a first view over the page's bytes (the shaping
+    left it whole) is a stub with its key's id, and the page moves on past it; a job's
+    waiting marks are read up to WAITING_MAX, however many an etcd writer added."""
+    c = Cluster(etcd_server, str(tmp_path / "agents"), shards=SHARDS)
+    try:
+        ids = _forge(c)
+        s = shard_of("big-accepted", SHARDS)
+        on_shard = sorted(j for j in ids if shard_of(j, SHARDS) == s)
+        first = on_shard.index("big-accepted")
+        after = (s, on_shard[first - 1]) if first else None
+        jobs, nxt = view.list_page(c.client, c.keys, SHARDS, [s], max_bytes=PAGE_BYTES, after=after, limit=1000)
+        assert jobs[0] == {"id": "big-accepted", "shard": s, "truncated": True, "bytes": jobs[0]["bytes"]}
+        assert jobs[0]["bytes"] > MB and nxt == (s, "big-accepted")   # moves on past it
+        assert bounded.size(jobs) <= PAGE_BYTES
+
+        s = shard_of("big-mark", SHARDS)
+        for i in range(view.WAITING_MAX + 50):
+            c.client.put(c.keys.waiting(s, "big-mark", f"forged-{i:03d}"), json.dumps({"reason": "gate", "i": i}))
+        assert len(view.waiting_marks(c.client, c.keys, s, "big-mark")["big-mark"]) == view.WAITING_MAX
+        assert len(view.waiting_marks(c.client, c.keys, s)["big-mark"]) == view.WAITING_MAX
+        shown = view.get_job(c.client, c.keys, SHARDS, "big-mark")
+        assert shown is not None and len(shown["waiting"]) == view.WAITING_MAX
+    finally:
+        c.close()
