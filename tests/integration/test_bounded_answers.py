@@ -37,10 +37,13 @@ def world(etcd_server, mosquitto_server, tmp_path):
 
 
 def _forge(c) -> list[str]:
-    """40 signed jobs of cluster ``c``, 4 of them then given a 1 MB field straight in etcd."""
+    """200 signed jobs of cluster ``c`` (several pages of a filter), 4 of them then given a
+    1 MB field straight in etcd."""
     store = c.signing(JobStore(c.client, c.keys, SHARDS, "seed"))
-    ids = [f"fleet-{i:02d}" for i in range(36)] + list(FORGED)
-    store.create_many([(store.sign(job_doc(j, template="flush")), ()) for j in ids])
+    ids = [f"fleet-{i:03d}" for i in range(196)] + list(FORGED)
+    docs = [store.sign(job_doc(j, template="flush")) for j in ids]
+    for i in range(0, len(docs), 50):
+        store.create_many([(d, ()) for d in docs[i:i + 50]])
     k = c.keys
 
     def stored(job_id: str) -> tuple[str, dict]:
@@ -87,12 +90,15 @@ def test_a_1_mb_forged_field_keeps_every_answer_within_get_page_bytes(world):
                              "big-run": ["runs.0.reason"], "big-mark": ["waiting.0.detail"]}
 
         pages = []
-        for flt in ({}, {"template": "flush"}, {"template": "flush", "limit": 1}):
+        for flt in ({}, {"template": "flush"}, {"template": "flush", "limit": 3}):
             got = ask.list(flt, include=["params", "stderr"], timeout=120)
             assert got["complete"] and sorted(j["id"] for j in got["jobs"]) == sorted(ids), got["missing"]
             assert all(size <= PAGE_BYTES for _, _, size in got["pages"])
             pages += [size for _, _, size in got["pages"]]
-        print(f"\nanswers by id (bytes, cap {PAGE_BYTES}): {sizes}; {len(pages)} pages, largest {max(pages)} bytes")
+            with_forged = [size for _, d, size in got["pages"] if {j["id"] for j in d["jobs"]} & set(FORGED)]
+            print(f"\nfilter {flt}: {len(got['pages'])} pages, largest {max(s for _, _, s in got['pages'])} bytes; "
+                  f"those with a forged job: {with_forged} bytes")
+        print(f"answers by id (bytes, cap {PAGE_BYTES}): {sizes}; {len(pages)} pages, largest {max(pages)} bytes")
 
         # one audit record per oversized job, however often it was asked for
         wait_for(lambda: {r.get("job") for r in world.cluster.audit("b1") if r.get("event") == "view_oversized"}
