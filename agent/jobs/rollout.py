@@ -382,10 +382,19 @@ def stagger(agent: str, base: str) -> float:
     return (zlib.crc32(f"{base}@{agent}".encode()) % 1000) / 1000 * STAGGER_S
 
 
+ABORT_TEXT_MAX = 256   # characters of each of an abort mark's by, at and detail carried on
+
+
 def _abort_detail(mark: dict) -> str:
+    """Why a firing did not start, for its record and status: the mark comes from etcd,
+    where any writer could make it 1 MB, so each part is cut to ABORT_TEXT_MAX."""
+    def cut(v: Any) -> str:
+        text = str(v)
+        return text if len(text) <= ABORT_TEXT_MAX else text[:ABORT_TEXT_MAX - 1] + "…"
+
     by, at = mark.get("by"), mark.get("at")
-    return f"the rollout was aborted{f' by {by}' if by else ''}{f' at {at}' if at else ''}" + (
-        f": {mark['detail']}" if isinstance(mark.get("detail"), str) else "")
+    return f"the rollout was aborted{f' by {cut(by)}' if by else ''}{f' at {cut(at)}' if at else ''}" + (
+        f": {cut(mark['detail'])}" if isinstance(mark.get("detail"), str) else "")
 
 
 ROLLBACK_SUFFIX = "+rollback"

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from agent.coordination.etcd import Create, Delete, EtcdError, EtcdUnavailable, Get, Mod, Put, Txn, Version
 from agent.coordination.fencing import StaleToken, fenced_txn
 from agent.coordination.watch import OnDemandWatch, PrefixWatch, WatchEvent
+from agent.jobs import bounded
 from agent.jobs import rollout as ro
 from agent.jobs.firing import Firing, FiringState
 from agent.jobs.metrics import ROLLOUT_DECISIONS
@@ -52,6 +53,7 @@ REASON = "rollout"
 RETRY_S = 0.3               # a read or start etcd did not answer is made again after this
 RELEASE_CHECK_S = 10.0      # a slot whose release rode on the final record is checked after this
 SWEEP_S = 30.0              # trackers of jobs no longer held here are dropped this often
+MARK_AUDIT_BYTES = 2048     # of an abort mark (read from etcd) in an audit record at most
 WATCH_IDLE_S = 60.0         # the watch stops this long after the last tracker went
 
 
@@ -392,7 +394,7 @@ class RolloutGate:
         if spec is not None and spec.abort_action == "stop":
             for f in list(tr.running.values()):
                 if f.state == FiringState.RUNNING and f.handle is not None and (f.fire_id, "stop") not in tr.told:
-                    self._tell(tr, f, "stop", mark=mark)
+                    self._tell(tr, f, "stop", mark=bounded.shrink(mark, MARK_AUDIT_BYTES)[0])   # from etcd: any size
                     f.handle.terminate(EndReason.ABORTED)
         where = mark.get("fire")
         for base in sorted(tr.rollback_due):

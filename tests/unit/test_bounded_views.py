@@ -128,3 +128,11 @@ def test_jobs_show_prints_cut_waiting_marks_and_rollouts(part, capsys):
         out.get("rollout") or {})
     text = "\n".join(lines)
     assert len(text) <= 32768 and "truncated" in text
+
+
+def test_a_forged_abort_mark_is_cut_in_the_reason_it_gives():
+    from agent.jobs import rollout as ro
+
+    text = ro._abort_detail({"by": "b" * MB, "at": "2026-12-01T12:00:00Z", "detail": "d" * MB})
+    assert len(text) < 4 * ro.ABORT_TEXT_MAX and text.startswith("the rollout was aborted by bbb")
+    assert ro._abort_detail({"by": "gw-1", "detail": "3 failed"}) == "the rollout was aborted by gw-1: 3 failed"
