@@ -198,3 +198,106 @@ def test_a_rollback_has_a_fire_id_of_its_own():
     fid = ro.rollback_fire_id(BASE, "gw-1")
     assert ro.rolled_back(fid) == BASE and ro.rolled_back(f"{BASE}@gw-1") is None
     assert fid < f"{BASE}@gw-1" and ro.base_of(fid) != BASE
+
+
+# --- against a forger, in every interleaving ---------------------------------------------------
+
+class _Store:
+    """A revisioned key space as etcd keeps it (create revision kept across puts, a delete
+    removes), enough to replay every interleaving; the agent of a key is its prefix's."""
+
+    def __init__(self):
+        self.rev = 0
+        self.kvs: dict[tuple[str, str], KV] = {}
+        self.snapshots: list[dict] = [{}]
+
+    def put(self, agent: str, rel: str, doc: dict, lease: int = 0) -> int:
+        self.rev += 1
+        old = self.kvs.get((agent, rel))
+        self.kvs[(agent, rel)] = KV(f"{agent}/{rel}", json.dumps(doc).encode(),
+                                    old.create_revision if old else self.rev, self.rev,
+                                    old.version + 1 if old else 1, lease)
+        self.snapshots.append(dict(self.kvs))
+        return self.kvs[(agent, rel)].create_revision
+
+    def delete(self, agent: str, rel: str) -> None:
+        if self.kvs.pop((agent, rel), None) is not None:
+            self.rev += 1
+            self.snapshots.append(dict(self.kvs))
+
+    def view(self, rev: int) -> tuple[ro.JobRollout, ro.FiringRollout]:
+        jr = ro.JobRollout()
+        for (agent, rel), kv in self.snapshots[rev].items():
+            jr.put(agent, rel, kv)
+        return jr, jr.firing(BASE)
+
+
+@pytest.mark.parametrize("seed", range(60))
+@pytest.mark.parametrize("limit", [1, 2])
+def test_a_forger_writing_only_its_own_keys_never_lets_more_than_max_concurrent_honest_runs_overlap(seed, limit):
+    """Five honest agents and a forger that may write only its own keys (what etcd RBAC
+    leaves it), interleaved at random: each honest agent judges on a view at any revision
+    at or after its claim (a lagging watch). The honest runs never overlap beyond the limit,
+    and every honest agent runs once."""
+    import random
+
+    rnd = random.Random(seed)
+    s = spec(max_concurrent=limit, per_minute=6000)
+    st = _Store()
+    honest = [f"h{i}" for i in range(5)]
+    claim_rev: dict[str, int] = {}
+    running: set[str] = set()
+    done: set[str] = set()
+    claim_rel, start_rel, outcome_rel = f"{BASE}/claim", f"{BASE}/start", f"{BASE}/outcome"
+    for step in range(2000):
+        if rnd.random() < 0.3:   # the forger: its own keys only, naming whoever it likes
+            victim = rnd.choice(honest)
+            forged = {"agent": victim, "fire_id": f"{BASE}@{victim}", "at": 0}
+            op = rnd.choice(("claim", "unclaim", "start", "unstart"))
+            if op == "claim":
+                st.put("forger", claim_rel, forged, lease=rnd.choice([0, 7]))
+            elif op == "unclaim":
+                st.delete("forger", claim_rel)
+            elif op == "start":
+                st.put("forger", start_rel, forged)
+            else:
+                st.delete("forger", start_rel)
+            if rnd.random() < 0.8:
+                st.delete("forger", claim_rel)   # (mostly gone again: else it holds everyone back)
+            continue
+        a = rnd.choice(honest)
+        if a in done:
+            continue
+        if a in running:
+            if rnd.random() < 0.3:   # the run ends: outcome and claim's release, one transaction
+                st.put(a, outcome_rel, {"agent": a, "fire_id": f"{BASE}@{a}", "state": "succeeded"})
+                st.delete(a, claim_rel)
+                running.discard(a)
+                done.add(a)
+            continue
+        if a not in claim_rev:
+            claim_rev[a] = st.put(a, claim_rel, {"agent": a, "fire_id": f"{BASE}@{a}"}, lease=1)
+            continue
+        jr, fr = st.view(rnd.randint(claim_rev[a], st.rev))
+        d = ro.decide(s, jr, fr, a, claim_rev[a], T0 + 10_000 + step)
+        if d.kind == "go":
+            if d.start:
+                st.put(a, start_rel, {"agent": a, "fire_id": f"{BASE}@{a}", "at": T0 + 10_000 + step})
+            running.add(a)
+            assert len(running) <= limit, (seed, step, running)
+    st.delete("forger", claim_rel)
+    for _ in range(200):   # the forger stops: everyone left gets to run
+        for a in honest:
+            if a in running:
+                st.put(a, outcome_rel, {"agent": a, "fire_id": f"{BASE}@{a}", "state": "succeeded"})
+                st.delete(a, claim_rel)
+                running.discard(a)
+                done.add(a)
+            elif a not in done and a in claim_rev:
+                jr, fr = st.view(st.rev)
+                if ro.decide(s, jr, fr, a, claim_rev[a], T0 + 1e6).kind == "go":
+                    running.add(a)
+                    assert len(running) <= limit
+            elif a not in done:
+                claim_rev[a] = st.put(a, claim_rel, {"agent": a, "fire_id": f"{BASE}@{a}"}, lease=1)
+    assert done == set(honest)
