@@ -225,8 +225,12 @@ class JobRollout:
 
     @property
     def aborted(self) -> Optional[dict]:
-        """An abort mark (any agent's: the first by name), or None."""
-        return self.marks[min(self.marks)] if self.marks else None
+        """An abort mark (any agent's: the first by name), or None; ``by`` is the agent
+        whose prefix holds it, whatever the mark says."""
+        if not self.marks:
+            return None
+        by = min(self.marks)
+        return {**self.marks[by], "by": by}
 
     def firing(self, base: str) -> FiringRollout:
         fr = self.firings.get(base)

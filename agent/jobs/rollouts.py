@@ -50,8 +50,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 REASON = "rollout"
+# a claim or start in flight, or the watch catching up with it: a moment, no status nor
+# waiting mark (its own reason, so a real wait after it is still reported)
+STARTING = wait("rollout_starting", "starting", quiet=True)
 RETRY_S = 0.3               # a read or start etcd did not answer is made again after this
-RELEASE_CHECK_S = 10.0      # a slot whose release rode on the final record is checked after this
+RELEASE_CHECK_S = 10.0      # a claim whose release rode on the final record is checked after this
 SWEEP_S = 30.0              # trackers of jobs no longer held here are dropped this often
 WATCH_IDLE_S = 60.0         # the watch stops this long after the last tracker went
 
@@ -131,7 +134,7 @@ class RolloutGate:
         fr = tr.data.firing(base)
         g = tr.grants.get(f.fire_id)
         if g is not None and tr.rev < g.create_revision:
-            return wait(REASON, "starting")   # the watch shows the claim next: judged at or after it
+            return STARTING   # the watch shows the claim next: judged at or after it
         if g is not None and not g.started and self.me not in fr.claims:
             tr.grants.pop(f.fire_id, None)    # (its claim went: its lease ended) claimed again
             g = None
@@ -155,7 +158,7 @@ class RolloutGate:
                 self._claim(tr, f)
             elif g is not None:
                 self._start(tr, f, g)
-        return wait(REASON, "starting")
+        return STARTING
 
     def subscribe(self, f: Firing, wake: Callable[[], None]) -> Callable[[], None]:
         tr = self.trackers.get(f.entry.job.id)
@@ -186,14 +189,10 @@ class RolloutGate:
         ROLLOUT_DECISIONS.labels(decision).inc()
         self.audit.record("job", event=f"rollout_{decision}", job=f.entry.job.id, fire_id=f.fire_id, **fields)
 
-    def _slot_of(self, tr: _Tracker, f: Firing) -> Optional[str]:
-        g = tr.grants.get(f.fire_id)
-        return g.key.rsplit("/", 1)[-1] if g is not None and g.key else None
-
     # --- the pipeline's hooks ---------------------------------------------------------------
     def final_ops(self, f: Firing, state: str) -> list:
         """What goes into the firing's final record transaction: its outcome (created once),
-        the ``ended`` mark when it ran, and the release of its slot."""
+        and the release of its claim."""
         spec = f.entry.job.rollout
         if spec is None or f.rollback:
             return []
@@ -216,7 +215,7 @@ class RolloutGate:
         return ops
 
     def done(self, f: Firing) -> None:
-        """The firing is DONE (recorded, abandoned or handed over): its slot goes back (at
+        """The firing is DONE (recorded, abandoned or handed over): its claim goes (at
         once when no final record carries its release)."""
         tr = self.trackers.get(f.entry.job.id)
         if tr is None:
@@ -308,7 +307,7 @@ class RolloutGate:
             self.watch.maybe_idle()
 
     def _sweep(self) -> None:
-        """Trackers of jobs no longer installed here: their slots go back. An outcome of ours
+        """Trackers of jobs no longer installed here: their claims go. An outcome of ours
         not seen for a long while (its write's compare failed) is not waited for."""
         self._sweep_timer = None
         for tr in list(self.trackers.values()):
@@ -528,8 +527,8 @@ class RolloutGate:
                             lambda r, err: self._maybe_drop(tr))
 
     def _release_late(self, tr: _Tracker, f: Firing) -> None:
-        """A slot whose release went with the final record: if that write did not land (its
-        compare failed), the slot goes now, once no write of the record is in flight."""
+        """A claim whose release went with the final record: if that write did not land (its
+        compare failed), the claim goes now, once no write of the record is in flight."""
         if f.fire_id not in tr.grants:
             return
         if f.claim.writing:

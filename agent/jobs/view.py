@@ -275,7 +275,7 @@ RUN_OUTCOMES = ("succeeded", "failed", "timed_out", "killed")
 def rollout_view(client, keys: Keys, shards: int, doc: dict, members: Optional[dict[str, dict]]) -> Optional[dict]:
     """A fan-out job's rollout: its newest firing, each eligible agent's state there
     (waiting, running, succeeded, failed, ..., aborted; and its rollback's), the counts, the
-    slots held, the abort mark and the start rate now. None for a job without rollout."""
+    claims in etcd's order, the abort mark and the start rate now. None for a job without rollout."""
     from agent.jobs import rollout as ro
 
     if "rollout" not in doc or not isinstance(doc.get("id"), str):

@@ -181,6 +181,8 @@ def test_the_threshold_aborts_and_any_agents_mark_refuses_every_start():
     jr, fr = rollout_of(("x", "aborted", mark), ("y", "aborted", {**mark, "by": "y"}), claim("c", 9))
     d = ro.decide(s, jr, fr, "c", 9, T0)
     assert d.kind == "aborted" and "by x" in d.detail
+    jr, fr = rollout_of(("x", "aborted", {**mark, "by": "someone else"}), ("y", "aborted", mark), claim("c", 9))
+    assert ro.decide(s, jr, fr, "c", 9, T0).detail.startswith("the rollout was aborted by x")   # its prefix's
     jr.delete("x", "aborted")   # x can delete only its own: y's still aborts
     assert ro.decide(s, jr, fr, "c", 9, T0).kind == "aborted"
     jr.delete("y", "aborted")
