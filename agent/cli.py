@@ -213,13 +213,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cli_config_check(args: argparse.Namespace) -> int:
     from agent.config import load_config
-    from agent.configcheck import shared_status_link, unknown_users
+    from agent.configcheck import advisory_rollouts, shared_status_link, unknown_users
 
     path = config_path(args.file)
     cfg = load_config(path, broker=True)  # every problem in one report, the broker's too
     print(f"{path}: ok (cluster {cfg.cluster}, agent {cfg.agent_id}, {cfg.shards} shards, "
           f"{len(cfg.templates)} templates)")
-    for line in unknown_users(cfg) + shared_status_link(cfg):
+    for line in unknown_users(cfg) + shared_status_link(cfg) + advisory_rollouts(cfg):
         print(f"warning: {line}")
     for line in _backend_lines(cfg):
         print(line)

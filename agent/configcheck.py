@@ -334,6 +334,27 @@ def shared_status_link(cfg: Config) -> list[str]:
             "that only reads statuses (`millwright broker acl --peers-user`, docs/cloud.md)"]
 
 
+def advisory_rollouts(cfg: Config) -> list[str]:
+    """Where staged rollouts' limits (max_concurrent, per_minute, the abort) are advisory:
+    they hold against another gateway's credentials only when etcd gives each agent its own
+    user that may write no other agent's rollout keys (etcd-rbac.sh). Not an error: a lab
+    runs without that. ``etcd.insecure``: no such users; a password user named otherwise
+    than ``agent.<cluster>.<agent_id>``: not the user etcd-rbac.sh confines to this agent's
+    ``rollouts/<agent_id>/``, so the operator's own roles must do that."""
+    e = cfg.etcd
+    why = None
+    if e.insecure and e.username is None:
+        why = "etcd.insecure: without an etcd user per agent"
+    elif e.username is not None and e.username != f"agent.{cfg.cluster}.{cfg.agent_id}":
+        why = (f"etcd.username: {e.username!r} is not agent.{cfg.cluster}.{cfg.agent_id}, the user etcd-rbac.sh "
+               f"confines to this agent's rollout keys; unless your etcd roles let it write only "
+               f"/millwright/{cfg.cluster}/rollouts/{cfg.agent_id}/ there,")
+    if why is None:
+        return []
+    return [f"{cfg.source}: {why} any gateway's etcd credentials can delete or forge other agents' rollout keys: "
+            "staged rollouts' max_concurrent, per_minute and abort are advisory (docs/security.md#rollouts-and-approvals)"]
+
+
 def unknown_users(cfg: Config) -> list[str]:
     """Templates whose ``user`` does not exist on this host: not a config error (a config
     may be checked where it does not run), but every run of such a template would fail

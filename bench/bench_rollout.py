@@ -2,7 +2,7 @@
 """Staged rollouts on a real etcd with real agent processes (issue 38).
 
 1. Overhead per agent start: N line-1 agents run a fan-out job without a rollout, then the
-   same job with one (``max_concurrent`` = N: nothing waits, every start takes a slot and a
+   same job with one (``max_concurrent`` = N: nothing waits, every start writes a claim and a
    start key), alternating. Per agent start: the agents' etcd requests
    (``millwright_etcd_requests_total``, by op) and the start's lateness after its due time
    (side effect's clock), with minus without.

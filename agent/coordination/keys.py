@@ -78,14 +78,30 @@ class Keys:
         return self.latest_prefix(shard) + job_id
 
     # --- staged rollouts (agent/jobs/rollouts.py) ---------------------------------------
-    def rollouts_prefix(self, shard: int | None = None, job_id: str | None = None) -> str:
-        """A job's rollout state: its abort mark and, per firing, the concurrency slots, the
-        starts, the per-agent outcomes and the mark of the last outcome."""
+    def rollouts_prefix(self, agent_id: str | None = None, shard: int | None = None,
+                        job_id: str | None = None) -> str:
+        """Rollout state, per agent: ``rollouts/<agent>/<shard>/<job>/`` holds that agent's
+        abort mark of the job and, per firing, its start claim, start and outcome. Each agent
+        writes only under its own ``rollouts/<agent>/`` (etcd RBAC, etcd-rbac.sh); what a
+        rollout allows is derived from every agent's keys (agent/jobs/rollout.py)."""
         p = self.prefix + "rollouts/"
+        if agent_id is None:
+            return p
+        p += agent_id + "/"
         if shard is None:
             return p
         p += self.shard_name(shard) + "/"
         return p if job_id is None else p + job_id + "/"
+
+    def split_rollout_key(self, key: str) -> tuple[str, int, str, str] | None:
+        """(agent, shard, job, rest) of a key under rollouts/ (None: not one)."""
+        top = self.rollouts_prefix()
+        if not key.startswith(top):
+            return None
+        parts = key[len(top):].split("/", 3)
+        if len(parts) < 4 or not parts[0] or not parts[1].isdigit() or not parts[2] or not parts[3]:
+            return None
+        return parts[0], int(parts[1]), parts[2], parts[3]
 
     def waiting_prefix(self, shard: int | None = None, job_id: str | None = None) -> str:
         p = self.prefix + "waiting/"
@@ -94,13 +110,14 @@ class Keys:
         p += self.shard_name(shard) + "/"
         return p if job_id is None else p + job_id + "/"
 
-    def rollout_aborted(self, shard: int, job_id: str) -> str:
-        """Written once, when a rollout of the job crossed its abort threshold."""
-        return self.rollouts_prefix(shard, job_id) + "aborted"
+    def rollout_aborted(self, agent_id: str, shard: int, job_id: str) -> str:
+        """Written once by an agent that judged the rollout crossed its abort threshold."""
+        return self.rollouts_prefix(agent_id, shard, job_id) + "aborted"
 
-    def rollout_firing(self, shard: int, job_id: str, base_fire_id: str) -> str:
-        """The prefix of one firing's rollout (``base_fire_id``: the fire id without @agent)."""
-        return self.rollouts_prefix(shard, job_id) + base_fire_id + "/"
+    def rollout_firing(self, agent_id: str, shard: int, job_id: str, base_fire_id: str) -> str:
+        """The prefix of an agent's keys of one firing (``base_fire_id``: the fire id without
+        @agent): ``claim``, ``start``, ``outcome``."""
+        return self.rollouts_prefix(agent_id, shard, job_id) + base_fire_id + "/"
 
     def waiting(self, shard: int, job_id: str, agent_id: str) -> str:
         """A firing of the job waits on a start policy (window, gate) on that agent: what

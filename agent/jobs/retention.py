@@ -11,10 +11,12 @@ directory on disk. The shard owner trims its own shards in the background:
   and its run records and latest/ copy go; tombstones go after ``retention.tombstone_s``;
 - run directories on disk older than ``retention.run_output_s``, beyond ``keep_runs`` per
   job, or beyond the ``retention.run_output_max_mb`` budget (oldest first);
-- a job's rollout keys (rollouts/<shard>/<job>/, agent/jobs/rollouts.py) with its records
-  once it is gone or a tombstone; of a live job, those of firings older than its newest
-  ``ROLLOUT_FIRINGS_KEPT`` (not its abort mark, nor a slot still held: it goes with its
-  holder's lease). An aborted job can never fire again: it finishes from its abort mark.
+- a job's rollout keys (rollouts/<agent>/<shard>/<job>/, agent/jobs/rollouts.py) once it is
+  gone or a tombstone; of a live job, those of firings older than its newest
+  ``ROLLOUT_FIRINGS_KEPT`` (not its abort mark, nor a claim still held: it goes with its
+  holder's lease). Each agent deletes only its own (etcd RBAC lets it write nothing else),
+  in every shard, whoever owns it (``run_own_rollouts``). An aborted job can never fire
+  again: it finishes from any agent's abort mark.
 
 Never deleted: a job's newest record (misfire recovery, depends_on), any record not in a
 terminal state (running, retrying: the scheduler still needs it), the directory of a run
@@ -54,6 +56,7 @@ DELETED = counter("millwright_retention_deleted_total", "Keys and run directorie
 PASSES = counter("millwright_retention_passes_total", "Retention passes by result", ("result",))
 
 TERMINAL = ("succeeded", "failed", "timed_out", "killed", "cancelled", "misfired", "aborted")
+OWN_ROLLOUTS_TICKS = 4   # this agent's own rollout keys, in every shard: once per this many ticks
 BATCH_OPS = 64  # deletes per transaction (etcd refuses more than --max-txn-ops, 128 by default)
 ROLLOUT_FIRINGS_KEPT = 3   # a live job keeps the rollout keys of this many of its newest firings
 
@@ -170,7 +173,7 @@ def plan_shard(jobs: dict[str, tuple[dict, str, int]], runs: dict[str, list[tupl
         firings = sorted({name.split("/", 1)[0] for name, _, _, _ in items if "/" in name})
         old = set(firings[:max(0, len(firings) - ROLLOUT_FIRINGS_KEPT)])
         plan.rollouts.extend((key, rev) for name, key, _, rev in items
-                             if name.split("/", 1)[0] in old and "/slots/" not in name)
+                             if name.split("/", 1)[0] in old and not name.endswith("/claim"))
     return plan
 
 
@@ -272,6 +275,7 @@ class Retention:
         self._cursor = 0
         self._disk_at = 0.0
         self._pools_at = time.monotonic()
+        self._own_at = time.monotonic()
         self.last: dict = {}
         self.totals = {"runs": 0, "jobs_finished": 0, "tombstones": 0, "latest": 0, "answers": 0, "run_dirs": 0,
                        "pools": 0, "rollouts": 0}
@@ -313,6 +317,9 @@ class Retention:
         if fence0 is not None and self.cfg.pools_interval_s > 0 and now - self._pools_at >= self.cfg.pools_interval_s:
             self._pools_at = now
             self.workers.submit(lambda: self.run_pools(fence0), lambda r, e: self._shard_done(fence0, r, e, busy=False))
+        if now - self._own_at >= self.cfg.interval_s * OWN_ROLLOUTS_TICKS:
+            self._own_at = now
+            self.workers.submit(self.run_own_rollouts, self._own_done)
         if self.executor is not None and now - self._disk_at >= self.cfg.disk_interval_s:
             self._disk_at = now
             in_use = self._dirs_in_use()
@@ -338,6 +345,12 @@ class Retention:
             return
         PASSES.labels("ok").inc()
         self._summarise(result, shard=fence.shard, token=fence.token)
+
+    def _own_done(self, result: Optional[dict], error: Optional[BaseException]) -> None:
+        if error is not None:
+            log.warning("rollout key retention failed", extra={"fields": {"error": str(error)}})
+            return
+        self._summarise(result)
 
     def _disk_done(self, result: Optional[dict], error: Optional[BaseException]) -> None:
         if error is not None:
@@ -383,14 +396,18 @@ class Retention:
         for kvs, _ in self.client.range_pages(latest_prefix, revision=rev, keys_only=True):
             for kv in kvs:
                 latest[kv.key[len(latest_prefix):]] = (kv.key, kv.mod_revision)
-        rollouts_prefix = self.keys.rollouts_prefix(shard)
+        # every agent's rollout keys of the shard (its abort marks finish a job); only this
+        # agent's own are deleted here, and by run_own_rollouts in every shard
         rollouts: dict[str, list[tuple[str, str, bytes, int]]] = {}
-        for kvs, _ in self.client.range_pages(rollouts_prefix, revision=rev):
+        for kvs, _ in self.client.range_pages(self.keys.rollouts_prefix(), revision=rev):
             for kv in kvs:
-                job_id, _, name = kv.key[len(rollouts_prefix):].partition("/")
-                rollouts.setdefault(job_id, []).append((name, kv.key, kv.value, kv.mod_revision))
+                where = self.keys.split_rollout_key(kv.key)
+                if where is not None and where[1] == shard:
+                    rollouts.setdefault(where[2], []).append((where[3], kv.key, kv.value, kv.mod_revision))
         plan = plan_shard(jobs, runs, latest, self.clock(), self.cfg.keep_runs, self.cfg.finished_job_s,
                           self.cfg.tombstone_s, rollouts)
+        own = self.keys.rollouts_prefix(self.agent.cfg.agent_id)
+        plan.rollouts = [(k, m) for k, m in plan.rollouts if k.startswith(own)]
         # answers still owed for a job that is gone or a tombstone (it finished finished_job_s
         # ago, as long as the cloud channel keeps them at all): they go with its records
         answers_prefix = self.keys.answers_prefix(shard)
@@ -428,6 +445,45 @@ class Retention:
                     result[kind] += len(batch)
                     DELETED.labels(kind).inc(len(batch))
                 else:  # something changed since the read: the next pass decides again
+                    result["conflicts"] += 1
+        return result
+
+    def run_own_rollouts(self) -> dict:
+        """Delete this agent's own rollout keys that retention no longer keeps, in every
+        shard (the shard owner cannot: each agent may write only its own rollout keys).
+        Each delete compares the key's mod revision; no fence: nobody else writes them."""
+        own = self.keys.rollouts_prefix(self.agent.cfg.agent_id)
+        by_shard: dict[int, dict[str, list[tuple[str, str, bytes, int]]]] = {}
+        for kvs, _ in self.client.range_pages(own):
+            for kv in kvs:
+                where = self.keys.split_rollout_key(kv.key)
+                if where is not None:
+                    by_shard.setdefault(where[1], {}).setdefault(where[2], []).append(
+                        (where[3], kv.key, kv.value, kv.mod_revision))
+        result = {"rollouts": 0, "conflicts": 0}
+        for shard, rollouts in sorted(by_shard.items()):
+            jobs: dict[str, tuple[dict, str, int]] = {}
+            for job_id in rollouts:
+                kv = self.client.get(self.keys.job(shard, job_id))
+                if kv is not None:
+                    try:
+                        jobs[job_id] = (json.loads(kv.value), kv.key, kv.mod_revision)
+                    except ValueError:
+                        continue
+            # no records read: a job is gone here only when missing, a tombstone, or finished
+            # by its document alone; the shard's owner judges the rest with its records
+            plan = plan_shard(jobs, {}, {}, self.clock(), self.cfg.keep_runs, self.cfg.finished_job_s,
+                              self.cfg.tombstone_s, rollouts)
+            items = [(k, m) for k, m in plan.rollouts if k.startswith(own)]
+            for i in range(0, len(items), BATCH_OPS):
+                batch = items[i:i + BATCH_OPS]
+                if not self._throttle.take(len(batch)):
+                    return result
+                r = self.client.txn([Mod(k) == m for k, m in batch], [Delete(k) for k, _ in batch], [])
+                if r.succeeded:
+                    result["rollouts"] += len(batch)
+                    DELETED.labels("rollouts").inc(len(batch))
+                else:
                     result["conflicts"] += 1
         return result
 

@@ -10,26 +10,39 @@ outcome listed in ``abort.on``), the job is aborted: no agent starts it again. C
 etcd and the loop are the caller's (agent/jobs/rollouts.py): these functions read what
 they are given.
 
-What etcd holds per firing (keys: agent/coordination/keys.py; all under
-``rollouts/<shard>/<job>/``): ``<base>/slots/<i>`` (i < max_concurrent: a running agent,
-bound to its session lease), ``<base>/starts/<k>`` (with ``per_minute``: the k-th start,
-its agent and time),
-``<base>/outcomes/<agent>`` (written once, with the agent's final run record),
-``<base>/ended`` (rewritten by every run outcome: a start compares its revision, so no
-agent starts after an outcome it has not judged), and ``aborted`` (the job's abort mark).
+What etcd holds (keys: agent/coordination/keys.py): every agent writes only under its own
+``rollouts/<agent>/<shard>/<job>/`` (etcd RBAC per agent: packaging/debian/examples/etcd-rbac.sh),
+so everything a rollout allows is derived from per-agent keys, and an agent's credentials
+can add or remove only its own: ``<base>/claim`` (the agent's place in the firing's queue,
+bound to its session lease: etcd's create revision orders the claims), ``<base>/start``
+(written once when it starts, with its time), ``<base>/outcome`` (written once, with the
+agent's final run record) and ``aborted`` (its abort mark of the job).
 
-Trust (docs/security.md): these keys are written by agents and are not signed. What is
-read from them only ever holds agents back: a slot key counts as taken whoever wrote it;
-start times are clamped so that consecutive starts are never closer than the signed
-spacing allows, whatever the keys say; an outcome that was modified after its creation
-counts as a failure; a forged abort mark aborts.
+Why a forger holding one agent's credentials cannot run more: claims are ordered by create
+revision, which etcd assigns and only grows, so a claim's place only ever moves up (a claim
+behind it never overtakes it), and an agent starts only while fewer than ``max_concurrent``
+live claims are ahead of its own. The honest agents that run are each within the first
+``max_concurrent`` claims of the revision they judged at, so at any revision at most
+``max_concurrent`` honest runs overlap; the forger's keys are its own place only (a claim
+naming another agent counts as the forger's), and removing them frees only its own place.
+With a rate, an agent starts only when every claim ahead of it started (one next starter
+at a time) and no earlier than the spacing after the starts before it. The abort is any
+agent's mark, which no other agent can delete; a start is judged on the state at a revision
+at or after its claim, so no honest agent starts on a state that already crossed the
+threshold.
+
+Trust (docs/security.md): these keys are not signed. What is read from them only ever holds
+agents back: a claim counts as taken whoever wrote it; start times are clamped so that
+consecutive starts are never closer than the signed spacing allows, whatever the keys say;
+an outcome modified after its creation counts as a failure; a forged abort mark aborts.
+Without RBAC (``etcd.insecure``, or agents sharing a user) any writer can delete the keys
+of others, and the limits are advisory.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import zlib
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Optional
@@ -45,7 +58,6 @@ ABORT_ACTIONS = ("finish", "stop")
 ROLLOUT_KEYS = ("max_concurrent", "per_minute", "growth", "abort")
 MAX_CONCURRENT = 1000
 MAX_PER_MINUTE = 6000.0   # also the most the growth can reach
-KEY_DIGITS = 6            # starts/<k> are zero-padded: they list in order
 
 
 @dataclass(frozen=True)
@@ -158,18 +170,17 @@ def base_of(fire_id: str) -> str:
 
 
 @dataclass(frozen=True)
-class StartKey:
-    index: int
-    agent: Optional[str]      # None: not a start of any agent's firing (not believed)
-    at: Optional[float]       # when it started, by its agent's clock (epoch s)
+class Claim:
+    agent: str
+    lease: int                # the etcd lease it is bound to (0: none)
+    create_revision: int
 
 
 @dataclass(frozen=True)
-class SlotKey:
-    index: int
-    agent: Optional[str]
-    fire_id: Optional[str]
-    lease: int                # the etcd lease it is bound to (0: none)
+class StartKey:
+    agent: str
+    believed: bool            # names its own agent's firing
+    at: Optional[float]       # when it started, by its agent's clock (epoch s)
     create_revision: int
 
 
@@ -182,13 +193,13 @@ class OutcomeKey:
 
 @dataclass
 class FiringRollout:
-    """One firing's rollout across the fleet."""
+    """One firing's rollout across the fleet, per agent (the agent of a key is the one
+    whose prefix holds it, never what its value says)."""
 
     base: str
-    starts: dict[int, StartKey] = field(default_factory=dict)
-    slots: dict[int, SlotKey] = field(default_factory=dict)
+    claims: dict[str, Claim] = field(default_factory=dict)
+    starts: dict[str, StartKey] = field(default_factory=dict)
     outcomes: dict[str, OutcomeKey] = field(default_factory=dict)
-    ended_rev: int = 0        # mod revision of <base>/ended (0: no outcome yet)
 
     @property
     def due(self) -> Optional[datetime]:
@@ -197,13 +208,29 @@ class FiringRollout:
         except ValueError:
             return None
 
+    def ahead(self, rev: int) -> list[Claim]:
+        """The claims before the one created at ``rev`` (in etcd's order)."""
+        return [c for c in self.claims.values() if c.create_revision < rev]
+
+    def ordered_starts(self) -> list[StartKey]:
+        return sorted(self.starts.values(), key=lambda s: (s.create_revision, s.agent))
+
 
 @dataclass
 class JobRollout:
-    """A job's rollouts as read from ``rollouts/<shard>/<job>/``."""
+    """A job's rollouts as read from every agent's ``rollouts/<agent>/<shard>/<job>/``."""
 
-    aborted: Optional[dict] = None
+    marks: dict[str, dict] = field(default_factory=dict)    # agent -> its abort mark
     firings: dict[str, FiringRollout] = field(default_factory=dict)
+
+    @property
+    def aborted(self) -> Optional[dict]:
+        """An abort mark (any agent's: the first by name), or None; ``by`` is the agent
+        whose prefix holds it, whatever the mark says."""
+        if not self.marks:
+            return None
+        by = min(self.marks)
+        return {**self.marks[by], "by": by}
 
     def firing(self, base: str) -> FiringRollout:
         fr = self.firings.get(base)
@@ -211,54 +238,44 @@ class JobRollout:
             fr = self.firings[base] = FiringRollout(base)
         return fr
 
-    def put(self, rel: str, kv: Any) -> None:
-        """A key under the job's rollout prefix (``rel``: the rest of its name) as read or
+    def put(self, agent: str, rel: str, kv: Any) -> None:
+        """A key of ``agent`` under the job (``rel``: the rest of its name) as read or
         watched (``kv``: value, lease, revisions, version)."""
         if rel == "aborted":
             doc = _json(kv.value)
-            self.aborted = doc if isinstance(doc, dict) else {"detail": "unreadable abort mark"}
+            self.marks[agent] = doc if isinstance(doc, dict) else {"by": agent, "detail": "unreadable abort mark"}
             return
-        base, _, rest = rel.partition("/")
-        kind, _, name = rest.partition("/")
-        if not base or not rest:
+        base, _, kind = rel.partition("/")
+        if not base or kind not in ("claim", "start", "outcome"):
             return
         fr = self.firing(base)
         doc = _json(kv.value)
         doc = doc if isinstance(doc, dict) else {}
-        if kind == "ended":
-            fr.ended_rev = kv.mod_revision
-        elif kind == "starts" and name.isdigit():
-            agent = doc.get("agent") if isinstance(doc.get("agent"), str) else None
-            if agent is not None and doc.get("fire_id") != f"{base}@{agent}":
-                agent = None
+        own = doc.get("fire_id") == f"{base}@{agent}"
+        if kind == "claim":
+            fr.claims[agent] = Claim(agent, kv.lease, kv.create_revision)
+        elif kind == "start":
             at = doc.get("at")
             ok = isinstance(at, (int, float)) and not isinstance(at, bool) and math.isfinite(at)
-            fr.starts[int(name)] = StartKey(int(name), agent, float(at) if ok and at is not None else None)
-        elif kind == "slots" and name.isdigit():
-            fr.slots[int(name)] = SlotKey(int(name), doc.get("agent"), doc.get("fire_id"), kv.lease,
-                                          kv.create_revision)
-        elif kind == "outcomes" and name:
+            fr.starts[agent] = StartKey(agent, own, float(at) if ok and at is not None else None, kv.create_revision)
+        else:
             state = str(doc["state"]) if isinstance(doc.get("state"), str) else ""
-            believed = kv.version == 1 and doc.get("fire_id") == f"{base}@{name}"
-            fr.outcomes[name] = OutcomeKey(name, state, believed)
+            fr.outcomes[agent] = OutcomeKey(agent, state, kv.version == 1 and own)
 
-    def delete(self, rel: str, mod_revision: int) -> None:
+    def delete(self, agent: str, rel: str) -> None:
         if rel == "aborted":
-            self.aborted = None   # (a deleted mark: the next outcome judged marks it again)
+            self.marks.pop(agent, None)
             return
-        base, _, rest = rel.partition("/")
-        kind, _, name = rest.partition("/")
+        base, _, kind = rel.partition("/")
         fr = self.firings.get(base)
         if fr is None:
             return
-        if kind == "ended":
-            fr.ended_rev = mod_revision   # its compare must fail for starts judged before
-        elif kind == "starts" and name.isdigit():
-            fr.starts.pop(int(name), None)
-        elif kind == "slots" and name.isdigit():
-            fr.slots.pop(int(name), None)
-        elif kind == "outcomes":
-            fr.outcomes.pop(name, None)
+        if kind == "claim":
+            fr.claims.pop(agent, None)
+        elif kind == "start":
+            fr.starts.pop(agent, None)
+        elif kind == "outcome":
+            fr.outcomes.pop(agent, None)
 
 
 def _json(raw: bytes) -> Any:
@@ -284,7 +301,7 @@ class Tally:
 
 
 def tally(spec: RolloutSpec, fr: FiringRollout) -> Tally:
-    started = {s.agent for s in fr.starts.values() if s.agent is not None}
+    started = {s.agent for s in fr.starts.values() if s.believed}
     finished = failed = succeeded = 0
     for o in fr.outcomes.values():
         if not o.believed:
@@ -314,72 +331,59 @@ def rate(spec: RolloutSpec, succeeded: int) -> Optional[float]:
 def next_start_at(spec: RolloutSpec, fr: FiringRollout, succeeded: int) -> Optional[float]:
     """The earliest time (epoch s) the next start may be made, or None without a rate.
     Starts are taken at least 60/rate apart, from the firing's due time on; each start key
-    counts at its recorded time, but never earlier than the spacing after the one before
-    it allows (a key naming an early time moves nothing forward)."""
+    (in etcd's order) counts at its recorded time, but never earlier than the spacing after
+    the one before it allows (a key naming an early time moves nothing forward)."""
     r = rate(spec, succeeded)
     due = fr.due
     if r is None or due is None:
         return None
     spacing = 60.0 / r
     t = due.timestamp() - spacing
-    for k in sorted(fr.starts):
-        at = fr.starts[k].at
-        t = max(at if at is not None else -math.inf, t + spacing)
+    for s in fr.ordered_starts():
+        t = max(s.at if s.at is not None else -math.inf, t + spacing)
     return t + spacing
+
+
+def needs_claim(spec: RolloutSpec) -> bool:
+    return spec.max_concurrent is not None or spec.per_minute is not None
 
 
 @dataclass(frozen=True)
 class Decision:
-    kind: str                    # aborted | abort | go | wait | try
+    kind: str                    # aborted | abort | claim | wait | go
     detail: str = ""
     until: Optional[float] = None   # wait: look again at this time (epoch s)
-    slot: Optional[int] = None      # try: the slot to take
-    start: Optional[int] = None     # try: the start index to take (None: started before)
+    start: bool = False             # go: write this agent's start key first
 
 
-def decide(spec: RolloutSpec, jr: JobRollout, fr: FiringRollout, me: str, lease: Optional[int],
-           now: float) -> Decision:
-    """What agent ``me`` (session lease ``lease``) may do with its firing of ``fr`` now."""
+def decide(spec: RolloutSpec, jr: JobRollout, fr: FiringRollout, me: str, claim_rev: int, now: float) -> Decision:
+    """What agent ``me`` may do with its firing of ``fr`` now, on the state read at a
+    revision at or after its claim (``claim_rev``: the create revision of its claim bound
+    to its current session lease, 0: none)."""
     if jr.aborted is not None:
         return Decision("aborted", _abort_detail(jr.aborted))
     t = tally(spec, fr)
     if crossed(spec, t):
         return Decision("abort", f"{t.failed} of {t.finished} finished runs failed "
                                  f"(abort at {spec.failed_pct:g} % after {spec.min_finished})")
-    holds = any(s.agent == me and lease and s.lease == lease for s in fr.slots.values())
-    slot = None
-    if spec.max_concurrent is not None and not holds:
-        free = [i for i in range(spec.max_concurrent) if i not in fr.slots]
-        if not free:
-            return Decision("wait", f"max_concurrent: {spec.max_concurrent} agent(s) run it now")
-        slot = free[_spread(me) % len(free)]
-    start = None
-    if spec.per_minute is not None and not any(s.agent == me for s in fr.starts.values()):
+    if not needs_claim(spec):
+        return Decision("go")
+    if not claim_rev:
+        return Decision("claim")
+    ahead = fr.ahead(claim_rev)
+    if spec.max_concurrent is not None and len(ahead) >= spec.max_concurrent:
+        return Decision("wait", f"max_concurrent: {spec.max_concurrent} agent(s) run it or are ahead "
+                                f"({len(ahead)} claim(s) before this agent's)")
+    if me in fr.starts:
+        return Decision("go")
+    if spec.per_minute is not None:
+        if any(c.agent not in fr.starts for c in ahead):
+            return Decision("wait", "per_minute: an agent ahead starts first")
         earliest = next_start_at(spec, fr, t.succeeded)
         if earliest is not None and now < earliest:
             return Decision("wait", f"per_minute: the next start is due at {earliest:.3f} "
                                     f"({rate(spec, t.succeeded):g}/min)", until=earliest)
-        start = max(fr.starts) + 1 if fr.starts else 0
-    if slot is None and start is None and spec.failed_pct is None:
-        return Decision("go")
-    # (with an abort rule and nothing to take, the try still compares the abort mark and
-    # the last outcome: no start follows the outcome that crossed the threshold)
-    return Decision("try", slot=slot, start=start)
-
-
-def _spread(agent: str) -> int:
-    """Agents racing for the free slots prefer different ones (stable per agent)."""
-    return zlib.crc32(agent.encode())
-
-
-STAGGER_S = 0.05
-
-
-def stagger(agent: str, base: str) -> float:
-    """How long an agent that waited holds back its try once the rollout lets it start (0
-    to 50 ms, per agent and firing): the agents woken by one freed slot or one rate step do
-    not all race for it, the first one's start reaches the others first."""
-    return (zlib.crc32(f"{base}@{agent}".encode()) % 1000) / 1000 * STAGGER_S
+    return Decision("go", start=True)
 
 
 ABORT_TEXT_MAX = 256   # characters of each of an abort mark's by, at and detail carried on
@@ -412,9 +416,4 @@ def rolled_back(fire_id: str) -> Optional[str]:
     return head[:-len(ROLLBACK_SUFFIX)] if head.endswith(ROLLBACK_SUFFIX) else None
 
 
-def slot_key_name(i: int) -> str:
-    return f"slots/{i}"
-
-
-def start_key_name(k: int) -> str:
-    return f"starts/{k:0{KEY_DIGITS}d}"
+CLAIM, START, OUTCOME, ABORTED = "claim", "start", "outcome", "aborted"   # key names (keys.rollout_firing)

@@ -4,12 +4,13 @@ RunListener that stops runs when the rollout is aborted (``abort_action: stop``)
 
 What may happen is decided by agent/jobs/rollout.py (pure) from the job's rollout keys,
 which every agent that takes part reads once and then follows with one watch on
-``rollouts/``. A start is one fenced transaction that takes a free concurrency slot (bound
-to this agent's session lease, so a dead agent's slot frees itself) and, with a rate, the
-next start key, and compares the abort mark and the firing's ``ended`` key: so it fails if any run
-ended since the state it was judged on, and no agent starts after the outcome that crossed
-the abort threshold. A firing's outcome is written with its final run record, in the same
-transaction (RunRecords asks ``final_ops``), together with the release of its slot.
+``rollouts/`` (every agent's keys). This agent writes only its own keys,
+``rollouts/<me>/<shard>/<job>/``: a firing first puts its claim (bound to this agent's
+session lease, so a dead agent's place frees itself), then, once the watch shows the state
+at or after the claim's revision, starts when that state allows it (with a claim, after
+writing its start key in a fenced transaction that compares the claim). A firing's outcome
+is written with its final run record, in the same transaction (RunRecords asks
+``final_ops``), together with the release of its claim.
 
 Once a job is aborted, its waiting firings end ``aborted`` (a retry after a run: ``failed``),
 its running runs finish or are stopped, and each agent whose run of the aborted firing
@@ -27,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from agent.coordination.etcd import Create, Delete, EtcdError, EtcdUnavailable, Get, Mod, Put, Txn, Version
+from agent.coordination.etcd import Create, Delete, EtcdError, EtcdUnavailable, Get, Put, Txn, Version
 from agent.coordination.fencing import StaleToken, fenced_txn
 from agent.coordination.watch import OnDemandWatch, PrefixWatch, WatchEvent
 from agent.jobs import bounded
@@ -50,8 +51,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 REASON = "rollout"
+# a claim or start in flight, or the watch catching up with it: a moment, no status nor
+# waiting mark (its own reason, so a real wait after it is still reported)
+STARTING = wait("rollout_starting", "starting", quiet=True)
 RETRY_S = 0.3               # a read or start etcd did not answer is made again after this
-RELEASE_CHECK_S = 10.0      # a slot whose release rode on the final record is checked after this
+RELEASE_CHECK_S = 10.0      # a claim whose release rode on the final record is checked after this
 SWEEP_S = 30.0              # trackers of jobs no longer held here are dropped this often
 MARK_AUDIT_BYTES = 2048     # of an abort mark (read from etcd) in an audit record at most
 WATCH_IDLE_S = 60.0         # the watch stops this long after the last tracker went
@@ -59,11 +63,12 @@ WATCH_IDLE_S = 60.0         # the watch stops this long after the last tracker w
 
 @dataclass
 class Grant:
-    """This agent's slot for one firing (None: the rollout has no concurrency limit)."""
+    """This agent's claim for one firing: its key and create revision."""
 
     key: Optional[str]
     create_revision: int
     in_final: bool = False      # its release rides on the firing's final record
+    started: bool = False       # its start key is written: the firing may go
 
 
 @dataclass
@@ -72,16 +77,14 @@ class _Tracker:
 
     entry: JobEntry
     shard: int                                   # storage shard (the keys' NNNN)
-    prefix: str
     data: ro.JobRollout = field(default_factory=ro.JobRollout)
     rev: int = 0                                 # the revision data reflects (0: not read yet)
     reading: bool = False
     waiters: dict[str, tuple[Firing, Callable[[], None]]] = field(default_factory=dict)
     timers: dict[str, Any] = field(default_factory=dict)
     wake_at: dict[str, float] = field(default_factory=dict)      # firing key -> when to judge it again
-    stagger: dict[str, float] = field(default_factory=dict)      # firing key -> when it may try
-    grants: dict[str, Grant] = field(default_factory=dict)       # fire id -> slot held
-    acquiring: set = field(default_factory=set)                  # fire ids with a start in flight
+    grants: dict[str, Grant] = field(default_factory=dict)       # fire id -> claim held
+    acquiring: set = field(default_factory=set)                  # fire ids with a claim or start in flight
     running: dict[str, Firing] = field(default_factory=dict)     # fire id -> run (abort_action: stop)
     ending: dict[str, float] = field(default_factory=dict)   # base -> since: our outcome is on its way
     rollback_due: set = field(default_factory=set)   # bases whose run here ended: rolled back if aborted there
@@ -131,32 +134,33 @@ class RolloutGate:
             return wait(REASON, "reading the rollout's state")
         base = ro.base_of(f.fire_id)
         fr = tr.data.firing(base)
-        d = ro.decide(spec, tr.data, fr, self.me, self.lease.lease_id, self.clock())
+        g = tr.grants.get(f.fire_id)
+        if g is not None and tr.rev < g.create_revision:
+            return STARTING   # the watch shows the claim next: judged at or after it
+        if g is not None and not g.started and self.me not in fr.claims:
+            tr.grants.pop(f.fire_id, None)    # (its claim went: its lease ended) claimed again
+            g = None
+        d = ro.decide(spec, tr.data, fr, self.me, g.create_revision if g is not None else 0, self.clock())
         if d.kind == "abort":
             self._mark(tr, base, d.detail)
         if d.kind in ("abort", "aborted"):
             return self._refused(tr, f, d.detail)
-        if f.fire_id in tr.grants or d.kind == "go":
-            self._tell(tr, f, "start", slot=self._slot_of(tr, f), **ro.tally(spec, fr).to_dict())
+        if d.kind == "go" and (not d.start or (g is not None and g.started)):
+            self._tell(tr, f, "start", claim=g.create_revision if g is not None else None,
+                       **ro.tally(spec, fr).to_dict())
             return GO
         tr.wake_at.pop(f.key, None)
         if d.kind == "wait":
             self._tell(tr, f, "wait", detail=d.detail)
-            tr.stagger.pop(f.key, None)
             if d.until is not None:
                 tr.wake_at[f.key] = d.until
             return wait(REASON, d.detail)
-        if (f.fire_id, "wait") in tr.told:
-            # it waited: the agents that one freed slot or one rate step lets go do not all
-            # race for it at once (the first one's start reaches the others first)
-            at = tr.stagger.setdefault(f.key, self.clock() + ro.stagger(self.me, base))
-            if self.clock() < at:
-                tr.wake_at[f.key] = at
-                return wait(REASON, "starting")
-        tr.stagger.pop(f.key, None)
         if f.fire_id not in tr.acquiring:
-            self._acquire(tr, f, d, fr.ended_rev)
-        return wait(REASON, "starting")
+            if d.kind == "claim":
+                self._claim(tr, f)
+            elif g is not None:
+                self._start(tr, f, g)
+        return STARTING
 
     def subscribe(self, f: Firing, wake: Callable[[], None]) -> Callable[[], None]:
         tr = self.trackers.get(f.entry.job.id)
@@ -164,7 +168,7 @@ class RolloutGate:
             return lambda: None
         tr.waiters[f.key] = (f, wake)
         at = tr.wake_at.get(f.key)
-        if at is not None:   # the rate's next start, or the end of its stagger
+        if at is not None:   # the rate's next start
             tr.timers[f.key] = self.loop.call_later(max(0.0, at - self.clock()), self._wake_one, tr, f.key)
 
         def cancel() -> None:
@@ -187,27 +191,22 @@ class RolloutGate:
         ROLLOUT_DECISIONS.labels(decision).inc()
         self.audit.record("job", event=f"rollout_{decision}", job=f.entry.job.id, fire_id=f.fire_id, **fields)
 
-    def _slot_of(self, tr: _Tracker, f: Firing) -> Optional[str]:
-        g = tr.grants.get(f.fire_id)
-        return g.key.rsplit("/", 1)[-1] if g is not None and g.key else None
-
     # --- the pipeline's hooks ---------------------------------------------------------------
     def final_ops(self, f: Firing, state: str) -> list:
         """What goes into the firing's final record transaction: its outcome (created once),
-        the ``ended`` mark when it ran, and the release of its slot."""
+        and the release of its claim."""
         spec = f.entry.job.rollout
         if spec is None or f.rollback:
             return []
         e, base = f.entry, ro.base_of(f.fire_id)
-        prefix = self.keys.rollout_firing(e.shard % self.shards, e.job.id, base)
+        prefix = self.keys.rollout_firing(self.me, e.shard % self.shards, e.job.id, base)
         now = self.clock()
-        outcome = prefix + "outcomes/" + self.me
+        outcome = prefix + ro.OUTCOME
         doc = json.dumps({"agent": self.me, "fire_id": f.fire_id, "state": str(state), "attempt": f.attempt,
                           "at": now})
         ops: list = [Txn([Version(outcome) == 0], [Put(outcome, doc)], [])]
         tr = self._track(e)
         if state in ro.RUN_STATES:
-            ops.append(Put(prefix + "ended", json.dumps({"agent": self.me, "fire_id": f.fire_id, "at": now})))
             if self._rollback_template(e) is not None:
                 tr.rollback_due.add(base)
         tr.ending[base] = now
@@ -218,14 +217,13 @@ class RolloutGate:
         return ops
 
     def done(self, f: Firing) -> None:
-        """The firing is DONE (recorded, abandoned or handed over): its slot goes back (at
+        """The firing is DONE (recorded, abandoned or handed over): its claim goes (at
         once when no final record carries its release)."""
         tr = self.trackers.get(f.entry.job.id)
         if tr is None:
             return
         tr.running.pop(f.fire_id, None)
         tr.wake_at.pop(f.key, None)
-        tr.stagger.pop(f.key, None)
         g = tr.grants.get(f.fire_id)
         if g is not None and not g.in_final:
             self._release(tr, f.fire_id)
@@ -262,7 +260,7 @@ class RolloutGate:
         tr = self.trackers.get(e.job.id)
         if tr is None:
             shard = e.shard % self.shards
-            tr = self.trackers[e.job.id] = _Tracker(e, shard, self.keys.rollouts_prefix(shard, e.job.id))
+            tr = self.trackers[e.job.id] = _Tracker(e, shard)
             if self._sweep_timer is None:
                 self._sweep_timer = self.loop.call_later(SWEEP_S, self._sweep)
         tr.entry = e
@@ -285,7 +283,9 @@ class RolloutGate:
             self.watch.need_from(rev + 1)
             self._changed(tr)
 
-        self.workers.submit(lambda: self.client.get_prefix(tr.prefix), done)
+        # every agent's keys: one read of rollouts/ (bounded by retention: each agent keeps
+        # its keys of a job's newest firings only), the job's picked out
+        self.workers.submit(lambda: self.client.get_prefix(self.keys.rollouts_prefix()), done)
 
     def _reread(self, tr: _Tracker) -> None:
         if self.trackers.get(tr.entry.job.id) is tr and not tr.rev and not tr.reading:
@@ -296,7 +296,9 @@ class RolloutGate:
             return
         tr.data = ro.JobRollout()
         for kv in kvs:
-            tr.data.put(kv.key[len(tr.prefix):], kv)
+            where = self.keys.split_rollout_key(kv.key)
+            if where is not None and where[1] == tr.shard and where[2] == tr.entry.job.id:
+                tr.data.put(where[0], where[3], kv)
         tr.rev = rev
 
     def _maybe_drop(self, tr: _Tracker) -> None:
@@ -307,7 +309,7 @@ class RolloutGate:
             self.watch.maybe_idle()
 
     def _sweep(self) -> None:
-        """Trackers of jobs no longer installed here: their slots go back. An outcome of ours
+        """Trackers of jobs no longer installed here: their claims go. An outcome of ours
         not seen for a long while (its write's compare failed) is not waited for."""
         self._sweep_timer = None
         for tr in list(self.trackers.values()):
@@ -334,20 +336,21 @@ class RolloutGate:
         """Watched changes, applied to the trackers whose state is older (the events of one
         revision, a transaction's, come in one batch and are applied together)."""
         changed: dict[str, tuple[_Tracker, int]] = {}
-        top = self.keys.rollouts_prefix()
         for ev in events:
-            _shard, _, rest = ev.kv.key[len(top):].partition("/")
-            job_id, _, rel = rest.partition("/")
+            where = self.keys.split_rollout_key(ev.kv.key)
+            if where is None:
+                continue
+            agent, shard, job_id, rel = where
             tr = self.trackers.get(job_id)
-            if tr is None or not tr.rev or not ev.kv.key.startswith(tr.prefix):
+            if tr is None or not tr.rev or shard != tr.shard:
                 continue
             before = changed[job_id][1] if job_id in changed else tr.rev
             if ev.kv.mod_revision <= before:
                 continue
             if ev.kind == "delete":
-                tr.data.delete(rel, ev.kv.mod_revision)
+                tr.data.delete(agent, rel)
             else:
-                tr.data.put(rel, ev.kv)
+                tr.data.put(agent, rel, ev.kv)
             changed[job_id] = (tr, before)
             tr.rev = max(tr.rev, ev.kv.mod_revision)
         for tr, _ in changed.values():
@@ -356,7 +359,7 @@ class RolloutGate:
     def _snapshot(self, kvs: list, rev: int) -> None:
         """The watch listed again (its revision was compacted): every tracker starts over."""
         for tr in list(self.trackers.values()):
-            self._replace(tr, [kv for kv in kvs if kv.key.startswith(tr.prefix)], rev)
+            self._replace(tr, kvs, rev)
             self._changed(tr)
 
     def stop(self) -> None:
@@ -420,28 +423,59 @@ class RolloutGate:
         return getattr(t, "rollback", None) if t is not None else None
 
     # --- etcd -------------------------------------------------------------------------------
-    def _acquire(self, tr: _Tracker, f: Firing, d: ro.Decision, ended_rev: int) -> None:
-        """Take the slot and the start index ``d`` names, in one fenced transaction that
-        fails if the job was aborted or any run ended since ``ended_rev``."""
+    def _claim(self, tr: _Tracker, f: Firing) -> None:
+        """Put this agent's claim on the firing (bound to its session lease): its place in
+        the queue is the claim's create revision. A claim of ours left by an earlier session
+        is deleted first (a new place, behind those who came meanwhile)."""
         e, base = f.entry, ro.base_of(f.fire_id)
         fence, lease = self.fencing.fence_for(e.shard), self.lease.lease_id
         if fence is None or not lease:
             self.loop.call_later(RETRY_S, self._wake_one, tr, f.key)
             return
-        prefix = self.keys.rollout_firing(tr.shard, e.job.id, base)
-        now = self.clock()
-        doc = json.dumps({"agent": self.me, "fire_id": f.fire_id, "at": now})
-        compare = [Version(self.keys.rollout_aborted(tr.shard, e.job.id)) == 0, Mod(prefix + "ended") == ended_rev]
-        success: list = []
-        slot = prefix + ro.slot_key_name(d.slot) if d.slot is not None else None
-        if slot is not None:
-            compare.append(Create(slot) == 0)
-            success.append(Put(slot, doc, lease=lease))
-        if d.start is not None:
-            start = prefix + ro.start_key_name(d.start)
-            compare.append(Create(start) == 0)
-            success.append(Put(start, doc))
-        failure = [Get(tr.prefix, tr.prefix[:-1] + chr(ord(tr.prefix[-1]) + 1))]
+        key = self.keys.rollout_firing(self.me, tr.shard, e.job.id, base) + ro.CLAIM
+        doc = json.dumps({"agent": self.me, "fire_id": f.fire_id, "at": self.clock()})
+        tr.acquiring.add(f.fire_id)
+
+        def done(r: Any, error: Optional[BaseException]) -> None:
+            tr.acquiring.discard(f.fire_id)
+            if error is not None:
+                if not isinstance(error, (StaleToken, EtcdUnavailable, EtcdError)):
+                    log.warning("rollout claim failed", extra={"fields": {"job": e.job.id, "error": str(error)}})
+                self.loop.call_later(RETRY_S, self._wake_one, tr, f.key)
+            elif r.succeeded:
+                tr.grants[f.fire_id] = Grant(key, r.revision)
+                if self.trackers.get(e.job.id) is not tr:   # (dropped meanwhile: the claim goes back)
+                    self._release(tr, f.fire_id)
+                self._wake_one(tr, f.key)
+            else:
+                old = (r.responses[0] if r.responses else []) or []
+                if old and old[0].lease == lease:   # ours, from this session
+                    tr.grants[f.fire_id] = Grant(key, old[0].create_revision)
+                    self._wake_one(tr, f.key)
+                elif old:
+                    rev = old[0].create_revision
+
+                    def deleted(_r: Any, _err: Optional[BaseException]) -> None:
+                        self.loop.call_later(RETRY_S, self._wake_one, tr, f.key)
+                    self.workers.submit(lambda: self.client.txn([Create(key) == rev], [Delete(key)], []), deleted)
+                else:
+                    self.loop.call_later(RETRY_S, self._wake_one, tr, f.key)
+            self._maybe_drop(tr)
+
+        self.workers.submit(lambda: fenced_txn(self.client, fence, compare=[Version(key) == 0],
+                                               success=[Put(key, doc, lease=lease)], failure=[Get(key)]), done)
+
+    def _start(self, tr: _Tracker, f: Firing, g: Grant) -> None:
+        """Write this agent's start key (created once; fenced, and only while its claim
+        holds): the firing goes, judged on the state at ``tr.rev``."""
+        e, base = f.entry, ro.base_of(f.fire_id)
+        fence = self.fencing.fence_for(e.shard)
+        if fence is None or not g.key:
+            self.loop.call_later(RETRY_S, self._wake_one, tr, f.key)
+            return
+        key = self.keys.rollout_firing(self.me, tr.shard, e.job.id, base) + ro.START
+        doc = json.dumps({"agent": self.me, "fire_id": f.fire_id, "at": self.clock(), "judged_at": tr.rev})
+        claim, rev = g.key, g.create_revision
         tr.acquiring.add(f.fire_id)
 
         def done(r: Any, error: Optional[BaseException]) -> None:
@@ -451,18 +485,15 @@ class RolloutGate:
                     log.warning("rollout start failed", extra={"fields": {"job": e.job.id, "error": str(error)}})
                 self.loop.call_later(RETRY_S, self._wake_one, tr, f.key)
             elif r.succeeded:
-                tr.grants[f.fire_id] = Grant(slot, r.revision)
-                if self.trackers.get(e.job.id) is not tr:   # (dropped meanwhile: the slot goes back)
-                    self._release(tr, f.fire_id)
+                g.started = True
                 self._wake_one(tr, f.key)
-            else:   # someone else started, or a run ended: judge again on what etcd holds now
+            else:   # the claim went, or a start of ours exists: judged again on what the watch shows
                 ROLLOUT_DECISIONS.labels("conflict").inc()
-                self._replace(tr, r.responses[0] if r.responses else [], r.revision)
-                self._changed(tr)
+                self.loop.call_later(RETRY_S, self._wake_one, tr, f.key)
             self._maybe_drop(tr)
 
-        self.workers.submit(lambda: fenced_txn(self.client, fence, compare=compare, success=success,
-                                               failure=failure), done)
+        self.workers.submit(lambda: fenced_txn(self.client, fence, compare=[Create(claim) == rev, Version(key) == 0],
+                                               success=[Put(key, doc)]), done)
 
     def _mark(self, tr: _Tracker, base: str, detail: str) -> None:
         """Write the job's abort mark (once: whoever is first); the writer reports it."""
@@ -473,7 +504,7 @@ class RolloutGate:
         tr.marking = True
         t = ro.tally(spec, tr.data.firing(base))
         mark = {"at": format_rfc3339(utcnow()), "by": self.me, "fire": base, "detail": detail, **t.to_dict()}
-        key = self.keys.rollout_aborted(tr.shard, e.job.id)
+        key = self.keys.rollout_aborted(self.me, tr.shard, e.job.id)
 
         def done(r: Any, error: Optional[BaseException]) -> None:
             tr.marking = False
@@ -498,8 +529,8 @@ class RolloutGate:
                             lambda r, err: self._maybe_drop(tr))
 
     def _release_late(self, tr: _Tracker, f: Firing) -> None:
-        """A slot whose release went with the final record: if that write did not land (its
-        compare failed), the slot goes now, once no write of the record is in flight."""
+        """A claim whose release went with the final record: if that write did not land (its
+        compare failed), the claim goes now, once no write of the record is in flight."""
         if f.fire_id not in tr.grants:
             return
         if f.claim.writing:

@@ -285,17 +285,18 @@ RUN_OUTCOMES = ("succeeded", "failed", "timed_out", "killed")
 def rollout_view(client, keys: Keys, shards: int, doc: dict, members: Optional[dict[str, dict]]) -> Optional[dict]:
     """A fan-out job's rollout: its newest firing, each eligible agent's state there
     (waiting, running, succeeded, failed, ..., aborted; and its rollback's), the counts, the
-    slots held, the abort mark and the start rate now. None for a job without rollout."""
+    claims in etcd's order, the abort mark and the start rate now. None for a job without rollout."""
     from agent.jobs import rollout as ro
 
     if "rollout" not in doc or not isinstance(doc.get("id"), str):
         return None
     job_id = doc["id"]
     shard = shard_of(job_id, shards)
-    prefix = keys.rollouts_prefix(shard, job_id)
     jr = ro.JobRollout()
-    for kv in read_prefix(client, prefix):
-        jr.put(kv.key[len(prefix):], kv)
+    for kv in read_prefix(client, keys.rollouts_prefix()):   # every agent's keys, the job's picked out
+        where = keys.split_rollout_key(kv.key)
+        if where is not None and where[1] == shard and where[2] == job_id:
+            jr.put(where[0], where[3], kv)
     try:
         spec = ro.parse_rollout(doc, placement.check_target(doc.get("target")))
     except Exception:
@@ -330,7 +331,17 @@ def rollout_view(client, keys: Keys, shards: int, doc: dict, members: Optional[d
             out["tally"] = t.to_dict()
             out["rate_per_minute"] = ro.rate(spec, t.succeeded)
     if fr is not None:
-        out["slots"] = {str(i): s.agent for i, s in sorted(fr.slots.items())}
+        out["claims"] = [c.agent for c in sorted(fr.claims.values(), key=lambda c: c.create_revision)]
+    return out
+
+
+def abort_marks(client, keys: Keys) -> set[tuple[int, str]]:
+    """(shard, job) of every job some agent marked aborted (one keys-only read of rollouts/)."""
+    out = set()
+    for kv in read_prefix(client, keys.rollouts_prefix(), keys_only=True):
+        where = keys.split_rollout_key(kv.key)
+        if where is not None and where[3] == "aborted":
+            out.add((where[1], where[2]))
     return out
 
 
@@ -342,6 +353,7 @@ def list_jobs(client, keys: Keys, shards: int, in_shards: Optional[Iterable[int]
     now = datetime.now(timezone.utc)
     out: list[dict] = []
     members = read_members(client, keys)
+    aborts: Optional[set] = None
     for shard in sorted(in_shards) if in_shards is not None else range(shards):
         jobs_prefix = keys.jobs_prefix(shard)
         docs = []
@@ -361,8 +373,10 @@ def list_jobs(client, keys: Keys, shards: int, in_shards: Optional[Iterable[int]
         marks = waiting_marks(client, keys, shard)
         for d in docs:
             aborted = None
-            if "rollout" in d and isinstance(d.get("id"), str):   # one key: the abort mark
-                aborted = {"aborted": client.get(keys.rollout_aborted(shard, d["id"])) is not None}
+            if "rollout" in d and isinstance(d.get("id"), str):   # any agent's abort mark
+                if aborts is None:
+                    aborts = abort_marks(client, keys)
+                aborted = {"aborted": (shard, d["id"]) in aborts}
             v = view(d, shard, runs.get(d.get("id"), []), last_runs, now, members, rollout=aborted,
                      waiting=marks.get(d.get("id")))
             if state is not None and v["state"] != state:

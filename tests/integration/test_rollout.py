@@ -51,29 +51,29 @@ def gone_at(pid: int) -> float:
 
 
 def rollout_history(c: Cluster, job_id: str, spec: ro.RolloutSpec) -> dict:
-    """Replays etcd's history of the job's rollout keys: the revision of each start (a slot
-    or start key created), and the revision of the outcome that crossed the abort
-    threshold (None: never)."""
+    """Replays etcd's history of the job's rollout keys (every agent's): each start (agent
+    -> the revision of the state it was judged on, and its key's document), and the
+    revision of the outcome that crossed the abort threshold (None: never)."""
     events = history.read_history(c.client, c.keys.prefix, contiguous=True)
-    fr = None
-    starts, crossed, mark = {}, None, None
+    jr = ro.JobRollout()
+    starts, crossed, mark, base = {}, None, None, None
     for ev in events:
-        if "/rollouts/" not in ev.key or f"/{job_id}/" not in ev.key:
+        where = c.keys.split_rollout_key(ev.key)
+        if where is None or where[2] != job_id:
             continue
-        rel = ev.key.split(f"/{job_id}/", 1)[1]
+        agent, _, _, rel = where
         if rel == "aborted":
             mark = mark or ev.rev
             continue
-        base, _, rest = rel.partition("/")
-        if fr is None:
-            fr = ro.FiringRollout(base)
-        if rest.startswith(("starts/", "slots/")) and ev.kind == "put" and ev.version == 1:
-            starts[(rest, ev.rev)] = (ev.rev, json.loads(ev.value))
-        if rest.startswith(("outcomes/", "starts/")) and ev.kind == "put":
-            ro.JobRollout(firings={base: fr}).put(rel, KV(ev.key, ev.value, ev.create_rev, ev.rev, ev.version, 0))
-            if crossed is None and ro.crossed(spec, ro.tally(spec, fr)):
+        base = base or rel.partition("/")[0]
+        if rel.endswith("/start") and ev.kind == "put" and ev.version == 1:
+            doc = json.loads(ev.value)
+            starts[agent] = (doc["judged_at"], doc)
+        if rel.endswith(("/outcome", "/start")) and ev.kind == "put":
+            jr.put(agent, rel, KV(ev.key, ev.value, ev.create_rev, ev.rev, ev.version, 0))
+            if crossed is None and ro.crossed(spec, ro.tally(spec, jr.firing(base))):
                 crossed = ev.rev
-    return {"starts": starts, "crossed": crossed, "mark": mark, "base": fr.base if fr else None}
+    return {"starts": starts, "crossed": crossed, "mark": mark, "base": base}
 
 
 @pytest.fixture
@@ -121,8 +121,9 @@ def test_rollout_of_ten_agents_aborts_after_the_threshold_through_a_kill_and_a_b
         spec = ro.RolloutSpec(max_concurrent=2, failed_pct=30.0, min_finished=4)
         h = rollout_history(fleet.c, "fw-1", spec)
         assert h["crossed"] is not None and h["mark"] is not None and h["mark"] > h["crossed"]
+        # each start was judged on a state before the crossing outcome
         assert all(rev < h["crossed"] for rev, _ in h["starts"].values()), (h["crossed"], h["starts"])
-        started = {doc["agent"] for _, doc in h["starts"].values()}
+        started = set(h["starts"])
         assert {se.agent for se in effects} == started
         assert {a for a, r in finals.items() if r["state"] == "aborted"} == set(LINE1) - started
         # exactly one final status per agent for its firing, on the broker
@@ -209,6 +210,7 @@ def test_per_minute_with_growth_spaces_the_starts(etcd_server, tmp_path):
 
 
 def rollout_keys(c: Cluster) -> list[str]:
+    """Every agent's rollout keys."""
     kvs, _ = c.client.get_prefix(c.keys.rollouts_prefix(), keys_only=True)
     return [kv.key for kv in kvs]
 
@@ -230,8 +232,8 @@ def test_an_aborted_rollout_and_its_keys_go_with_the_job(etcd_server, tmp_path):
         fleet.push("fw-ret", {"max_concurrent": 1, "abort": {"failed_pct": 50, "min_finished": 1}},
                    abort_action="stop", sleep="0.2")
         shard = shard_of("fw-ret", 4)
-        wait_for(lambda: fleet.c.client.get(fleet.c.keys.rollout_aborted(shard, "fw-ret")) is not None, 60,
-                 what="the abort mark")
+        wait_for(lambda: fleet.c.client.get(fleet.c.keys.rollout_aborted(agents[0], shard, "fw-ret")) is not None,
+                 60, what="the abort mark")
         for a in agents[1:]:
             fleet.start(a)
         wait_for(lambda: set(fleet.finals("fw-ret")) == set(agents), 60, what="every agent final")
@@ -250,10 +252,11 @@ def test_an_aborted_rollout_and_its_keys_go_with_the_job(etcd_server, tmp_path):
 
 
 def test_forged_rollout_keys_hold_agents_back_and_never_start_one_early(etcd_server, tmp_path):
-    """Rollout keys written by someone who can write etcd but is no agent: a slot taken by
-    nobody and a start key with an early time hold both agents back (seen: their waiting
-    statuses), and once the slot is freed they start no earlier than the signed rate
-    allows; an outcome rewritten after its creation counts as a failure and aborts."""
+    """Rollout keys written by someone who can write etcd (here without RBAC) under an
+    agent id of its own: a claim bound to no lease and a start key with an early time hold
+    both agents back (seen: their waiting statuses), and once the claim is gone they start
+    no earlier than the signed rate allows; an outcome rewritten after its creation counts
+    as a failure and aborts."""
     agents = LINE1[:2]
     fleet = Fleet(etcd_server, tmp_path)
     c = fleet.c
@@ -263,9 +266,9 @@ def test_forged_rollout_keys_hold_agents_back_and_never_start_one_early(etcd_ser
         wait_for(lambda: c.members() == set(agents), 60, what="2 members")
         due = now().replace(microsecond=0)
         base = ro.base_of(fire_id_of(due))
-        prefix = c.keys.rollout_firing(shard_of("fw-forged", 4), "fw-forged", base)
-        c.client.put(prefix + "slots/0", json.dumps({"agent": "forger", "fire_id": f"{base}@forger"}))
-        c.client.put(prefix + "starts/000000", json.dumps({"agent": "forger", "fire_id": f"{base}@forger", "at": 0}))
+        prefix = c.keys.rollout_firing("forger", shard_of("fw-forged", 4), "fw-forged", base)
+        c.client.put(prefix + "claim", json.dumps({"agent": "forger", "fire_id": f"{base}@forger"}))
+        c.client.put(prefix + "start", json.dumps({"agent": "forger", "fire_id": f"{base}@forger", "at": 0}))
         fleet.push("fw-forged", {"max_concurrent": 1, "per_minute": 6}, sleep="0.2", issued_at=format_rfc3339(due))
 
         def waiting(agent):
@@ -275,7 +278,7 @@ def test_forged_rollout_keys_hold_agents_back_and_never_start_one_early(etcd_ser
         wait_for(lambda: all(any(r.get("event") == "rollout_wait" for r in c.audit(a)) for a in agents), 30,
                  what="their wait audited")
         assert fleet.records("fw-forged") == {} and not [se for se in _effects(fleet) if se.job == "fw-forged"]
-        c.client.delete(prefix + "slots/0")   # the operator removes what the forger wrote
+        c.client.delete(prefix + "claim")   # the operator removes what the forger wrote
         wait_for(lambda: len(fleet.finals("fw-forged")) == 2, 60, interval=0.2, what="both ran")
         runs = sorted((se for se in _effects(fleet) if se.job == "fw-forged"), key=lambda se: se.start)
         assert len(runs) == 2 and running_at_once(runs, {}) == 1
@@ -288,7 +291,7 @@ def test_forged_rollout_keys_hold_agents_back_and_never_start_one_early(etcd_ser
         # an outcome rewritten after its creation is a failure: the rollout aborts at once
         due2 = now().replace(microsecond=0)
         base2 = ro.base_of(fire_id_of(due2))
-        key = c.keys.rollout_firing(shard_of("fw-forged-2", 4), "fw-forged-2", base2) + "outcomes/forger"
+        key = c.keys.rollout_firing("forger", shard_of("fw-forged-2", 4), "fw-forged-2", base2) + "outcome"
         good = json.dumps({"agent": "forger", "fire_id": f"{base2}@forger", "state": "succeeded"})
         c.client.put(key, good)
         c.client.put(key, good)

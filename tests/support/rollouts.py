@@ -29,7 +29,8 @@ def fw_templates(out: str, agent: str, fails: bool, slow: bool = False) -> dict:
 class Fleet:
     """Line-1 agents (processes) of one cluster whose `fw` template fails on ``failing``."""
 
-    def __init__(self, etcd, tmp_path, failing=(), mqtt_url: str = "mqtt://127.0.0.1:9", extra=None, slow=()):
+    def __init__(self, etcd, tmp_path, failing=(), mqtt_url: str = "mqtt://127.0.0.1:9", extra=None, slow=(),
+                 etcd_access: Optional[dict] = None):
         tmp_path = pathlib.Path(tmp_path)
         tmp_path.mkdir(parents=True, exist_ok=True)
         self.out = effects_file(tmp_path)
@@ -37,7 +38,7 @@ class Fleet:
         self.c = Cluster(etcd, str(tmp_path / "agents"), shards=4, ttl=4, renew_deadline=2.5, retry_period=0.5,
                          extra={"mqtt": {"url": mqtt_url, "reconnect_min_s": 0.2, "reconnect_max_s": 1.0},
                                 "execute": {"max_concurrent": 4, "memory_mb": 4096, "cpu": 8.0, "kill_grace_s": 1.0},
-                                **(extra or {})})
+                                **(extra or {})}, etcd_access=etcd_access)
         self.store = self.c.job_store()
 
     def start(self, agent: str, **extra: dict) -> None:

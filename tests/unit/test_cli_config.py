@@ -99,7 +99,7 @@ def test_config_check_warns_about_a_template_user_that_does_not_exist(capsys, tm
     cfg.write_text("etcd: {insecure: true}\nmqtt: {insecure: true}\ntemplates:\n"
                    "  ok: {argv: [/bin/true], user: nobody}\n  missing: {argv: [/bin/true], user: no-such-user-39}\n")
     code, out, _ = run(capsys, ["config", "check", str(cfg)])
-    warnings = [line for line in out.splitlines() if line.startswith("warning: ")]
+    warnings = [line for line in out.splitlines() if line.startswith("warning: ") and "rollout" not in line]
     assert code == 0 and len(warnings) == 1, out
     assert warnings[0].startswith("warning: templates.missing.user: no user 'no-such-user-39' on this host: its runs "
                                   "would fail here (spawn_error)")
@@ -114,6 +114,26 @@ def test_config_check_warns_when_the_peers_statuses_share_the_push_connection(ca
         code, out, err = run(capsys, ["config", "check", str(cfg)])
         warnings = [line for line in out.splitlines() if line.startswith("warning: ") and "mqtt.peers_username" in line]
         assert code == 0 and len(warnings) == expected, (out, err)
+
+
+def test_config_check_says_where_rollout_limits_are_advisory(capsys, tmp_path, no_default):
+    """Staged rollouts hold against a gateway's credentials only with the agent's own etcd
+    user that etcd-rbac.sh confines to its rollout keys: etcd.insecure, or another user
+    name, is said (a warning, not an error)."""
+    cfg = tmp_path / "agent.yaml"
+    https = "endpoints: ['https://e:2379'], tls: {ca: /ca}"
+    for etcd, expected in (("{insecure: true}", "etcd.insecure"),
+                           (f"{{{https}, username: cloud, password: p}}", "etcd.username: 'cloud'"),
+                           (f"{{{https}, username: agent.c.gw-1, password: p}}", None)):
+        cfg.write_text(f"cluster: c\nagent_id: gw-1\netcd: {etcd}\nmqtt: {{insecure: true}}\n")
+        cfg.chmod(0o600)
+        code, out, err = run(capsys, ["config", "check", str(cfg)])
+        warnings = [line for line in out.splitlines() if line.startswith("warning: ") and "advisory" in line]
+        assert code == 0, (out, err)
+        if expected is None:
+            assert warnings == [], out
+        else:
+            assert len(warnings) == 1 and expected in warnings[0], out
 
 
 def test_push_issued_at_fills_a_file_without_one_and_must_agree_with_one_that_has_it():

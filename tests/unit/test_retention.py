@@ -148,13 +148,16 @@ def test_a_forged_final_record_does_not_finish_a_one_shot():
                                 "ended_at": ts(-8 * DAY)}, True, NOW) is not None
 
 
-def rollout_keys(job: str, firings: list[str], aborted_at: float | None = None) -> list:
+def rollout_keys(job: str, firings: list[str], aborted_at: float | None = None, agents=("a", "b")) -> list:
+    """(name under the job, key, value, mod_rev) of every agent's rollout keys of the job."""
     items = []
-    for f in firings:
-        for name in (f"{f}/starts/000000", f"{f}/outcomes/a", f"{f}/ended", f"{f}/slots/0"):
-            items.append((name, f"rollouts/0000/{job}/{name}", b"{}", 5))
+    for a in agents:
+        for f in firings:
+            for name in (f"{f}/start", f"{f}/outcome", f"{f}/claim"):
+                items.append((name, f"rollouts/{a}/0000/{job}/{name}", b"{}", 5))
     if aborted_at is not None:
-        items.append(("aborted", f"rollouts/0000/{job}/aborted", json.dumps({"at": ts(aborted_at)}).encode(), 6))
+        items.append(("aborted", f"rollouts/{agents[0]}/0000/{job}/aborted",
+                      json.dumps({"at": ts(aborted_at)}).encode(), 6))
     return items
 
 
@@ -164,9 +167,9 @@ def test_rollout_keys_go_with_their_job_and_a_live_job_keeps_its_newest_firings(
     deleted = {k for k, _ in p.rollouts}
     assert {k for _, k, _, _ in r["gone"]} <= deleted                       # the job is gone: all of it
     kept = {k for _, k, _, _ in r["c"]} - deleted
-    assert {k.split("/")[3] for k in kept if "/slots/" not in k and not k.endswith("aborted")} == set(fires(5)[-3:])
-    assert "rollouts/0000/c/aborted" in kept                                # the abort mark stays with the job
-    assert all("/slots/" not in k for k in deleted if "/gone/" not in k)    # a held slot goes with its lease
+    assert {k.split("/")[4] for k in kept if not k.endswith(("/claim", "aborted"))} == set(fires(5)[-3:])
+    assert "rollouts/a/0000/c/aborted" in kept                              # the abort mark stays with the job
+    assert all(not k.endswith("/claim") for k in deleted if "/gone/" not in k)   # a held claim goes with its lease
 
 
 def test_an_aborted_job_finishes_from_its_abort_mark_once_nothing_runs():

@@ -32,22 +32,23 @@ def kv(rel: str, doc, version: int = 1, lease: int = 0, rev: int = 10) -> KV:
 
 
 def rollout_of(*items) -> tuple[ro.JobRollout, ro.FiringRollout]:
+    """items: (agent whose prefix holds the key, name under the job, value[, version, lease, rev])."""
     jr = ro.JobRollout()
-    for rel, doc, *more in items:
-        jr.put(rel, kv(rel, doc, *more))
+    for agent, rel, doc, *more in items:
+        jr.put(agent, rel, kv(rel, doc, *more))
     return jr, jr.firing(BASE)
 
 
-def start(k: int, agent: str, at: float) -> tuple:
-    return (f"{BASE}/starts/{k:06d}", {"agent": agent, "fire_id": f"{BASE}@{agent}", "at": at})
+def start(agent: str, at: float, rev: int = 10) -> tuple:
+    return (agent, f"{BASE}/start", {"agent": agent, "fire_id": f"{BASE}@{agent}", "at": at}, 1, 0, rev)
 
 
 def outcome(agent: str, state: str, version: int = 1) -> tuple:
-    return (f"{BASE}/outcomes/{agent}", {"agent": agent, "fire_id": f"{BASE}@{agent}", "state": state}, version)
+    return (agent, f"{BASE}/outcome", {"agent": agent, "fire_id": f"{BASE}@{agent}", "state": state}, version)
 
 
-def slot(i: int, agent: str, lease: int = 0) -> tuple:
-    return (f"{BASE}/slots/{i}", {"agent": agent, "fire_id": f"{BASE}@{agent}"}, 1, lease)
+def claim(agent: str, rev: int, lease: int = 7) -> tuple:
+    return (agent, f"{BASE}/claim", {"agent": agent, "fire_id": f"{BASE}@{agent}"}, 1, lease, rev)
 
 
 # --- the document -----------------------------------------------------------------------------
@@ -89,7 +90,7 @@ def test_a_rollout_reads_with_its_defaults():
 
 def test_the_tally_believes_an_outcome_created_once_and_counts_any_other_as_a_failure():
     s = spec(abort={"failed_pct": 50, "min_finished": 2})
-    _, fr = rollout_of(start(0, "a", T0), start(1, "b", T0), start(2, "c", T0),
+    _, fr = rollout_of(start("a", T0), start("b", T0), start("c", T0),
                        outcome("a", "succeeded"), outcome("b", "succeeded", version=2), outcome("c", "aborted"),
                        outcome("d", "succeeded"))
     t = ro.tally(s, fr)
@@ -97,9 +98,13 @@ def test_the_tally_believes_an_outcome_created_once_and_counts_any_other_as_a_fa
     assert t == ro.Tally(started=3, finished=3, failed=1, succeeded=1)
 
 
-def test_a_start_key_naming_another_firing_is_a_start_of_no_agent():
-    _, fr = rollout_of((f"{BASE}/starts/000000", {"agent": "a", "fire_id": "other@a", "at": T0}))
-    assert fr.starts[0].agent is None
+def test_a_key_belongs_to_the_agent_whose_prefix_holds_it_whatever_it_names():
+    _, fr = rollout_of(("forger", f"{BASE}/start", {"agent": "a", "fire_id": f"{BASE}@a", "at": T0}),
+                       ("forger", f"{BASE}/claim", {"agent": "a", "fire_id": f"{BASE}@a"}, 1, 7, 10),
+                       ("forger", f"{BASE}/outcome", {"agent": "a", "fire_id": f"{BASE}@a", "state": "succeeded"}))
+    assert set(fr.starts) == set(fr.claims) == set(fr.outcomes) == {"forger"}
+    assert not fr.starts["forger"].believed and not fr.outcomes["forger"].believed   # naming another firing
+    assert ro.tally(spec(max_concurrent=1), fr) == ro.Tally(started=1, finished=1, failed=1, succeeded=0)
 
 
 @pytest.mark.parametrize("finished, failed, expect", [(3, 3, False), (4, 1, False), (4, 2, True), (10, 3, True),
@@ -113,7 +118,7 @@ def test_starts_are_spaced_by_the_rate_and_the_rate_grows_with_successes():
     s = spec(per_minute=6, growth={"factor": 2, "after_succeeded": 2})
     _, fr = rollout_of()
     assert ro.next_start_at(s, fr, 0) == T0
-    _, fr = rollout_of(start(0, "a", T0 + 1))
+    _, fr = rollout_of(start("a", T0 + 1))
     assert ro.next_start_at(s, fr, 0) == T0 + 11
     assert ro.next_start_at(s, fr, 1) == T0 + 11
     assert ro.next_start_at(s, fr, 2) == T0 + 6       # 12/min
@@ -123,70 +128,178 @@ def test_starts_are_spaced_by_the_rate_and_the_rate_grows_with_successes():
 
 def test_a_start_key_with_an_early_time_moves_no_start_forward():
     s = spec(per_minute=6)
-    _, fr = rollout_of(start(0, "a", T0), start(1, "forged", T0 - 3600), start(2, "forged2", 0.0))
+    _, fr = rollout_of(start("a", T0, 10), start("forged", T0 - 3600, 11), start("forged2", 0.0, 12))
     # three starts: the next comes no earlier than 3 spacings after the due time
     assert ro.next_start_at(s, fr, 0) == T0 + 30
-    _, fr = rollout_of(start(0, "a", T0 + 500))   # a time ahead only holds agents back
+    _, fr = rollout_of(start("a", T0 + 500))   # a time ahead only holds agents back
     assert ro.next_start_at(s, fr, 0) == T0 + 510
 
 
 # --- deciding --------------------------------------------------------------------------------
 
-def test_an_agent_takes_a_free_slot_and_with_a_rate_the_next_start():
-    jr, fr = rollout_of(start(0, "a", T0), slot(0, "a", lease=7))
-    assert ro.decide(spec(max_concurrent=2), jr, fr, "b", 9, T0 + 1) == ro.Decision("try", slot=1)
-    assert ro.decide(spec(max_concurrent=2, per_minute=60), jr, fr, "b", 9, T0 + 1) == \
-        ro.Decision("try", slot=1, start=1)
-    assert ro.decide(spec(abort={"failed_pct": 10}), jr, fr, "b", 9, T0) == ro.Decision("try")
-    assert ro.decide(spec(per_minute=60), jr, fr, "a", 7, T0) == ro.Decision("go")
-    assert 0 <= ro.stagger("b", BASE) <= ro.STAGGER_S
-
-
-def test_every_slot_key_counts_as_taken_whoever_wrote_it():
+def test_an_agent_claims_first_then_goes_when_fewer_than_max_concurrent_claims_are_ahead():
     s = spec(max_concurrent=2)
-    jr, fr = rollout_of(slot(0, "nobody"), (f"{BASE}/slots/1", b"junk"))
-    d = ro.decide(s, jr, fr, "b", 9, T0)
+    jr, fr = rollout_of(claim("a", 10), claim("b", 11), claim("c", 12))
+    assert ro.decide(s, jr, fr, "d", 0, T0) == ro.Decision("claim")
+    assert ro.decide(s, jr, fr, "a", 10, T0) == ro.Decision("go", start=True)
+    assert ro.decide(s, jr, fr, "b", 11, T0) == ro.Decision("go", start=True)
+    d = ro.decide(s, jr, fr, "c", 12, T0)
     assert d.kind == "wait" and "max_concurrent" in d.detail
+    jr.delete("a", f"{BASE}/claim")   # a's run ended: its claim went with its final record
+    assert ro.decide(s, jr, fr, "c", 12, T0) == ro.Decision("go", start=True)
+    jr, fr = rollout_of(claim("a", 10), start("a", T0))
+    assert ro.decide(s, jr, fr, "a", 10, T0) == ro.Decision("go")   # started: nothing more to write
+    assert ro.decide(spec(abort={"failed_pct": 10}), jr, fr, "b", 0, T0) == ro.Decision("go")
 
 
-def test_an_agent_that_holds_its_slot_and_started_goes_and_one_that_started_takes_only_a_slot():
+def test_every_claim_counts_as_taken_whoever_wrote_it_and_a_new_one_never_overtakes():
     s = spec(max_concurrent=1)
-    jr, fr = rollout_of(start(0, "a", T0), slot(0, "a", lease=7))
-    assert ro.decide(s, jr, fr, "a", 7, T0).kind == "go"
-    # the slot of the same agent under an earlier session is not this session's
-    assert ro.decide(s, jr, fr, "a", 8, T0).kind == "wait"
-    jr, fr = rollout_of(start(0, "a", T0))
-    assert ro.decide(s, jr, fr, "a", 8, T0) == ro.Decision("try", slot=0, start=None)
+    jr, fr = rollout_of(claim("nobody", 5, lease=0), ("junk", f"{BASE}/claim", b"junk", 1, 0, 6))
+    d = ro.decide(s, jr, fr, "b", 9, T0)
+    assert d.kind == "wait" and "2 claim(s)" in d.detail
+    # claims made after b's (a forger re-creating its own, anyone) are behind it
+    jr, fr = rollout_of(claim("b", 9), claim("forger", 20, lease=0), claim("forger2", 21))
+    assert ro.decide(s, jr, fr, "b", 9, T0).kind == "go"
+    assert ro.decide(s, jr, fr, "forger2", 21, T0).kind == "wait"
 
 
-def test_a_rate_wait_says_when_to_look_again():
+def test_with_a_rate_the_first_claim_not_started_goes_first_and_waits_its_spacing():
     s = spec(per_minute=6)
-    jr, fr = rollout_of(start(0, "a", T0))
-    d = ro.decide(s, jr, fr, "b", 9, T0 + 2)
+    jr, fr = rollout_of(claim("a", 10), start("a", T0, 13), claim("b", 11), claim("c", 12))
+    d = ro.decide(s, jr, fr, "b", 11, T0 + 2)
     assert d.kind == "wait" and d.until == T0 + 10
-    assert ro.decide(s, jr, fr, "b", 9, T0 + 10) == ro.Decision("try", start=1)
+    assert ro.decide(s, jr, fr, "b", 11, T0 + 10) == ro.Decision("go", start=True)
+    d = ro.decide(s, jr, fr, "c", 12, T0 + 100)   # b, ahead, has not started
+    assert d.kind == "wait" and "ahead" in d.detail
 
 
-def test_the_threshold_aborts_and_a_mark_refuses_every_start():
+def test_the_threshold_aborts_and_any_agents_mark_refuses_every_start():
     s = spec(max_concurrent=5, abort={"failed_pct": 30, "min_finished": 2})
-    jr, fr = rollout_of(start(0, "a", T0), start(1, "b", T0), outcome("a", "failed"), outcome("b", "succeeded"))
+    jr, fr = rollout_of(start("a", T0), start("b", T0), outcome("a", "failed"), outcome("b", "succeeded"))
     assert ro.decide(s, jr, fr, "c", 9, T0).kind == "abort"
-    jr, fr = rollout_of(("aborted", {"by": "x", "at": "2026-12-02T12:00:00Z", "fire": BASE}))
+    mark = {"by": "x", "at": "2026-12-02T12:00:00Z", "fire": BASE}
+    jr, fr = rollout_of(("x", "aborted", mark), ("y", "aborted", {**mark, "by": "y"}), claim("c", 9))
     d = ro.decide(s, jr, fr, "c", 9, T0)
     assert d.kind == "aborted" and "by x" in d.detail
-    jr.delete("aborted", 99)
-    assert ro.decide(s, jr, fr, "c", 9, T0).kind == "try"
+    jr, fr = rollout_of(("x", "aborted", {**mark, "by": "someone else"}), ("y", "aborted", mark), claim("c", 9))
+    assert ro.decide(s, jr, fr, "c", 9, T0).detail.startswith("the rollout was aborted by x")   # its prefix's
+    jr.delete("x", "aborted")   # x can delete only its own: y's still aborts
+    assert ro.decide(s, jr, fr, "c", 9, T0).kind == "aborted"
+    jr.delete("y", "aborted")
+    assert ro.decide(s, jr, fr, "c", 9, T0).kind == "go"
 
 
 def test_deletes_are_applied():
-    jr, fr = rollout_of(start(0, "a", T0), slot(0, "a"), outcome("a", "failed"), (f"{BASE}/ended", {}))
-    assert fr.ended_rev == 10
-    for rel in (f"{BASE}/starts/000000", f"{BASE}/slots/0", f"{BASE}/outcomes/a", f"{BASE}/ended"):
-        jr.delete(rel, 20)
-    assert (fr.starts, fr.slots, fr.outcomes, fr.ended_rev) == ({}, {}, {}, 20)
+    jr, fr = rollout_of(start("a", T0), claim("a", 10), outcome("a", "failed"), ("a", "aborted", {}))
+    for rel in (f"{BASE}/start", f"{BASE}/claim", f"{BASE}/outcome", "aborted"):
+        jr.delete("a", rel)
+    assert (fr.starts, fr.claims, fr.outcomes, jr.marks) == ({}, {}, {}, {})
 
 
 def test_a_rollback_has_a_fire_id_of_its_own():
     fid = ro.rollback_fire_id(BASE, "gw-1")
     assert ro.rolled_back(fid) == BASE and ro.rolled_back(f"{BASE}@gw-1") is None
     assert fid < f"{BASE}@gw-1" and ro.base_of(fid) != BASE
+
+
+# --- against a forger, in every interleaving ---------------------------------------------------
+
+class _Store:
+    """A revisioned key space as etcd keeps it (create revision kept across puts, a delete
+    removes), enough to replay every interleaving; the agent of a key is its prefix's."""
+
+    def __init__(self):
+        self.rev = 0
+        self.kvs: dict[tuple[str, str], KV] = {}
+        self.snapshots: list[dict] = [{}]
+
+    def put(self, agent: str, rel: str, doc: dict, lease: int = 0) -> int:
+        self.rev += 1
+        old = self.kvs.get((agent, rel))
+        self.kvs[(agent, rel)] = KV(f"{agent}/{rel}", json.dumps(doc).encode(),
+                                    old.create_revision if old else self.rev, self.rev,
+                                    old.version + 1 if old else 1, lease)
+        self.snapshots.append(dict(self.kvs))
+        return self.kvs[(agent, rel)].create_revision
+
+    def delete(self, agent: str, rel: str) -> None:
+        if self.kvs.pop((agent, rel), None) is not None:
+            self.rev += 1
+            self.snapshots.append(dict(self.kvs))
+
+    def view(self, rev: int) -> tuple[ro.JobRollout, ro.FiringRollout]:
+        jr = ro.JobRollout()
+        for (agent, rel), kv in self.snapshots[rev].items():
+            jr.put(agent, rel, kv)
+        return jr, jr.firing(BASE)
+
+
+@pytest.mark.parametrize("seed", range(60))
+@pytest.mark.parametrize("limit", [1, 2])
+def test_a_forger_writing_only_its_own_keys_never_lets_more_than_max_concurrent_honest_runs_overlap(seed, limit):
+    """Five honest agents and a forger that may write only its own keys (what etcd RBAC
+    leaves it), interleaved at random: each honest agent judges on a view at any revision
+    at or after its claim (a lagging watch). The honest runs never overlap beyond the limit,
+    and every honest agent runs once."""
+    import random
+
+    rnd = random.Random(seed)
+    s = spec(max_concurrent=limit, per_minute=6000)
+    st = _Store()
+    honest = [f"h{i}" for i in range(5)]
+    claim_rev: dict[str, int] = {}
+    running: set[str] = set()
+    done: set[str] = set()
+    claim_rel, start_rel, outcome_rel = f"{BASE}/claim", f"{BASE}/start", f"{BASE}/outcome"
+    for step in range(2000):
+        if rnd.random() < 0.3:   # the forger: its own keys only, naming whoever it likes
+            victim = rnd.choice(honest)
+            forged = {"agent": victim, "fire_id": f"{BASE}@{victim}", "at": 0}
+            op = rnd.choice(("claim", "unclaim", "start", "unstart"))
+            if op == "claim":
+                st.put("forger", claim_rel, forged, lease=rnd.choice([0, 7]))
+            elif op == "unclaim":
+                st.delete("forger", claim_rel)
+            elif op == "start":
+                st.put("forger", start_rel, forged)
+            else:
+                st.delete("forger", start_rel)
+            if rnd.random() < 0.8:
+                st.delete("forger", claim_rel)   # (mostly gone again: else it holds everyone back)
+            continue
+        a = rnd.choice(honest)
+        if a in done:
+            continue
+        if a in running:
+            if rnd.random() < 0.3:   # the run ends: outcome and claim's release, one transaction
+                st.put(a, outcome_rel, {"agent": a, "fire_id": f"{BASE}@{a}", "state": "succeeded"})
+                st.delete(a, claim_rel)
+                running.discard(a)
+                done.add(a)
+            continue
+        if a not in claim_rev:
+            claim_rev[a] = st.put(a, claim_rel, {"agent": a, "fire_id": f"{BASE}@{a}"}, lease=1)
+            continue
+        jr, fr = st.view(rnd.randint(claim_rev[a], st.rev))
+        d = ro.decide(s, jr, fr, a, claim_rev[a], T0 + 10_000 + step)
+        if d.kind == "go":
+            if d.start:
+                st.put(a, start_rel, {"agent": a, "fire_id": f"{BASE}@{a}", "at": T0 + 10_000 + step})
+            running.add(a)
+            assert len(running) <= limit, (seed, step, running)
+    st.delete("forger", claim_rel)
+    for _ in range(200):   # the forger stops: everyone left gets to run
+        for a in honest:
+            if a in running:
+                st.put(a, outcome_rel, {"agent": a, "fire_id": f"{BASE}@{a}", "state": "succeeded"})
+                st.delete(a, claim_rel)
+                running.discard(a)
+                done.add(a)
+            elif a not in done and a in claim_rev:
+                jr, fr = st.view(st.rev)
+                if ro.decide(s, jr, fr, a, claim_rev[a], T0 + 1e6).kind == "go":
+                    running.add(a)
+                    assert len(running) <= limit
+            elif a not in done:
+                claim_rev[a] = st.put(a, claim_rel, {"agent": a, "fire_id": f"{BASE}@{a}"}, lease=1)
+    assert done == set(honest)

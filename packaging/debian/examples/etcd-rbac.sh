@@ -6,16 +6,24 @@
 #   etcd-rbac.sh ops USER CLUSTER...        a cloud/operator user (password on stdin) for these clusters
 #   etcd-rbac.sh revoke CLUSTER AGENT_ID    delete the agent's user and end its etcd session
 #
-# Role millwright-CLUSTER may read and write the key prefix /millwright/CLUSTER/ and nothing
-# else: a gateway's credentials cannot touch another cluster's jobs, records or shards.
+# Role millwright-CLUSTER may read the key prefix /millwright/CLUSTER/ and write all of it
+# but the staged rollouts' keys, /millwright/CLUSTER/rollouts/, and nothing else: a
+# gateway's credentials cannot touch another cluster's jobs, records or shards. Each agent
+# also holds role rollouts.CLUSTER.AGENT_ID, which may write /millwright/CLUSTER/rollouts/AGENT_ID/
+# alone: its own rollout claims, starts, outcomes and abort marks, so no gateway can delete
+# or forge another's and a rollout's limits hold against one (agent/jobs/rollout.py).
 # Agent AGENT_ID of CLUSTER logs in as user agent.CLUSTER.AGENT_ID (a cluster name has no
-# dot, so names never collide across clusters) holding only that role; put the name and
+# dot, so names never collide across clusters) holding only those roles; put the name and
 # its password in that agent's agent.yaml (etcd.username, etcd.password; the file 0600,
 # with https:// endpoints and etcd.tls.ca). `revoke` takes one agent out: its user is
 # deleted (etcd drops its tokens at once) and the lease its session holds is revoked, so
 # its shards move to the other agents now rather than when the lease would expire; the
-# other agents, with their own users, go on. Running `agent` again for an existing agent
-# sets a new password (rotation: update its agent.yaml, restart it).
+# other agents, with their own users, go on; its rollout keys stay (its abort marks and
+# outcomes still count; delete them as root with `etcdctl del --prefix
+# /millwright/CLUSTER/rollouts/AGENT_ID/` once its jobs are done). Running `agent` again for an existing agent
+# sets a new password (rotation: update its agent.yaml, restart it). Running it again after
+# an upgrade also narrows a role made by an older version of this script (it wrote all of
+# the cluster's prefix, rollouts included).
 #
 # Passwords are read from stdin (one line), never from the command line, where every
 # local user could read them in /proc. etcdctl options come from the environment; after
@@ -64,10 +72,19 @@ set_user() {   # user password: created, or its password changed
     fi
 }
 
-cluster_role() {   # cluster: its role, read-write on its prefix only
+cluster_role() {   # cluster: its role, read on its prefix, write on all of it but rollouts/
     role="millwright-$1"
     etcdctl role get "$role" >/dev/null 2>&1 || etcdctl role add "$role" >/dev/null
-    etcdctl role grant-permission "$role" --prefix=true readwrite "/millwright/$1/" >/dev/null
+    # (granting read on the very range an older version granted readwrite replaces that)
+    etcdctl role grant-permission "$role" --prefix=true read "/millwright/$1/" >/dev/null
+    etcdctl role grant-permission "$role" readwrite "/millwright/$1/" "/millwright/$1/rollouts/" >/dev/null
+    etcdctl role grant-permission "$role" readwrite "/millwright/$1/rollouts0" "/millwright/${1}0" >/dev/null
+}
+
+agent_rollout_role() {   # cluster agent: the agent's own rollout keys, read-write
+    role="rollouts.$1.$2"
+    etcdctl role get "$role" >/dev/null 2>&1 || etcdctl role add "$role" >/dev/null
+    etcdctl role grant-permission "$role" --prefix=true readwrite "/millwright/$1/rollouts/$2/" >/dev/null
 }
 
 [ $# -ge 1 ] || usage
@@ -96,12 +113,14 @@ case "$cmd" in
         read_password agent
         user="agent.$1.$2"
         cluster_role "$1"
+        agent_rollout_role "$1" "$2"
         set_user "$user" "$pw"
-        # exactly its cluster's role, whatever it held before
+        # exactly its cluster's role and its own rollout role, whatever it held before
         for r in $(etcdctl user get "$user" | sed -n 's/^Roles: //p'); do
-            [ "$r" = "millwright-$1" ] || etcdctl user revoke-role "$user" "$r" >/dev/null
+            [ "$r" = "millwright-$1" ] || [ "$r" = "rollouts.$1.$2" ] || etcdctl user revoke-role "$user" "$r" >/dev/null
         done
         etcdctl user grant-role "$user" "millwright-$1" >/dev/null 2>&1 || true   # already granted is fine
+        etcdctl user grant-role "$user" "rollouts.$1.$2" >/dev/null 2>&1 || true
         echo "$user"
         ;;
     ops)
@@ -115,7 +134,7 @@ case "$cmd" in
             cluster_role "$c"
             etcdctl user grant-role "$user" "millwright-$c" >/dev/null 2>&1 || true
         done
-        echo "$user: read-write on $(for c in "$@"; do printf '/millwright/%s/ ' "$c"; done)"
+        echo "$user: read on $(for c in "$@"; do printf '/millwright/%s/ ' "$c"; done)(write but rollouts/)"
         ;;
     revoke)
         [ $# -eq 2 ] || usage
@@ -128,6 +147,7 @@ case "$cmd" in
         else
             echo "user $user does not exist"
         fi
+        etcdctl role delete "rollouts.$1.$2" >/dev/null 2>&1 || true   # gone already is fine
         # its member key carries the lease of its session, as do the shard keys it owns
         lease=$(etcdctl get "/millwright/$1/members/$2" -w fields | sed -n 's/^"Lease" : \([0-9]*\)$/\1/p')
         if [ -n "$lease" ] && [ "$lease" != 0 ]; then
