@@ -29,13 +29,11 @@ import os
 from typing import Any, Callable, Iterable
 
 from agent.execute.confine import RUN_FILES_ID
+from agent.execute.hiding import shared_dir
 from agent.runtime import kernel as k
 
 log = logging.getLogger(__name__)
 
-# directories never covered whole (a secret file in them is covered alone)
-SHARED_DIRS = frozenset({"/", "/etc", "/var", "/var/lib", "/var/log", "/run", "/tmp", "/var/tmp", "/usr", "/home",
-                         "/root", "/srv", "/opt", "/dev", "/proc", "/sys", "/mnt", "/media"})
 PROC_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus")
 SYS_COVERED = ("/sys/kernel/debug", "/sys/kernel/tracing", "/sys/fs/bpf")
 BLANK_DIR = "/tmp"
@@ -128,7 +126,7 @@ class JobNamespaces:
                 self.hidden.append(path)
             mounts = _mountpoints()
             for path in paths:
-                if os.path.isdir(path) and path not in SHARED_DIRS and not any(_under(path, e) for e in keep):
+                if os.path.isdir(path) and shared_dir(path) is None and not any(_under(path, e) for e in keep):
                     # (a directory inside what runs must reach is never covered)
                     self._cover_dir(path, [e for e in keep if _under(e, path)], keep)
             for path in SYS_COVERED:
