@@ -98,6 +98,9 @@ class Isolation:
         (its Landlock domain), one of its own for any run with ``own`` (it takes the run's
         ids: agent/execute/threadcreds.py), else the caller's; own_thread: True when the
         thread ends after the spawn."""
+        # a secret replaced on the host since the last look is covered again first (before
+        # the thread a root run starts from enters its Landlock domain: no mount after that)
+        self.namespaces.refresh()
         if conf.root:
             return self.namespaces.on_root_thread(lambda: start(True))
         if own:

@@ -152,3 +152,54 @@ def test_what_comes_after_the_namespace_stays_hidden_from_a_root_run(hiding_agen
     assert not leaked, leaked
     # the host itself sees the new contents (the covers are in the jobs' namespace only)
     assert open(cfg.signing.keys_file).read() == "secret keys, renewed\n"
+
+
+def test_a_secret_covered_alone_or_a_directory_made_again_is_covered_again(etcd_server, mosquitto_server):
+    """The second line: where a secret lies in a shared directory (here /tmp) it is covered
+    alone, and a rename detaches that cover; a covered directory removed and made again
+    loses its cover the same way. Before every spawn (a host inode changed) and every
+    second (the jobs' namespace checked) the agent covers again what lost its cover: a root
+    run started after the change reads none of it."""
+    ok, why = _available()
+    require_kernel(ok, why)
+    name = f"millwright-test-hide-{os.getpid()}"
+    top = tempfile.mkdtemp(prefix="mw-hide-", dir="/tmp")
+    os.chmod(top, 0o755)
+    keys = f"/tmp/mw-test-hide-keys-{os.getpid()}.yaml"
+    audit_key = f"/tmp/mw-test-hide-audit-{os.getpid()}.key"   # made after the start
+    ex = None
+    try:
+        cfg = make_config(top, os.path.join(top, "admin", "admin.sock"), etcd_server.endpoint,
+                          f"mqtt://127.0.0.1:{mosquitto_server.port}")
+        cfg.signing.keys_file, cfg.audit.key_file = keys, audit_key
+        _write(keys, "secret keys, first\n")
+        base = os.path.join(cfg.state_dir, "runs")
+        iso = Isolation.from_config(cfg, name, [base])
+        ns = iso.namespaces
+        ns._stop.set()   # (the periodic pass off: this test makes its passes itself)
+        ex = Executor(probe("rlimit", root_name=name), base, isolation=iso)
+        etc = os.path.dirname(cfg.source)
+        first = probe_as_root(ex, "first", [["keys", "read", keys], ["config", "read", cfg.source]])
+        assert first == {"keys": "PermissionError", "config": "PermissionError"}, first
+
+        _replace(keys, "secret keys, renewed\n")
+        _write(audit_key, "secret audit key\n")
+        after = probe_as_root(ex, "after", [["keys", "read", keys], ["audit key", "read", audit_key]])
+        assert after == {"keys": "PermissionError", "audit key": "PermissionError"}, after
+        assert ns.recovered == 2
+        assert ns.refresh(everything=True) == []   # covered already: nothing is stacked
+
+        text = open(cfg.source).read()
+        shutil.rmtree(etc)   # the config directory removed and made again (its inode number may come back)
+        os.makedirs(etc)
+        _write(cfg.source, text + "# made again\n")
+        assert ns.refresh(everything=True) == [etc]   # what the periodic pass does
+        after = probe_as_root(ex, "again", [["config", "read", cfg.source], ["etc", "list", etc]])
+        assert after == {"config": "PermissionError", "etc": "PermissionError"}, after
+    finally:
+        if ex is not None:
+            ex.close()
+        shutil.rmtree(top, ignore_errors=True)
+        for p in (keys, audit_key):
+            if os.path.exists(p):
+                os.unlink(p)
