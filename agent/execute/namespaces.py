@@ -7,7 +7,10 @@ and no exec of our own.
 * the *jobs mount namespace*, a copy of the agent's (receiving later host mounts, sending
   none back) where the agent's secrets are covered: each hidden directory by an empty
   read-only tmpfs (the one holding the runs' directories shows only that), each hidden
-  file by an empty mode-000 file; ``/proc`` is a new proc instance with
+  file by an empty mode-000 file (agent/execute/hiding.py decides which: directories
+  whole wherever it can, as a file's cover goes when the file is renamed over); a cover
+  the host detached since (a file replaced, a directory made again) is made again before
+  every spawn and every second (``refresh``); ``/proc`` is a new proc instance with
   ``hidepid=invisible`` (a process is listed only to those who may trace it: a run sees
   its own processes, never the agent's or another run's), its ``sys``, ``sysrq-trigger``,
   ``irq`` and ``bus`` read-only; the cgroup file systems read-only; tracefs, debugfs and

@@ -455,13 +455,6 @@ def cli_run(args) -> int:
     from agent.cli import config_path
 
     cfg = load_config(config_path(args.config))
-    logs.setup(cfg.agent_id)
-    try:
-        metrics.serve(cfg.metrics.listen)
-    except OSError as exc:
-        from agent.cli import UserError
-
-        raise UserError(f"metrics.listen {cfg.metrics.listen}: {exc.strerror or exc}") from None
     if os.geteuid() == 0:   # runs are isolated: a secret they could reach is a start-up error
         from agent.cli import UserError
         from agent.execute.hiding import plan
@@ -469,6 +462,13 @@ def cli_run(args) -> int:
         refused = plan(cfg).refused
         if refused:
             raise UserError("; ".join(refused), 2)
+    logs.setup(cfg.agent_id)
+    try:
+        metrics.serve(cfg.metrics.listen)
+    except OSError as exc:
+        from agent.cli import UserError
+
+        raise UserError(f"metrics.listen {cfg.metrics.listen}: {exc.strerror or exc}") from None
     from agent.runtime.components import default_components
 
     agent = Agent(cfg, default_components(cfg))
