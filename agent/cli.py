@@ -221,9 +221,21 @@ def cli_config_check(args: argparse.Namespace) -> int:
           f"{len(cfg.templates)} templates)")
     for line in unknown_users(cfg) + shared_status_link(cfg) + advisory_rollouts(cfg):
         print(f"warning: {line}")
+    for line in _hiding_lines(cfg):
+        print(line)
     for line in _backend_lines(cfg):
         print(line)
     return 0
+
+
+def _hiding_lines(cfg) -> list[str]:
+    """What job isolation cannot hide from root runs as this config places the agent's
+    secrets (agent/execute/hiding.py): a refusal stops a root agent's start."""
+    from agent.execute import hiding
+
+    p = hiding.plan(cfg)
+    return [f"error (a root agent will not start): {line}" for line in p.refused] + \
+        [f"warning: {line}" for line in p.problems]
 
 
 def _backend_lines(cfg) -> list[str]:

@@ -8,9 +8,9 @@ The threat model: the holders of the signing keys are trusted; a job process is 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Callable, Iterable, Optional
 
+from agent.execute import hiding
 from agent.execute.confine import NETWORK_POLICIES, RUN_FILES_ID, Confinement, RunIds
 from agent.execute.namespaces import JobNamespaces
 from agent.execute.netfilter import NetRules, resolve_endpoints
@@ -48,20 +48,14 @@ class Isolation:
     def from_config(cls, cfg: Any, name: str, exposed: list[str]) -> "Isolation":
         """From the agent's whole configuration (agent/config.py); ``exposed``: the
         directories runs reach (the runs' directory, the executor's scratch directory)."""
-        hide = [cfg.state_dir, cfg.audit.dir, cfg.signing.keys_file, cfg.audit.key_file,
-                os.path.dirname(cfg.admin.socket)]
-        if cfg.source and not cfg.source.startswith("<"):
-            hide.append(cfg.source)
-        for tls in (cfg.etcd.tls, cfg.mqtt.tls):
-            if tls is not None:
-                hide += [p for p in (tls.cert, tls.key) if p]
-        # a directory of the agent's own (/etc/millwright) goes whole: what an operator
-        # puts beside the config is the agent's too (a directory merely named after the
-        # product, like a demo's scratch directory with the jobs in it, is not)
-        for path in (cfg.source, cfg.signing.keys_file, cfg.audit.key_file):
-            parent = os.path.dirname(os.path.abspath(path)) if path and not path.startswith("<") else ""
-            if os.path.basename(parent) == "millwright":
-                hide.append(parent)
+        # every secret's directory covered whole, made first when missing (agent/execute/hiding.py)
+        p = hiding.plan(cfg)
+        if p.refused:
+            raise IsolationError("; ".join(p.refused))
+        for line in p.problems:
+            log.warning("job isolation cannot cover this secret's directory whole", extra={"fields": {"problem": line}})
+        hiding.make_dirs(p.dirs)
+        hide = p.hide
         return cls(name, hide, exposed, list(cfg.etcd.endpoints) + [cfg.mqtt.url])
 
     def confine(self, uid: int, groups: Iterable[int], network: str, allow_root: bool,
@@ -104,6 +98,9 @@ class Isolation:
         (its Landlock domain), one of its own for any run with ``own`` (it takes the run's
         ids: agent/execute/threadcreds.py), else the caller's; own_thread: True when the
         thread ends after the spawn."""
+        # a secret replaced on the host since the last look is covered again first (before
+        # the thread a root run starts from enters its Landlock domain: no mount after that)
+        self.namespaces.refresh()
         if conf.root:
             return self.namespaces.on_root_thread(lambda: start(True))
         if own:

@@ -7,7 +7,10 @@ and no exec of our own.
 * the *jobs mount namespace*, a copy of the agent's (receiving later host mounts, sending
   none back) where the agent's secrets are covered: each hidden directory by an empty
   read-only tmpfs (the one holding the runs' directories shows only that), each hidden
-  file by an empty mode-000 file; ``/proc`` is a new proc instance with
+  file by an empty mode-000 file (agent/execute/hiding.py decides which: directories
+  whole wherever it can, as a file's cover goes when the file is renamed over); a cover
+  the host detached since (a file replaced, a directory made again) is made again before
+  every spawn and every second (``refresh``); ``/proc`` is a new proc instance with
   ``hidepid=invisible`` (a process is listed only to those who may trace it: a run sees
   its own processes, never the agent's or another run's), its ``sys``, ``sysrq-trigger``,
   ``irq`` and ``bus`` read-only; the cgroup file systems read-only; tracefs, debugfs and
@@ -26,20 +29,34 @@ from __future__ import annotations
 import _thread
 import logging
 import os
-from typing import Any, Callable, Iterable
+import stat
+import threading
+from typing import Any, Callable, Iterable, Optional
 
 from agent.execute.confine import RUN_FILES_ID
+from agent.execute.hiding import shared_dir
 from agent.runtime import kernel as k
 
 log = logging.getLogger(__name__)
 
-# directories never covered whole (a secret file in them is covered alone)
-SHARED_DIRS = frozenset({"/", "/etc", "/var", "/var/lib", "/var/log", "/run", "/tmp", "/var/tmp", "/usr", "/home",
-                         "/root", "/srv", "/opt", "/dev", "/proc", "/sys", "/mnt", "/media"})
 PROC_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus")
 SYS_COVERED = ("/sys/kernel/debug", "/sys/kernel/tracing", "/sys/fs/bpf")
 BLANK_DIR = "/tmp"
 RO = k.MS_RDONLY | k.MS_NOSUID | k.MS_NODEV | k.MS_NOEXEC
+# how often covers are checked against the host's paths (besides before every spawn)
+REFRESH_INTERVAL_S = 1.0
+# a file re-covered after the start: /dev/null bound over it on a nodev mount (opening it fails)
+NULL_DEVICE = "/dev/null"
+
+
+def _identity(path: str) -> Optional[tuple[int, int]]:
+    """(device, inode) of the host's ``path`` (None: absent): a cover is a mount on that
+    inode, which the kernel detaches when the inode leaves the path (unlink, rename over)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _mountpoints() -> list[str]:
@@ -84,8 +101,16 @@ class JobNamespaces:
     """The jobs mount namespace and the none network namespace, by fd, and the spawn of a
     launcher inside them."""
 
-    def __init__(self, hide: Iterable[str], expose: Iterable[str]):
+    def __init__(self, hide: Iterable[str], expose: Iterable[str], refresh_interval_s: float = REFRESH_INTERVAL_S):
         self.hidden: list[str] = []
+        hide = sorted({os.path.realpath(p) for p in hide if p})
+        # the host's inode at each hidden path as covered (taken before the covers: a change
+        # in between is seen as one, and covered again: harmless)
+        self._seen: dict[str, Optional[tuple[int, int]]] = {p: _identity(p) for p in hide}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watcher: Optional[threading.Thread] = None
+        self.recovered = 0   # covers made again after a host change (tests, the status)
         self.landlock = k.landlock_abi() >= k.LANDLOCK_SCOPE_ABI
         self.host_mnt = os.open("/proc/thread-self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
         self.host_net = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
@@ -100,6 +125,11 @@ class JobNamespaces:
         except BaseException:
             self.close()
             raise
+        self.exposed = expose
+        if refresh_interval_s > 0:
+            self._watcher = threading.Thread(target=self._watch, args=(refresh_interval_s,),
+                                             name="millwright-hide", daemon=True)
+            self._watcher.start()
 
     # --- made once ------------------------------------------------------------------
     def _make_net_ns(self) -> int:
@@ -128,7 +158,7 @@ class JobNamespaces:
                 self.hidden.append(path)
             mounts = _mountpoints()
             for path in paths:
-                if os.path.isdir(path) and path not in SHARED_DIRS and not any(_under(path, e) for e in keep):
+                if os.path.isdir(path) and shared_dir(path) is None and not any(_under(path, e) for e in keep):
                     # (a directory inside what runs must reach is never covered)
                     self._cover_dir(path, [e for e in keep if _under(e, path)], keep)
             for path in SYS_COVERED:
@@ -158,6 +188,79 @@ class JobNamespaces:
             k.mount(f"/proc/self/fd/{keep[e]}", e, None, k.MS_BIND | k.MS_REC)
         k.mount(None, path, None, k.MS_REMOUNT | RO, mode)
         self.hidden.append(path)
+
+    # --- the second line: covers made again after a host change ----------------------
+    def refresh(self, everything: bool = False) -> list[str]:
+        """Cover again, in the jobs' namespace, every hidden path that is no longer covered
+        there: the kernel detaches a cover when its inode leaves the host's path (a file
+        replaced by rename, a directory removed and made again), and a path that did not
+        exist when the namespace was built had none. Returns the paths covered again.
+        Before every spawn it looks only when a host inode changed (one lstat per hidden
+        path); the periodic pass (``everything``) looks at the jobs' namespace itself (an
+        inode number the file system gave again goes unseen by the first check). A
+        directory covers what happens inside it: this is for the files covered alone and
+        for the directories themselves."""
+        if self.jobs_mnt < 0 or (not everything and all(_identity(p) == seen for p, seen in self._seen.items())):
+            return []
+        with self._lock:
+            if self.jobs_mnt < 0:
+                return []
+            now = {p: _identity(p) for p in self._seen}
+            done = _in_thread(self._recover, "millwright-ns")
+            self._seen.update(now)
+            self.recovered += len(done)
+        if done:
+            log.warning("hidden paths changed on the host: covered again in the jobs' namespace",
+                        extra={"fields": {"paths": done}})
+        return done
+
+    def _recover(self) -> list[str]:
+        """On a thread of its own (it ends after): each hidden path that runs would see
+        uncovered, covered. A path that is a mount point there is left alone (an edit in
+        place keeps the cover: nothing is stacked)."""
+        k.unshare(k.CLONE_FS)   # (setns into a mount namespace needs a thread of its own)
+        k.setns(self.jobs_mnt, k.CLONE_NEWNS)
+        mounted = set(_mountpoints())
+        done = []
+        for path in self._seen:
+            if path in mounted:
+                continue
+            try:
+                st = os.lstat(path)   # what runs would now see there
+            except OSError:
+                continue   # absent (or inside a cover): nothing to hide
+            try:
+                if stat.S_ISDIR(st.st_mode):
+                    if shared_dir(path) is not None or any(_under(e, path) for e in self.exposed):
+                        log.critical("a hidden directory was replaced and cannot be covered again while runs "
+                                     "must reach inside it; restart the agent", extra={"fields": {"path": path}})
+                        continue
+                    mode = f"mode=000,uid={RUN_FILES_ID},gid={RUN_FILES_ID}"
+                    k.mount("none", path, "tmpfs", RO, f"{mode},size=4k")
+                elif stat.S_ISLNK(st.st_mode):
+                    # (a mount would follow it to where it points: the host's file there is
+                    # not ours to cover; a link in a covered directory is covered with it)
+                    log.critical("a hidden path became a symbolic link: not covered again",
+                                 extra={"fields": {"path": path}})
+                    continue
+                else:
+                    # a file, socket or FIFO: the null device over it, on a nodev mount (so
+                    # opening it fails: a device is never opened through a nodev mount)
+                    k.mount(NULL_DEVICE, path, None, k.MS_BIND)
+                    k.mount(None, path, None, k.MS_REMOUNT | k.MS_BIND | RO)
+            except OSError as exc:
+                log.critical("cannot cover a hidden path again", extra={"fields": {
+                    "path": path, "error": exc.strerror or str(exc)}})
+                continue
+            done.append(path)
+        return done
+
+    def _watch(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self.refresh(everything=True)
+            except Exception:   # noqa: BLE001 - the watcher outlives one failed pass
+                log.exception("hidden paths: refresh failed")
 
     # --- per spawn -----------------------------------------------------------------
     def on_root_thread(self, start: Callable[[], Any]) -> Any:
@@ -216,6 +319,13 @@ class JobNamespaces:
             os.abort()
 
     def close(self) -> None:
+        self._stop.set()
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(5)
+        with self._lock:
+            self._close_fds()
+
+    def _close_fds(self) -> None:
         for name in ("host_mnt", "host_net", "jobs_mnt", "none_net"):
             fd = getattr(self, name)
             if fd >= 0:

@@ -455,6 +455,13 @@ def cli_run(args) -> int:
     from agent.cli import config_path
 
     cfg = load_config(config_path(args.config))
+    if os.geteuid() == 0:   # runs are isolated: a secret they could reach is a start-up error
+        from agent.cli import UserError
+        from agent.execute.hiding import plan
+
+        refused = plan(cfg).refused
+        if refused:
+            raise UserError("; ".join(refused), 2)
     logs.setup(cfg.agent_id)
     try:
         metrics.serve(cfg.metrics.listen)

@@ -136,6 +136,20 @@ def test_config_check_says_where_rollout_limits_are_advisory(capsys, tmp_path, n
             assert len(warnings) == 1 and expected in warnings[0], out
 
 
+def test_config_check_says_what_job_isolation_cannot_hide_whole(capsys, tmp_path, no_default):
+    """Issue 54: a secret directly in a directory runs share is covered alone (a rename
+    would uncover it) and an admin socket there cannot be hidden (a root agent refuses)."""
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text("etcd: {insecure: true}\nmqtt: {insecure: true}\nsigning: {keys_file: /etc/mw-keys.yaml}\n"
+                   "admin: {socket: /run/mw-admin.sock}\n")
+    code, out, _ = run(capsys, ["config", "check", str(cfg)])
+    lines = [line for line in out.splitlines() if "isolation" in line or "hidden" in line]
+    assert code == 0 and len(lines) == 2, out
+    assert lines[0].startswith("error (a root agent will not start): admin.socket: /run/mw-admin.sock cannot be hidden")
+    assert lines[1].startswith("warning: signing.keys_file: /etc/mw-keys.yaml is hidden from runs as a file only "
+                               "(/etc is a system directory runs share)")
+
+
 def test_push_issued_at_fills_a_file_without_one_and_must_agree_with_one_that_has_it():
     from agent.cli import UserError
     from agent.cloud.cli import with_issued_at
@@ -148,3 +162,14 @@ def test_push_issued_at_fills_a_file_without_one_and_must_agree_with_one_that_ha
         with_issued_at(same, "2026-12-02T12:00:01Z")
     with pytest.raises(UserError, match="not an RFC 3339 time"):
         with_issued_at({"id": "j"}, "yesterday")
+
+
+def test_a_root_agent_refuses_to_start_with_an_admin_socket_runs_could_reach(capsys, tmp_path, no_default):
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("the refusal is a root agent's (runs are isolated only then)")
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text("etcd: {insecure: true}\nmqtt: {insecure: true}\nadmin: {socket: /run/mw-admin.sock}\n")
+    code, out, err = run(capsys, ["run", "-c", str(cfg)])
+    assert code == 2 and "admin.socket: /run/mw-admin.sock cannot be hidden from root runs" in err, (out, err)
