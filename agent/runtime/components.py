@@ -80,7 +80,7 @@ class _JobsComponent:
         cfg = agent.cfg
         root = run_root_name(cfg.agent_id, cfg.state_dir)
         # the cleaner's outcomes come to the loop, which owns the audit log
-        cleanup = {"on_report": lambda r: agent.loop.post(_cleanup_report, agent, r)}
+        cleanup = {"on_report": lambda r: agent.loop.post(cleanup_report, agent, r)}
         self.executor = Executor.from_config(cfg.execute, os.path.join(cfg.state_dir, "runs"),
                                              root_name=root, reclaim=True, agent_config=cfg, cleanup=cleanup)
         self.admission = Admission(Budget.from_config(cfg.execute))
@@ -158,7 +158,7 @@ class _JobsComponent:
         self.workers.stop()
 
 
-def _cleanup_report(agent: Agent, report: Any) -> None:
+def cleanup_report(agent: Agent, report: Any) -> None:
     """A tree the cleaner gave up on (a run's work dir or an old run dir): an audit
     record on the loop thread. Removals are counted only (millwright_cleanup_*)."""
     if report.event != "removed":

@@ -219,3 +219,51 @@ def test_a_walk_over_its_budget_goes_on_where_it_stopped(fs):
     finally:
         os.close(fd)
     assert total == 51 and calls == 8 and not os.path.exists(tree)
+
+
+def test_retention_hands_old_run_dirs_to_the_cleaner_and_sizes_a_deep_one(fs):
+    """Retention's disk pass (agent/jobs/retention.py): an old run dir holding a 5,000-deep
+    chain is sized without a RecursionError and discarded (a rename) for the cleaner to
+    remove; the cleaner's own directory is never a run dir to it."""
+    from types import SimpleNamespace
+
+    from agent.config import RetentionConfig
+    from agent.jobs.retention import Retention
+
+    base = os.path.join(fs, "runs")
+    reports = []
+    ex = Executor(RlimitBackend(), base, guard=False, cleanup={"on_report": reports.append})
+    try:
+        old = os.path.join(base, "old-run")
+        d = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+        for name in ["old-run"] + ["d"] * DEEP:
+            os.mkdir(name, dir_fd=d)
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=d)
+            os.close(d)
+            d = fd
+        os.close(os.open("out.log", os.O_CREAT | os.O_WRONLY, dir_fd=d))
+        os.close(d)
+        agent = SimpleNamespace(cfg=SimpleNamespace(retention=RetentionConfig(run_output_s=0.0)), keys=None,
+                                client=None, loop=SimpleNamespace(post=lambda *a: None), status_providers={})
+        ret = Retention(agent, catalog=None, executor=ex, clock=lambda: time.time() + 10)
+        result = ret.run_disk(set())
+        assert result["run_dirs"] == 1 and not os.path.exists(old)
+        assert ex.cleaner.wait_idle(60)
+        assert [(r.event, r.entries) for r in reports] == [("removed", DEEP + 2)]
+        assert sorted(os.listdir(base)) == [CLEANUP_DIR]
+    finally:
+        ex.close()
+
+
+def test_a_tree_the_cleaner_gives_up_on_is_an_audit_record_of_the_daemon():
+    from types import SimpleNamespace
+
+    from agent.execute.cleanup import Report
+    from agent.runtime.components import cleanup_report
+
+    records = []
+    agent = SimpleNamespace(record=lambda type_, **f: records.append((type_, f)))
+    cleanup_report(agent, Report("removed", "x.work", 3, 0.1))
+    cleanup_report(agent, Report("quarantined", "y.work", 251, 2.0, "more than 250 entries", "/q/y.work"))
+    assert records == [("cleanup", {"event": "quarantined", "tree": "y.work", "entries": 251,
+                                    "reason": "more than 250 entries", "where": "/q/y.work"})]
