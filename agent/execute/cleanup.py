@@ -222,7 +222,7 @@ class Cleaner(threading.Thread):
         (its end-of-run thread is never held behind it), runs at a lower priority, and is
         killed past pass_timeout_s or at stop(). A helper that fails counts as a failed
         try of every tree it was given: so a tree that kills it is set aside in the end."""
-        argv = [sys.executable, "-I", "-S", _WALKER, self.trash, str(self.pass_entries)]
+        argv = [sys.executable or "/usr/bin/python3", "-I", "-S", _WALKER, self.trash, str(self.pass_entries)]
         for n in order:   # each with its own cap: a tree past max_tree_entries is set aside
             argv += [n, str(max(1, self.max_tree_entries - trees[n].removed + 1))]
         out: dict[str, Progress] = {}

@@ -267,3 +267,21 @@ def test_a_tree_the_cleaner_gives_up_on_is_an_audit_record_of_the_daemon():
     cleanup_report(agent, Report("quarantined", "y.work", 251, 2.0, "more than 250 entries", "/q/y.work"))
     assert records == [("cleanup", {"event": "quarantined", "tree": "y.work", "entries": 251,
                                     "reason": "more than 250 entries", "where": "/q/y.work"})]
+
+
+def test_a_walker_past_its_time_is_killed_and_counts_as_a_failed_try(fs):
+    """A pass's helper process that does not finish in pass_timeout_s is killed; its tree
+    is tried max_tries times, then set aside with the reason."""
+    reports = []
+    cl = Cleaner(os.path.join(fs, ".cleanup"), max_tries=2, retry_s=0.01, pass_timeout_s=0.0001,
+                 on_report=reports.append)
+    cl.start()
+    try:
+        assert cl.discard(_files(os.path.join(fs, "tree"), 1000))
+        assert cl.wait_idle(60)
+        (r,) = reports
+        assert r.event == "quarantined" and "2 times" in (r.reason or "") and "walk over" in (r.reason or "")
+        assert sample("millwright_cleanup_trees_total", {"event": "walker_failed"}) >= 2
+    finally:
+        cl.stop()
+        cl.join(5)
