@@ -5,9 +5,10 @@ thousands of files, a symlink to /etc. ``shutil.rmtree`` recurses once per level
 RecursionError past ~1,000 levels in 3.10/3.11) and holds one descriptor per level (EMFILE at
 an open-file soft limit of 1,024), and a big tree holds the caller for as long as the delete
 takes. So the reaper never deletes a tree: ``Cleaner.discard`` renames it into a trash
-directory (one system call, whatever the tree holds) and the cleaner's own thread removes it:
+directory (one system call, whatever the tree holds) and the cleaner's thread has it removed
+by a helper process (so the walk never holds this interpreter's lock):
 
-* ``remove_tree``: an iterative walk on descriptors (``openat``/``unlinkat`` through
+* ``remove_tree`` (agent/execute/rmtree.py, the helper's script): an iterative walk on descriptors (``openat``/``unlinkat`` through
   ``dir_fd``), holding at most three at a time whatever the depth; it never follows a
   symbolic link (``O_NOFOLLOW``, and ``unlink`` of a link removes the link) and never enters
   a directory of another file system (a mount point is refused, not crossed). It goes back up
