@@ -19,6 +19,7 @@ config                source, sha256, summary
 agent_start           version, agent_id, pid, cluster
 agent_stop            reason
 gap                   source (audit|bpf|...), count/dropped, reason
+cleanup               event (quarantined|stuck), tree, entries, reason, where
 recovered, checkpoint written by the audit writer itself
 ====================  ==========================================================
 

@@ -43,6 +43,7 @@ from agent.execute.armed import pick_launcher
 from agent.execute.backends import QuotaBackend, Usage, probe
 from agent.execute.backends.pool import DEFAULT_SIZE as DEFAULT_POOL
 from agent.execute.backends.pool import SlotPool
+from agent.execute.cleanup import Cleaner
 from agent.execute.confine import RUN_FILES_ID
 from agent.execute.guard import RunGuard
 from agent.execute.isolation import Isolation
@@ -67,6 +68,11 @@ ARM_DISCARD_MARGIN_S = 0.002
 # at the due time, and a short job has ended by then, so release and end are one wake-up.
 ARMED_RELEASE_LAG_S = 0.005
 
+# under the base dir (so a rename away from every run's dir): the cleaner's trash and
+# quarantine; a dot name, never a run dir's (safe_name strips leading dots)
+CLEANUP_DIR = ".cleanup"
+
+
 class Executor:
     """Start runs under a quota backend; one reaper thread reports their ends.
 
@@ -79,7 +85,8 @@ class Executor:
                  kill_grace_s: float = 5.0, poststart: Optional[list] = None, watch_interval_s: float = 0.2,
                  subreaper: bool = True, keep_work_dir: bool = False, drain_timeout_s: float = 5.0,
                  spawn_mode: str = "auto", guard: bool = True, isolation: Optional[Isolation] = None,
-                 slot_pool: int = DEFAULT_POOL, scratch_dir: Optional[str] = None):
+                 slot_pool: int = DEFAULT_POOL, scratch_dir: Optional[str] = None,
+                 cleanup: Optional[dict] = None):
         self.backend = backend
         # confines every run with a user (docs/security.md); None: runs as before (tests, dev)
         self.isolation = isolation
@@ -127,10 +134,16 @@ class Executor:
         # with the agent
         self.slots = SlotPool(backend, slot_pool, on_made=self.guard.pooled if self.guard else (lambda d: None),
                               on_removed=self.guard.unpooled if self.guard else (lambda d: None))
+        # what runs leave (work dirs, old run dirs) is removed on its own thread, from a
+        # trash in the base dir (a rename away: the same file system); ``cleanup``: Cleaner's
+        # bounds (pass_entries, max_tries, max_tree_entries, max_quarantined, retry_s)
+        self.cleaner = Cleaner(os.path.join(self.base_dir, CLEANUP_DIR), **(cleanup or {}))
+        self.cleaner.start()
         self.reaper = Reaper(backend, self.slots, self.runs, self.guard, self._discard_held,
                              watch_interval_s=watch_interval_s,
                              drain_timeout_s=drain_timeout_s, keep_work_dir=keep_work_dir,
-                             release_confinement=isolation.release if isolation is not None else (lambda c: None))
+                             release_confinement=isolation.release if isolation is not None else (lambda c: None),
+                             discard=self.cleaner.discard)
         self.reaper.start()
         self._releaser = Releaser(self._timed_release)
 
@@ -357,6 +370,8 @@ class Executor:
         self.reaper.stop()
         self.reaper.join(timeout=5)
         self.reaper.orphan_slots += [(s, time.monotonic()) for s in self.slots.close()]
+        self.cleaner.stop()   # what is left in its trash is removed after the next start
+        self.cleaner.join(timeout=5)
         if self.guard is not None:
             self.guard.close()
         for _ in range(50):   # run cgroups the kernel did not let go of at once

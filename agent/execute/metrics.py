@@ -28,3 +28,11 @@ CGROUP_CLEANUP_FAILURES = counter("millwright_cgroup_cleanup_failures_total",
 OUTPUT_TRUNCATED = counter("millwright_run_output_truncated_bytes_total",
                            "stdout/stderr bytes dropped beyond output_max_bytes.")
 BACKEND_INFO = gauge("millwright_quota_backend_info", "Active quota backend (value 1).", ("backend",))
+CLEANUP_TREES = counter("millwright_cleanup_trees_total",
+                        "Discarded directory trees (runs' work dirs, old run dirs) by outcome: removed, "
+                        "quarantined, stuck (quarantine full), not_moved (could not enter the trash).", ("event",))
+CLEANUP_ENTRIES = counter("millwright_cleanup_entries_removed_total",
+                          "Files and directories the cleaner removed.")
+CLEANUP_PENDING = gauge("millwright_cleanup_pending_trees", "Trees in the cleaner's trash, not removed yet.")
+CLEANUP_SECONDS = histogram("millwright_cleanup_tree_seconds", "From a tree's discard to its removal or set-aside.",
+                            buckets=(0.001, 0.01, 0.1, 1.0, 10.0, 60.0, 600.0))

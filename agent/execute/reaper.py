@@ -25,7 +25,6 @@ import logging
 import os
 import queue
 import select
-import shutil
 import signal
 import threading
 import time
@@ -36,6 +35,7 @@ from agent.execute.backends import QuotaBackend, Slot, Usage
 from agent.execute.backends.pool import SlotPool
 from agent.execute.output import OutputStream
 from agent.execute.processes import killpg, reap_group
+from agent.execute.rmtree import remove_tree
 from agent.execute.runs import ExitReason, RunHandle, RunResult, tail_text
 from agent.execute.runstate import Run, RunPhase, RunTable
 
@@ -79,7 +79,8 @@ class Reaper(threading.Thread):
     def __init__(self, backend: QuotaBackend, slots: SlotPool, runs: RunTable, guard: Optional["RunGuard"],
                  discard_held: Callable[[RunHandle, str], bool], *, watch_interval_s: float = 0.2,
                  drain_timeout_s: float = 5.0, keep_work_dir: bool = False,
-                 release_confinement: Callable[[Any], None] = lambda conf: None):
+                 release_confinement: Callable[[Any], None] = lambda conf: None,
+                 discard: Optional[Callable[[str], bool]] = None):
         super().__init__(name="millwright-reaper", daemon=True)
         self.backend = backend
         self.slots = slots
@@ -90,6 +91,8 @@ class Reaper(threading.Thread):
         self.drain_timeout_s = drain_timeout_s
         self.keep_work_dir = keep_work_dir
         self.release_confinement = release_confinement
+        # a run's non-empty work dir goes to the cleaner (agent/execute/cleanup.py)
+        self.discard: Callable[[str], bool] = discard or _remove_now
         self.ep = select.epoll()
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
@@ -607,7 +610,9 @@ class Reaper(threading.Thread):
             try:
                 os.rmdir(run.work_dir_created)   # most jobs leave it empty: one syscall
             except OSError:
-                shutil.rmtree(run.work_dir_created, ignore_errors=True)
+                # whatever the job left (any depth, any count) is the cleaner's, on its own
+                # thread: here one rename, so no run's end waits for a delete
+                self.discard(run.work_dir_created)
         if run.confinement is not None:   # nothing of the run is left: its id may serve another
             conf, run.confinement = run.confinement, None
             self.release_confinement(conf)
@@ -645,6 +650,16 @@ class Reaper(threading.Thread):
         handle.result = result
         log.debug("run ended", extra={"fields": {"run": handle.run_key, "reason": reason, "exit_code": exit_code}})
         self._ending.append((run, result))   # on_exit at the end of this wake-up (_deliver)
+
+
+def _remove_now(path: str) -> bool:
+    """Without a cleaner (a Reaper built on its own, in tests): the same walk, here."""
+    parent, name = os.path.split(os.path.normpath(path))
+    fd = os.open(parent or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return remove_tree(fd, name, 1 << 62).done
+    finally:
+        os.close(fd)
 
 
 def _exit_reason(run: Run, usage: Usage, exit_code: Optional[int]) -> str:

@@ -194,14 +194,25 @@ def _aborted_since(items: list[tuple[str, str, bytes, int]], all_terminal: bool)
 _RUN_DIR = re.compile(r"^(?P<job>.+)_(?P<fire>\d{8}T\d{6}\.\d{3}Z)_\d+\.\d+-[0-9a-f]{10}$")
 
 
-def _dir_size(path: str) -> int:
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(root, f)).st_size
-            except OSError:
-                pass
+def _dir_size(path: str, max_entries: int = 200_000) -> int:
+    """Bytes of the files under ``path``, from at most ``max_entries`` entries: an explicit
+    stack (any depth: a job's 5,000-deep chain is no RecursionError), symbolic links not
+    followed; what cannot be read (a path past PATH_MAX) counts for nothing."""
+    total, seen, stack = 0, 0, [path]
+    while stack and seen < max_entries:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for de in it:
+                    seen += 1
+                    try:
+                        if de.is_dir(follow_symlinks=False):
+                            stack.append(de.path)
+                        else:
+                            total += de.stat(follow_symlinks=False).st_size
+                    except OSError:
+                        pass
+        except OSError:
+            continue
     return total
 
 
@@ -535,7 +546,7 @@ class Retention:
         sizes = {}
         for de in os.scandir(base):
             try:
-                if not de.is_dir(follow_symlinks=False):
+                if de.name.startswith(".") or not de.is_dir(follow_symlinks=False):   # .cleanup: the executor's
                     continue
                 size = _dir_size(de.path)
                 entries.append((de.name, de.stat(follow_symlinks=False).st_mtime, size))
@@ -547,7 +558,12 @@ class Retention:
         for name in doomed:
             if not self._throttle.take(1):
                 break
-            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+            cleaner = getattr(self.executor, "cleaner", None)
+            if cleaner is not None:   # a rename: its removal is the cleaner's, bounded per pass
+                if not cleaner.discard(os.path.join(base, name)):
+                    continue
+            else:
+                shutil.rmtree(os.path.join(base, name), ignore_errors=True)
             result["run_dirs"] += 1
             result["run_dir_bytes"] += sizes.get(name, 0)
             DELETED.labels("run_dir").inc()

@@ -79,8 +79,10 @@ class _JobsComponent:
 
         cfg = agent.cfg
         root = run_root_name(cfg.agent_id, cfg.state_dir)
+        # the cleaner's outcomes come to the loop, which owns the audit log
+        cleanup = {"on_report": lambda r: agent.loop.post(cleanup_report, agent, r)}
         self.executor = Executor.from_config(cfg.execute, os.path.join(cfg.state_dir, "runs"),
-                                             root_name=root, reclaim=True, agent_config=cfg)
+                                             root_name=root, reclaim=True, agent_config=cfg, cleanup=cleanup)
         self.admission = Admission(Budget.from_config(cfg.execute))
         guard = self.executor.guard
         if guard is not None:
@@ -154,6 +156,14 @@ class _JobsComponent:
         self.rollouts.stop()
         self.executor.close()
         self.workers.stop()
+
+
+def cleanup_report(agent: Agent, report: Any) -> None:
+    """A tree the cleaner gave up on (a run's work dir or an old run dir): an audit
+    record on the loop thread. Removals are counted only (millwright_cleanup_*)."""
+    if report.event != "removed":
+        agent.record("cleanup", event=report.event, tree=report.name, entries=report.entries,
+                     reason=report.reason, where=report.where)
 
 
 def _load_keyring(path: str) -> KeyRing:
