@@ -200,6 +200,7 @@ def test_a_job_violating_its_exec_policy_on_every_agent_leaves_every_shard_owned
         assert moves == [] and unavailable == [] and owned_min == c.shards
         assert c.converged({n: 1 for n in agents})
         assert not [r for r in c.audit() if r.get("type") == "lease" and r.get("decision") == "hand_off"]
+        ran: dict = {}
         # the offending job ran, was killed for its exec and quarantined on each agent
         for name in agents:
             audit = c.audit(name)
@@ -216,6 +217,12 @@ def test_a_job_violating_its_exec_policy_on_every_agent_leaves_every_shard_owned
             assert (name, "bad", "quarantined") in marks_seen
             st = query(c.agents[name].config["admin"]["socket"])
             assert st["health"]["handoff"]["available"] is True
+            # held means held: 3 runs struck it out, then one after each release (and one
+            # more if the test ended between a release and that run's end)
+            started = [r for r in c.run_records().values() if r["job_id"] == "bad" and r["agent"] == name
+                       and r.get("started_at")]
+            assert len(held) + 2 <= len(started) <= len(held) + 3, (name, len(started), len(held))
+            ran[name] = len(started)
         # the unrelated 1 s job kept firing through the violations
         recs = [r for r in c.job_runs("tick").values() if t0 + 2 <= parse_rfc3339(r["due"]).timestamp() <= t1 - 2]
         dues = sorted(parse_rfc3339(r["due"]).timestamp() for r in recs)
@@ -235,7 +242,8 @@ def test_a_job_violating_its_exec_policy_on_every_agent_leaves_every_shard_owned
               f"{owned_min}/{c.shards}, shard moves {len(moves)}; tick firings {len(dues)} of "
               f"{int(t1 - 2) - int(t0 + 2)}, lateness (exec - due) max {max(late):.3f} s, "
               f"mean {sum(late) / len(late):.3f} s over {len(late)}; "
-              f"bad runs {len(bad_runs)}, quarantines "
+              f"bad firings {len(bad_runs)} ({dict(collections.Counter(r['state'] for r in bad_runs))}), started {ran}, "
+              f"quarantines "
               f"{ {n: sum(1 for r in c.audit(n) if r.get('type') == 'quarantine' and r.get('event') == 'quarantined') for n in agents} }; "
               f"tick shard {shard_of('tick', c.shards)}")
     finally:
