@@ -92,30 +92,34 @@ def test_the_version_is_the_signed_content():
 
 
 def test_entries_are_bounded_and_an_eviction_only_releases():
-    q = JobQuarantine(strikes=1, hold_s=100, max_jobs=4)
-    q.strike("held-a", "v", "quota", 0)        # until 100
-    q.strike("held-b", "v", "quota", 1)        # until 101
-    q2 = JobQuarantine(strikes=2, hold_s=100, max_jobs=4)
-    assert q2.strike("x", "v", "quota", 0)[0] is None
-    # fill q with strike-only entries is impossible with strikes=1; use q2's kind of entry
-    q.threshold = 2
-    q.strike("s-1", "v", "quota", 2)
+    q = JobQuarantine(strikes=2, hold_s=100, max_jobs=4)
+
+    def hold(job: str, t: float):
+        q.strike(job, "v", "quota", t)
+        return q.strike(job, "v", "quota", t)
+
+    hold("held-a", 0)                           # until 100
+    hold("held-b", 1)                           # until 101
+    q.strike("s-1", "v", "quota", 2)            # strike-only entries
     q.strike("s-2", "v", "quota", 3)
     assert len(q.entries) == 4
-    q.strike("s-3", "v", "quota", 4)            # the oldest strike-only entry goes
+    q.strike("s-3", "v", "quota", 4)            # the least recently struck strike-only entry goes
     assert len(q.entries) == 4 and "s-1" not in q.entries and "held-a" in q.entries
     n0 = m("millwright_job_quarantine_releases_total", why="evicted")
-    q.threshold = 1
-    q.strike("held-c", "v", "quota", 5)         # evicts s-2, held
-    q.strike("held-d", "v", "quota", 6)         # evicts s-3, held
+    hold("held-c", 5)                           # evicts s-2
+    hold("held-d", 6)                           # evicts s-3
     assert set(q.entries) == {"held-a", "held-b", "held-c", "held-d"}
-    started, released = q.strike("held-e", "v", "quota", 7)   # all held: the soonest end is released
+    q.strike("held-e", "v", "quota", 7)         # all held: the hold that ends soonest is released
     assert len(q.entries) == 4 and "held-a" not in q.entries
-    assert [r["job"] for r in released] == ["held-a"] and released[0]["why"] == "evicted"
     assert m("millwright_job_quarantine_releases_total", why="evicted") == n0 + 1
-    assert started is not None
+    started, released = q.strike("held-e", "v", "quota", 8)
+    assert started is not None and released == []
     for j in ("held-b", "held-c", "held-d", "held-e"):
-        assert q.held(j, "v", 8)[0] is not None
+        assert q.held(j, "v", 9)[0] is not None
+    # driven far past the bound: never more than max_jobs entries
+    for i in range(100):
+        q.strike(f"x-{i}", "v", "quota", 10 + i)
+        assert len(q.entries) <= 4
 
 
 def test_validation_and_config_defaults():
@@ -277,3 +281,19 @@ def test_an_offence_outside_a_live_run_is_ignored():
     f.end_reason = "succeeded"
     pol.run_ended(f)
     assert audit.records == []
+
+
+def test_config_check_refuses_bad_quarantine_settings():
+    from agent.config import Config
+    from agent.configcheck import validate
+
+    for section, key in ((QuarantineConfig(strikes=0), "quarantine.strikes"),
+                         (QuarantineConfig(max_jobs=0), "quarantine.max_jobs"),
+                         (QuarantineConfig(hold_s=0), "quarantine.hold_s"),
+                         (QuarantineConfig(hold_s=600, max_hold_s=300), "quarantine.max_hold_s")):
+        problems: list = []
+        validate(Config(quarantine=section), problems)
+        assert any(key in p for p in problems), (key, problems)
+    problems = []
+    validate(Config(), problems)
+    assert not any("quarantine" in p for p in problems)
