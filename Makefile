@@ -58,6 +58,7 @@ test-release: setup
 	MILLWRIGHT_CLOUD_OUTAGE_S=60 $(PY) -m pytest -p no:cacheprovider tests/integration/test_cloud_outbox.py $(PYTEST_ARGS)
 	@$(MAKE) --no-print-directory test-cloud-paho2 PAHO2_MORE="tests/integration/test_cloud_ingest.py tests/integration/test_cloud_flood.py -k 'not fuzz_ingest'"
 	MILLWRIGHT_FLAP_TEST_S=300 $(PY) -m pytest -p no:cacheprovider tests/kernel/test_health_e2e.py -k flapping $(PYTEST_ARGS)
+	MILLWRIGHT_SLOW=1 $(PY) -m pytest -p no:cacheprovider tests/kernel/test_health_e2e.py -k violating $(PYTEST_ARGS)
 	MILLWRIGHT_SLOW=1 $(PY) -m pytest -p no:cacheprovider tests/integration/test_retention.py tests/integration/test_windows.py $(PYTEST_ARGS)
 	MILLWRIGHT_BOUNDED_WORK_S=600 $(PY) -m pytest -p no:cacheprovider tests/integration/test_bounded_work.py $(PYTEST_ARGS)
 	$(PY) -m tests.support.chaos $(if $(SEED),--seed $(SEED),--from-commit) --seeds 10 --minutes 5

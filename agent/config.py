@@ -275,6 +275,22 @@ class QuotaConfig:
 
 
 @dataclass
+class QuarantineConfig:
+    strikes: int = doc("Runs of one job ended by its own misbehaviour (killed for an exec outside its template's "
+                       "allow_exec, ended network_stall, killed by its quota: oom, pids_limit) within window_s that "
+                       "quarantine the job on this agent: its later firings wait (reason quarantined). After a "
+                       "quarantine one more such run within window_s is enough, until a run succeeds cleanly.",
+                       default=3)
+    window_s: float = doc("How far back strikes count.", default=300.0)
+    hold_s: float = doc("How long a first quarantine holds the job; each repeat doubles it, up to max_hold_s. "
+                        "A new signed version of the job ends it at once.", default=300.0)
+    max_hold_s: float = doc("Longest quarantine.", default=3600.0)
+    max_jobs: int = doc("Most jobs whose strikes and quarantine this agent keeps (memory only); past it the "
+                        "oldest strike-only entry goes first, then the quarantine that ends soonest.",
+                        default=4096)
+
+
+@dataclass
 class Config:
     cluster: str = doc("Cluster name: etcd prefix and MQTT topic segment.", default="plant-a")
     agent_id: str = doc("Agent id (default: the host name).", default_factory=socket.gethostname)
@@ -297,6 +313,9 @@ class Config:
     retention: RetentionConfig = doc("What is deleted, and when (etcd records, run output).",
                                      default_factory=RetentionConfig)
     quotas: QuotaConfig = doc("What the signers of one cluster may store in etcd.", default_factory=QuotaConfig)
+    quarantine: QuarantineConfig = doc("A job that misbehaves (exec policy, network stalls, quota kills) is held "
+                                       "on this agent; the agent keeps its shards (docs/health.md).",
+                                       default_factory=QuarantineConfig)
     templates: dict[str, Template] = doc("Job templates the cloud may name.", default_factory=dict)
     source: str = field(default="<defaults>", metadata={"internal": True})
 

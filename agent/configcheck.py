@@ -191,6 +191,16 @@ def validate(cfg: Config, problems: list[str]) -> None:
         bad("retention.max_deletes_per_s", "must be positive")
     if ret.run_output_max_mb < 1:
         bad("retention.run_output_max_mb", "must be at least 1")
+    qc = cfg.quarantine
+    if qc.strikes < 1:
+        bad("quarantine.strikes", "must be at least 1")
+    if qc.max_jobs < 1:
+        bad("quarantine.max_jobs", "must be at least 1")
+    for name in ("window_s", "hold_s", "max_hold_s"):
+        if getattr(qc, name) <= 0:
+            bad(f"quarantine.{name}", "must be positive")
+    if qc.max_hold_s < qc.hold_s:
+        bad("quarantine.max_hold_s", "must be at least quarantine.hold_s")
     if cfg.bpf.mode not in ("enforce", "monitor"):
         bad("bpf.mode", "must be enforce or monitor")
     if cfg.bpf.perf_pages < 1 or cfg.bpf.perf_pages & (cfg.bpf.perf_pages - 1):

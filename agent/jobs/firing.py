@@ -100,6 +100,7 @@ class Firing:
     started_mono: float = 0.0
     ready_mono: float = 0.0  # when its start became the agent's own work: the later of its due time and its admission request
     health: str = "healthy"
+    end_reason: Optional[str] = None   # why its last run ended: set before the RunListeners hear of the end
     lead: float = 0.0        # how far ahead of `due` its claim was planned (0: at or after due)
     limits: Any = None       # the limits admission let in, which the run then gets
     run: Any = None          # (RunSpec, argv, template) of this attempt, or why it cannot start

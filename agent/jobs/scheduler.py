@@ -413,8 +413,9 @@ class Scheduler:
     def _ended(self, f: Firing, result: Any) -> None:
         e = f.entry
         self.admitter.release(f)
-        self.launcher.ended(f)
         reason = getattr(result, "reason", EndReason.FAILED)
+        f.end_reason = str(reason)   # the job quarantine judges the run by it (agent/jobs/quarantine.py)
+        self.launcher.ended(f)
         if reason == EndReason.FENCED and self.fencing.owns(e.shard) is not None:
             self._resolve_lease_kill(f)
             return

@@ -72,6 +72,7 @@ class _JobsComponent:
         from agent.execute.executor import Executor
         from agent.jobs.approvalgate import ApprovalGate
         from agent.jobs.catalog import JobCatalog
+        from agent.jobs.quarantine import QuarantinePolicy
         from agent.jobs.retention import Retention
         from agent.jobs.rollouts import RolloutGate
         from agent.jobs.scheduler import Scheduler
@@ -103,15 +104,19 @@ class _JobsComponent:
         self.approvals = ApprovalGate(cfg, agent.loop, audit=agent)
         self.rollouts = RolloutGate(cfg, agent.client, agent.keys, agent.loop, self.workers, fencing=agent,
                                     lease=agent.session, audit=agent, sink=agent, is_current=self.catalog.current)
+        # a job's own misbehaviour holds that job here (never the agent's shards): first, so a
+        # quarantined job's firing asks nothing else
+        self.quarantine = QuarantinePolicy(cfg.quarantine, agent.loop, audit=agent)
         plant = self._start_policies(agent, gate_topics)
         run_listeners = run_listeners if run_listeners is not None else []
         run_listeners.extend(plant)   # windows and gates stop runs too (end: stop, while_running: stop)
         run_listeners.append(self.rollouts)
+        run_listeners.append(self.quarantine)   # counts strikes at each run's end
         self.scheduler = Scheduler(cfg, self.catalog, fencing=agent, lease=agent.session, loop=agent.loop,
                                    client=agent.client, keys=agent.keys, workers=self.workers,
                                    executor=self.executor, admission=self.admission, sink=agent, audit=agent,
                                    run_listeners=run_listeners,
-                                   start_policies=[self.approvals, *plant, self.rollouts])
+                                   start_policies=[self.quarantine, self.approvals, *plant, self.rollouts])
         self.rollouts.adopt = self.scheduler.adopt
         self.catalog.changed_listeners.append(self.approvals.job_changed)
         self.scheduler.statuses.answer_markers = agent.answer_markers
@@ -125,6 +130,7 @@ class _JobsComponent:
         agent.drain_hooks.append(self.scheduler.drain_started)
         agent.run_stoppers.append(self.scheduler.stop_runs)
         agent.status_providers["jobs"] = self.scheduler.status
+        agent.status_providers["quarantine"] = self.quarantine.status
         self.retention = Retention(agent, self.catalog, self.executor)
         agent.status_providers["quota"] = lambda: {"backend": self.executor.backend.name,
                                                    "why": self.executor.backend.why}
@@ -200,7 +206,8 @@ class _SupervisedJobs:
         self.jobs = _JobsComponent(agent, run_listeners, gate_topics)
         self.sensing = RunSensing(agent)
         self.jobs.executor.poststart.append(self.sensing.poststart)
-        self.supervision = Supervision(agent, gate=self.jobs.scheduler, sensing=self.sensing)
+        self.supervision = Supervision(agent, gate=self.jobs.scheduler, sensing=self.sensing,
+                                       offences=self.jobs.quarantine)
         agent.session_listeners.append(self.supervision)
         self.sensing.exec_listeners.append(self.supervision)
         self.sensing.signal_listeners.append(self.supervision)

@@ -5,9 +5,14 @@ the agent's events (keepalive results, kernel signals, exec events, run starts a
 ends, a periodic tick) and carries out what they decide:
 - a stalled run is ended with reason network_stall (its retry policy applies);
 - an exec outside the template's allow-list kills the run (enforce) or is recorded
-  (monitor), audited either way;
+  (monitor), audited either way; a kill is reported to the job quarantine (JobOffences);
 - adaptive renewal changes the keepalive interval; the early fence pauses new runs;
 - a voluntary hand-off publishes this agent as unavailable so peers take its shards.
+
+The lease policy hears only evidence about the agent itself (keepalives, the etcd path,
+host memory). A job's exec violations, network stalls and quota kills are the job's: they
+go to the job quarantine (agent/jobs/quarantine.py), never to the lease policy, so one job
+on every agent cannot take every agent's shards away (docs/health.md).
 Every decision is audited with its evidence and counted in metrics by the policies.
 """
 
@@ -29,7 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TICK_S = 0.25
-NODE_EVERY_S = 5.0
+MEMORY_EVERY_S = 5.0
 
 
 class RunGate(Protocol):
@@ -43,13 +48,21 @@ class RunGate(Protocol):
     def health_changed(self, f: Firing, state: str, rule: Optional[str]) -> None: ...
 
 
+class JobOffences(Protocol):
+    """Where a run's own misbehaviour goes (the job quarantine, agent/jobs/quarantine.py)."""
+
+    def offence(self, f: Firing, cause: str) -> None: ...
+
+
 class Supervision:
     """The daemon's SessionListener, a RunListener of the scheduler, an ExecListener and
     SignalListener of RunSensing (wired by agent/runtime/components.py)."""
 
-    def __init__(self, agent: Agent, gate: RunGate, sensing: Optional[RunSensing] = None):
+    def __init__(self, agent: Agent, gate: RunGate, sensing: Optional[RunSensing] = None,
+                 offences: Optional[JobOffences] = None):
         self.agent = agent
         self.gate = gate
+        self.offences = offences
         self.sensing = sensing
         self.cfg = agent.cfg
         self.clock = time.monotonic
@@ -61,7 +74,7 @@ class Supervision:
             u = urlsplit(url)
             self.etcd_eps.add((u.hostname, u.port or 2379))
         self.runs: dict[str, dict] = {}  # run_key -> {"firing", "health", "exec", "slot"}
-        self._last_node = 0.0
+        self._last_memory = 0.0
         agent.status_providers["health"] = self.status
         self.decisions: list[dict] = []  # recent decisions, for status
 
@@ -128,7 +141,8 @@ class Supervision:
             return
         if r["health"] is not None:
             r["health"].close()
-        self.apply(self.policy.on_run_ended(f.health, self.clock()))
+        # the run's health is the job's evidence, not the agent's: the job quarantine reads
+        # it from the firing (f.health); the lease policy never hears of it
 
     def exec_event(self, info: Optional[dict], ev: Any) -> Optional[str]:
         """RunSensing asks for a verdict on an exec by a job process."""
@@ -146,9 +160,11 @@ class Supervision:
                           **v.to_record())
         log.warning("exec policy violation", extra={"fields": {"job": f.entry.job.id, "path": v.path,
                                                                 "action": v.action}})
-        if v.action == "kill" and f.handle is not None:
-            f.handle.terminate("exec_policy", grace_s=0)
-        self.apply(self.policy.on_exec_violation(self.clock()))
+        if v.action == "kill":
+            if f.handle is not None:
+                f.handle.terminate("exec_policy", grace_s=0)
+            if self.offences is not None:   # the job's, not the agent's: never the lease policy's
+                self.offences.offence(f, "exec_policy")
         return v.verdict
 
     def signals(self, slots: set, endpoints: set) -> None:
@@ -156,11 +172,8 @@ class Supervision:
         assert sensing is not None  # signals come from it
         now = self.clock()
         for (h, p) in endpoints:
-            sig = sensing.sensor.endpoint_signals(h, p)
-            if (h, p) in self.etcd_eps:
-                self.apply(self.policy.on_etcd_endpoint(sig, now))
-            else:
-                self.apply(self.policy.on_other_endpoint(sig, now))
+            if (h, p) in self.etcd_eps:   # the agent's own path; other endpoints (MQTT) decide nothing
+                self.apply(self.policy.on_etcd_endpoint(sensing.sensor.endpoint_signals(h, p), now))
         for r in self.runs.values():
             if r["slot"] in slots:
                 self._observe(r, now)
@@ -189,9 +202,8 @@ class Supervision:
         if sensing is not None:
             for r in list(self.runs.values()):
                 self._observe(r, now)
-            if now - self._last_node >= NODE_EVERY_S:
-                self._last_node = now
-                self.apply(self.policy.on_node(sensing.sensor.node_signals(), now))
+            if now - self._last_memory >= MEMORY_EVERY_S:
+                self._last_memory = now
                 self.apply(self.policy.on_memory(read_memory_pressure(), now))
         if not self.agent.stopping:
             self.agent.loop.call_later(TICK_S, self._tick)

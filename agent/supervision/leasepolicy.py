@@ -11,9 +11,15 @@ passed in by the caller (the daemon's loop; tests use a fake clock):
   renewal that completed after the stall began. The hard fence (renew deadline, lease
   lost) stays in the daemon and the session, as in client-go's leaderelection.
 * :class:`HandOff` - voluntary hand-off of all shards (member record
-  ``available=false``) when the node cannot do its work: every recent run stalled on the
-  network, repeated exec-policy violations, sustained memory pressure. Taking shards back
-  needs a healthy cool-down that doubles with each repeated hand-off.
+  ``available=false``) when the node cannot do its work: sustained memory pressure on
+  the host. Taking shards back needs a healthy cool-down that doubles with each repeated
+  hand-off.
+
+Every input here is evidence about the agent itself: its etcd path (keepalives, the
+etcd endpoint's retransmits and stalled sockets), its host (memory pressure). What one
+job does (exec-policy violations, its runs' network stalls, quota kills) never reaches
+these policies: it quarantines that job on this agent (agent/jobs/quarantine.py), so a
+job on every agent cannot make every agent hand its shards off (issue 54).
 
 :class:`LeasePolicy` bundles the three behind one set of event methods. Every decision
 is a :class:`LeaseDecision` with its evidence (for the audit record) and is counted in
@@ -345,42 +351,29 @@ def memory_under_pressure(m: MemoryPressure, *, psi_some_pct: float = 40.0, psi_
 class HandOff:
     """Voluntary hand-off of all shards, with hysteresis.
 
-    Triggers (any one, while available):
+    Trigger (while available): ``memory_pressure``: memory under pressure
+    (:func:`memory_under_pressure`) in every sample for ``memory_sustained_s``.
 
-    * ``job_network_stalled``: the last ``stalled_runs`` ended runs were all stalled
-      (health ``stalled``), all within ``stalled_window_s``;
-    * ``exec_policy_violations``: ``violations`` violations within ``violations_window_s``;
-    * ``memory_pressure``: memory under pressure (:func:`memory_under_pressure`) in every
-      sample for ``memory_sustained_s``.
+    Only evidence about this agent and its host may trigger it. A job's misbehaviour
+    (exec-policy violations, its runs' network stalls, quota kills) is the job's and
+    quarantines that job (agent/jobs/quarantine.py): fed here, one job on every agent
+    would make every agent hand off and leave the cluster's shards unowned.
 
-    Take-back: after ``base * backoff_factor ** (n - 1)`` (capped at ``max_cooldown_s``;
-    n = hand-offs within ``backoff_memory_s``; base = ``network_cooldown_s`` after a
-    ``job_network_stalled`` hand-off, else ``cooldown_s``) of *healthy* time:
-    no stalled run, no violation, no memory-pressure sample, and, after a network-caused
-    hand-off, no network unrest (a rise in retransmits on a watched endpoint, or node
-    retransmits above ``node_retrans_per_s``). Each piece of bad evidence restarts the
-    cool-down. The evidence that triggered a hand-off is cleared when shards are taken back.
+    Take-back: after ``cooldown_s * backoff_factor ** (n - 1)`` (capped at
+    ``max_cooldown_s``; n = hand-offs within ``backoff_memory_s``) of *healthy* time:
+    no memory-pressure sample. Each piece of bad evidence restarts the cool-down.
     """
 
-    def __init__(self, *, stalled_runs: int = 3, stalled_window_s: float = 300.0, violations: int = 3,
-                 violations_window_s: float = 300.0, memory_sustained_s: float = 30.0,
-                 cooldown_s: float = 60.0, network_cooldown_s: float = 300.0, backoff_factor: float = 2.0,
-                 max_cooldown_s: float = 1800.0,
-                 backoff_memory_s: float = 3600.0, node_retrans_per_s: float = 5.0,
+    def __init__(self, *, memory_sustained_s: float = 30.0, cooldown_s: float = 60.0, backoff_factor: float = 2.0,
+                 max_cooldown_s: float = 1800.0, backoff_memory_s: float = 3600.0,
                  memory_thresholds: Optional[dict] = None):
-        if stalled_runs < 1 or violations < 1 or cooldown_s <= 0 or network_cooldown_s <= 0 or backoff_factor < 1:
-            raise ValueError("stalled_runs, violations >= 1; cooldown_s, network_cooldown_s > 0; backoff_factor >= 1")
-        self.stalled_runs = stalled_runs
-        self.stalled_window_s = stalled_window_s
-        self.violations = violations
-        self.violations_window_s = violations_window_s
+        if cooldown_s <= 0 or backoff_factor < 1 or memory_sustained_s < 0:
+            raise ValueError("cooldown_s > 0, memory_sustained_s >= 0, backoff_factor >= 1")
         self.memory_sustained_s = memory_sustained_s
         self.cooldown_s = cooldown_s
-        self.network_cooldown_s = network_cooldown_s
         self.backoff_factor = backoff_factor
         self.max_cooldown_s = max_cooldown_s
         self.backoff_memory_s = backoff_memory_s
-        self.node_retrans_per_s = node_retrans_per_s
         self.memory_thresholds = memory_thresholds or {}
         self.available = True
         self.reason: Optional[str] = None
@@ -388,29 +381,15 @@ class HandOff:
         self.healthy_since: Optional[float] = None
         self.cooldown_now_s: float = cooldown_s
         self.last_bad: Optional[tuple[float, str]] = None
-        self._runs: collections.deque = collections.deque(maxlen=stalled_runs)   # (now, health)
-        self._violations: collections.deque = collections.deque()
         self._pressure_since: Optional[float] = None
         self._last_memory: Optional[MemoryPressure] = None
-        self._handoffs: collections.deque = collections.deque()   # times of hand-offs
-        self._ep_retrans: dict = {}
+        self._handoffs: collections.deque = collections.deque()   # times of hand-offs (within backoff_memory_s)
 
     # evidence ------------------------------------------------------------------------
     def _bad(self, now: float, what: str) -> None:
         self.last_bad = (now, what)
         if not self.available:
             self.healthy_since = now
-
-    def on_run_ended(self, health: str, now: float) -> Optional[LeaseDecision]:
-        self._runs.append((now, health))
-        if health == "stalled":
-            self._bad(now, "stalled_run")
-        return self._evaluate(now)
-
-    def on_exec_violation(self, now: float) -> Optional[LeaseDecision]:
-        self._violations.append(now)
-        self._bad(now, "exec_violation")
-        return self._evaluate(now)
 
     def on_memory(self, m: MemoryPressure, now: float) -> Optional[LeaseDecision]:
         self._last_memory = m
@@ -423,29 +402,6 @@ class HandOff:
                 self.healthy_since = now   # the pressure lasted until this sample
             self._pressure_since = None
         return self._evaluate(now)
-
-    def on_endpoint(self, sig: Any, now: float) -> Optional[LeaseDecision]:
-        """Network unrest on a watched endpoint (etcd, MQTT): only matters during the
-        cool-down of a network-caused hand-off."""
-        key = (sig.host, sig.port)
-        if sig.available:
-            prev = self._ep_retrans.get(key)
-            cur = int(sig.retransmits or 0)
-            self._ep_retrans[key] = cur
-            if prev is not None and cur > prev:
-                self._unrest(now, "endpoint_retransmits")
-        if int(sig.stalled_sockets or 0) > 0:
-            self._unrest(now, "endpoint_stalled_sockets")
-        return self._evaluate(now)
-
-    def on_node(self, sig: Any, now: float) -> Optional[LeaseDecision]:
-        if float(sig.retrans_per_s or 0.0) >= self.node_retrans_per_s:
-            self._unrest(now, "node_retransmits")
-        return self._evaluate(now)
-
-    def _unrest(self, now: float, what: str) -> None:
-        if not self.available and self.reason == "job_network_stalled":
-            self._bad(now, what)
 
     def tick(self, now: float) -> Optional[LeaseDecision]:
         return self._evaluate(now)
@@ -461,8 +417,6 @@ class HandOff:
 
     # decisions -----------------------------------------------------------------------
     def _evaluate(self, now: float) -> Optional[LeaseDecision]:
-        while self._violations and self._violations[0] < now - self.violations_window_s:
-            self._violations.popleft()
         while self._handoffs and self._handoffs[0] < now - self.backoff_memory_s:
             self._handoffs.popleft()
         if self.available:
@@ -472,8 +426,7 @@ class HandOff:
             reason, evidence = trig
             self._handoffs.append(now)
             n = len(self._handoffs)
-            base = self.network_cooldown_s if reason == "job_network_stalled" else self.cooldown_s
-            self.cooldown_now_s = min(self.max_cooldown_s, base * self.backoff_factor ** (n - 1))
+            self.cooldown_now_s = min(self.max_cooldown_s, self.cooldown_s * self.backoff_factor ** (n - 1))
             self.available, self.reason, self.handed_off_at, self.healthy_since = False, reason, now, now
             HANDED_OFF.set(1)
             return _decide(HAND_OFF, reason, now, {**evidence, "handoffs_recent": n,
@@ -484,22 +437,12 @@ class HandOff:
             ev = {"previous_reason": self.reason, "unavailable_s": _r(now - self.handed_off_at) if self.handed_off_at is not None else None,
                   "healthy_s": _r(now - self.healthy_since), "cooldown_s": _r(self.cooldown_now_s)}
             self.available, self.reason, self.healthy_since = True, None, None
-            self._runs.clear()
-            self._violations.clear()
             self._pressure_since = None
             HANDED_OFF.set(0)
             return _decide(TAKE_BACK, "healthy", now, ev)
         return None
 
     def _trigger(self, now: float) -> Optional[tuple[str, dict]]:
-        runs = list(self._runs)
-        if (len(runs) >= self.stalled_runs and all(h == "stalled" for _, h in runs)
-                and runs[0][0] >= now - self.stalled_window_s):
-            return "job_network_stalled", {"stalled_runs": len(runs), "window_s": self.stalled_window_s,
-                                           "first_s_ago": _r(now - runs[0][0])}
-        if len(self._violations) >= self.violations:
-            return "exec_policy_violations", {"violations": len(self._violations),
-                                              "window_s": self.violations_window_s}
         if self._pressure_since is not None and now - self._pressure_since >= self.memory_sustained_s:
             m = self._last_memory
             return "memory_pressure", {"sustained_s": _r(now - self._pressure_since), "source": m.source if m else None,
@@ -547,21 +490,7 @@ class LeasePolicy:
         return self._l(self.fence.on_granted(now))
 
     def on_etcd_endpoint(self, sig: Any, now: float) -> list[LeaseDecision]:
-        return self._l(self.renewal.on_endpoint(sig, now), self.fence.on_endpoint(sig, now),
-                       self.handoff.on_endpoint(sig, now))
-
-    def on_other_endpoint(self, sig: Any, now: float) -> list[LeaseDecision]:
-        """A watched endpoint that is not etcd (the MQTT broker): hand-off unrest only."""
-        return self._l(self.handoff.on_endpoint(sig, now))
-
-    def on_node(self, sig: Any, now: float) -> list[LeaseDecision]:
-        return self._l(self.handoff.on_node(sig, now))
-
-    def on_run_ended(self, health: str, now: float) -> list[LeaseDecision]:
-        return self._l(self.handoff.on_run_ended(health, now))
-
-    def on_exec_violation(self, now: float) -> list[LeaseDecision]:
-        return self._l(self.handoff.on_exec_violation(now))
+        return self._l(self.renewal.on_endpoint(sig, now), self.fence.on_endpoint(sig, now))
 
     def on_memory(self, m: MemoryPressure, now: float) -> list[LeaseDecision]:
         return self._l(self.handoff.on_memory(m, now))

@@ -9,7 +9,7 @@ from agent.config import EtcdConfig
 from agent.supervision.leasepolicy import (DECISIONS, HAND_OFF, PAUSE_RUNS, RENEW_FAST, RENEW_NORMAL, RESUME_RUNS, TAKE_BACK,
                                AdaptiveRenewal, EarlyFence, HandOff, LeaseDecision, LeasePolicy, MemoryPressure,
                                memory_under_pressure, read_memory_pressure)
-from agent.signals import EndpointSignals, NodeSignals
+from agent.signals import EndpointSignals
 
 
 def ep(retrans=0, stalled=None, available=True, host="127.0.0.1", port=2379, rate=0.0):
@@ -214,41 +214,16 @@ def test_memory_thresholds():
 
 # ---------------------------------------------------------------- hand-off
 
-def test_every_recent_run_stalled_hands_off():
-    h = HandOff(stalled_runs=3, stalled_window_s=100)
-    assert h.on_run_ended("stalled", 10) is None
-    assert h.on_run_ended("healthy", 20) is None
-    assert h.on_run_ended("stalled", 30) is None
-    assert h.on_run_ended("stalled", 40) is None   # last 3: stalled, healthy... no: healthy, stalled, stalled
-    n0 = count(HAND_OFF)
-    d = h.on_run_ended("stalled", 50)
-    assert d.decision == HAND_OFF and d.reason == "job_network_stalled" and not h.available
-    assert d.evidence["stalled_runs"] == 3 and d.evidence["cooldown_s"] == 300 and d.evidence["handoffs_recent"] == 1
-    assert count(HAND_OFF) == n0 + 1
-    assert d.to_record()["decision"] == HAND_OFF and d.to_record()["event"] == "decision"
-
-
-def test_stalled_runs_outside_the_window_do_not_hand_off():
-    h = HandOff(stalled_runs=3, stalled_window_s=60)
-    assert h.on_run_ended("stalled", 0) is None
-    assert h.on_run_ended("stalled", 50) is None
-    assert h.on_run_ended("stalled", 70) is None
-    assert h.on_run_ended("stalled", 100).reason == "job_network_stalled"
-
-
-def test_degraded_runs_do_not_count():
-    h = HandOff(stalled_runs=2)
-    for t in range(10):
-        assert h.on_run_ended("degraded", t) is None
-
-
-def test_violations_in_window():
-    h = HandOff(violations=3, violations_window_s=60)
-    assert h.on_exec_violation(0) is None
-    assert h.on_exec_violation(30) is None
-    assert h.on_exec_violation(61) is None     # the first one aged out
-    d = h.on_exec_violation(62)
-    assert d.reason == "exec_policy_violations" and d.evidence["violations"] == 3
+def test_job_evidence_never_reaches_the_lease_policy():
+    """Issue 54: a job's exec violations, network stalls and quota kills quarantine the job
+    (agent/jobs/quarantine.py); the lease policy has no way to hear of them."""
+    for name in ("on_run_ended", "on_exec_violation", "on_other_endpoint", "on_node"):
+        assert not hasattr(LeasePolicy, name), name
+        assert not hasattr(HandOff, name), name
+    with pytest.raises(TypeError):
+        HandOff(stalled_runs=3)   # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        HandOff(violations=3)   # type: ignore[call-arg]
 
 
 def test_sustained_memory_pressure():
@@ -272,76 +247,54 @@ def test_sustained_memory_pressure():
     assert h.tick(460).decision == TAKE_BACK
 
 
+HOT, COOL = MemoryPressure("psi", 80.0, 20.0, 0.02), MemoryPressure("psi", 0.0, 0.0, 0.5)
+
+
 def test_cooldown_restarts_on_bad_evidence_and_backs_off():
-    h = HandOff(stalled_runs=1, network_cooldown_s=60, backoff_factor=2, max_cooldown_s=200)
-    assert h.on_run_ended("stalled", 0).decision == HAND_OFF
+    h = HandOff(memory_sustained_s=0, cooldown_s=60, backoff_factor=2, max_cooldown_s=200)
+    n0 = count(HAND_OFF)
+    d = h.on_memory(HOT, 0)
+    assert d.decision == HAND_OFF and d.reason == "memory_pressure" and not h.available
+    assert d.evidence["cooldown_s"] == 60 and d.evidence["handoffs_recent"] == 1 and count(HAND_OFF) == n0 + 1
+    assert d.to_record()["decision"] == HAND_OFF and d.to_record()["event"] == "decision"
+    assert h.on_memory(COOL, 1) is None
     assert h.tick(59) is None
-    assert h.on_run_ended("stalled", 50) is None    # a run that was still in flight: restarts the cool-down
-    assert h.tick(109) is None
+    assert h.on_memory(HOT, 50) is None     # pressure again: restarts the cool-down
+    assert h.on_memory(COOL, 51) is None
+    assert h.tick(110) is None
     n0 = count(TAKE_BACK)
-    d = h.tick(110)
-    assert d.decision == TAKE_BACK and h.available and d.evidence["unavailable_s"] == 110
+    d = h.tick(111)
+    assert d.decision == TAKE_BACK and h.available and d.evidence["unavailable_s"] == 111
     assert count(TAKE_BACK) == n0 + 1
-    d = h.on_run_ended("stalled", 120)
+    d = h.on_memory(HOT, 120)
     assert d.decision == HAND_OFF and d.evidence["cooldown_s"] == 120 and d.evidence["handoffs_recent"] == 2
+    h.on_memory(COOL, 120)
     assert h.tick(239) is None and h.tick(240).decision == TAKE_BACK
-    assert h.on_run_ended("stalled", 250).evidence["cooldown_s"] == 200   # capped
+    assert h.on_memory(HOT, 250).evidence["cooldown_s"] == 200   # capped
+    h.on_memory(COOL, 250)
     assert h.tick(450).decision == TAKE_BACK
 
 
 def test_backoff_memory_forgets_old_handoffs():
-    h = HandOff(stalled_runs=1, network_cooldown_s=60, backoff_memory_s=1000)
-    h.on_run_ended("stalled", 0)
-    h.tick(60)
-    d = h.on_run_ended("stalled", 2000)
+    h = HandOff(memory_sustained_s=0, cooldown_s=60, backoff_memory_s=1000)
+    h.on_memory(HOT, 0)
+    h.on_memory(COOL, 0)
+    assert h.tick(60).decision == TAKE_BACK
+    d = h.on_memory(HOT, 2000)
     assert d.evidence["cooldown_s"] == 60 and d.evidence["handoffs_recent"] == 1
-
-
-def test_evidence_cleared_on_take_back():
-    h = HandOff(stalled_runs=2, network_cooldown_s=10)
-    h.on_run_ended("stalled", 0)
-    assert h.on_run_ended("stalled", 1).decision == HAND_OFF
-    assert h.tick(11).decision == TAKE_BACK
-    assert h.on_run_ended("stalled", 12) is None   # needs 2 fresh stalled runs
-    assert h.on_run_ended("stalled", 13).decision == HAND_OFF
-
-
-def test_network_unrest_delays_take_back_only_for_network_hand_offs():
-    h = HandOff(stalled_runs=1, network_cooldown_s=60)
-    h.on_endpoint(ep(1), 0)
-    assert h.on_run_ended("stalled", 1).reason == "job_network_stalled"
-    assert h.on_endpoint(ep(3), 50) is None       # retransmits on etcd/MQTT: the link is still bad
-    assert h.on_node(NodeSignals(retrans_per_s=9.0), 80) is None
-    assert h.tick(139) is None
-    assert h.on_node(NodeSignals(retrans_per_s=0.5), 100) is None   # quiet node: not bad
-    assert h.tick(140).decision == TAKE_BACK
-    g = HandOff(violations=1, cooldown_s=60)
-    g.on_endpoint(ep(1), 0)
-    assert g.on_exec_violation(1).reason == "exec_policy_violations"
-    assert g.on_endpoint(ep(9), 30) is None
-    assert g.tick(61).decision == TAKE_BACK
 
 
 def test_handoff_validation():
     with pytest.raises(ValueError):
-        HandOff(stalled_runs=0)
+        HandOff(cooldown_s=0)
     with pytest.raises(ValueError):
         HandOff(backoff_factor=0.5)
-    with pytest.raises(ValueError):
-        HandOff(network_cooldown_s=0)
-
-
-def test_cooldown_base_depends_on_the_reason():
-    h = HandOff(violations=1, stalled_runs=1, cooldown_s=60, network_cooldown_s=300, backoff_memory_s=10)
-    assert h.on_exec_violation(0).evidence["cooldown_s"] == 60
-    assert h.tick(60).decision == TAKE_BACK
-    assert h.on_run_ended("stalled", 100).evidence["cooldown_s"] == 300
 
 
 # ---------------------------------------------------------------- facade
 
 def test_lease_policy_facade_routes_events():
-    p = LeasePolicy.from_config(EtcdConfig(), handoff={"stalled_runs": 1, "network_cooldown_s": 5})
+    p = LeasePolicy.from_config(EtcdConfig(), handoff={"memory_sustained_s": 0, "cooldown_s": 5})
     assert p.status()["keepalive_interval_s"] == 1.0
     assert p.on_granted(0.0) == []
     assert p.on_etcd_endpoint(ep(3), 0.1) == []
@@ -354,12 +307,9 @@ def test_lease_policy_facade_routes_events():
     assert p.next_deadline() is None
     ds = p.on_keepalive(True, 0.5, 1.9)
     assert [d.decision for d in ds] == [RESUME_RUNS] and not p.paused
-    assert [d.decision for d in p.on_run_ended("stalled", 2.0)] == [HAND_OFF] and not p.available
+    assert [d.decision for d in p.on_memory(HOT, 2.0)] == [HAND_OFF] and not p.available
+    assert p.on_memory(MemoryPressure("psi", 0.0, 0.0, 0.5), 2.0) == []
     assert p.next_deadline() == 7.0
-    assert p.on_other_endpoint(ep(1, port=1883), 2.5) == []
-    assert p.on_node(NodeSignals(), 3.0) == []
-    assert p.on_exec_violation(3.0) == []
-    assert p.on_memory(MemoryPressure("psi", 0.0, 0.0, 0.5), 4.0) == []
     assert [d.decision for d in p.tick(8.0)] == [TAKE_BACK] and p.available
     assert set(p.status()) == {"keepalive_interval_s", "renew_fast", "runs_paused", "handoff"}
 
