@@ -73,16 +73,24 @@ def make_pki(directory: str) -> TlsFiles:
     return files
 
 
-def _die_with_parent() -> None:
-    """preexec_fn: SIGKILL the child when the process that started it dies, so a test run
-    that is itself killed never leaves etcd, brokers or agents behind."""
-    import ctypes
+# SIGKILL the child when the thread that started it dies, so a test run that is itself
+# killed never leaves etcd, brokers or agents behind. setpriv (util-linux, essential on
+# Debian and Ubuntu) sets it after the exec, so the Popen needs no preexec_fn: without
+# one, subprocess takes its vfork path and never calls fork(). A fork() of a process that
+# has used gRPC runs gRPC's event-engine fork handlers whatever GRPC_ENABLE_FORK_SUPPORT
+# says (python3-grpcio 1.51): they wait for its pool threads in the parent and start new
+# ones in the child, which can hang (seen for good under qemu-user on arm64).
+DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "KILL", "--"]
 
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except OSError:
-        pass
+
+def spawn_dying_with_parent(argv: list[str], **popen: Any) -> subprocess.Popen:
+    """``subprocess.Popen(argv, **popen)`` in a new session, killed when its starter dies,
+    started without a fork() (see DIE_WITH_PARENT)."""
+    if "preexec_fn" in popen:
+        raise ValueError("spawn_dying_with_parent never forks: no preexec_fn")
+    if shutil.which(DIE_WITH_PARENT[0]) is None:
+        raise RuntimeError("setpriv not found (util-linux): run `make setup` (scripts/setup-host.sh) as root")
+    return subprocess.Popen([*DIE_WITH_PARENT, *argv], start_new_session=True, **popen)
 
 
 LISTEN_PORTS_FROM = 20000   # services' ports are picked from here up to the kernel's ephemeral range
@@ -149,9 +157,8 @@ class _Child:
         if shutil.which(exe) is None:
             raise RuntimeError(f"{exe} not found: run `make setup` (scripts/setup-host.sh) as root")
         self.logf = open(os.path.join(self.dir, f"{self.name}.log"), "ab")
-        self.proc = subprocess.Popen(self._argv(), stdout=self.logf, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
+        self.proc = spawn_dying_with_parent(self._argv(), stdout=self.logf, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL)
 
     def start(self, timeout: float = 15.0) -> "_Child":
         self.spawn()
@@ -590,9 +597,9 @@ class AgentProcess:
         env = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                "PYTHONUNBUFFERED": "1", **self.env}
         self.logf = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([self.python, "-m", "agent", "run", "-c", self.config_path],
-                                     stdout=self.logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        self.proc = spawn_dying_with_parent([self.python, "-m", "agent", "run", "-c", self.config_path],
+                                            stdout=self.logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env=env)
         return self
 
     @property

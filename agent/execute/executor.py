@@ -94,6 +94,10 @@ class Executor:
         self.setpriv = shutil.which("setpriv", path=DEFAULT_PATH)   # the user switch of shim mode
         if spawn_mode == "auto":
             spawn_mode = "shim" if (self.setpriv and os.access(SHIM_SH, os.X_OK)) else "fork"
+            if spawn_mode == "fork":
+                # a fork() beside gRPC runs its event-engine fork handlers (docs/execution.md)
+                log.warning("spawn mode fork: %s missing; every run forks the agent (install util-linux)",
+                            "setpriv" if not self.setpriv else SHIM_SH)
         if spawn_mode not in ("shim", "fork"):
             raise ValueError(f"spawn_mode must be auto, shim or fork, not {spawn_mode!r}")
         self.spawn_mode = spawn_mode
