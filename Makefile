@@ -12,8 +12,10 @@ setup:
 demo: setup
 	$(PY) -m agent demo
 
-# make test: the whole suite but the tests marked `release` (the arm64 install under qemu);
-# the broker outage test with a 10 s outage (60 s in test-release)
+# make test: the whole suite but the tests marked `release` (the slow forms of retention and
+# windows), the arm64 install and unit tests under qemu included (started with the session,
+# beside the rest: tests/support/arm64.py); the broker outage test with a 10 s outage (60 s
+# in test-release)
 test: setup lint
 	MILLWRIGHT_CLOUD_OUTAGE_S=$${MILLWRIGHT_CLOUD_OUTAGE_S:-10} $(PY) -m pytest -p no:cacheprovider --durations=25 -m "not release" $(PYTEST_ARGS)
 	@$(MAKE) --no-print-directory test-cloud-paho2
@@ -45,16 +47,14 @@ MUTANTS ?=
 chaos-mutants: setup
 	$(PY) -m tests.support.mutants $(if $(MUTANTS),--only $(MUTANTS))
 
-# Before a release, on top of `make test`: the arm64 install under qemu (and the other tests
-# marked `release`; those of the two MILLWRIGHT_SLOW files run in their slow form), the 60 s broker
-# outage, ingest, flood and the 5,000 pushes under paho 2, windows of 20 s a minute for 3 minutes, the flap
-# test's full 5 minutes, retention driven
+# Before a release, on top of `make test` (which runs the arm64 tier): the 60 s broker
+# outage, ingest, flood and the 5,000 pushes under paho 2, the flap test's full 5 minutes, a job
+# violating its exec policy on every agent for 2 minutes, the tests marked `release` in their
+# slow form (windows of 20 s a minute for 3 minutes, retention driven
 # to its larger bounds, a per-second job with 64 unmet dependencies watched for 10 minutes,
 # ten consecutive 5-minute fault seeds from the commit's seed (CI runs that first seed for 2
 # minutes), and the mutation harness: about 85 minutes.
 test-release: setup
-	$(PY) -m pytest -p no:cacheprovider -m release --ignore=tests/integration/test_retention.py \
-		--ignore=tests/integration/test_windows.py $(PYTEST_ARGS)
 	MILLWRIGHT_CLOUD_OUTAGE_S=60 $(PY) -m pytest -p no:cacheprovider tests/integration/test_cloud_outbox.py $(PYTEST_ARGS)
 	@$(MAKE) --no-print-directory test-cloud-paho2 PAHO2_MORE="tests/integration/test_cloud_ingest.py tests/integration/test_cloud_flood.py -k 'not fuzz_ingest'"
 	MILLWRIGHT_FLAP_TEST_S=300 $(PY) -m pytest -p no:cacheprovider tests/kernel/test_health_e2e.py -k flapping $(PYTEST_ARGS)

@@ -40,3 +40,17 @@ def mosquitto_server(tmp_path):
     """A fresh mosquitto per test, with persistence: persistent sessions survive restart()."""
     with MosquittoServer(str(tmp_path / "mosquitto")) as srv:
         yield srv
+
+
+def pytest_collection_finish(session):
+    """The arm64 tier runs beside the rest of the session when it is selected
+    (tests/support/arm64.py): started here, waited for by its test."""
+    from tests.support import arm64
+    if (not session.config.option.collectonly and arm64.selected([item.nodeid for item in session.items])
+            and arm64.can_run()):
+        arm64.start()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests.support import arm64
+    arm64.finish()

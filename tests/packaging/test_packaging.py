@@ -6,20 +6,22 @@ chroot, apt) and print their durations; this wrapper only makes `make test` cove
 A missing prerequisite (not root, tools not installed, no binfmt_misc) skips locally and
 FAILS under MILLWRIGHT_REQUIRE_KERNEL=1 (CI), through tests.support.kernel.require_kernel.
 
-They are marked `slow`: `pytest -m "not slow"` leaves them out of a quick local run.
+They are marked `slow`: `pytest -m "not slow"` leaves them out of a quick local run. The arm64
+test starts with the session when it is selected and runs beside the other tests
+(tests/support/arm64.py).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
+from tests.support import arm64
 from tests.support.kernel import require_kernel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -57,34 +59,17 @@ def _run(args: list[str], timeout: float, env: dict | None = None) -> str:
     return out
 
 
-ARM64_TEST = "test_arm64_install_and_unit_tests_under_qemu"
 
 
 @pytest.fixture(scope="module")
-def deb(tmp_path_factory, request):
-    """The package built from the current tree, linted (errors and warnings fail).
-
-    When the arm64 test is selected, its cached roots are prepared in the background
-    meanwhile (a no-op when cached; from scratch the qemu debootstrap takes ~10 minutes,
-    which then overlaps the amd64 tests). The arm64 test waits for it through the roots'
-    lock files."""
+def deb(tmp_path_factory):
+    """The package built from the current tree, linted (errors and warnings fail)."""
     _require(BUILD_TOOLS)
     out_dir = str(tmp_path_factory.mktemp("deb-out"))
     out = _run([os.path.join(PKG, "build.sh"), "--out", out_dir], timeout=600)
     path = out.strip().splitlines()[-1]
     assert path.endswith("_all.deb") and os.path.isfile(path), out
-    warm = None
-    if (os.geteuid() == 0 and not _missing(ROOT_TOOLS + ["update-binfmts"])
-            and any(item.name == ARM64_TEST for item in request.session.items)):
-        log = open(os.path.join(out_dir, "arm64-prepare.log"), "w")
-        warm = subprocess.Popen(["bash", os.path.join(PKG, "test-arm64.sh"), "--deb", path, "--prepare-only"],
-                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-        log.close()
-    yield path
-    if warm is not None and warm.poll() is None:
-        os.killpg(warm.pid, signal.SIGTERM)
-        warm.wait(timeout=60)
+    return path
 
 
 def test_build_is_lintian_clean_and_complete(deb):
@@ -118,11 +103,15 @@ def test_upgrade_keeps_config_and_state_and_restarts(deb):
     _run([os.path.join(PKG, "test-upgrade.sh"), "--deb", deb], timeout=1200)
 
 
-@pytest.mark.release   # ~10 minutes of qemu debootstrap on a fresh host: make test-release
-def test_arm64_install_and_unit_tests_under_qemu(deb):
-    _require(ROOT_TOOLS + ["update-binfmts"], root=True)
+def test_arm64_install_and_unit_tests_under_qemu():
+    """The arm64 tier: started with the session (tests/support/arm64.py), waited for here."""
+    _require(ROOT_TOOLS + BUILD_TOOLS + ["update-binfmts"], root=True)
     require_kernel(os.path.exists("/usr/libexec/qemu-binfmt/aarch64-binfmt-P")
                    or shutil.which("qemu-aarch64-static") is not None,
                    "qemu-user-static is not installed (bash scripts/setup-host.sh)")
     require_kernel(os.path.exists("/proc/sys/fs/binfmt_misc"), "kernel without binfmt_misc")
-    _run([os.path.join(PKG, "test-arm64.sh"), "--deb", deb], timeout=2400)
+    run = arm64.current() or arm64.start()
+    rc, out, took = run.wait(timeout=2400)
+    # the scripts' timing lines, visible with -rP / -s
+    sys.stdout.write("".join(line + "\n" for line in out.splitlines() if "PASS" in line or "built " in line))
+    assert rc == 0, f"test-arm64.sh exited {rc} after {took:.0f}s:\n{out[-6000:]}"
