@@ -17,12 +17,12 @@ import tempfile
 
 import pytest
 
-from agent.config import TLSConfig, parse_config
 from agent.execute import Executor, RunSpec
 from agent.execute.backends import probe
 from agent.execute.isolation import Isolation
 from agent.execute.netfilter import table_name
 from tests.kernel.test_isolation import _available
+from tests.support.hidingconfig import make_config, write_file
 from tests.support.kernel import require_kernel
 
 PY = "/usr/bin/python3"
@@ -46,36 +46,11 @@ print(json.dumps(out))
 """
 
 
-def _write(path: str, text: str, mode: int = 0o644) -> None:
-    with open(path, "w") as fh:
-        fh.write(text)
-    os.chmod(path, mode)   # readable by everyone on the host: only the namespace hides it
-
-
 def _replace(path: str, text: str) -> None:
     """What sed -i and configuration management do: a new file renamed over the old one."""
     tmp = path + ".new"
-    _write(tmp, text)
+    write_file(tmp, text)
     os.replace(tmp, path)
-
-
-def make_config(top: str, admin: str, etcd_endpoint: str, mqtt_url: str):
-    etc = os.path.join(top, "etc")
-    os.makedirs(etc)
-    source = os.path.join(etc, "agent.yaml")
-    text = (f"cluster: c\nagent_id: gw-hide\n"
-            f"etcd: {{insecure: true, endpoints: ['{etcd_endpoint}']}}\n"
-            f"mqtt: {{url: '{mqtt_url}', insecure: true}}\n"
-            f"state_dir: {top}/state\n"
-            f"signing: {{keys_file: {etc}/keys.yaml}}\n"
-            f"audit: {{dir: {top}/state/audit, key_file: {etc}/audit.key}}\n"
-            f"admin: {{socket: {admin}}}\n")
-    _write(source, text)
-    _write(os.path.join(etc, "keys.yaml"), "secret keys, first\n")
-    cfg = parse_config(text, source)
-    # a client key provisioned later, in a directory that does not exist yet
-    cfg.etcd.tls = TLSConfig(key=os.path.join(top, "tls", "agent.key"))
-    return cfg
 
 
 ADMIN_DIRS = ["beside", "run"]
@@ -98,7 +73,7 @@ def hiding_agent(request, etcd_server, mosquitto_server):
                   f"mqtt://127.0.0.1:{mosquitto_server.port}")
     pub = os.path.join(top, "pub")
     os.makedirs(pub)
-    _write(os.path.join(pub, "open.txt"), "not a secret\n")
+    write_file(os.path.join(pub, "open.txt"), "not a secret\n")
     base = os.path.join(cfg.state_dir, "runs")
     iso = Isolation.from_config(cfg, name, [base])
     ex = Executor(backend, base, isolation=iso)
@@ -139,7 +114,7 @@ def test_what_comes_after_the_namespace_stays_hidden_from_a_root_run(hiding_agen
     try:
         _replace(cfg.signing.keys_file, "secret keys, renewed\n")
         _replace(cfg.source, open(cfg.source).read() + "# edited by rename\n")
-        _write(cfg.etcd.tls.key, "-----BEGIN PRIVATE KEY----- secret\n")
+        write_file(cfg.etcd.tls.key, "-----BEGIN PRIVATE KEY----- secret\n")
         checks = [["admin socket", "connect", cfg.admin.socket], ["admin dir", "list", a["admin_dir"]],
                   ["keys", "read", cfg.signing.keys_file], ["config", "read", cfg.source],
                   ["tls key", "read", cfg.etcd.tls.key], ["tls dir", "list", os.path.dirname(cfg.etcd.tls.key)],
@@ -172,7 +147,7 @@ def test_a_secret_covered_alone_or_a_directory_made_again_is_covered_again(etcd_
         cfg = make_config(top, os.path.join(top, "admin", "admin.sock"), etcd_server.endpoint,
                           f"mqtt://127.0.0.1:{mosquitto_server.port}")
         cfg.signing.keys_file, cfg.audit.key_file = keys, audit_key
-        _write(keys, "secret keys, first\n")
+        write_file(keys, "secret keys, first\n")
         base = os.path.join(cfg.state_dir, "runs")
         iso = Isolation.from_config(cfg, name, [base])
         ns = iso.namespaces
@@ -183,7 +158,7 @@ def test_a_secret_covered_alone_or_a_directory_made_again_is_covered_again(etcd_
         assert first == {"keys": "PermissionError", "config": "PermissionError"}, first
 
         _replace(keys, "secret keys, renewed\n")
-        _write(audit_key, "secret audit key\n")
+        write_file(audit_key, "secret audit key\n")
         after = probe_as_root(ex, "after", [["keys", "read", keys], ["audit key", "read", audit_key]])
         assert after == {"keys": "PermissionError", "audit key": "PermissionError"}, after
         assert ns.recovered == 2
@@ -192,7 +167,7 @@ def test_a_secret_covered_alone_or_a_directory_made_again_is_covered_again(etcd_
         text = open(cfg.source).read()
         shutil.rmtree(etc)   # the config directory removed and made again (its inode number may come back)
         os.makedirs(etc)
-        _write(cfg.source, text + "# made again\n")
+        write_file(cfg.source, text + "# made again\n")
         assert ns.refresh(everything=True) == [etc]   # what the periodic pass does
         after = probe_as_root(ex, "again", [["config", "read", cfg.source], ["etc", "list", etc]])
         assert after == {"config": "PermissionError", "etc": "PermissionError"}, after

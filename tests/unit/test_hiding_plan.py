@@ -11,7 +11,7 @@ import pytest
 
 from agent.execute.hiding import plan
 from agent.execute.isolation import Isolation, IsolationError
-from tests.kernel.test_hiding import make_config
+from tests.support.hidingconfig import make_config
 
 
 def test_a_secret_in_a_shared_directory_is_reported_and_an_admin_socket_there_refused():
