@@ -13,7 +13,6 @@ import os
 import resource
 import statistics
 import subprocess
-import tempfile
 import time
 
 import pytest
@@ -24,7 +23,7 @@ from agent.execute.cleanup import STUCK_PREFIX, Cleaner
 from agent.execute.rmtree import remove_tree
 from agent.execute.executor import CLEANUP_DIR, Executor
 from agent.runtime.metrics import sample
-from tests.support.kernel import require_kernel
+from tests.support.kernel import own_tmpfs
 from tests.support.processes import PY, Collector
 
 DEEP = 5000
@@ -39,16 +38,8 @@ SHORT_JOB = "date +%s.%N"
 
 @pytest.fixture
 def fs():
-    """A tmpfs of its own (needs root), unmounted afterwards with whatever is left on it."""
-    require_kernel(os.geteuid() == 0, "mounting a tmpfs needs root")
-    path = tempfile.mkdtemp(prefix="mw-cleanup-")
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1g,mode=0711", "tmpfs", path], check=True)
-    try:
+    with own_tmpfs("1g", "0711", "mw-cleanup-") as path:
         yield path
-    finally:
-        if subprocess.run(["umount", path]).returncode != 0:
-            subprocess.run(["umount", "-l", path], check=True)
-        os.rmdir(path)
 
 
 @pytest.fixture(params=["nofile-1024", "nofile-high"])

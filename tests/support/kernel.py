@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import tempfile
+from typing import Iterator
 
 import pytest
 
@@ -45,3 +49,17 @@ def armed_launcher(name: str) -> tuple[str, str]:
     shell, script = ARMED_LAUNCHERS[name]
     require_kernel(os.access(shell, os.X_OK), f"{shell} is not installed (apt-get install mksh)")
     return shell, script
+
+
+@contextlib.contextmanager
+def own_tmpfs(size: str, mode: str, prefix: str) -> Iterator[str]:
+    """A tmpfs of its own (needs root), unmounted afterwards with whatever is left on it."""
+    require_kernel(os.geteuid() == 0, "mounting a tmpfs needs root")
+    path = tempfile.mkdtemp(prefix=prefix)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode={mode}", "tmpfs", path], check=True)
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", path]).returncode != 0:
+            subprocess.run(["umount", "-l", path], check=True)
+        os.rmdir(path)

@@ -8,8 +8,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import subprocess
-import tempfile
 import threading
 
 import pytest
@@ -18,7 +16,7 @@ from agent.cloud.outbox import Outbox, OutboxPublisher, error_kind
 from agent.cloud.outboxwriter import OutboxWriter
 from agent.runtime.loop import EventLoop
 from agent.runtime.metrics import sample
-from tests.support.kernel import require_kernel
+from tests.support.kernel import own_tmpfs
 from tests.support.link import FakeLink
 from tests.support.waiting import wait_for
 
@@ -27,16 +25,8 @@ TOPIC = "millwright/t/agents/a1/status/j"
 
 @pytest.fixture
 def small_disk():
-    """A 1 MiB tmpfs of its own (needs root), unmounted afterwards."""
-    require_kernel(os.geteuid() == 0, "mounting a tmpfs needs root")
-    path = tempfile.mkdtemp(prefix="mw-small-disk-")
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", path], check=True)
-    try:
+    with own_tmpfs("1m", "0700", "mw-small-disk-") as path:
         yield path
-    finally:
-        if subprocess.run(["umount", path]).returncode != 0:
-            subprocess.run(["umount", "-l", path], check=True)
-        os.rmdir(path)
 
 
 def fill(disk: str) -> str:
