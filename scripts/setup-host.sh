@@ -15,7 +15,6 @@ PKGS=(
   # packaging (make deb, tests/packaging): build, lint, chroot install tests, arm64 emulation
   debhelper dh-python dpkg-dev fakeroot help2man lintian debootstrap qemu-user-static binfmt-support
   systemd
-  prometheus  # promtool: make test checks and tests configs/alerts.yaml; its server is kept off (below)
 )
 
 log() { printf 'setup-host: %s\n' "$*" >&2; }
@@ -44,31 +43,34 @@ if [ ${#missing[@]} -gt 0 ] || ! headers_ok; then
   log "installing: ${missing[*]:-(none)} + kernel headers"
   apt-get update -qq
   if [ ${#missing[@]} -gt 0 ]; then
-    # No daemon of these packages may start (Prometheus would take port 9090, and stay):
-    # invoke-rc.d and deb-systemd-invoke ask /usr/sbin/policy-rc.d, and 101 means "action
-    # forbidden" (Debian's policy-rc.d interface). One already there (a container's) is
-    # left as it is; ours is removed whatever happens.
-    policy=/usr/sbin/policy-rc.d
-    own_policy=0
-    if [ ! -e "$policy" ]; then
-      printf '#!/bin/sh\n# setup-host.sh: no daemon starts while it installs packages\nexit 101\n' > "$policy"
-      chmod 0755 "$policy"
-      own_policy=1
-      trap 'rm -f "$policy"' EXIT
-    fi
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-    if [ "$own_policy" = 1 ]; then rm -f "$policy"; trap - EXIT; fi
-    # installed here for promtool only: the server it brings is not enabled at boot either
-    # (a prometheus installed before this script is the host's own business)
-    if [[ " ${missing[*]} " == *" prometheus "* ]]; then
-      systemctl disable prometheus >/dev/null 2>&1 || true
-    fi
   fi
   # The distribution's services must not squat the ports tests and demos use.
   for svc in etcd mosquitto; do
     systemctl disable --now "$svc" >/dev/null 2>&1 || true
     pkill -x "$svc" 2>/dev/null || true
   done
+fi
+
+# promtool (make test checks configs/alerts.yaml with it) comes only with Debian's Prometheus
+# server, which must not run here (port 9090, for good): it is installed alone, under a
+# policy-rc.d that forbids starting daemons (Debian's policy-rc.d interface: 101; one already
+# there is left as it is), and not enabled at boot. A Prometheus the host had is its own.
+if ! dpkg-query -W -f='${Status}' prometheus 2>/dev/null | grep -q "install ok installed"; then
+  export DEBIAN_FRONTEND=noninteractive
+  log "installing: prometheus (for promtool; its server kept off)"
+  [ ${#missing[@]} -gt 0 ] || apt-get update -qq
+  policy=/usr/sbin/policy-rc.d
+  own_policy=0
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\n# setup-host.sh: no daemon starts while promtool is installed\nexit 101\n' > "$policy"
+    chmod 0755 "$policy"
+    own_policy=1
+    trap 'rm -f "$policy"' EXIT
+  fi
+  apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  if [ "$own_policy" = 1 ]; then rm -f "$policy"; trap - EXIT; fi
+  systemctl disable prometheus >/dev/null 2>&1 || true
 fi
 
 # BCC needs kernel headers at /lib/modules/$(uname -r)/build. When the running kernel has
