@@ -12,5 +12,5 @@ CONTRACT_VERSION = 1
 # Every fork here execs at once and no child uses gRPC, so nothing needs them. This does not
 # reach the event engine's own fork handlers (python3-grpcio 1.51 registers them whatever the
 # setting), so the agent and its test services start processes without fork(): posix_spawn
-# or subprocess's vfork path (agent/demo/services.py, DIE_WITH_PARENT).
+# or subprocess's vfork path (agent/demo/childproc.py).
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")

@@ -69,8 +69,7 @@ QUEUED = frozenset({S.HELD, S.WAITING, S.RETRYING_ADMISSION})   # due, not start
 
 
 class Scheduler:
-    """Implements the catalog's CatalogListener and supervision's RunGate; tells its
-    RunListeners of every run it starts and ends."""
+    """The catalog's CatalogListener and supervision's RunGate; tells its RunListeners of each run's start and end."""
 
     def __init__(self, cfg: Config, catalog: JobCatalog, *, fencing: Fencing, lease: Lease, loop: EventLoop,
                  client: Any, keys: Keys, workers: EtcdWorkers, executor: RunStarter, admission: Admission,
