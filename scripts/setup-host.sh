@@ -45,10 +45,14 @@ if [ ${#missing[@]} -gt 0 ] || ! headers_ok; then
   if [ ${#missing[@]} -gt 0 ]; then
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   fi
-  # The distribution's services must not squat the ports tests and demos use.
+  # The distribution's services must not squat the ports tests and demos use. Only the
+  # packaged daemons are stopped (systemd, or their init script's pid file without it):
+  # never every etcd or mosquitto of the host, which may be a running test suite's own.
   for svc in etcd mosquitto; do
     systemctl disable --now "$svc" >/dev/null 2>&1 || true
-    pkill -x "$svc" 2>/dev/null || true
+    if [ ! -d /run/systemd/system ] && [ -x "/etc/init.d/$svc" ]; then
+      "/etc/init.d/$svc" stop >/dev/null 2>&1 || true
+    fi
   done
 fi
 
