@@ -258,14 +258,8 @@ class EtcdServer(_Child):
         script = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                               "packaging", "debian", "examples", "etcd-rbac.sh")
         env = self.etcdctl_env(f"root:{self.root_password}" if self.root_password else None)
-        for _ in range(3):
-            r = subprocess.run(["sh", script, *args], env=env, input=stdin, capture_output=True, text=True,
-                               timeout=60)
-            # every verb of the script may run again; etcdctl's transport failing (seen once
-            # on a loaded host: "missing content-type field") is worth another try, as it is
-            # for an operator
-            if r.returncode == 0 or "rpc error: code = Unknown" not in r.stderr:
-                break
+        r = subprocess.run(["sh", script, *args], env=env, input=stdin, capture_output=True, text=True,
+                           timeout=60)
         if r.returncode != 0:
             raise RuntimeError(f"etcd-rbac.sh {' '.join(args)}: exit {r.returncode}: {r.stderr.strip()}")
         return r.stdout
