@@ -15,20 +15,13 @@ import sys
 from typing import TYPE_CHECKING, Callable, Optional
 
 from agent import __version__
+from agent.errors import UserError  # noqa: F401 - re-exported: every command raises it
 
 if TYPE_CHECKING:
     from agent.config import Config
 
 DEFAULT_CONFIG = "/etc/millwright/agent.yaml"
 CONFIG_ENV = "MILLWRIGHT_CONFIG"
-
-
-class UserError(Exception):
-    """An error the user can fix; printed as one line, exit code `code`."""
-
-    def __init__(self, message: str, code: int = 2):
-        super().__init__(message)
-        self.code = code
 
 
 def config_path(given: Optional[str]) -> str:

@@ -34,7 +34,7 @@ PACKAGE = "agent"
 
 # Importable by every part: the package root (version constants), the typed config, and
 # the runtime leaves (agent/runtime/__init__.py).
-BASE = {"agent", "config", "configcheck", "runtime.loop", "runtime.metrics", "runtime.logs", "runtime.timefmt", "runtime.text",
+BASE = {"agent", "errors", "config", "configcheck", "runtime.loop", "runtime.metrics", "runtime.logs", "runtime.timefmt", "runtime.text",
         "runtime.recent", "runtime.kernel"}
 
 # part -> what it may import besides itself and BASE: parts ("jobs") or modules
@@ -51,6 +51,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "execute": set(),
     "signals": set(),
     "audit": set(),
+    "errors": set(),                              # UserError, raised by every layer for the CLI
     "config": set(),                              # the sections and loading; configcheck validates
     "configcheck": {"coordination.placement",   # labels and targets have one syntax check
                     "jobs.paramregex"},           # and template param regexes one backtracking check

@@ -14,7 +14,7 @@ import socket
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from agent import __version__
 from agent.config import FENCE_KILL_MARGIN_S, Config, load_config, make_state_dir
@@ -22,6 +22,7 @@ from agent.coordination import placement
 from agent.coordination.etcd import EtcdClient, Put
 from agent.coordination.fencing import Fence, fenced_txn
 from agent.coordination.keys import Keys
+from agent.coordination.ownership import Ownership
 from agent.coordination.pools import Placement
 from agent.coordination.session import Session
 from agent.coordination.shards import ShardManager
@@ -30,6 +31,7 @@ from agent.coordination.worker import EtcdWorkers
 from agent.runtime import logs, metrics
 from agent.runtime.loop import EventLoop
 from agent.runtime.metrics import counter, gauge
+from agent.runtime.seams import Component, SessionListener, ShardListener
 
 if TYPE_CHECKING:
     from agent.audit import AuditLog
@@ -68,32 +70,6 @@ class SdNotify:
             pass
 
 
-class Component(Protocol):
-    """A part the daemon runs: started in order after construction, stopped in reverse."""
-
-    def start(self) -> None: ...
-
-    def stop(self) -> None: ...
-
-
-class ShardListener(Protocol):
-    """Told when this agent starts or stops acting for a shard (loop thread)."""
-
-    def shard_acquired(self, fence: Fence) -> None: ...
-
-    def shard_lost(self, shard: int, reason: str) -> None: ...
-
-
-class SessionListener(Protocol):
-    """Told of every keepalive outcome of the session lease (loop thread): the lease policy."""
-
-    def session_granted(self) -> None: ...
-
-    def session_renewed(self, latency: float) -> None: ...
-
-    def session_failed(self, error: str) -> None: ...
-
-
 ComponentFactory = Callable[["Agent"], Component]
 
 
@@ -127,6 +103,7 @@ class Agent:
                                cfg.etcd.retry_period_s, self.loop.post,
                                on_granted=self._session_granted, on_renewed=self._session_renewed,
                                on_failed=self._session_failed, on_lost=self._session_lost)
+        self.ownership = Ownership(self.session, self.shards, self.placement)
         self.watches: list[PrefixWatch] = []
         # hooks other parts register (jobs, cloud, health): called on the loop thread
         self.shard_listeners: list[ShardListener] = []
@@ -270,7 +247,8 @@ class Agent:
             sink(doc)
 
     def _shard_acquired(self, fence: Fence) -> None:
-        self.owned_shards = frozenset(self.shards.mine)
+        self.ownership.changed()
+        self.owned_shards = self.ownership.owned
         self.record("shard", event="acquired", token=fence.token,
                     lease=f"{self.shards.lease:x}" if self.shards.lease else None, **self._where(fence.shard))
         for l in self.shard_listeners:
@@ -279,7 +257,8 @@ class Agent:
             self.loop.call_later(0, self._probe, fence)
 
     def _shard_lost(self, shard: int, reason: str) -> None:
-        self.owned_shards = frozenset(self.shards.mine)
+        self.ownership.changed()
+        self.owned_shards = self.ownership.owned
         self.record("shard", event="released" if reason == "released" else "lost", reason=reason,
                     **self._where(shard))
         for l in self.shard_listeners:
@@ -295,25 +274,19 @@ class Agent:
         return any(check(shard) for check in self.busy_checks)
 
     def fence_for(self, shard: int) -> Optional[Fence]:
-        """The fence for a unit (a cluster shard or a pool shard: agent/coordination/pools.py)
-        if this agent may act for it now (session valid)."""
-        if not self.session.is_valid():
-            return None
-        return self.placement.owns(shard)
+        return self.ownership.fence_for(shard)
 
     def owns(self, unit: int) -> Optional[Fence]:
-        """The fence for a unit while held and not being released (session not checked)."""
-        return self.placement.owns(unit)
+        return self.ownership.owns(unit)
 
     def held(self, unit: int) -> Optional[Fence]:
-        return self.placement.held(unit)
+        return self.ownership.held(unit)
 
     def release_idle(self) -> None:
-        """Runs ended: units waiting to move (cluster or pool shards) may go now."""
-        self.shards.release_idle()
+        self.ownership.release_idle()
 
     def waiting_on_runs(self) -> bool:
-        return self.shards.waiting_on_runs()
+        return self.ownership.waiting_on_runs()
 
     def _probe(self, fence: Fence) -> None:
         """Test knob: periodic fenced writes that the history checker audits."""
