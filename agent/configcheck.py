@@ -255,7 +255,7 @@ def validate(cfg: Config, problems: list[str]) -> None:
                 bad(f"{where}.params.{pname}", why)
         if not t.user:
             bad(f"{where}.user", "must not be empty")
-        elif _is_root_user(t.user) and not t.allow_root:
+        elif is_root_user(t.user) and not t.allow_root:
             bad(f"{where}.user", "runs jobs as root (uid 0): set allow_root: true in this template if that is intended")
         if t.network not in ("none", "internet", "any"):
             bad(f"{where}.network", "must be none, internet or any")
@@ -320,7 +320,7 @@ def _validate_approvals_and_rollback(cfg: Config, name: str, t: Template, bad: A
             "a rollback runs with the job's own params")
 
 
-def _is_root_user(name: str) -> bool:
+def is_root_user(name: str) -> bool:
     """The user resolves to uid 0 here (a name that does not exist on this host is checked
     again when a run starts)."""
     if name in ("root", "0"):

@@ -9,7 +9,8 @@ over a *directory* holds whatever later happens inside it: a file made, replaced
 renamed there is on the host's directory, which runs never see. So every secret is hidden
 by covering its directory whole, made beforehand when missing; a secret is covered alone
 (as a file) only where its directory cannot be covered whole, which the config check
-reports.
+reports, and refuses when a template runs as root: no permission bit keeps a root run
+from a file its cover no longer holds.
 
 A directory cannot be covered whole when runs share it: a system directory (``/``,
 ``/etc``, ``/tmp``, ``/run``, anything directly under ``/``, ``/usr`` or ``/usr/local``…)
@@ -22,6 +23,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
+
+from agent.configcheck import is_root_user
 
 # directories never covered whole (a secret file in them is covered alone)
 SHARED_DIRS = frozenset({"/", "/etc", "/var", "/var/lib", "/var/log", "/run", "/tmp", "/var/tmp", "/usr", "/home",
@@ -84,9 +87,16 @@ def secrets(cfg: Any) -> list[tuple[str, str]]:
     return [(k, os.path.abspath(p)) for k, p in out if p]
 
 
+def root_templates(cfg: Any) -> list[str]:
+    """The templates whose runs are root (uid 0): only they can read a file whatever its mode."""
+    return sorted(name for name, t in getattr(cfg, "templates", {}).items()
+                  if t is not None and t.allow_root and is_root_user(t.user))
+
+
 def plan(cfg: Any) -> HidePlan:
     """What to cover for the agent's whole configuration ``cfg`` (agent/config.py)."""
     named = template_paths(cfg)
+    roots = root_templates(cfg)
     p = HidePlan()
     for key, d in (("state_dir", cfg.state_dir), ("audit.dir", cfg.audit.dir)):
         d = os.path.abspath(d)
@@ -105,11 +115,17 @@ def plan(cfg: Any) -> HidePlan:
         elif key == "admin.socket":
             p.refused.append(f"admin.socket: {path} cannot be hidden from root runs (made after the jobs' namespace, "
                              f"and {why}); put it in a directory of its own (the default: /run/millwright/admin.sock)")
+        elif roots:
+            p.refused.append(f"{key}: {path} cannot be hidden from root runs (templates {', '.join(roots)}): {why}, "
+                             f"so its directory is not covered whole and the file, once replaced by rename or "
+                             f"if made after start, is readable to them; move it into a directory of its own "
+                             f"(e.g. /etc/millwright) that no template's command line names")
         else:
             p.files.append(path)
             p.problems.append(f"{key}: {path} is hidden from runs as a file only ({why}): once replaced by rename, "
-                              f"or if made after start, a root run can read it; move it into a directory of its "
-                              f"own (e.g. /etc/millwright)")
+                              f"or if made after start, only its file mode keeps runs out (and a root template "
+                              f"added later would stop the agent's start); move it into a directory of its own "
+                              f"(e.g. /etc/millwright)")
     p.dirs = sorted(set(p.dirs))
     p.files = sorted(set(p.files) - set(p.dirs))
     return p
