@@ -142,9 +142,9 @@ class MqttLink:
         if cfg.username is not None:
             self.client.username_pw_set(cfg.username, cfg.password)
         if self.tls:
-            t = cfg.tls
-            self.client.tls_set(ca_certs=getattr(t, "ca", None), certfile=getattr(t, "cert", None),
-                                keyfile=getattr(t, "key", None), cert_reqs=ssl.CERT_REQUIRED,
+            t = cfg.tls   # None for mqtts:// without a tls section: the system's CAs, no client certificate
+            self.client.tls_set(ca_certs=t.ca if t else None, certfile=t.cert if t else None,
+                                keyfile=t.key if t else None, cert_reqs=ssl.CERT_REQUIRED,
                                 tls_version=ssl.PROTOCOL_TLS_CLIENT)
         if will is not None:
             self.client.will_set(will[0], will[1], qos=will[2], retain=will[3])

@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 RECORD_WORKERS = 6   # threads writing run records (claims, final states) to etcd
 
 if TYPE_CHECKING:
+    from agent.cloud.component import CloudComponent
     from agent.jobs.firing import RunListener
     from agent.jobs.gatesources import TopicValues
     from agent.jobs.signing import KeyRing
@@ -226,18 +227,36 @@ class _SupervisedJobs:
                 log.exception("component stop failed", extra={"fields": {"part": type(p).__name__}})
 
 
+def _cloud(agent: Agent) -> CloudComponent:
+    """The cloud channel, built from the Agent's values and registered on its hooks (in the
+    order it registered itself before)."""
+    from agent.cloud.component import CloudComponent, load_keyring
+
+    # the one key ring: the cloud component reports its problems, the scheduler verifies with it too
+    agent.keyring = load_keyring(agent.cfg.signing.keys_file, agent.record)
+    cloud = CloudComponent(agent.cfg, agent.loop, agent.client, agent.keys, ownership=agent.ownership,
+                           members=lambda: agent.shards.members.values(), audit=agent, keyring=agent.keyring,
+                           job_listeners=agent.job_listeners)
+    agent.members_listeners.append(cloud.members_changed)
+    agent.answer_markers = True  # the scheduler writes final run statuses as markers too
+    agent.status_sinks.append(cloud.status_sink)
+    agent.checkpoint_sinks.append(cloud.checkpoint_sink)
+    agent.drain_hooks.append(cloud.drain)
+    agent.status_providers["cloud"] = cloud.status
+    return cloud
+
+
 def default_components(cfg: Config) -> list[ComponentFactory]:
-    from agent.cloud import cloud_component  # cloud channel (agent/cloud, docs/cloud.md)
+    built: dict[str, CloudComponent] = {}
 
-    built: dict[str, Any] = {}
-
-    def cloud(agent: Agent) -> Component:
-        built["cloud"] = c = cloud_component(agent)
+    def cloud(agent: Agent) -> Component:  # cloud channel (agent/cloud, docs/cloud.md)
+        built["cloud"] = c = _cloud(agent)
         return c
 
     def jobs(agent: Agent) -> Component:
         # the production gates read their MQTT topics through the cloud component's link
-        return _SupervisedJobs(agent, getattr(built.get("cloud"), "gate_topics", None))
+        cloud_part = built.get("cloud")
+        return _SupervisedJobs(agent, cloud_part.gate_topics if cloud_part is not None else None)
 
     factories: list[Callable[[Agent], Component]] = [_AuditComponent, cloud, _admin, jobs, _compaction]
     return factories
