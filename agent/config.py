@@ -113,6 +113,14 @@ class MqttConfig:
                                default=300.0)
     get_page_bytes: int = doc("Largest jobs/get answer (one page of a filter); at most max_payload_bytes, which "
                               "the broker's message_size_limit equals.", default=32768)
+    profile: str = doc("The broker's limits by name: mosquitto, aws-iot-core, nats-2.9 or rabbitmq-3.10 "
+                       "(docs/cloud.md, Broker profiles); `config check` refuses ids, payloads and subscriptions "
+                       "it cannot carry.", default="mosquitto")
+    limits: dict[str, Any] = doc("Single limits of mqtt.profile overridden by name (protocols, max_qos, "
+                                 "max_payload_bytes, publish_rate, max_inflight, max_topic_levels, max_topic_bytes, "
+                                 "session_expiry_max_s, retained_wildcard, subs_per_connection, subs_per_subscribe, "
+                                 "client_id_max_bytes; null: no limit), e.g. {max_payload_bytes: 262144}.",
+                                 default_factory=dict)
     reconnect_min_s: float = doc("First delay before reconnecting to the broker; doubles per attempt.", default=0.5)
     reconnect_max_s: float = doc("Longest delay between reconnect attempts.", default=30.0)
 
@@ -411,15 +419,16 @@ def _build(cls: Any, data: dict, path: str, problems: list[str], src: str) -> An
 def load_config(path: Optional[str], broker: bool = False) -> Config:
     """Load and validate a config file (None: the built-in defaults), its file mode
     included (see agent/configcheck.py file_mode_problems); ``broker``: the broker
-    connection's checks too (configcheck.mqtt_insecurities), reported with the others."""
-    from agent.configcheck import mqtt_insecurities, validate
+    connection's checks too (configcheck.mqtt_insecurities, and configcheck.broker_fit: what
+    the broker profile cannot carry), reported with the others."""
+    from agent.configcheck import broker_fit, mqtt_insecurities, validate
 
     if path is None:
         cfg = Config()
         problems: list[str] = []
         validate(cfg, problems)
         if broker:
-            problems.extend(mqtt_insecurities(cfg))
+            problems.extend(mqtt_insecurities(cfg) + broker_fit(cfg))
         if problems:
             raise ConfigError(problems)
         return cfg
@@ -439,7 +448,7 @@ def parse_config(text: str, source: str = "<string>", file_mode: Optional[int] =
     """Parse and validate config text; ``file_mode``: the permission bits of the file it
     was read from, checked against what it holds (None: not from a file); ``broker``: as
     for :func:`load_config`."""
-    from agent.configcheck import file_mode_problems, mqtt_insecurities, validate
+    from agent.configcheck import broker_fit, file_mode_problems, mqtt_insecurities, validate
 
     try:
         data = yaml.safe_load(text)
@@ -459,7 +468,7 @@ def parse_config(text: str, source: str = "<string>", file_mode: Optional[int] =
     if file_mode is not None:
         problems.extend(file_mode_problems(cfg, file_mode))
     if broker:
-        problems.extend(mqtt_insecurities(cfg))
+        problems.extend(mqtt_insecurities(cfg) + broker_fit(cfg))
     if problems:
         raise ConfigError(problems)
     return cfg

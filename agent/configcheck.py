@@ -9,6 +9,7 @@ import ipaddress
 import re
 from typing import Any
 
+from agent.cloud.profile import check_profile, resolve
 from agent.config import (
     BROKER_USERNAME_RE,
     FENCE_KILL_MARGIN_S,
@@ -44,6 +45,17 @@ def mqtt_insecurities(cfg: "Config") -> list[str]:
         out.append(f"{cfg.source}: mqtt.peers_password: mqtt.peers_username has no password (mqtt.peers_password, "
                    "or mqtt.password for both users)" + fix)
     return out
+
+
+def broker_fit(cfg: Config) -> list[str]:
+    """What of ``cfg`` its broker profile (``mqtt.profile``, ``mqtt.limits``) cannot carry
+    (agent/cloud/profile.py): checked with the broker connection's other checks. An
+    unusable profile or limit is :func:`validate`'s to report, once. The link's protocol
+    and session expiry are check_profile's defaults (3.1.1, none requested) for as long as
+    the config has no key that sets them; one that does passes its value here."""
+    if resolve(cfg.mqtt)[0] is None:
+        return []
+    return check_profile(cfg)
 
 
 def require_secure_mqtt(cfg: "Config") -> None:
@@ -139,6 +151,8 @@ def validate(cfg: Config, problems: list[str]) -> None:
                                          or not BROKER_USERNAME_RE.fullmatch(m.peers_username)):
         bad("mqtt.peers_username", f"{m.peers_username!r}: a broker user of letters, digits and . _ - @, other "
             "than mqtt.username (the broker makes a client's id its username: one user, one connection)")
+    for line in resolve(m)[1]:   # an unknown profile or limit, a limit of the wrong type
+        problems.append(f"{src}: {line}")
     if m.max_age_s <= 0:
         bad("mqtt.max_age_s", "must be greater than 0")
     if m.max_skew_s < 0:

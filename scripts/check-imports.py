@@ -54,7 +54,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "errors": set(),                              # UserError, raised by every layer for the CLI
     "config": set(),                              # the sections and loading; configcheck validates
     "configcheck": {"coordination.placement",   # labels and targets have one syntax check
-                    "jobs.paramregex"},           # and template param regexes one backtracking check
+                    "jobs.paramregex",            # and template param regexes one backtracking check
+                    "cloud.profile"},             # and what a broker profile carries one check
 }
 
 # A package's command module (agent/<package>/cli.py) may import agent.cli too: the
