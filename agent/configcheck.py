@@ -59,8 +59,10 @@ def broker_fit(cfg: Config) -> list[str]:
 
 
 def require_secure_mqtt(cfg: "Config") -> None:
-    """Raise ConfigError naming each problem of :func:`mqtt_insecurities`."""
-    problems = mqtt_insecurities(cfg)
+    """Raise ConfigError naming each problem of :func:`mqtt_insecurities` and of
+    :func:`broker_fit`: an agent does not start on a broker connection `config check`
+    refuses."""
+    problems = mqtt_insecurities(cfg) + broker_fit(cfg)
     if problems:
         raise ConfigError(problems)
 

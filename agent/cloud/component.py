@@ -100,7 +100,7 @@ class CloudComponent:
                  job_listeners: list[JobListener], workers: int = 2):
         from agent.configcheck import require_secure_mqtt, shared_status_link
 
-        require_secure_mqtt(cfg)  # plain or anonymous MQTT only with mqtt.insecure: true
+        require_secure_mqtt(cfg)  # plain or anonymous MQTT only with mqtt.insecure: true; what the profile carries
         self.cfg = cfg
         self.loop = loop
         self.client = client

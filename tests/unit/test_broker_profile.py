@@ -170,3 +170,15 @@ def test_config_check_refuses_what_the_profile_cannot_carry(capsys, tmp_path, mo
     path.write_text(f"{LAB}mqtt: {{insecure: true, profile: aws-iot-core}}\ncluster: plant\nagent_id: gw-1\n")
     assert main(["config", "check", str(path)]) == 0
     assert capsys.readouterr().out.startswith(f"{path}: ok (cluster plant, agent gw-1,")
+
+
+def test_an_agent_and_push_do_not_start_on_a_config_the_profile_refuses():
+    """The start-up check the cloud component and `millwright push` make (require_secure_mqtt)
+    refuses what `config check` refuses; the default profile (mosquitto) has no limits."""
+    from agent.configcheck import require_secure_mqtt
+
+    require_secure_mqtt(cfg("cluster: plant-7\nagent_id: gw-1\n"))
+    require_secure_mqtt(cfg(f"cluster: {'c' * 50}\nagent_id: {'a' * 52}\n", profile="mosquitto"))
+    with pytest.raises(ConfigError) as exc:
+        require_secure_mqtt(cfg(f"cluster: {'c' * 50}\nagent_id: {'a' * 52}\n"))
+    assert any("257 bytes" in line and "aws-iot-core" in line for line in exc.value.problems)
