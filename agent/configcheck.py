@@ -177,15 +177,16 @@ def validate(cfg: Config, problems: list[str]) -> None:
             except ValueError:
                 if not re.match(r"^[A-Za-z0-9.-]+$", host):
                     bad("metrics.listen", f"{host!r} is not a host name or address")
-    for name in ("jobs", "stored_mb"):
-        if getattr(cfg.quotas, name) < 1:
+    for name, count in (("jobs", cfg.quotas.jobs), ("stored_mb", cfg.quotas.stored_mb)):
+        if count < 1:
             bad(f"quotas.{name}", "must be at least 1")
     ret = cfg.retention
     if ret.keep_runs < 1:
         bad("retention.keep_runs", "must be at least 1 (the newest record is needed for misfire recovery)")
-    for name in ("finished_job_s", "tombstone_s", "run_output_s", "interval_s", "disk_interval_s",
-                 "compact_interval_s"):
-        if getattr(ret, name) < 0:
+    for name, seconds in (("finished_job_s", ret.finished_job_s), ("tombstone_s", ret.tombstone_s),
+                          ("run_output_s", ret.run_output_s), ("interval_s", ret.interval_s),
+                          ("disk_interval_s", ret.disk_interval_s), ("compact_interval_s", ret.compact_interval_s)):
+        if seconds < 0:
             bad(f"retention.{name}", "must not be negative")
     if ret.max_deletes_per_s <= 0:
         bad("retention.max_deletes_per_s", "must be positive")
@@ -196,8 +197,8 @@ def validate(cfg: Config, problems: list[str]) -> None:
         bad("quarantine.strikes", "must be at least 1")
     if qc.max_jobs < 1:
         bad("quarantine.max_jobs", "must be at least 1")
-    for name in ("window_s", "hold_s", "max_hold_s"):
-        if getattr(qc, name) <= 0:
+    for name, seconds in (("window_s", qc.window_s), ("hold_s", qc.hold_s), ("max_hold_s", qc.max_hold_s)):
+        if seconds <= 0:
             bad(f"quarantine.{name}", "must be positive")
     if qc.max_hold_s < qc.hold_s:
         bad("quarantine.max_hold_s", "must be at least quarantine.hold_s")
@@ -287,7 +288,8 @@ def _validate_gates(t: Template, where: str, bad: Any) -> None:
     if t.while_running not in ("finish", "stop"):
         bad(f"{where}.while_running", "must be finish or stop")
     for name, g in t.gates.items():
-        at, kinds = f"{where}.gates.{name}", [k for k in ("mqtt", "etcd", "command") if g and getattr(g, k)]
+        given = (("mqtt", g.mqtt), ("etcd", g.etcd), ("command", g.command)) if g else ()
+        at, kinds = f"{where}.gates.{name}", [k for k, v in given if v]
         if not NAME_RE.match(name) or len(kinds) != 1:
             bad(at, "needs a name of [A-Za-z0-9_-]{1,64} and exactly one of mqtt, etcd or command")
         elif (kinds[0] == "command") == isinstance(g.equals, str):

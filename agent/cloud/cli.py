@@ -21,6 +21,7 @@ The broker URL, TLS, credentials and the cluster come from the agent config (-c)
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import queue
@@ -213,7 +214,7 @@ def _write(path: str, payload: bytes) -> None:
         raise UserError(f"{path}: {exc.strerror or exc}") from None
 
 
-def cli_push(args) -> int:
+def cli_push(args: argparse.Namespace) -> int:
     cfg = _config(args)
     ring = _keyring(args.key_file, args.kid)
     try:
