@@ -19,15 +19,39 @@
    module itself, the call stays inside the module (another instance of its own class)
    and is allowed. Private methods of other libraries' objects (``c._ops_to_requests``
    of etcd3) are not ours to rename: ``--notes`` lists them without failing.
+4. seam-any: no ``Any`` in a parameter, return or attribute annotation of a class with a
+   ``Protocol`` base, nor in a module-level ``Callable`` alias such a Protocol names. A seam
+   says what it passes: the consumer's contract is the type. ``*args``/``**kwargs`` (JSON
+   fields) are exempt, and so is a line marked ``# any: <reason>``.
+5. duck: no ``getattr(x, "name", ...)``/``hasattr(x, "name")`` (a string constant, or a
+   ``for`` variable over constants) where ``name`` is an attribute some class of agent/
+   defines (class-body defs, annotations and assignments, ``self.name =``): on our own
+   types, the type says whether the attribute is there. Exempt: a receiver that is a module
+   of another library (``os``), an ``except ... as`` name, or a parameter annotated with a
+   type of another library (``argparse.Namespace``); and the modules of DUCK_ADAPTERS,
+   which handle other libraries' objects whose attributes vary by version.
+6. cycles: no import cycle across packages (Tarjan's strongly connected components over
+   the module graph; ``TYPE_CHECKING`` imports count, since the cycle they close is one of
+   knowledge). A package's own modules may import each other in a cycle; the top-level
+   modules (``config``, ``configcheck``, ``cli``) are one package, ``agent``.
+7. upward: no import (``TYPE_CHECKING`` ones included) of a part that RANK puts higher
+   than the importer's, except the pairs of UPWARD_ALLOWED, each with its reason.
+
+Every run prints a count per rule; ``--counts`` prints the figures of the structure
+(cycles, upward imports, duck and seam-any findings, pending ones included).
+PENDING holds findings known in files whose fixes are under way on other branches of
+issue 49: they are counted, not failed. The list is deleted when those branches merge.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import builtins
 import os
+import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 PACKAGE = "agent"
@@ -77,6 +101,70 @@ THIRD_PARTY_ONLY_IN = {
 # underscore names that are public API (namedtuple's)
 PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_make", "_fields", "_field_defaults"}
 
+# modules whose getattr/hasattr on our attribute names are about another library's objects
+# (rule 5): module -> why. docs/development.md lists the same table.
+DUCK_ADAPTERS = {
+    "agent.cloud.mqtt": "paho 1.6/2.x objects",
+    "agent.coordination.etcd": "grpc/etcd3 replies",
+    "agent.signals.loader": "bcc table types",
+    "agent.runtime.logs": "LogRecord extras",
+}
+
+# a part, or a module where it differs from its part -> its floor (rule 7): an import goes
+# to the same floor or down. The composition root sits above everything it wires.
+RANK = {
+    "agent": 0, "errors": 0, "config": 0, "configcheck": 0,
+    "runtime": 0,                        # the ground floor: loop, metrics, logs, gcpolicy
+    "runtime.seams": 1,                  # the daemon's seams name coordination's Fence
+    "coordination": 1, "execute": 1, "signals": 1, "audit": 1,
+    "jobs": 2, "supervision": 2,
+    "cloud": 3,
+    "daemon": 4,                         # the composition root: only cli and demo import it
+    "runtime.daemon": 4, "runtime.components": 4, "runtime.admin": 4,   # its place before agent/daemon/
+    "cli": 5,
+    "__main__": 6, "demo": 6,
+}
+
+# (importer, imported) -> why the lower floor imports the higher one (rule 7)
+UPWARD_ALLOWED = {
+    ("configcheck", "coordination.placement"): "labels and targets have one syntax check, placement's",
+    ("configcheck", "jobs.paramregex"): "template param regexes have one backtracking check, paramregex's",
+}
+
+# Findings in files that other branches of issue 49 are changing (rule -> "path:key"; for
+# cycles, the modules): counted, not failed. jobs/ (WP5), cloud/ (WP3), supervision/ and
+# coordination/shards (WP4), jobs/retention (WP2), runtime/ (WP1). TEMPORARY: the lead
+# deletes it once those branches have merged; `--pending` lists what it still hides.
+PENDING: dict[str, set[str]] = {
+    "duck": {
+        "agent/coordination/shards.py:lag", "agent/jobs/approvals.py:approvals", "agent/jobs/catalog.py:pid",
+        "agent/jobs/catchup.py:lag", "agent/jobs/claims.py:lag", "agent/jobs/outcomes.py:error",
+        "agent/jobs/outcomes.py:exit_code", "agent/jobs/outcomes.py:progress,result,result_error",
+        "agent/jobs/outcomes.py:started_at", "agent/jobs/outcomes.py:stderr_tail", "agent/jobs/outcomes.py:to_dict",
+        "agent/jobs/outcomes.py:usage", "agent/jobs/progress.py:pid", "agent/jobs/retention.py:base_dir",
+        "agent/jobs/retention.py:cleaner", "agent/jobs/retention.py:run_dir", "agent/jobs/rollouts.py:rollback",
+        "agent/jobs/schedule.py:issued_at", "agent/jobs/schedule.py:misfire_limit",
+        "agent/jobs/schedule.py:not_after", "agent/jobs/scheduler.py:lag", "agent/jobs/scheduler.py:pid",
+        "agent/jobs/scheduler.py:reason", "agent/jobs/scheduler.py:started_at", "agent/jobs/startpolicy.py:done",
+        "agent/jobs/startpolicy.py:final_ops", "agent/jobs/startpolicy.py:installed",
+        "agent/runtime/components.py:gate_topics", "agent/supervision/health.py:argv_source",
+        "agent/supervision/health.py:available", "agent/supervision/health.py:ts",
+    },
+    "seam-any": {
+        "agent/jobs/seams.py:OnExit", "agent/jobs/seams.py:OnProgress", "agent/jobs/seams.py:OnRelease",
+        "agent/jobs/seams.py:RunStarter", "agent/supervision/sensing.py:ExecListener",
+    },
+    "upward": {
+        "agent/cloud/broker.py:cli", "agent/cloud/component.py:cli", "agent/cloud/component.py:runtime.daemon",
+        "agent/runtime/admin.py:cli", "agent/runtime/daemon.py:cli", "agent/supervision/component.py:runtime.daemon",
+        "agent/supervision/sensing.py:runtime.daemon",
+    },
+    "cycles": {
+        "agent.cloud", "agent.cloud.component", "agent.runtime.components", "agent.runtime.daemon",
+        "agent.supervision.component", "agent.supervision.sensing",
+    },
+}
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -84,6 +172,7 @@ class Finding:
     line: int
     rule: str
     message: str
+    key: str = field(default="", compare=False)    # what PENDING names: the attribute, Protocol, target
 
     def __str__(self) -> str:
         return f"{self.path}:{self.line}: {self.rule}: {self.message}"
@@ -112,17 +201,32 @@ class Tree:
                 if f.endswith(".py"):
                     self.modules[rel if f == "__init__.py" else f"{rel}.{f[:-3]}"] = os.path.join(dirpath, f)
         self.defines: dict[str, set[str]] = {}   # private def name -> modules defining it
+        self.attributes: set[str] = set()        # every attribute name a class of agent/ defines
+        self.lines: dict[str, list[str]] = {}
         for module, path in self.modules.items():
             with open(path, encoding="utf-8") as fh:
+                text = fh.read()
                 try:
-                    tree = ast.parse(fh.read(), filename=path)
+                    tree = ast.parse(text, filename=path)
                 except SyntaxError as exc:
                     self.errors.append(Finding(self.shown(module), exc.lineno or 0, "syntax", str(exc.msg)))
                     continue
             self.syntax[module] = tree
+            self.lines[module] = text.splitlines()
             for node in ast.walk(tree):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and private(node.name):
                     self.defines.setdefault(node.name, set()).add(module)
+                if isinstance(node, ast.ClassDef):
+                    self.attributes |= _class_names(node)
+                elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                        and isinstance(node.value, ast.Name) and node.value.id == "self":
+                    self.attributes.add(node.attr)
+
+    def package(self, module: str) -> str:
+        """The package a module is in: ``jobs`` for agent.jobs and agent.jobs.view, ``agent``
+        for the top-level modules (config, configcheck, cli)."""
+        parts = module.split(".")
+        return parts[1] if len(parts) > 2 or (len(parts) == 2 and module in self.packages) else parts[0]
 
     def shown(self, module: str) -> str:
         return os.path.relpath(self.modules[module], self.root)
@@ -142,6 +246,19 @@ class Tree:
         return module.split(".", 1)[1] if "." in module else module
 
 
+def _class_names(cls: ast.ClassDef) -> set[str]:
+    """The names a class body defines: methods, annotated and assigned names."""
+    out = set()
+    for b in cls.body:
+        if isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out.add(b.name)
+        elif isinstance(b, ast.AnnAssign) and isinstance(b.target, ast.Name):
+            out.add(b.target.id)
+        elif isinstance(b, ast.Assign):
+            out |= {t.id for t in b.targets if isinstance(t, ast.Name)}
+    return out
+
+
 @dataclass(frozen=True)
 class Import:
     line: int
@@ -150,6 +267,7 @@ class Import:
     local: Optional[str]        # the local name bound to a module by this import, else None
     bound: Optional[str]        # that module (``import a.b`` binds ``a`` to module ``a``)
     type_checking: bool
+    as_name: Optional[str] = None   # the local name a from-import of a non-module binds
 
 
 def _type_checking(test: ast.expr) -> bool:
@@ -190,7 +308,7 @@ def imports(tree: Tree, module: str, syntax: ast.AST) -> Iterator[tuple[int, str
                 if tree.exists(sub):
                     out.append(Import(node.lineno, sub, None, a.asname or a.name, sub, tc))
                 else:
-                    out.append(Import(node.lineno, base, a.name, None, None, tc))
+                    out.append(Import(node.lineno, base, a.name, None, None, tc, a.asname or a.name))
             yield node.lineno, base, out
         yield from visit(node, tc)
 
@@ -245,6 +363,7 @@ def check_module(tree: Tree, module: str) -> tuple[list[Finding], list[Finding]]
     notes: list[Finding] = []
     aliases: dict[str, str] = {}       # local name -> agent module bound to it
     foreign: set[str] = set()          # local names bound to modules outside agent/
+    names: dict[str, str] = {}         # local name -> module a from-import took it from
 
     for line, top, imps in imports(tree, module, syntax):
         lib = top.split(".")[0]
@@ -252,6 +371,8 @@ def check_module(tree: Tree, module: str) -> tuple[list[Finding], list[Finding]]
             out.append(Finding(shown, line, "layers",
                                f"imports {lib}, which only {', '.join(sorted(THIRD_PARTY_ONLY_IN[lib]))} may"))
         for imp in imps:
+            if imp.as_name is not None:
+                names[imp.as_name] = imp.module
             if lib != PACKAGE:
                 if imp.local is not None:
                     foreign.add(imp.local)
@@ -295,12 +416,337 @@ def check_module(tree: Tree, module: str) -> tuple[list[Finding], list[Finding]]
                                    f"{what}: a private method of {', '.join(sorted(defined))}"))
             else:
                 notes.append(Finding(shown, node.lineno, "note", f"{what}: a private method of another library"))
+    if module not in DUCK_ADAPTERS:
+        out += duck(tree, module, Scope(foreign, set(aliases), names))
     return out, notes
 
 
-def check(root: str) -> tuple[list[Finding], list[Finding]]:
-    """(findings, notes) for the agent/ package below ``root``. A part of agent/ without a
-    row in MAY_IMPORT is a finding too: a new part says what it may import."""
+@dataclass(frozen=True)
+class Scope:
+    """What a module's names are bound to, as far as rule 5 asks."""
+    foreign: set[str]            # modules of other libraries (``import os``)
+    ours: set[str]               # modules of agent/
+    names: dict[str, str]        # from-imported name -> the module it came from
+
+
+_BUILTINS = set(dir(builtins)) - {"object"}
+_OPAQUE = {"Any", "typing.Any", "object"}    # say nothing of the type: no exemption
+
+
+def _unwrap(ann: Optional[ast.expr]) -> list[ast.expr]:
+    """The types an annotation allows: ``Optional[X]``, ``X | None`` and ``"X"`` unwrapped."""
+    if ann is None:
+        return []
+    if isinstance(ann, ast.Constant) and isinstance(ann.value, str):
+        try:
+            return _unwrap(ast.parse(ann.value, mode="eval").body)
+        except SyntaxError:
+            return []
+    if isinstance(ann, ast.Constant) and ann.value is None:
+        return []
+    if isinstance(ann, ast.BinOp) and isinstance(ann.op, ast.BitOr):
+        return _unwrap(ann.left) + _unwrap(ann.right)
+    if isinstance(ann, ast.Subscript) and _dotted(ann.value) in ("Optional", "typing.Optional", "Union", "typing.Union"):
+        inner = ann.slice
+        return [t for e in (inner.elts if isinstance(inner, ast.Tuple) else [inner]) for t in _unwrap(e)]
+    if isinstance(ann, ast.Subscript):
+        return _unwrap(ann.value)
+    return [ann]
+
+
+def _foreign_type(ann: Optional[ast.expr], scope: Scope, local: set[str]) -> bool:
+    """Whether an annotation names only types of other libraries (argparse.Namespace,
+    BaseException), so that a getattr on the value asks about their attributes."""
+    types = _unwrap(ann)
+    if not types:
+        return False
+    for t in types:
+        dotted = _dotted(t)
+        if dotted is None or dotted in _OPAQUE:
+            return False
+        head = dotted.split(".")[0]
+        if head in scope.foreign:
+            continue
+        if head in scope.names:
+            if scope.names[head].split(".")[0] == PACKAGE:
+                return False
+            continue
+        if head in local or head in scope.ours or head not in _BUILTINS:
+            return False
+    return True
+
+
+def duck(tree: Tree, module: str, scope: Scope) -> list[Finding]:
+    """Rule 5 for one module."""
+    syntax, shown = tree.syntax[module], tree.shown(module)
+    local = {n.name for n in ast.walk(syntax) if isinstance(n, ast.ClassDef)}
+    out: list[Finding] = []
+
+    def visit(node: ast.AST, fn: Optional[ast.AST], loops: dict[str, list[str]]) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            fn = node
+        elif isinstance(node, (ast.For, ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+            for g in [node] if isinstance(node, ast.For) else node.generators:
+                consts = _str_constants(g.iter)
+                if consts and isinstance(g.target, ast.Name):
+                    loops = {**loops, g.target.id: consts}
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id in ("getattr", "hasattr") and len(node.args) >= 2:
+            arg = node.args[1]
+            lits = [arg.value] if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else \
+                loops.get(arg.id, []) if isinstance(arg, ast.Name) else []
+            ours = [lit for lit in lits if not lit.startswith("__") and lit in tree.attributes]
+            if ours and not exempt(node.args[0], fn):
+                what = ", ".join(ours)
+                out.append(Finding(shown, node.lineno, "duck",
+                                   f"{node.func.id}({ast.unparse(node.args[0])}, {ast.unparse(arg)}): {what} "
+                                   "defined by a class of agent/; name the type (a Protocol if several fit) and "
+                                   "use the attribute", key=",".join(ours)))
+        for child in ast.iter_child_nodes(node):
+            visit(child, fn, loops)
+
+    def exempt(recv: ast.expr, fn: Optional[ast.AST]) -> bool:
+        if not isinstance(recv, ast.Name):
+            return False
+        if recv.id in scope.foreign:
+            return True                       # getattr(os, "O_CLOEXEC", 0)
+        where = fn if fn is not None else syntax
+        for n in ast.walk(where):
+            if isinstance(n, ast.ExceptHandler) and n.name == recv.id:
+                return True
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = fn.args
+            for p in (*a.posonlyargs, *a.args, *a.kwonlyargs):
+                if p.arg == recv.id:
+                    return _foreign_type(p.annotation, scope, local)
+        return False
+
+    visit(syntax, None, {})
+    return out
+
+
+def _str_constants(node: ast.expr) -> list[str]:
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and node.elts and \
+            all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+        return [e.value for e in node.elts]    # type: ignore[attr-defined]
+    return []
+
+
+_ANY_MARK = re.compile(r"#\s*any:\s*\S")
+
+
+def _any_lines(ann: Optional[ast.expr]) -> list[int]:
+    """The lines of an annotation where it says ``Any`` (quoted annotations too)."""
+    if ann is None:
+        return []
+    out = []
+    for n in ast.walk(ann):
+        if (isinstance(n, ast.Name) and n.id == "Any") or \
+                (isinstance(n, ast.Attribute) and n.attr == "Any" and _dotted(n.value) == "typing"):
+            out.append(n.lineno)
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str):
+            try:
+                inner = ast.parse(n.value, mode="eval").body
+            except SyntaxError:
+                continue
+            out += [n.lineno for _ in _any_lines(inner)]
+    return out
+
+
+def _is_protocol(cls: ast.ClassDef) -> bool:
+    return any(_dotted(b.value if isinstance(b, ast.Subscript) else b) in ("Protocol", "typing.Protocol")
+               for b in cls.bases)
+
+
+def _annotations(cls: ast.ClassDef) -> Iterator[tuple[str, ast.expr]]:
+    """(what, annotation) of a Protocol's members; ``*args``/``**kwargs`` left out."""
+    for b in cls.body:
+        if isinstance(b, ast.AnnAssign) and isinstance(b.target, ast.Name):
+            yield b.target.id, b.annotation
+        elif isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = b.args
+            for p in (*a.posonlyargs, *a.args, *a.kwonlyargs):
+                if p.annotation is not None:
+                    yield f"{b.name} (parameter {p.arg})", p.annotation
+            if b.returns is not None:
+                yield f"{b.name} (return)", b.returns
+
+
+def _callable_aliases(syntax: ast.Module) -> dict[str, ast.expr]:
+    """Module-level ``Name = Callable[...]`` (or ``Name: TypeAlias = ...``) -> its value."""
+    out = {}
+    for st in syntax.body:
+        target, value = None, None
+        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
+            target, value = st.targets[0].id, st.value
+        elif isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name) and st.value is not None:
+            target, value = st.target.id, st.value
+        if target and value is not None and any(_dotted(n) in ("Callable", "typing.Callable", "collections.abc.Callable")
+                                                for n in ast.walk(value) if isinstance(n, (ast.Name, ast.Attribute))):
+            out[target] = value
+    return out
+
+
+def seam_any(tree: Tree) -> list[Finding]:
+    """Rule 4 over the whole tree: Protocols in each module, the aliases they name wherever
+    those are defined (the module itself, or the agent module a from-import took them from)."""
+    out: list[Finding] = []
+    used: dict[tuple[str, str], str] = {}     # (module, alias) -> a Protocol that names it
+
+    def report(module: str, lines: list[int], what: str, key: str) -> None:
+        for line in sorted(set(lines)):
+            if _ANY_MARK.search(tree.lines[module][line - 1]):
+                continue
+            out.append(Finding(tree.shown(module), line, "seam-any",
+                               f"Any in {what}: a seam says what it passes; name the type (a TYPE_CHECKING "
+                               "import where a run-time one would be a cycle) or mark the line '# any: <reason>'",
+                               key=key))
+
+    for module in sorted(tree.syntax):
+        syntax = tree.syntax[module]
+        aliases = _callable_aliases(syntax)
+        origin = {imp.as_name: imp.module for _, _, imps in imports(tree, module, syntax)
+                  for imp in imps if imp.as_name is not None and tree.exists(imp.module)}
+        for cls in (n for n in ast.walk(syntax) if isinstance(n, ast.ClassDef) and _is_protocol(n)):
+            for what, ann in _annotations(cls):
+                report(module, _any_lines(ann), f"seam Protocol {cls.name}.{what}", cls.name)
+                for n in ast.walk(ann):
+                    if isinstance(n, ast.Name) and n.id in aliases:
+                        used.setdefault((module, n.id), cls.name)
+                    elif isinstance(n, ast.Name) and n.id in origin:
+                        used.setdefault((origin[n.id], n.id), cls.name)
+    for (module, name), proto in sorted(used.items()):
+        value = _callable_aliases(tree.syntax[module]).get(name) if module in tree.syntax else None
+        if value is not None:
+            report(module, _any_lines(value), f"{name}, a Callable alias seam Protocol {proto} names", name)
+    return out
+
+
+def import_graph(tree: Tree) -> tuple[dict[str, dict[str, int]], set[tuple[str, str]]]:
+    """(module -> the agent modules it imports, TYPE_CHECKING imports too -> first line;
+    the pairs imported at run time)."""
+    edges: dict[str, dict[str, int]] = {}
+    run_time: set[tuple[str, str]] = set()
+    for module in sorted(tree.syntax):
+        for line, _, imps in imports(tree, module, tree.syntax[module]):
+            for imp in imps:
+                if imp.module != module and tree.exists(imp.module):
+                    edges.setdefault(module, {}).setdefault(imp.module, line)
+                    if not imp.type_checking:
+                        run_time.add((module, imp.module))
+    return edges, run_time
+
+
+def components(edges: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of more than one module, each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, {}):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            connect(v)
+    return sorted(out)
+
+
+def cycles(tree: Tree, edges: dict[str, dict[str, int]]) -> list[Finding]:
+    """Rule 6: a strongly connected component whose modules are in more than one package."""
+    out = []
+    for comp in components(edges):
+        packages = sorted({tree.package(m) for m in comp})
+        if len(packages) < 2:
+            continue
+        first = comp[0]
+        line = min(n for m, n in edges[first].items() if m in comp)
+        out.append(Finding(tree.shown(first), line, "cycles",
+                           f"an import cycle across {', '.join(packages)} (TYPE_CHECKING imports count): "
+                           f"{', '.join(comp)}; cut it with a Protocol where the caller is, or a value passed in",
+                           key=" ".join(comp)))
+    return out
+
+
+def rank(module: str) -> Optional[int]:
+    rel = Tree.rel(module)
+    parts = rel.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in RANK:
+            return RANK[".".join(parts[:n])]
+    return RANK.get(Tree.part(module))
+
+
+def upward(tree: Tree, edges: dict[str, dict[str, int]], run_time: set[tuple[str, str]]) -> tuple[list[Finding], int, int]:
+    """Rule 7: (findings, the allowed pairs, the pairs rule 1 reports already). A part
+    without a RANK is a finding."""
+    out, allowed, layered = [], 0, 0
+    for part in sorted({Tree.part(m) for m in tree.syntax} - {PACKAGE}):
+        if part not in RANK:
+            out.append(Finding("scripts/check-imports.py", 1, "upward",
+                               f"{part} has no floor in RANK: say where it sits", key=part))
+    for src in sorted(edges):
+        for dst, line in sorted(edges[src].items()):
+            a, b = rank(src), rank(dst)
+            if a is None or b is None or b <= a or Tree.part(src) == Tree.part(dst):
+                continue
+            if Tree.rel(src).endswith(".cli") and Tree.part(dst) in COMMAND_MAY_IMPORT:
+                continue
+            if Tree.part(src) in ONLY_FROM.get(Tree.part(dst), ()):
+                continue                 # the importers ONLY_FROM names: the CLI runs the demo
+            if (Tree.part(src), Tree.rel(dst)) in UPWARD_ALLOWED or (Tree.rel(src), Tree.rel(dst)) in UPWARD_ALLOWED:
+                allowed += 1
+                continue
+            if (src, dst) in run_time and layer_problem(src, dst):
+                layered += 1             # one finding per breach: the layers rule names it
+                continue
+            out.append(Finding(tree.shown(src), line, "upward",
+                               f"imports {dst}, a floor above it (RANK in scripts/check-imports.py): pass a value "
+                               "or a Protocol down instead, or write the pair and why in UPWARD_ALLOWED",
+                               key=Tree.rel(dst)))
+    return out, allowed, layered
+
+
+def pending(f: Finding) -> bool:
+    """Whether PENDING names this finding (a cycle: when it names every module of it)."""
+    known = PENDING.get(f.rule, set())
+    if f.rule == "cycles":
+        return bool(f.key) and set(f.key.split()) <= known
+    return f"{f.path}:{f.key}" in known
+
+
+@dataclass
+class Result:
+    findings: list[Finding]
+    pending: list[Finding]
+    notes: list[Finding]
+    allowed_upward: int
+    layered_upward: int          # upward pairs the layers rule reports
+    cycle_modules: int
+
+
+def analyse(root: str) -> Result:
+    """Every rule over the agent/ package below ``root``."""
     tree = Tree(root)
     out, notes = list(tree.errors), []
     seen: set[str] = set()
@@ -313,8 +759,49 @@ def check(root: str) -> tuple[list[Finding], list[Finding]]:
         found, noted = check_module(tree, module)
         out += found
         notes += noted
+    out += seam_any(tree)
+    edges, run_time = import_graph(tree)
+    found_cycles = cycles(tree, edges)
+    up, allowed, layered = upward(tree, edges, run_time)
+    out += found_cycles + up
     order = lambda f: (f.path, f.line, f.message)  # noqa: E731
-    return sorted(out, key=order), sorted(notes, key=order)
+    return Result(sorted((f for f in out if not pending(f)), key=order), sorted((f for f in out if pending(f)), key=order),
+                  sorted(notes, key=order), allowed, layered, sum(len(f.key.split()) for f in found_cycles))
+
+
+RULES = ("layers", "private", "private-call", "seam-any", "duck", "cycles", "upward")
+
+
+def counts(r: Result) -> str:
+    """One line: the findings of each rule, and the pending ones beside them."""
+    def one(rule: str) -> str:
+        n = sum(f.rule == rule for f in r.findings)
+        p = sum(f.rule == rule for f in r.pending)
+        return f"{rule} {n}" + (f" (+{p} pending)" if p else "")
+    return "check-imports: " + ", ".join(one(rule) for rule in RULES)
+
+
+def figures(r: Result) -> str:
+    """The structure's figures (pending findings included): what the closing note quotes."""
+    every = r.findings + r.pending
+    n = lambda rule: sum(f.rule == rule for f in every)  # noqa: E731
+    pairs = n("upward") + r.allowed_upward + r.layered_upward
+    return "\n".join([
+        f"cross-package import cycles: {n('cycles')} ({r.cycle_modules} modules)",
+        f"upward imports: {pairs} module pairs ({r.allowed_upward} allowed in UPWARD_ALLOWED, "
+        f"{r.layered_upward} reported by the layers rule)",
+        f"duck (getattr/hasattr on our attribute names): {n('duck')}",
+        f"seam-any (Any in seam Protocols and their aliases): {n('seam-any')}",
+        f"pending (PENDING, other branches of issue 49): {len(r.pending)}",
+    ])
+
+
+def check(root: str) -> tuple[list[Finding], list[Finding]]:
+    """(findings, notes) for the agent/ package below ``root``, PENDING ones left out. A
+    part of agent/ without a row in MAY_IMPORT is a finding too: a new part says what it
+    may import."""
+    r = analyse(root)
+    return r.findings, r.notes
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -322,13 +809,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                     help="the source tree holding agent/ (default: this checkout)")
     ap.add_argument("--notes", action="store_true", help="also list private calls into other libraries (never fail)")
+    ap.add_argument("--counts", action="store_true",
+                    help="print the figures of the structure (cycles, upward imports, duck, seam-any; pending included)")
+    ap.add_argument("--pending", action="store_true", help="also list the findings PENDING names (never fail)")
     args = ap.parse_args(argv)
     if not os.path.isdir(os.path.join(args.root, PACKAGE)):
         print(f"check-imports: no {PACKAGE}/ in {args.root}", file=sys.stderr)
         return 2
-    findings, notes = check(args.root)
-    for f in findings + (notes if args.notes else []):
+    r = analyse(args.root)
+    findings = r.findings
+    for f in findings + (r.notes if args.notes else []) + (r.pending if args.pending else []):
         print(f)
+    print(counts(r))
+    if args.counts:
+        print(figures(r))
     if findings:
         print(f"check-imports: {len(findings)} finding(s); the rules: scripts/check-imports.py", file=sys.stderr)
         return 1
