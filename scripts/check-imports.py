@@ -41,20 +41,23 @@ Every run prints a count per rule; ``--counts`` prints the figures of the struct
 (cycles, upward imports, duck and seam-any findings, pending ones included).
 PENDING holds findings known in files whose fixes are under way on other branches of
 issue 49: they are counted, not failed. The list is deleted when those branches merge.
+
+Rules 4 and 5 are in scripts/typerules.py; the source tree and its imports, as every rule
+reads them, in scripts/sourcetree.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import builtins
 import os
-import re
 import sys
-from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from dataclasses import dataclass
+from typing import Optional
 
-PACKAGE = "agent"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sourcetree import PACKAGE, Finding, Tree, dotted, imports, private  # noqa: E402
+from typerules import Scope, duck, seam_any  # noqa: E402
 
 # Importable by every part: the package root (version constants), the typed config, and
 # the runtime leaves (agent/runtime/__init__.py).
@@ -97,9 +100,6 @@ ONLY_FROM = {
 THIRD_PARTY_ONLY_IN = {
     "bcc": {"agent.signals.loader"},      # signals/__init__: only the loader process imports bcc
 }
-
-# underscore names that are public API (namedtuple's)
-PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_make", "_fields", "_field_defaults"}
 
 # modules whose getattr/hasattr on our attribute names are about another library's objects
 # (rule 5): module -> why. docs/development.md lists the same table.
@@ -166,155 +166,6 @@ PENDING: dict[str, set[str]] = {
 }
 
 
-@dataclass(frozen=True)
-class Finding:
-    path: str
-    line: int
-    rule: str
-    message: str
-    key: str = field(default="", compare=False)    # what PENDING names: the attribute, Protocol, target
-
-    def __str__(self) -> str:
-        return f"{self.path}:{self.line}: {self.rule}: {self.message}"
-
-
-def private(name: str) -> bool:
-    return name.startswith("_") and not name.startswith("__") and name not in PUBLIC_UNDERSCORE
-
-
-class Tree:
-    """The modules below ``root``/agent: dotted name -> path, the packages among them, and
-    which modules define each private function or method name."""
-
-    def __init__(self, root: str):
-        self.root = root
-        self.modules: dict[str, str] = {}
-        self.packages: set[str] = set()
-        self.syntax: dict[str, ast.Module] = {}
-        self.errors: list[Finding] = []
-        for dirpath, dirnames, filenames in os.walk(os.path.join(root, PACKAGE)):
-            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
-            rel = os.path.relpath(dirpath, root).replace(os.sep, ".")
-            if "__init__.py" in filenames:
-                self.packages.add(rel)
-            for f in sorted(filenames):
-                if f.endswith(".py"):
-                    self.modules[rel if f == "__init__.py" else f"{rel}.{f[:-3]}"] = os.path.join(dirpath, f)
-        self.defines: dict[str, set[str]] = {}   # private def name -> modules defining it
-        self.attributes: set[str] = set()        # every attribute name a class of agent/ defines
-        self.lines: dict[str, list[str]] = {}
-        for module, path in self.modules.items():
-            with open(path, encoding="utf-8") as fh:
-                text = fh.read()
-                try:
-                    tree = ast.parse(text, filename=path)
-                except SyntaxError as exc:
-                    self.errors.append(Finding(self.shown(module), exc.lineno or 0, "syntax", str(exc.msg)))
-                    continue
-            self.syntax[module] = tree
-            self.lines[module] = text.splitlines()
-            for node in ast.walk(tree):
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and private(node.name):
-                    self.defines.setdefault(node.name, set()).add(module)
-                if isinstance(node, ast.ClassDef):
-                    self.attributes |= _class_names(node)
-                elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
-                        and isinstance(node.value, ast.Name) and node.value.id == "self":
-                    self.attributes.add(node.attr)
-
-    def package(self, module: str) -> str:
-        """The package a module is in: ``jobs`` for agent.jobs and agent.jobs.view, ``agent``
-        for the top-level modules (config, configcheck, cli)."""
-        parts = module.split(".")
-        return parts[1] if len(parts) > 2 or (len(parts) == 2 and module in self.packages) else parts[0]
-
-    def shown(self, module: str) -> str:
-        return os.path.relpath(self.modules[module], self.root)
-
-    def exists(self, name: str) -> bool:
-        return name in self.modules
-
-    @staticmethod
-    def part(module: str) -> str:
-        """The part a module belongs to: its package below agent/, or the top-level module."""
-        parts = module.split(".")
-        return parts[1] if len(parts) > 1 else parts[0]
-
-    @staticmethod
-    def rel(module: str) -> str:
-        """``agent.jobs.view`` -> ``jobs.view``; ``agent`` stays ``agent``."""
-        return module.split(".", 1)[1] if "." in module else module
-
-
-def _class_names(cls: ast.ClassDef) -> set[str]:
-    """The names a class body defines: methods, annotated and assigned names."""
-    out = set()
-    for b in cls.body:
-        if isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            out.add(b.name)
-        elif isinstance(b, ast.AnnAssign) and isinstance(b.target, ast.Name):
-            out.add(b.target.id)
-        elif isinstance(b, ast.Assign):
-            out |= {t.id for t in b.targets if isinstance(t, ast.Name)}
-    return out
-
-
-@dataclass(frozen=True)
-class Import:
-    line: int
-    module: str                 # the module imported (resolved, absolute)
-    name: Optional[str]         # the name taken from it (a from-import of a non-module), else None
-    local: Optional[str]        # the local name bound to a module by this import, else None
-    bound: Optional[str]        # that module (``import a.b`` binds ``a`` to module ``a``)
-    type_checking: bool
-    as_name: Optional[str] = None   # the local name a from-import of a non-module binds
-
-
-def _type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def imports(tree: Tree, module: str, syntax: ast.AST) -> Iterator[tuple[int, str, list[Import]]]:
-    """(line, module named, what it imports) for every import statement at any depth,
-    relative imports resolved against the importing module; a from-import of a submodule
-    (``from agent.runtime import metrics``) imports that module."""
-    is_package = module in tree.packages
-
-    def visit(node: ast.AST, tc: bool) -> Iterator[tuple[int, str, list[Import]]]:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _type_checking(child.test):
-                for stmt in child.body:
-                    yield from one(stmt, True)
-                for stmt in child.orelse:
-                    yield from one(stmt, tc)
-            else:
-                yield from one(child, tc)
-
-    def one(node: ast.AST, tc: bool) -> Iterator[tuple[int, str, list[Import]]]:
-        if isinstance(node, ast.Import):
-            for a in node.names:
-                bound = a.name if a.asname else a.name.split(".")[0]
-                yield node.lineno, a.name, [Import(node.lineno, a.name, None, a.asname or bound, bound, tc)]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                pkg = module.split(".") if is_package else module.split(".")[:-1]
-                pkg = pkg[:len(pkg) - (node.level - 1)]
-                base = ".".join(pkg) + ("." + base if base else "")
-            out = []
-            for a in node.names:
-                sub = f"{base}.{a.name}"
-                if tree.exists(sub):
-                    out.append(Import(node.lineno, sub, None, a.asname or a.name, sub, tc))
-                else:
-                    out.append(Import(node.lineno, base, a.name, None, None, tc, a.asname or a.name))
-            yield node.lineno, base, out
-        yield from visit(node, tc)
-
-    yield from visit(syntax, False)
-
-
 def may_import(importer: str, target: str) -> bool:
     """Whether module ``importer`` may import module ``target`` (both of agent/) by the layers."""
     src, dst, rel = Tree.part(importer), Tree.part(target), Tree.rel(target)
@@ -341,18 +192,6 @@ def layer_problem(importer: str, target: str) -> Optional[str]:
         return f"imports {target}, which only {', '.join(sorted(only))} may import"
     if not may_import(importer, target):
         return f"{src} imports {target}: not in what {src} may import (MAY_IMPORT in scripts/check-imports.py)"
-    return None
-
-
-def _dotted(node: ast.expr) -> Optional[str]:
-    """``a.b.c`` for a chain of names and attributes, else None."""
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        parts.append(node.id)
-        return ".".join(reversed(parts))
     return None
 
 
@@ -389,7 +228,7 @@ def check_module(tree: Tree, module: str) -> tuple[list[Finding], list[Finding]]
 
     for node in ast.walk(syntax):
         if isinstance(node, ast.Attribute) and private(node.attr):
-            owner = _dotted(node.value)
+            owner = dotted(node.value)
             head = owner.split(".")[0] if owner else ""
             if owner is not None and head in aliases:
                 bound = aliases[head] + owner[len(head):]
@@ -402,7 +241,7 @@ def check_module(tree: Tree, module: str) -> tuple[list[Finding], list[Finding]]
                 continue
             if isinstance(recv, ast.Call) and isinstance(recv.func, ast.Name) and recv.func.id == "super":
                 continue
-            owner = _dotted(recv)
+            owner = dotted(recv)
             if owner is not None and owner.split(".")[0] in aliases:
                 continue               # a module's private function: the private rule reports it
             if owner is not None and owner.split(".")[0] in foreign:
@@ -419,207 +258,6 @@ def check_module(tree: Tree, module: str) -> tuple[list[Finding], list[Finding]]
     if module not in DUCK_ADAPTERS:
         out += duck(tree, module, Scope(foreign, set(aliases), names))
     return out, notes
-
-
-@dataclass(frozen=True)
-class Scope:
-    """What a module's names are bound to, as far as rule 5 asks."""
-    foreign: set[str]            # modules of other libraries (``import os``)
-    ours: set[str]               # modules of agent/
-    names: dict[str, str]        # from-imported name -> the module it came from
-
-
-_BUILTINS = set(dir(builtins)) - {"object"}
-_OPAQUE = {"Any", "typing.Any", "object"}    # say nothing of the type: no exemption
-
-
-def _unwrap(ann: Optional[ast.expr]) -> list[ast.expr]:
-    """The types an annotation allows: ``Optional[X]``, ``X | None`` and ``"X"`` unwrapped."""
-    if ann is None:
-        return []
-    if isinstance(ann, ast.Constant) and isinstance(ann.value, str):
-        try:
-            return _unwrap(ast.parse(ann.value, mode="eval").body)
-        except SyntaxError:
-            return []
-    if isinstance(ann, ast.Constant) and ann.value is None:
-        return []
-    if isinstance(ann, ast.BinOp) and isinstance(ann.op, ast.BitOr):
-        return _unwrap(ann.left) + _unwrap(ann.right)
-    if isinstance(ann, ast.Subscript) and _dotted(ann.value) in ("Optional", "typing.Optional", "Union", "typing.Union"):
-        inner = ann.slice
-        return [t for e in (inner.elts if isinstance(inner, ast.Tuple) else [inner]) for t in _unwrap(e)]
-    if isinstance(ann, ast.Subscript):
-        return _unwrap(ann.value)
-    return [ann]
-
-
-def _foreign_type(ann: Optional[ast.expr], scope: Scope, local: set[str]) -> bool:
-    """Whether an annotation names only types of other libraries (argparse.Namespace,
-    BaseException), so that a getattr on the value asks about their attributes."""
-    types = _unwrap(ann)
-    if not types:
-        return False
-    for t in types:
-        dotted = _dotted(t)
-        if dotted is None or dotted in _OPAQUE:
-            return False
-        head = dotted.split(".")[0]
-        if head in scope.foreign:
-            continue
-        if head in scope.names:
-            if scope.names[head].split(".")[0] == PACKAGE:
-                return False
-            continue
-        if head in local or head in scope.ours or head not in _BUILTINS:
-            return False
-    return True
-
-
-def duck(tree: Tree, module: str, scope: Scope) -> list[Finding]:
-    """Rule 5 for one module."""
-    syntax, shown = tree.syntax[module], tree.shown(module)
-    local = {n.name for n in ast.walk(syntax) if isinstance(n, ast.ClassDef)}
-    out: list[Finding] = []
-
-    def visit(node: ast.AST, fn: Optional[ast.AST], loops: dict[str, list[str]]) -> None:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            fn = node
-        elif isinstance(node, (ast.For, ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
-            for g in [node] if isinstance(node, ast.For) else node.generators:
-                consts = _str_constants(g.iter)
-                if consts and isinstance(g.target, ast.Name):
-                    loops = {**loops, g.target.id: consts}
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
-                node.func.id in ("getattr", "hasattr") and len(node.args) >= 2:
-            arg = node.args[1]
-            lits = [arg.value] if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else \
-                loops.get(arg.id, []) if isinstance(arg, ast.Name) else []
-            ours = [lit for lit in lits if not lit.startswith("__") and lit in tree.attributes]
-            if ours and not exempt(node.args[0], fn):
-                what = ", ".join(ours)
-                out.append(Finding(shown, node.lineno, "duck",
-                                   f"{node.func.id}({ast.unparse(node.args[0])}, {ast.unparse(arg)}): {what} "
-                                   "defined by a class of agent/; name the type (a Protocol if several fit) and "
-                                   "use the attribute", key=",".join(ours)))
-        for child in ast.iter_child_nodes(node):
-            visit(child, fn, loops)
-
-    def exempt(recv: ast.expr, fn: Optional[ast.AST]) -> bool:
-        if not isinstance(recv, ast.Name):
-            return False
-        if recv.id in scope.foreign:
-            return True                       # getattr(os, "O_CLOEXEC", 0)
-        where = fn if fn is not None else syntax
-        for n in ast.walk(where):
-            if isinstance(n, ast.ExceptHandler) and n.name == recv.id:
-                return True
-        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            a = fn.args
-            for p in (*a.posonlyargs, *a.args, *a.kwonlyargs):
-                if p.arg == recv.id:
-                    return _foreign_type(p.annotation, scope, local)
-        return False
-
-    visit(syntax, None, {})
-    return out
-
-
-def _str_constants(node: ast.expr) -> list[str]:
-    if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and node.elts and \
-            all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
-        return [e.value for e in node.elts]    # type: ignore[attr-defined]
-    return []
-
-
-_ANY_MARK = re.compile(r"#\s*any:\s*\S")
-
-
-def _any_lines(ann: Optional[ast.expr]) -> list[int]:
-    """The lines of an annotation where it says ``Any`` (quoted annotations too)."""
-    if ann is None:
-        return []
-    out = []
-    for n in ast.walk(ann):
-        if (isinstance(n, ast.Name) and n.id == "Any") or \
-                (isinstance(n, ast.Attribute) and n.attr == "Any" and _dotted(n.value) == "typing"):
-            out.append(n.lineno)
-        elif isinstance(n, ast.Constant) and isinstance(n.value, str):
-            try:
-                inner = ast.parse(n.value, mode="eval").body
-            except SyntaxError:
-                continue
-            out += [n.lineno for _ in _any_lines(inner)]
-    return out
-
-
-def _is_protocol(cls: ast.ClassDef) -> bool:
-    return any(_dotted(b.value if isinstance(b, ast.Subscript) else b) in ("Protocol", "typing.Protocol")
-               for b in cls.bases)
-
-
-def _annotations(cls: ast.ClassDef) -> Iterator[tuple[str, ast.expr]]:
-    """(what, annotation) of a Protocol's members; ``*args``/``**kwargs`` left out."""
-    for b in cls.body:
-        if isinstance(b, ast.AnnAssign) and isinstance(b.target, ast.Name):
-            yield b.target.id, b.annotation
-        elif isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            a = b.args
-            for p in (*a.posonlyargs, *a.args, *a.kwonlyargs):
-                if p.annotation is not None:
-                    yield f"{b.name} (parameter {p.arg})", p.annotation
-            if b.returns is not None:
-                yield f"{b.name} (return)", b.returns
-
-
-def _callable_aliases(syntax: ast.Module) -> dict[str, ast.expr]:
-    """Module-level ``Name = Callable[...]`` (or ``Name: TypeAlias = ...``) -> its value."""
-    out = {}
-    for st in syntax.body:
-        target, value = None, None
-        if isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name):
-            target, value = st.targets[0].id, st.value
-        elif isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name) and st.value is not None:
-            target, value = st.target.id, st.value
-        if target and value is not None and any(_dotted(n) in ("Callable", "typing.Callable", "collections.abc.Callable")
-                                                for n in ast.walk(value) if isinstance(n, (ast.Name, ast.Attribute))):
-            out[target] = value
-    return out
-
-
-def seam_any(tree: Tree) -> list[Finding]:
-    """Rule 4 over the whole tree: Protocols in each module, the aliases they name wherever
-    those are defined (the module itself, or the agent module a from-import took them from)."""
-    out: list[Finding] = []
-    used: dict[tuple[str, str], str] = {}     # (module, alias) -> a Protocol that names it
-
-    def report(module: str, lines: list[int], what: str, key: str) -> None:
-        for line in sorted(set(lines)):
-            if _ANY_MARK.search(tree.lines[module][line - 1]):
-                continue
-            out.append(Finding(tree.shown(module), line, "seam-any",
-                               f"Any in {what}: a seam says what it passes; name the type (a TYPE_CHECKING "
-                               "import where a run-time one would be a cycle) or mark the line '# any: <reason>'",
-                               key=key))
-
-    for module in sorted(tree.syntax):
-        syntax = tree.syntax[module]
-        aliases = _callable_aliases(syntax)
-        origin = {imp.as_name: imp.module for _, _, imps in imports(tree, module, syntax)
-                  for imp in imps if imp.as_name is not None and tree.exists(imp.module)}
-        for cls in (n for n in ast.walk(syntax) if isinstance(n, ast.ClassDef) and _is_protocol(n)):
-            for what, ann in _annotations(cls):
-                report(module, _any_lines(ann), f"seam Protocol {cls.name}.{what}", cls.name)
-                for n in ast.walk(ann):
-                    if isinstance(n, ast.Name) and n.id in aliases:
-                        used.setdefault((module, n.id), cls.name)
-                    elif isinstance(n, ast.Name) and n.id in origin:
-                        used.setdefault((origin[n.id], n.id), cls.name)
-    for (module, name), proto in sorted(used.items()):
-        value = _callable_aliases(tree.syntax[module]).get(name) if module in tree.syntax else None
-        if value is not None:
-            report(module, _any_lines(value), f"{name}, a Callable alias seam Protocol {proto} names", name)
-    return out
 
 
 def import_graph(tree: Tree) -> tuple[dict[str, dict[str, int]], set[tuple[str, str]]]:
@@ -735,6 +373,13 @@ def pending(f: Finding) -> bool:
     return f"{f.path}:{f.key}" in known
 
 
+def stale(r: Result) -> list[tuple[str, str]]:
+    """(rule, entry) of PENDING that no pending finding matches: fixed, or moved."""
+    seen = {(f.rule, f"{f.path}:{f.key}") for f in r.pending if f.rule != "cycles"}
+    seen |= {("cycles", m) for f in r.pending if f.rule == "cycles" for m in f.key.split()}
+    return sorted((rule, e) for rule, entries in PENDING.items() for e in entries if (rule, e) not in seen)
+
+
 @dataclass
 class Result:
     findings: list[Finding]
@@ -820,6 +465,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     findings = r.findings
     for f in findings + (r.notes if args.notes else []) + (r.pending if args.pending else []):
         print(f)
+    if args.pending:
+        for rule, entry in stale(r):
+            print(f"PENDING[{rule!r}] names {entry}, which no finding matches any more: delete it")
     print(counts(r))
     if args.counts:
         print(figures(r))

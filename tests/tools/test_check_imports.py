@@ -361,6 +361,11 @@ def test_pending_findings_are_counted_not_failed(tmp_path, monkeypatch, capsys):
     assert "check-imports: layers 0, private 0, private-call 0, seam-any 0, duck 0 (+1 pending), cycles 0, upward 0" in out
     assert "duck (getattr/hasattr on our attribute names): 1" in out
     assert "cross-package import cycles: 0" in out and "upward imports: 0 module pairs" in out
+    monkeypatch.setattr(checker, "PENDING", {"duck": {"agent/jobs/view.py:not_after", "agent/jobs/gone.py:x"}})
+    assert checker.main(["--root", str(tmp_path), "--pending"]) == 0
+    out = capsys.readouterr().out
+    assert "agent/jobs/view.py:2: duck: getattr(job, 'not_after')" in out
+    assert "PENDING['duck'] names agent/jobs/gone.py:x, which no finding matches any more: delete it" in out
 
 
 def _doc_table(heading: str) -> dict[str, str]:
