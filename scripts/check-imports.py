@@ -105,7 +105,7 @@ THIRD_PARTY_ONLY_IN = {
 # (rule 5): module -> why. docs/development.md lists the same table.
 DUCK_ADAPTERS = {
     "agent.cloud.mqtt": "paho 1.6/2.x objects",
-    "agent.coordination.etcd": "grpc/etcd3 replies",
+    "agent.coordination.etcd": "grpc/etcd3 replies and transaction ops",
     "agent.signals.loader": "bcc table types",
     "agent.runtime.logs": "LogRecord extras",
 }
