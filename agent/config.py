@@ -16,7 +16,7 @@ import socket
 import stat
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional, cast
+from typing import Any, Callable, Optional, Sequence, cast
 
 import yaml
 
@@ -416,19 +416,23 @@ def _build(cls: Any, data: dict, path: str, problems: list[str], src: str) -> An
     return cls(**kwargs)
 
 
-def load_config(path: Optional[str], broker: bool = False) -> Config:
+# checks of the broker connection that live above the config (agent/cloud/profile.py)
+BrokerChecks = Sequence[Callable[["Config"], list[str]]]
+
+
+def load_config(path: Optional[str], broker: bool = False, broker_checks: BrokerChecks = ()) -> Config:
     """Load and validate a config file (None: the built-in defaults), its file mode
     included (see agent/configcheck.py file_mode_problems); ``broker``: the broker
-    connection's checks too (configcheck.mqtt_insecurities, and configcheck.broker_fit: what
-    the broker profile cannot carry), reported with the others."""
-    from agent.configcheck import broker_fit, mqtt_insecurities, validate
+    connection's checks too (configcheck.mqtt_insecurities, and each of ``broker_checks``:
+    the cloud package's, e.g. what the broker profile cannot carry), reported with the others."""
+    from agent.configcheck import mqtt_insecurities, validate
 
     if path is None:
         cfg = Config()
         problems: list[str] = []
         validate(cfg, problems)
         if broker:
-            problems.extend(mqtt_insecurities(cfg) + broker_fit(cfg))
+            problems.extend(mqtt_insecurities(cfg) + [p for check in broker_checks for p in check(cfg)])
         if problems:
             raise ConfigError(problems)
         return cfg
@@ -440,15 +444,15 @@ def load_config(path: Optional[str], broker: bool = False) -> Config:
         raise ConfigError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
     except UnicodeDecodeError:
         raise ConfigError([f"{path}: is not UTF-8"]) from None
-    return parse_config(text, path, file_mode=mode, broker=broker)
+    return parse_config(text, path, file_mode=mode, broker=broker, broker_checks=broker_checks)
 
 
 def parse_config(text: str, source: str = "<string>", file_mode: Optional[int] = None,
-                 broker: bool = False) -> Config:
+                 broker: bool = False, broker_checks: BrokerChecks = ()) -> Config:
     """Parse and validate config text; ``file_mode``: the permission bits of the file it
     was read from, checked against what it holds (None: not from a file); ``broker``: as
     for :func:`load_config`."""
-    from agent.configcheck import broker_fit, file_mode_problems, mqtt_insecurities, validate
+    from agent.configcheck import file_mode_problems, mqtt_insecurities, validate
 
     try:
         data = yaml.safe_load(text)
@@ -468,7 +472,7 @@ def parse_config(text: str, source: str = "<string>", file_mode: Optional[int] =
     if file_mode is not None:
         problems.extend(file_mode_problems(cfg, file_mode))
     if broker:
-        problems.extend(mqtt_insecurities(cfg) + broker_fit(cfg))
+        problems.extend(mqtt_insecurities(cfg) + [p for check in broker_checks for p in check(cfg)])
     if problems:
         raise ConfigError(problems)
     return cfg

@@ -9,7 +9,7 @@ import ipaddress
 import re
 from typing import Any
 
-from agent.cloud.profile import check_profile, resolve
+from agent.brokerlimits import resolve
 from agent.config import (
     BROKER_USERNAME_RE,
     FENCE_KILL_MARGIN_S,
@@ -47,22 +47,9 @@ def mqtt_insecurities(cfg: "Config") -> list[str]:
     return out
 
 
-def broker_fit(cfg: Config) -> list[str]:
-    """What of ``cfg`` its broker profile (``mqtt.profile``, ``mqtt.limits``) cannot carry
-    (agent/cloud/profile.py): checked with the broker connection's other checks. An
-    unusable profile or limit is :func:`validate`'s to report, once. The link's protocol
-    and session expiry are check_profile's defaults (3.1.1, none requested) for as long as
-    the config has no key that sets them; one that does passes its value here."""
-    if resolve(cfg.mqtt)[0] is None:
-        return []
-    return check_profile(cfg)
-
-
 def require_secure_mqtt(cfg: "Config") -> None:
-    """Raise ConfigError naming each problem of :func:`mqtt_insecurities` and of
-    :func:`broker_fit`: an agent does not start on a broker connection `config check`
-    refuses."""
-    problems = mqtt_insecurities(cfg) + broker_fit(cfg)
+    """Raise ConfigError naming each problem of :func:`mqtt_insecurities`."""
+    problems = mqtt_insecurities(cfg)
     if problems:
         raise ConfigError(problems)
 
@@ -193,15 +180,16 @@ def validate(cfg: Config, problems: list[str]) -> None:
             except ValueError:
                 if not re.match(r"^[A-Za-z0-9.-]+$", host):
                     bad("metrics.listen", f"{host!r} is not a host name or address")
-    for name in ("jobs", "stored_mb"):
-        if getattr(cfg.quotas, name) < 1:
+    for name, count in (("jobs", cfg.quotas.jobs), ("stored_mb", cfg.quotas.stored_mb)):
+        if count < 1:
             bad(f"quotas.{name}", "must be at least 1")
     ret = cfg.retention
     if ret.keep_runs < 1:
         bad("retention.keep_runs", "must be at least 1 (the newest record is needed for misfire recovery)")
-    for name in ("finished_job_s", "tombstone_s", "run_output_s", "interval_s", "disk_interval_s",
-                 "compact_interval_s"):
-        if getattr(ret, name) < 0:
+    for name, seconds in (("finished_job_s", ret.finished_job_s), ("tombstone_s", ret.tombstone_s),
+                          ("run_output_s", ret.run_output_s), ("interval_s", ret.interval_s),
+                          ("disk_interval_s", ret.disk_interval_s), ("compact_interval_s", ret.compact_interval_s)):
+        if seconds < 0:
             bad(f"retention.{name}", "must not be negative")
     if ret.max_deletes_per_s <= 0:
         bad("retention.max_deletes_per_s", "must be positive")
@@ -212,8 +200,8 @@ def validate(cfg: Config, problems: list[str]) -> None:
         bad("quarantine.strikes", "must be at least 1")
     if qc.max_jobs < 1:
         bad("quarantine.max_jobs", "must be at least 1")
-    for name in ("window_s", "hold_s", "max_hold_s"):
-        if getattr(qc, name) <= 0:
+    for name, seconds in (("window_s", qc.window_s), ("hold_s", qc.hold_s), ("max_hold_s", qc.max_hold_s)):
+        if seconds <= 0:
             bad(f"quarantine.{name}", "must be positive")
     if qc.max_hold_s < qc.hold_s:
         bad("quarantine.max_hold_s", "must be at least quarantine.hold_s")
@@ -303,7 +291,8 @@ def _validate_gates(t: Template, where: str, bad: Any) -> None:
     if t.while_running not in ("finish", "stop"):
         bad(f"{where}.while_running", "must be finish or stop")
     for name, g in t.gates.items():
-        at, kinds = f"{where}.gates.{name}", [k for k in ("mqtt", "etcd", "command") if g and getattr(g, k)]
+        given = (("mqtt", g.mqtt), ("etcd", g.etcd), ("command", g.command)) if g else ()
+        at, kinds = f"{where}.gates.{name}", [k for k, v in given if v]
         if not NAME_RE.match(name) or len(kinds) != 1:
             bad(at, "needs a name of [A-Za-z0-9_-]{1,64} and exactly one of mqtt, etcd or command")
         elif (kinds[0] == "command") == isinstance(g.equals, str):

@@ -98,9 +98,11 @@ class CloudComponent:
     def __init__(self, cfg: Config, loop: EventLoop, client: EtcdClient, keys: Keys, ownership: Ownership,
                  members: Callable[[], Iterable[Member]], audit: AuditSink, keyring: KeyRing,
                  job_listeners: list[JobListener], workers: int = 2):
+        from agent.cloud.profile import require_fit
         from agent.configcheck import require_secure_mqtt, shared_status_link
 
-        require_secure_mqtt(cfg)  # plain or anonymous MQTT only with mqtt.insecure: true; what the profile carries
+        require_secure_mqtt(cfg)  # plain or anonymous MQTT only with mqtt.insecure: true
+        require_fit(cfg)   # what the broker profile cannot carry, as config check refuses it
         self.cfg = cfg
         self.loop = loop
         self.client = client

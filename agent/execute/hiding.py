@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
+
+if TYPE_CHECKING:
+    from agent.config import Config
 
 from agent.configcheck import is_root_user
 
@@ -67,12 +70,12 @@ def shared_dir(path: str, named: Iterable[str] = ()) -> Optional[str]:
     return None
 
 
-def template_paths(cfg: Any) -> list[str]:
+def template_paths(cfg: Config) -> list[str]:
     """The command-line words of every template that name a path (contain a ``/``)."""
-    return sorted({a for t in getattr(cfg, "templates", {}).values() for a in t.argv if "/" in a})
+    return sorted({a for t in cfg.templates.values() for a in t.argv if "/" in a})
 
 
-def secrets(cfg: Any) -> list[tuple[str, str]]:
+def secrets(cfg: Config) -> list[tuple[str, str]]:
     """(config key, absolute path) of every file of the agent no run may read, the admin
     socket included; TLS certificates and CAs are public, their keys are not."""
     out = []
@@ -80,20 +83,18 @@ def secrets(cfg: Any) -> list[tuple[str, str]]:
         out.append(("config", cfg.source))
     out += [("signing.keys_file", cfg.signing.keys_file), ("audit.key_file", cfg.audit.key_file),
             ("admin.socket", cfg.admin.socket)]
-    for name in ("etcd", "mqtt"):
-        tls = getattr(cfg, name).tls
+    for name, tls in (("etcd", cfg.etcd.tls), ("mqtt", cfg.mqtt.tls)):
         if tls is not None:
-            out += [(f"{name}.tls.{k}", getattr(tls, k)) for k in ("key", "cert") if getattr(tls, k)]
+            out += [(f"{name}.tls.{k}", path) for k, path in (("key", tls.key), ("cert", tls.cert)) if path]
     return [(k, os.path.abspath(p)) for k, p in out if p]
 
 
-def root_templates(cfg: Any) -> list[str]:
+def root_templates(cfg: Config) -> list[str]:
     """The templates whose runs are root (uid 0): only they can read a file whatever its mode."""
-    return sorted(name for name, t in getattr(cfg, "templates", {}).items()
-                  if t is not None and t.allow_root and is_root_user(t.user))
+    return sorted(name for name, t in cfg.templates.items() if t.allow_root and is_root_user(t.user))
 
 
-def plan(cfg: Any) -> HidePlan:
+def plan(cfg: Config) -> HidePlan:
     """What to cover for the agent's whole configuration ``cfg`` (agent/config.py)."""
     named = template_paths(cfg)
     roots = root_templates(cfg)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from agent.cli import main
-from agent.cloud.profile import PROFILES, check_profile, effective_profile, subscriptions
+from agent.brokerlimits import PROFILES, effective_profile
+from agent.cloud.profile import check_profile, subscriptions
 from agent.config import ConfigError, MqttConfig, parse_config
 
 LAB = "etcd: {insecure: true}\n"
@@ -23,7 +24,7 @@ def refused(text: str = "", profile: str = "aws-iot-core", mqtt: str = "") -> li
     """What `config check` (load with the broker's checks) refuses."""
     try:
         parse_config(f"{LAB}mqtt: {{insecure: true, profile: {profile}{', ' + mqtt if mqtt else ''}}}\n{text}",
-                     "agent.yaml", broker=True)
+                     "agent.yaml", broker=True, broker_checks=(check_profile,))
     except ConfigError as exc:
         return exc.problems
     return []
@@ -173,12 +174,12 @@ def test_config_check_refuses_what_the_profile_cannot_carry(capsys, tmp_path, mo
 
 
 def test_an_agent_and_push_do_not_start_on_a_config_the_profile_refuses():
-    """The start-up check the cloud component and `millwright push` make (require_secure_mqtt)
+    """The start-up check the cloud component and `millwright push` make (require_fit)
     refuses what `config check` refuses; the default profile (mosquitto) has no limits."""
-    from agent.configcheck import require_secure_mqtt
+    from agent.cloud.profile import require_fit
 
-    require_secure_mqtt(cfg("cluster: plant-7\nagent_id: gw-1\n"))
-    require_secure_mqtt(cfg(f"cluster: {'c' * 50}\nagent_id: {'a' * 52}\n", profile="mosquitto"))
+    require_fit(cfg("cluster: plant-7\nagent_id: gw-1\n"))
+    require_fit(cfg(f"cluster: {'c' * 50}\nagent_id: {'a' * 52}\n", profile="mosquitto"))
     with pytest.raises(ConfigError) as exc:
-        require_secure_mqtt(cfg(f"cluster: {'c' * 50}\nagent_id: {'a' * 52}\n"))
+        require_fit(cfg(f"cluster: {'c' * 50}\nagent_id: {'a' * 52}\n"))
     assert any("257 bytes" in line and "aws-iot-core" in line for line in exc.value.problems)
