@@ -131,7 +131,9 @@ class _JobsComponent:
         agent.run_stoppers.append(self.scheduler.stop_runs)
         agent.status_providers["jobs"] = self.scheduler.status
         agent.status_providers["quarantine"] = self.quarantine.status
-        self.retention = Retention(agent, self.catalog, self.executor)
+        self.retention = Retention(cfg, agent.loop, agent.client, agent.keys, agent.ownership, agent, self.catalog,
+                                   self.executor)
+        agent.status_providers["retention"] = self.retention.status
         agent.status_providers["quota"] = lambda: {"backend": self.executor.backend.name,
                                                    "why": self.executor.backend.why}
 
@@ -186,7 +188,9 @@ def _load_keyring(path: str) -> KeyRing:
 def _compaction(agent: Agent) -> Component:
     from agent.coordination.compaction import Compactor
 
-    return Compactor(agent)
+    compactor = Compactor(agent.cfg, agent.loop, agent.client, agent.ownership)
+    agent.status_providers["compaction"] = compactor.status
+    return compactor
 
 
 class _SupervisedJobs:
