@@ -132,7 +132,9 @@ class _JobsComponent:
         agent.run_stoppers.append(self.scheduler.stop_runs)
         agent.status_providers["jobs"] = self.scheduler.status
         agent.status_providers["quarantine"] = self.quarantine.status
-        self.retention = Retention(agent, self.catalog, self.executor)
+        self.retention = Retention(cfg, agent.loop, agent.client, agent.keys, agent.ownership, agent, self.catalog,
+                                   self.executor)
+        agent.status_providers["retention"] = self.retention.status
         agent.status_providers["quota"] = lambda: {"backend": self.executor.backend.name,
                                                    "why": self.executor.backend.why}
 
@@ -187,7 +189,29 @@ def _load_keyring(path: str) -> KeyRing:
 def _compaction(agent: Agent) -> Component:
     from agent.coordination.compaction import Compactor
 
-    return Compactor(agent)
+    compactor = Compactor(agent.cfg, agent.loop, agent.client, agent.ownership)
+    agent.status_providers["compaction"] = compactor.status
+    return compactor
+
+
+class _SensingAudit:
+    """Interim, until the hall hands sensing the audit log itself (which then has
+    ``record``): the Agent's record, and its audit log's exec and gap helpers; nothing
+    while the Agent has no audit log, as before."""
+
+    def __init__(self, agent: Agent):
+        self.agent = agent
+
+    def record(self, type_: str, **fields: Any) -> None:
+        self.agent.record(type_, **fields)
+
+    def exec(self, **fields: Any) -> bool:
+        audit = self.agent.audit
+        return audit.exec(**fields) if audit is not None else False
+
+    def gap(self, **fields: Any) -> bool:
+        audit = self.agent.audit
+        return audit.gap(**fields) if audit is not None else False
 
 
 class _SupervisedJobs:
@@ -205,10 +229,13 @@ class _SupervisedJobs:
 
         run_listeners: list[RunListener] = []
         self.jobs = _JobsComponent(agent, run_listeners, gate_topics)
-        self.sensing = RunSensing(agent)
+        self.sensing = RunSensing(agent.cfg, agent.loop, _SensingAudit(agent))
+        agent.status_providers["sensor"] = self.sensing.status
         self.jobs.executor.poststart.append(self.sensing.poststart)
-        self.supervision = Supervision(agent, gate=self.jobs.scheduler, sensing=self.sensing,
-                                       offences=self.jobs.quarantine)
+        self.supervision = Supervision(agent.cfg, agent.loop, agent, renewal=agent.session, availability=agent.shards,
+                                       gate=self.jobs.scheduler, sensing=self.sensing, offences=self.jobs.quarantine,
+                                       stopping=lambda: agent.stopping)
+        agent.status_providers["health"] = self.supervision.status
         agent.session_listeners.append(self.supervision)
         self.sensing.exec_listeners.append(self.supervision)
         self.sensing.signal_listeners.append(self.supervision)
