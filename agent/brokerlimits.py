@@ -20,9 +20,8 @@ from typing import Any, Optional
 
 from agent.config import ConfigError, MqttConfig
 
-# the MQTT versions the link may speak (``mqtt.protocol``); 3.1.1 until it says otherwise
+# the MQTT versions the link may speak (``mqtt.protocol``)
 PROTOCOLS = ("3.1.1", "5")
-DEFAULT_PROTOCOL = "3.1.1"
 # The largest status an agent writes (a 4 KiB stderr tail, every byte escaped) stays below
 # this (agent/cloud/peers.py's MAX_BYTES): a broker that cannot carry it loses final statuses.
 STATUS_MAX_BYTES = 32 * 1024

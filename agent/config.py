@@ -85,6 +85,12 @@ class EtcdConfig:
 class MqttConfig:
     url: str = doc("Broker URL, mqtt://host:port or mqtts://host:port.", default="mqtt://127.0.0.1:1883")
     client_id: Optional[str] = doc("Stable client id for the persistent session (default: millwright-<cluster>-<agent_id>).", default=None)
+    protocol: str = doc('MQTT version of the broker connection: "3.1.1" or "5" (quoted in YAML). On 5 the agent '
+                        "requests its session expiry (mqtt.session_expiry_s) and reads PUBACK reason codes.",
+                        default="3.1.1")
+    session_expiry_s: int = doc("MQTT 5: how long the broker keeps the agent's session (and the pushes queued in "
+                                "it) after a disconnect; a broker may grant less (AWS IoT Core: 1 hour by default).",
+                                default=3600)
     username: Optional[str] = doc("Broker user.", default=None)
     password: Optional[str] = doc("Broker password.", default=None)
     tls: Optional[TLSConfig] = doc("TLS settings for mqtts://.", default=None)

@@ -9,7 +9,7 @@ import ipaddress
 import re
 from typing import Any
 
-from agent.brokerlimits import resolve
+from agent.brokerlimits import PROTOCOLS, resolve
 from agent.config import (
     BROKER_USERNAME_RE,
     FENCE_KILL_MARGIN_S,
@@ -136,6 +136,10 @@ def validate(cfg: Config, problems: list[str]) -> None:
     m = cfg.mqtt
     if not re.match(r"^mqtts?://[^/:]+(:\d{1,5})?/?$", m.url or ""):
         bad("mqtt.url", f"{m.url!r} is not mqtt://host:port or mqtts://host:port")
+    if m.protocol not in PROTOCOLS:
+        bad("mqtt.protocol", f"{m.protocol!r} must be " + " or ".join(f'"{p}"' for p in PROTOCOLS))
+    if not 1 <= m.session_expiry_s <= 0xFFFFFFFE:
+        bad("mqtt.session_expiry_s", "must be between 1 and 4294967294 seconds (MQTT 5's largest finite expiry)")
     if m.peers_username is not None and (m.peers_username == m.username
                                          or not BROKER_USERNAME_RE.fullmatch(m.peers_username)):
         bad("mqtt.peers_username", f"{m.peers_username!r}: a broker user of letters, digits and . _ - @, other "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from agent.brokerlimits import DEFAULT_PROTOCOL, QOS_USED, STATUS_MAX_BYTES, resolve
+from agent.brokerlimits import QOS_USED, STATUS_MAX_BYTES, resolve
 from agent.config import Config, ConfigError
 
 from .topics import Topics
@@ -55,20 +55,22 @@ def subscriptions(cfg: Config) -> int:
     return 3 + len(gates) + (0 if cfg.mqtt.peers_username else 1)
 
 
-def check_profile(cfg: Config, protocol: str = DEFAULT_PROTOCOL,
+def check_profile(cfg: Config, protocol: Optional[str] = None,
                   session_expiry_s: Optional[int] = None) -> list[str]:
     """What of ``cfg`` its broker profile cannot carry, one line each naming the key, the
     value, the profile and the limit (``config check`` refuses them, exit 2).
 
-    ``protocol`` and ``session_expiry_s`` are what the link requests (``mqtt.protocol``,
-    ``mqtt.session_expiry_s``, once the config has them; until then the link speaks
-    3.1.1 and requests no expiry): the caller passes them, this module reads no key the
-    config may lack. Each SUBSCRIBE the link sends carries one filter, so
+    ``protocol`` and ``session_expiry_s`` are what the link requests: by default
+    ``mqtt.protocol``, and ``mqtt.session_expiry_s`` on MQTT 5 (3.1.1 requests no expiry).
+    Each SUBSCRIBE the link sends carries one filter, so
     ``subs_per_subscribe`` holds whatever its value; gate topics are single topics, so
     ``retained_wildcard`` does too."""
     profile, _ = resolve(cfg.mqtt)
     if profile is None:
         return []   # an unusable profile or limit: the config's validation reports it, once
+    protocol = protocol or cfg.mqtt.protocol
+    if session_expiry_s is None and protocol == "5":
+        session_expiry_s = cfg.mqtt.session_expiry_s
     m, p = cfg.mqtt, profile
     out: list[str] = []
 

@@ -183,3 +183,14 @@ def test_an_agent_and_push_do_not_start_on_a_config_the_profile_refuses():
     with pytest.raises(ConfigError) as exc:
         require_fit(cfg(f"cluster: {'c' * 50}\nagent_id: {'a' * 52}\n"))
     assert any("257 bytes" in line and "aws-iot-core" in line for line in exc.value.problems)
+
+
+def test_the_config_s_protocol_and_session_expiry_are_what_is_checked():
+    """By default the check reads what the link will request: mqtt.protocol, and on MQTT 5
+    mqtt.session_expiry_s (3.1.1 requests no expiry)."""
+    (line,) = check_profile(cfg(profile="nats-2.9", mqtt="protocol: '5'"))
+    assert "mqtt.protocol: '5' is not spoken by broker profile nats-2.9" in line
+    assert check_profile(cfg(mqtt="protocol: '3.1.1', session_expiry_s: 999999")) == []
+    (line,) = check_profile(cfg(mqtt="protocol: '5', session_expiry_s: 999999"))
+    assert line.startswith("agent.yaml: mqtt.session_expiry_s: 999999 is over the 604800 s")
+    assert refused(profile="aws-iot-core", mqtt="protocol: '5', session_expiry_s: 999999") == [line]
