@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from agent.jobs.catalog import JobCatalog, JobEntry, Records
     from agent.jobs.firing import RunListener
     from agent.jobs.seams import AuditSink, Fencing, Lease, RunStarter, StatusSink
-    from agent.jobs.startpolicy import StartPolicy
+    from agent.jobs.startpolicy import StartPolicy, WaitMarks
     from agent.runtime.loop import EventLoop
 
 log = logging.getLogger(__name__)
@@ -75,13 +75,14 @@ class Scheduler:
     def __init__(self, cfg: Config, catalog: JobCatalog, *, fencing: Fencing, lease: Lease, loop: EventLoop,
                  client: Any, keys: Keys, workers: EtcdWorkers, executor: RunStarter, admission: Admission,
                  sink: StatusSink, audit: AuditSink, run_listeners: Sequence[RunListener] = (),
-                 start_policies: Sequence[StartPolicy] = ()):
+                 start_policies: Sequence[StartPolicy] = (), answer_markers: bool = False,
+                 marks: Optional[WaitMarks] = None):
         self.cfg = cfg
         self.catalog = catalog
         self.fencing = fencing
         self.loop = loop
         self.audit = audit
-        self.statuses = Statuses(sink, keys, cfg.agent_id, cfg.shards)
+        self.statuses = Statuses(sink, keys, cfg.agent_id, cfg.shards, answer_markers)
         self.records = RunRecords(client, keys, fencing, loop, workers, cfg.agent_id, cfg.shards, self._settled)
         self.claim_lead = ClaimLead(cfg.execute.claim_lead_s)
         self.launcher = Launcher(executor, lease, cfg.templates, cfg.execute, self.claim_lead, run_listeners)
@@ -89,7 +90,7 @@ class Scheduler:
                                   executor)
         self.admitter = Admitter(admission, self.launcher, self.statuses, catalog.current, self._claim,
                                  lambda f: self._finish_without_run(f, RecordState.FAILED, "quota_never_fits"))
-        self.starts = StartGate(start_policies, self.statuses, loop)
+        self.starts = StartGate(start_policies, self.statuses, loop, marks)
         self.records.final_ops = self.starts.final_ops
         self.crowding = Crowding(self._unqueue, lambda f, why: self._finish_without_run(f, RecordState.MISFIRED, why))
         self.progress = ProgressReports(self.statuses, self.records, loop)
