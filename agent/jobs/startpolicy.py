@@ -6,8 +6,8 @@ wakes it when its answer may have changed) or end (the firing ends without a run
 record state and a reason). Policies are asked in order; all must say go. With none, a
 firing goes straight on, as before. A policy that must act on a run once it started (stop
 it when a window closes, say) is also a RunListener (agent/jobs/firing.py); one that keeps
-state in etcd per firing may also implement FinalOps, FiringDone or Installs below (a staged rollout:
-agent/jobs/rollouts.py).
+state in etcd per firing may also implement FinalOps, FiringDone or Installs below (a
+staged rollout: agent/jobs/rollouts.py).
 """
 
 from __future__ import annotations
