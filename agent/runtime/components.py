@@ -104,7 +104,8 @@ class _JobsComponent:
         # window and gates, the rollout last (its slot is taken in etcd once all else says go)
         self.approvals = ApprovalGate(cfg, agent.loop, audit=agent)
         self.rollouts = RolloutGate(cfg, agent.client, agent.keys, agent.loop, self.workers, fencing=agent,
-                                    lease=agent.session, audit=agent, sink=agent, is_current=self.catalog.current)
+                                    lease=agent.session, audit=agent, sink=agent, is_current=self.catalog.current,
+                                    adopt=lambda f: self.scheduler.adopt(f))   # built below
         # a job's own misbehaviour holds that job here (never the agent's shards): first, so a
         # quarantined job's firing asks nothing else
         self.quarantine = QuarantinePolicy(cfg.quarantine, agent.loop, audit=agent)
@@ -117,12 +118,11 @@ class _JobsComponent:
                                    client=agent.client, keys=agent.keys, workers=self.workers,
                                    executor=self.executor, admission=self.admission, sink=agent, audit=agent,
                                    run_listeners=run_listeners,
-                                   start_policies=[self.quarantine, self.approvals, *plant, self.rollouts])
-        self.rollouts.adopt = self.scheduler.adopt
+                                   start_policies=[self.quarantine, self.approvals, *plant, self.rollouts],
+                                   answer_markers=agent.answer_markers,
+                                   marks=EtcdWaitMarks(agent.client, agent.keys, agent.session, self.workers,
+                                                       cfg.agent_id, cfg.shards))
         self.catalog.changed_listeners.append(self.approvals.job_changed)
-        self.scheduler.statuses.answer_markers = agent.answer_markers
-        self.scheduler.starts.marks = EtcdWaitMarks(agent.client, agent.keys, agent.session, self.workers,
-                                                    cfg.agent_id, cfg.shards)
         self.catalog.listener = self.scheduler
         agent.shard_listeners.append(self.catalog)
         agent.job_listeners.append(self.catalog)
