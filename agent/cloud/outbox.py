@@ -479,7 +479,9 @@ class OutboxPublisher:
     """Sends outbox rows in order over a link, at most ``window`` unacknowledged (the
     profile's ``max_inflight``, at most 256: :func:`window_for`) and, with a ``pacer``
     (agent/cloud/pacing.py: the link is a PacedLink on it), no more than the pacer has room
-    for: the publisher then waits for the next slot instead of blocking in publish."""
+    for: the publisher then waits for the next slot instead of blocking in publish. On a
+    paced link the window is also at most a second's slots (paho resends what is in flight
+    at a reconnect without asking), and those resends are charged to the pacer."""
 
     def __init__(self, outbox: Outbox, link: Link, window: int = 256, resend_after_s: float = 60.0,
                  on_tick: Optional[Callable[[], None]] = None,
@@ -489,8 +491,11 @@ class OutboxPublisher:
         self.outbox = outbox
         self.pacer = pacer
         self._wait_s = 1.0   # the next wait for wake: shorter while the pacer has no room
+        self._down = False   # the link was seen disconnected since the last step that sent
         self.link = link
         self.window = window
+        if pacer is not None:   # what paho resends at a reconnect fits in one second's slots
+            self.window = max(1, min(window, pacer.cap - pacer.reserve))
         self.resend_after_s = resend_after_s
         self.on_tick = on_tick
         self.on_delivered = on_delivered
@@ -581,7 +586,13 @@ class OutboxPublisher:
         if markers and self.on_delivered:
             self.on_delivered(markers)
         if not self.link.connected or self.hold:
+            self._down = self._down or not self.link.connected
             return
+        if self._down:
+            # back: paho has sent what was in flight again, without asking the pacer
+            self._down = False
+            if self.pacer is not None:
+                self.pacer.charge(len(self._inflight))
         if self._inflight:
             oldest = min(t for _, t in self._inflight.values())
             if time.monotonic() - oldest > self.resend_after_s:

@@ -24,8 +24,10 @@ wait; a caller that finds no room waits in ``publish`` for the oldest slot to le
 window (at most a second). With no ``publish_rate`` there is no pacer and no wrapper
 (:func:`paced`): nothing is counted and nothing waits.
 
-Not paced: what the client library sends again by itself (QoS 1 messages in flight at a
-reconnect, retransmitted by paho), which the broker counts too.
+What the client library sends again by itself (the QoS 1 messages in flight at a
+reconnect) cannot wait: the outbox publisher charges its in-flight rows to the pacer when
+it sees the link back (:meth:`Pacer.charge`), and its window on a paced link is at most
+what the others may take in a second, so that burst alone never passes the cap.
 """
 
 from __future__ import annotations
@@ -137,6 +139,20 @@ class Pacer:
                 self._gets.append(now)
             self.taken[kind] += 1
             return True
+
+    def charge(self, n: int, kind: str = "status") -> None:
+        """Count ``n`` PUBLISHes sent without asking (what the client library sends again at
+        a reconnect): the log may go over the cap, and nothing else is granted until it is
+        back under."""
+        if n <= 0:
+            return
+        with self._lock:
+            now = self.clock()
+            self._prune(now)
+            self._all.extend([now] * n)
+            if kind == "get":
+                self._gets.extend([now] * n)
+            self.taken[kind] += n
 
     def take(self, kind: str = "status") -> None:
         """Take one slot, waiting for it if there is no room now."""

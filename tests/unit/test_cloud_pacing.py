@@ -277,3 +277,32 @@ def test_the_writer_reports_coalescing_as_one_gap_record(tmp_path):
     # second batch's running deletes them again; one record for the four
     assert records == [("gap", {"source": "mqtt_outbox", "count": 4, "reason": "coalesced"})]
     assert states_of(ob) == [("a", "running")]
+
+
+def test_what_paho_resends_at_a_reconnect_is_charged_and_fits_in_a_second(tmp_path):
+    topics = Topics("c", "a")
+    ob = Outbox(str(tmp_path / "o.sqlite"), 10000)
+    inner = FakeLink()
+    clock = Clock()
+    p = Pacer(100, clock=clock, sleep=clock.sleep)
+    pub = OutboxPublisher(ob, PacedLink(inner, p, topics.kind), window=window_for(100), pacer=p)
+    assert pub.window == p.cap - p.reserve == 93
+    for i in range(50):
+        ob.enqueue(topics.status(f"j{i}"), status(f"j{i}", "f", "succeeded"))
+    for _ in range(10):
+        pub.step()
+        clock.t += 0.1
+    assert len(inner.sent) == 50   # none acknowledged: all 50 in flight
+    clock.t += 5.0
+    assert p.room() == 10
+    inner.connected = False
+    pub.step()
+    inner.connected = True   # paho sent the 50 again at the connect
+    pub.step()
+    assert p.taken["status"] == 100 and p.room() == 0   # the 50 charged: in this tenth of a second, and
+    clock.t += 0.1
+    assert p.room() == 10
+    clock.t += 0.5
+    assert p.room() == 10 and p.room("presence") == p.cap - 50   # ... in this second
+    clock.t += 0.4
+    assert p.room("presence") == p.cap
