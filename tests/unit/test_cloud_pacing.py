@@ -306,3 +306,46 @@ def test_what_paho_resends_at_a_reconnect_is_charged_and_fits_in_a_second(tmp_pa
     assert p.room() == 10 and p.room("presence") == p.cap - 50   # ... in this second
     clock.t += 0.4
     assert p.room("presence") == p.cap
+
+
+def test_the_component_paces_only_a_profile_with_a_publish_rate(tmp_path):
+    from agent.cloud.component import CloudComponent
+    from agent.config import parse_config
+    from agent.coordination.etcd import EtcdClient
+    from agent.coordination.keys import Keys
+    from agent.jobs.signing import KeyRing
+
+    class Ownership:
+        owned: frozenset = frozenset()
+
+        def fence_snapshot(self, shard):
+            return None
+
+    class Loop:
+        def post(self, fn, *args):
+            pass
+
+        def record(self, type_, **fields):   # the audit sink too
+            pass
+
+        def call_later(self, delay, fn, *args):
+            pass
+
+    def build(profile: str, d):
+        cfg = parse_config(f"cluster: t\nagent_id: gw-1\nstate_dir: {d}\netcd: {{insecure: true}}\n"
+                           f"mqtt: {{insecure: true, profile: {profile}}}\n")
+        return CloudComponent(cfg, Loop(), EtcdClient(cfg.etcd), Keys(cfg.cluster), ownership=Ownership(),
+                              members=list, audit=Loop(), keyring=KeyRing({}, source="none"), job_listeners=[])
+
+    aws = build("aws-iot-core", tmp_path / "aws")
+    plain = build("mosquitto", tmp_path / "plain")
+    try:
+        assert isinstance(aws.link, PacedLink) and aws.pacer is aws.link.pacer and aws.pacer.cap == 95
+        assert aws.publisher.pacer is aws.pacer and aws.publisher.window == 93
+        assert aws.outbox.coalesce_above == 200 and aws.outbox.on_coalesce == aws.writer.coalesced
+        assert plain.pacer is None and not isinstance(plain.link, PacedLink)
+        assert plain.publisher.pacer is None and plain.publisher.window == 256
+        assert plain.outbox.coalesce_above is None
+    finally:
+        aws.outbox.close()
+        plain.outbox.close()
