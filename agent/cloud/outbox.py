@@ -274,7 +274,8 @@ class Outbox:
         With ``ledger_job_id`` the ledger entry is written in the same transaction. ``marker``:
         the etcd key of its durable answer, deleted once the broker has the document."""
         keep = 1 if keep_state(doc) else 0
-        key = coalesce_key(doc, marker)
+        # no key where nothing is coalesced (no publish_rate): not a byte more per row
+        key = None if self.coalesce_above is None else coalesce_key(doc, marker)
         dropped = coalesced = 0
         with self._lock:
             if self._depth >= self.max_rows and self.policy == "reject_new":
@@ -294,7 +295,7 @@ class Outbox:
                                  "VALUES (?, ?, ?, ?, ?, ?, ?)", (seq, topic, payload, keep, time.time(), marker, key))
                 self._db.execute("INSERT OR REPLACE INTO meta VALUES ('seq', ?)", (seq,))
                 self._ledger(ledger_job_id)
-                stale = supersedes(doc, marker)
+                stale = None if self.coalesce_above is None else supersedes(doc, marker)
                 if stale is not None and self._behind(self._depth - dropped):
                     coalesced = self._coalesce_locked(stale, seq)
             self._depth += 1 - dropped - coalesced
@@ -329,11 +330,11 @@ class Outbox:
                         body = dict(doc)
                         body["seq"] = self._seq
                         payload = json.dumps(body, separators=(",", ":"), ensure_ascii=False, default=str).encode()
-                        key = coalesce_key(doc, marker)
+                        key = None if self.coalesce_above is None else coalesce_key(doc, marker)
                         self._db.execute("INSERT INTO outbox (seq, topic, payload, keep, ts, marker, coalesce) "
                                          "VALUES (?, ?, ?, ?, ?, ?, ?)",
                                          (self._seq, topic, payload, 1 if keep_state(doc) else 0, now, marker, key))
-                        stale = supersedes(doc, marker)
+                        stale = None if self.coalesce_above is None else supersedes(doc, marker)
                         if stale is not None and self._behind(self._depth):
                             n = self._coalesce_locked(stale, self._seq)
                             coalesced += n
