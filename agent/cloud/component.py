@@ -27,6 +27,7 @@ import sqlite3
 import threading
 from typing import Any, Callable, Iterable, Optional, Protocol
 
+from agent.brokerlimits import effective_profile
 from agent.config import Config
 from agent.coordination.etcd import EtcdClient
 from agent.coordination.fencing import Fence
@@ -48,8 +49,9 @@ from .gatetopics import RetainedTopics
 from .ingest import Ingest
 from .link import Link, Message
 from .mqtt import PAHO_VERSION, MqttLink
-from .outbox import Outbox, OutboxPublisher
+from .outbox import Outbox, OutboxPublisher, window_for
 from .outboxwriter import OutboxWriter
+from .pacing import paced
 from .peers import PeerStatuses
 from .peersubs import MAX_PEERS, PeerSubscriptions
 from .presence import presence_doc, will_doc
@@ -120,8 +122,11 @@ class CloudComponent:
         self.agent_id = cfg.agent_id
         self.store = JobStore(client, keys, cfg.shards, cfg.agent_id)
         path = os.path.join(cfg.state_dir, OUTBOX_FILE)
+        profile = effective_profile(m)
+        rate = profile.publish_rate   # None: the broker sets no rate, nothing is paced
         try:
-            self.outbox = Outbox(path, m.outbox_max, m.outbox_full_policy)
+            self.outbox = Outbox(path, m.outbox_max, m.outbox_full_policy,
+                                 coalesce_above=None if rate is None else int(2 * rate))
         except (OSError, sqlite3.Error) as exc:
             raise UserError(f"state_dir: cannot open the status outbox {path}: {exc}") from None
         # statuses, republished answers and audit checkpoints go in through the writer, which
@@ -129,6 +134,7 @@ class CloudComponent:
         self.writer = OutboxWriter(self.outbox, schedule=lambda delay, fn: loop.post(loop.call_later, delay, fn),
                                    record=self._record_later)
         self.outbox.on_drop = self.writer.dropped
+        self.outbox.on_coalesce = self.writer.coalesced
         self._statuses: list = []  # (topic, doc, marker) for the outbox, loop thread only
         # production gates on the plant broker (agent/jobs/gates.py): their topics' last values
         self.gate_topics: RetainedTopics = RetainedTopics(g.mqtt for t in cfg.templates.values() if t is not None
@@ -143,6 +149,8 @@ class CloudComponent:
                              topic_kind=self.topics.kind,
                              reconnect_min_s=m.reconnect_min_s,
                              reconnect_max_s=m.reconnect_max_s)
+        # every PUBLISH of the connection paced to the profile's publish_rate (pacing.py)
+        self.link, self.pacer = paced(self.link, rate, self.topics.kind)
         owned = lambda: ownership.owned  # noqa: E731 - a snapshot readable from any thread
         self.answers = Answers(client, keys, self.agent_id, enqueue=self._republish,
                                in_outbox=self.writer.has_marker, owned=owned, fence_for=self._fence_for,
@@ -151,7 +159,8 @@ class CloudComponent:
                                connected=lambda: self.link.connected)
         self.publisher = OutboxPublisher(self.outbox, self.link, on_tick=self.writer.flush_gap,
                                          on_delivered=self.answers.delivered, on_handing=self.answers.handing,
-                                         hold=os.environ.get(HOLD_OUTBOX_ENV) == "1")
+                                         hold=os.environ.get(HOLD_OUTBOX_ENV) == "1",
+                                         window=window_for(profile.max_inflight), pacer=self.pacer)
         self.ingest = Ingest(store=self.store, keyring=self.keyring, templates=cfg.templates, topics=self.topics,
                              agent_id=self.agent_id, max_bytes=m.max_payload_bytes, max_skew_s=m.max_skew_s,
                              cluster=cfg.cluster, max_age_s=m.max_age_s, outbox=self.outbox, record=audit.record,

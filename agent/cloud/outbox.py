@@ -21,6 +21,16 @@ Bounded: at most ``outbox_max`` rows. When full, the configured policy applies:
 Every drop is counted (millwright_mqtt_outbox_dropped_total) and reported as an audit
 ``gap`` record (source mqtt_outbox), aggregated at most once per second.
 
+Coalescing, on a paced link (agent/cloud/pacing.py) while the outbox is behind (more than
+``coalesce_above`` rows, twice the broker's publish rate): an intermediate status
+(scheduled, waiting, running, retrying, in_progress) without an answer marker carries the
+key ``<job_id>/<fire_id>``; a new status of that firing (intermediate, or its final)
+deletes the older unsent rows of the key, superseded before they could go out. Final
+statuses, answers (rows with a marker), accepted and rejected, audit checkpoints and rows
+already handed to the broker have no key or are never touched. Counted in
+millwright_mqtt_outbox_coalesced_total and reported by ``on_coalesce`` (an aggregated
+``gap`` record with reason ``coalesced``).
+
 A write the state disk refuses (full, I/O error, read-only) raises here; the component's
 writes go through agent/cloud/outboxwriter.py, which holds them in memory and retries. The
 publisher sends nothing meanwhile (a row is marked sent before it goes out): one warning
@@ -45,10 +55,11 @@ import threading
 import time
 from typing import Callable, Iterator, Optional
 
-from agent.jobs.states import TERMINAL, JobState
+from agent.jobs.states import TERMINAL, JobState, RecordState
 from agent.runtime.metrics import counter, gauge
 
 from .link import Link
+from .pacing import Pacer
 
 log = logging.getLogger(__name__)
 
@@ -56,20 +67,55 @@ DEPTH = gauge("millwright_mqtt_outbox_depth", "Status documents waiting in the o
 DROPPED = counter("millwright_mqtt_outbox_dropped_total", "Outbox documents dropped because it was full",
                   ("policy",))
 PUBLISHED = counter("millwright_mqtt_outbox_published_total", "Outbox documents acknowledged by the broker")
+COALESCED = counter("millwright_mqtt_outbox_coalesced_total",
+                    "Intermediate statuses deleted unsent because a newer one of the same firing superseded them "
+                    "while the outbox was behind")
 WRITE_ERRORS = counter("millwright_mqtt_outbox_write_errors_total",
                        "Outbox writes SQLite refused (each attempt), by error", ("error",))
 
 KEEP_STATES = TERMINAL | {JobState.ACCEPTED, JobState.REJECTED}
+# superseded by the next status of the same firing: coalesced while the outbox is behind
+COALESCING_STATES = frozenset({JobState.SCHEDULED, JobState.WAITING, RecordState.RUNNING, RecordState.RETRYING,
+                               JobState.IN_PROGRESS})
 POLICIES = ("drop_oldest_terminal", "drop_oldest", "reject_new")
 LEDGER_KEEP_S = 7 * 86400
 # what a write the state disk refuses raises: SQLite's errors, and the file system's through it
 WRITE_FAILURES = (sqlite3.Error, OSError)
 
 
+MAX_WINDOW = 256
+
+
+def window_for(max_inflight: int) -> int:
+    """The publisher's window: the broker's in-flight limit, at most MAX_WINDOW."""
+    return max(1, min(MAX_WINDOW, max_inflight))
+
+
 def keep_state(doc: dict) -> bool:
     """Rows the default policy keeps longest: final answers (not intermediate states)."""
     state = doc.get("state")
     return state is None or state in KEEP_STATES
+
+
+def coalesce_key(doc: dict, marker: Optional[str]) -> Optional[str]:
+    """``<job_id>/<fire_id>`` for an intermediate status that a later one of its firing
+    supersedes; None for everything that must arrive (finals, answers, the rest)."""
+    if marker is not None or doc.get("state") not in COALESCING_STATES:
+        return None
+    job, fire = doc.get("job_id"), doc.get("fire_id")
+    if not isinstance(job, str) or not isinstance(fire, str) or not job or not fire:
+        return None
+    return f"{job}/{fire}"
+
+
+def supersedes(doc: dict, marker: Optional[str]) -> Optional[str]:
+    """The key of the intermediate statuses a new document makes stale: its own key, or its
+    firing's for a final status (with or without its answer marker)."""
+    key = coalesce_key(doc, marker)
+    if key is not None or doc.get("state") not in TERMINAL:
+        return key
+    job, fire = doc.get("job_id"), doc.get("fire_id")
+    return f"{job}/{fire}" if isinstance(job, str) and isinstance(fire, str) and job and fire else None
 
 
 def error_kind(exc: BaseException) -> str:
@@ -93,7 +139,8 @@ def error_kind(exc: BaseException) -> str:
 
 class Outbox:
     def __init__(self, path: str, max_rows: int, policy: str = "drop_oldest_terminal",
-                 on_drop: Optional[Callable[[int, str], None]] = None):
+                 on_drop: Optional[Callable[[int, str], None]] = None, coalesce_above: Optional[int] = None,
+                 on_coalesce: Optional[Callable[[int], None]] = None):
         if policy not in POLICIES:
             raise ValueError(f"unknown outbox policy {policy!r}")
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -101,6 +148,8 @@ class Outbox:
         self.max_rows = max_rows
         self.policy = policy
         self.on_drop = on_drop
+        self.coalesce_above = coalesce_above   # depth past which superseded statuses are coalesced
+        self.on_coalesce = on_coalesce
         self._lock = threading.Lock()
         # 0600 before SQLite opens it (its -wal and -shm files copy the database's mode):
         # statuses name jobs, agents and reasons, no business of other local users
@@ -118,6 +167,11 @@ class Outbox:
         except sqlite3.OperationalError:
             pass  # already there
         self._db.execute("CREATE INDEX IF NOT EXISTS outbox_marker ON outbox (marker) WHERE marker IS NOT NULL")
+        try:  # coalesce_key() of an intermediate status (files written before issue 50 lack it)
+            self._db.execute("ALTER TABLE outbox ADD COLUMN coalesce TEXT")
+        except sqlite3.OperationalError:
+            pass  # already there
+        self._db.execute("CREATE INDEX IF NOT EXISTS outbox_coalesce ON outbox (coalesce) WHERE coalesce IS NOT NULL")
         self._db.execute("CREATE TABLE IF NOT EXISTS ledger (job_id TEXT PRIMARY KEY, ts REAL NOT NULL)")
         self._db.execute("CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v INTEGER NOT NULL)")
         self._db.execute("DELETE FROM ledger WHERE ts < ?", (time.time() - LEDGER_KEEP_S,))
@@ -220,7 +274,9 @@ class Outbox:
         With ``ledger_job_id`` the ledger entry is written in the same transaction. ``marker``:
         the etcd key of its durable answer, deleted once the broker has the document."""
         keep = 1 if keep_state(doc) else 0
-        dropped = 0
+        # no key where nothing is coalesced (no publish_rate): not a byte more per row
+        key = None if self.coalesce_above is None else coalesce_key(doc, marker)
+        dropped = coalesced = 0
         with self._lock:
             if self._depth >= self.max_rows and self.policy == "reject_new":
                 with self._transaction():
@@ -235,14 +291,19 @@ class Outbox:
                 body = dict(doc)
                 body["seq"] = seq
                 payload = json.dumps(body, separators=(",", ":"), ensure_ascii=False, default=str).encode()
-                self._db.execute("INSERT INTO outbox (seq, topic, payload, keep, ts, marker) VALUES (?, ?, ?, ?, ?, ?)",
-                                 (seq, topic, payload, keep, time.time(), marker))
+                self._db.execute("INSERT INTO outbox (seq, topic, payload, keep, ts, marker, coalesce) "
+                                 "VALUES (?, ?, ?, ?, ?, ?, ?)", (seq, topic, payload, keep, time.time(), marker, key))
                 self._db.execute("INSERT OR REPLACE INTO meta VALUES ('seq', ?)", (seq,))
                 self._ledger(ledger_job_id)
-            self._depth += 1 - dropped
+                stale = None if self.coalesce_above is None else supersedes(doc, marker)
+                if stale is not None and self._behind(self._depth - dropped):
+                    coalesced = self._coalesce_locked(stale, seq)
+            self._depth += 1 - dropped - coalesced
             DEPTH.set(self._depth)
         if dropped:
             self._dropped(dropped)
+        if coalesced:
+            self._coalesced(coalesced)
         self.wake.set()
         return seq
 
@@ -251,7 +312,7 @@ class Outbox:
         transaction (the loop's statuses of a burst of pushes: one commit, not one each)."""
         if not items:
             return
-        dropped = 0
+        dropped = coalesced = 0
         with self._lock:
             seq0, depth0 = self._seq, self._depth
             try:
@@ -269,9 +330,15 @@ class Outbox:
                         body = dict(doc)
                         body["seq"] = self._seq
                         payload = json.dumps(body, separators=(",", ":"), ensure_ascii=False, default=str).encode()
-                        self._db.execute("INSERT INTO outbox (seq, topic, payload, keep, ts, marker) "
-                                         "VALUES (?, ?, ?, ?, ?, ?)",
-                                         (self._seq, topic, payload, 1 if keep_state(doc) else 0, now, marker))
+                        key = None if self.coalesce_above is None else coalesce_key(doc, marker)
+                        self._db.execute("INSERT INTO outbox (seq, topic, payload, keep, ts, marker, coalesce) "
+                                         "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                                         (self._seq, topic, payload, 1 if keep_state(doc) else 0, now, marker, key))
+                        stale = None if self.coalesce_above is None else supersedes(doc, marker)
+                        if stale is not None and self._behind(self._depth):
+                            n = self._coalesce_locked(stale, self._seq)
+                            coalesced += n
+                            self._depth -= n
                         self._depth += 1
                     self._db.execute("INSERT OR REPLACE INTO meta VALUES ('seq', ?)", (self._seq,))
             except BaseException:
@@ -280,6 +347,8 @@ class Outbox:
             DEPTH.set(self._depth)
         if dropped:
             self._dropped(dropped)
+        if coalesced:
+            self._coalesced(coalesced)
         self.wake.set()
 
     def _drop_locked(self, n: int) -> int:
@@ -295,6 +364,22 @@ class Outbox:
                     victims.append(seq)
         self._db.executemany("DELETE FROM outbox WHERE seq=?", [(s,) for s in victims])
         return len(victims)
+
+    def _behind(self, depth: int) -> bool:
+        return self.coalesce_above is not None and depth > self.coalesce_above
+
+    def _coalesce_locked(self, key: str, seq: int) -> int:
+        """Delete the unsent rows ``key`` supersedes (older than ``seq``); how many."""
+        return self._db.execute("DELETE FROM outbox WHERE coalesce=? AND sent=0 AND held=0 AND seq<?",
+                                (key, seq)).rowcount
+
+    def _coalesced(self, n: int) -> None:
+        COALESCED.inc(n)
+        if self.on_coalesce:
+            try:
+                self.on_coalesce(n)
+            except Exception:
+                log.exception("outbox coalesce callback failed")
 
     def _dropped(self, n: int) -> None:
         DROPPED.labels(self.policy).inc(n)
@@ -392,15 +477,26 @@ class Outbox:
 
 
 class OutboxPublisher:
-    """Sends outbox rows in order over a link, at most ``window`` unacknowledged."""
+    """Sends outbox rows in order over a link, at most ``window`` unacknowledged (the
+    profile's ``max_inflight``, at most 256: :func:`window_for`) and, with a ``pacer``
+    (agent/cloud/pacing.py: the link is a PacedLink on it), no more than the pacer has room
+    for: the publisher then waits for the next slot instead of blocking in publish. On a
+    paced link the window is also at most a second's slots (paho resends what is in flight
+    at a reconnect without asking), and those resends are charged to the pacer."""
 
     def __init__(self, outbox: Outbox, link: Link, window: int = 256, resend_after_s: float = 60.0,
                  on_tick: Optional[Callable[[], None]] = None,
                  on_delivered: Optional[Callable[[list[str]], None]] = None,
-                 on_handing: Optional[Callable[[list[tuple[str, bytes]]], None]] = None, hold: bool = False):
+                 on_handing: Optional[Callable[[list[tuple[str, bytes]]], None]] = None, hold: bool = False,
+                 pacer: Optional[Pacer] = None):
         self.outbox = outbox
+        self.pacer = pacer
+        self._wait_s = 1.0   # the next wait for wake: shorter while the pacer has no room
+        self._down = False   # the link was seen disconnected since the last step that sent
         self.link = link
         self.window = window
+        if pacer is not None:   # what paho resends at a reconnect fits in one second's slots
+            self.window = max(1, min(window, pacer.cap - pacer.reserve))
         self.resend_after_s = resend_after_s
         self.on_tick = on_tick
         self.on_delivered = on_delivered
@@ -447,7 +543,8 @@ class OutboxPublisher:
         while not self._stop.is_set():
             # new rows and PUBACKs set wake; the timeout only paces the tick (gap reports,
             # aggregated at most once a second) and the resend check (resend_after_s)
-            self.outbox.wake.wait(1.0)
+            wait_s, self._wait_s = self._wait_s, 1.0
+            self.outbox.wake.wait(wait_s)
             self.outbox.wake.clear()
             try:
                 self.step()
@@ -490,7 +587,13 @@ class OutboxPublisher:
         if markers and self.on_delivered:
             self.on_delivered(markers)
         if not self.link.connected or self.hold:
+            self._down = self._down or not self.link.connected
             return
+        if self._down:
+            # back: paho has sent what was in flight again, without asking the pacer
+            self._down = False
+            if self.pacer is not None:
+                self.pacer.charge(len(self._inflight))
         if self._inflight:
             oldest = min(t for _, t in self._inflight.values())
             if time.monotonic() - oldest > self.resend_after_s:
@@ -502,6 +605,11 @@ class OutboxPublisher:
         room = self.window - len(self._inflight)
         if room <= 0:
             return
+        if self.pacer is not None:
+            room = min(room, self.pacer.room())
+            if room <= 0:   # the broker's rate: again when the oldest slot leaves the window
+                self._wait_s = min(1.0, max(0.001, self.pacer.free_in()))
+                return
         rows = self.outbox.batch(self._cursor, room)
         if not rows:
             return

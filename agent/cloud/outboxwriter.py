@@ -10,7 +10,9 @@ order they were produced. Writing never raises into its callers.
 Bounded: at most ``outbox.max_rows`` documents are held, with the outbox's own
 ``outbox_full_policy``; what the bound drops is counted and reported like the outbox's own
 drops (millwright_mqtt_outbox_dropped_total, an audit ``gap`` with reason
-``outbox_full:<policy>``, aggregated by :meth:`flush_gap`). An outage is one warning and
+``outbox_full:<policy>``, aggregated by :meth:`flush_gap`). The outbox's coalescing of
+superseded statuses (its ``on_coalesce``: :meth:`coalesced`) is reported the same way, as a
+``gap`` record with reason ``coalesced``. An outage is one warning and
 one audit record (``mqtt``/``outbox_write_failed``) when it starts, one line and one
 record (``mqtt``/``outbox_write_recovered``) when what was held is written; each failed
 attempt counts in millwright_mqtt_outbox_write_errors_total{error}, the documents held in
@@ -64,6 +66,7 @@ class OutboxWriter:
         self._backoff = min_backoff_s
         self._closed = False
         self._gap = 0
+        self._coalesced = 0
         self._gap_lock = threading.Lock()
 
     # --- writers (any thread) ------------------------------------------------------
@@ -137,11 +140,21 @@ class OutboxWriter:
         with self._gap_lock:
             self._gap += n
 
+    def coalesced(self, n: int) -> None:
+        """The outbox's ``on_coalesce``: reported by :meth:`flush_gap`."""
+        with self._gap_lock:
+            self._coalesced += n
+
     def flush_gap(self) -> None:
         """The publisher's tick (at most once a second): the drops since the last one, as one
-        warning and one ``gap`` record."""
+        warning and one ``gap`` record; the coalesced statuses as one ``gap`` record."""
         with self._gap_lock:
             n, self._gap = self._gap, 0
+            c, self._coalesced = self._coalesced, 0
+        if c:
+            log.info("status outbox behind: superseded intermediate statuses coalesced",
+                     extra={"fields": {"coalesced": c, "depth": self.outbox.depth}})
+            self.record("gap", source="mqtt_outbox", count=c, reason="coalesced")
         if n:
             policy = self.outbox.policy
             log.warning("status outbox full: documents dropped", extra={"fields": {"dropped": n, "policy": policy}})
