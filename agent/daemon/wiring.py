@@ -1,71 +1,108 @@
 """The parts the daemon runs, in start order, and how they are wired to each other.
 
-Each factory takes the Agent and returns a Component (start()/stop()). Parts register
-on the Agent's typed hook lists; where two parts talk to each other (the scheduler and
-supervision, the executor and sensing) this module passes one to the other: it is the
-only place besides the daemon that knows all parts.
+``build(ground)`` builds each part from the single values of the Ground it uses and
+registers the part's public methods in the Hooks the Daemon calls; where two parts talk to
+each other (the scheduler and supervision, the executor and sensing) this module passes
+one to the other: it is the only place that knows all parts. Start order, and so the order
+of every hook list, is the order below: cloud, admin, jobs with supervision, compaction
+(the audit log is the Daemon's own: opened first, closed last).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Optional
+import os
+from typing import TYPE_CHECKING, Any, Optional
 
-from agent.config import Config
+from agent.daemon.hooks import Hooks, Wired
+
+if TYPE_CHECKING:
+    from agent.cloud.component import CloudComponent
+    from agent.coordination.compaction import Compactor
+    from agent.daemon.admin import AdminServer
+    from agent.daemon.ground import Ground
+    from agent.jobs.firing import RunListener
+    from agent.jobs.gatesources import TopicValues
+    from agent.jobs.seams import AuditSink
+    from agent.jobs.startpolicy import StartPolicy
+    from agent.runtime.seams import Component
 
 log = logging.getLogger(__name__)
 
 RECORD_WORKERS = 6   # threads writing run records (claims, final states) to etcd
 
-if TYPE_CHECKING:
-    from agent.jobs.firing import RunListener
-    from agent.jobs.gatesources import TopicValues
-    from agent.jobs.signing import KeyRing
-    from agent.jobs.startpolicy import StartPolicy
-    from agent.runtime.daemon import Agent, Component, ComponentFactory
+
+def build(g: Ground) -> Wired:
+    """The daemon's parts (``millwright run``): cloud, admin, jobs with supervision, compaction."""
+    hooks = Hooks()
+    cloud_part, answer_markers = cloud(g, hooks)
+    parts: list[Component] = [cloud_part, admin(g)]
+    # the production gates read their MQTT topics through the cloud component's link
+    parts.append(SupervisedJobs(g, hooks, gate_topics=cloud_part.gate_topics, answer_markers=answer_markers))
+    parts.append(compaction(g, hooks))
+    return Wired(hooks, parts)
 
 
-def _admin(agent: Agent) -> Component:
-    from agent.runtime.admin import AdminServer
+class _AgentView:
+    """Interim, until each part's constructor takes its values: the old Agent's face over
+    the Ground and the Hooks, for the parts that still take the Agent."""
 
-    return AdminServer(agent, agent.cfg.admin.socket)
+    def __init__(self, g: Ground, hooks: Hooks):
+        self.g = g
+        self.cfg, self.loop, self.client, self.keys = g.cfg, g.loop, g.client, g.keys
+        self.session, self.shards, self.placement, self.audit = g.session, g.shards, g.placement, g.audit
+        self.keyring = g.keyring
+        self.answer_markers = False
+        self.status_providers = hooks.status_providers
+        self.status_sinks = hooks.status_sinks
+        self.checkpoint_sinks = hooks.checkpoint_sinks
+        self.drain_hooks = hooks.drain_hooks
+        self.members_listeners = hooks.members_listeners
+        self.job_listeners = hooks.job_listeners
+
+    @property
+    def owned_shards(self) -> frozenset[int]:
+        return self.g.ownership.owned
+
+    @property
+    def stopping(self) -> bool:
+        return self.g.stopping()
+
+    def fence_for(self, unit: int) -> Any:
+        return self.g.ownership.fence_for(unit)
+
+    def record(self, type_: str, **fields: Any) -> None:
+        self.g.audit.record(type_, **fields)
 
 
-class _AuditComponent:
-    """Opens the audit log first and closes it last, so every part's records land in it."""
+def cloud(g: Ground, hooks: Hooks) -> tuple[CloudComponent, bool]:
+    """The cloud channel (agent/cloud, docs/cloud.md), and whether final run statuses are
+    also written as durable answers (answers/ in etcd) that a peer can publish."""
+    from agent.cloud import cloud_component
 
-    def __init__(self, agent: Agent):
-        from agent.audit import AuditLog
-        from agent.audit.events import describe_config
-
-        self.agent = agent
-        self.audit = AuditLog.from_config(agent.cfg.audit, agent_id=agent.cfg.agent_id,
-                                          on_checkpoint=self._checkpoint)
-        agent.audit = self.audit
-        self.audit.config(**describe_config(agent.cfg))
-
-    def _checkpoint(self, doc: dict) -> None:  # writer thread: hand over, never block
-        for sink in self.agent.checkpoint_sinks:
-            try:
-                sink(doc)
-            except Exception:
-                pass
-
-    def start(self) -> None:
-        pass  # opened in __init__, before the other parts are built
-
-    def stop(self) -> None:
-        self.audit.close()
+    legacy = _AgentView(g, hooks)
+    c = cloud_component(legacy)
+    return c, legacy.answer_markers
 
 
-class _JobsComponent:
+def admin(g: Ground) -> AdminServer:
+    from agent.daemon.admin import AdminServer
+
+    return AdminServer(g.cfg.admin.socket, g.loop, g.status)
+
+
+def compaction(g: Ground, hooks: Hooks) -> Compactor:
+    from agent.coordination.compaction import Compactor
+
+    return Compactor(_AgentView(g, hooks))
+
+
+class JobsParts:
     """Executor (quotas), admission control, the job catalog and the scheduler that owns
     due firings with its start policies (four-eyes approval, staged rollouts), and retention."""
 
-    def __init__(self, agent: Agent, run_listeners: Optional[list[RunListener]] = None,
-                 gate_topics: Optional[TopicValues] = None):
-        import os
-
+    def __init__(self, g: Ground, hooks: Hooks, run_listeners: Optional[list[RunListener]] = None,
+                 gate_topics: Optional[TopicValues] = None, answer_markers: bool = False):
         from agent.coordination.worker import EtcdWorkers
         from agent.execute.admission import Admission, Budget
         from agent.execute.backends import run_root_name
@@ -78,10 +115,10 @@ class _JobsComponent:
         from agent.jobs.scheduler import Scheduler
         from agent.jobs.waitmarks import EtcdWaitMarks
 
-        cfg = agent.cfg
+        cfg, audit = g.cfg, g.audit
         root = run_root_name(cfg.agent_id, cfg.state_dir)
         # the cleaner's outcomes come to the loop, which owns the audit log
-        cleanup = {"on_report": lambda r: agent.loop.post(cleanup_report, agent, r)}
+        cleanup = {"on_report": lambda r: g.loop.post(cleanup_report, audit, r)}
         self.executor = Executor.from_config(cfg.execute, os.path.join(cfg.state_dir, "runs"),
                                              root_name=root, reclaim=True, agent_config=cfg, cleanup=cleanup)
         self.admission = Admission(Budget.from_config(cfg.execute))
@@ -90,65 +127,63 @@ class _JobsComponent:
             # deadman: runs claimed under the lease die by validity + kill_grace_s even if this
             # process is frozen (the self-fence would have SIGKILLed them by then)
             grace = cfg.execute.kill_grace_s
-            agent.session.validity_listeners.append(lambda until: guard.set_deadline(until + grace))
-        if agent.keyring is None:  # no cloud component: read the keys file here
-            agent.keyring = _load_keyring(cfg.signing.keys_file)
+            g.session.validity_listeners.append(lambda until: guard.set_deadline(until + grace))
         # run records are most of the etcd writes, and a firing's claim must not queue behind
         # shard hand-overs (or they behind a burst of claims); several threads let etcd batch
         # concurrent writes into one fsync
-        self.workers = EtcdWorkers(agent.loop.post, threads=RECORD_WORKERS, name="runs")
-        self.catalog = JobCatalog(cfg, agent.client, agent.keys, agent, agent.placement, agent.loop, self.workers,
-                                  agent.keyring, audit=agent, statuses=agent)
+        self.workers = EtcdWorkers(g.loop.post, threads=RECORD_WORKERS, name="runs")
+        self.catalog = JobCatalog(cfg, g.client, g.keys, g.ownership, g.placement, g.loop, self.workers,
+                                  g.keyring, audit=audit, statuses=hooks)
         # approval first (a firing waiting for approvals holds nothing), then the plant's
         # window and gates, the rollout last (its slot is taken in etcd once all else says go)
-        self.approvals = ApprovalGate(cfg, agent.loop, audit=agent)
-        self.rollouts = RolloutGate(cfg, agent.client, agent.keys, agent.loop, self.workers, fencing=agent,
-                                    lease=agent.session, audit=agent, sink=agent, is_current=self.catalog.current)
+        self.approvals = ApprovalGate(cfg, g.loop, audit=audit)
+        self.rollouts = RolloutGate(cfg, g.client, g.keys, g.loop, self.workers, fencing=g.ownership,
+                                    lease=g.session, audit=audit, sink=hooks, is_current=self.catalog.current)
         # a job's own misbehaviour holds that job here (never the agent's shards): first, so a
         # quarantined job's firing asks nothing else
-        self.quarantine = QuarantinePolicy(cfg.quarantine, agent.loop, audit=agent)
-        plant = self._start_policies(agent, gate_topics)
+        self.quarantine = QuarantinePolicy(cfg.quarantine, g.loop, audit=audit)
+        plant = self._start_policies(g, hooks, audit, gate_topics)
         run_listeners = run_listeners if run_listeners is not None else []
         run_listeners.extend(plant)   # windows and gates stop runs too (end: stop, while_running: stop)
         run_listeners.append(self.rollouts)
         run_listeners.append(self.quarantine)   # counts strikes at each run's end
-        self.scheduler = Scheduler(cfg, self.catalog, fencing=agent, lease=agent.session, loop=agent.loop,
-                                   client=agent.client, keys=agent.keys, workers=self.workers,
-                                   executor=self.executor, admission=self.admission, sink=agent, audit=agent,
+        self.scheduler = Scheduler(cfg, self.catalog, fencing=g.ownership, lease=g.session, loop=g.loop,
+                                   client=g.client, keys=g.keys, workers=self.workers,
+                                   executor=self.executor, admission=self.admission, sink=hooks, audit=audit,
                                    run_listeners=run_listeners,
                                    start_policies=[self.quarantine, self.approvals, *plant, self.rollouts])
         self.rollouts.adopt = self.scheduler.adopt
         self.catalog.changed_listeners.append(self.approvals.job_changed)
-        self.scheduler.statuses.answer_markers = agent.answer_markers
-        self.scheduler.starts.marks = EtcdWaitMarks(agent.client, agent.keys, agent.session, self.workers,
+        self.scheduler.statuses.answer_markers = answer_markers
+        self.scheduler.starts.marks = EtcdWaitMarks(g.client, g.keys, g.session, self.workers,
                                                     cfg.agent_id, cfg.shards)
         self.catalog.listener = self.scheduler
-        agent.shard_listeners.append(self.catalog)
-        agent.job_listeners.append(self.catalog)
-        agent.watch_sources.append(self.catalog.start_watches)
-        agent.busy_checks.append(self.scheduler.busy)
-        agent.drain_hooks.append(self.scheduler.drain_started)
-        agent.run_stoppers.append(self.scheduler.stop_runs)
-        agent.status_providers["jobs"] = self.scheduler.status
-        agent.status_providers["quarantine"] = self.quarantine.status
-        self.retention = Retention(agent, self.catalog, self.executor)
-        agent.status_providers["quota"] = lambda: {"backend": self.executor.backend.name,
+        hooks.shard_listeners.append(self.catalog)
+        hooks.job_listeners.append(self.catalog)
+        hooks.watch_sources.append(self.catalog.start_watches)
+        hooks.busy_checks.append(self.scheduler.busy)
+        hooks.drain_hooks.append(self.scheduler.drain_started)
+        hooks.run_stoppers.append(self.scheduler.stop_runs)
+        hooks.status_providers["jobs"] = self.scheduler.status
+        hooks.status_providers["quarantine"] = self.quarantine.status
+        self.retention = Retention(_AgentView(g, hooks), self.catalog, self.executor)
+        hooks.status_providers["quota"] = lambda: {"backend": self.executor.backend.name,
                                                    "why": self.executor.backend.why}
 
-    def _start_policies(self, agent: Agent, gate_topics: Optional[TopicValues]) -> list:
+    def _start_policies(self, g: Ground, hooks: Hooks, audit: AuditSink,
+                        gate_topics: Optional[TopicValues]) -> list:
         """The plant's rules a firing passes before its claim: its window (the signed
         document's), then its template's gates (local config; only when some template has
         gates)."""
         from agent.jobs.gates import GatePolicy, gated
         from agent.jobs.windows import WindowPolicy
 
-        cfg = agent.cfg
-        policies: list[StartPolicy] = [WindowPolicy(agent.loop, cfg.execute.kill_grace_s, agent,
+        cfg = g.cfg
+        policies: list[StartPolicy] = [WindowPolicy(g.loop, cfg.execute.kill_grace_s, audit,
                                                     cancel_job=lambda e, reason: self.catalog.cancel_here(e, reason))]
         if gated(cfg.templates):
-            gates = GatePolicy(cfg.templates, agent.loop, agent, topics=gate_topics, client=agent.client,
-                               keys=agent.keys)
-            agent.watch_sources.append(gates.start_watches)
+            gates = GatePolicy(cfg.templates, g.loop, audit, topics=gate_topics, client=g.client, keys=g.keys)
+            hooks.watch_sources.append(gates.start_watches)
             policies.append(gates)
         return policies
 
@@ -164,32 +199,15 @@ class _JobsComponent:
         self.workers.stop()
 
 
-def cleanup_report(agent: Agent, report: Any) -> None:
+def cleanup_report(audit: AuditSink, report: Any) -> None:
     """A tree the cleaner gave up on (a run's work dir or an old run dir): an audit
     record on the loop thread. Removals are counted only (millwright_cleanup_*)."""
     if report.event != "removed":
-        agent.record("cleanup", event=report.event, tree=report.name, entries=report.entries,
+        audit.record("cleanup", event=report.event, tree=report.name, entries=report.entries,
                      reason=report.reason, where=report.where)
 
 
-def _load_keyring(path: str) -> KeyRing:
-    from agent.jobs.signing import KeyFileError, KeyRing
-
-    try:
-        return KeyRing.load(path)
-    except KeyFileError as exc:
-        for line in exc.problems:
-            log.error("signing keys unusable: no stored job will run", extra={"fields": {"problem": line}})
-        return KeyRing({}, source=path)
-
-
-def _compaction(agent: Agent) -> Component:
-    from agent.coordination.compaction import Compactor
-
-    return Compactor(agent)
-
-
-class _SupervisedJobs:
+class SupervisedJobs:
     """Jobs with kernel sensing and the health and lease policies around them.
 
     The scheduler tells sensing, then supervision, of each run (sensing first: it gives the
@@ -198,17 +216,19 @@ class _SupervisedJobs:
     exec verdicts and tells it of new signals; supervision pauses and resumes the scheduler.
     """
 
-    def __init__(self, agent: Agent, gate_topics: Optional[TopicValues] = None):
+    def __init__(self, g: Ground, hooks: Hooks, gate_topics: Optional[TopicValues] = None,
+                 answer_markers: bool = False):
         from agent.supervision.component import Supervision
         from agent.supervision.sensing import RunSensing
 
         run_listeners: list[RunListener] = []
-        self.jobs = _JobsComponent(agent, run_listeners, gate_topics)
-        self.sensing = RunSensing(agent)
+        self.jobs = JobsParts(g, hooks, run_listeners, gate_topics, answer_markers)
+        legacy = _AgentView(g, hooks)
+        self.sensing = RunSensing(legacy)
         self.jobs.executor.poststart.append(self.sensing.poststart)
-        self.supervision = Supervision(agent, gate=self.jobs.scheduler, sensing=self.sensing,
+        self.supervision = Supervision(legacy, gate=self.jobs.scheduler, sensing=self.sensing,
                                        offences=self.jobs.quarantine)
-        agent.session_listeners.append(self.supervision)
+        hooks.session_listeners.append(self.supervision)
         self.sensing.exec_listeners.append(self.supervision)
         self.sensing.signal_listeners.append(self.supervision)
         run_listeners += [self.sensing, self.supervision]
@@ -225,19 +245,3 @@ class _SupervisedJobs:
             except Exception:
                 log.exception("component stop failed", extra={"fields": {"part": type(p).__name__}})
 
-
-def default_components(cfg: Config) -> list[ComponentFactory]:
-    from agent.cloud import cloud_component  # cloud channel (agent/cloud, docs/cloud.md)
-
-    built: dict[str, Any] = {}
-
-    def cloud(agent: Agent) -> Component:
-        built["cloud"] = c = cloud_component(agent)
-        return c
-
-    def jobs(agent: Agent) -> Component:
-        # the production gates read their MQTT topics through the cloud component's link
-        return _SupervisedJobs(agent, getattr(built.get("cloud"), "gate_topics", None))
-
-    factories: list[Callable[[Agent], Component]] = [_AuditComponent, cloud, _admin, jobs, _compaction]
-    return factories

@@ -19,10 +19,10 @@ import subprocess
 import tempfile
 from typing import Any, Iterable, Optional
 
-from agent.cli import UserError
 from agent.demo.console import CloudConsole, write_signer_keys
 from agent.demo.output import Live
 from agent.demo.services import REPO_ROOT, AgentProcess, EtcdServer, MosquittoServer, free_port
+from agent.errors import UserError
 
 DEMO_CONFIG_DIRS = (os.path.join(REPO_ROOT, "configs", "demo"), "/usr/share/millwright/demo")
 AGENTS = 3
