@@ -78,6 +78,7 @@ class Daemon:
     def __init__(self, cfg: Config, wire: Callable[[Ground], Wired]):
         self.cfg = cfg
         make_state_dir(cfg.state_dir)   # before any part makes files below it
+        self.hooks = Hooks()   # the wiring's replaces it below; only the audit writer may call in before
         # the audit log first and closed last, so every part's records land in it
         self.audit: Audit = (AuditLog.from_config(cfg.audit, agent_id=cfg.agent_id, on_checkpoint=self._checkpoint)
                              if cfg.audit.dir else NullAudit())
@@ -108,7 +109,6 @@ class Daemon:
                                on_failed=self._session_failed, on_lost=self._session_lost)
         self.ownership = Ownership(self.session, self.shards, self.placement)
         self.watches: list[PrefixWatch] = []
-        self.hooks = Hooks()   # replaced by the wiring's below; the callbacks above fire only once running
         wired = wire(Ground(cfg=cfg, keys=self.keys, loop=self.loop, client=self.client, workers=self.workers,
                             session=self.session, shards=self.shards, placement=self.placement,
                             ownership=self.ownership, audit=self.audit, keyring=self.keyring,
