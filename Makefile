@@ -115,6 +115,7 @@ test-cloud-paho2: paho2
 		tests/integration/test_cloud_agents.py tests/integration/test_cloud_outbox.py \
 		tests/integration/test_cloud_subscriptions.py \
 		tests/integration/test_cloud_answers.py tests/integration/test_cloud_broker.py \
+		tests/unit/test_cloud_mqtt5.py tests/integration/test_mqtt5_link.py \
 		$(or $(PAHO2_MORE),-k "not 5000_pushes") $(PYTEST_ARGS)
 
 # paho 1.x as if it had no _send_puback (an unknown paho): the PUBACK goes out when

@@ -180,11 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cli_config_check(args: argparse.Namespace) -> int:
+    from agent.cloud.profile import check_profile
     from agent.config import load_config
     from agent.configcheck import advisory_rollouts, shared_status_link, unknown_users
 
     path = config_path(args.file)
-    cfg = load_config(path, broker=True)  # every problem in one report, the broker's too
+    cfg = load_config(path, broker=True, broker_checks=(check_profile,))  # every problem in one report
     print(f"{path}: ok (cluster {cfg.cluster}, agent {cfg.agent_id}, {cfg.shards} shards, "
           f"{len(cfg.templates)} templates)")
     for line in unknown_users(cfg) + shared_status_link(cfg) + advisory_rollouts(cfg):

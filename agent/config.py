@@ -16,7 +16,7 @@ import socket
 import stat
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional, cast
+from typing import Any, Callable, Optional, Sequence, cast
 
 import yaml
 
@@ -85,6 +85,12 @@ class EtcdConfig:
 class MqttConfig:
     url: str = doc("Broker URL, mqtt://host:port or mqtts://host:port.", default="mqtt://127.0.0.1:1883")
     client_id: Optional[str] = doc("Stable client id for the persistent session (default: millwright-<cluster>-<agent_id>).", default=None)
+    protocol: str = doc('MQTT version of the broker connection: "3.1.1" or "5" (quoted in YAML). On 5 the agent '
+                        "requests its session expiry (mqtt.session_expiry_s) and reads PUBACK reason codes.",
+                        default="3.1.1")
+    session_expiry_s: int = doc("MQTT 5: how long the broker keeps the agent's session (and the pushes queued in "
+                                "it) after a disconnect; a broker may grant less (AWS IoT Core: 1 hour by default).",
+                                default=3600)
     username: Optional[str] = doc("Broker user.", default=None)
     password: Optional[str] = doc("Broker password.", default=None)
     tls: Optional[TLSConfig] = doc("TLS settings for mqtts://.", default=None)
@@ -113,6 +119,14 @@ class MqttConfig:
                                default=300.0)
     get_page_bytes: int = doc("Largest jobs/get answer (one page of a filter); at most max_payload_bytes, which "
                               "the broker's message_size_limit equals.", default=32768)
+    profile: str = doc("The broker's limits by name: mosquitto, aws-iot-core, nats-2.9 or rabbitmq-3.10 "
+                       "(docs/cloud.md, Broker profiles); `config check` refuses ids, payloads and subscriptions "
+                       "it cannot carry.", default="mosquitto")
+    limits: dict[str, Any] = doc("Single limits of mqtt.profile overridden by name (protocols, max_qos, "
+                                 "max_payload_bytes, publish_rate, max_inflight, max_topic_levels, max_topic_bytes, "
+                                 "session_expiry_max_s, retained_wildcard, subs_per_connection, subs_per_subscribe, "
+                                 "client_id_max_bytes; null: no limit), e.g. {max_payload_bytes: 262144}.",
+                                 default_factory=dict)
     reconnect_min_s: float = doc("First delay before reconnecting to the broker; doubles per attempt.", default=0.5)
     reconnect_max_s: float = doc("Longest delay between reconnect attempts.", default=30.0)
 
@@ -408,10 +422,15 @@ def _build(cls: Any, data: dict, path: str, problems: list[str], src: str) -> An
     return cls(**kwargs)
 
 
-def load_config(path: Optional[str], broker: bool = False) -> Config:
+# checks of the broker connection that live above the config (agent/cloud/profile.py)
+BrokerChecks = Sequence[Callable[["Config"], list[str]]]
+
+
+def load_config(path: Optional[str], broker: bool = False, broker_checks: BrokerChecks = ()) -> Config:
     """Load and validate a config file (None: the built-in defaults), its file mode
     included (see agent/configcheck.py file_mode_problems); ``broker``: the broker
-    connection's checks too (configcheck.mqtt_insecurities), reported with the others."""
+    connection's checks too (configcheck.mqtt_insecurities, and each of ``broker_checks``:
+    the cloud package's, e.g. what the broker profile cannot carry), reported with the others."""
     from agent.configcheck import mqtt_insecurities, validate
 
     if path is None:
@@ -419,7 +438,7 @@ def load_config(path: Optional[str], broker: bool = False) -> Config:
         problems: list[str] = []
         validate(cfg, problems)
         if broker:
-            problems.extend(mqtt_insecurities(cfg))
+            problems.extend(mqtt_insecurities(cfg) + [p for check in broker_checks for p in check(cfg)])
         if problems:
             raise ConfigError(problems)
         return cfg
@@ -431,11 +450,11 @@ def load_config(path: Optional[str], broker: bool = False) -> Config:
         raise ConfigError([f"{path}: cannot read: {exc.strerror or exc}"]) from None
     except UnicodeDecodeError:
         raise ConfigError([f"{path}: is not UTF-8"]) from None
-    return parse_config(text, path, file_mode=mode, broker=broker)
+    return parse_config(text, path, file_mode=mode, broker=broker, broker_checks=broker_checks)
 
 
 def parse_config(text: str, source: str = "<string>", file_mode: Optional[int] = None,
-                 broker: bool = False) -> Config:
+                 broker: bool = False, broker_checks: BrokerChecks = ()) -> Config:
     """Parse and validate config text; ``file_mode``: the permission bits of the file it
     was read from, checked against what it holds (None: not from a file); ``broker``: as
     for :func:`load_config`."""
@@ -459,7 +478,7 @@ def parse_config(text: str, source: str = "<string>", file_mode: Optional[int] =
     if file_mode is not None:
         problems.extend(file_mode_problems(cfg, file_mode))
     if broker:
-        problems.extend(mqtt_insecurities(cfg))
+        problems.extend(mqtt_insecurities(cfg) + [p for check in broker_checks for p in check(cfg)])
     if problems:
         raise ConfigError(problems)
     return cfg

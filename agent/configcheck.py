@@ -9,6 +9,7 @@ import ipaddress
 import re
 from typing import Any
 
+from agent.brokerlimits import PROTOCOLS, resolve
 from agent.config import (
     BROKER_USERNAME_RE,
     FENCE_KILL_MARGIN_S,
@@ -135,10 +136,16 @@ def validate(cfg: Config, problems: list[str]) -> None:
     m = cfg.mqtt
     if not re.match(r"^mqtts?://[^/:]+(:\d{1,5})?/?$", m.url or ""):
         bad("mqtt.url", f"{m.url!r} is not mqtt://host:port or mqtts://host:port")
+    if m.protocol not in PROTOCOLS:
+        bad("mqtt.protocol", f"{m.protocol!r} must be " + " or ".join(f'"{p}"' for p in PROTOCOLS))
+    if not 1 <= m.session_expiry_s <= 0xFFFFFFFE:
+        bad("mqtt.session_expiry_s", "must be between 1 and 4294967294 seconds (MQTT 5's largest finite expiry)")
     if m.peers_username is not None and (m.peers_username == m.username
                                          or not BROKER_USERNAME_RE.fullmatch(m.peers_username)):
         bad("mqtt.peers_username", f"{m.peers_username!r}: a broker user of letters, digits and . _ - @, other "
             "than mqtt.username (the broker makes a client's id its username: one user, one connection)")
+    for line in resolve(m)[1]:   # an unknown profile or limit, a limit of the wrong type
+        problems.append(f"{src}: {line}")
     if m.max_age_s <= 0:
         bad("mqtt.max_age_s", "must be greater than 0")
     if m.max_skew_s < 0:
@@ -177,15 +184,16 @@ def validate(cfg: Config, problems: list[str]) -> None:
             except ValueError:
                 if not re.match(r"^[A-Za-z0-9.-]+$", host):
                     bad("metrics.listen", f"{host!r} is not a host name or address")
-    for name in ("jobs", "stored_mb"):
-        if getattr(cfg.quotas, name) < 1:
+    for name, count in (("jobs", cfg.quotas.jobs), ("stored_mb", cfg.quotas.stored_mb)):
+        if count < 1:
             bad(f"quotas.{name}", "must be at least 1")
     ret = cfg.retention
     if ret.keep_runs < 1:
         bad("retention.keep_runs", "must be at least 1 (the newest record is needed for misfire recovery)")
-    for name in ("finished_job_s", "tombstone_s", "run_output_s", "interval_s", "disk_interval_s",
-                 "compact_interval_s"):
-        if getattr(ret, name) < 0:
+    for name, seconds in (("finished_job_s", ret.finished_job_s), ("tombstone_s", ret.tombstone_s),
+                          ("run_output_s", ret.run_output_s), ("interval_s", ret.interval_s),
+                          ("disk_interval_s", ret.disk_interval_s), ("compact_interval_s", ret.compact_interval_s)):
+        if seconds < 0:
             bad(f"retention.{name}", "must not be negative")
     if ret.max_deletes_per_s <= 0:
         bad("retention.max_deletes_per_s", "must be positive")
@@ -196,8 +204,8 @@ def validate(cfg: Config, problems: list[str]) -> None:
         bad("quarantine.strikes", "must be at least 1")
     if qc.max_jobs < 1:
         bad("quarantine.max_jobs", "must be at least 1")
-    for name in ("window_s", "hold_s", "max_hold_s"):
-        if getattr(qc, name) <= 0:
+    for name, seconds in (("window_s", qc.window_s), ("hold_s", qc.hold_s), ("max_hold_s", qc.max_hold_s)):
+        if seconds <= 0:
             bad(f"quarantine.{name}", "must be positive")
     if qc.max_hold_s < qc.hold_s:
         bad("quarantine.max_hold_s", "must be at least quarantine.hold_s")
@@ -255,7 +263,7 @@ def validate(cfg: Config, problems: list[str]) -> None:
                 bad(f"{where}.params.{pname}", why)
         if not t.user:
             bad(f"{where}.user", "must not be empty")
-        elif _is_root_user(t.user) and not t.allow_root:
+        elif is_root_user(t.user) and not t.allow_root:
             bad(f"{where}.user", "runs jobs as root (uid 0): set allow_root: true in this template if that is intended")
         if t.network not in ("none", "internet", "any"):
             bad(f"{where}.network", "must be none, internet or any")
@@ -287,7 +295,8 @@ def _validate_gates(t: Template, where: str, bad: Any) -> None:
     if t.while_running not in ("finish", "stop"):
         bad(f"{where}.while_running", "must be finish or stop")
     for name, g in t.gates.items():
-        at, kinds = f"{where}.gates.{name}", [k for k in ("mqtt", "etcd", "command") if g and getattr(g, k)]
+        given = (("mqtt", g.mqtt), ("etcd", g.etcd), ("command", g.command)) if g else ()
+        at, kinds = f"{where}.gates.{name}", [k for k, v in given if v]
         if not NAME_RE.match(name) or len(kinds) != 1:
             bad(at, "needs a name of [A-Za-z0-9_-]{1,64} and exactly one of mqtt, etcd or command")
         elif (kinds[0] == "command") == isinstance(g.equals, str):
@@ -320,7 +329,7 @@ def _validate_approvals_and_rollback(cfg: Config, name: str, t: Template, bad: A
             "a rollback runs with the job's own params")
 
 
-def _is_root_user(name: str) -> bool:
+def is_root_user(name: str) -> bool:
     """The user resolves to uid 0 here (a name that does not exist on this host is checked
     again when a run starts)."""
     if name in ("root", "0"):

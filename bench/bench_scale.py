@@ -256,17 +256,12 @@ def month(days: int, cron: int, oneshots: int, per_day: int = 150, shards: int =
             r = c.client.txn([], [Put(c.keys.shard(s), "bench", lease=lease)])
             fences[s] = fence_for(c.keys, s, r.revision)
 
-        class _Agent:  # just what Retention reads
-            def __init__(self):
-                self.cfg, self.keys, self.client = cfg, c.keys, c.client
-                self.status_providers = {}
-
-                class _L:
-                    post = staticmethod(lambda *a: None)
-                self.loop = _L()
+        class _Loop:  # just what Retention's own worker reads (run_shard is called here directly)
+            post = staticmethod(lambda *a: None)
 
         sim_now = [datetime(2026, 11, 1, tzinfo=timezone.utc).timestamp()]
-        ret = Retention(_Agent(), scheduler=None, clock=lambda: sim_now[0])
+        ret = Retention(cfg, _Loop(), c.client, c.keys, ownership=None, audit=None, catalog=None,
+                        clock=lambda: sim_now[0])
         cron_ids = [f"cron{i:04d}" for i in range(cron)]
         w = Writer(c.client)
         for j in cron_ids:

@@ -19,6 +19,31 @@
    module itself, the call stays inside the module (another instance of its own class)
    and is allowed. Private methods of other libraries' objects (``c._ops_to_requests``
    of etcd3) are not ours to rename: ``--notes`` lists them without failing.
+4. seam-any: no ``Any`` in a parameter, return or attribute annotation of a class with a
+   ``Protocol`` base, nor in a module-level ``Callable`` alias such a Protocol names. A seam
+   says what it passes: the consumer's contract is the type. ``*args``/``**kwargs`` (JSON
+   fields) are exempt, and so is a line marked ``# any: <reason>``.
+5. duck: no ``getattr(x, "name", ...)``/``hasattr(x, "name")`` (a string constant, or a
+   ``for`` variable over constants) where ``name`` is an attribute some class of agent/
+   defines (class-body defs, annotations and assignments, ``self.name =``): on our own
+   types, the type says whether the attribute is there. Exempt: a receiver that is a module
+   of another library (``os``), an ``except ... as`` name, or a parameter annotated with a
+   type of another library (``argparse.Namespace``); and the modules of DUCK_ADAPTERS,
+   which handle other libraries' objects whose attributes vary by version.
+6. cycles: no import cycle across packages (Tarjan's strongly connected components over
+   the module graph; ``TYPE_CHECKING`` imports count, since the cycle they close is one of
+   knowledge). A package's own modules may import each other in a cycle; the top-level
+   modules (``config``, ``configcheck``, ``cli``) are one package, ``agent``.
+7. upward: no import (``TYPE_CHECKING`` ones included) of a part that RANK puts higher
+   than the importer's, except the pairs of UPWARD_ALLOWED, each with its reason.
+
+Every run prints a count per rule; ``--counts`` prints the figures of the structure
+(cycles, upward imports, duck and seam-any findings, pending ones included).
+PENDING holds findings known in files whose fixes are under way on other branches of
+issue 49: they are counted, not failed. The list is deleted when those branches merge.
+
+Rules 4 and 5 are in scripts/typerules.py; the source tree and its imports, as every rule
+reads them, in scripts/sourcetree.py.
 """
 
 from __future__ import annotations
@@ -28,13 +53,15 @@ import ast
 import os
 import sys
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
 
-PACKAGE = "agent"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sourcetree import PACKAGE, Finding, Tree, dotted, imports, private  # noqa: E402
+from typerules import Scope, duck, seam_any  # noqa: E402
 
 # Importable by every part: the package root (version constants), the typed config, and
 # the runtime leaves (agent/runtime/__init__.py).
-BASE = {"agent", "errors", "config", "configcheck", "runtime.loop", "runtime.metrics", "runtime.logs", "runtime.timefmt", "runtime.text",
+BASE = {"agent", "errors", "config", "configcheck", "brokerlimits", "runtime.loop", "runtime.metrics", "runtime.logs", "runtime.timefmt", "runtime.text",
         "runtime.recent", "runtime.kernel"}
 
 # part -> what it may import besides itself and BASE: parts ("jobs") or modules
@@ -56,6 +83,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "config": set(),                              # the sections and loading; configcheck validates
     "configcheck": {"coordination.placement",   # labels and targets have one syntax check
                     "jobs.paramregex"},           # and template param regexes one backtracking check
+    "brokerlimits": set(),                        # the broker profiles' table (mqtt.profile, mqtt.limits)
 }
 
 # A package's command module (agent/<package>/cli.py) may import agent.cli too: the
@@ -73,127 +101,69 @@ THIRD_PARTY_ONLY_IN = {
     "bcc": {"agent.signals.loader"},      # signals/__init__: only the loader process imports bcc
 }
 
-# underscore names that are public API (namedtuple's)
-PUBLIC_UNDERSCORE = {"_replace", "_asdict", "_make", "_fields", "_field_defaults"}
+# modules whose getattr/hasattr on our attribute names are about another library's objects
+# (rule 5): module -> why. docs/development.md lists the same table.
+DUCK_ADAPTERS = {
+    "agent.cloud.mqtt": "paho 1.6/2.x objects",
+    "agent.coordination.etcd": "grpc/etcd3 replies and transaction ops",
+    "agent.signals.loader": "bcc table types",
+    "agent.runtime.logs": "LogRecord extras",
+}
 
+# a part, or a module where it differs from its part -> its floor (rule 7): an import goes
+# to the same floor or down. The composition root sits above everything it wires.
+RANK = {
+    "agent": 0, "errors": 0, "config": 0, "configcheck": 0, "brokerlimits": 0,
+    "runtime": 0,                        # the ground floor: loop, metrics, logs, gcpolicy
+    "runtime.seams": 1,                  # the daemon's seams name coordination's Fence
+    "coordination": 1, "execute": 1, "signals": 1, "audit": 1,
+    "jobs": 2, "supervision": 2,
+    "cloud": 3,
+    "daemon": 4,                         # the composition root: only cli and demo import it
+    "runtime.daemon": 4, "runtime.components": 4, "runtime.admin": 4,   # its place before agent/daemon/
+    "cli": 5,
+    "__main__": 6, "demo": 6,
+}
 
-@dataclass(frozen=True)
-class Finding:
-    path: str
-    line: int
-    rule: str
-    message: str
+# (importer, imported) -> why the lower floor imports the higher one (rule 7)
+UPWARD_ALLOWED = {
+    ("configcheck", "coordination.placement"): "labels and targets have one syntax check, placement's",
+    ("configcheck", "jobs.paramregex"): "template param regexes have one backtracking check, paramregex's",
+}
 
-    def __str__(self) -> str:
-        return f"{self.path}:{self.line}: {self.rule}: {self.message}"
-
-
-def private(name: str) -> bool:
-    return name.startswith("_") and not name.startswith("__") and name not in PUBLIC_UNDERSCORE
-
-
-class Tree:
-    """The modules below ``root``/agent: dotted name -> path, the packages among them, and
-    which modules define each private function or method name."""
-
-    def __init__(self, root: str):
-        self.root = root
-        self.modules: dict[str, str] = {}
-        self.packages: set[str] = set()
-        self.syntax: dict[str, ast.Module] = {}
-        self.errors: list[Finding] = []
-        for dirpath, dirnames, filenames in os.walk(os.path.join(root, PACKAGE)):
-            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
-            rel = os.path.relpath(dirpath, root).replace(os.sep, ".")
-            if "__init__.py" in filenames:
-                self.packages.add(rel)
-            for f in sorted(filenames):
-                if f.endswith(".py"):
-                    self.modules[rel if f == "__init__.py" else f"{rel}.{f[:-3]}"] = os.path.join(dirpath, f)
-        self.defines: dict[str, set[str]] = {}   # private def name -> modules defining it
-        for module, path in self.modules.items():
-            with open(path, encoding="utf-8") as fh:
-                try:
-                    tree = ast.parse(fh.read(), filename=path)
-                except SyntaxError as exc:
-                    self.errors.append(Finding(self.shown(module), exc.lineno or 0, "syntax", str(exc.msg)))
-                    continue
-            self.syntax[module] = tree
-            for node in ast.walk(tree):
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and private(node.name):
-                    self.defines.setdefault(node.name, set()).add(module)
-
-    def shown(self, module: str) -> str:
-        return os.path.relpath(self.modules[module], self.root)
-
-    def exists(self, name: str) -> bool:
-        return name in self.modules
-
-    @staticmethod
-    def part(module: str) -> str:
-        """The part a module belongs to: its package below agent/, or the top-level module."""
-        parts = module.split(".")
-        return parts[1] if len(parts) > 1 else parts[0]
-
-    @staticmethod
-    def rel(module: str) -> str:
-        """``agent.jobs.view`` -> ``jobs.view``; ``agent`` stays ``agent``."""
-        return module.split(".", 1)[1] if "." in module else module
-
-
-@dataclass(frozen=True)
-class Import:
-    line: int
-    module: str                 # the module imported (resolved, absolute)
-    name: Optional[str]         # the name taken from it (a from-import of a non-module), else None
-    local: Optional[str]        # the local name bound to a module by this import, else None
-    bound: Optional[str]        # that module (``import a.b`` binds ``a`` to module ``a``)
-    type_checking: bool
-
-
-def _type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def imports(tree: Tree, module: str, syntax: ast.AST) -> Iterator[tuple[int, str, list[Import]]]:
-    """(line, module named, what it imports) for every import statement at any depth,
-    relative imports resolved against the importing module; a from-import of a submodule
-    (``from agent.runtime import metrics``) imports that module."""
-    is_package = module in tree.packages
-
-    def visit(node: ast.AST, tc: bool) -> Iterator[tuple[int, str, list[Import]]]:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _type_checking(child.test):
-                for stmt in child.body:
-                    yield from one(stmt, True)
-                for stmt in child.orelse:
-                    yield from one(stmt, tc)
-            else:
-                yield from one(child, tc)
-
-    def one(node: ast.AST, tc: bool) -> Iterator[tuple[int, str, list[Import]]]:
-        if isinstance(node, ast.Import):
-            for a in node.names:
-                bound = a.name if a.asname else a.name.split(".")[0]
-                yield node.lineno, a.name, [Import(node.lineno, a.name, None, a.asname or bound, bound, tc)]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                pkg = module.split(".") if is_package else module.split(".")[:-1]
-                pkg = pkg[:len(pkg) - (node.level - 1)]
-                base = ".".join(pkg) + ("." + base if base else "")
-            out = []
-            for a in node.names:
-                sub = f"{base}.{a.name}"
-                if tree.exists(sub):
-                    out.append(Import(node.lineno, sub, None, a.asname or a.name, sub, tc))
-                else:
-                    out.append(Import(node.lineno, base, a.name, None, None, tc))
-            yield node.lineno, base, out
-        yield from visit(node, tc)
-
-    yield from visit(syntax, False)
+# Findings in files that other branches of issue 49 are changing (rule -> "path:key"; for
+# cycles, the modules): counted, not failed. jobs/ (WP5), cloud/ (WP3), supervision/ and
+# coordination/shards (WP4), jobs/retention (WP2), runtime/ (WP1). TEMPORARY: the lead
+# deletes it once those branches have merged; `--pending` lists what it still hides.
+PENDING: dict[str, set[str]] = {
+    "duck": {
+        "agent/coordination/shards.py:lag", "agent/jobs/approvals.py:approvals", "agent/jobs/catalog.py:pid",
+        "agent/jobs/catchup.py:lag", "agent/jobs/claims.py:lag", "agent/jobs/outcomes.py:error",
+        "agent/jobs/outcomes.py:exit_code", "agent/jobs/outcomes.py:progress,result,result_error",
+        "agent/jobs/outcomes.py:started_at", "agent/jobs/outcomes.py:stderr_tail", "agent/jobs/outcomes.py:to_dict",
+        "agent/jobs/outcomes.py:usage", "agent/jobs/progress.py:pid", "agent/jobs/retention.py:base_dir",
+        "agent/jobs/retention.py:cleaner", "agent/jobs/retention.py:run_dir", "agent/jobs/rollouts.py:rollback",
+        "agent/jobs/schedule.py:issued_at", "agent/jobs/schedule.py:misfire_limit",
+        "agent/jobs/schedule.py:not_after", "agent/jobs/scheduler.py:lag", "agent/jobs/scheduler.py:pid",
+        "agent/jobs/scheduler.py:reason", "agent/jobs/scheduler.py:started_at", "agent/jobs/startpolicy.py:done",
+        "agent/jobs/startpolicy.py:final_ops", "agent/jobs/startpolicy.py:installed",
+        "agent/runtime/components.py:gate_topics", "agent/supervision/health.py:argv_source",
+        "agent/supervision/health.py:available", "agent/supervision/health.py:ts",
+    },
+    "seam-any": {
+        "agent/jobs/seams.py:OnExit", "agent/jobs/seams.py:OnProgress", "agent/jobs/seams.py:OnRelease",
+        "agent/jobs/seams.py:RunStarter", "agent/supervision/sensing.py:ExecListener",
+    },
+    "upward": {
+        "agent/cloud/broker.py:cli", "agent/cloud/component.py:cli", "agent/cloud/component.py:runtime.daemon",
+        "agent/runtime/admin.py:cli", "agent/runtime/daemon.py:cli", "agent/supervision/component.py:runtime.daemon",
+        "agent/supervision/sensing.py:runtime.daemon",
+    },
+    "cycles": {
+        "agent.cloud", "agent.cloud.component", "agent.runtime.components", "agent.runtime.daemon",
+        "agent.supervision.component", "agent.supervision.sensing",
+    },
+}
 
 
 def may_import(importer: str, target: str) -> bool:
@@ -223,18 +193,6 @@ def layer_problem(importer: str, target: str) -> Optional[str]:
     return None
 
 
-def _dotted(node: ast.expr) -> Optional[str]:
-    """``a.b.c`` for a chain of names and attributes, else None."""
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        parts.append(node.id)
-        return ".".join(reversed(parts))
-    return None
-
-
 def check_module(tree: Tree, module: str) -> tuple[list[Finding], list[Finding]]:
     """(findings, notes) of one module."""
     syntax, shown = tree.syntax[module], tree.shown(module)
@@ -242,6 +200,7 @@ def check_module(tree: Tree, module: str) -> tuple[list[Finding], list[Finding]]
     notes: list[Finding] = []
     aliases: dict[str, str] = {}       # local name -> agent module bound to it
     foreign: set[str] = set()          # local names bound to modules outside agent/
+    names: dict[str, str] = {}         # local name -> module a from-import took it from
 
     for line, top, imps in imports(tree, module, syntax):
         lib = top.split(".")[0]
@@ -249,6 +208,8 @@ def check_module(tree: Tree, module: str) -> tuple[list[Finding], list[Finding]]
             out.append(Finding(shown, line, "layers",
                                f"imports {lib}, which only {', '.join(sorted(THIRD_PARTY_ONLY_IN[lib]))} may"))
         for imp in imps:
+            if imp.as_name is not None:
+                names[imp.as_name] = imp.module
             if lib != PACKAGE:
                 if imp.local is not None:
                     foreign.add(imp.local)
@@ -265,7 +226,7 @@ def check_module(tree: Tree, module: str) -> tuple[list[Finding], list[Finding]]
 
     for node in ast.walk(syntax):
         if isinstance(node, ast.Attribute) and private(node.attr):
-            owner = _dotted(node.value)
+            owner = dotted(node.value)
             head = owner.split(".")[0] if owner else ""
             if owner is not None and head in aliases:
                 bound = aliases[head] + owner[len(head):]
@@ -278,7 +239,7 @@ def check_module(tree: Tree, module: str) -> tuple[list[Finding], list[Finding]]
                 continue
             if isinstance(recv, ast.Call) and isinstance(recv.func, ast.Name) and recv.func.id == "super":
                 continue
-            owner = _dotted(recv)
+            owner = dotted(recv)
             if owner is not None and owner.split(".")[0] in aliases:
                 continue               # a module's private function: the private rule reports it
             if owner is not None and owner.split(".")[0] in foreign:
@@ -292,12 +253,143 @@ def check_module(tree: Tree, module: str) -> tuple[list[Finding], list[Finding]]
                                    f"{what}: a private method of {', '.join(sorted(defined))}"))
             else:
                 notes.append(Finding(shown, node.lineno, "note", f"{what}: a private method of another library"))
+    if module not in DUCK_ADAPTERS:
+        out += duck(tree, module, Scope(foreign, set(aliases), names))
     return out, notes
 
 
-def check(root: str) -> tuple[list[Finding], list[Finding]]:
-    """(findings, notes) for the agent/ package below ``root``. A part of agent/ without a
-    row in MAY_IMPORT is a finding too: a new part says what it may import."""
+def import_graph(tree: Tree) -> tuple[dict[str, dict[str, int]], set[tuple[str, str]]]:
+    """(module -> the agent modules it imports, TYPE_CHECKING imports too -> first line;
+    the pairs imported at run time)."""
+    edges: dict[str, dict[str, int]] = {}
+    run_time: set[tuple[str, str]] = set()
+    for module in sorted(tree.syntax):
+        for line, _, imps in imports(tree, module, tree.syntax[module]):
+            for imp in imps:
+                if imp.module != module and tree.exists(imp.module):
+                    edges.setdefault(module, {}).setdefault(imp.module, line)
+                    if not imp.type_checking:
+                        run_time.add((module, imp.module))
+    return edges, run_time
+
+
+def components(edges: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of more than one module, each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, {}):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            connect(v)
+    return sorted(out)
+
+
+def cycles(tree: Tree, edges: dict[str, dict[str, int]]) -> list[Finding]:
+    """Rule 6: a strongly connected component whose modules are in more than one package."""
+    out = []
+    for comp in components(edges):
+        packages = sorted({tree.package(m) for m in comp})
+        if len(packages) < 2:
+            continue
+        first = comp[0]
+        line = min(n for m, n in edges[first].items() if m in comp)
+        out.append(Finding(tree.shown(first), line, "cycles",
+                           f"an import cycle across {', '.join(packages)} (TYPE_CHECKING imports count): "
+                           f"{', '.join(comp)}; cut it with a Protocol where the caller is, or a value passed in",
+                           key=" ".join(comp)))
+    return out
+
+
+def rank(module: str) -> Optional[int]:
+    rel = Tree.rel(module)
+    parts = rel.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in RANK:
+            return RANK[".".join(parts[:n])]
+    return RANK.get(Tree.part(module))
+
+
+def upward(tree: Tree, edges: dict[str, dict[str, int]], run_time: set[tuple[str, str]]) -> tuple[list[Finding], int, int]:
+    """Rule 7: (findings, the allowed pairs, the pairs rule 1 reports already). A part
+    without a RANK is a finding."""
+    out, allowed, layered = [], 0, 0
+    for part in sorted({Tree.part(m) for m in tree.syntax} - {PACKAGE}):
+        if part not in RANK:
+            out.append(Finding("scripts/check-imports.py", 1, "upward",
+                               f"{part} has no floor in RANK: say where it sits", key=part))
+    for src in sorted(edges):
+        for dst, line in sorted(edges[src].items()):
+            a, b = rank(src), rank(dst)
+            if a is None or b is None or b <= a or Tree.part(src) == Tree.part(dst):
+                continue
+            if Tree.rel(src).endswith(".cli") and Tree.part(dst) in COMMAND_MAY_IMPORT:
+                continue
+            if Tree.part(src) in ONLY_FROM.get(Tree.part(dst), ()):
+                continue                 # the importers ONLY_FROM names: the CLI runs the demo
+            if (Tree.part(src), Tree.rel(dst)) in UPWARD_ALLOWED or (Tree.rel(src), Tree.rel(dst)) in UPWARD_ALLOWED:
+                allowed += 1
+                continue
+            if (src, dst) in run_time and layer_problem(src, dst):
+                layered += 1             # one finding per breach: the layers rule names it
+                continue
+            out.append(Finding(tree.shown(src), line, "upward",
+                               f"imports {dst}, a floor above it (RANK in scripts/check-imports.py): pass a value "
+                               "or a Protocol down instead, or write the pair and why in UPWARD_ALLOWED",
+                               key=Tree.rel(dst)))
+    return out, allowed, layered
+
+
+def pending(f: Finding) -> bool:
+    """Whether PENDING names this finding (a cycle: when it names every module of it)."""
+    known = PENDING.get(f.rule, set())
+    if f.rule == "cycles":
+        return bool(f.key) and set(f.key.split()) <= known
+    return f"{f.path}:{f.key}" in known
+
+
+def stale(r: Result) -> list[tuple[str, str]]:
+    """(rule, entry) of PENDING that no pending finding matches: fixed, or moved."""
+    seen = {(f.rule, f"{f.path}:{f.key}") for f in r.pending if f.rule != "cycles"}
+    seen |= {("cycles", m) for f in r.pending if f.rule == "cycles" for m in f.key.split()}
+    return sorted((rule, e) for rule, entries in PENDING.items() for e in entries if (rule, e) not in seen)
+
+
+@dataclass
+class Result:
+    findings: list[Finding]
+    pending: list[Finding]
+    notes: list[Finding]
+    allowed_upward: int
+    layered_upward: int          # upward pairs the layers rule reports
+    cycle_modules: int
+
+
+def analyse(root: str) -> Result:
+    """Every rule over the agent/ package below ``root``."""
     tree = Tree(root)
     out, notes = list(tree.errors), []
     seen: set[str] = set()
@@ -310,8 +402,49 @@ def check(root: str) -> tuple[list[Finding], list[Finding]]:
         found, noted = check_module(tree, module)
         out += found
         notes += noted
+    out += seam_any(tree)
+    edges, run_time = import_graph(tree)
+    found_cycles = cycles(tree, edges)
+    up, allowed, layered = upward(tree, edges, run_time)
+    out += found_cycles + up
     order = lambda f: (f.path, f.line, f.message)  # noqa: E731
-    return sorted(out, key=order), sorted(notes, key=order)
+    return Result(sorted((f for f in out if not pending(f)), key=order), sorted((f for f in out if pending(f)), key=order),
+                  sorted(notes, key=order), allowed, layered, sum(len(f.key.split()) for f in found_cycles))
+
+
+RULES = ("layers", "private", "private-call", "seam-any", "duck", "cycles", "upward")
+
+
+def counts(r: Result) -> str:
+    """One line: the findings of each rule, and the pending ones beside them."""
+    def one(rule: str) -> str:
+        n = sum(f.rule == rule for f in r.findings)
+        p = sum(f.rule == rule for f in r.pending)
+        return f"{rule} {n}" + (f" (+{p} pending)" if p else "")
+    return "check-imports: " + ", ".join(one(rule) for rule in RULES)
+
+
+def figures(r: Result) -> str:
+    """The structure's figures (pending findings included): what the closing note quotes."""
+    every = r.findings + r.pending
+    n = lambda rule: sum(f.rule == rule for f in every)  # noqa: E731
+    pairs = n("upward") + r.allowed_upward + r.layered_upward
+    return "\n".join([
+        f"cross-package import cycles: {n('cycles')} ({r.cycle_modules} modules)",
+        f"upward imports: {pairs} module pairs ({r.allowed_upward} allowed in UPWARD_ALLOWED, "
+        f"{r.layered_upward} reported by the layers rule)",
+        f"duck (getattr/hasattr on our attribute names): {n('duck')}",
+        f"seam-any (Any in seam Protocols and their aliases): {n('seam-any')}",
+        f"pending (PENDING, other branches of issue 49): {len(r.pending)}",
+    ])
+
+
+def check(root: str) -> tuple[list[Finding], list[Finding]]:
+    """(findings, notes) for the agent/ package below ``root``, PENDING ones left out. A
+    part of agent/ without a row in MAY_IMPORT is a finding too: a new part says what it
+    may import."""
+    r = analyse(root)
+    return r.findings, r.notes
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -319,13 +452,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--root", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                     help="the source tree holding agent/ (default: this checkout)")
     ap.add_argument("--notes", action="store_true", help="also list private calls into other libraries (never fail)")
+    ap.add_argument("--counts", action="store_true",
+                    help="print the figures of the structure (cycles, upward imports, duck, seam-any; pending included)")
+    ap.add_argument("--pending", action="store_true", help="also list the findings PENDING names (never fail)")
     args = ap.parse_args(argv)
     if not os.path.isdir(os.path.join(args.root, PACKAGE)):
         print(f"check-imports: no {PACKAGE}/ in {args.root}", file=sys.stderr)
         return 2
-    findings, notes = check(args.root)
-    for f in findings + (notes if args.notes else []):
+    r = analyse(args.root)
+    findings = r.findings
+    for f in findings + (r.notes if args.notes else []) + (r.pending if args.pending else []):
         print(f)
+    if args.pending:
+        for rule, entry in stale(r):
+            print(f"PENDING[{rule!r}] names {entry}, which no finding matches any more: delete it")
+    print(counts(r))
+    if args.counts:
+        print(figures(r))
     if findings:
         print(f"check-imports: {len(findings)} finding(s); the rules: scripts/check-imports.py", file=sys.stderr)
         return 1

@@ -30,7 +30,10 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from agent.config import Config
 
 JOB_EVENTS = frozenset({
     "accepted", "rejected", "scheduled", "run_start", "run_end", "retrying", "cancelled",
@@ -140,22 +143,20 @@ def config_digest(cfg: Any) -> str:
     return hashlib.sha256(body.encode()).hexdigest()
 
 
-def describe_config(cfg: Any) -> dict:
+def describe_config(cfg: Config) -> dict:
     """Fields for the ``config`` record at start: the file, its SHA-256 and what matters most.
 
     ``audit.config(**describe_config(cfg))``. Secrets never enter the record: only the hash
     of the whole file, and a summary without passwords or key material.
     """
-    source = getattr(cfg, "source", "<defaults>")
-    digest = config_digest(cfg)
     summary = {
-        "cluster": getattr(cfg, "cluster", None),
-        "agent_id": getattr(cfg, "agent_id", None),
-        "shards": getattr(cfg, "shards", None),
-        "templates": sorted(getattr(cfg, "templates", {}) or {}),
-        "bpf_mode": getattr(getattr(cfg, "bpf", None), "mode", None),
+        "cluster": cfg.cluster,
+        "agent_id": cfg.agent_id,
+        "shards": cfg.shards,
+        "templates": sorted(cfg.templates),
+        "bpf_mode": cfg.bpf.mode,
     }
-    return {"source": source, "sha256": digest, "summary": summary}
+    return {"source": cfg.source, "sha256": config_digest(cfg), "summary": summary}
 
 
 class NullAudit(RecordHelpers):

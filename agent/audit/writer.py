@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from agent.audit.appender import MAX_GAP_TYPES, ChainAppender
 from agent.audit.events import RecordHelpers
@@ -32,6 +32,9 @@ from agent.audit.metrics import DROPPED, QUEUE_DEPTH
 from agent.audit.record import RESERVED, TYPE_RE
 from agent.audit.recovery import AuditError, lock_directory
 from agent.runtime.timefmt import format_ts
+
+if TYPE_CHECKING:
+    from agent.config import AuditConfig
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +99,12 @@ class AuditLog(RecordHelpers):
         self._thread.start()
 
     @classmethod
-    def from_config(cls, acfg: Any, agent_id: Optional[str] = None,
+    def from_config(cls, acfg: AuditConfig, agent_id: Optional[str] = None,
                     on_checkpoint: Optional[Callable[[dict], Any]] = None) -> "AuditLog":
         """Build from an :class:`agent.config.AuditConfig`."""
         return cls(acfg.dir, acfg.key_file, fsync_interval_s=acfg.fsync_interval_s, queue_max=acfg.queue_max,
                    rotate_bytes=acfg.rotate_bytes, keep_files=acfg.keep_files,
-                   checkpoint_interval_s=getattr(acfg, "checkpoint_interval_s", 60.0),
+                   checkpoint_interval_s=acfg.checkpoint_interval_s,
                    agent_id=agent_id, on_checkpoint=on_checkpoint)
 
     # ------------------------------------------------------------------ caller API

@@ -6,12 +6,8 @@ the link to ingest: ownership, grace holds, acknowledgements), outbox (durable s
 outbox), answers (answers kept in etcd until delivered, republished by the shard's owner),
 facts (an answer rebuilt from etcd), peers (peers' statuses, bounded), queries (signed
 jobs/get), asking (its cloud side), ratelimit (token buckets), presence (presence
-documents), broker (the broker's ACL and settings), component (wiring to the daemon). The
-daemon's factory is :func:`cloud_component`. Threat model: docs/security.md.
+documents), broker (the broker's ACL and settings), profile (the broker's limits, and
+what `config check` refuses for them), component (the daemon's part:
+:class:`component.CloudComponent`, built and registered by the daemon's wiring).
+Threat model: docs/security.md.
 """
-
-
-def cloud_component(agent):
-    from .component import CloudComponent
-
-    return CloudComponent(agent)

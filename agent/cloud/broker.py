@@ -104,6 +104,6 @@ def cli_broker_settings(args) -> int:
     if size is None:
         from agent.config import config_path, load_config
 
-        size = load_config(config_path(getattr(args, "config", None))).mqtt.max_payload_bytes
+        size = load_config(config_path(args.config)).mqtt.max_payload_bytes
     print(settings_text(size), end="")
     return 0

@@ -21,6 +21,7 @@ The broker URL, TLS, credentials and the cluster come from the agent config (-c)
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import queue
@@ -37,10 +38,12 @@ EXIT_ACCEPTED, EXIT_REJECTED, EXIT_USAGE, EXIT_NO_ANSWER, EXIT_BROKER = 0, 1, 2,
 
 def _config(args):
     from agent.cli import load_cli_config
+    from agent.cloud.profile import require_fit
     from agent.configcheck import require_secure_mqtt
 
     cfg = load_cli_config(args)
     require_secure_mqtt(cfg)  # plain or anonymous MQTT only with mqtt.insecure: true
+    require_fit(cfg)
     if cfg.mqtt.username is not None and cfg.mqtt.username == cfg.agent_id:
         # the broker makes a client's id its username: this connection would take over
         # (and, being a clean session, discard) the agent's own session
@@ -213,7 +216,7 @@ def _write(path: str, payload: bytes) -> None:
         raise UserError(f"{path}: {exc.strerror or exc}") from None
 
 
-def cli_push(args) -> int:
+def cli_push(args: argparse.Namespace) -> int:
     cfg = _config(args)
     ring = _keyring(args.key_file, args.kid)
     try:

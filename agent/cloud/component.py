@@ -1,13 +1,18 @@
-"""The cloud channel as a daemon component: wires MQTT, ingest, outbox and presence to the Agent.
+"""The cloud channel as a daemon component: MQTT, ingest, outbox and presence.
 
-Integration with agent.runtime.daemon.Agent (all registered in __init__, nothing else to call):
-- ``agent.status_sinks``      += sink: every status document -> the durable outbox (loop thread;
-                                  one SQLite transaction per loop burst, no network; held in
-                                  memory and retried while the state disk refuses it: outboxwriter.py)
-- ``agent.checkpoint_sinks``  += sink: audit checkpoints -> outbox, topic agents/<id>/audit/checkpoint
-- ``agent.drain_hooks``       += publishes presence ``draining``, then calls done()
-- ``agent.status_providers["cloud"]``: connection, outbox depth, pending pushes, paho version
-- ``agent.job_listeners`` (:class:`JobListener`, the scheduler): ``job_stored(StoredJob)`` and
+It takes the values it uses (config, loop, etcd client and keys, the agent's Ownership, its
+members, the audit sink, the signing key ring the daemon loaded, the job listeners) and
+never the daemon. It registers nothing itself: the wiring (agent/daemon/wiring.py)
+registers its public methods on the daemon's hooks:
+- ``status_sink(doc)``: every status document -> the durable outbox (loop thread; one
+  SQLite transaction per loop burst, no network; held in memory and retried while the
+  state disk refuses it: outboxwriter.py)
+- ``checkpoint_sink(doc)``: audit checkpoints -> outbox, topic agents/<id>/audit/checkpoint
+- ``drain(done)``: publishes presence ``draining``, then calls done()
+- ``members_changed()``: the members/ view changed (one status subscription per member)
+- ``status()``: connection, outbox depth, pending pushes, paho version
+- ``gate_topics``: the production gates' retained MQTT topics, read by the gates
+- ``job_listeners`` (:class:`JobListener`, the scheduler): ``job_stored(StoredJob)`` and
   ``job_cancelled(job_id)`` are posted to the loop after a push is stored / a cancel applied
 - start(): opens the outbox, starts the publisher, the ingest workers, the jobs/ watch and
   the MQTT link; stop(): presence ``offline``, flushes the outbox briefly, disconnects.
@@ -20,12 +25,21 @@ import logging
 import os
 import sqlite3
 import threading
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import Any, Callable, Iterable, Optional, Protocol
 
+from agent.config import Config
+from agent.coordination.etcd import EtcdClient
+from agent.coordination.fencing import Fence
 from agent.coordination.jobstore import JobStore, StoredJob
+from agent.coordination.keys import Keys
+from agent.coordination.ownership import Ownership
 from agent.coordination.quota import ClusterQuota
+from agent.coordination.shards import Member
 from agent.coordination.watch import PrefixWatch
-from agent.jobs.signing import KeyFileError, KeyRing
+from agent.errors import UserError
+from agent.jobs.seams import AuditSink
+from agent.jobs.signing import KeyRing
+from agent.runtime.loop import EventLoop
 from agent.runtime.recent import RecentMemory
 
 from .answers import Answers
@@ -48,9 +62,6 @@ log = logging.getLogger(__name__)
 # lost with the clean session (their answers count as possibly delivered)
 PEERS_RECONNECT_S = 0.1
 
-if TYPE_CHECKING:
-    from agent.runtime.daemon import Agent
-
 OUTBOX_FILE = "mqtt-outbox.sqlite"
 # test knob: "1" keeps every status in the outbox (nothing is published), so a test can
 # kill the agent after a run ended but before its outbox drained (docs/cloud.md)
@@ -70,48 +81,47 @@ def client_id_for(cfg) -> str:
     return cfg.mqtt.client_id or f"millwright-{cfg.cluster}-{cfg.agent_id}"
 
 
-def load_keyring(path: str, record=None) -> KeyRing:
-    try:
-        return KeyRing.load(path)
-    except KeyFileError as exc:
-        for line in exc.problems:
-            log.error("signing keys unusable: every push will be rejected", extra={"fields": {"problem": line}})
-        if record:
-            record("config", event="signing_keys_unusable", problems=exc.problems)
-        return KeyRing({}, source=path)
-
-
 class CloudComponent:
-    def __init__(self, agent: Agent, workers: int = 2):
+    """The cloud channel: built from the values it uses, registered by the wiring."""
+
+    def __init__(self, cfg: Config, loop: EventLoop, client: EtcdClient, keys: Keys, ownership: Ownership,
+                 members: Callable[[], Iterable[Member]], audit: AuditSink, keyring: KeyRing,
+                 job_listeners: list[JobListener], workers: int = 2):
+        from agent.cloud.profile import require_fit
         from agent.configcheck import require_secure_mqtt, shared_status_link
 
-        cfg = agent.cfg
         require_secure_mqtt(cfg)  # plain or anonymous MQTT only with mqtt.insecure: true
-        self.agent = agent
+        require_fit(cfg)   # what the broker profile cannot carry, as config check refuses it
         self.cfg = cfg
+        self.loop = loop
+        self.client = client
+        self.keys = keys
+        self.ownership = ownership
+        # the live members (loop thread's table): read by ingest threads, so read with care (_members)
+        self.live_members = members
+        self.audit = audit
+        # the daemon's one ring: the scheduler verifies stored jobs with the same
+        self.keyring = keyring
+        # the list itself, not a copy: listeners registered after this part was built are told too
+        self.job_listeners = job_listeners
         m = cfg.mqtt
         self.topics = Topics(cfg.cluster, cfg.agent_id)
         self.agent_id = cfg.agent_id
-        self.keyring = load_keyring(cfg.signing.keys_file, agent.record)
-        agent.keyring = self.keyring  # the scheduler verifies stored jobs with the same ring
-        self.store = JobStore(agent.client, agent.keys, cfg.shards, cfg.agent_id)
+        self.store = JobStore(client, keys, cfg.shards, cfg.agent_id)
         path = os.path.join(cfg.state_dir, OUTBOX_FILE)
         try:
             self.outbox = Outbox(path, m.outbox_max, m.outbox_full_policy)
         except (OSError, sqlite3.Error) as exc:
-            from agent.cli import UserError
-
             raise UserError(f"state_dir: cannot open the status outbox {path}: {exc}") from None
         # statuses, republished answers and audit checkpoints go in through the writer, which
         # never raises: it holds them while the state disk refuses writes (ingest writes its own)
-        self.writer = OutboxWriter(self.outbox, schedule=lambda delay, fn: agent.loop.post(agent.loop.call_later,
-                                                                                            delay, fn),
-                                   record=lambda *a, **k: agent.loop.post(lambda: agent.record(*a, **k)))
+        self.writer = OutboxWriter(self.outbox, schedule=lambda delay, fn: loop.post(loop.call_later, delay, fn),
+                                   record=self._record_later)
         self.outbox.on_drop = self.writer.dropped
         self._statuses: list = []  # (topic, doc, marker) for the outbox, loop thread only
         # production gates on the plant broker (agent/jobs/gates.py): their topics' last values
-        self.gate_topics = RetainedTopics(g.mqtt for t in cfg.templates.values() if t is not None
-                                          for g in t.gates.values() if g is not None and g.mqtt)
+        self.gate_topics: RetainedTopics = RetainedTopics(g.mqtt for t in cfg.templates.values() if t is not None
+                                                          for g in t.gates.values() if g is not None and g.mqtt)
         self.link: Link = MqttLink(m, client_id_for(cfg), clean_session=False,
                              will=(self.topics.presence(self.agent_id), will_doc(self.agent_id), 1, True),
                              on_connect=self._connected, on_message=self._message,
@@ -122,27 +132,26 @@ class CloudComponent:
                              topic_kind=self.topics.kind,
                              reconnect_min_s=m.reconnect_min_s,
                              reconnect_max_s=m.reconnect_max_s)
-        owned = lambda: agent.owned_shards  # noqa: E731 - a snapshot readable from any thread
-        self.answers = Answers(agent.client, agent.keys, self.agent_id, enqueue=self._republish,
+        owned = lambda: ownership.owned  # noqa: E731 - a snapshot readable from any thread
+        self.answers = Answers(client, keys, self.agent_id, enqueue=self._republish,
                                in_outbox=self.writer.has_marker, owned=owned, fence_for=self._fence_for,
                                republish_after_s=max(30.0, 3 * cfg.etcd.lease_ttl_s),
-                               record=lambda *a, **k: agent.loop.post(lambda: agent.record(*a, **k)),
+                               record=self._record_later,
                                connected=lambda: self.link.connected)
-        agent.answer_markers = True  # the scheduler writes final run statuses as markers too
         self.publisher = OutboxPublisher(self.outbox, self.link, on_tick=self.writer.flush_gap,
                                          on_delivered=self.answers.delivered, on_handing=self.answers.handing,
                                          hold=os.environ.get(HOLD_OUTBOX_ENV) == "1")
         self.ingest = Ingest(store=self.store, keyring=self.keyring, templates=cfg.templates, topics=self.topics,
                              agent_id=self.agent_id, max_bytes=m.max_payload_bytes, max_skew_s=m.max_skew_s,
-                             cluster=cfg.cluster, max_age_s=m.max_age_s, outbox=self.outbox, record=agent.record,
+                             cluster=cfg.cluster, max_age_s=m.max_age_s, outbox=self.outbox, record=audit.record,
                              notify=self._notify, answers=self.answers, members=self._members,
-                             quota=ClusterQuota(agent.client, agent.keys, cfg.quotas.jobs, cfg.quotas.stored_mb))
-        self.queries = JobQueries(agent.client, agent.keys, cfg.shards, self.agent_id, self.topics, self.link,
+                             quota=ClusterQuota(client, keys, cfg.quotas.jobs, cfg.quotas.stored_mb))
+        self.queries = JobQueries(client, keys, cfg.shards, self.agent_id, self.topics, self.link,
                                   owned, hold_s=cfg.etcd.lease_ttl_s + 5.0, keyring=self.keyring,
                                   cluster=cfg.cluster, max_age_s=m.get_max_age_s, max_skew_s=m.max_skew_s,
                                   page_bytes=m.get_page_bytes,
                                   report_unauthenticated=self.ingest.report_unauthenticated,
-                                  record=lambda *a, **k: agent.loop.post(lambda: agent.record(*a, **k)))
+                                  record=self._record_later)
         # peers' statuses: one subscription per member (peersubs.py), none for the wildcard
         # an older agent's persistent session may still hold; on a link of their own when
         # the agent has a peers user (a clean session: a flood is cut with the connection)
@@ -160,35 +169,37 @@ class CloudComponent:
         status_link: Link = self.peers_link or self.link
         self._push_link_strays: RecentMemory[str, bool] = RecentMemory(MAX_PEERS)   # the push link's thread
         self.peer_subs = PeerSubscriptions(self.topics, status_link, self.agent_id, reading=self.answers.reading,
-                                           not_reading=self.answers.not_reading, call_later=agent.loop.call_later,
-                                           record=agent.record)
-        agent.members_listeners.append(lambda: self.peer_subs.members_changed(list(agent.shards.members)))
+                                           not_reading=self.answers.not_reading, call_later=loop.call_later,
+                                           record=audit.record)
         self.peers = PeerStatuses(self.topics, status_link, saw=self.answers.saw, missed=self.answers.missed,
-                                  record=lambda *a, **k: agent.loop.post(lambda: agent.record(*a, **k)),
-                                  flooding=lambda peer: agent.loop.post(self.peer_subs.flooding, peer),
-                                  stray=lambda peer: agent.loop.post(self.peer_subs.stray, peer),
+                                  record=self._record_later,
+                                  flooding=lambda peer: loop.post(self.peer_subs.flooding, peer),
+                                  stray=lambda peer: loop.post(self.peer_subs.stray, peer),
                                   wanted=lambda: self.peer_subs.snapshot,
                                   cut=self._cut if self.peers_link is not None else None)
-        self.dispatcher = Dispatcher(self.ingest, self.link, self.topics, lambda: agent.owned_shards,
-                                     m.ingest_grace_s, workers=workers)
+        self.dispatcher = Dispatcher(self.ingest, self.link, self.topics, owned, m.ingest_grace_s, workers=workers)
         self.watch: Optional[PrefixWatch] = None
         self.answers_watch: Optional[PrefixWatch] = None
         self._stopping = threading.Event()
         self._state = "online"
-        agent.status_sinks.append(self.status_sink)
-        agent.checkpoint_sinks.append(self.checkpoint_sink)
-        agent.drain_hooks.append(self.drain)
-        agent.status_providers["cloud"] = self.status
+
+    def _record_later(self, type_: str, **fields: Any) -> None:
+        """Any thread: an audit record, written on the loop thread (which owns the audit log)."""
+        self.loop.post(lambda: self.audit.record(type_, **fields))
 
     def _members(self) -> Optional[dict]:
         """Live members as published (labels, templates), read from the ingest thread."""
         for _ in range(3):
             try:
                 return {m.agent: {"labels": m.labels, "templates": sorted(m.templates), "available": m.available}
-                        for m in list(self.agent.shards.members.values())}
+                        for m in list(self.live_members())}
             except RuntimeError:  # changed size while the loop thread updated it: read again
                 continue
         return None
+
+    def members_changed(self) -> None:
+        """Loop thread: the members/ view changed; subscribe to newcomers' statuses."""
+        self.peer_subs.members_changed([m.agent for m in self.live_members()])
 
     # --- sinks ------------------------------------------------------------------------
     def status_sink(self, doc: dict) -> None:
@@ -202,7 +213,7 @@ class CloudComponent:
             doc = {k: v for k, v in doc.items() if k != "_answer"}
         self._statuses.append((self.topics.status(doc.get("job_id")), doc, marker))
         if len(self._statuses) == 1:
-            self.agent.loop.post(self._write_statuses)
+            self.loop.post(self._write_statuses)
 
     def _write_statuses(self) -> None:
         """Loop thread: the queued statuses, in order, in one outbox transaction."""
@@ -213,19 +224,17 @@ class CloudComponent:
         """Answers' sweep thread: an answer whose writer is gone, published by this owner."""
         self.writer.write([(self.topics.status(job_id), doc, marker)])
 
-    def _fence_for(self, shard: int):
+    def _fence_for(self, shard: int) -> Optional[Fence]:
         """Ingest threads: the shard's fence if this agent holds it (a snapshot read)."""
-        if shard not in self.agent.owned_shards:
-            return None
-        return self.agent.shards.mine.get(shard)
+        return self.ownership.fence_snapshot(shard)
 
     def checkpoint_sink(self, doc: dict) -> None:
         """Audit writer thread: an anchor for the cloud, sent in order via the outbox."""
         self.writer.write([(self.topics.checkpoint(self.agent_id), {"v": 1, "agent": self.agent_id, **doc}, None)])
 
     def _notify(self, kind: str, obj: Any) -> None:
-        for listener in list(self.agent.job_listeners):
-            self.agent.loop.post(listener.job_stored if kind == "stored" else listener.job_cancelled, obj)
+        for listener in list(self.job_listeners):
+            self.loop.post(listener.job_stored if kind == "stored" else listener.job_cancelled, obj)
 
     # --- link callbacks (the link's thread) ---------------------------------------------
     def _connected(self, generation: int, session_present: bool) -> None:
@@ -302,7 +311,7 @@ class CloudComponent:
         backoff = 0.1
         while not self._stopping.is_set():
             try:
-                _, rev = self.agent.client.get_prefix(self.agent.keys.prefix + "cloud-probe/", keys_only=True)
+                _, rev = self.client.get_prefix(self.keys.prefix + "cloud-probe/", keys_only=True)
                 break
             except Exception:
                 self._stopping.wait(backoff)
@@ -311,14 +320,14 @@ class CloudComponent:
             return
         # both only look at puts (a job stored or cancelled, a rejection's marker): deletes
         # (e.g. every delivered answer's marker) and previous values are not sent
-        self.watch = PrefixWatch(self.agent.client, self.agent.keys.jobs_prefix(), "cloud-jobs",
+        self.watch = PrefixWatch(self.client, self.keys.jobs_prefix(), "cloud-jobs",
                                  on_snapshot=lambda kvs, rev: None, on_events=self.dispatcher.on_job_events,
                                  start_revision=rev + 1, puts_only=True).start()
-        self.answers_watch = PrefixWatch(self.agent.client, self.agent.keys.answers_prefix(), "cloud-answers",
+        self.answers_watch = PrefixWatch(self.client, self.keys.answers_prefix(), "cloud-answers",
                                          on_snapshot=lambda kvs, rev: None, on_events=self.dispatcher.on_answer_events,
                                          start_revision=rev + 1, puts_only=True).start()
 
-    def drain(self, done) -> None:
+    def drain(self, done: Callable[[], None]) -> None:
         self._state = "draining"
         try:
             self.link.publish(self.topics.presence(self.agent_id),

@@ -29,7 +29,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -40,7 +39,7 @@ from agent.coordination.jobstore import APPROVED, CREATED, JobCancelled, JobConf
 from agent.coordination.keys import shard_of
 from agent.coordination.quota import ClusterQuota
 from agent.jobs.approvals import answer_fields
-from agent.jobs.document import parse_cancel, parse_job
+from agent.jobs.document import Job, parse_cancel, parse_job
 from agent.jobs.envelope import (
     BAD_FIELD,
     BAD_JSON,
@@ -117,6 +116,21 @@ class Outcome:
     authenticated: bool = False    # a rejection of a correctly signed push (owed an answer)
 
 
+@dataclass
+class StatusPlace:
+    """Where the one status a push owes goes in the outbox, handed down the calls that
+    handle that push: ``seq`` is the place reserved for it before the etcd write (taken by
+    the first status written; a later one, and one with no place, is queued at the end),
+    and in a group commit ``fills`` collects the filled places, written in one transaction
+    for the whole batch (push_many)."""
+    seq: Optional[int] = None
+    fills: Optional[list] = None
+
+    def take(self) -> Optional[int]:
+        seq, self.seq = self.seq, None
+        return seq
+
+
 class Ingest:
     def __init__(self, *, store: JobStore, keyring, templates: dict, topics: Topics, agent_id: str,
                  max_bytes: int, max_skew_s: float, cluster: str, max_age_s: float = 86400.0, outbox=None,
@@ -145,7 +159,6 @@ class Ingest:
         self.shards = store.shards
         self.has_other_owner = has_other_owner or self._has_other_owner
         self.answers = answers  # agent/cloud/answers.py: durable markers of the answers (None: off)
-        self._tl = threading.local()  # the outbox reservation of the push this thread is handling
 
     # --- helpers ----------------------------------------------------------------
     def _has_other_owner(self, shard: int) -> bool:
@@ -160,14 +173,14 @@ class Ingest:
         doc.update({k: v for k, v in extra.items() if v is not None})
         return doc
 
-    def _emit(self, doc: dict, ledger: Optional[str] = None, marker: Optional[str] = None) -> None:
+    def _emit(self, doc: dict, place: Optional[StatusPlace] = None, ledger: Optional[str] = None,
+              marker: Optional[str] = None) -> None:
         if self.outbox is None:
             return
         topic = self.topics.status(doc.get("job_id"))
-        seq, self._tl.reserved = getattr(self._tl, "reserved", None), None
-        collect = getattr(self._tl, "collect", None)
-        if seq is not None and collect is not None:  # a batch: filled in one transaction (push_many)
-            collect.append((seq, topic, doc, ledger, marker))
+        seq = place.take() if place is not None else None
+        if seq is not None and place is not None and place.fills is not None:  # a batch (push_many)
+            place.fills.append((seq, topic, doc, ledger, marker))
         elif seq is not None:
             self.outbox.fill(seq, topic, doc, ledger_job_id=ledger, marker=marker)
         else:
@@ -226,7 +239,7 @@ class Ingest:
         return doc
 
     def _reject(self, kind: str, payload: bytes, job_id: Optional[str], reason: str, detail: str,
-                as_owner: bool) -> Outcome:
+                as_owner: bool, place: Optional[StatusPlace] = None) -> Outcome:
         shard = shard_of(job_id, self.shards) if job_id else shard_of(push_digest(payload), self.shards)
         authenticated = kind == "push" and job_id is not None and self._authenticated(payload, reason)
         if not as_owner and self.has_other_owner(shard):
@@ -243,7 +256,7 @@ class Ingest:
         marker = None
         if authenticated and self.answers is not None:
             marker = self.answers.write_rejection(shard, job_id, push_digest(payload), doc)
-        self._emit(doc, marker=marker)
+        self._emit(doc, place, marker=marker)
         return Outcome(kind, "rejected", job_id, reason, detail, doc, authenticated=authenticated)
 
     # --- push -------------------------------------------------------------------
@@ -254,9 +267,7 @@ class Ingest:
         payload = bytes(payload)
         job_id = peek_id(payload, self.max_bytes)
         try:
-            job = parse_job(payload, templates=self.templates, keyring=self.keyring,
-                            now=datetime.now(timezone.utc), max_skew_s=self.max_skew_s, max_bytes=self.max_bytes,
-                            cluster=self.cluster, max_age_s=self.max_age_s, verify_signature=not screened)
+            job = self._parse(payload, datetime.now(timezone.utc), screened)
         except JobRejected as exc:
             if not exc.bound:  # never a status on the job's topic for what is not authentic
                 return self._drop("push", payload, exc.reason, lambda shard: as_owner)
@@ -268,20 +279,23 @@ class Ingest:
         except Exception:  # parse_job promises not to; never crash on a payload anyway
             log.exception("parse_job raised unexpectedly")
             return self._drop("push", payload, BAD_FIELD, lambda shard: as_owner)
-        return self._with_reservation(job.id, self._push_store, payload, job, as_owner)
-
-    def _with_reservation(self, job_id, fn, *args):
-        """Reserve the status's place before the etcd write (see Outbox.reserve); a path that
-        ends without a status, or an exception, gives the reservation back."""
-        if self.outbox is None:
-            return fn(*args)
-        self._tl.reserved = self.outbox.reserve(self.topics.status(job_id))
+        # the status's place is reserved before the etcd write (see Outbox.reserve); a path
+        # that ends without a status, or an exception, gives the reservation back
+        place = StatusPlace(self.outbox.reserve(self.topics.status(job.id)) if self.outbox is not None else None)
         try:
-            return fn(*args)
+            return self._push_store(payload, job, as_owner, place)
         finally:
-            seq, self._tl.reserved = self._tl.reserved, None
-            if seq is not None:
+            seq = place.take()
+            if seq is not None and self.outbox is not None:
                 self.outbox.release(seq)
+
+    def _parse(self, payload: bytes, now: Optional[datetime], screened: bool = False) -> Job:
+        """The push's document, read with this agent's limits (the one parse_job call).
+        ``now`` None leaves out the clock's checks (expiry, age, skew); ``screened``: these
+        bytes passed :meth:`screen`, so the signature is not verified a second time."""
+        return parse_job(payload, templates=self.templates, keyring=self.keyring, now=now,
+                         max_skew_s=self.max_skew_s, max_bytes=self.max_bytes, cluster=self.cluster,
+                         max_age_s=self.max_age_s, verify_signature=not screened)
 
     def _answer_of(self, payload: bytes, job) -> tuple[dict, Optional[str], tuple]:
         """The accepted status of a push, its marker key, and the marker's put (if markers are on)."""
@@ -307,31 +321,31 @@ class Ingest:
         over = self.quota.check(len(payload))
         return over if over is not None and self.store.get(job.id) is None else None
 
-    def _push_store(self, payload: bytes, job, as_owner: bool) -> Outcome:
+    def _push_store(self, payload: bytes, job, as_owner: bool, place: StatusPlace) -> Outcome:
         over = self._over_quota(payload, job)
         if over is not None:
-            return self._reject("push", payload, job.id, QUOTA_EXCEEDED, f"quotas: {over}", as_owner)
+            return self._reject("push", payload, job.id, QUOTA_EXCEEDED, f"quotas: {over}", as_owner, place)
         doc, marker, also = self._answer_of(payload, job)
         try:
             created: Any = self.store.create(job.doc, also)
         except (JobCancelled, JobConflict) as exc:
             created = exc
-        return self._push_result(payload, job, as_owner, created, doc, marker)
+        return self._push_result(payload, job, as_owner, created, doc, marker, place)
 
     def _push_result(self, payload: bytes, job, as_owner: bool, created: Any, doc: dict,
-                     marker: Optional[str]) -> Outcome:
+                     marker: Optional[str], place: StatusPlace) -> Outcome:
         """The answer once the create's outcome is known: (CREATED|EXISTS, stored) or the
         JobCancelled/JobConflict it raised."""
         if isinstance(created, JobCancelled):
             return self._reject("push", payload, job.id, CANCELLED, f"id: job {job.id} was cancelled; "
-                                "a cancelled id cannot be pushed again", as_owner)
+                                "a cancelled id cannot be pushed again", as_owner, place)
         if isinstance(created, JobConflict):
-            return self._reject("push", payload, job.id, CONFLICT, self._conflict(job), as_owner)
+            return self._reject("push", payload, job.id, CONFLICT, self._conflict(job), as_owner, place)
         result, stored = created
         if result == APPROVED:   # the stored document gained approvals: answered like a new push, unmarked
             doc = {**self._status(job.id, JobState.ACCEPTED, payload, shard=stored.shard),
                    **answer_fields(stored.doc, self.keyring, self.templates)}
-            self._emit(doc)
+            self._emit(doc, place)
             INGESTED.labels("push", "approved").inc()
             for kid, role in job.signers[1:]:
                 self.record("job", event="approval", job=job.id, kid=kid, role=role, agent=self.agent_id)
@@ -340,14 +354,14 @@ class Ingest:
         if result == CREATED:
             if self.quota is not None:
                 self.quota.stored(len(payload))
-            self._emit(doc, ledger=job.id, marker=marker)
+            self._emit(doc, place, ledger=job.id, marker=marker)
             INGESTED.labels("push", "accepted").inc()
             self.record("job", event="accepted", job=job.id, shard=stored.shard, template=job.template,
                         push_sha256=push_digest(payload), agent=self.agent_id,
                         signers=[{"kid": k, "role": r} for k, r in job.signers])
             self.notify("stored", self._with_parsed(stored, job))
             return Outcome("push", "accepted", job.id, status=doc, stored=stored)
-        return self._exists(payload, stored, as_owner)
+        return self._exists(payload, stored, as_owner, place)
 
     def _with_parsed(self, stored, job):
         """``stored`` carrying the verified job for the scheduler (StoredJob.parsed): the
@@ -377,9 +391,7 @@ class Ingest:
         now = datetime.now(timezone.utc)
         for i, (payload, as_owner) in enumerate(items):
             try:
-                job = parse_job(bytes(payload), templates=self.templates, keyring=self.keyring, now=now,
-                                max_skew_s=self.max_skew_s, max_bytes=self.max_bytes, cluster=self.cluster,
-                                max_age_s=self.max_age_s, verify_signature=not screened)
+                job = self._parse(bytes(payload), now, screened)
             except Exception:  # rejected (or a bug): the one-push path answers it as before
                 later.append(i)
                 continue
@@ -412,19 +424,14 @@ class Ingest:
                     out[i] = exc
                 return
             fills: list = []
-            self._tl.collect = fills
-            try:
-                for (i, payload, job, as_owner), (doc, marker, _), result, seq in zip(batch, answers, created, seqs):
-                    self._tl.reserved = seq
-                    try:
-                        out[i] = self._push_result(payload, job, as_owner, result, doc, marker)
-                    except (EtcdUnavailable, EtcdError) as exc:  # e.g. writing a rejection's marker
-                        out[i] = exc
-                    if self._tl.reserved is not None:
-                        unfilled.append(self._tl.reserved)
-                    self._tl.reserved = None
-            finally:
-                self._tl.collect = None
+            for (i, payload, job, as_owner), (doc, marker, _), result, seq in zip(batch, answers, created, seqs):
+                place = StatusPlace(seq, fills)
+                try:
+                    out[i] = self._push_result(payload, job, as_owner, result, doc, marker, place)
+                except (EtcdUnavailable, EtcdError) as exc:  # e.g. writing a rejection's marker
+                    out[i] = exc
+                if place.seq is not None:
+                    unfilled.append(place.seq)
             if self.outbox is not None:
                 self.outbox.fill_many(fills)  # before any of them is acknowledged
         except BaseException:
@@ -453,8 +460,7 @@ class Ingest:
     def _stored_twin(self, payload: bytes):
         """The stored job if this payload is a valid, signed copy of it (ignoring the clock)."""
         try:
-            job = parse_job(payload, templates=self.templates, keyring=self.keyring, now=None,
-                            max_skew_s=None, max_bytes=self.max_bytes, cluster=self.cluster)
+            job = self._parse(payload, None)   # the clock's checks left out
         except JobRejected:
             return None
         stored = self.store.get(job.id)
@@ -462,20 +468,20 @@ class Ingest:
             return None
         return stored if stored.same_content(job.doc) else None
 
-    def _exists(self, payload: bytes, stored, as_owner: bool) -> Outcome:
+    def _exists(self, payload: bytes, stored, as_owner: bool, place: Optional[StatusPlace] = None) -> Outcome:
         by = (stored.doc.get("_accepted") or {}).get("by")
         job_id = stored.id
         if by == self.agent_id and self.outbox is not None and not self.outbox.in_ledger(job_id):
             # created by us, but we died before the status was written: this is its first answer
             doc = self._status(job_id, JobState.ACCEPTED, payload, shard=stored.shard)
-            self._emit(doc, ledger=job_id, marker=None if self.answers is None else
+            self._emit(doc, place, ledger=job_id, marker=None if self.answers is None else
                        self.store.keys.answer(stored.shard, job_id, "accepted"))
             INGESTED.labels("push", "accepted").inc()
             self.notify("stored", stored)
             return Outcome("push", "accepted", job_id, status=doc, stored=stored)
         if by == self.agent_id or as_owner:
             doc = self._status(job_id, JobState.ACCEPTED, payload, shard=stored.shard, redelivery=True)
-            self._emit(doc)
+            self._emit(doc, place)
             INGESTED.labels("push", "redelivery").inc()
             return Outcome("push", "redelivery", job_id, status=doc, stored=stored)
         INGESTED.labels("push", "exists").inc()

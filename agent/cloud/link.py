@@ -16,13 +16,34 @@ What a consumer may rely on:
   blocking: the current set is subscribed again on every (re)connect, and an unsubscribe
   that could not be sent is sent on the next connect (a persistent session keeps what it
   was subscribed to across connections);
-- the callbacks given at construction run on the link's own thread and must not block.
+- the callbacks given at construction run on the link's own thread and must not block;
+- ``protocol`` is "3.1.1" or "5". On MQTT 5 a received message carries its properties
+  (``Message.props``) and ``publish`` sends ``props``; on 3.1.1 there are none and ``props``
+  is not sent;
+- ``session_present`` is what the broker said at the last connect (None before the
+  first); ``session_lost`` is True when that connect expected a session (the same client
+  id connected before, persistently) and found none: pushes queued meanwhile are gone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Optional, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class MessageProps:
+    """MQTT 5 properties of a message, received or to publish. Typed here so that consumers
+    never see the client library's Properties object."""
+
+    message_expiry_s: Optional[int] = None      # received: what is left of it at the broker
+    response_topic: Optional[str] = None
+    correlation_data: Optional[bytes] = None
+    user_properties: tuple[tuple[str, str], ...] = ()
+
+    def user_property(self, name: str) -> Optional[str]:
+        """The first value of a user property (MQTT 5 allows repeats)."""
+        return next((v for k, v in self.user_properties if k == name), None)
 
 
 @dataclass(frozen=True)
@@ -36,6 +57,14 @@ class Message:
     dup: bool
     generation: int   # the connection it arrived on (acks on a later one are never sent)
     received: float   # time.monotonic() at arrival
+    props: Optional[MessageProps] = None   # MQTT 5 only
+
+    @property
+    def expires_at(self) -> Optional[float]:
+        """time.monotonic() at which the message's MQTT 5 Message Expiry passes, if it has one."""
+        if self.props is None or self.props.message_expiry_s is None:
+            return None
+        return self.received + self.props.message_expiry_s
 
 
 @runtime_checkable
@@ -47,6 +76,9 @@ class Link(Protocol):
     client_id: str
     connected: bool
     deferred_ack: bool
+    protocol: str
+    session_present: Optional[bool]
+    session_lost: bool
 
     def start(self) -> "Link": ...
 
@@ -56,7 +88,8 @@ class Link(Protocol):
 
     def ack(self, msg: Message) -> bool: ...
 
-    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> tuple[int, int]:
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
+                props: Optional[MessageProps] = None) -> tuple[int, int]:
         """(rc, mid)."""
         ...
 
@@ -65,4 +98,4 @@ class Link(Protocol):
     def unsubscribe(self, topic: str) -> None: ...
 
     def publish_wait(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
-                     timeout: float = 2.0) -> bool: ...
+                     timeout: float = 2.0, props: Optional[MessageProps] = None) -> bool: ...

@@ -2,8 +2,17 @@
 :class:`agent.cloud.link.Link`.
 
 What the rest of the cloud package relies on:
-- a persistent session (MQTT 3.1.1, clean_session=False, stable client id): QoS 1 pushes
-  that arrive while the agent is down wait in its session on the broker;
+- a persistent session (clean_session=False, stable client id): QoS 1 pushes that arrive
+  while the agent is down wait in its session on the broker. MQTT 3.1.1 by default;
+  ``mqtt.protocol: "5"`` connects with clean_start False on every connect (paho's default,
+  clean start on the first connect only, would wipe the session at each start) and requests
+  ``mqtt.session_expiry_s``. Each connect records ``session_present`` and ``session_lost``
+  (a session expected and not found: counted, millwright_mqtt_sessions_lost_total);
+- MQTT 5 (agent/cloud/mqtt5.py): a received message's properties in ``Message.props``,
+  properties on :meth:`publish`, and PUBACK reason codes: a refusal (0x80 or more) goes to
+  ``on_refused(mid, reason_code)`` instead of ``on_publish(mid)`` and is counted
+  (millwright_mqtt_publish_refused_total); without ``on_refused`` it is logged and reported
+  to ``on_publish``, as a 3.1.1 broker acknowledges a publish it drops;
 - manual acknowledgement: a received QoS 1 message is PUBACKed only when :meth:`ack` is
   called, never when the callback returns. paho 2.x has this built in (``manual_ack=True``,
   ``Client.ack``). paho 1.6 sends the PUBACK right after ``on_message`` returns; the adapter
@@ -39,9 +48,11 @@ from urllib.parse import urlparse
 import paho.mqtt as paho_pkg
 import paho.mqtt.client as paho
 
+from agent.brokerlimits import PROTOCOLS
 from agent.runtime.metrics import counter, gauge
 
-from .link import Message
+from . import mqtt5
+from .link import Message, MessageProps
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +104,8 @@ class MqttLink:
                  on_disconnect: Optional[Callable[[int], None]] = None,
                  on_message: Optional[Callable[[Message], None]] = None,
                  on_publish: Optional[Callable[[int], None]] = None,
+                 on_refused: Optional[Callable[[int, int], None]] = None,
+                 prior_client_id: Optional[str] = None,
                  subscriptions: tuple[tuple[str, int], ...] = (),
                  topic_kind: Callable[[str], str] = lambda t: "other",
                  reconnect_min_s: float = 0.5, reconnect_max_s: float = 30.0,
@@ -107,6 +120,20 @@ class MqttLink:
         self._on_disconnect = on_disconnect
         self._on_message = on_message
         self._on_publish = on_publish
+        self._on_refused = on_refused
+        self.protocol = str(getattr(cfg, "protocol", "3.1.1"))
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"mqtt.protocol: {self.protocol!r} is not 3.1.1 or 5")
+        self.session_expiry_s = int(getattr(cfg, "session_expiry_s", mqtt5.DEFAULT_SESSION_EXPIRY_S))
+        self.granted_session_expiry_s: Optional[int] = None   # a CONNACK's lower value, if any
+        self.session_present: Optional[bool] = None            # at the last connect
+        self.session_lost = False                              # ... and no session where one was expected
+        self.sessions_lost = 0
+        # the client id the last connect used (a caller that persists it across restarts
+        # passes it as prior_client_id: a session is then expected at the first connect)
+        self._previous_client_id = prior_client_id
+        self._puback_reasons: dict[int, int] = {}   # paho 1.x, v5: the PUBACK being handled
+        self._refused: dict[int, int] = {}          # mid -> reason, until that mid succeeds
         self._lock = threading.Lock()
         self.generation = 0
         self.connected = False
@@ -122,11 +149,17 @@ class MqttLink:
         self.dropped = 0                           # connections ended by drop_connection
         self._cut_sink: Optional[socket.socket] = None   # under _lock: drop_connection's writes
 
+        v5 = self.protocol == "5"
+        # MQTT 5 has no clean_session (paho refuses one): clean_start at connect instead
+        session_kw: dict[str, Any] = ({"protocol": paho.MQTTv5} if v5
+                                      else {"protocol": paho.MQTTv311, "clean_session": clean_session})
         if PAHO_MAJOR >= 2:
             self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id,
-                                      clean_session=clean_session, protocol=paho.MQTTv311, manual_ack=True)
+                                      manual_ack=True, **session_kw)
         else:
-            self.client = paho.Client(client_id=client_id, clean_session=clean_session, protocol=paho.MQTTv311)
+            self.client = paho.Client(client_id=client_id, **session_kw)
+            if v5:
+                mqtt5.capture_puback_reasons(self.client, self._puback_reasons)
             real = getattr(type(self.client), "_send_puback", None)
             if real is None or os.environ.get(SYNC_ACK_ENV) == "1":
                 # an unknown paho (or the tests, through SYNC_ACK_ENV): the ack cannot be
@@ -142,9 +175,9 @@ class MqttLink:
         if cfg.username is not None:
             self.client.username_pw_set(cfg.username, cfg.password)
         if self.tls:
-            t = cfg.tls
-            self.client.tls_set(ca_certs=getattr(t, "ca", None), certfile=getattr(t, "cert", None),
-                                keyfile=getattr(t, "key", None), cert_reqs=ssl.CERT_REQUIRED,
+            t = cfg.tls   # None for mqtts:// without a tls section: the system's CAs, no client certificate
+            self.client.tls_set(ca_certs=t.ca if t else None, certfile=t.cert if t else None,
+                                keyfile=t.key if t else None, cert_reqs=ssl.CERT_REQUIRED,
                                 tls_version=ssl.PROTOCOL_TLS_CLIENT)
         if will is not None:
             self.client.will_set(will[0], will[1], qos=will[2], retain=will[3])
@@ -155,7 +188,14 @@ class MqttLink:
 
     # --- lifecycle ----------------------------------------------------------------
     def start(self) -> "MqttLink":
-        self.client.connect_async(self.host, self.port, keepalive=self.cfg.keepalive_s)
+        if self.protocol == "5":
+            # clean_start on every connect or none: never paho's first-only default
+            self.client.connect_async(self.host, self.port, keepalive=self.cfg.keepalive_s,
+                                      clean_start=self.clean_session,
+                                      properties=(None if self.clean_session
+                                                  else mqtt5.connect_properties(self.session_expiry_s)))
+        else:
+            self.client.connect_async(self.host, self.port, keepalive=self.cfg.keepalive_s)
         self.client.loop_start()
         self._started = True
         return self
@@ -193,6 +233,17 @@ class MqttLink:
         session_present = bool(getattr(flags, "session_present", None) if not isinstance(flags, dict)
                                else flags.get("session present"))
         CONNECTS.labels("ok").inc()
+        lost = mqtt5.session_lost(not self.clean_session, self._previous_client_id, self.client_id,
+                                  session_present)
+        self._previous_client_id = self.client_id
+        self.session_present, self.session_lost = session_present, lost
+        if self.protocol == "5":
+            self.granted_session_expiry_s = mqtt5.granted_session_expiry(properties)
+        if lost:
+            self.sessions_lost += 1
+            mqtt5.SESSIONS_LOST.inc()
+            log.warning("the broker kept no session for this client id: messages queued for it meanwhile are lost",
+                        extra={"fields": {"client_id": self.client_id, "protocol": self.protocol}})
         with self._lock:
             if self._cut_sink is not None:   # paho has left the cut connection's descriptor
                 self._cut_sink.close()
@@ -211,6 +262,7 @@ class MqttLink:
         log.info("connected to the broker", extra={"fields": {"host": self.host, "port": self.port,
                                                               "client_id": self.client_id,
                                                               "session_present": session_present,
+                                                              "protocol": self.protocol,
                                                               "paho": PAHO_VERSION}})
         if self._on_connect:
             try:
@@ -219,8 +271,8 @@ class MqttLink:
                 log.exception("on_connect handler failed")
 
     def _cb_disconnect(self, client, userdata, *args) -> None:
-        # 1.6: (rc); 2.x: (disconnect_flags, reason_code, properties)
-        rc = _rc(args[1] if len(args) >= 2 else (args[0] if args else 0))
+        # 1.6: (rc) on 3.1.1, (reason_code, properties) on 5; 2.x: (disconnect_flags, reason_code, properties)
+        rc = _rc(args[1] if PAHO_MAJOR >= 2 and len(args) >= 2 else (args[0] if args else 0))
         with self._lock:
             was = self.connected
             self.connected = False
@@ -240,13 +292,29 @@ class MqttLink:
         try:
             MESSAGES.labels("in", self.topic_kind(msg.topic)).inc()
             m = Message(msg.topic, bytes(msg.payload), msg.qos, msg.mid, bool(getattr(msg, "dup", False)),
-                        self.generation, time.monotonic())
+                        self.generation, time.monotonic(),
+                        mqtt5.message_props(msg) if self.protocol == "5" else None)
             if self._on_message:
                 self._on_message(m)
         except Exception:  # never let a payload kill paho's thread
             log.exception("message handler failed")
 
     def _cb_publish(self, client, userdata, mid, *args) -> None:
+        # 2.x: (reason_code, properties); 1.6: the reason capture_puback_reasons read
+        code = _rc(args[0]) if args else self._puback_reasons.get(mid, 0)
+        if code > 0 and mqtt5.is_refusal(code):
+            self._refused[mid] = code
+            mqtt5.REFUSED.labels(mqtt5.reason_label(code)).inc()
+            if self._on_refused:
+                try:
+                    self._on_refused(mid, code)
+                except Exception:
+                    log.exception("on_refused handler failed")
+                return
+            log.warning("the broker refused a publish", extra={"fields": {"mid": mid,
+                                                                       "reason_code": mqtt5.reason_label(code)}})
+        else:
+            self._refused.pop(mid, None)
         if self._on_publish:
             try:
                 self._on_publish(mid)
@@ -321,18 +389,25 @@ class MqttLink:
             self.dropped += 1
         return True
 
-    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> tuple[int, int]:
+    def _properties(self, props: Optional[MessageProps]):
+        """paho PUBLISH properties: MQTT 5 only (a 3.1.1 PUBLISH has none to carry)."""
+        return mqtt5.publish_properties(props) if self.protocol == "5" else None
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
+                props: Optional[MessageProps] = None) -> tuple[int, int]:
         """(rc, mid). rc != 0 when not connected; QoS 1 messages are still queued by paho."""
-        info = self.client.publish(topic, payload, qos=qos, retain=retain)
+        info = self.client.publish(topic, payload, qos=qos, retain=retain, properties=self._properties(props))
         MESSAGES.labels("out", self.topic_kind(topic)).inc()
         return _rc(info.rc), info.mid
 
     def publish_wait(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
-                     timeout: float = 2.0) -> bool:
-        info = self.client.publish(topic, payload, qos=qos, retain=retain)
+                     timeout: float = 2.0, props: Optional[MessageProps] = None) -> bool:
+        """True once the broker acknowledged the publish, and did not refuse it (MQTT 5)."""
+        info = self.client.publish(topic, payload, qos=qos, retain=retain, properties=self._properties(props))
         MESSAGES.labels("out", self.topic_kind(topic)).inc()
         try:
             info.wait_for_publish(timeout)
         except (RuntimeError, ValueError):
             return False
-        return info.is_published()
+        # a refusal of this mid stays in _refused until the mid is acknowledged again
+        return info.is_published() and self._refused.pop(info.mid, None) is None

@@ -15,10 +15,16 @@ space back to the file system needs a defragmentation, an operator step
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from agent.coordination.worker import EtcdWorkers
 from agent.runtime.metrics import counter, gauge
+
+if TYPE_CHECKING:
+    from agent.config import Config
+    from agent.coordination.etcd import EtcdClient
+    from agent.coordination.ownership import Ownership
+    from agent.runtime.loop import EventLoop, Timer
 
 log = logging.getLogger(__name__)
 
@@ -30,24 +36,30 @@ ELECTION_SHARD = 0
 
 
 class Compactor:
-    """Daemon component (loop thread); the etcd calls run on its own thread."""
+    """Daemon component (loop thread); the etcd calls run on its own thread. It compacts
+    only while ``ownership`` gives it shard 0's fence."""
 
-    def __init__(self, agent: Any):
-        self.agent = agent
-        self.interval = agent.cfg.retention.compact_interval_s
-        self.workers = EtcdWorkers(agent.loop.post, threads=1, name="compaction")
-        self._timer = None
+    def __init__(self, cfg: Config, loop: EventLoop, client: EtcdClient, ownership: Ownership):
+        self.loop = loop
+        self.client = client
+        self.ownership = ownership
+        self.interval = cfg.retention.compact_interval_s
+        self.workers = EtcdWorkers(loop.post, threads=1, name="compaction")
+        self._timer: Optional[Timer] = None
         self._seen: Optional[int] = None   # revision read at the previous tick
         self._busy = False
         self._started = False
         self.last: Optional[dict] = None
-        agent.status_providers["compaction"] = lambda: self.last
+
+    def status(self) -> Optional[dict]:
+        """The last compaction that did something (None before the first)."""
+        return self.last
 
     def start(self) -> None:
         self._started = True
         self.workers.start()
         if self.interval > 0:
-            self._timer = self.agent.loop.call_later(self.interval, self._tick)
+            self._timer = self.loop.call_later(self.interval, self._tick)
 
     def stop(self) -> None:
         if self._timer is not None:
@@ -56,10 +68,10 @@ class Compactor:
             self.workers.stop()
 
     def _tick(self) -> None:
-        self._timer = self.agent.loop.call_later(self.interval, self._tick)
+        self._timer = self.loop.call_later(self.interval, self._tick)
         if self._busy:
             return
-        if self.agent.fence_for(ELECTION_SHARD) is None:
+        if self.ownership.fence_for(ELECTION_SHARD) is None:
             self._seen = None  # start over when we hold it again
             return
         target = self._seen
@@ -67,9 +79,9 @@ class Compactor:
         self.workers.submit(lambda: self._compact(target), self._done)
 
     def _compact(self, target: Optional[int]) -> dict:
-        st = self.agent.client.status()
+        st = self.client.status()
         if target:
-            self.agent.client.compact(target)
+            self.client.compact(target)
         return {"compacted_to": target, "revision": st["revision"], "db_size": st["db_size"]}
 
     def _done(self, result: Optional[dict], error: Optional[BaseException]) -> None:

@@ -93,6 +93,12 @@ def _txn_result(r: Any, revision: int) -> TxnResult:
     return TxnResult(r.succeeded, revision, out)
 
 
+def op_key_value(op: Any) -> tuple[Optional[str], bytes]:
+    """The key and value an etcd3 transaction op writes or reads: (key, b"") for a Get or
+    a Delete, (None, b"") for a nested Txn, which has no key of its own."""
+    return getattr(op, "key", None), getattr(op, "value", b"") or b""
+
+
 def _closed_channel(exc: ValueError) -> bool:
     """grpc raises ValueError (not RpcError) for calls on a channel another thread closed."""
     return "closed" in str(exc).lower() and "channel" in str(exc).lower()

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from agent.coordination import fencing
-from agent.coordination.etcd import TxnResult
+from agent.coordination.etcd import TxnResult, op_key_value
 from agent.coordination.fencing import BATCH_MAX, FencedWrite
 from agent.runtime.metrics import histogram
 
@@ -56,11 +56,10 @@ class _Pending:
 def _keys_and_size(write: FencedWrite) -> tuple[frozenset, int]:
     keys, size = set(), 0
     for op in (*write.success, *write.failure):
-        key = getattr(op, "key", None)
+        key, value = op_key_value(op)
         if key is None:
             continue
         keys.add(key)
-        value = getattr(op, "value", b"") or b""
         size += len(key) + len(value)
     return frozenset(keys), size
 
@@ -73,7 +72,7 @@ class GroupCommit:
         self.workers = workers
         self.max_writes = min(max_writes, BATCH_MAX)
         self.max_bytes = max_bytes
-        self.spread = max(1, getattr(workers, "max_threads", 1))   # workers the work after a batch may use
+        self.spread = max(1, workers.max_threads)   # workers the work after a batch may use
         self.pending: list[_Pending] = []
         self.in_flight: set = set()      # keys of the batches on their way
         self._timer: Optional[Timer] = None

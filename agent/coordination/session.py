@@ -63,7 +63,13 @@ class Session:
         self._thread = threading.Thread(target=self._run, name="session", daemon=True)
         self._thread.start()
 
+    def set_interval(self, seconds: float) -> None:
+        """How long the thread waits between keepalives from the next one on (the lease
+        policy's adaptive renewal)."""
+        self.interval_s = seconds
+
     def renew_now(self) -> None:
+        """Send the next keepalive now instead of after the interval."""
         self._wake.set()
 
     def abandon(self, revoke_after_s: float = 0.0) -> None:

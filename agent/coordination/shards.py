@@ -25,6 +25,7 @@ from agent.coordination.keys import Keys
 from agent.coordination.loadshed import LoadShedding
 from agent.coordination.watch import WatchEvent
 from agent.coordination.worker import EtcdWorkers
+from agent.runtime.loop import EventLoop, Timer
 from agent.runtime.metrics import counter, gauge
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class Member:
 
 class ShardManager:
     def __init__(self, agent_id: str, shards: int, keys: Keys, client: EtcdClient, workers: EtcdWorkers,
-                 loop, on_acquired: Callable[[Fence], None], on_lost: Callable[[int, str], None],
+                 loop: EventLoop, on_acquired: Callable[[Fence], None], on_lost: Callable[[int, str], None],
                  busy: Callable[[int], bool] = lambda s: False, claim_stagger_s: float = 0.3,
                  clock: Callable[[], float] = time.monotonic, own_old_leases: Callable[[], set] = set):
         self.me = agent_id
@@ -82,7 +83,7 @@ class ShardManager:
         self._claiming: set[int] = set()
         self._releasing: set[int] = set()
         self._fallback: dict[int, Any] = {}  # shard -> loop timer
-        self._reconcile_timer = None
+        self._reconcile_timer: Optional[Timer] = None
         self.members_rev = 0
         self.shards_rev = 0
         self.own_old_leases = own_old_leases  # leases this agent abandoned (their keys are ours to take back)
@@ -258,15 +259,29 @@ class ShardManager:
             self.workers.submit(lambda: self.client.put(self.keys.member(self.me), value, lease=lease),
                                 lambda r, e: None)
 
+    def hand_off(self, reason: str) -> None:
+        """Publish this agent as unavailable (the health policy's voluntary hand-off), so
+        peers take its shards: the member record says so (the watch then reconciles), and
+        shards kept for their runs are reconsidered now."""
+        self.unavailable_reason = reason
+        self.update_member()
+        self.release_idle()
+
+    def take_back(self) -> None:
+        """Available again after a hand-off: the member record says so, and shards kept
+        for their runs are reconsidered now."""
+        self.unavailable_reason = None
+        self.update_member()
+        self.release_idle()
+
     def _load_tick(self) -> None:
         """Sample the loop's lag; publish the member record when the load policy changed
         what it says (weight, overloaded). Ticks while a session lease is held."""
         self._load_timer = None
         if self.lease is None:
             return
-        lag = getattr(self.loop, "lag", None)
         headroom = any(m.available and not m.overloaded for a, m in self.members.items() if a != self.me)
-        if lag is not None and self.load.observe(lag(), self.clock(), headroom):
+        if self.load.observe(self.loop.lag(), self.clock(), headroom):
             LOAD_WEIGHT.set(self.load.weight)
             (log.warning if self.load.overloaded else log.info)("load changed: member record updated",
                                                                extra={"fields": self.load.record()})

@@ -35,54 +35,29 @@ RECORD_WORKERS = 6   # threads writing run records (claims, final states) to etc
 def build(g: Ground) -> Wired:
     """The daemon's parts (``millwright run``): cloud, admin, jobs with supervision, compaction."""
     hooks = Hooks()
-    cloud_part, answer_markers = cloud(g, hooks)
+    cloud_part = cloud(g, hooks)
     parts: list[Component] = [cloud_part, admin(g)]
-    # the production gates read their MQTT topics through the cloud component's link
-    parts.append(SupervisedJobs(g, hooks, gate_topics=cloud_part.gate_topics, answer_markers=answer_markers))
+    # the production gates read their MQTT topics through the cloud component's link; with
+    # the cloud component, final run statuses are also written as durable answers (answers/
+    # in etcd) in the run record's transaction, so a peer can publish them
+    parts.append(SupervisedJobs(g, hooks, gate_topics=cloud_part.gate_topics, answer_markers=True))
     parts.append(compaction(g, hooks))
     return Wired(hooks, parts)
 
 
-class _AgentView:
-    """Interim, until each part's constructor takes its values: the old Agent's face over
-    the Ground and the Hooks, for the parts that still take the Agent."""
+def cloud(g: Ground, hooks: Hooks) -> CloudComponent:
+    """The cloud channel (agent/cloud, docs/cloud.md)."""
+    from agent.cloud.component import CloudComponent
 
-    def __init__(self, g: Ground, hooks: Hooks):
-        self.g = g
-        self.cfg, self.loop, self.client, self.keys = g.cfg, g.loop, g.client, g.keys
-        self.session, self.shards, self.placement, self.audit = g.session, g.shards, g.placement, g.audit
-        self.keyring = g.keyring
-        self.answer_markers = False
-        self.status_providers = hooks.status_providers
-        self.status_sinks = hooks.status_sinks
-        self.checkpoint_sinks = hooks.checkpoint_sinks
-        self.drain_hooks = hooks.drain_hooks
-        self.members_listeners = hooks.members_listeners
-        self.job_listeners = hooks.job_listeners
-
-    @property
-    def owned_shards(self) -> frozenset[int]:
-        return self.g.ownership.owned
-
-    @property
-    def stopping(self) -> bool:
-        return self.g.stopping()
-
-    def fence_for(self, unit: int) -> Any:
-        return self.g.ownership.fence_for(unit)
-
-    def record(self, type_: str, **fields: Any) -> None:
-        self.g.audit.record(type_, **fields)
-
-
-def cloud(g: Ground, hooks: Hooks) -> tuple[CloudComponent, bool]:
-    """The cloud channel (agent/cloud, docs/cloud.md), and whether final run statuses are
-    also written as durable answers (answers/ in etcd) that a peer can publish."""
-    from agent.cloud import cloud_component
-
-    legacy = _AgentView(g, hooks)
-    c = cloud_component(legacy)
-    return c, legacy.answer_markers
+    c = CloudComponent(g.cfg, g.loop, g.client, g.keys, ownership=g.ownership,
+                       members=lambda: g.shards.members.values(), audit=g.audit, keyring=g.keyring,
+                       job_listeners=hooks.job_listeners)
+    hooks.members_listeners.append(c.members_changed)
+    hooks.status_sinks.append(c.status_sink)
+    hooks.checkpoint_sinks.append(c.checkpoint_sink)
+    hooks.drain_hooks.append(c.drain)
+    hooks.status_providers["cloud"] = c.status
+    return c
 
 
 def admin(g: Ground) -> AdminServer:
@@ -94,7 +69,9 @@ def admin(g: Ground) -> AdminServer:
 def compaction(g: Ground, hooks: Hooks) -> Compactor:
     from agent.coordination.compaction import Compactor
 
-    return Compactor(_AgentView(g, hooks))
+    c = Compactor(g.cfg, g.loop, g.client, g.ownership)
+    hooks.status_providers["compaction"] = c.status
+    return c
 
 
 class JobsParts:
@@ -166,7 +143,8 @@ class JobsParts:
         hooks.run_stoppers.append(self.scheduler.stop_runs)
         hooks.status_providers["jobs"] = self.scheduler.status
         hooks.status_providers["quarantine"] = self.quarantine.status
-        self.retention = Retention(_AgentView(g, hooks), self.catalog, self.executor)
+        self.retention = Retention(cfg, g.loop, g.client, g.keys, g.ownership, audit, self.catalog, self.executor)
+        hooks.status_providers["retention"] = self.retention.status
         hooks.status_providers["quota"] = lambda: {"backend": self.executor.backend.name,
                                                    "why": self.executor.backend.why}
 
@@ -223,11 +201,13 @@ class SupervisedJobs:
 
         run_listeners: list[RunListener] = []
         self.jobs = JobsParts(g, hooks, run_listeners, gate_topics, answer_markers)
-        legacy = _AgentView(g, hooks)
-        self.sensing = RunSensing(legacy)
+        self.sensing = RunSensing(g.cfg, g.loop, g.audit)
+        hooks.status_providers["sensor"] = self.sensing.status
         self.jobs.executor.poststart.append(self.sensing.poststart)
-        self.supervision = Supervision(legacy, gate=self.jobs.scheduler, sensing=self.sensing,
-                                       offences=self.jobs.quarantine)
+        self.supervision = Supervision(g.cfg, g.loop, g.audit, renewal=g.session, availability=g.shards,
+                                       gate=self.jobs.scheduler, sensing=self.sensing, offences=self.jobs.quarantine,
+                                       stopping=g.stopping)
+        hooks.status_providers["health"] = self.supervision.status
         hooks.session_listeners.append(self.supervision)
         self.sensing.exec_listeners.append(self.supervision)
         self.sensing.signal_listeners.append(self.supervision)

@@ -21,7 +21,7 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import IO, Any, Optional
 
 from agent.demo.childproc import spawn_dying_with_parent
 
@@ -125,6 +125,7 @@ class _Child:
         self.dir = workdir or tempfile.mkdtemp(prefix=f"mw-{self.name}-")
         os.makedirs(self.dir, exist_ok=True)
         self.proc: Optional[subprocess.Popen] = None
+        self.logf: Optional[IO[bytes]] = None     # the log the process writes, from spawn() on
         self.paused = False
 
     def _argv(self) -> list[str]:
@@ -178,7 +179,7 @@ class _Child:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
-        if getattr(self, "logf", None):
+        if self.logf:
             self.logf.close()
 
     def kill(self) -> None:

@@ -61,7 +61,7 @@ def demo_config_dir() -> str:
 
 
 def cgroup_root_name(agent_id: str, state_dir: str) -> str:
-    """The per-agent cgroup root the daemon uses (agent/runtime/components.py)."""
+    """The per-agent cgroup root the daemon uses (agent/daemon/wiring.py)."""
     from agent.execute.backends import run_root_name
 
     return run_root_name(agent_id, state_dir)
@@ -244,13 +244,13 @@ class Stage:
         # runs the SIGKILLed agent left behind (nobody supervises them any more)
         try:
             from agent.execute.backends import probe
+            from agent.execute.backends.cgroup import CgroupBackend
 
             reclaimed = 0
             for aid, a in self.agents.items():
                 backend = (a.config.get("execute") or {}).get("quota_backend", "auto")
                 b = probe(backend, root_name=cgroup_root_name(aid, a.config["state_dir"]))
-                reclaim = getattr(b, "reclaim", None)
-                reclaimed += reclaim() if reclaim else 0
+                reclaimed += b.reclaim() if isinstance(b, CgroupBackend) else 0   # only cgroups hold runs
                 b.close()
             if reclaimed:
                 self.live.raw(f"removed {reclaimed} run cgroup(s) the SIGKILLed agent left behind")

@@ -21,9 +21,10 @@ import heapq
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from agent.execute import metrics as m
+from agent.execute.limits import Limits
 
 ADMITTED = "admitted"
 WAITING = "waiting"
@@ -48,11 +49,13 @@ class Demand:
     cpu: float = 0.0
 
     @classmethod
-    def of(cls, limits: Any) -> "Demand":
-        """From a Limits (or anything with cpu/memory_mb); None counts as 0."""
+    def of(cls, limits: Union[Demand, Limits, None]) -> "Demand":
+        """From a run's Limits; None, or a limit not set, counts as 0."""
         if isinstance(limits, Demand):
             return limits
-        return cls(float(getattr(limits, "memory_mb", 0) or 0), float(getattr(limits, "cpu", 0) or 0))
+        if limits is None:
+            return cls()
+        return cls(float(limits.memory_mb or 0), float(limits.cpu or 0))
 
 
 class AdmissionError(ValueError):
@@ -100,7 +103,7 @@ class Admission:
         return len(self._waiting)
 
     # --- decisions ------------------------------------------------------------------
-    def request(self, key: str, due: float, demand: Any) -> str:
+    def request(self, key: str, due: float, demand: Union[Demand, Limits, None]) -> str:
         """Ask to start run `key` (due time `due`, any comparable number, e.g. epoch s).
 
         Returns ADMITTED (start it now; it is counted as running), WAITING (it will be

@@ -35,7 +35,7 @@ import logging
 import os
 import shutil
 import time
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from agent.execute import metrics as m
 from agent.execute import pspawn, threadcreds
@@ -55,6 +55,9 @@ from agent.execute.reaper import Reaper
 from agent.execute.release import Releaser
 from agent.execute.runs import ExitReason, RunHandle, RunResult, RunSpec
 from agent.execute.runstate import Run, RunTable
+
+if TYPE_CHECKING:
+    from agent.config import Config, ExecuteConfig
 
 log = logging.getLogger(__name__)
 
@@ -152,13 +155,13 @@ class Executor:
         self._releaser = Releaser(self._timed_release)
 
     @classmethod
-    def from_config(cls, execute_config: Any, base_dir: str, root_name: str = "millwright",
-                    reclaim: bool = True, agent_config: Any = None, **kw: Any) -> "Executor":
+    def from_config(cls, execute_config: ExecuteConfig, base_dir: str, root_name: str = "millwright",
+                    reclaim: bool = True, agent_config: Optional[Config] = None, **kw: Any) -> "Executor":
         """The daemon's constructor: probe the configured backend (reclaiming run cgroups
         a dead predecessor left) and apply execute.* settings. With ``agent_config`` (the
         whole Config) and root, every run is isolated (docs/security.md): an isolation that
         cannot be set up is an error, never a silent fallback."""
-        runtime_dir = getattr(execute_config, "runtime_dir", "")
+        runtime_dir = execute_config.runtime_dir
         if runtime_dir and "scratch_dir" not in kw:   # one per agent, as its cgroup root
             kw["scratch_dir"] = os.path.join(os.path.abspath(runtime_dir), root_name)
         if agent_config is not None and os.geteuid() == 0 and "isolation" not in kw:

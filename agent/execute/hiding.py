@@ -9,7 +9,8 @@ over a *directory* holds whatever later happens inside it: a file made, replaced
 renamed there is on the host's directory, which runs never see. So every secret is hidden
 by covering its directory whole, made beforehand when missing; a secret is covered alone
 (as a file) only where its directory cannot be covered whole, which the config check
-reports.
+reports, and refuses when a template runs as root: no permission bit keeps a root run
+from a file its cover no longer holds.
 
 A directory cannot be covered whole when runs share it: a system directory (``/``,
 ``/etc``, ``/tmp``, ``/run``, anything directly under ``/``, ``/usr`` or ``/usr/local``…)
@@ -21,7 +22,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
+
+if TYPE_CHECKING:
+    from agent.config import Config
+
+from agent.configcheck import is_root_user
 
 # directories never covered whole (a secret file in them is covered alone)
 SHARED_DIRS = frozenset({"/", "/etc", "/var", "/var/lib", "/var/log", "/run", "/tmp", "/var/tmp", "/usr", "/home",
@@ -64,12 +70,12 @@ def shared_dir(path: str, named: Iterable[str] = ()) -> Optional[str]:
     return None
 
 
-def template_paths(cfg: Any) -> list[str]:
+def template_paths(cfg: Config) -> list[str]:
     """The command-line words of every template that name a path (contain a ``/``)."""
-    return sorted({a for t in getattr(cfg, "templates", {}).values() for a in t.argv if "/" in a})
+    return sorted({a for t in cfg.templates.values() for a in t.argv if "/" in a})
 
 
-def secrets(cfg: Any) -> list[tuple[str, str]]:
+def secrets(cfg: Config) -> list[tuple[str, str]]:
     """(config key, absolute path) of every file of the agent no run may read, the admin
     socket included; TLS certificates and CAs are public, their keys are not."""
     out = []
@@ -77,16 +83,21 @@ def secrets(cfg: Any) -> list[tuple[str, str]]:
         out.append(("config", cfg.source))
     out += [("signing.keys_file", cfg.signing.keys_file), ("audit.key_file", cfg.audit.key_file),
             ("admin.socket", cfg.admin.socket)]
-    for name in ("etcd", "mqtt"):
-        tls = getattr(cfg, name).tls
+    for name, tls in (("etcd", cfg.etcd.tls), ("mqtt", cfg.mqtt.tls)):
         if tls is not None:
-            out += [(f"{name}.tls.{k}", getattr(tls, k)) for k in ("key", "cert") if getattr(tls, k)]
+            out += [(f"{name}.tls.{k}", path) for k, path in (("key", tls.key), ("cert", tls.cert)) if path]
     return [(k, os.path.abspath(p)) for k, p in out if p]
 
 
-def plan(cfg: Any) -> HidePlan:
+def root_templates(cfg: Config) -> list[str]:
+    """The templates whose runs are root (uid 0): only they can read a file whatever its mode."""
+    return sorted(name for name, t in cfg.templates.items() if t.allow_root and is_root_user(t.user))
+
+
+def plan(cfg: Config) -> HidePlan:
     """What to cover for the agent's whole configuration ``cfg`` (agent/config.py)."""
     named = template_paths(cfg)
+    roots = root_templates(cfg)
     p = HidePlan()
     for key, d in (("state_dir", cfg.state_dir), ("audit.dir", cfg.audit.dir)):
         d = os.path.abspath(d)
@@ -105,11 +116,17 @@ def plan(cfg: Any) -> HidePlan:
         elif key == "admin.socket":
             p.refused.append(f"admin.socket: {path} cannot be hidden from root runs (made after the jobs' namespace, "
                              f"and {why}); put it in a directory of its own (the default: /run/millwright/admin.sock)")
+        elif roots:
+            p.refused.append(f"{key}: {path} cannot be hidden from root runs (templates {', '.join(roots)}): {why}, "
+                             f"so its directory is not covered whole and the file, once replaced by rename or "
+                             f"if made after start, is readable to them; move it into a directory of its own "
+                             f"(e.g. /etc/millwright) that no template's command line names")
         else:
             p.files.append(path)
             p.problems.append(f"{key}: {path} is hidden from runs as a file only ({why}): once replaced by rename, "
-                              f"or if made after start, a root run can read it; move it into a directory of its "
-                              f"own (e.g. /etc/millwright)")
+                              f"or if made after start, only its file mode keeps runs out (and a root template "
+                              f"added later would stop the agent's start); move it into a directory of its own "
+                              f"(e.g. /etc/millwright)")
     p.dirs = sorted(set(p.dirs))
     p.files = sorted(set(p.files) - set(p.dirs))
     return p

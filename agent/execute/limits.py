@@ -50,11 +50,11 @@ def effective_limits(job_resources: Any, template_resources: Any, defaults: Opti
     Both arguments may be `agent.config.Resources`, a mapping (the job document's
     "resources" object) or None.
     """
-    d = defaults or Limits()
+    d = (defaults or Limits()).to_dict()
     out = {}
     for key in ("cpu", "memory_mb", "pids"):
         v = _smaller(_get(job_resources, key), _get(template_resources, key))
-        out[key] = getattr(d, key) if v is None else v
+        out[key] = d[key] if v is None else v
     cpu = None if out["cpu"] is None else float(out["cpu"])
     mem = None if out["memory_mb"] is None else int(out["memory_mb"])
     pids = None if out["pids"] is None else int(out["pids"])

@@ -326,8 +326,15 @@ class JobNamespaces:
             self._close_fds()
 
     def _close_fds(self) -> None:
-        for name in ("host_mnt", "host_net", "jobs_mnt", "none_net"):
-            fd = getattr(self, name)
-            if fd >= 0:
-                os.close(fd)
-                setattr(self, name, -1)
+        self.host_mnt = _closed(self.host_mnt)
+        self.host_net = _closed(self.host_net)
+        self.jobs_mnt = _closed(self.jobs_mnt)
+        self.none_net = _closed(self.none_net)
+
+
+def _closed(fd: int) -> int:
+    """Close ``fd`` when it is open; what the attribute holds afterwards (-1: closed)."""
+    if fd >= 0:
+        os.close(fd)
+        return -1
+    return fd

@@ -35,12 +35,11 @@ import json
 import logging
 import os
 import re
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from agent.coordination import placement
 from agent.coordination.etcd import Delete, Mod, Put
@@ -49,6 +48,15 @@ from agent.coordination.jobstore import finished_tombstone
 from agent.coordination.worker import EtcdWorkers
 from agent.jobs import schedule as sch
 from agent.runtime.metrics import counter
+
+if TYPE_CHECKING:
+    from agent.config import Config
+    from agent.coordination.etcd import EtcdClient
+    from agent.coordination.keys import Keys
+    from agent.execute.executor import Executor
+    from agent.jobs.catalog import JobCatalog
+    from agent.jobs.seams import AuditSink, Fencing
+    from agent.runtime.loop import EventLoop, Timer
 
 log = logging.getLogger(__name__)
 
@@ -265,22 +273,28 @@ class _Throttle:
 
 
 class Retention:
-    """Runs retention for the shards this agent holds; a daemon component (loop thread)."""
+    """Runs retention for the shards this agent holds; a daemon component (loop thread).
+    It acts for a shard only while ``ownership`` gives its fence, and leaves one audit
+    record per pass that deleted something."""
 
-    def __init__(self, agent: Any, catalog: Any, executor: Any = None,
+    def __init__(self, cfg: Config, loop: EventLoop, client: EtcdClient, keys: Keys, ownership: Fencing,
+                 audit: AuditSink, catalog: JobCatalog, executor: Optional[Executor] = None,
                  clock: Callable[[], float] = time.time):
-        self.agent = agent
-        self.cfg = agent.cfg.retention
+        self.cfg = cfg.retention
+        self.shards = cfg.shards
+        self.agent_id = cfg.agent_id
+        self.ownership = ownership
+        self.audit = audit
         self.catalog = catalog
         self.executor = executor
-        self.keys = agent.keys
-        self.client = agent.client
-        self.loop = agent.loop
+        self.keys = keys
+        self.client = client
+        self.loop = loop
         self.clock = clock
         self.workers = EtcdWorkers(self.loop.post, threads=1, name="retention")
         self._stop = threading.Event()
         self._throttle = _Throttle(self.cfg.max_deletes_per_s, self._stop)
-        self._timer = None
+        self._timer: Optional[Timer] = None
         self._busy = False
         self._started = False
         self._cursor = 0
@@ -290,7 +304,6 @@ class Retention:
         self.last: dict = {}
         self.totals = {"runs": 0, "jobs_finished": 0, "tombstones": 0, "latest": 0, "answers": 0, "run_dirs": 0,
                        "pools": 0, "rollouts": 0}
-        agent.status_providers["retention"] = self.status
 
     def start(self) -> None:
         self._started = True
@@ -315,16 +328,16 @@ class Retention:
             return
         # cluster shards only: a storage shard's records (targeted jobs' too) are trimmed by
         # the cluster shard's owner; pool units (>= shards) share their storage shard
-        loaded = sorted(s for s in self.catalog.loaded
-                        if s < self.agent.cfg.shards and self.agent.fence_for(s) is not None)
+        fences = {s: f for s in self.catalog.loaded if s < self.shards and (f := self.ownership.fence_for(s)) is not None}
+        loaded = sorted(fences)
         if loaded:  # one shard per tick, round robin
             shard = next((s for s in loaded if s >= self._cursor), loaded[0])
             self._cursor = shard + 1
-            fence = self.agent.fence_for(shard)
+            fence = fences[shard]
             self._busy = True
             self.workers.submit(lambda: self.run_shard(fence), lambda r, e: self._shard_done(fence, r, e))
         now = time.monotonic()
-        fence0 = self.agent.fence_for(0)
+        fence0 = self.ownership.fence_for(0)
         if fence0 is not None and self.cfg.pools_interval_s > 0 and now - self._pools_at >= self.cfg.pools_interval_s:
             self._pools_at = now
             self.workers.submit(lambda: self.run_pools(fence0), lambda r, e: self._shard_done(fence0, r, e, busy=False))
@@ -340,7 +353,7 @@ class Retention:
         used = set()
         for e in self.catalog.entries.values():
             for f in e.firings.values():
-                d = getattr(f.handle, "run_dir", None)
+                d = f.handle.run_dir if f.handle is not None else None
                 if d:
                     used.add(os.path.basename(d))
         return used
@@ -379,7 +392,7 @@ class Retention:
             if k in self.totals:
                 self.totals[k] += v
         self.last = {**where, **result, "at": sch.format_rfc3339(datetime.now(timezone.utc))}
-        self.agent.record("retention", **where, **result)
+        self.audit.record("retention", **where, **result)
         log.info("retention pass", extra={"fields": {**where, **result}})
 
     # --- retention thread ------------------------------------------------------------------
@@ -417,7 +430,7 @@ class Retention:
                     rollouts.setdefault(where[2], []).append((where[3], kv.key, kv.value, kv.mod_revision))
         plan = plan_shard(jobs, runs, latest, self.clock(), self.cfg.keep_runs, self.cfg.finished_job_s,
                           self.cfg.tombstone_s, rollouts)
-        own = self.keys.rollouts_prefix(self.agent.cfg.agent_id)
+        own = self.keys.rollouts_prefix(self.agent_id)
         plan.rollouts = [(k, m) for k, m in plan.rollouts if k.startswith(own)]
         # answers still owed for a job that is gone or a tombstone (it finished finished_job_s
         # ago, as long as the cloud channel keeps them at all): they go with its records
@@ -463,7 +476,7 @@ class Retention:
         """Delete this agent's own rollout keys that retention no longer keeps, in every
         shard (the shard owner cannot: each agent may write only its own rollout keys).
         Each delete compares the key's mod revision; no fence: nobody else writes them."""
-        own = self.keys.rollouts_prefix(self.agent.cfg.agent_id)
+        own = self.keys.rollouts_prefix(self.agent_id)
         by_shard: dict[int, dict[str, list[tuple[str, str, bytes, int]]]] = {}
         for kvs, _ in self.client.range_pages(own):
             for kv in kvs:
@@ -538,8 +551,11 @@ class Retention:
 
     def run_disk(self, in_use: set[str]) -> dict:
         """One pass over the run directories of this agent."""
-        base = getattr(self.executor, "base_dir", None)
         result = {"run_dirs": 0, "run_dir_bytes": 0}
+        if self.executor is None:
+            return result
+        base = self.executor.base_dir
+        cleaner = self.executor.cleaner
         if not base or not os.path.isdir(base):
             return result
         entries = []
@@ -558,12 +574,8 @@ class Retention:
         for name in doomed:
             if not self._throttle.take(1):
                 break
-            cleaner = getattr(self.executor, "cleaner", None)
-            if cleaner is not None:   # a rename: its removal is the cleaner's, bounded per pass
-                if not cleaner.discard(os.path.join(base, name)):
-                    continue
-            else:
-                shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+            if not cleaner.discard(os.path.join(base, name)):   # a rename: its removal is the cleaner's, bounded per pass
+                continue
             result["run_dirs"] += 1
             result["run_dir_bytes"] += sizes.get(name, 0)
             DELETED.labels("run_dir").inc()

@@ -20,7 +20,7 @@ import mmap
 import socket
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from agent.runtime import metrics
 from agent.signals import abi
@@ -28,6 +28,9 @@ from agent.signals.attach import KernelObjects, LoadError, attach
 from agent.signals.history import SignalHistory
 from agent.signals.model import ConnEvent, EndpointSignals, ExecEvent, Gap, NodeSignals, SlotSignals
 from agent.signals.polling import Poller, PostFn, Published, node_wakeup
+
+if TYPE_CHECKING:
+    from agent.config import BpfConfig
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +90,12 @@ class Sensor:
         self._ep_addrs: dict[int, tuple[str, ...]] = {}
 
     @classmethod
-    def from_config(cls, bpf_cfg: Any, post: PostFn, **kw: Any) -> "Sensor":
-        """Build from agent.config.BpfConfig (enabled, node_activity, perf_pages, ...)."""
-        for name in ("enabled", "node_activity", "perf_pages", "window_s", "sample_interval_s"):
-            if hasattr(bpf_cfg, name) and name not in kw:
-                kw[name] = getattr(bpf_cfg, name)
-        return cls(post, **kw)
+    def from_config(cls, bpf_cfg: BpfConfig, post: PostFn, **kw: Any) -> "Sensor":
+        """Build from the bpf section; a keyword given here wins over its setting."""
+        settings = {"enabled": bpf_cfg.enabled, "node_activity": bpf_cfg.node_activity,
+                    "perf_pages": bpf_cfg.perf_pages, "window_s": bpf_cfg.window_s,
+                    "sample_interval_s": bpf_cfg.sample_interval_s}
+        return cls(post, **{**settings, **kw})
 
     # ------------------------------------------------------------------ life cycle
     @property

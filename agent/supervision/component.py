@@ -6,8 +6,11 @@ ends, a periodic tick) and carries out what they decide:
 - a stalled run is ended with reason network_stall (its retry policy applies);
 - an exec outside the template's allow-list kills the run (enforce) or is recorded
   (monitor), audited either way; a kill is reported to the job quarantine (JobOffences);
-- adaptive renewal changes the keepalive interval; the early fence pauses new runs;
-- a voluntary hand-off publishes this agent as unavailable so peers take its shards.
+- adaptive renewal changes the keepalive interval (through Renewal, the session);
+- the early fence pauses new runs (through RunGate, the scheduler);
+- a voluntary hand-off publishes this agent as unavailable so peers take its shards
+  (through Availability, the shard manager).
+Supervision decides; each owner applies the decision to its own state.
 
 The lease policy hears only evidence about the agent itself (keepalives, the etcd path,
 host memory). A job's exec violations, network stalls and quota kills are the job's: they
@@ -20,16 +23,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import TYPE_CHECKING, Callable, Optional, Protocol
 from urllib.parse import urlsplit
 
 from agent.supervision.health import ExecPolicy, JobHealth
-from agent.supervision.leasepolicy import LeasePolicy, read_memory_pressure
+from agent.supervision.leasepolicy import LeaseDecision, LeasePolicy, read_memory_pressure
 from agent.supervision.sensing import RunSensing
 
 if TYPE_CHECKING:
+    from agent.config import Config
     from agent.jobs.firing import Firing
-    from agent.runtime.daemon import Agent
+    from agent.jobs.seams import AuditSink
+    from agent.runtime.loop import EventLoop
+    from agent.signals.model import ExecEvent
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +54,24 @@ class RunGate(Protocol):
     def health_changed(self, f: Firing, state: str, rule: Optional[str]) -> None: ...
 
 
+class Renewal(Protocol):
+    """How often the session lease is kept alive (coordination.session.Session): adaptive
+    renewal sets the interval, and a fast renewal asks for a keepalive now."""
+
+    def set_interval(self, seconds: float) -> None: ...
+
+    def renew_now(self) -> None: ...
+
+
+class Availability(Protocol):
+    """Whether this agent offers to hold shards (coordination.shards.ShardManager): a
+    hand-off publishes it unavailable, so peers take its shards; take_back offers again."""
+
+    def hand_off(self, reason: str) -> None: ...
+
+    def take_back(self) -> None: ...
+
+
 class JobOffences(Protocol):
     """Where a run's own misbehaviour goes (the job quarantine, agent/jobs/quarantine.py)."""
 
@@ -56,58 +80,58 @@ class JobOffences(Protocol):
 
 class Supervision:
     """The daemon's SessionListener, a RunListener of the scheduler, an ExecListener and
-    SignalListener of RunSensing (wired by agent/runtime/components.py)."""
+    SignalListener of RunSensing (wired by agent/daemon/wiring.py). Its decisions go
+    to the audit log, the gate, the renewal and the availability it is given."""
 
-    def __init__(self, agent: Agent, gate: RunGate, sensing: Optional[RunSensing] = None,
-                 offences: Optional[JobOffences] = None):
-        self.agent = agent
+    def __init__(self, cfg: Config, loop: EventLoop, audit: AuditSink, renewal: Renewal, availability: Availability,
+                 gate: RunGate, sensing: Optional[RunSensing], offences: Optional[JobOffences],
+                 stopping: Callable[[], bool]):
+        self.cfg = cfg
+        self.loop = loop
+        self.audit = audit
+        self.renewal = renewal
+        self.availability = availability
         self.gate = gate
         self.offences = offences
         self.sensing = sensing
-        self.cfg = agent.cfg
+        self.stopping = stopping   # True once a graceful stop began: the tick stops re-arming
         self.clock = time.monotonic
-        self.policy = LeasePolicy.from_config(agent.cfg.etcd)
-        self.exec_policies = {name: ExecPolicy(t.allow_exec, agent.cfg.bpf.mode)
-                              for name, t in agent.cfg.templates.items()}
+        self.policy = LeasePolicy.from_config(cfg.etcd)
+        self.exec_policies = {name: ExecPolicy(t.allow_exec, cfg.bpf.mode)
+                              for name, t in cfg.templates.items()}
         self.etcd_eps: set[tuple[Optional[str], int]] = set()
-        for url in agent.cfg.etcd.endpoints:
+        for url in cfg.etcd.endpoints:
             u = urlsplit(url)
             self.etcd_eps.add((u.hostname, u.port or 2379))
         self.runs: dict[str, dict] = {}  # run_key -> {"firing", "health", "exec", "slot"}
         self._last_memory = 0.0
-        agent.status_providers["health"] = self.status
         self.decisions: list[dict] = []  # recent decisions, for status
 
     def start(self) -> None:
-        self.agent.loop.call_later(TICK_S, self._tick)
+        self.loop.call_later(TICK_S, self._tick)
 
     def stop(self) -> None:
         pass  # the tick stops re-arming once the agent is stopping
 
     # --- decisions -----------------------------------------------------------------------
-    def apply(self, decisions: list) -> None:
+    def apply(self, decisions: Optional[list[LeaseDecision]]) -> None:
         for d in decisions or []:
-            self.agent.record("lease", **d.to_record())
+            self.audit.record("lease", **d.to_record())
             self.decisions = (self.decisions + [{"decision": d.decision, "reason": d.reason}])[-10:]
             log.info("lease decision", extra={"fields": {"decision": d.decision, "reason": d.reason}})
-            session = self.agent.session
             if d.decision in ("renew_fast", "renew_normal"):
                 if d.interval_s:
-                    session.interval_s = d.interval_s
+                    self.renewal.set_interval(d.interval_s)
                 if d.decision == "renew_fast":
-                    session.renew_now()
+                    self.renewal.renew_now()
             elif d.decision == "pause_runs":
                 self.gate.pause(d.reason)
             elif d.decision == "resume_runs":
                 self.gate.resume()
             elif d.decision == "hand_off":
-                self.agent.shards.unavailable_reason = d.reason or "unhealthy"
-                self.agent.shards.update_member()
-                self.agent.shards.release_idle()
+                self.availability.hand_off(d.reason or "unhealthy")
             elif d.decision == "take_back":
-                self.agent.shards.unavailable_reason = None
-                self.agent.shards.update_member()
-                self.agent.shards.release_idle()
+                self.availability.take_back()
 
     # --- session -------------------------------------------------------------------------
     def session_granted(self) -> None:
@@ -144,7 +168,7 @@ class Supervision:
         # the run's health is the job's evidence, not the agent's: the job quarantine reads
         # it from the firing (f.health); the lease policy never hears of it
 
-    def exec_event(self, info: Optional[dict], ev: Any) -> Optional[str]:
+    def exec_event(self, info: Optional[dict], ev: ExecEvent) -> Optional[str]:
         """RunSensing asks for a verdict on an exec by a job process."""
         if not info:
             return None
@@ -155,7 +179,7 @@ class Supervision:
         if v is None:
             return None
         f = r["firing"]
-        self.agent.record("policy_violation", job=f.entry.job.id, run_id=r["run_id"],
+        self.audit.record("policy_violation", job=f.entry.job.id, run_id=r["run_id"],
                           fire_id=f.fire_id, attempt=f.attempt,
                           **v.to_record())
         log.warning("exec policy violation", extra={"fields": {"job": f.entry.job.id, "path": v.path,
@@ -187,7 +211,7 @@ class Supervision:
         if d is None:
             return
         f = r["firing"]
-        self.agent.record("job", event="health", job=f.entry.job.id, run_id=r["run_id"],
+        self.audit.record("job", event="health", job=f.entry.job.id, run_id=r["run_id"],
                           fire_id=f.fire_id, attempt=f.attempt,
                           **d.to_record())
         self.gate.health_changed(f, d.state, d.rule)
@@ -205,8 +229,8 @@ class Supervision:
             if now - self._last_memory >= MEMORY_EVERY_S:
                 self._last_memory = now
                 self.apply(self.policy.on_memory(read_memory_pressure(), now))
-        if not self.agent.stopping:
-            self.agent.loop.call_later(TICK_S, self._tick)
+        if not self.stopping():
+            self.loop.call_later(TICK_S, self._tick)
 
     def status(self) -> dict:
         st = self.policy.status()

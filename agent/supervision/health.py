@@ -23,9 +23,13 @@ from __future__ import annotations
 import fnmatch
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from agent.runtime.metrics import counter, gauge
+
+if TYPE_CHECKING:
+    from agent.config import HealthThresholds, Template
+    from agent.signals.model import ExecEvent, SlotSignals
 
 HEALTHY, DEGRADED, STALLED = "healthy", "degraded", "stalled"
 STATES = (HEALTHY, DEGRADED, STALLED)
@@ -78,7 +82,7 @@ class HealthDecision:
         return doc
 
 
-def classify(sig: Any, thresholds: Any) -> tuple[str, str, bool, dict]:
+def classify(sig: SlotSignals, thresholds: HealthThresholds) -> tuple[str, str, bool, dict]:
     """The instantaneous state of one sample, without hysteresis.
 
     Returns ``(state, rule, immediate, evidence)``. ``immediate`` is True when the rule
@@ -88,7 +92,7 @@ def classify(sig: Any, thresholds: Any) -> tuple[str, str, bool, dict]:
     Degraded mode (``sig.available`` False) has no retransmit or connect counts: only the
     stall-age rule can fire."""
     t = thresholds
-    available = bool(getattr(sig, "available", True))
+    available = bool(sig.available)
     rate = float(sig.retrans_per_s or 0.0) if available else 0.0
     age = float(sig.oldest_stall_age_s or 0.0)
     stalled_conns = int(sig.stalled_connections or 0)
@@ -122,7 +126,7 @@ class JobHealth:
     ``millwright_runs_by_health`` is kept here: call :meth:`close` when the run ends.
     """
 
-    def __init__(self, thresholds: Any, now: float, *, slot: Optional[int] = None, confirm_s: float = CONFIRM_S,
+    def __init__(self, thresholds: HealthThresholds, now: float, *, slot: Optional[int] = None, confirm_s: float = CONFIRM_S,
                  clear_s: float = CLEAR_S, end_on_stall: bool = True, track_metrics: bool = True):
         if confirm_s < 0 or clear_s < 0:
             raise ValueError("confirm_s and clear_s must not be negative")
@@ -147,7 +151,7 @@ class JobHealth:
     def stalled(self) -> bool:
         return self.state == STALLED
 
-    def observe(self, sig: Any, now: float) -> Optional[HealthDecision]:
+    def observe(self, sig: SlotSignals, now: float) -> Optional[HealthDecision]:
         self.samples += 1
         state, rule, immediate, evidence = classify(sig, self.thresholds)
         level = _LEVEL[state]
@@ -279,7 +283,7 @@ class ExecPolicy:
         self.launcher_paths = frozenset(normalise(p) for p in launcher_paths)
 
     @classmethod
-    def from_template(cls, template: Any, mode: str) -> "ExecPolicy":
+    def from_template(cls, template: Template, mode: str) -> "ExecPolicy":
         return cls(template.allow_exec, mode)
 
     def match(self, filename: str) -> Optional[str]:
@@ -375,7 +379,6 @@ class RunExecPolicy:
             return False
         return all(j.startswith(a) for a, j in zip(argv[1:], self.job_argv[1:]))
 
-    def check_event(self, ev: Any) -> Optional[Violation]:
+    def check_event(self, ev: ExecEvent) -> Optional[Violation]:
         """Same for an :class:`~agent.signals.ExecEvent`."""
-        return self.check(ev.filename, pid=ev.pid, argv=ev.argv, argv_source=getattr(ev, "argv_source", "kernel"),
-                          exec_ts=getattr(ev, "ts", None))
+        return self.check(ev.filename, pid=ev.pid, argv=ev.argv, argv_source=ev.argv_source, exec_ts=ev.ts)

@@ -31,9 +31,13 @@ from __future__ import annotations
 import collections
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from agent.runtime.metrics import counter, gauge
+
+if TYPE_CHECKING:
+    from agent.config import EtcdConfig
+    from agent.signals.model import EndpointSignals
 
 # decision labels (bounded: these and nothing else)
 RENEW_FAST, RENEW_NORMAL = "renew_fast", "renew_normal"
@@ -54,11 +58,11 @@ class LeaseDecision:
     """One decision. ``decision`` is the metric label (see :data:`DECISIONS`), ``reason``
     the rule that fired, ``evidence`` the values behind it (JSON-safe).
 
-    What the daemon does with it (docs/health.md):
-    renew_fast / renew_normal -> ``session.interval_s = interval_s`` (renew_fast: also
-    ``session.renew_now()``); pause_runs / resume_runs -> stop / restart starting new runs;
-    hand_off / take_back -> ``shards.unavailable_reason = reason`` / ``None`` then
-    ``shards.update_member()``."""
+    What supervision does with it (agent/supervision/component.py, docs/health.md):
+    renew_fast / renew_normal -> ``renewal.set_interval(interval_s)`` (renew_fast: also
+    ``renewal.renew_now()``); pause_runs / resume_runs -> stop / restart starting new runs;
+    hand_off / take_back -> ``availability.hand_off(reason)`` / ``take_back()`` (the shard
+    manager publishes its member record and lets idle shards go)."""
 
     decision: str
     reason: str
@@ -137,7 +141,7 @@ class AdaptiveRenewal:
         KEEPALIVE_INTERVAL.set(self.interval_s)
         return _decide(RENEW_NORMAL, "healthy", now, {"healthy_renewals": self.healthy_renewals}, self.interval_s)
 
-    def on_endpoint(self, sig: Any, now: float) -> Optional[LeaseDecision]:
+    def on_endpoint(self, sig: EndpointSignals, now: float) -> Optional[LeaseDecision]:
         retrans = int(sig.retransmits or 0) if sig.available else None
         prev, self._retrans = self._retrans, (retrans if retrans is not None else self._retrans)
         stalled = int(sig.stalled_sockets or 0)
@@ -223,7 +227,7 @@ class EarlyFence:
         """A new lease was granted (after a hard fence): it is a successful renewal."""
         return self.on_keepalive(True, None, now)
 
-    def on_endpoint(self, sig: Any, now: float) -> Optional[LeaseDecision]:
+    def on_endpoint(self, sig: EndpointSignals, now: float) -> Optional[LeaseDecision]:
         if sig.available:
             retrans = int(sig.retransmits or 0)
             if (self._retrans is not None and retrans > self._retrans and self._first_retrans_at is None
@@ -471,7 +475,7 @@ class LeasePolicy:
         self.handoff = HandOff(**(handoff or {}))
 
     @classmethod
-    def from_config(cls, etcd_cfg: Any, **kw: Any) -> "LeasePolicy":
+    def from_config(cls, etcd_cfg: EtcdConfig, **kw: Any) -> "LeasePolicy":
         return cls(etcd_cfg.lease_ttl_s, etcd_cfg.renew_deadline_s, etcd_cfg.retry_period_s, **kw)
 
     @staticmethod
@@ -489,7 +493,7 @@ class LeasePolicy:
     def on_granted(self, now: float) -> list[LeaseDecision]:
         return self._l(self.fence.on_granted(now))
 
-    def on_etcd_endpoint(self, sig: Any, now: float) -> list[LeaseDecision]:
+    def on_etcd_endpoint(self, sig: EndpointSignals, now: float) -> list[LeaseDecision]:
         return self._l(self.renewal.on_endpoint(sig, now), self.fence.on_endpoint(sig, now))
 
     def on_memory(self, m: MemoryPressure, now: float) -> list[LeaseDecision]:

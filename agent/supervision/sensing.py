@@ -15,8 +15,11 @@ import logging
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 if TYPE_CHECKING:
+    from agent.config import Config
+    from agent.execute.runs import RunHandle
     from agent.jobs.firing import Firing
-    from agent.runtime.daemon import Agent
+    from agent.runtime.loop import EventLoop
+    from agent.signals.model import ExecEvent, Gap
 
 log = logging.getLogger(__name__)
 
@@ -27,11 +30,23 @@ MAX_SLOT = 1023
 SLOT_QUARANTINE_S = 10.0
 
 
+class SensingAudit(Protocol):
+    """The audit log as sensing writes it (agent.audit.AuditLog): records of its own, and
+    the typed ``exec`` and ``gap`` helpers (agent/audit/events.py), which check the verdict
+    and leave out fields that are None."""
+
+    def record(self, type_: str, **fields: Any) -> None: ...
+
+    def exec(self, *, pid: int, filename: str, **fields: Any) -> bool: ...
+
+    def gap(self, *, source: str, count: int, reason: str, **fields: Any) -> bool: ...
+
+
 class ExecListener(Protocol):
     """Asked for a verdict on each exec by a job process (the exec policy). Returns the
     audit verdict (``denied``, ``would_deny``) or None to leave it ``allowed``."""
 
-    def exec_event(self, info: Optional[dict], ev: Any) -> Optional[str]: ...
+    def exec_event(self, info: Optional[dict], ev: ExecEvent) -> Optional[str]: ...
 
 
 class SignalListener(Protocol):
@@ -42,14 +57,15 @@ class SignalListener(Protocol):
 
 class RunSensing:
     """A RunListener of the scheduler and the executor's poststart hook (both wired by
-    agent/runtime/components.py); tells its ExecListeners and SignalListeners."""
+    agent/daemon/wiring.py); tells its ExecListeners and SignalListeners."""
 
-    def __init__(self, agent: Agent):
+    def __init__(self, cfg: Config, loop: EventLoop, audit: SensingAudit):
         from agent.signals import Sensor
 
-        self.agent = agent
-        self.cfg = agent.cfg
-        self.sensor = Sensor.from_config(agent.cfg.bpf, agent.loop.post, on_exec=self._on_exec,
+        self.cfg = cfg
+        self.loop = loop
+        self.audit = audit
+        self.sensor = Sensor.from_config(cfg.bpf, loop.post, on_exec=self._on_exec,
                                          on_gap=self._on_gap, on_signals=self._on_signals)
         self.free = list(range(MAX_SLOT, 0, -1))
         # slots of finished runs, oldest first: slot -> (reusable at, the run's info)
@@ -58,7 +74,6 @@ class RunSensing:
         self.runs: dict[int, dict] = {}  # slot -> {job, run_id, fire_id, attempt, run_key, firing}
         self.exec_listeners: list[ExecListener] = []
         self.signal_listeners: list[SignalListener] = []
-        agent.status_providers["sensor"] = self.status
 
     # --- lifecycle --------------------------------------------------------------------
     def start(self) -> None:
@@ -69,15 +84,16 @@ class RunSensing:
                     self.sensor.watch_url(url)
                 except Exception as exc:
                     log.warning("cannot watch etcd endpoint", extra={"fields": {"url": url, "error": str(exc)}})
-        self.agent.record("sensor", event="started", mode=mode)
+        self.audit.record("sensor", event="started", mode=mode)
 
     def stop(self) -> None:
         self.sensor.stop()
 
     # --- runs ---------------------------------------------------------------------------
-    def poststart(self, handle: Any) -> None:
+    def poststart(self, handle: RunHandle) -> None:
         """Executor hook, loop thread, before the job execs: give the run a slot."""
         spec = handle.spec
+        assert handle.pid is not None   # the executor sets it before its poststart hooks run
         slot = self._take_slot()
         if slot is None:
             log.warning("no free sensor slot; run not attributed", extra={"fields": {"run": spec.run_key}})
@@ -108,11 +124,11 @@ class RunSensing:
             self.free.append(slot)
         else:
             info.pop("firing", None)
-            self.ended[slot] = (self.agent.loop.clock() + SLOT_QUARANTINE_S, info)
+            self.ended[slot] = (self.loop.clock() + SLOT_QUARANTINE_S, info)
 
     def _take_slot(self) -> Optional[int]:
         """A free slot; the oldest finished run's before its quarantine ends if none is."""
-        now = self.agent.loop.clock()
+        now = self.loop.clock()
         while self.ended:
             slot, (until, _) = next(iter(self.ended.items()))
             if until > now:
@@ -126,10 +142,10 @@ class RunSensing:
         return None
 
     # --- events -------------------------------------------------------------------------
-    def _on_exec(self, ev: Any) -> None:
-        audit = self.agent.audit
+    def _on_exec(self, ev: ExecEvent) -> None:
+        audit = self.audit
         if ev.slot is None:
-            if self.cfg.audit.node_exec and audit is not None:
+            if self.cfg.audit.node_exec:
                 audit.exec(pid=ev.pid, ppid=ev.ppid, uid=ev.uid, filename=ev.filename, argv=ev.argv,
                            verdict="node", gid=ev.gid, source=ev.source)
             return
@@ -144,23 +160,21 @@ class RunSensing:
             v = l.exec_event(info, ev)
             if v:
                 verdict = v
-        if audit is not None:
-            audit.exec(pid=ev.pid, ppid=ev.ppid, uid=ev.uid, filename=ev.filename, argv=ev.argv,
-                       job=info["job"] if info else None, run_id=info["run_id"] if info else None,
-                       fire_id=info["fire_id"] if info else None, verdict=verdict, gid=ev.gid, attempt=info["attempt"] if info else None,
-                       slot=ev.slot, source=ev.source, exec_ts=round(ev.ts, 6), after_run_ended=late)
+        audit.exec(pid=ev.pid, ppid=ev.ppid, uid=ev.uid, filename=ev.filename, argv=ev.argv,
+                   job=info["job"] if info else None, run_id=info["run_id"] if info else None,
+                   fire_id=info["fire_id"] if info else None, verdict=verdict, gid=ev.gid, attempt=info["attempt"] if info else None,
+                   slot=ev.slot, source=ev.source, exec_ts=round(ev.ts, 6), after_run_ended=late)
 
-    def _on_gap(self, gap: Any) -> None:
-        if self.agent.audit is not None:
-            rec = gap.to_record()
-            rec.pop("ts", None)
-            count = rec.pop("lost", 0)
-            self.agent.audit.gap(source="bpf", count=count, reason="perf_lost" if not gap.inferred else "exec_count",
-                                 **rec)
+    def _on_gap(self, gap: Gap) -> None:
+        rec = gap.to_record()
+        rec.pop("ts", None)
+        count = rec.pop("lost", 0)
+        self.audit.gap(source="bpf", count=count, reason="perf_lost" if not gap.inferred else "exec_count", **rec)
 
     def _on_signals(self, slots: set, endpoints: set) -> None:
         for l in self.signal_listeners:
             l.signals(slots, endpoints)
 
     def status(self) -> dict:
+        """What the sensor does now (``bpf``, degraded, stopped), for the status document."""
         return {"mode": self.sensor.mode, "tracked_runs": len(self.runs), "lost_events": self.sensor.lost_events}

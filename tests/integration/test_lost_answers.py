@@ -10,7 +10,7 @@ record it dropped, or a claim whose outcome it gave up reading, leaves the recor
 for as long as the agent keeps the shard (no one else will resolve it). The same holds for
 a claim of its own that it took for someone else's.
 
-Each fault is made exactly where the scheduler meets it: agent.fence_for() gives None for
+Each fault is made exactly where the scheduler meets it: ownership.fence_for() gives None for
 the firing's shard while the shard stays held (owns()), as past the renew deadline; a
 claim's transaction lands but raises, or lands only after its read-back. The agent, its
 runs and etcd are real.
@@ -49,7 +49,7 @@ def env(etcd_server, tmp_path):
     la.start()
     try:
         wait_for(lambda: c.all_owned_by({"sl0"}), 20, what="the agent holding every shard")
-        wait_for(lambda: la.on_loop(lambda: all(la.agent.owns(s) for s in range(c.shards)) and
+        wait_for(lambda: la.on_loop(lambda: all(la.agent.ownership.owns(s) for s in range(c.shards)) and
                                     set(la.scheduler.catalog.loaded) == set(range(c.shards))), 20, interval=0.05,
                  what="every shard loaded by the agent")
         yield c, la, store, out
@@ -59,20 +59,20 @@ def env(etcd_server, tmp_path):
 
 
 class Lapse:
-    """agent.fence_for() as past the renew deadline for one shard (None), from start() to
+    """ownership.fence_for() as past the renew deadline for one shard (None), from start() to
     end(); owns() is untouched: the shard stays held. Either thread may call these."""
 
     def __init__(self, la: LocalAgent):
-        self.agent = la.agent
-        self.real = la.agent.fence_for
+        self.ownership = la.agent.ownership   # what the scheduler asks (the Agent only delegates to it)
+        self.real = self.ownership.fence_for
         self.seen: list[tuple[Any, Any]] = []   # (fence_for, owns) for the shard at start()
 
     def start(self, shard: int) -> None:
-        self.agent.fence_for = lambda s: None if s == shard else self.real(s)   # type: ignore[method-assign]
-        self.seen.append((self.agent.fence_for(shard), self.agent.owns(shard)))
+        self.ownership.fence_for = lambda s: None if s == shard else self.real(s)   # type: ignore[method-assign]
+        self.seen.append((self.ownership.fence_for(shard), self.ownership.owns(shard)))
 
     def end(self) -> None:
-        self.agent.__dict__.pop("fence_for", None)   # the class's own again
+        self.ownership.__dict__.pop("fence_for", None)   # the class's own again
 
 
 def due_now(store: Any, job_id: str) -> None:
@@ -141,7 +141,7 @@ def final_record(c: Cluster, job_id: str) -> dict:
 def no_self_fence(la: LocalAgent, fences: dict) -> None:
     """The agent kept every shard under the fence it held before (no self-fence, no loss)."""
     assert la.on_loop(lambda: la.agent.fenced_reason) is None
-    assert la.on_loop(lambda: {s: la.agent.owns(s) for s in fences}) == fences
+    assert la.on_loop(lambda: {s: la.agent.ownership.owns(s) for s in fences}) == fences
 
 
 def test_a_run_that_ends_in_the_gap_gets_its_final_record_when_the_session_renews(env):
@@ -151,7 +151,7 @@ def test_a_run_that_ends_in_the_gap_gets_its_final_record_when_the_session_renew
     c, la, store, out = env
     sch = la.scheduler
     lapse = Lapse(la)
-    fences = la.on_loop(lambda: {s: la.agent.owns(s) for s in range(c.shards)})
+    fences = la.on_loop(lambda: {s: la.agent.ownership.owns(s) for s in range(c.shards)})
     real_ended = sch._ended
 
     def ended(f: Any, result: Any) -> None:
@@ -186,7 +186,7 @@ def test_a_claim_whose_reply_and_read_back_fail_in_the_gap_runs_once(env, monkey
     sch = la.scheduler
     caplog.set_level(logging.DEBUG, logger="agent.jobs.scheduler")
     lapse = Lapse(la)
-    fences = la.on_loop(lambda: {s: la.agent.owns(s) for s in range(c.shards)})
+    fences = la.on_loop(lambda: {s: la.agent.ownership.owns(s) for s in range(c.shards)})
     jid = "lost-reply"
     lost: list[int] = []        # the landed claim's revision (its reply was lost)
     reads: list[str] = []       # the read-backs of the job's record: "failed", "real"
@@ -238,7 +238,7 @@ def test_a_claim_that_lands_after_its_read_back_found_nothing_is_still_ours(env,
     `running` and the job never ran."""
     c, la, store, out = env
     caplog.set_level(logging.DEBUG, logger="agent.jobs.scheduler")
-    fences = la.on_loop(lambda: {s: la.agent.owns(s) for s in range(c.shards)})
+    fences = la.on_loop(lambda: {s: la.agent.ownership.owns(s) for s in range(c.shards)})
     jid = "lands-late"
     held: list[tuple] = []      # the first claim's batch, not sent yet
     landed: list[int] = []      # its revision, once applied after the read-back
@@ -338,13 +338,13 @@ def test_a_claim_still_unresolved_when_its_shard_is_held_again_is_never_claimed_
             due_now(store, jid)
             assert reading.wait(20), "the claim was never read back"
             f = la.on_loop(lambda: next(iter(sch.catalog.entries[jid].firings.values())))
-            old_fence = la.on_loop(lambda: la.agent.owns(shard))
+            old_fence = la.on_loop(lambda: la.agent.ownership.owns(shard))
             assert la.on_loop(lambda: f.state) == FiringState.CLAIMING   # its read-back waiting
             load_armed.set()
             etcd_server.pause()
-            wait_for(lambda: not la.agent.owned_shards, 20, interval=0.05, what="the agent fenced")
+            wait_for(lambda: not la.agent.ownership.owned, 20, interval=0.05, what="the agent fenced")
             etcd_server.resume()
-            wait_for(lambda: la.on_loop(lambda: la.agent.owns(shard)) not in (None, old_fence), 30,
+            wait_for(lambda: la.on_loop(lambda: la.agent.ownership.owns(shard)) not in (None, old_fence), 30,
                      interval=0.05, what="the shard held again")
             reads_open.set()
             # the old firing decides while the new entry is not installed yet (its load is held)
@@ -371,7 +371,7 @@ def test_the_final_record_of_a_firing_that_never_ran_is_written_again_when_etcd_
     be written again, as a run's final record is (RunRecords.write), not left to the
     shard's next owner, which may never come."""
     c, la, store, out = env
-    fences = la.on_loop(lambda: {s: la.agent.owns(s) for s in range(c.shards)})
+    fences = la.on_loop(lambda: {s: la.agent.ownership.owns(s) for s in range(c.shards)})
     real_batch = fencing.fenced_batch
     failed: list[int] = []
 

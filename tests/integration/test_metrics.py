@@ -119,12 +119,15 @@ def sc(tmp_path_factory):
     mq = MosquittoServer(str(tmp / "mq"))
     etcd.start()
     mq.start()
-    ring = testkit.write_keys(str(tmp / "keys.yaml"))
+    # in a directory of its own: one the templates name (out/ is under tmp) cannot be hidden
+    # from root runs, and a root agent with root templates refuses to start (hiding.py)
+    (tmp / "signing").mkdir()
+    ring = testkit.write_keys(str(tmp / "signing" / "keys.yaml"))
     client = EtcdClient(EtcdConfig(endpoints=[etcd.endpoint], request_timeout_s=2.0))
     keys = Keys(CLUSTER)
     s = Scenario()
     port0, port1 = free_port(), free_port()
-    a0 = AgentProcess("m0", str(tmp / "agents"), agent_config(etcd, mq, str(tmp / "keys.yaml"), out, port0)).start()
+    a0 = AgentProcess("m0", str(tmp / "agents"), agent_config(etcd, mq, str(tmp / "signing" / "keys.yaml"), out, port0)).start()
     agents = [a0]
     collector = None
     m = lambda: scrape(port0)
@@ -256,7 +259,7 @@ def sc(tmp_path_factory):
         def d_join():
             s.snap["d0"] = m()
             a1 = AgentProcess("m1", str(tmp / "agents"),
-                              agent_config(etcd, mq, str(tmp / "keys.yaml"), out, port1, ttl=5)).start()
+                              agent_config(etcd, mq, str(tmp / "signing" / "keys.yaml"), out, port1, ttl=5)).start()
             agents.append(a1)
 
             def shared():

@@ -8,8 +8,8 @@ cancelled or deleted. Then they let the claim finish and check, through the sche
 own paths, that the job did not run and that the staged run was handed back: no run
 directory under the executor's base dir, and no run cgroup in any hierarchy.
 
-The agent is the daemon's own (Agent with default_components, as `millwright run` builds
-it) on a thread of this process, so its executor's stage() can be wrapped; etcd is real.
+The agent is the daemon's own (the Daemon with the parts `millwright run` wires into it)
+on a thread of this process, so its executor's stage() can be wrapped; etcd is real.
 """
 
 from __future__ import annotations
@@ -146,8 +146,8 @@ def test_a_claim_fenced_in_flight_never_runs_and_its_staged_run_is_unstaged(env,
     fid = f.fire_id
     assert run_records(c.client, c.keys)[("fenced", fid)]["state"] == "running"   # the claim landed
     etcd_server.pause()
-    wait_for(lambda: not la.agent.owned_shards, 20, interval=0.05, what="the agent fenced")
-    assert la.on_loop(lambda: "fenced" not in la.scheduler.catalog.entries and la.agent.fence_for(f.entry.shard) is None)
+    wait_for(lambda: not la.agent.ownership.owned, 20, interval=0.05, what="the agent fenced")
+    assert la.on_loop(lambda: "fenced" not in la.scheduler.catalog.entries and la.agent.ownership.fence_for(f.entry.shard) is None)
     g.open()
     settle(la, f)
     # _spawn found no fence (the last word: on a loaded host an earlier firing of the job
@@ -177,15 +177,15 @@ def test_a_claim_back_after_its_shard_was_held_again_does_not_run_beside_the_new
     jid = "held-again"
     g, f = held_claim(la, store, gate, jid, retry={"max_attempts": 2, "backoff_s": 0, "on": ["owner_lost"]})
     fid, shard = f.fire_id, f.entry.shard
-    old_fence = la.on_loop(lambda: la.agent.owns(shard))
+    old_fence = la.on_loop(lambda: la.agent.ownership.owns(shard))
     assert run_records(c.client, c.keys)[(jid, fid)]["state"] == "running"   # the claim landed
     etcd_server.pause()
-    wait_for(lambda: not la.agent.owned_shards, 20, interval=0.05, what="the agent fenced")
+    wait_for(lambda: not la.agent.ownership.owned, 20, interval=0.05, what="the agent fenced")
     etcd_server.resume()
     # held again, the job installed anew from the shard's load (which read the record)
     wait_for(lambda: la.on_loop(lambda: sch.catalog.entries.get(jid, f.entry) is not f.entry), 30, interval=0.05,
              what="the job installed again")
-    new_fence = la.on_loop(lambda: la.agent.fence_for(shard))
+    new_fence = la.on_loop(lambda: la.agent.ownership.fence_for(shard))
     assert new_fence is not None and new_fence.token != old_fence.token
     assert la.on_loop(lambda: f.state) == FiringState.CLAIMING
     g.open()   # the held claim comes back; the new entry's attempt 2 stages and runs too
@@ -217,7 +217,7 @@ def test_a_job_cancelled_or_deleted_while_its_claim_is_in_flight_never_runs(env,
         if quota_backend == "cgroup1":
             assert any(p.startswith("/sys/fs/cgroup/") for p in before), before
         fid = f.fire_id
-        held = la.on_loop(lambda: la.agent.owns(f.entry.shard))
+        held = la.on_loop(lambda: la.agent.ownership.owns(f.entry.shard))
         if how == "cancelled":
             assert store.cancel(jid)[0] == "cancelled"
             wait_for(lambda: la.on_loop(lambda: la.scheduler.catalog.entries[jid].cancelled), 20, interval=0.05,
@@ -228,7 +228,7 @@ def test_a_job_cancelled_or_deleted_while_its_claim_is_in_flight_never_runs(env,
                      what="the job dropped")
         # still ours, under the claim's fence (a keepalive slower than the renew deadline on
         # a loaded host makes the session invalid for a moment without a self-fence)
-        fence = wait_for(lambda: la.on_loop(lambda: la.agent.fence_for(f.entry.shard)), 10, interval=0.05,
+        fence = wait_for(lambda: la.on_loop(lambda: la.agent.ownership.fence_for(f.entry.shard)), 10, interval=0.05,
                          what="the shard held")
         g.open()
         settle(la, f)
@@ -258,7 +258,7 @@ def test_a_firing_waiting_out_a_lapsed_session_to_spawn_ends_when_its_job_goes(e
     back, its shard is not kept busy, and a cancelled firing's record ends `cancelled`.
 
     The lapse is made for the duration of that firing's first _spawn only (on the loop):
-    agent.fence_for gives None for its shard and _session_lapsed True; the delayed call
+    ownership.fence_for gives None for its shard and _session_lapsed True; the delayed call
     then runs against the real agent."""
     c, la, store, gate, out = env
     sch = la.scheduler
@@ -275,7 +275,7 @@ def test_a_firing_waiting_out_a_lapsed_session_to_spawn_ends_when_its_job_goes(e
     assert any(p.startswith(la.executor.base_dir) for p in before), before
     assert any(p.startswith("/sys/fs/cgroup/") for p in before), before
 
-    real_spawn, real_lapsed, real_fence_for = sch._spawn, sch._session_lapsed, la.agent.fence_for
+    real_spawn, real_lapsed, real_fence_for = sch._spawn, sch._session_lapsed, la.agent.ownership.fence_for
     spawns: list[FiringState] = []     # the firing's state right after each of its _spawn calls
     discarded_by: list[str] = []       # which scheduler method called _discard for it
 
@@ -283,12 +283,12 @@ def test_a_firing_waiting_out_a_lapsed_session_to_spawn_ends_when_its_job_goes(e
         if g2 is not f or spawns:
             real_spawn(g2)
             return
-        la.agent.fence_for = lambda s: None if s == shard else real_fence_for(s)   # type: ignore[method-assign]
+        la.agent.ownership.fence_for = lambda s: None if s == shard else real_fence_for(s)   # type: ignore[method-assign]
         sch._session_lapsed = lambda g3: True if g3 is f else real_lapsed(g3)     # type: ignore[method-assign]
         try:
             real_spawn(g2)
         finally:
-            del la.agent.fence_for, sch._session_lapsed   # the real ones again (class attributes)
+            del la.agent.ownership.fence_for, sch._session_lapsed   # the real ones again (class attributes)
         spawns.append(g2.state)
 
     real_discard = sch._discard
@@ -312,7 +312,7 @@ def test_a_firing_waiting_out_a_lapsed_session_to_spawn_ends_when_its_job_goes(e
         settle(la, f)
     finally:
         la.on_loop(lambda: (sch.__dict__.pop("_spawn", None), sch.__dict__.pop("_discard", None)))
-    assert la.on_loop(lambda: la.agent.fence_for(shard)) is not None   # the patches are gone; still ours
+    assert la.on_loop(lambda: la.agent.ownership.fence_for(shard)) is not None   # the patches are gone; still ours
     # _spawn waited for the fence (the firing still claiming), and the wait ended it
     assert spawns == [FiringState.CLAIMING]
     assert discarded_by == ["_when_current"]

@@ -234,9 +234,9 @@ def test_retention_hands_old_run_dirs_to_the_cleaner_and_sizes_a_deep_one(fs):
             d = fd
         os.close(os.open("out.log", os.O_CREAT | os.O_WRONLY, dir_fd=d))
         os.close(d)
-        agent = SimpleNamespace(cfg=SimpleNamespace(retention=RetentionConfig(run_output_s=0.0)), keys=None,
-                                client=None, loop=SimpleNamespace(post=lambda *a: None), status_providers={})
-        ret = Retention(agent, catalog=None, executor=ex, clock=lambda: time.time() + 10)
+        cfg = SimpleNamespace(retention=RetentionConfig(run_output_s=0.0), shards=4, agent_id="a")
+        ret = Retention(cfg, SimpleNamespace(post=lambda *a: None), client=None, keys=None, ownership=None,
+                        audit=None, catalog=None, executor=ex, clock=lambda: time.time() + 10)
         result = ret.run_disk(set())
         assert result["run_dirs"] == 1 and not os.path.exists(old)
         assert ex.cleaner.wait_idle(60)

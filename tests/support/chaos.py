@@ -401,7 +401,10 @@ class ChaosRun:
         self.mq = MosquittoServer(os.path.join(self.dir, "mosquitto"), extra_conf=listeners)
         os.makedirs(self.mq.dir, exist_ok=True)
         self.mq.start()
-        self.ring = write_keys(os.path.join(self.dir, "keys.yaml"))
+        # a directory of its own: the templates name self.dir (effects.log), which hiding
+        # cannot cover whole, and a root agent with root templates refuses such a layout
+        os.makedirs(os.path.join(self.dir, "signing"), exist_ok=True)
+        self.ring = write_keys(os.path.join(self.dir, "signing", "keys.yaml"))
         os.makedirs(os.path.join(self.dir, "agents"), exist_ok=True)
         shim = ""
         for a in ids:
@@ -435,7 +438,7 @@ class ChaosRun:
                          "insecure": True},
                 "mqtt": {"url": f"mqtt://127.0.0.1:{self.broker_ports[agent]}", "reconnect_min_s": 0.2,
                          "reconnect_max_s": 1.0, "ingest_grace_s": 1.5},
-                "signing": {"keys_file": os.path.join(self.dir, "keys.yaml")},
+                "signing": {"keys_file": os.path.join(self.dir, "signing", "keys.yaml")},
                 "bpf": {"enabled": False},
                 "execute": {"max_concurrent": 16, "memory_mb": 16384, "cpu": 64.0, "kill_grace_s": KILL_GRACE_S},
                 "templates": {"fx": {"argv": [EFFECT, self.out, agent, "{sleep}", "{fail_until}"],

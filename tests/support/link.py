@@ -8,7 +8,7 @@ import json
 import time
 from typing import Callable, Optional
 
-from agent.cloud.link import Message
+from agent.cloud.link import Message, MessageProps
 
 
 class FakeLink:
@@ -21,10 +21,14 @@ class FakeLink:
         self.host, self.port, self.client_id = "127.0.0.1", 1883, "fake-link"
         self.connected = connected
         self.deferred_ack = deferred_ack
+        self.protocol = "3.1.1"
+        self.session_present: Optional[bool] = True
+        self.session_lost = False
         self.on_ack = on_ack
         self.started = False
         self.mid = 0
         self.sent: list[tuple[int, str, object]] = []   # (mid, topic, JSON document or raw bytes)
+        self.sent_props: dict[int, MessageProps] = {}    # mid -> the properties it was published with
         self.acked: list[Message] = []
         self.subscriptions: dict[str, int] = {}
         self.unsubscribed: list[str] = []
@@ -45,8 +49,11 @@ class FakeLink:
             self.on_ack(msg)
         return True
 
-    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> tuple[int, int]:
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
+                props: Optional[MessageProps] = None) -> tuple[int, int]:
         self.mid += 1
+        if props is not None:
+            self.sent_props[self.mid] = props
         try:
             doc: object = json.loads(payload)
         except ValueError:
@@ -62,8 +69,8 @@ class FakeLink:
         self.unsubscribed.append(topic)
 
     def publish_wait(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
-                     timeout: float = 2.0) -> bool:
-        self.publish(topic, payload, qos, retain)
+                     timeout: float = 2.0, props: Optional[MessageProps] = None) -> bool:
+        self.publish(topic, payload, qos, retain, props)
         return self.connected
 
 

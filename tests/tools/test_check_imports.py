@@ -100,11 +100,12 @@ def test_what_a_row_names_passes(tmp_path):
 
 def test_only_the_cli_and_the_demo_import_the_daemon(tmp_path):
     daemon = {"daemon/__init__": "", "daemon/core": "class Daemon:\n    pass\n", "daemon/admin": ""}
-    assert check(tmp_path, **daemon, cloud__ingest="""
+    (finding,) = check(tmp_path, **daemon, cloud__ingest="""
         from typing import TYPE_CHECKING
         if TYPE_CHECKING:
             from agent.daemon.core import Daemon
-        """) == []
+        """)
+    assert "agent/cloud/ingest.py: upward: imports agent.daemon.core" in finding   # not layers: rule 7's
     assert check(tmp_path, **daemon, cli="def run():\n    from agent.daemon.core import Daemon\n") == []
     assert check(tmp_path, **daemon, demo__scenario="from agent.daemon.admin import query\n") == []
     assert check(tmp_path, **{**daemon, "daemon/admin": "from agent.cloud import ingest\n"}) == []
@@ -134,9 +135,10 @@ def test_only_a_command_module_imports_the_cli(tmp_path):
 
 
 def test_a_part_without_a_row_fails(tmp_path):
-    (finding,) = check(tmp_path, **{"newpart/__init__": "", "newpart/x": ""})
-    assert finding == ("agent/newpart/__init__.py: layers: newpart has no row in MAY_IMPORT "
-                       "(scripts/check-imports.py): say what it may import")
+    assert check(tmp_path, **{"newpart/__init__": "", "newpart/x": ""}) == [
+        "agent/newpart/__init__.py: layers: newpart has no row in MAY_IMPORT "
+        "(scripts/check-imports.py): say what it may import",
+        "scripts/check-imports.py: upward: newpart has no floor in RANK: say where it sits"]
 
 
 @pytest.mark.parametrize("source", [
@@ -203,3 +205,193 @@ def test_private_methods_of_other_libraries_are_notes_not_findings(tmp_path):
     findings, notes = checker.check(str(tmp_path))
     assert findings == []
     assert [n.message for n in notes] == ["calls _ops_to_requests() of c: a private method of another library"]
+
+
+@pytest.fixture(autouse=True)
+def _nothing_pending(monkeypatch):
+    """The planted trees are judged by the rules alone, not by this checkout's PENDING."""
+    monkeypatch.setattr(checker, "PENDING", {})
+
+
+JOB = "class Job:\n    not_after: object = None\n\n\nclass Flags:\n    O_CLOEXEC = 1\n"
+
+
+def test_getattr_of_an_attribute_our_classes_define_fails(tmp_path):
+    (finding,) = check(tmp_path, jobs__document=JOB, jobs__view="""
+        def expires(job):
+            return getattr(job, "not_after", None)
+        """)
+    assert finding.startswith("agent/jobs/view.py: duck: getattr(job, 'not_after'): not_after defined by a class")
+    (finding,) = check(tmp_path, jobs__document=JOB, jobs__view="""
+        class Later:
+            def set(self):
+                self.retry_at = 1
+
+        def due(job):
+            for name in ("retry_at", "missing"):
+                if hasattr(job, name):
+                    return name
+        """)
+    assert "duck: hasattr(job, name): retry_at defined by a class" in finding
+
+
+@pytest.mark.parametrize("source", [
+    "import os\nFLAGS = getattr(os, 'O_CLOEXEC', 0)\n",                       # a module of another library
+    "def f(job):\n    return getattr(job, '__name__', None)\n",                 # a dunder
+    "def f(job):\n    return getattr(job, 'not_ours', None)\n",                 # no class of agent/ defines it
+    "def f():\n    try:\n        pass\n    except OSError as exc:\n        return getattr(exc, 'not_after', None)\n",
+    "import argparse\n\n\ndef f(args: argparse.Namespace):\n    return getattr(args, 'not_after', None)\n",
+    "from argparse import Namespace\n\n\ndef f(args: 'Optional[Namespace]'):\n    return getattr(args, 'not_after', 0)\n",
+])
+def test_getattr_on_other_libraries_objects_passes(tmp_path, source):
+    assert check(tmp_path, jobs__document=JOB, jobs__view=source) == []
+
+
+def test_a_parameter_typed_any_or_with_our_type_is_no_exemption(tmp_path):
+    for annotation in ("Any", "Job", "Optional[Job]"):
+        (finding,) = check(tmp_path, jobs__document=JOB, jobs__view=f"""
+            from typing import Any, Optional
+            from agent.jobs.document import Job
+
+
+            def f(job: {annotation}):
+                return getattr(job, "not_after", None)
+            """)
+        assert "duck: getattr(job, 'not_after')" in finding
+
+
+def test_a_duck_adapter_module_may_ask_other_libraries_objects(tmp_path):
+    source = "def code(reply):\n    return getattr(reply, 'not_after', None)\n"
+    assert check(tmp_path, jobs__document=JOB, coordination__etcd=source) == []
+    assert "agent.coordination.etcd" in checker.DUCK_ADAPTERS
+
+
+PROTOCOL = """
+    from typing import Any, Protocol
+
+
+    class Sink(Protocol):
+        def f(self, x: Any) -> None: ...
+    """
+
+
+def test_any_in_a_seam_protocol_fails(tmp_path):
+    (finding,) = check(tmp_path, jobs__seams=PROTOCOL)
+    assert finding.startswith("agent/jobs/seams.py: seam-any: Any in seam Protocol Sink.f (parameter x): ")
+    assert "TYPE_CHECKING" in finding
+    (finding,) = check(tmp_path, jobs__seams="""
+        from typing import Any, Protocol
+
+
+        class Sink(Protocol):
+            last: "dict[str, Any]"
+
+            def g(self) -> None: ...
+        """)
+    assert "Any in seam Protocol Sink.last" in finding
+
+
+def test_a_marked_line_and_json_keywords_pass(tmp_path):
+    marked = PROTOCOL.replace("-> None: ...", "-> None: ...  # any: opaque")
+    assert check(tmp_path, jobs__seams=marked) == []
+    assert check(tmp_path, jobs__seams="""
+        from typing import Any, Protocol
+
+
+        class Sink(Protocol):
+            def record(self, type_: str, *args: Any, **fields: Any) -> None: ...
+        """) == []
+    assert check(tmp_path, jobs__seams="from typing import Any\n\n\nclass Plain:\n    def f(self, x: Any): ...\n") == []
+
+
+def test_any_in_a_callable_alias_a_protocol_names_fails(tmp_path):
+    (finding,) = check(tmp_path, jobs__seams="""
+        from typing import Any, Callable, Protocol
+
+        OnExit = Callable[[Any, int], None]
+        Unused = Callable[[Any], None]
+
+
+        class Runs(Protocol):
+            def start(self, on_exit: OnExit) -> None: ...
+        """)
+    assert finding.startswith("agent/jobs/seams.py: seam-any: Any in OnExit, a Callable alias seam Protocol Runs")
+    (finding,) = check(tmp_path, execute__executor="from typing import Any, Callable\n\nDone = Callable[[Any], None]\n",
+                       jobs__seams="""
+        from typing import Protocol
+
+        from agent.execute.executor import Done
+
+
+        class Runs(Protocol):
+            def start(self, done: Done) -> None: ...
+        """)
+    assert finding.startswith("agent/execute/executor.py: seam-any: Any in Done, a Callable alias")
+
+
+def test_an_import_cycle_between_two_packages_fails(tmp_path):
+    tc = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from agent.{} import X\n"
+    (finding,) = check(tmp_path, **{"coordination/etcd": tc.format("execute.reaper"),
+                                    "execute/reaper": tc.format("coordination.etcd")})
+    assert finding.startswith("agent/coordination/etcd.py: cycles: an import cycle across coordination, execute "
+                              "(TYPE_CHECKING imports count): agent.coordination.etcd, agent.execute.reaper;")
+
+
+def test_a_cycle_inside_one_package_passes(tmp_path):
+    assert check(tmp_path, **{"jobs/view": "from agent.jobs import cli\n", "jobs/cli": "from agent.jobs import view\n",
+                              "config": "def load():\n    from agent import configcheck\n",
+                              "configcheck": "from agent import config\n"}) == []
+
+
+def test_an_import_of_a_higher_floor_fails(tmp_path):
+    (finding,) = check(tmp_path, jobs__view="""
+        from typing import TYPE_CHECKING
+        if TYPE_CHECKING:
+            from agent.cloud.ingest import Ingest
+        """)
+    assert finding.startswith("agent/jobs/view.py: upward: imports agent.cloud.ingest, a floor above it")
+    assert check(tmp_path, configcheck="from agent.jobs import paramregex\n",
+                 **{"jobs/paramregex": ""}) == []          # UPWARD_ALLOWED, with its reason
+
+
+def test_pending_findings_are_counted_not_failed(tmp_path, monkeypatch, capsys):
+    check(tmp_path, jobs__document=JOB, jobs__view="def f(job):\n    return getattr(job, 'not_after', None)\n")
+    assert checker.main(["--root", str(tmp_path)]) == 1
+    monkeypatch.setattr(checker, "PENDING", {"duck": {"agent/jobs/view.py:not_after"}})
+    capsys.readouterr()
+    assert checker.main(["--root", str(tmp_path), "--counts"]) == 0
+    out = capsys.readouterr().out
+    assert "check-imports: layers 0, private 0, private-call 0, seam-any 0, duck 0 (+1 pending), cycles 0, upward 0" in out
+    assert "duck (getattr/hasattr on our attribute names): 1" in out
+    assert "cross-package import cycles: 0" in out and "upward imports: 0 module pairs" in out
+    monkeypatch.setattr(checker, "PENDING", {"duck": {"agent/jobs/view.py:not_after", "agent/jobs/gone.py:x"}})
+    assert checker.main(["--root", str(tmp_path), "--pending"]) == 0
+    out = capsys.readouterr().out
+    assert "agent/jobs/view.py:2: duck: getattr(job, 'not_after')" in out
+    assert "PENDING['duck'] names agent/jobs/gone.py:x, which no finding matches any more: delete it" in out
+
+
+def _doc_table(heading: str) -> dict[str, str]:
+    """The first two columns of the table under ``heading`` in docs/development.md."""
+    with open(os.path.join(ROOT, "docs", "development.md")) as fh:
+        text = fh.read()
+    rows: dict[str, str] = {}
+    for line in text.split(heading, 1)[1].splitlines():
+        if not line.startswith("|"):
+            if rows:
+                break
+            continue
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        rows[cells[0]] = cells[1]
+    rows.pop("---", None)
+    rows.pop("module", None)
+    rows.pop("import", None)
+    return rows
+
+
+def test_the_duck_adapters_in_the_docs_are_the_scripts():
+    assert _doc_table("### Duck adapters") == checker.DUCK_ADAPTERS
+
+
+def test_the_upward_imports_in_the_docs_are_the_scripts():
+    assert _doc_table("### Upward imports") == {f"{a} → {b}": why for (a, b), why in checker.UPWARD_ALLOWED.items()}

@@ -52,6 +52,8 @@ class Loop:
 class Workers:
     """Holds each batch until ``land()``: what is in flight stays visible."""
 
+    max_threads = 1
+
     def __init__(self) -> None:
         self.queued: list[tuple[Any, Any]] = []
 

@@ -54,3 +54,31 @@ def test_templates_keep_what_they_name_and_certificates_their_directory():
         assert not p.refused
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+def test_with_a_root_template_a_secret_it_could_read_after_a_rename_stops_the_start():
+    """No file mode keeps a root run out: a secret its directory cannot cover whole (a
+    system directory, or one a template's command line names) is refused, not reported,
+    once some template runs as root; a secret in a directory of its own is still fine."""
+    from agent.config import Template
+
+    top = tempfile.mkdtemp(prefix="mw-hide-", dir="/tmp")
+    try:
+        cfg = make_config(top, os.path.join(top, "adm", "admin.sock"), "http://127.0.0.1:1", "mqtt://127.0.0.1:1")
+        cfg.templates["fw"] = Template(argv=["/bin/true"], user="root", allow_root=True)
+        assert plan(cfg).refused == []   # every secret in a directory of its own
+        cfg.signing.keys_file = "/etc/mw-test-keys.yaml"
+        etc = os.path.join(top, "etc")
+        cfg.templates["t"] = Template(argv=["/bin/sh", os.path.join(etc, "job.sh")])
+        p = plan(cfg)
+        keys = [r for r in p.refused if r.startswith("signing.keys_file: /etc/mw-test-keys.yaml cannot be hidden")]
+        assert keys and "templates fw" in keys[0] and "/etc is a system directory" in keys[0]
+        assert any(r.startswith(f"config: {cfg.source} cannot be hidden") and f"{etc} holds what a template runs" in r
+                   for r in p.refused)
+        assert "/etc/mw-test-keys.yaml" not in p.files and not any("keys_file" in line for line in p.problems)
+        with pytest.raises(IsolationError, match="signing.keys_file"):
+            Isolation.from_config(cfg, f"millwright-test-hide-{os.getpid()}", [os.path.join(top, "state", "runs")])
+        cfg.templates["fw"].allow_root = False   # no root run: reported as before
+        assert plan(cfg).refused == [] and any("keys_file" in line for line in plan(cfg).problems)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)

@@ -81,6 +81,8 @@ class Agent:
 class Workers:
     """An etcd worker pool that runs each call at once, on the caller's thread."""
 
+    max_threads = 1
+
     def submit(self, op: Any, done: Any) -> None:
         try:
             result = op()

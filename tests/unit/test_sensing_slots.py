@@ -13,12 +13,19 @@ from agent.supervision.sensing import RunSensing
 from tests.support.fakes import ManualClock
 
 
+class _Audit(MemoryAudit):
+    """MemoryAudit with the ``record`` every part writes through (jobs.seams.AuditSink)."""
+
+    def record(self, type_: str, **fields) -> None:
+        self.append(type_, **fields)
+
+
 def _sensing():
     cfg = parse_config("bpf: {enabled: false}\netcd: {insecure: true}\n", "test")
     clock = ManualClock()
-    agent = SimpleNamespace(cfg=cfg, loop=SimpleNamespace(post=lambda fn, *a: None, clock=clock),
-                            audit=MemoryAudit(), status_providers={})
-    return RunSensing(agent), agent, clock
+    audit = _Audit()
+    s = RunSensing(cfg, SimpleNamespace(post=lambda fn, *a: None, clock=clock), audit)
+    return s, audit, clock
 
 
 def _start(s: RunSensing, job: str, pid: int):
@@ -34,7 +41,7 @@ def _exec(slot: int, pid: int) -> ExecEvent:
 
 
 def test_a_late_exec_event_names_the_finished_run_not_the_next_one():
-    s, agent, clock = _sensing()
+    s, audit, clock = _sensing()
     a = _start(s, "job-a", 101)
     slot_a = s.slot_of(a.handle.spec.run_key)
     s.run_ended(a)
@@ -43,13 +50,13 @@ def test_a_late_exec_event_names_the_finished_run_not_the_next_one():
     assert slot_b != slot_a                      # a's slot waits out its quarantine
     s._on_exec(_exec(slot_a, 103))               # a's exec, delivered after a ended
     s._on_exec(_exec(slot_b, 104))
-    late, live = agent.audit.of_type("exec")
+    late, live = audit.of_type("exec")
     assert (late["job"], late["run_id"], late["fire_id"], late["after_run_ended"]) == ("job-a", "job-a-f1.1", "job-a-f1", True)
     assert (live["job"], "after_run_ended" in live) == ("job-b", False)
 
 
 def test_quarantined_slots_come_back_after_the_quarantine_and_early_under_pressure(monkeypatch):
-    s, agent, clock = _sensing()
+    s, audit, clock = _sensing()
     s.free = [2, 1]                              # two slots in all
     a = _start(s, "job-a", 101)
     slot_a = s.slot_of(a.handle.spec.run_key)
@@ -66,5 +73,5 @@ def test_quarantined_slots_come_back_after_the_quarantine_and_early_under_pressu
     assert s.slot_of(d.handle.spec.run_key) is not None
     assert len(s.ended) == 0 and len(s.free) == 1   # both expired: one taken, one free
     s._on_exec(_exec(slot_a, 105))              # long after: slot a is d's or free, never c's record
-    (rec,) = agent.audit.of_type("exec")
+    (rec,) = audit.of_type("exec")
     assert rec["job"] in (None, "job-d") and "after_run_ended" not in rec

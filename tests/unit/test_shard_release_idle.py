@@ -4,6 +4,8 @@ A reconcile walks every shard: at 100 runs/s one per run's end would cost the ag
 per firing. Only a shard the last reconcile kept for its runs makes release_idle()
 reconcile, and that shard still goes once its runs are over."""
 
+import json
+
 from agent.coordination.keys import Keys
 from agent.coordination.shards import Holder, Member, ShardManager
 from tests.support.fakes import ManualLoop
@@ -68,3 +70,34 @@ def test_shards_held_before_our_own_member_record_is_seen_stay_held():
     m.unavailable_reason = "memory_pressure"   # handed off: they go, even with no peer to take them
     m.reconcile()
     assert released == [0, 1]
+
+
+class _Workers:
+    """The etcd workers, recorded: the member record puts asked for."""
+
+    def __init__(self) -> None:
+        self.ops: list = []
+
+    def submit(self, op, done) -> None:
+        self.ops.append(op)
+
+
+def test_a_hand_off_publishes_the_member_unavailable_and_lets_idle_shards_go():
+    """Supervision's hand-off (Availability): the reason is kept, the member record is put
+    again, and a shard kept for its runs is reconsidered (release_idle); take_back undoes
+    the reason the same way."""
+    m, loop, released = _manager({0, 1})
+    m.workers = _Workers()
+    m._member_value = (1.0, {})
+    m.draining = True
+    m.reconcile()
+    assert released == [] and m._kept_busy == {0, 1}
+    m.hand_off("memory_pressure")
+    assert m.unavailable_reason == "memory_pressure" and len(m.workers.ops) == 1
+    assert json.loads(m._member_record(1.0, {}, 7))["available"] is False
+    assert len(loop.calls) == 1 and loop.calls[0][1] == m.reconcile   # release_idle: a reconcile is due
+    loop.run_all()
+    m.take_back()
+    assert m.unavailable_reason is None and len(m.workers.ops) == 2 and len(loop.calls) == 1
+    m.draining = False
+    assert json.loads(m._member_record(1.0, {}, 7))["available"] is True
