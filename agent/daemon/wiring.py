@@ -115,7 +115,8 @@ class JobsParts:
         # window and gates, the rollout last (its slot is taken in etcd once all else says go)
         self.approvals = ApprovalGate(cfg, g.loop, audit=audit)
         self.rollouts = RolloutGate(cfg, g.client, g.keys, g.loop, self.workers, fencing=g.ownership,
-                                    lease=g.session, audit=audit, sink=hooks, is_current=self.catalog.current)
+                                    lease=g.session, audit=audit, sink=hooks, is_current=self.catalog.current,
+                                    adopt=lambda f: self.scheduler.adopt(f))   # built below
         # a job's own misbehaviour holds that job here (never the agent's shards): first, so a
         # quarantined job's firing asks nothing else
         self.quarantine = QuarantinePolicy(cfg.quarantine, g.loop, audit=audit)
@@ -128,12 +129,11 @@ class JobsParts:
                                    client=g.client, keys=g.keys, workers=self.workers,
                                    executor=self.executor, admission=self.admission, sink=hooks, audit=audit,
                                    run_listeners=run_listeners,
-                                   start_policies=[self.quarantine, self.approvals, *plant, self.rollouts])
-        self.rollouts.adopt = self.scheduler.adopt
+                                   start_policies=[self.quarantine, self.approvals, *plant, self.rollouts],
+                                   answer_markers=answer_markers,
+                                   marks=EtcdWaitMarks(g.client, g.keys, g.session, self.workers,
+                                                       cfg.agent_id, cfg.shards))
         self.catalog.changed_listeners.append(self.approvals.job_changed)
-        self.scheduler.statuses.answer_markers = answer_markers
-        self.scheduler.starts.marks = EtcdWaitMarks(g.client, g.keys, g.session, self.workers,
-                                                    cfg.agent_id, cfg.shards)
         self.catalog.listener = self.scheduler
         hooks.shard_listeners.append(self.catalog)
         hooks.job_listeners.append(self.catalog)

@@ -98,10 +98,16 @@ class RunResult:
     stderr_bytes: int = 0
     stderr_tail: Optional[str] = None     # its last STDERR_TAIL_BYTES (tail_text), kept in memory as it came
     output_dropped_bytes: int = 0
-    backend: str = ""
+    backend: str = ""                      # the quota backend's name; "": the executor never saw the run
     progress: Optional[dict] = None        # its progress lines: count, the newest, invalid ones (progress.py)
     result: Optional[dict] = None          # its result document (at most 4 KiB)
     result_error: Optional[str] = None     # why what it wrote as its result was refused
+
+    @classmethod
+    def spawn_error(cls, run_key: str, error: str) -> "RunResult":
+        """A run that failed before it reached the executor (its template unknown here, a
+        parameter it cannot render): no process, no backend, nothing used."""
+        return cls(run_key=run_key, reason=ExitReason.SPAWN_ERROR, error=error)
 
     def to_dict(self) -> dict:
         """The fields a run record / status document carries."""

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from agent.jobs.envelope import JobRejected, bad, field_name, type_name
 from agent.jobs.signing import KeyRing, SignatureError
+
+if TYPE_CHECKING:
+    from agent.config import ApprovalRule, Template
 
 MAX_APPROVALS = 16
 APPROVAL_KEYS = ("alg", "kid", "value")
@@ -110,7 +113,7 @@ class Standing:
                 "signed_by": [{"kid": k, "role": r} for k, r in self.counted], "missing_roles": list(self.missing)}
 
 
-def standing(job_signers: tuple[Signer, ...], rule: Any) -> Standing:
+def standing(job_signers: tuple[Signer, ...], rule: ApprovalRule) -> Standing:
     """How many of the rule's roles ``job_signers`` cover (``rule``: the template's
     ``approvals``, with ``required`` and ``roles``)."""
     roles = list(rule.roles)
@@ -123,10 +126,10 @@ def standing(job_signers: tuple[Signer, ...], rule: Any) -> Standing:
     return Standing(rule.required, tuple(counted), tuple(r for r in roles if r not in covered))
 
 
-def rule_of(templates: Optional[dict], template: str) -> Any:
+def rule_of(templates: Optional[dict[str, Template]], template: str) -> Optional[ApprovalRule]:
     """The template's approval rule, or None (no such template here, or none asked)."""
     t = (templates or {}).get(template)
-    return getattr(t, "approvals", None) if t is not None else None
+    return t.approvals if t is not None else None
 
 
 def answer_fields(doc: dict, keyring: Optional[KeyRing], templates: Optional[dict]) -> dict:

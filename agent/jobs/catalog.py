@@ -138,7 +138,7 @@ class JobCatalog:
             for f in e.firings.values():
                 if f.state == FiringState.RUNNING and f.started_mono:
                     running.append({"job_id": e.job.id, "fire_id": f.fire_id, "attempt": f.attempt,
-                                    "pid": getattr(f.handle, "pid", None), "health": f.health,
+                                    "pid": f.handle.pid if f.handle else None, "health": f.health,
                                     "age_s": round(mono - f.started_mono, 1)})
                 waiting += f.state in (FiringState.WAITING, FiringState.RETRYING_ADMISSION)
             if e.next_due is not None:

@@ -58,7 +58,7 @@ class CatchUps:
     def _turn(self) -> None:
         self._timer = None
         now = self.loop.clock()
-        lagging = getattr(self.loop, "lag", lambda: 0.0)() > LAG_BOUND_S
+        lagging = self.loop.lag() > LAG_BOUND_S
         started = 0
         while self.queue and started < BURST:
             e, due, since = self.queue[0]

@@ -31,6 +31,8 @@ from agent.runtime.timefmt import utcnow
 
 if TYPE_CHECKING:
     from agent.coordination.worker import EtcdWorkers
+    from agent.execute.launch import Staged
+    from agent.execute.runs import RunSpec
     from agent.jobs.catalog import JobEntry
     from agent.jobs.records import RunRecords
     from agent.jobs.seams import Fencing, RunStarter
@@ -60,7 +62,7 @@ class ClaimKind(enum.Enum):
 class Claim:
     kind: ClaimKind
     why: Optional[FiringEnd] = None
-    staged: Any = None      # the run's directories and quota container, made once the claim landed
+    staged: Optional[Staged] = None   # the run's directories and quota container, made once the claim landed
     delay: float = 0.0
     retry: bool = False
     record: Any = None
@@ -92,7 +94,7 @@ class ClaimWriter:
         self.is_current = is_current
         self.executor = executor      # stages a claimed run (its directories, quota container)
 
-    def claim(self, f: Firing, fence: Fence, retry: bool, spec: Any, done: Done, takeover: bool = False) -> None:
+    def claim(self, f: Firing, fence: Fence, retry: bool, spec: Optional[RunSpec], done: Done, takeover: bool = False) -> None:
         """Write the claim of ``f`` (in state CLAIMING, its attempt set) under ``fence``;
         ``spec``: the run to stage once the claim landed (None: nothing to stage).
         ``takeover``: replace the record at ``f.claim.rev`` (a foreign one) instead of
@@ -102,7 +104,7 @@ class ClaimWriter:
         rec = self.records.document(f, RecordState.RUNNING, fence, started_at=rfc(max(utcnow(), f.due)))
         compare = (Mod(key) == f.claim.rev,) if retry or takeover else (Create(key) == 0,)
         ops = tuple(self.records.ops(f, key, json.dumps(rec)))
-        def stage(r: Any) -> Any:
+        def stage(r: Any) -> Optional[Staged]:
             # ours now: its directories and quota container are made on the worker, so the
             # loop's spawn does no blocking file-system work
             return self.executor.stage(spec) if spec is not None else None
@@ -141,8 +143,7 @@ class ClaimWriter:
         ahead = (f.due - utcnow()).total_seconds()
         if ahead > 0:
             return min(CLAIM_WAIT_MAX_S, ahead * CLAIM_WAIT_SHARE)
-        lag = getattr(self.loop, "lag", None)
-        return min(CLAIM_WAIT_MAX_S, lag() * CLAIM_WAIT_SHARE) if lag is not None else 0.0
+        return min(CLAIM_WAIT_MAX_S, self.loop.lag() * CLAIM_WAIT_SHARE)
 
     def _give_up(self, f: Firing, why: FiringEnd, done: Done) -> None:
         CLAIMS.labels(why.value).inc()

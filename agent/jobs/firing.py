@@ -15,12 +15,16 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
 from agent.jobs.states import TERMINAL, Word
 
 if TYPE_CHECKING:
+    from agent.execute.launch import Staged
+    from agent.execute.runs import RunHandle
     from agent.jobs.catalog import JobEntry
+    from agent.jobs.launching import Planned
+    from agent.jobs.progress import Reported
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +98,7 @@ class Firing:
     fire_id: str
     attempt: int = 1
     claim: ClaimState = field(default_factory=ClaimState)
-    handle: Any = None
+    handle: Optional[RunHandle] = None
     timer: Any = None
     wait_reason: Optional[str] = None
     started_mono: float = 0.0
@@ -103,11 +107,11 @@ class Firing:
     end_reason: Optional[str] = None   # why its last run ended: set before the RunListeners hear of the end
     lead: float = 0.0        # how far ahead of `due` its claim was planned (0: at or after due)
     limits: Any = None       # the limits admission let in, which the run then gets
-    run: Any = None          # (RunSpec, argv, template) of this attempt, or why it cannot start
-    staged: Any = None       # its directories and quota container, made with the claim (Executor.stage)
+    run: Union[Planned, str, None] = None   # this attempt's run (spec, argv, user), or why it cannot start
+    staged: Optional[Staged] = None   # its directories and quota container, made with the claim (Executor.stage)
     rollback: bool = False   # runs the template's rollback after an aborted rollout (never retried)
     notes: dict = field(default_factory=dict)   # start policies' own notes (since when it waits on a gate)
-    progress: Any = None     # its running attempt's progress reports (agent/jobs/progress.py)
+    progress: Optional[Reported] = None   # its running attempt's progress reports (agent/jobs/progress.py)
     seq: int = field(default_factory=lambda: next(_SEQ))
     state: FiringState = field(default=FiringState.PENDING, init=False)
     ended: Optional[FiringEnd] = field(default=None, init=False)

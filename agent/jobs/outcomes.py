@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from agent.jobs import schedule as sch
 from agent.jobs.states import EndReason as R
 from agent.jobs.states import RecordState as S
 from agent.runtime.timefmt import format_rfc3339
+
+if TYPE_CHECKING:
+    from agent.execute.runs import RunResult
+    from agent.jobs.schedule import JobDocument
 
 # a run that ended for one of these is left to the shard's next owner: this agent may no
 # longer write for the shard, and the new owner resolves its record (owner_lost)
@@ -68,7 +72,7 @@ class RunOutcome:
         return S.RETRYING if self.retry_at is not None else self.state
 
 
-def after_run(job: Any, reason: str, fire_id: str, attempt: int, now: datetime, cancelled: bool) -> RunOutcome:
+def after_run(job: JobDocument, reason: str, fire_id: str, attempt: int, now: datetime, cancelled: bool) -> RunOutcome:
     """A run ended for ``reason``: its record state, and the next attempt's time if the
     job's retry policy asks for one (never for a cancelled job)."""
     state = record_state(reason)
@@ -79,7 +83,7 @@ def after_run(job: Any, reason: str, fire_id: str, attempt: int, now: datetime, 
     return RunOutcome(state, nxt)
 
 
-def after_owner_lost(job: Any, fire_id: str, attempt: int, now: datetime) -> Optional[datetime]:
+def after_owner_lost(job: JobDocument, fire_id: str, attempt: int, now: datetime) -> Optional[datetime]:
     """A run left `running` by an owner that is gone may have run: another attempt only if
     the job opted in (retry.on lists owner_lost) and attempts remain."""
     if not job.retry.retries(R.OWNER_LOST):
@@ -87,22 +91,22 @@ def after_owner_lost(job: Any, fire_id: str, attempt: int, now: datetime) -> Opt
     return sch.next_retry_at(job, fire_id, attempt, now)
 
 
-def end_fields(result: Any, reason: str, health: str, now: datetime) -> dict[str, Any]:
+def end_fields(result: RunResult, reason: str, health: str, now: datetime) -> dict[str, Any]:
     """What a run's final (or `retrying`) record and status say of how it ended, from the
-    executor's result (agent/execute/runs.py RunResult)."""
-    usage: Any = getattr(result, "usage", None)
-    detail = getattr(result, "error", None)
-    fields: dict[str, Any] = {"exit_code": getattr(result, "exit_code", None),
+    executor's result."""
+    detail = result.error
+    # a run the executor never saw (RunResult.spawn_error) used nothing: its usage is empty
+    fields: dict[str, Any] = {"exit_code": result.exit_code,
                               "reason": reason if detail is None else f"{reason}: {detail}",
-                              "usage": usage.to_dict() if hasattr(usage, "to_dict") else (usage or {}),
+                              "usage": result.usage.to_dict() if result.backend else {},
                               "ended_at": format_rfc3339(now), "health": health}
-    tail = getattr(result, "stderr_tail", None)   # kept by the reaper as the output came
-    if tail is not None:
-        fields["stderr_tail"] = tail
-    for k in ("progress", "result", "result_error"):   # what the job reported (agent/execute/progress.py)
-        if getattr(result, k, None) is not None:
-            fields[k] = getattr(result, k)
+    if result.stderr_tail is not None:   # kept by the reaper as the output came
+        fields["stderr_tail"] = result.stderr_tail
+    # what the job reported (agent/execute/progress.py)
+    for k, v in (("progress", result.progress), ("result", result.result), ("result_error", result.result_error)):
+        if v is not None:
+            fields[k] = v
     # the claim wrote the planned start; the record keeps the real one (None: never released)
-    released = getattr(result, "started_at", None)
+    released = result.started_at
     fields["started_at"] = format_rfc3339(datetime.fromtimestamp(released, timezone.utc)) if released else None
     return fields

@@ -21,6 +21,7 @@ from agent.jobs.states import JobState
 from agent.runtime.timefmt import format_rfc3339
 
 if TYPE_CHECKING:
+    from agent.execute.runs import RunHandle
     from agent.jobs.firing import Firing
     from agent.jobs.records import RunRecords
     from agent.jobs.statuses import Statuses
@@ -34,7 +35,7 @@ RECORD_EVERY_S = 5.0
 class Reported:
     """What one attempt reported, and when it was last passed on."""
 
-    handle: Any
+    handle: RunHandle
     lines: int = 0
     last: Optional[dict] = None
     status_at: float = -1e9
@@ -50,7 +51,7 @@ class ProgressReports:
         self.loop = loop
         self.clock = clock
 
-    def seen(self, f: Firing, handle: Any, lines: list[dict]) -> None:
+    def seen(self, f: Firing, handle: RunHandle, lines: list[dict]) -> None:
         """New valid lines of the attempt ``handle`` runs (posted by the reaper thread)."""
         if f.handle is not handle or f.state != FiringState.RUNNING or not lines:
             return
@@ -81,7 +82,7 @@ class ProgressReports:
         setattr(rep, what + "_at", self.clock())
         if what == "status":
             last = rep.last or {}
-            self.statuses.send(f.entry, f, JobState.IN_PROGRESS, pid=getattr(rep.handle, "pid", None),
+            self.statuses.send(f.entry, f, JobState.IN_PROGRESS, pid=rep.handle.pid,
                                progress=self.fields(rep), at=_rfc(last.get("at")))
         elif not self.records.write_progress(f, self.fields(rep)):
             rep.record_at = -1e9   # a write was in flight: the next line tries again

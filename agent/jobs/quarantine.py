@@ -42,6 +42,7 @@ from agent.runtime.metrics import counter, gauge
 
 if TYPE_CHECKING:
     from agent.config import QuarantineConfig
+    from agent.jobs.document import Job
     from agent.jobs.firing import Firing
     from agent.jobs.seams import AuditSink
     from agent.runtime.loop import EventLoop
@@ -65,7 +66,7 @@ for _w in RELEASES:
     RELEASED.labels(_w)
 
 
-def version_of(job: Any) -> str:
+def version_of(job: Job) -> str:
     """The identity of a job's signed content: a re-signed or re-approved copy of the same
     content is the same version; an etcd writer cannot make a new one without a key."""
     return hashlib.sha256(job.content or job.id.encode()).hexdigest()[:16]

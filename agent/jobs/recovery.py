@@ -129,7 +129,7 @@ def recover(e: JobEntry, records: Records, agent_id: str, now: datetime) -> Reco
     return out
 
 
-def foreign(job: Any, accepted_at: datetime, fire_id: str, due: datetime, rec: Any, rev: int,
+def foreign(job: sch.JobDocument, accepted_at: datetime, fire_id: str, due: datetime, rec: Any, rev: int,
             now: datetime) -> Optional[str]:
     """Why a run record at runs/<shard>/<job>/<fire_id> (mod revision ``rev``) is not
     believed, or None when the signed job allows what it says."""
@@ -161,7 +161,7 @@ def foreign(job: Any, accepted_at: datetime, fire_id: str, due: datetime, rec: A
 _STATES = frozenset(s.value for s in RecordState)
 
 
-def _exact(job: Any, accepted_at: datetime, due: datetime) -> datetime:
+def _exact(job: sch.JobDocument, accepted_at: datetime, due: datetime) -> datetime:
     """A fire id names its firing to the millisecond; a one-shot's due time may be finer:
     its schedule's own time when the fire id is that one's (else the firing it names would
     look missed, and run again, after the last record)."""

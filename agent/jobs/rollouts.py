@@ -104,7 +104,7 @@ class RolloutGate:
 
     def __init__(self, cfg: Config, client: Any, keys: Keys, loop: EventLoop, workers: EtcdWorkers, *,
                  fencing: Fencing, lease: Lease, audit: AuditSink, sink: StatusSink,
-                 is_current: Callable[[JobEntry], bool]):
+                 is_current: Callable[[JobEntry], bool], adopt: Callable[[Firing], None] = lambda f: None):
         self.me = cfg.agent_id
         self.shards = cfg.shards
         self.templates = cfg.templates
@@ -118,7 +118,7 @@ class RolloutGate:
         self.statuses = Statuses(sink, keys, cfg.agent_id, cfg.shards)
         self.is_current = is_current
         self.clock: Callable[[], float] = time.time
-        self.adopt: Callable[[Firing], None] = lambda f: None   # the scheduler's: run a firing it did not make
+        self.adopt = adopt   # the scheduler's: run a firing it did not make (a rollback)
         self.trackers: dict[str, _Tracker] = {}
         self.watch = OnDemandWatch(self.loop.call_later, self._start_watch, lambda: bool(self.trackers),
                                    WATCH_IDLE_S)
@@ -420,7 +420,7 @@ class RolloutGate:
 
     def _rollback_template(self, e: JobEntry) -> Optional[str]:
         t = self.templates.get(e.job.template)
-        return getattr(t, "rollback", None) if t is not None else None
+        return t.rollback if t is not None else None
 
     # --- etcd -------------------------------------------------------------------------------
     def _claim(self, tr: _Tracker, f: Firing) -> None:

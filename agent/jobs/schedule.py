@@ -30,7 +30,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 from agent.runtime.text import short as _short
 from agent.runtime.timefmt import MAX_YEAR, UTC, format_rfc3339, parse_rfc3339
@@ -400,15 +400,34 @@ def firings_between(schedule: Schedule, lo: datetime, hi: datetime, limit: int =
     return out
 
 
-def anchor_time(job: Any, accepted_at: datetime) -> datetime:
+class JobDocument(Protocol):
+    """What the schedule reads of a job (agent/jobs/document.py's Job is one; read-only)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def schedule(self) -> Schedule: ...
+    @property
+    def misfire(self) -> str: ...
+    @property
+    def misfire_limit(self) -> int: ...
+    @property
+    def retry(self) -> RetryPolicy: ...
+    @property
+    def not_after(self) -> Optional[datetime]: ...   # no firing at or after it
+    @property
+    def issued_at(self) -> Optional[datetime]: ...   # what relative schedules count from
+
+
+def anchor_time(job: JobDocument, accepted_at: datetime) -> datetime:
     """The instant relative schedules count from: the document's ``issued_at`` when it has
     one (identical on every agent), else ``accepted_at`` (which the job store must keep
     durably with the job so that every agent uses the same value)."""
-    issued = getattr(job, "issued_at", None)
+    issued = job.issued_at
     return _utc(issued, "issued_at") if issued is not None else _utc(accepted_at, "accepted_at")
 
 
-def first_due(job: Any, accepted_at: datetime) -> Optional[datetime]:
+def first_due(job: JobDocument, accepted_at: datetime) -> Optional[datetime]:
     """The job's first firing: now -> anchor; at -> at; delay -> anchor + delay_s;
     cron -> the first match strictly after the anchor. Deterministic across agents
     (see anchor_time)."""
@@ -423,7 +442,7 @@ def first_due(job: Any, accepted_at: datetime) -> Optional[datetime]:
     return next_due(sch, anchor)
 
 
-def next_firing(job: Any, after: datetime, accepted_at: datetime) -> Optional[datetime]:
+def next_firing(job: JobDocument, after: datetime, accepted_at: datetime) -> Optional[datetime]:
     """The job's first firing strictly after ``after`` (one-shots: first_due if it is
     later than ``after``), or None when there is none before not_after. Use it to arm the
     timer after a firing was handled."""
@@ -434,18 +453,18 @@ def next_firing(job: Any, after: datetime, accepted_at: datetime) -> Optional[da
     else:
         d = first_due(job, accepted_at)
         d = d if d is not None and d > after else None
-    na = getattr(job, "not_after", None)
+    na = job.not_after
     return None if d is None or (na is not None and d >= na) else d
 
 
-def is_firing(job: Any, due: datetime, accepted_at: datetime) -> bool:
+def is_firing(job: JobDocument, due: datetime, accepted_at: datetime) -> bool:
     """Is ``due`` one of the job's firings? (A run record names its firing: a record for a
     time the schedule never fires at was not written by an agent running the job.)"""
     due = _utc(due, "due")
     first = first_due(job, accepted_at)
     if first is None:
         return False
-    na = getattr(job, "not_after", None)
+    na = job.not_after
     if na is not None and due >= na:
         return False
     if job.schedule.kind != "cron":
@@ -453,9 +472,9 @@ def is_firing(job: Any, due: datetime, accepted_at: datetime) -> bool:
     return due >= first and next_due(job.schedule, due - timedelta(microseconds=1)) == due
 
 
-def is_expired(job: Any, now: datetime) -> bool:
+def is_expired(job: JobDocument, now: datetime) -> bool:
     """True once ``now`` >= the job's not_after: no firing may start from then on."""
-    na = getattr(job, "not_after", None)
+    na = job.not_after
     return na is not None and _utc(now, "now") >= na
 
 
@@ -559,22 +578,22 @@ def recover(schedule: Schedule, last_due_done: Optional[datetime], now: datetime
     return Recovery(run, skipped, head_capped, nxt)
 
 
-def window_end(job: Any, now: datetime) -> datetime:
+def window_end(job: JobDocument, now: datetime) -> datetime:
     """The last instant whose firings recovery may consider: ``now``, or just before the
     job's not_after once that has passed (firings at or after not_after do not exist)."""
     now = _utc(now, "now")
-    na = getattr(job, "not_after", None)
+    na = job.not_after
     return na - timedelta(microseconds=1) if na is not None and now >= na else now
 
 
-def recover_job(job: Any, accepted_at: datetime, last_due_done: Optional[datetime], now: datetime,
+def recover_job(job: JobDocument, accepted_at: datetime, last_due_done: Optional[datetime], now: datetime,
                 grace_s: float = 0.0) -> Recovery:
     """:func:`recover` with the job's own schedule, misfire policy and not_after (firings
     at or after not_after never run)."""
     now = _utc(now, "now")
-    na = getattr(job, "not_after", None)
+    na = job.not_after
     expired = na is not None and now >= na
-    rec = recover(job.schedule, last_due_done, window_end(job, now), job.misfire, getattr(job, "misfire_limit", 1),
+    rec = recover(job.schedule, last_due_done, window_end(job, now), job.misfire, job.misfire_limit,
                   first_due=first_due(job, accepted_at), grace_s=grace_s)
     if expired:
         return Recovery(rec.run, rec.skipped, rec.skipped_capped, None)
@@ -644,14 +663,14 @@ def retry_rng(job_id: str, fire_id_: str, attempt: int) -> random.Random:
     return random.Random(int.from_bytes(seed, "big"))
 
 
-def next_retry_at(job: Any, fire_id_: str, attempt: int, failed_at: datetime) -> Optional[datetime]:
+def next_retry_at(job: JobDocument, fire_id_: str, attempt: int, failed_at: datetime) -> Optional[datetime]:
     """When attempt ``attempt + 1`` starts, or None when attempts are exhausted (or the job
     expires first). Deterministic (retry_rng)."""
     pol: RetryPolicy = job.retry
     if attempt >= pol.max_attempts:
         return None
     at = _utc(failed_at, "failed_at") + timedelta(seconds=retry_delay(pol, attempt, retry_rng(job.id, fire_id_, attempt)))
-    na = getattr(job, "not_after", None)
+    na = job.not_after
     if na is not None and at >= na:
         return None
     return at
@@ -661,5 +680,5 @@ __all__ = [
     "UTC", "Schedule", "ScheduleError", "RetryPolicy", "Recovery", "parse_rfc3339", "format_rfc3339",
     "fire_id", "parse_fire_id", "next_due", "window_end", "next_firing", "first_due", "anchor_time", "firings_between", "missed_firings",
     "recover", "recover_job", "is_firing", "is_expired", "overlap_action", "retry_delay", "retry_rng", "next_retry_at",
-    "load_zone", "MISFIRE_POLICIES", "OVERLAP_POLICIES",
+    "load_zone", "MISFIRE_POLICIES", "JobDocument", "OVERLAP_POLICIES",
 ]

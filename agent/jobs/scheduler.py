@@ -28,9 +28,9 @@ from __future__ import annotations
 import logging
 import time
 from datetime import datetime
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+from agent.execute.runs import RunResult
 from agent.jobs import outcomes, recovery
 from agent.jobs import schedule as sch
 from agent.jobs.admitting import Admitter
@@ -56,10 +56,11 @@ if TYPE_CHECKING:
     from agent.coordination.keys import Keys
     from agent.coordination.worker import EtcdWorkers
     from agent.execute.admission import Admission
+    from agent.execute.runs import RunHandle
     from agent.jobs.catalog import JobCatalog, JobEntry, Records
     from agent.jobs.firing import RunListener
     from agent.jobs.seams import AuditSink, Fencing, Lease, RunStarter, StatusSink
-    from agent.jobs.startpolicy import StartPolicy
+    from agent.jobs.startpolicy import StartPolicy, WaitMarks
     from agent.runtime.loop import EventLoop
 
 log = logging.getLogger(__name__)
@@ -74,13 +75,14 @@ class Scheduler:
     def __init__(self, cfg: Config, catalog: JobCatalog, *, fencing: Fencing, lease: Lease, loop: EventLoop,
                  client: Any, keys: Keys, workers: EtcdWorkers, executor: RunStarter, admission: Admission,
                  sink: StatusSink, audit: AuditSink, run_listeners: Sequence[RunListener] = (),
-                 start_policies: Sequence[StartPolicy] = ()):
+                 start_policies: Sequence[StartPolicy] = (), answer_markers: bool = False,
+                 marks: Optional[WaitMarks] = None):
         self.cfg = cfg
         self.catalog = catalog
         self.fencing = fencing
         self.loop = loop
         self.audit = audit
-        self.statuses = Statuses(sink, keys, cfg.agent_id, cfg.shards)
+        self.statuses = Statuses(sink, keys, cfg.agent_id, cfg.shards, answer_markers)
         self.records = RunRecords(client, keys, fencing, loop, workers, cfg.agent_id, cfg.shards, self._settled)
         self.claim_lead = ClaimLead(cfg.execute.claim_lead_s)
         self.launcher = Launcher(executor, lease, cfg.templates, cfg.execute, self.claim_lead, run_listeners)
@@ -88,7 +90,7 @@ class Scheduler:
                                   executor)
         self.admitter = Admitter(admission, self.launcher, self.statuses, catalog.current, self._claim,
                                  lambda f: self._finish_without_run(f, RecordState.FAILED, "quota_never_fits"))
-        self.starts = StartGate(start_policies, self.statuses, loop)
+        self.starts = StartGate(start_policies, self.statuses, loop, marks)
         self.records.final_ops = self.starts.final_ops
         self.crowding = Crowding(self._unqueue, lambda f, why: self._finish_without_run(f, RecordState.MISFIRED, why))
         self.progress = ProgressReports(self.statuses, self.records, loop)
@@ -295,7 +297,7 @@ class Scheduler:
     def health_changed(self, f: Firing, state: str, rule: Optional[str]) -> None:
         f.health = state
         self.statuses.send(f.entry, f, RecordState.RUNNING, reason=f"health {state}: {rule}" if rule else None,
-                           pid=getattr(f.handle, "pid", None))
+                           pid=f.handle.pid if f.handle is not None else None)
 
     # --- claims -------------------------------------------------------------------------
     def _claim(self, f: Firing, retry: bool = False, takeover: bool = False) -> None:
@@ -385,8 +387,7 @@ class Scheduler:
         if isinstance(planned, str):
             self.launcher.unstage(f)
             f.move(S.RUNNING)
-            self._ended(f, SimpleNamespace(reason=EndReason.SPAWN_ERROR, exit_code=None, signal=None, usage=None,
-                                           error=planned))
+            self._ended(f, RunResult.spawn_error(f"{f.key}.{f.attempt}", planned))
             return
         run = planned
         f.move(S.RUNNING)
@@ -396,23 +397,23 @@ class Scheduler:
         if not self.launcher.launch(f, run, on_exit, on_release, on_progress):
             self._released(f, f.handle, True, run.argv, run.user)
 
-    def _released(self, f: Firing, handle: Any, ok: bool, argv: list, user: Optional[str]) -> None:
+    def _released(self, f: Firing, handle: Optional[RunHandle], ok: bool, argv: list, user: Optional[str]) -> None:
         """The job process was let go (exec'ing now): metrics, audit and the running status.
         Not ok: it could not start; its on_exit (spawn_error) follows."""
-        if not ok or f.handle is not handle:
+        if not ok or handle is None or f.handle is not handle:
             return
         e = f.entry
         f.started_mono = time.monotonic()
-        _count_start(self.loop, f, getattr(handle, "started_at", None) or time.time())
+        _count_start(self.loop, f, handle.started_at or time.time())
         self.audit.record("job", event="run_start", job=e.job.id, fire_id=f.fire_id, attempt=f.attempt,
-                          shard=e.shard, pid=getattr(handle, "pid", None), argv=argv, user=user)
+                          shard=e.shard, pid=handle.pid, argv=argv, user=user)
         if f.state == S.RUNNING:
-            self.statuses.send(e, f, RecordState.RUNNING, pid=getattr(handle, "pid", None))
+            self.statuses.send(e, f, RecordState.RUNNING, pid=handle.pid)
 
-    def _ended(self, f: Firing, result: Any) -> None:
+    def _ended(self, f: Firing, result: RunResult) -> None:
         e = f.entry
         self.admitter.release(f)
-        reason = getattr(result, "reason", EndReason.FAILED)
+        reason = result.reason
         f.end_reason = str(reason)   # the job quarantine judges the run by it (agent/jobs/quarantine.py)
         self.launcher.ended(f)
         if reason == EndReason.FENCED and self.fencing.owns(e.shard) is not None:
@@ -566,10 +567,10 @@ class Scheduler:
     def status(self) -> dict:
         """What the jobs held here are doing; ``lag_s``: how late the agent starts what falls due."""
         return {**self.catalog.status(), "admission": self.admitter.status(),
-                "catch_ups": len(self.catch_ups), "lag_s": round(getattr(self.loop, "lag", lambda: 0.0)(), 3)}
+                "catch_ups": len(self.catch_ups), "lag_s": round(self.loop.lag(), 3)}
 
 
-def _count_start(loop: Any, f: Firing, started: float) -> None:
+def _count_start(loop: EventLoop, f: Firing, started: float) -> None:
     """A run let go: its trigger delay, and how late the agent's own queues (claims, spawns)
     started it, which the loop counts in its lag."""
     if f.attempt == 1:

@@ -1,8 +1,8 @@
 """What the jobs package needs from the rest of the agent, each as a narrow Protocol.
 
-The daemon's Agent, its Session and Placement, and the Executor implement these
-structurally; agent/runtime/components.py passes them in. A unit test gives small fakes
-of exactly these and needs no etcd."""
+The daemon's Ownership, Session and Placement, its audit log and status hooks, and the
+Executor implement these structurally; agent/daemon/wiring.py passes them in. A unit test
+gives small fakes of exactly these and needs no etcd."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 if TYPE_CHECKING:
     from agent.coordination.fencing import Fence
+    from agent.execute.launch import Staged
     from agent.execute.limits import Limits
-    from agent.execute.runs import RunHandle, RunSpec
+    from agent.execute.runs import RunHandle, RunResult, RunSpec
 
 
 class Fencing(Protocol):
-    """Which units (cluster or pool shards) this agent may act for (the daemon's Agent)."""
+    """Which units (cluster or pool shards) this agent may act for (coordination.ownership.Ownership)."""
 
     def fence_for(self, unit: int) -> Optional[Fence]:
         """The unit's fence if this agent may write for it now (held and session valid)."""
@@ -62,9 +63,9 @@ class AuditSink(Protocol):
     def record(self, type_: str, **fields: Any) -> None: ...
 
 
-OnExit = Callable[[Any, Any], None]          # (handle, RunResult)
-OnRelease = Callable[[Any, bool], None]      # (handle, released)
-OnProgress = Callable[[Any, list], None]     # (handle, new valid progress lines): the reaper's thread
+OnExit = Callable[["RunHandle", "RunResult"], None]     # the run ended: the reaper's thread
+OnRelease = Callable[["RunHandle", bool], None]         # (handle, released): the release thread
+OnProgress = Callable[["RunHandle", list], None]        # (handle, new valid progress lines): the reaper's thread
 
 
 class RunStarter(Protocol):
@@ -73,13 +74,13 @@ class RunStarter(Protocol):
 
     default_limits: Limits
 
-    def stage(self, spec: RunSpec) -> Any: ...
+    def stage(self, spec: RunSpec) -> Staged: ...
 
-    def unstage(self, staged: Any) -> None: ...
+    def unstage(self, staged: Staged) -> None: ...
 
     def prepare(self, spec: RunSpec, on_exit: OnExit, *, release_at: float, on_release: OnRelease,
-                guard: Callable[[], bool], guard_until: float, staged: Any = None,
+                guard: Callable[[], bool], guard_until: float, staged: Optional[Staged] = None,
                 on_progress: Optional[OnProgress] = None) -> RunHandle: ...
 
-    def start(self, spec: RunSpec, on_exit: OnExit, *, guard: Callable[[], bool], staged: Any = None,
+    def start(self, spec: RunSpec, on_exit: OnExit, *, guard: Callable[[], bool], staged: Optional[Staged] = None,
               on_progress: Optional[OnProgress] = None) -> RunHandle: ...

@@ -6,14 +6,14 @@ wakes it when its answer may have changed) or end (the firing ends without a run
 record state and a reason). Policies are asked in order; all must say go. With none, a
 firing goes straight on, as before. A policy that must act on a run once it started (stop
 it when a window closes, say) is also a RunListener (agent/jobs/firing.py); one that keeps
-state in etcd per firing may also implement the FiringHooks below (a staged rollout:
-agent/jobs/rollouts.py).
+state in etcd per firing may also implement FinalOps, FiringDone or Installs below (a
+staged rollout: agent/jobs/rollouts.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence, runtime_checkable
 
 from agent.jobs.firing import Firing, FiringState
 from agent.jobs.metrics import POLICY_DECISIONS, WAITING
@@ -58,15 +58,22 @@ class StartPolicy(Protocol):
         what cancels that."""
 
 
-class FiringHooks(Protocol):
-    """Optional, for a policy that keeps state per firing (each method may be left out)."""
-
+# A policy that keeps state per firing (a staged rollout) also implements any of these;
+# StartGate sorts its policies by them once, when it is built.
+@runtime_checkable
+class FinalOps(Protocol):
     def final_ops(self, f: Firing, state: str) -> list:
         """etcd ops to write in the transaction of ``f``'s final record (fenced with it)."""
 
+
+@runtime_checkable
+class FiringDone(Protocol):
     def done(self, f: Firing) -> None:
         """``f`` is DONE (recorded, abandoned or handed over)."""
 
+
+@runtime_checkable
+class Installs(Protocol):
     def installed(self, e: JobEntry, records: Records) -> None:
         """A job was (re)installed here, with the run records earlier owners left."""
 
@@ -87,11 +94,15 @@ class StartGate:
     """Asks the policies for each firing and keeps the waiting ones' subscriptions (loop
     thread)."""
 
-    def __init__(self, policies: Sequence[StartPolicy], statuses: Statuses, loop: EventLoop):
+    def __init__(self, policies: Sequence[StartPolicy], statuses: Statuses, loop: EventLoop,
+                 marks: Optional[WaitMarks] = None):
         self.policies = list(policies)
         self.statuses = statuses
         self.loop = loop
-        self.marks: Optional[WaitMarks] = None
+        self.marks = marks
+        self._final_ops = [p for p in self.policies if isinstance(p, FinalOps)]
+        self._done = [p for p in self.policies if isinstance(p, FiringDone)]
+        self._installs = [p for p in self.policies if isinstance(p, Installs)]
         self._cancels: dict[str, list[Callable[[], None]]] = {}   # firing key -> cancel its subscriptions
         self._waiting: dict[str, str] = {}        # firing key -> the policy it waits on
         self._counts: dict[str, int] = {}         # policy -> firings waiting on it
@@ -162,17 +173,15 @@ class StartGate:
             if self.marks is not None:
                 self.marks.done(f)
 
-    # --- the FiringHooks of the policies that have them ----------------------------------
+    # --- the per-firing hooks of the policies that have them (FinalOps, FiringDone, Installs)
     def final_ops(self, f: Firing, state: str) -> list:
-        return [op for p in self.policies if hasattr(p, "final_ops") for op in p.final_ops(f, state)]
+        return [op for p in self._final_ops for op in p.final_ops(f, state)]
 
     def done(self, f: Firing) -> None:
         self.forget(f)
-        for p in self.policies:
-            if hasattr(p, "done"):
-                p.done(f)
+        for p in self._done:
+            p.done(f)
 
     def installed(self, e: JobEntry, records: Records) -> None:
-        for p in self.policies:
-            if hasattr(p, "installed"):
-                p.installed(e, records)
+        for p in self._installs:
+            p.installed(e, records)

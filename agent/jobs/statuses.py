@@ -23,14 +23,14 @@ if TYPE_CHECKING:
 class Statuses:
     """Builds status documents and hands them to the sink (loop thread)."""
 
-    def __init__(self, sink: StatusSink, keys: Keys, agent_id: str, shards: int):
+    def __init__(self, sink: StatusSink, keys: Keys, agent_id: str, shards: int, answer_markers: bool = False):
         self.sink = sink
         self.keys = keys
         self.agent_id = agent_id
         self.shards = shards
-        # set when a cloud component asks for them: a final run status is then also written
-        # as a durable answer marker in the run record's transaction, so a peer can publish it
-        self.answer_markers = False
+        # True with a cloud component: a final run status is then also written as a durable
+        # answer marker in the run record's transaction, so a peer can publish it
+        self.answer_markers = answer_markers
 
     def doc(self, e: JobEntry, f: Optional[Firing], state: str, **fields: Any) -> dict:
         doc = {"v": 1, "job_id": e.job.id, "run_id": run_id(f.fire_id, f.attempt) if f else None,

@@ -26,6 +26,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Optional, Protocol
 from urllib.parse import urlsplit
 
+from agent.supervision.cpupressure import read_cpu_pressure
 from agent.supervision.health import ExecPolicy, JobHealth
 from agent.supervision.leasepolicy import LeaseDecision, LeasePolicy, read_memory_pressure
 from agent.supervision.sensing import RunSensing
@@ -229,6 +230,7 @@ class Supervision:
             if now - self._last_memory >= MEMORY_EVERY_S:
                 self._last_memory = now
                 self.apply(self.policy.on_memory(read_memory_pressure(), now))
+                self.apply(self.policy.on_cpu_pressure(read_cpu_pressure(), now))
         if not self.stopping():
             self.loop.call_later(TICK_S, self._tick)
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from agent.runtime.metrics import counter, gauge
+from agent.supervision.cpupressure import CpuPressureRule
 
 if TYPE_CHECKING:
     from agent.config import EtcdConfig
@@ -117,6 +118,7 @@ class AdaptiveRenewal:
         KEEPALIVE_INTERVAL.set(self.interval_s)
         self._healthy = 0
         self._retrans: Optional[int] = None   # last cumulative retransmit count seen
+        self.held_by: Optional[str] = None    # a host condition that keeps the fast interval
 
     def _go_fast(self, reason: str, now: float, evidence: dict) -> Optional[LeaseDecision]:
         self._healthy = 0
@@ -132,7 +134,7 @@ class AdaptiveRenewal:
         if latency_s is not None and latency_s >= self.latency_threshold_s:
             return self._go_fast("keepalive_slow", now, {"latency_s": _r(latency_s),
                                                          "threshold_s": self.latency_threshold_s})
-        if not self.fast:
+        if not self.fast or self.held_by is not None:
             return None
         self._healthy += 1
         if self._healthy < self.healthy_renewals:
@@ -140,6 +142,15 @@ class AdaptiveRenewal:
         self.fast, self.interval_s, self._healthy = False, self.normal_s, 0
         KEEPALIVE_INTERVAL.set(self.interval_s)
         return _decide(RENEW_NORMAL, "healthy", now, {"healthy_renewals": self.healthy_renewals}, self.interval_s)
+
+    def hold_fast(self, reason: str, now: float, evidence: dict) -> Optional[LeaseDecision]:
+        """Fast, and kept fast (healthy keepalives do not end it) until :meth:`release`."""
+        self.held_by = reason
+        return self._go_fast(reason, now, evidence)
+
+    def release(self) -> None:
+        """The hold ends; healthy keepalives bring the normal interval back as usual."""
+        self.held_by = None
 
     def on_endpoint(self, sig: EndpointSignals, now: float) -> Optional[LeaseDecision]:
         retrans = int(sig.retransmits or 0) if sig.available else None
@@ -473,6 +484,7 @@ class LeasePolicy:
         self.renewal = AdaptiveRenewal(retry_period_s, **(renewal or {}))
         self.fence = EarlyFence(renew_deadline_s, retry_period_s, **(fence or {}))
         self.handoff = HandOff(**(handoff or {}))
+        self.cpu = CpuPressureRule()
 
     @classmethod
     def from_config(cls, etcd_cfg: EtcdConfig, **kw: Any) -> "LeasePolicy":
@@ -499,6 +511,17 @@ class LeasePolicy:
     def on_memory(self, m: MemoryPressure, now: float) -> list[LeaseDecision]:
         return self._l(self.handoff.on_memory(m, now))
 
+    def on_cpu_pressure(self, some_avg10: Optional[float], now: float) -> list[LeaseDecision]:
+        """Host CPU pressure (supervision/cpupressure.py): keepalives fast while it is high
+        (a starved keepalive thread leaves late), normal again after it is relieved."""
+        high = self.cpu.observe(some_avg10)
+        if high:
+            return self._l(self.renewal.hold_fast("cpu_pressure", now, {"some_avg10": some_avg10,
+                                                                        "high_pct": self.cpu.high_pct}))
+        if high is False:
+            self.renewal.release()
+        return []
+
     def tick(self, now: float) -> list[LeaseDecision]:
         return self._l(self.fence.tick(now), self.handoff.tick(now))
 
@@ -518,4 +541,5 @@ class LeasePolicy:
 
     def status(self) -> dict:
         return {"keepalive_interval_s": self.renewal.interval_s, "renew_fast": self.renewal.fast,
-                "runs_paused": self.fence.paused, "handoff": self.handoff.status()}
+                "runs_paused": self.fence.paused, "handoff": self.handoff.status(),
+                "cpu_pressure": {"some_avg10": self.cpu.last, "high": self.cpu.high}}

@@ -296,7 +296,8 @@ def test_a_flapping_link_causes_at_most_one_hand_off_in_five_minutes(etcd_server
                     r = json.loads(line)
                 except ValueError:
                     continue
-                if r.get("type") == "lease" and r.get("event") == "decision":
+                # (a busy host's CPU pressure makes keepalives fast too: not the link's doing)
+                if r.get("type") == "lease" and r.get("event") == "decision" and r.get("reason") != "cpu_pressure":
                     decisions[r["decision"]] += 1
         # hand-offs as etcd saw them (not as the agent says): over the whole history since the
         # plan converged, how often flappy went from holding all its planned shards to

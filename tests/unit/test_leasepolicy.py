@@ -311,7 +311,7 @@ def test_lease_policy_facade_routes_events():
     assert p.on_memory(MemoryPressure("psi", 0.0, 0.0, 0.5), 2.0) == []
     assert p.next_deadline() == 7.0
     assert [d.decision for d in p.tick(8.0)] == [TAKE_BACK] and p.available
-    assert set(p.status()) == {"keepalive_interval_s", "renew_fast", "runs_paused", "handoff"}
+    assert set(p.status()) == {"keepalive_interval_s", "renew_fast", "runs_paused", "handoff", "cpu_pressure"}
 
 
 def test_lease_policy_checks_timings():
@@ -327,3 +327,24 @@ def test_decision_labels_are_bounded():
         assert metrics.sample("millwright_lease_decisions_total", {"decision": d}) is not None
     rec = LeaseDecision(PAUSE_RUNS, "etcd_retransmits", 1.0, {"a": 1}).to_record()
     assert rec == {"event": "decision", "decision": PAUSE_RUNS, "reason": "etcd_retransmits", "evidence": {"a": 1}}
+
+
+# ---------------------------------------------------------------- host CPU pressure
+
+def test_cpu_pressure_holds_keepalives_fast_until_relieved_then_healthy_renewals_restore_them():
+    """CPU pressure (PSI some avg10) at the high line: one renew_fast decision, kept through
+    any number of healthy keepalives and repeated high readings; once relieved (below the
+    lower line), healthy keepalives bring the normal interval back as for any other cause."""
+    p = LeasePolicy(6, 4, 1.0, renewal={"healthy_renewals": 2})
+    assert p.on_cpu_pressure(None, 0.0) == [] and p.on_cpu_pressure(12.0, 0.0) == []
+    (d,) = p.on_cpu_pressure(55.0, 1.0)
+    assert (d.decision, d.reason, d.interval_s) == (RENEW_FAST, "cpu_pressure", 0.25)
+    assert d.evidence == {"some_avg10": 55.0, "high_pct": 40.0}
+    for i in range(6):
+        assert p.on_keepalive(True, 0.01, 1.5 + i / 4) == []   # held: healthy renewals do not end it
+    assert p.on_cpu_pressure(30.0, 5.0) == [] and p.renewal.fast   # in the gap: still high, no new decision
+    assert p.status()["cpu_pressure"] == {"some_avg10": 30.0, "high": True}
+    assert p.on_cpu_pressure(10.0, 10.0) == [] and p.renewal.fast   # relieved: the hold ends ...
+    assert p.on_keepalive(True, 0.01, 10.25) == []
+    (d,) = p.on_keepalive(True, 0.01, 10.5)                          # ... and healthy renewals end fast
+    assert (d.decision, d.reason, p.renewal.interval_s) == (RENEW_NORMAL, "healthy", 1.0)

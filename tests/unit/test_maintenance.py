@@ -425,7 +425,7 @@ def test_progress_reports_are_rate_limited_and_the_newest_line_is_never_lost():
     records = SimpleNamespace(write_progress=lambda f, p: written.append((t[0], p["step"])) or True)
     rep = ProgressReports(statuses, records, loop, clock=lambda: t[0])
     f = gated_firing("t")
-    f.state, f.handle = FiringState.RUNNING, object()
+    f.state, f.handle = FiringState.RUNNING, SimpleNamespace(pid=None)   # a RunHandle before its release
     for i in range(30):   # 30 lines in 3 s
         t[0] = i / 10
         clock[0] = datetime(2026, 12, 2, tzinfo=UTC) + timedelta(seconds=t[0])

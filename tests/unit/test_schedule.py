@@ -369,7 +369,7 @@ def test_the_latest_missed_firing_of_an_expired_job_is_before_not_after():
     """The scheduler records the latest skipped firing as misfired: after not_after that
     must be the last real firing, not one the job never had (the seeded fault test found
     a misfired record at a firing past not_after)."""
-    job = SimpleNamespace(schedule=EVERY_MIN, misfire="skip", issued_at=u(2026, 1, 1, 11, 59, 30),
+    job = SimpleNamespace(schedule=EVERY_MIN, misfire="skip", misfire_limit=1, issued_at=u(2026, 1, 1, 11, 59, 30),
                           not_after=u(2026, 1, 1, 12, 3))
     now = u(2026, 1, 1, 12, 10)
     assert window_end(job, now) < job.not_after and window_end(job, u(2026, 1, 1, 12, 2)) == u(2026, 1, 1, 12, 2)
