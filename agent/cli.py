@@ -10,40 +10,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from typing import TYPE_CHECKING, Callable, Optional
 
 from agent import __version__
+from agent.config import CONFIG_ENV, DEFAULT_CONFIG, config_path  # config_path: agent.cli re-exports it
 from agent.errors import UserError  # noqa: F401 - re-exported: every command raises it
 
 if TYPE_CHECKING:
     from agent.config import Config
-
-DEFAULT_CONFIG = "/etc/millwright/agent.yaml"
-CONFIG_ENV = "MILLWRIGHT_CONFIG"
-
-
-def config_path(given: Optional[str]) -> str:
-    """The config file a command reads: ``given`` (its ``-c FILE``), else
-    ``$MILLWRIGHT_CONFIG``, else the packaged default. A file named by -c or the variable
-    that is missing is an error naming it (loading names a -c FILE); with none named and no
-    packaged default, a ConfigError names all three places: a command never falls back to
-    the built-in defaults (the package's system paths) in silence."""
-    from agent.config import ConfigError
-
-    if given:
-        return given   # load_config names it when it cannot be read
-    env = os.environ.get(CONFIG_ENV)
-    if env:
-        if not os.path.exists(env):
-            raise ConfigError([f"{CONFIG_ENV}={env}: config file not found"])
-        return env
-    if os.path.exists(DEFAULT_CONFIG):
-        return DEFAULT_CONFIG
-    raise ConfigError([f"no config file: no -c FILE, {CONFIG_ENV} is not set and {DEFAULT_CONFIG} does not "
-                       f"exist (give -c FILE or export {CONFIG_ENV}=FILE)"])
-
 
 def load_cli_config(args: argparse.Namespace) -> Config:
     """The config of :func:`config_path`, loaded and validated (ConfigError on a bad one)."""
@@ -71,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("-c", "--config", default=None,
                         help=f"agent config (default: ${CONFIG_ENV}, else {DEFAULT_CONFIG})")
 
-    sp = cmd("run", "agent.runtime.daemon:cli_run", "run the agent in the foreground")
+    sp = cmd("run", "agent.daemon.core:cli_run", "run the agent in the foreground")
     with_config(sp)
 
     sp = cmd("demo", "agent.demo.scenario:cli_demo", "start etcd, mosquitto and 3 agents locally and show the product at work")
@@ -79,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds of the job phase (default 45, at least 24; the whole demo takes ~20 s more)")
     sp.add_argument("--keep", action="store_true", help="keep the temporary directory for inspection")
 
-    sp = cmd("status", "agent.runtime.admin:cli_status", "show shards, due jobs and running runs of the local agent")
+    sp = cmd("status", "agent.daemon.admin:cli_status", "show shards, due jobs and running runs of the local agent")
     with_config(sp)
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.add_argument("--socket", help="admin socket (default: admin.socket from the config)")

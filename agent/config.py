@@ -484,6 +484,29 @@ def parse_config(text: str, source: str = "<string>", file_mode: Optional[int] =
     return cfg
 
 
+DEFAULT_CONFIG = "/etc/millwright/agent.yaml"
+CONFIG_ENV = "MILLWRIGHT_CONFIG"
+
+
+def config_path(given: Optional[str]) -> str:
+    """The config file a command reads: ``given`` (its ``-c FILE``), else
+    ``$MILLWRIGHT_CONFIG``, else the packaged default. A file named by -c or the variable
+    that is missing is an error naming it (loading names a -c FILE); with none named and no
+    packaged default, a ConfigError names all three places: a command never falls back to
+    the built-in defaults (the package's system paths) in silence."""
+    if given:
+        return given   # load_config names it when it cannot be read
+    env = os.environ.get(CONFIG_ENV)
+    if env:
+        if not os.path.exists(env):
+            raise ConfigError([f"{CONFIG_ENV}={env}: config file not found"])
+        return env
+    if os.path.exists(DEFAULT_CONFIG):
+        return DEFAULT_CONFIG
+    raise ConfigError([f"no config file: no -c FILE, {CONFIG_ENV} is not set and {DEFAULT_CONFIG} does not "
+                       f"exist (give -c FILE or export {CONFIG_ENV}=FILE)"])
+
+
 def make_state_dir(path: str) -> None:
     """Create the state directory if it is missing: owner-only (0700), except the packaged
     one, which gets the mode packaging gives it (0711: job users reach their working

@@ -84,7 +84,7 @@ def failover(trials: int, ttl: int) -> None:
 
 
 def fence_lead(trials: int, ttl: int) -> None:
-    from agent.runtime.admin import query
+    from agent.daemon.admin import query
 
     leads = []
     with tempfile.TemporaryDirectory() as tmp, EtcdServer(os.path.join(tmp, "etcd")) as etcd:

@@ -292,7 +292,7 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True, flood_sta
         received = {}
         for a in names:   # what the agents' links received of their peers' statuses (this code's status)
             try:
-                from agent.runtime.admin import query
+                from agent.daemon.admin import query
 
                 cloud = query(os.path.join(cl.agents[a].dir, "admin.sock")).get("cloud", {})
                 received[a] = (cloud.get("peer_statuses_received"), cloud.get("peer_statuses_read"),

@@ -37,7 +37,7 @@ from agent.coordination.etcd import Put  # noqa: E402
 from agent.coordination.keys import shard_of  # noqa: E402
 from agent.demo.services import EtcdServer  # noqa: E402
 from agent.jobs.schedule import fire_id, format_rfc3339  # noqa: E402
-from agent.runtime.admin import query  # noqa: E402
+from agent.daemon.admin import query  # noqa: E402
 from tests.support.cluster import Cluster  # noqa: E402
 from tests.support.waiting import wait_for  # noqa: E402
 

@@ -241,8 +241,9 @@ def run_millwright(w: Workload, o: Options, on_start: Optional[Callable[[float],
                    trace: Optional[CgroupTrace] = None, say: Callable[[str], None] = print) -> dict:
     """Run the workload on one agent; the figures as a JSON-able dict. ``on_start(ts)`` is
     called with the first due time (epoch seconds) once the jobs are stored."""
-    from agent.runtime.components import _AuditComponent, _JobsComponent, _SupervisedJobs
-    from agent.runtime.daemon import Agent
+    from agent.daemon.core import Daemon
+    from agent.daemon.hooks import Hooks, Wired
+    from agent.daemon.wiring import JobsParts, SupervisedJobs
     from tests.support.cloudkit import SigningStore, write_keys
 
     tmp = tempfile.mkdtemp(prefix="mw-bench-")
@@ -255,6 +256,7 @@ def run_millwright(w: Workload, o: Options, on_start: Optional[Callable[[float],
         runtime = tempfile.mkdtemp(prefix="mw-bench-run-", dir="/dev/shm") if os.path.isdir("/dev/shm") else ""
     etcd = EtcdServer(os.path.join(tmp, "etcd")).start()
     ring = write_keys(f"{tmp}/keys.yaml")
+    audit_dir = "" if o.slim else f"{tmp}/audit"   # slim: no audit log either
     cfg = parse_config(f"""
 cluster: bench
 signing: {{keys_file: {tmp}/keys.yaml}}
@@ -262,7 +264,7 @@ agent_id: bench-0
 shards: 64
 state_dir: {tmp}/state
 etcd: {{endpoints: ["{etcd.endpoint}"], lease_ttl_s: 10, renew_deadline_s: 6, retry_period_s: 1, insecure: true}}
-audit: {{dir: {tmp}/audit, key_file: {tmp}/audit.key}}
+audit: {{dir: "{audit_dir}", key_file: {tmp}/audit.key}}
 admin: {{socket: {tmp}/admin/admin.sock}}
 metrics: {{listen: ""}}
 bpf: {{enabled: {"true" if o.bpf else "false"}, mode: monitor}}
@@ -293,20 +295,22 @@ templates:
             if res is not None and res.reason != "succeeded":
                 failed.append(f"{f.entry.job.id}: {res.reason} exit {res.exit_code} signal {res.signal} {res.error or ''}")
 
-    def supervised_jobs(a):
+    def supervised_jobs(g):
         """The daemon's job path: scheduler, executor, sensing (BPF, or /proc polling
         when BPF is off) and supervision, with the probe as one more run listener."""
-        c = _SupervisedJobs(a)
+        hooks = Hooks()
+        c = SupervisedJobs(g, hooks)
         run_listeners_of(c.jobs).append(Probe())
         jobs_part.append(c.jobs)
-        return c
+        return Wired(hooks, [c])
 
-    def slim_jobs(a):
-        c = _JobsComponent(a, run_listeners=[Probe()])
+    def slim_jobs(g):
+        hooks = Hooks()
+        c = JobsParts(g, hooks, run_listeners=[Probe()])
         jobs_part.append(c)
-        return c
+        return Wired(hooks, [c])
 
-    agent = Agent(cfg, [slim_jobs] if o.slim else [_AuditComponent, supervised_jobs])
+    agent = Daemon(cfg, slim_jobs if o.slim else supervised_jobs)
     t = threading.Thread(target=agent.run, name="agent-loop", daemon=True)
     t.start()
     while len(agent.shards.mine) < 64:

@@ -18,8 +18,9 @@ from agent.audit.keyfile import KeyFileError, load_key
 from agent.audit.record import parse_time
 from agent.audit.show import Filter, print_json, print_table, rows
 from agent.audit.verify import verify
-from agent.cli import UserError, load_cli_config
+from agent.cli import load_cli_config
 from agent.config import AuditConfig
+from agent.errors import UserError
 
 
 def _audit_config(args: argparse.Namespace, needs_key: bool) -> AuditConfig:

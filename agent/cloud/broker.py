@@ -78,7 +78,7 @@ def settings_text(max_payload_bytes: int) -> str:
 
 
 def cli_broker_acl(args) -> int:
-    from agent.cli import UserError
+    from agent.errors import UserError
 
     agents: dict[str, str] = {}
     for spec in args.agent or []:
@@ -102,8 +102,8 @@ def cli_broker_acl(args) -> int:
 def cli_broker_settings(args) -> int:
     size = args.max_payload_bytes
     if size is None:
-        from agent.cli import load_cli_config
+        from agent.config import config_path, load_config
 
-        size = load_cli_config(args).mqtt.max_payload_bytes
+        size = load_config(config_path(args.config)).mqtt.max_payload_bytes
     print(settings_text(size), end="")
     return 0

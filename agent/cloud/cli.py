@@ -30,7 +30,7 @@ import time
 from datetime import datetime, timezone
 from typing import Optional
 
-from agent.cli import UserError
+from agent.errors import UserError
 from agent.jobs.states import JobState, RecordState
 
 EXIT_ACCEPTED, EXIT_REJECTED, EXIT_USAGE, EXIT_NO_ANSWER, EXIT_BROKER = 0, 1, 2, 3, 4

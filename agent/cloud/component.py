@@ -2,7 +2,7 @@
 
 It takes the values it uses (config, loop, etcd client and keys, the agent's Ownership, its
 members, the audit sink, the signing key ring the daemon loaded, the job listeners) and
-never the daemon. It registers nothing itself: the wiring (agent/runtime/components.py)
+never the daemon. It registers nothing itself: the wiring (agent/daemon/wiring.py)
 registers its public methods on the daemon's hooks:
 - ``status_sink(doc)``: every status document -> the durable outbox (loop thread; one
   SQLite transaction per loop burst, no network; held in memory and retried while the
@@ -39,7 +39,7 @@ from agent.coordination.shards import Member
 from agent.coordination.watch import PrefixWatch
 from agent.errors import UserError
 from agent.jobs.seams import AuditSink
-from agent.jobs.signing import KeyFileError, KeyRing
+from agent.jobs.signing import KeyRing
 from agent.runtime.loop import EventLoop
 from agent.runtime.recent import RecentMemory
 
@@ -81,17 +81,6 @@ class JobListener(Protocol):
 
 def client_id_for(cfg) -> str:
     return cfg.mqtt.client_id or f"millwright-{cfg.cluster}-{cfg.agent_id}"
-
-
-def load_keyring(path: str, record: Optional[Callable[..., None]] = None) -> KeyRing:
-    try:
-        return KeyRing.load(path)
-    except KeyFileError as exc:
-        for line in exc.problems:
-            log.error("signing keys unusable: every push will be rejected", extra={"fields": {"problem": line}})
-        if record:
-            record("config", event="signing_keys_unusable", problems=exc.problems)
-        return KeyRing({}, source=path)
 
 
 class CloudComponent:

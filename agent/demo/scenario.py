@@ -34,7 +34,6 @@ import time
 from datetime import datetime
 from typing import Optional
 
-from agent.cli import UserError
 from agent.demo import failover, report
 from agent.demo.console import signed_payload
 from agent.demo.feed import StatusFeed
@@ -42,6 +41,7 @@ from agent.demo.output import Live
 from agent.demo.plan import GATE_OPENS_AT, DemoFailed, DemoJob, plan_jobs
 from agent.demo.result import DemoResult, Failover
 from agent.demo.stage import AGENTS, KID, Stage
+from agent.errors import UserError
 from agent.jobs.states import TERMINAL
 from agent.runtime.timefmt import utcnow
 
@@ -226,7 +226,7 @@ class Demo:
 
     def _show_status(self) -> None:
         """`millwright status` of one survivor, read from its admin socket."""
-        from agent.runtime.admin import query, render
+        from agent.daemon.admin import query, render
 
         assert self.failover is not None
         survivor = sorted(a for a in self.stage.agents if a != self.failover.victim)[0]

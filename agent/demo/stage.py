@@ -19,10 +19,10 @@ import subprocess
 import tempfile
 from typing import Any, Iterable, Optional
 
-from agent.cli import UserError
 from agent.demo.console import CloudConsole, write_signer_keys
 from agent.demo.output import Live
 from agent.demo.services import REPO_ROOT, AgentProcess, EtcdServer, MosquittoServer, free_port
+from agent.errors import UserError
 
 DEMO_CONFIG_DIRS = (os.path.join(REPO_ROOT, "configs", "demo"), "/usr/share/millwright/demo")
 AGENTS = 3
@@ -61,7 +61,7 @@ def demo_config_dir() -> str:
 
 
 def cgroup_root_name(agent_id: str, state_dir: str) -> str:
-    """The per-agent cgroup root the daemon uses (agent/runtime/components.py)."""
+    """The per-agent cgroup root the daemon uses (agent/daemon/wiring.py)."""
     from agent.execute.backends import run_root_name
 
     return run_root_name(agent_id, state_dir)

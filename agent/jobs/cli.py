@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Optional
 
-from agent.cli import UserError
+from agent.errors import UserError
 
 EXIT_NOT_FOUND, EXIT_UNREACHABLE = 1, 4
 FOLLOW_POLL_S = 0.2

@@ -1,8 +1,8 @@
 """What the jobs package needs from the rest of the agent, each as a narrow Protocol.
 
-The daemon's Agent, its Session and Placement, and the Executor implement these
-structurally; agent/runtime/components.py passes them in. A unit test gives small fakes
-of exactly these and needs no etcd."""
+The daemon's Ownership, Session and Placement, its audit log and status hooks, and the
+Executor implement these structurally; agent/daemon/wiring.py passes them in. A unit test
+gives small fakes of exactly these and needs no etcd."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 class Fencing(Protocol):
-    """Which units (cluster or pool shards) this agent may act for (the daemon's Agent)."""
+    """Which units (cluster or pool shards) this agent may act for (coordination.ownership.Ownership)."""
 
     def fence_for(self, unit: int) -> Optional[Fence]:
         """The unit's fence if this agent may write for it now (held and session valid)."""

@@ -31,16 +31,22 @@ import copy
 import hashlib
 import hmac
 import json
+import logging
 import os
 import re
 import stat
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import yaml
 
 from agent.runtime.text import short as _short
+
+if TYPE_CHECKING:
+    from agent.jobs.seams import AuditSink
+
+log = logging.getLogger(__name__)
 
 try:  # python3-cryptography (Debian); optional
     from cryptography.exceptions import InvalidSignature as _InvalidSignature
@@ -93,6 +99,20 @@ class KeyFileError(Exception):
 
 
 UNSIGNED_MEMBERS = ("sig", "approvals")   # what the signatures travel in: never part of the signed bytes
+
+
+def load_keyring(path: str, audit: AuditSink) -> KeyRing:
+    """The daemon's key ring, loaded once at start: an unusable keys file is logged (one
+    line per problem) and recorded, and gives an empty ring, so every push and every stored
+    job is rejected until the file is fixed (the agent still runs: it keeps its shards)."""
+    try:
+        return KeyRing.load(path)
+    except KeyFileError as exc:
+        for line in exc.problems:
+            log.error("signing keys unusable: no push or stored job will be accepted",
+                      extra={"fields": {"problem": line}})
+        audit.record("config", event="signing_keys_unusable", problems=exc.problems)
+        return KeyRing({}, source=path)
 
 
 def canonical_json(doc: dict, *, with_sig: bool = False) -> bytes:

@@ -6,5 +6,5 @@ component (the daemon component that applies decisions to runs and shards).
 
 May import: ``signals``, ``config``, ``runtime`` leaves. Reaches the scheduler only
 through the RunGate it is given and is told of runs as a RunListener; all of it is
-wired by agent/runtime/components.py.
+wired by agent/daemon/wiring.py.
 """

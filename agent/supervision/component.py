@@ -81,7 +81,7 @@ class JobOffences(Protocol):
 
 class Supervision:
     """The daemon's SessionListener, a RunListener of the scheduler, an ExecListener and
-    SignalListener of RunSensing (wired by agent/runtime/components.py). Its decisions go
+    SignalListener of RunSensing (wired by agent/daemon/wiring.py). Its decisions go
     to the audit log, the gate, the renewal and the availability it is given."""
 
     def __init__(self, cfg: Config, loop: EventLoop, audit: AuditSink, renewal: Renewal, availability: Availability,

@@ -57,7 +57,7 @@ class SignalListener(Protocol):
 
 class RunSensing:
     """A RunListener of the scheduler and the executor's poststart hook (both wired by
-    agent/runtime/components.py); tells its ExecListeners and SignalListeners."""
+    agent/daemon/wiring.py); tells its ExecListeners and SignalListeners."""
 
     def __init__(self, cfg: Config, loop: EventLoop, audit: SensingAudit):
         from agent.signals import Sensor

@@ -14,7 +14,7 @@ import urllib.request
 
 from agent.demo.services import free_port
 from agent.jobs.dependencies import SAFETY_RECHECK_S
-from agent.runtime.admin import query
+from agent.daemon.admin import query
 from tests.support.cluster import recording_cluster
 from tests.support.jobs import job
 from tests.support.kernel import require_kernel

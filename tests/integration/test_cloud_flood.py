@@ -20,7 +20,7 @@ import pytest
 from agent.cloud.mqtt import MqttLink
 from agent.config import MqttConfig
 from agent.coordination.keys import shard_of
-from agent.runtime.admin import query
+from agent.daemon.admin import query
 from tests.support.cloud import T, CloudWorld, Pusher
 from tests.support.cloudkit import TEMPLATES, job_doc, signed
 from tests.support.waiting import wait_for

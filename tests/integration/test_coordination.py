@@ -97,7 +97,7 @@ def test_sigterm_hands_over_before_the_ttl_and_exits_zero(cluster):
 
 
 def _status(agent) -> dict:
-    from agent.runtime.admin import query
+    from agent.daemon.admin import query
 
     return query(agent.config["admin"]["socket"])
 

@@ -22,7 +22,7 @@ from agent.coordination.keys import shard_of
 from agent.demo.services import free_port
 from agent.jobs.schedule import fire_id, format_rfc3339
 from agent.jobs.signing import sign
-from agent.runtime.admin import query
+from agent.daemon.admin import query
 from tests.support.cloudkit import KID, bound
 from tests.support.cluster import recording_cluster
 from tests.support.jobs import effects, job, now

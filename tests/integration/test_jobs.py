@@ -181,7 +181,7 @@ def test_exactly_once_2000_jobs_with_agent_kills_and_an_etcd_restart(env, etcd_s
         detail = {s: (n, owners.get(s)) for s, n in sorted(by_shard.items())}
         print("\nMISSING by shard (count, owner now):", detail)
         print("expected per agent:", collections.Counter(owners.get(shard_of(j, c.shards)) for j, _ in expected))
-        from agent.runtime.admin import query
+        from agent.daemon.admin import query
         for a in c.agents.values():
             st = query(a.config["admin"]["socket"])
             print(a.agent_id, {k: v for k, v in st["jobs"].items() if k != "due"}, st["session"])

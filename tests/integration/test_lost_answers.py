@@ -342,7 +342,7 @@ def test_a_claim_still_unresolved_when_its_shard_is_held_again_is_never_claimed_
             assert la.on_loop(lambda: f.state) == FiringState.CLAIMING   # its read-back waiting
             load_armed.set()
             etcd_server.pause()
-            wait_for(lambda: not la.agent.owned_shards, 20, interval=0.05, what="the agent fenced")
+            wait_for(lambda: not la.agent.ownership.owned, 20, interval=0.05, what="the agent fenced")
             etcd_server.resume()
             wait_for(lambda: la.on_loop(lambda: la.agent.ownership.owns(shard)) not in (None, old_fence), 30,
                      interval=0.05, what="the shard held again")

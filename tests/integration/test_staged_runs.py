@@ -8,8 +8,8 @@ cancelled or deleted. Then they let the claim finish and check, through the sche
 own paths, that the job did not run and that the staged run was handed back: no run
 directory under the executor's base dir, and no run cgroup in any hierarchy.
 
-The agent is the daemon's own (Agent with default_components, as `millwright run` builds
-it) on a thread of this process, so its executor's stage() can be wrapped; etcd is real.
+The agent is the daemon's own (the Daemon with the parts `millwright run` wires into it)
+on a thread of this process, so its executor's stage() can be wrapped; etcd is real.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def test_a_claim_fenced_in_flight_never_runs_and_its_staged_run_is_unstaged(env,
     fid = f.fire_id
     assert run_records(c.client, c.keys)[("fenced", fid)]["state"] == "running"   # the claim landed
     etcd_server.pause()
-    wait_for(lambda: not la.agent.owned_shards, 20, interval=0.05, what="the agent fenced")
+    wait_for(lambda: not la.agent.ownership.owned, 20, interval=0.05, what="the agent fenced")
     assert la.on_loop(lambda: "fenced" not in la.scheduler.catalog.entries and la.agent.ownership.fence_for(f.entry.shard) is None)
     g.open()
     settle(la, f)
@@ -180,7 +180,7 @@ def test_a_claim_back_after_its_shard_was_held_again_does_not_run_beside_the_new
     old_fence = la.on_loop(lambda: la.agent.ownership.owns(shard))
     assert run_records(c.client, c.keys)[(jid, fid)]["state"] == "running"   # the claim landed
     etcd_server.pause()
-    wait_for(lambda: not la.agent.owned_shards, 20, interval=0.05, what="the agent fenced")
+    wait_for(lambda: not la.agent.ownership.owned, 20, interval=0.05, what="the agent fenced")
     etcd_server.resume()
     # held again, the job installed anew from the shard's load (which read the record)
     wait_for(lambda: la.on_loop(lambda: sch.catalog.entries.get(jid, f.entry) is not f.entry), 30, interval=0.05,

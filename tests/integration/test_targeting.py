@@ -17,7 +17,7 @@ import pytest
 from agent.coordination import placement
 from agent.jobs.schedule import format_rfc3339, parse_rfc3339
 from agent.jobs.view import get_job
-from agent.runtime.admin import query, render
+from agent.daemon.admin import query, render
 from tests.support.cluster import Cluster, recording_cluster
 from tests.support.waiting import wait_for
 from tests.support import history

@@ -250,7 +250,7 @@ def test_a_tree_the_cleaner_gives_up_on_is_an_audit_record_of_the_daemon():
     from types import SimpleNamespace
 
     from agent.execute.cleanup import Report
-    from agent.runtime.components import cleanup_report
+    from agent.daemon.wiring import cleanup_report
 
     records = []
     agent = SimpleNamespace(record=lambda type_, **f: records.append((type_, f)))

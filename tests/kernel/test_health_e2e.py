@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from agent.runtime.admin import query
+from agent.daemon.admin import query
 from tests.support import history
 from tests.support.cluster import Cluster
 from tests.support.history import read_history

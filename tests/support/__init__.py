@@ -4,7 +4,7 @@ files (a real etcd, a 3-member etcd cluster, a real mosquitto). One home per hel
 - waiting: ``wait_for``, polling a condition until a deadline.
 - cluster: ``Cluster``, real `millwright run` agent processes on one etcd (signed job
   store, ownership, run records, audit, statuses); ``recording_cluster``.
-- local_agent: the daemon's Agent on a thread of the test, for fault injection.
+- local_agent: the Daemon `millwright run` builds, on a thread of the test, for fault injection.
 - jobs: the side-effect recording workload (templates, job documents, effects).
 - records: run records in etcd, audit records on disk, statuses in an agent's outbox.
 - documents: a fixed clock, key and cluster for unit tests of job documents.

@@ -1,5 +1,5 @@
-"""The daemon's own Agent on a thread of the test process, so a test can wrap one of its
-methods at the point a fault is injected while etcd (and the agent's runs) stay real."""
+"""The daemon's own Daemon on a thread of the test process, so a test can wrap one of its
+parts' methods at the point a fault is injected while etcd (and the agent's runs) stay real."""
 
 from __future__ import annotations
 
@@ -9,22 +9,24 @@ from typing import Any, Callable
 from agent.config import load_config
 from agent.demo.services import AgentProcess
 from agent.execute.backends import run_root_name
-from agent.runtime.components import default_components
-from agent.runtime.daemon import Agent
+from agent.daemon.core import Daemon
+from agent.daemon.wiring import SupervisedJobs, build
 from tests.support.cluster import Cluster
 from tests.support.jobs import effects_file, templates
 
 
 class LocalAgent:
-    """The daemon's Agent, with the components `millwright run` gives it, on a thread here.
-    Its config is the one a Cluster's agent process gets (AgentProcess writes it; that
-    process is never started)."""
+    """The Daemon, with the parts `millwright run` gives it, on a thread here. Its config is
+    the one a Cluster's agent process gets (AgentProcess writes it; that process is never
+    started). ``ownership`` is what every part asks which shards it may act for: a test
+    that makes a shard look lost patches its ``fence_for``."""
 
     def __init__(self, cluster: Cluster, agent_id: str, extra: dict):
         self.files = AgentProcess(agent_id, cluster.base, cluster.agent_config(extra))   # config file and cgroup cleanup only
         self.cfg = load_config(self.files.config_path)
-        self.agent = Agent(self.cfg, default_components(self.cfg))
-        jobs = next(c.jobs for c in self.agent.components if hasattr(c, "jobs"))
+        self.agent = Daemon(self.cfg, build)
+        self.ownership = self.agent.ownership
+        jobs = next(c.jobs for c in self.agent.components if isinstance(c, SupervisedJobs))
         self.executor, self.scheduler = jobs.executor, jobs.scheduler
         self.cgroup_root = run_root_name(agent_id, self.cfg.state_dir)
         self.thread = threading.Thread(target=self.agent.run, name=f"agent-{agent_id}", daemon=True)

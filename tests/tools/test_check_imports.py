@@ -98,18 +98,21 @@ def test_what_a_row_names_passes(tmp_path):
     assert check(tmp_path, supervision__health="from agent.signals import sensor\n") == []
 
 
-def test_the_daemon_is_imported_at_run_time_only_by_runtime(tmp_path):
-    (finding,) = check(tmp_path, cloud__ingest="""
+def test_only_the_cli_and_the_demo_import_the_daemon(tmp_path):
+    daemon = {"daemon/__init__": "", "daemon/core": "class Daemon:\n    pass\n", "daemon/admin": ""}
+    (finding,) = check(tmp_path, **daemon, cloud__ingest="""
         from typing import TYPE_CHECKING
         if TYPE_CHECKING:
-            from agent.runtime.daemon import Agent
+            from agent.daemon.core import Daemon
         """)
-    assert "agent/cloud/ingest.py: upward: imports agent.runtime.daemon" in finding   # not layers: rule 7's
-    assert check(tmp_path, runtime__admin="from agent.runtime.daemon import Agent\n") == []
-    (finding,) = check(tmp_path, cloud__ingest="from agent.runtime.daemon import Agent\n")
-    assert "imports agent.runtime.daemon at run time: only runtime does" in finding
-    (finding,) = check(tmp_path, demo__scenario="from agent.runtime import components\n")
-    assert "agent/demo/scenario.py: layers: imports agent.runtime.components at run time" in finding
+    assert "agent/cloud/ingest.py: upward: imports agent.daemon.core" in finding   # not layers: rule 7's
+    assert check(tmp_path, **daemon, cli="def run():\n    from agent.daemon.core import Daemon\n") == []
+    assert check(tmp_path, **daemon, demo__scenario="from agent.daemon.admin import query\n") == []
+    assert check(tmp_path, **{**daemon, "daemon/admin": "from agent.cloud import ingest\n"}) == []
+    (finding,) = check(tmp_path, **daemon, cloud__ingest="from agent.daemon.core import Daemon\n")
+    assert "agent/cloud/ingest.py: layers: imports agent.daemon.core, which only cli, demo may import" in finding
+    (finding,) = check(tmp_path, **{**daemon, "daemon/admin": "from agent.demo import scenario\n"})
+    assert "agent/daemon/admin.py: layers: imports agent.demo.scenario, which only cli may import" in finding
 
 
 def test_only_the_cli_imports_the_demo(tmp_path):

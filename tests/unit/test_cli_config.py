@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-import agent.cli
+import agent.config
 from agent.audit import AuditLog
 from agent.cli import main
 
@@ -23,7 +23,7 @@ COMMANDS = [
 @pytest.fixture
 def no_default(monkeypatch, tmp_path):
     """No packaged config on this host, and no MILLWRIGHT_CONFIG from the caller."""
-    monkeypatch.setattr(agent.cli, "DEFAULT_CONFIG", str(tmp_path / "etc-millwright-agent.yaml"))
+    monkeypatch.setattr(agent.config, "DEFAULT_CONFIG", str(tmp_path / "etc-millwright-agent.yaml"))
     monkeypatch.delenv("MILLWRIGHT_CONFIG", raising=False)
     return str(tmp_path / "etc-millwright-agent.yaml")
 
@@ -62,7 +62,7 @@ def test_dash_c_wins_over_the_variable_and_the_variable_over_the_default(capsys,
     for name in ("c.yaml", "env.yaml", "default.yaml"):
         (tmp_path / name).write_text(f"cluster: {name.split('.')[0]}\netcd: {{insecure: true}}\n"
                                      "mqtt: {insecure: true}\n")
-    monkeypatch.setattr(agent.cli, "DEFAULT_CONFIG", str(tmp_path / "default.yaml"))
+    monkeypatch.setattr(agent.config, "DEFAULT_CONFIG", str(tmp_path / "default.yaml"))
     assert "(cluster default," in run(capsys, ["config", "check"])[1]
     monkeypatch.setenv("MILLWRIGHT_CONFIG", str(tmp_path / "env.yaml"))
     assert "(cluster env," in run(capsys, ["config", "check"])[1]

@@ -11,9 +11,13 @@ import logging
 import os
 import socket
 import threading
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-from agent.config import load_config
+from agent.config import config_path, load_config
+from agent.errors import UserError
+
+if TYPE_CHECKING:
+    from agent.runtime.loop import EventLoop
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +46,12 @@ def bind_private(path: str) -> socket.socket:
 
 
 class AdminServer:
-    def __init__(self, agent: Any, path: str):
-        self.agent = agent
+    """Answers each connection with ``status()``, taken on the loop thread (which owns the state)."""
+
+    def __init__(self, path: str, loop: EventLoop, status: Callable[[], dict]):
         self.path = path
+        self.loop = loop
+        self.status = status
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
 
@@ -77,10 +84,10 @@ class AdminServer:
 
                 def snap(box: dict = box, done: threading.Event = done) -> None:
                     # bound now: a snapshot arriving after its request timed out must not answer the next one
-                    box["doc"] = self.agent.status()
+                    box["doc"] = self.status()
                     done.set()
 
-                self.agent.loop.post(snap)
+                self.loop.post(snap)
                 if done.wait(3):
                     payload = json.dumps(box["doc"], default=str).encode()
                 else:
@@ -100,8 +107,6 @@ class AdminServer:
 
 
 def query(path: str, timeout: float = 5.0) -> dict:
-    from agent.cli import UserError
-
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
     try:
@@ -186,8 +191,6 @@ def _ranges(nums: list[int]) -> str:
 def cli_status(args) -> int:
     path = args.socket
     if not path:
-        from agent.cli import config_path
-
         path = load_config(config_path(args.config)).admin.socket
     doc = query(path)
     print(json.dumps(doc, indent=2, sort_keys=True) if args.json else render(doc))

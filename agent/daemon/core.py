@@ -1,7 +1,8 @@
-"""The agent: wires every part together and owns all agent state on one event loop.
+"""The Daemon: owns the session, the shards and all agent state on one event loop.
 
 Adapter threads (session keepalive, etcd watches and workers, MQTT, the BPF sensor, the
-process reaper) only post events here. This is the one place that knows all parts.
+process reaper) only post events here. The Daemon builds the Ground (the values every part
+may get), hands it to the wiring, and calls the parts through the Hooks the wiring filled.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import socket
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 from agent import __version__
-from agent.config import FENCE_KILL_MARGIN_S, Config, load_config, make_state_dir
+from agent.audit import AuditLog, NullAudit
+from agent.audit.events import describe_config
+from agent.config import FENCE_KILL_MARGIN_S, Config, config_path, load_config, make_state_dir
 from agent.coordination import placement
 from agent.coordination.etcd import EtcdClient, Put
 from agent.coordination.fencing import Fence, fenced_txn
@@ -28,15 +31,13 @@ from agent.coordination.session import Session
 from agent.coordination.shards import ShardManager
 from agent.coordination.watch import PrefixWatch
 from agent.coordination.worker import EtcdWorkers
+from agent.daemon.ground import Audit, Ground
+from agent.daemon.hooks import Hooks, Wired
+from agent.errors import UserError
+from agent.jobs.signing import load_keyring
 from agent.runtime import logs, metrics
 from agent.runtime.loop import EventLoop
 from agent.runtime.metrics import counter, gauge
-from agent.runtime.seams import Component, SessionListener, ShardListener
-
-if TYPE_CHECKING:
-    from agent.audit import AuditLog
-    from agent.cloud.component import JobListener
-    from agent.jobs.signing import KeyRing
 
 log = logging.getLogger(__name__)
 
@@ -70,16 +71,20 @@ class SdNotify:
             pass
 
 
-ComponentFactory = Callable[["Agent"], Component]
+class Daemon:
+    """Owns the session, the shards and the event loop; the parts the wiring builds plug
+    into its Hooks. Everything is built in the constructor: nothing is added later."""
 
-
-class Agent:
-    """Owns the session, the shards and the event loop; parts plug into the typed hook
-    lists below, which agent/runtime/components.py fills. Nothing else is added later."""
-
-    def __init__(self, cfg: Config, extra_components: Optional[list[ComponentFactory]] = None):
+    def __init__(self, cfg: Config, wire: Callable[[Ground], Wired]):
         self.cfg = cfg
-        make_state_dir(cfg.state_dir)   # before any component makes files below it
+        make_state_dir(cfg.state_dir)   # before any part makes files below it
+        self.hooks = Hooks()   # the wiring's replaces it below; only the audit writer may call in before
+        # the audit log first and closed last, so every part's records land in it
+        self.audit: Audit = (AuditLog.from_config(cfg.audit, agent_id=cfg.agent_id, on_checkpoint=self._checkpoint)
+                             if cfg.audit.dir else NullAudit())
+        self.audit.config(**describe_config(cfg))
+        # the signing key ring, loaded once: the cloud and the scheduler verify with the same ring
+        self.keyring = load_keyring(cfg.signing.keys_file, self.audit)
         self.keys = Keys(cfg.cluster)
         self.loop = EventLoop()
         self.client = EtcdClient(cfg.etcd)
@@ -91,7 +96,6 @@ class Agent:
         self._fence_timer: Optional[Any] = None
         self._etcd_failures = 0
         self._stopping = False
-        self.audit: Optional[AuditLog] = None  # set by the audit component when configured
         self.shards = ShardManager(cfg.agent_id, cfg.shards, self.keys, self.client, self.workers, self.loop,
                                    on_acquired=self._shard_acquired, on_lost=self._shard_lost,
                                    busy=self._shard_busy, own_old_leases=lambda: set(self.session.abandoned))
@@ -105,28 +109,12 @@ class Agent:
                                on_failed=self._session_failed, on_lost=self._session_lost)
         self.ownership = Ownership(self.session, self.shards, self.placement)
         self.watches: list[PrefixWatch] = []
-        # hooks other parts register (jobs, cloud, health): called on the loop thread
-        self.shard_listeners: list[ShardListener] = []
-        self.members_listeners: list[Callable[[], None]] = []  # after the members/ view changed (cloud)
-        self.busy_checks: list[Callable[[int], bool]] = []
-        self.status_providers: dict[str, Callable[[], Any]] = {}
-        self.stop_hooks: list[Callable[[], None]] = []
-        self.status_sinks: list[Callable[[dict], None]] = []  # job status documents (cloud)
-        self.checkpoint_sinks: list[Callable[[dict], None]] = []  # audit file checkpoints (cloud)
-        self.session_listeners: list[SessionListener] = []  # lease policy
-        self.job_listeners: list[JobListener] = []  # the scheduler: pushes stored / cancels applied (cloud)
-        self.watch_sources: list[Callable[[], list[PrefixWatch]]] = []  # more watches per session (jobs)
-        self.owned_shards: frozenset[int] = frozenset()  # snapshot readable from any thread
-        self.drain_hooks: list[Callable[[Callable[[], None]], None]] = []
-        # end every live run with a reason, return how many (graceful stop, after drain_timeout_s)
-        self.run_stoppers: list[Callable[[str], int]] = []
-        # the signing key ring: loaded once by the cloud component (which reports its problems),
-        # else by the scheduler; both verify with the same ring
-        self.keyring: Optional[KeyRing] = None
-        # set by the cloud component: final run statuses are also written as durable answers
-        # (answers/ in etcd) in the run record's transaction, so a peer can publish them
-        self.answer_markers = False
-        self.components = [make(self) for make in (extra_components or [])]
+        wired = wire(Ground(cfg=cfg, keys=self.keys, loop=self.loop, client=self.client, workers=self.workers,
+                            session=self.session, shards=self.shards, placement=self.placement,
+                            ownership=self.ownership, audit=self.audit, keyring=self.keyring,
+                            stopping=lambda: self._stopping, status=self.status))
+        self.hooks = wired.hooks
+        self.components = wired.components
         self._probe_interval = float(os.environ.get("MILLWRIGHT_TEST_FENCED_WRITES_S", "0") or 0)
 
     @property
@@ -136,8 +124,14 @@ class Agent:
 
     # --- audit ---------------------------------------------------------------------
     def record(self, type_: str, **fields: Any) -> None:
-        if self.audit is not None:
-            self.audit.append(type_, **fields)
+        self.audit.record(type_, **fields)
+
+    def _checkpoint(self, doc: dict) -> None:  # the audit writer's thread: hand over, never block
+        for sink in self.hooks.checkpoint_sinks:
+            try:
+                sink(doc)
+            except Exception:
+                pass
 
     # --- session ---------------------------------------------------------------------
     def _session_granted(self, lease_id: int, ttl: int, valid_until: float) -> None:
@@ -148,7 +142,7 @@ class Agent:
         self.fenced_reason = None
         ETCD_UP.set(1)
         self._arm_fence(valid_until)
-        for l in self.session_listeners:
+        for l in self.hooks.session_listeners:
             l.session_granted()
         self.shards.session_granted(lease_id, self.cfg.capacity,
                                     {"version": __version__, "host": socket.gethostname(),
@@ -165,11 +159,11 @@ class Agent:
             log.info("etcd reachable again", extra={"fields": {"endpoint": self.client.endpoint}})
         self._etcd_failures = 0
         self._arm_fence(valid_until)
-        for l in self.session_listeners:
+        for l in self.hooks.session_listeners:
             l.session_renewed(latency)
 
     def _session_failed(self, error: str) -> None:
-        for l in self.session_listeners:
+        for l in self.hooks.session_listeners:
             l.session_failed(error)
         self._etcd_failures += 1
         if self._etcd_failures == 1 or self._etcd_failures % 20 == 0:
@@ -225,43 +219,36 @@ class Agent:
                         on_snapshot=lambda kvs, rev: post(self.placement.snapshot, kvs, rev),
                         on_events=lambda evs, rev: post(self.placement.events, evs, rev))
         self.watches = [m.start(), s.start(), p.start()]
-        for source in self.watch_sources:
+        for source in self.hooks.watch_sources:
             self.watches.extend(source())
 
     def _members_snapshot(self, kvs: list, rev: int) -> None:
         self.shards.members_snapshot(kvs, rev)
         self.placement.members_changed()
-        for listener in self.members_listeners:
+        for listener in self.hooks.members_listeners:
             listener()
 
     def _members_events(self, events: list, rev: int) -> None:
         self.shards.members_events(events, rev)
         self.placement.members_changed()
-        for listener in self.members_listeners:
+        for listener in self.hooks.members_listeners:
             listener()
 
     # --- shards ------------------------------------------------------------------------
-    def publish_status(self, doc: dict) -> None:
-        """Hand a job status document to every sink (the MQTT outbox). Loop thread."""
-        for sink in self.status_sinks:
-            sink(doc)
-
     def _shard_acquired(self, fence: Fence) -> None:
         self.ownership.changed()
-        self.owned_shards = self.ownership.owned
         self.record("shard", event="acquired", token=fence.token,
                     lease=f"{self.shards.lease:x}" if self.shards.lease else None, **self._where(fence.shard))
-        for l in self.shard_listeners:
+        for l in self.hooks.shard_listeners:
             l.shard_acquired(fence)
         if self._probe_interval:
             self.loop.call_later(0, self._probe, fence)
 
     def _shard_lost(self, shard: int, reason: str) -> None:
         self.ownership.changed()
-        self.owned_shards = self.ownership.owned
         self.record("shard", event="released" if reason == "released" else "lost", reason=reason,
                     **self._where(shard))
-        for l in self.shard_listeners:
+        for l in self.hooks.shard_listeners:
             l.shard_lost(shard, reason)
 
     def _where(self, unit: int) -> dict:
@@ -271,28 +258,13 @@ class Agent:
         return {"shard": unit % self.cfg.shards, "pool": self.placement.pool_of_unit(unit)}
 
     def _shard_busy(self, shard: int) -> bool:
-        return any(check(shard) for check in self.busy_checks)
-
-    def fence_for(self, shard: int) -> Optional[Fence]:
-        return self.ownership.fence_for(shard)
-
-    def owns(self, unit: int) -> Optional[Fence]:
-        return self.ownership.owns(unit)
-
-    def held(self, unit: int) -> Optional[Fence]:
-        return self.ownership.held(unit)
-
-    def release_idle(self) -> None:
-        self.ownership.release_idle()
-
-    def waiting_on_runs(self) -> bool:
-        return self.ownership.waiting_on_runs()
+        return any(check(shard) for check in self.hooks.busy_checks)
 
     def _probe(self, fence: Fence) -> None:
         """Test knob: periodic fenced writes that the history checker audits."""
         if self.shards.mine.get(fence.shard) != fence or self._stopping:
             return
-        if self.fence_for(fence.shard) is not None:
+        if self.ownership.fence_for(fence.shard) is not None:
             key = self.keys.prefix + f"test/probe/{fence.shard:04d}"
             value = json.dumps({"agent": self.cfg.agent_id, "token": fence.token})
             self.workers.submit(lambda: fenced_txn(self.client, fence, success=[Put(key, value)]),
@@ -316,7 +288,7 @@ class Agent:
             "labels": dict(self.cfg.labels),
             "pools": self.placement.status(),
         }
-        for name, provider in self.status_providers.items():
+        for name, provider in self.hooks.status_providers.items():
             try:
                 doc[name] = provider()
             except Exception as exc:  # status must always answer
@@ -350,7 +322,7 @@ class Agent:
                 self.loop.stop()
                 return
             if not give_up and now >= deadline:
-                n = sum(stop("agent_stopped") for stop in self.run_stoppers)
+                n = sum(stop("agent_stopped") for stop in self.hooks.run_stoppers)
                 log.warning("drain timeout: stopping the remaining runs", extra={"fields": {"runs": n}})
                 # SIGKILL follows kill_grace_s after SIGTERM; then the records are written
                 give_up.append(now + self.cfg.execute.kill_grace_s + STOP_RECORD_S)
@@ -360,7 +332,7 @@ class Agent:
                 return
             self.loop.call_later(0.05, wait_runs)
 
-        for hook in list(self.drain_hooks):
+        for hook in list(self.hooks.drain_hooks):
             hook(lambda: None)
         wait_runs()
 
@@ -381,9 +353,8 @@ class Agent:
                                                      "endpoints": ",".join(self.cfg.etcd.endpoints)}})
         for c in self.components:
             c.start()
-        if self.audit is not None:
-            self.audit.agent_start(version=__version__, agent_id=self.cfg.agent_id, pid=os.getpid(),
-                                   cluster=self.cfg.cluster)
+        self.audit.agent_start(version=__version__, agent_id=self.cfg.agent_id, pid=os.getpid(),
+                               cluster=self.cfg.cluster)
         self.workers.start()
         self.session.start()
         if threading.current_thread() is threading.main_thread():
@@ -407,29 +378,24 @@ class Agent:
             log.warning("runs may still be alive: not revoking the lease, it expires by itself")
         self.session.stop(revoke=not live)
         self.workers.stop()
-        for hook in reversed(self.stop_hooks):
-            try:
-                hook()
-            except Exception:
-                log.exception("stop hook failed")
-        if self.audit is not None:
-            self.audit.agent_stop(reason="drained" if self._stopping else "stopped", exit_code=self.exit_code)
+        self.audit.agent_stop(reason="drained" if self._stopping else "stopped", exit_code=self.exit_code)
         for c in reversed(self.components):
             try:
                 c.stop()
             except Exception:
                 log.exception("component stop failed")
+        try:
+            self.audit.close()   # last: every part's final records are in
+        except Exception:
+            log.exception("audit close failed")
         self.client.close()
         log.info("agent stopped", extra={"fields": {"exit_code": self.exit_code}})
         return self.exit_code
 
 
 def cli_run(args) -> int:
-    from agent.cli import config_path
-
     cfg = load_config(config_path(args.config))
     if os.geteuid() == 0:   # runs are isolated: a secret they could reach is a start-up error
-        from agent.cli import UserError
         from agent.execute.hiding import plan
 
         refused = plan(cfg).refused
@@ -439,10 +405,7 @@ def cli_run(args) -> int:
     try:
         metrics.serve(cfg.metrics.listen)
     except OSError as exc:
-        from agent.cli import UserError
-
         raise UserError(f"metrics.listen {cfg.metrics.listen}: {exc.strerror or exc}") from None
-    from agent.runtime.components import default_components
+    from agent.daemon.wiring import build
 
-    agent = Agent(cfg, default_components(cfg))
-    return agent.run()
+    return Daemon(cfg, build).run()
