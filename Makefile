@@ -111,7 +111,7 @@ paho2:
 test-cloud-paho2: paho2
 	PYTHONPATH=$(PAHO2_DIR) MILLWRIGHT_EXPECT_PAHO=2 MILLWRIGHT_CLOUD_QUICK=1 MILLWRIGHT_CLOUD_OUTAGE_S=10 \
 		$(PY) -m pytest -p no:cacheprovider tests/unit/test_cloud.py tests/unit/test_cloud_answers.py \
-		tests/unit/test_cloud_peers.py tests/unit/test_cloud_peersubs.py tests/unit/test_cloud_queries.py \
+		tests/unit/test_cloud_queries.py \
 		tests/integration/test_cloud_agents.py tests/integration/test_cloud_outbox.py \
 		tests/integration/test_cloud_subscriptions.py \
 		tests/integration/test_cloud_answers.py tests/integration/test_cloud_broker.py \

@@ -264,7 +264,6 @@ def _cloud(agent: Agent) -> CloudComponent:
     cloud = CloudComponent(agent.cfg, agent.loop, agent.client, agent.keys, ownership=agent.ownership,
                            members=lambda: agent.shards.members.values(), audit=agent, keyring=agent.keyring,
                            job_listeners=agent.job_listeners)
-    agent.members_listeners.append(cloud.members_changed)
     agent.answer_markers = True  # the scheduler writes final run statuses as markers too
     agent.status_sinks.append(cloud.status_sink)
     agent.checkpoint_sinks.append(cloud.checkpoint_sink)
