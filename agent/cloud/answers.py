@@ -34,9 +34,10 @@ or that is older than ``republish_after_s`` and not in its own outbox is publish
 marker without one is deleted, counted ``unfounded`` and audited): unmarked (the first
 answer) only if the marker has no ``handed`` stamp, since then the first answer was never
 sent; else marked ``"redelivery": true`` (it may have reached the broker). So after a
-takeover the new owner publishes what the dead agent left undelivered, within a sweep, and
-the cloud gets at most one unmarked copy of each answer (and dedupes the rest on
-``job_id`` and ``answer``: docs/contract.md).
+takeover the new owner publishes what the dead agent left undelivered, within a sweep: the
+cloud gets every answer at least once, unmarked at most once (but for a writer alive and
+stuck past ``republish_after_s`` that hands its unstamped copy after all), and dedupes on
+``job_id`` and ``answer`` (docs/contract.md).
 
 Bounded: markers older than ``keep_s`` (7 days) are deleted by the sweep without being
 published (counted in millwright_answers_expired_total, audit ``gap`` record).
