@@ -59,7 +59,7 @@ test-release: setup
 	@$(MAKE) --no-print-directory test-cloud-paho2 PAHO2_MORE="tests/integration/test_cloud_ingest.py tests/integration/test_cloud_flood.py -k 'not fuzz_ingest'"
 	MILLWRIGHT_FLAP_TEST_S=300 $(PY) -m pytest -p no:cacheprovider tests/kernel/test_health_e2e.py -k flapping $(PYTEST_ARGS)
 	MILLWRIGHT_SLOW=1 $(PY) -m pytest -p no:cacheprovider tests/kernel/test_health_e2e.py -k violating $(PYTEST_ARGS)
-	MILLWRIGHT_SLOW=1 $(PY) -m pytest -p no:cacheprovider tests/integration/test_retention.py tests/integration/test_windows.py $(PYTEST_ARGS)
+	MILLWRIGHT_SLOW=1 $(PY) -m pytest -p no:cacheprovider tests/integration/test_retention.py tests/integration/test_windows.py tests/integration/test_status_fanout.py $(PYTEST_ARGS)
 	MILLWRIGHT_BOUNDED_WORK_S=600 $(PY) -m pytest -p no:cacheprovider tests/integration/test_bounded_work.py $(PYTEST_ARGS)
 	$(PY) -m tests.support.chaos $(if $(SEED),--seed $(SEED),--from-commit) --seeds 10 --minutes 5
 	$(PY) -m tests.support.mutants
@@ -111,10 +111,10 @@ paho2:
 test-cloud-paho2: paho2
 	PYTHONPATH=$(PAHO2_DIR) MILLWRIGHT_EXPECT_PAHO=2 MILLWRIGHT_CLOUD_QUICK=1 MILLWRIGHT_CLOUD_OUTAGE_S=10 \
 		$(PY) -m pytest -p no:cacheprovider tests/unit/test_cloud.py tests/unit/test_cloud_answers.py \
-		tests/unit/test_cloud_peers.py tests/unit/test_cloud_peersubs.py tests/unit/test_cloud_queries.py \
+		tests/unit/test_cloud_queries.py \
 		tests/integration/test_cloud_agents.py tests/integration/test_cloud_outbox.py \
 		tests/integration/test_cloud_subscriptions.py \
-		tests/integration/test_cloud_answers.py tests/integration/test_cloud_broker.py \
+		tests/integration/test_cloud_answers.py tests/integration/test_cloud_broker.py tests/integration/test_status_fanout.py \
 		tests/unit/test_cloud_mqtt5.py tests/integration/test_mqtt5_link.py \
 		$(or $(PAHO2_MORE),-k "not 5000_pushes") $(PYTEST_ARGS)
 

@@ -23,7 +23,7 @@ from agent.config import ConfigError, MqttConfig
 # the MQTT versions the link may speak (``mqtt.protocol``)
 PROTOCOLS = ("3.1.1", "5")
 # The largest status an agent writes (a 4 KiB stderr tail, every byte escaped) stays below
-# this (agent/cloud/peers.py's MAX_BYTES): a broker that cannot carry it loses final statuses.
+# this: a broker that cannot carry it loses final statuses.
 STATUS_MAX_BYTES = 32 * 1024
 # Pushes, cancels and statuses are published and subscribed at QoS 1 (the contract).
 QOS_USED = 1

@@ -106,9 +106,6 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--cluster", required=True)
     sp.add_argument("--agent", action="append", metavar="ID[=USERNAME]",
                     help="an agent and its broker username (default: the agent id); repeatable")
-    sp.add_argument("--peers-user", action="append", metavar="ID=USERNAME",
-                    help="an agent's second user, which only reads the members' statuses (its "
-                         "mqtt.peers_username); repeatable")
     sp.add_argument("--cloud-user", action="append", metavar="NAME",
                     help="a cloud-side client's username (push, cancel, get); repeatable, one per client")
     sp.add_argument("--gate-topic", action="append", metavar="TOPIC",
@@ -182,13 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
 def cli_config_check(args: argparse.Namespace) -> int:
     from agent.cloud.profile import check_profile
     from agent.config import load_config
-    from agent.configcheck import advisory_rollouts, shared_status_link, unknown_users
+    from agent.configcheck import advisory_rollouts, ignored_peers_keys, unknown_users
 
     path = config_path(args.file)
     cfg = load_config(path, broker=True, broker_checks=(check_profile,))  # every problem in one report
     print(f"{path}: ok (cluster {cfg.cluster}, agent {cfg.agent_id}, {cfg.shards} shards, "
           f"{len(cfg.templates)} templates)")
-    for line in unknown_users(cfg) + shared_status_link(cfg) + advisory_rollouts(cfg):
+    for line in ignored_peers_keys(cfg) + unknown_users(cfg) + advisory_rollouts(cfg):
         print(f"warning: {line}")
     for line in _hiding_lines(cfg):
         print(line)

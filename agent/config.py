@@ -95,12 +95,9 @@ class MqttConfig:
     password: Optional[str] = doc("Broker password.", default=None)
     tls: Optional[TLSConfig] = doc("TLS settings for mqtts://.", default=None)
     peers_username: Optional[str] = doc(
-        "A second broker user of this agent that only reads its members' statuses, on a connection of its own "
-        "with a clean session: a member's status flood then never waits in the push session, and is cut at once "
-        "by dropping that connection (`millwright broker acl --peers-user ID=USER`). Unset: the statuses come on "
-        "the push connection, where a flood the broker queued before the unsubscribe is read in full.",
-        default=None)
-    peers_password: Optional[str] = doc("The password of mqtt.peers_username (default: mqtt.password).", default=None)
+        "Ignored (a warning): agents no longer read each other's statuses, so there is no second connection. "
+        "Kept so that a config that sets it still loads.", default=None)
+    peers_password: Optional[str] = doc("Ignored (a warning), as mqtt.peers_username.", default=None)
     keepalive_s: int = doc("MQTT keepalive.", default=30)
     max_payload_bytes: int = doc("Pushes larger than this are rejected with reason too_large; the broker's "
                                  "message_size_limit should equal it.", default=65536)

@@ -11,7 +11,6 @@ from typing import Any
 
 from agent.brokerlimits import PROTOCOLS, resolve
 from agent.config import (
-    BROKER_USERNAME_RE,
     FENCE_KILL_MARGIN_S,
     ID_RE,
     NAME_RE,
@@ -41,9 +40,6 @@ def mqtt_insecurities(cfg: "Config") -> list[str]:
     if m.username is None and (m.tls is None or m.tls.cert is None):
         out.append(f"{cfg.source}: mqtt.username: no broker credentials (mqtt.username and mqtt.password, or a "
                    "client certificate in mqtt.tls.cert and mqtt.tls.key)" + fix)
-    if m.peers_username is not None and m.peers_password is None and m.password is None:
-        out.append(f"{cfg.source}: mqtt.peers_password: mqtt.peers_username has no password (mqtt.peers_password, "
-                   "or mqtt.password for both users)" + fix)
     return out
 
 
@@ -140,10 +136,6 @@ def validate(cfg: Config, problems: list[str]) -> None:
         bad("mqtt.protocol", f"{m.protocol!r} must be " + " or ".join(f'"{p}"' for p in PROTOCOLS))
     if not 1 <= m.session_expiry_s <= 0xFFFFFFFE:
         bad("mqtt.session_expiry_s", "must be between 1 and 4294967294 seconds (MQTT 5's largest finite expiry)")
-    if m.peers_username is not None and (m.peers_username == m.username
-                                         or not BROKER_USERNAME_RE.fullmatch(m.peers_username)):
-        bad("mqtt.peers_username", f"{m.peers_username!r}: a broker user of letters, digits and . _ - @, other "
-            "than mqtt.username (the broker makes a client's id its username: one user, one connection)")
     for line in resolve(m)[1]:   # an unknown profile or limit, a limit of the wrong type
         problems.append(f"{src}: {line}")
     if m.max_age_s <= 0:
@@ -342,15 +334,14 @@ def is_root_user(name: str) -> bool:
         return False
 
 
-def shared_status_link(cfg: Config) -> list[str]:
-    """A production broker connection (not ``mqtt.insecure``) without ``mqtt.peers_username``:
-    not an error (it works, as before the peers link), but a member's status flood that the
-    broker queued is then read in full on the push connection."""
-    if cfg.mqtt.insecure or cfg.mqtt.peers_username is not None:
-        return []
-    return [f"{cfg.source}: mqtt.peers_username: unset: the members' statuses come on the push connection, where "
-            "a member's status flood the broker has queued is read in full; give the agent a second broker user "
-            "that only reads statuses (`millwright broker acl --peers-user`, docs/cloud.md)"]
+def ignored_peers_keys(cfg: Config) -> list[str]:
+    """``mqtt.peers_username``/``mqtt.peers_password``, set by a config written for an older
+    agent: ignored (one connection per agent, which reads no other agent's statuses), not an
+    error, so that config still loads; said by ``config check`` and the agent's log."""
+    return [f"{cfg.source}: {key}: ignored: agents no longer read each other's statuses, so there is no peers "
+            "connection (one connection per agent; docs/cloud.md); remove it, and the peers user from the broker"
+            for key, value in (("mqtt.peers_username", cfg.mqtt.peers_username),
+                               ("mqtt.peers_password", cfg.mqtt.peers_password)) if value is not None]
 
 
 def advisory_rollouts(cfg: Config) -> list[str]:

@@ -13,14 +13,11 @@ JSON, noise; aimed at the burst's job ids) as fast as the broker takes them. Fig
 burst's accepted+durable/s in both runs and their ratio.
 
 --flood (issue 34): the same, while a gateway publishes BENCH_FLOOD statuses under its own
-prefix (all the broker ACL lets it write; it is also a member in etcd, taking no shards,
-so every agent subscribes to its statuses until it floods) as fast as the broker takes
-them, QoS 1: fake `accepted` and `succeeded` answers about the burst's jobs, 8 KiB each,
-every tenth 40 KiB (over an agent's 32 KiB cap for peers' statuses; BENCH_FLOOD_KB=40 for
-all of them). The figure says what the flood costs the agents' ingest.
-
-BENCH_PEERS_LINK=0: the agents read their peers' statuses on the push connection (no
-mqtt.peers_username), as before the peers link; default 1, each agent with its peers user.
+prefix (all the broker ACL lets it write; it is also a member in etcd, taking no shards)
+as fast as the broker takes them, QoS 1: fake `accepted` and `succeeded` answers about the
+burst's jobs, 8 KiB each, every tenth 40 KiB (BENCH_FLOOD_KB=40 for all of them). No agent
+reads another's statuses (issue 50): the figure says what the flood costs the agents'
+ingest through the broker alone.
 
 BENCH_PIN=1 (--flood): the agents, etcd and the bench's cloud clients (pusher, collector: the
 same work in both runs) run on CPU 0, the broker and the flooding gateway on CPU 1, in quiet
@@ -67,7 +64,6 @@ PAHO2 = os.path.join(ROOT, ".cache", "paho2")
 
 
 PIN = os.environ.get("BENCH_PIN", "0") == "1"
-PEERS_LINK = os.environ.get("BENCH_PEERS_LINK", "1") == "1"   # agents read statuses on a link of their own
 AGENT_CPUS = {0}    # BENCH_PIN: the agents, etcd and the bench's cloud clients (the same in both runs)
 BROKER_CPUS = {1}   # BENCH_PIN: the broker and the flooding gateway
 
@@ -142,9 +138,8 @@ def shipped_broker(workdir: str, names: list) -> tuple:
     from agent.cloud.broker import acl_text, settings_text
 
     agents = list(names) + ["gw"]
-    peers = {a: f"{a}-peers" for a in names}
-    users = {u: f"{u}-pw" for u in agents + list(peers.values()) + list(BROKER_CLOUD_USERS)}
-    acl = acl_text("t", {a: a for a in agents}, list(BROKER_CLOUD_USERS), peers_users=peers)
+    users = {u: f"{u}-pw" for u in agents + list(BROKER_CLOUD_USERS)}
+    acl = acl_text("t", {a: a for a in agents}, list(BROKER_CLOUD_USERS))
     return MosquittoServer(workdir, users=users, acl=acl, extra_conf=settings_text(BROKER_PAYLOAD_LIMIT)), users
 
 
@@ -195,15 +190,13 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True, flood_sta
     try:
         if flood_statuses and os.environ.get("BENCH_FLOOD_MEMBER", "1") == "1":
             # the gateway is an agent of the cluster as far as etcd says (a member that takes
-            # no shards): every agent reads its statuses as any peer's (BENCH_FLOOD_MEMBER=0:
-            # not a member, so no agent subscribes to it: what the flood costs beside the agents)
+            # no shards; BENCH_FLOOD_MEMBER=0: not a member). No agent reads its statuses
+            # either way
             import json
 
             cl.client.put(cl.keys.member("gw"), json.dumps({"capacity": 1.0, "available": False}))
         for n in names:
-            cl.start(n, extra={"mqtt": {"username": n, "password": users[n], "insecure": True,
-                                        **({"peers_username": f"{n}-peers", "peers_password": users[f"{n}-peers"]}
-                                           if PEERS_LINK else {})}})
+            cl.start(n, extra={"mqtt": {"username": n, "password": users[n], "insecure": True}})
         wait_for(lambda: cl.all_owned_by(set(names)) and len(set(cl.owners().values())) == n_agents, 60,
                  what="agents own the shards")
         time.sleep(1.0)
@@ -290,13 +283,12 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True, flood_sta
         time.sleep(1.0)  # what the agents still had queued
         cpu = (agents_cpu_s(cl, names) - cpu0) / n_agents
         received = {}
-        for a in names:   # what the agents' links received of their peers' statuses (this code's status)
+        for a in names:   # what the agents' links received of any agent's statuses (none expected)
             try:
                 from agent.daemon.admin import query
 
                 cloud = query(os.path.join(cl.agents[a].dir, "admin.sock")).get("cloud", {})
-                received[a] = (cloud.get("peer_statuses_received"), cloud.get("peer_statuses_read"),
-                               (cloud.get("peers_link") or {}).get("cut"))
+                received[a] = cloud.get("statuses_received")
             except Exception:
                 received[a] = None
         pcpu = {k: proc_cpu_s(pid) - pcpu0[k] for k, pid in procs.items() if k != "gateway"}
@@ -307,7 +299,7 @@ def run(n_agents: int, paho2: bool, junk: int = 0, paced: bool = True, flood_sta
         burst_lat = [arrived[j] - sent[j] for j in ids]
         observe("burst_end", {"pushes": PUSHES, "per_s": burst_rate, "p99_ms": pct(burst_lat, 99) * 1000})
         return {"agents": n_agents, "paho": "2.x" if paho2 else "1.6", "burst_per_s": burst_rate, "agent_cpu_s": cpu,
-                "proc_cpu_s": pcpu, "peer_statuses_received": received,
+                "proc_cpu_s": pcpu, "statuses_received": received,
                 "burst_p99_ms": pct(burst_lat, 99) * 1000, "paced_rate": RATE,
                 "p50_ms": statistics.median(lat) * 1000, "p99_ms": pct(lat, 99) * 1000}
     finally:
@@ -346,7 +338,6 @@ def main_flood() -> int:
     print(f"status flood benchmark: burst of {PUSHES} valid pushes on 2 agents, quiet vs while a gateway publishes "
           f"{n} statuses (8-40 KiB, fake answers) at full speed; cpus={os.cpu_count()} "
           f"load={os.getloadavg()[0]:.1f}")
-    print(f"peers' statuses on {'a link of their own (mqtt.peers_username)' if PEERS_LINK else 'the push link'}")
     if PIN:
         print(f"pinned (BENCH_PIN=1): agents, etcd and the bench's cloud clients on CPUs {sorted(AGENT_CPUS)}; "
               f"the broker and the flooding gateway on CPUs {sorted(BROKER_CPUS)}")
@@ -363,8 +354,8 @@ def main_flood() -> int:
         noisy.append(f["burst_per_s"])
         cq.append(q["agent_cpu_s"])
         cf.append(f["agent_cpu_s"])
-        print(f"  peers' statuses (received, read, peers link cuts) per agent (quiet / flood): "
-              f"{q['peer_statuses_received']} / {f['peer_statuses_received']}")
+        print(f"  statuses received per agent (quiet / flood): "
+              f"{q['statuses_received']} / {f['statuses_received']}")
         print(f"round {i + 1}: quiet {quiet[-1]:.0f}/s ({cq[-1]:.2f} s CPU per agent), flood {noisy[-1]:.0f}/s "
               f"({cf[-1]:.2f} s CPU per agent) (load {os.getloadavg()[0]:.1f})", flush=True)
     mq, mf = statistics.median(quiet), statistics.median(noisy)

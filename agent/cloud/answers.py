@@ -20,23 +20,24 @@ statuses flow. Deleting needs no fence: it states a fact about the broker ("this
 act for the shard; a stale delete can at worst remove a marker whose twin was delivered.
 
 Before a status with a marker is first handed to paho, its marker is stamped ``handed``
-(:meth:`Answers.handing`; a republished copy also stamps its ``published_by``). Every agent
-also sees its cluster members' statuses on the broker (:meth:`Answers.saw`, fed by
-agent/cloud/peers.py; which members it reads: agent/cloud/peersubs.py), and believes a
-status delivered only for the agent whose topic it came on: an answer counts as delivered when it went out under the prefix of one of its
-marker's writers (the ``agent`` that decided it, the one that republished it:
-``published_by``), never because any other client said so. The shard's
-owner sweeps its shards' markers (see :meth:`sweep`): one whose answer it saw is deleted
-(delivered); one whose writer is gone (no ``members/<writer>`` key: kill -9, power loss)
+(:meth:`Answers.handing`; a republished copy also stamps its ``published_by``). No stamp
+means never sent: while etcd refuses the stamp the publisher holds those rows (and what
+follows them, the outbox publishes in order) and retries, 0.25 s doubling to 5 s (counted
+``millwright_answers_total{event="hand_held"}``); it never sends an unstamped answer.
+
+Agents do not read each other's statuses on the broker (one connection per agent; the ACL
+lets an agent read only the cluster's push, cancel and get topics): what an agent knows of
+another's answers is etcd alone. The shard's owner sweeps its shards' markers (see
+:meth:`sweep`): one whose writer is gone (no ``members/<writer>`` key: kill -9, power loss)
 or that is older than ``republish_after_s`` and not in its own outbox is published with
 ``"published_by": <its id>``, rebuilt from the fact it answers (agent/cloud/facts.py; a
 marker without one is deleted, counted ``unfounded`` and audited): unmarked (the first
-answer) if it was never handed, or handed but certainly not seen; else marked
-``"redelivery": true``. "Certainly not seen" needs this agent to have read every status
-of each writer since well before the answer was written: subscribed to it (:meth:`reading`;
-never for a writer it does not read, :meth:`not_reading`), nothing of it dropped
-(:meth:`missed`), no reconnect (:meth:`watching`). So after a takeover the new owner publishes what the dead agent
-left undelivered, within a sweep, and the cloud gets exactly one unmarked answer.
+answer) only if the marker has no ``handed`` stamp, since then the first answer was never
+sent; else marked ``"redelivery": true`` (it may have reached the broker). So after a
+takeover the new owner publishes what the dead agent left undelivered, within a sweep: the
+cloud gets every answer at least once, unmarked at most once (but for a writer alive and
+stuck past ``republish_after_s`` that hands its unstamped copy after all), and dedupes on
+``job_id`` and ``answer`` (docs/contract.md).
 
 Bounded: markers older than ``keep_s`` (7 days) are deleted by the sweep without being
 published (counted in millwright_answers_expired_total, audit ``gap`` record).
@@ -58,20 +59,20 @@ from agent.coordination.keys import Keys
 from agent.jobs.states import TERMINAL, JobState
 from agent.jobs.view import read_prefix
 from agent.runtime.metrics import counter
-from agent.runtime.recent import RecentMemory
 
-from .facts import Unfounded, marker_writer, marker_writers, rebuild
+from .facts import Unfounded, marker_writer, rebuild
 
 log = logging.getLogger(__name__)
 
-MARKERS = counter("millwright_answers_total", "Durable answer markers by event (written, handed, cleared, "
-                  "seen_delivered, republished, unfounded, expired)", ("event",))
+MARKERS = counter("millwright_answers_total", "Durable answer markers by event (written, handed, hand_held, "
+                  "cleared, republished, unfounded, expired)", ("event",))
 
 KEEP_S = 7 * 86400
 CLEAR_BATCH = 64
 CLEAR_LINGER_S = 0.25  # how long delivered markers wait for company before their delete
-SEEN_MAX = 200000
-SEEN_MARGIN_S = 1.0  # subscribe -> SUBACK, generously
+HOLD_MIN_S = 0.25   # a refused ``handed`` stamp is retried after this, doubling
+HOLD_MAX_S = 5.0    # up to this
+HOLD_CALL_S = 5.0   # one handing() call waits at most this long, then the publisher goes round
 
 
 def answer_name(doc: dict) -> Optional[str]:
@@ -105,20 +106,25 @@ def _age_s(doc: dict, now: float) -> float:
 
 
 def decide(doc: dict, writer_alive: bool, in_my_outbox: bool, age_s: float, republish_after_s: float,
-           keep_s: float = KEEP_S, seen: bool = False) -> str:
-    """What the shard's owner does with a marker: ``expire``, ``delivered`` (this agent saw
-    the answer on the broker: only the marker is left), ``republish`` or ``skip``."""
+           keep_s: float = KEEP_S) -> str:
+    """What the shard's owner does with a marker: ``expire``, ``republish`` or ``skip``.
+    Whether a republished copy is marked ``redelivery`` is :func:`redelivery`'s."""
     if age_s > keep_s:
         return "expire"
     if in_my_outbox:
         return "skip"          # ours, still on its way
-    if seen:
-        return "delivered"
     if not writer_alive:
         return "republish"     # the writer died before its outbox delivered it
     if age_s > republish_after_s:
         return "republish"     # the writer is alive but has not delivered it for too long
     return "skip"
+
+
+def redelivery(doc: dict) -> bool:
+    """A republished copy is a redelivery unless its marker has no ``handed`` stamp: no
+    stamp means the first answer was never sent (:meth:`Answers.handing` sends nothing it
+    could not stamp)."""
+    return bool(doc.get("handed"))
 
 
 class Answers:
@@ -148,75 +154,7 @@ class Answers:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._republished: dict[str, float] = {}   # marker key -> when we last enqueued it
-        # answers this agent saw on the broker (its status subscription), by the agent whose
-        # topic carried them: "<agent>|<job>/<name>"
-        self._seen: RecentMemory[str, bool] = RecentMemory(SEEN_MAX)
-        # the writers whose statuses this agent reads (subscribed: peersubs.py), and since
-        # when without a gap (the subscription, or the last status of theirs dropped unread)
-        self._reading: dict[str, float] = {}
-        self._seen_lock = threading.Lock()
-        self.watching_since: Optional[float] = None  # wall time since which nothing was missed
-
-    # --- status subscription (the link's thread) -------------------------------------------
-    def saw(self, agent: str, doc: dict) -> None:
-        """A status went through the broker under ``agent``'s prefix: if it answers a
-        marker ``agent`` wrote, that answer is delivered (peers.py's worker thread)."""
-        try:
-            name = answer_name(doc)
-        except (AttributeError, TypeError):
-            return
-        if name is None or not isinstance(doc.get("job_id"), str):
-            return
-        with self._seen_lock:
-            self._seen.remember(f"{agent}|{doc['job_id']}/{name}", True)
-
-    def missed(self, agent: str) -> None:
-        """Some status of ``agent`` was not read (too large, over its rate, the queue full):
-        an answer of that writer written before now that was not seen may still have been
-        delivered (as after a reconnect, but for that writer only)."""
-        now = time.time()
-        with self._seen_lock:
-            if agent in self._reading:
-                self._reading[agent] = max(self._reading[agent], now)
-
-    def reading(self, agent: str) -> None:
-        """This agent subscribes to ``agent``'s statuses from now on (only its answers
-        written after now can be known missing)."""
-        with self._seen_lock:
-            self._reading[agent] = time.time()
-
-    def not_reading(self, agent: str) -> None:
-        """This agent stops reading ``agent``'s statuses: none of its answers is known
-        missing until :meth:`reading` again (those seen stay delivered)."""
-        with self._seen_lock:
-            self._reading.pop(agent, None)
-
-    def watching(self, connected: bool) -> None:
-        """On every (re)connect: only answers written after it (plus a margin) can be known
-        missing. Conservative: what the session queued while disconnected may still be on
-        its way when the sweep runs."""
-        if connected:
-            self.watching_since = time.time()
-
-    def _seen_or_known_missing(self, writers: tuple[str, ...], job_id: str, name: str, doc: dict,
-                               now: float) -> Optional[bool]:
-        """True: delivered (seen under the prefix of one of its writers: the agent that
-        decided it, the one that republished it). False: certainly not delivered (this
-        agent has been subscribed to those writers, and has read every status of theirs,
-        since well before the answer was written, and did not see it). None: cannot tell."""
-        if not writers:
-            return None
-        with self._seen_lock:
-            if any(f"{w}|{job_id}/{name}" in self._seen for w in writers):
-                return True
-            since = self.watching_since
-            read_since = [self._reading.get(w) for w in writers]
-        if since is None or None in read_since:
-            return None   # not subscribed to one of them: it may have delivered it unseen
-        since = max(since, *(t for t in read_since if t is not None))
-        if _age_s(doc, now) < now - since - SEEN_MARGIN_S:
-            return False
-        return None
+        self._hold_s = 0.0   # publisher thread: the wait before the next stamp attempt (0: none failed)
 
     # --- ingest side (worker threads) -------------------------------------------------
     def write_rejection(self, shard: int, job_id: str, digest: str, doc: dict) -> str:
@@ -236,12 +174,14 @@ class Answers:
         return key
 
     # --- publisher side -------------------------------------------------------------
-    def handing(self, items: list[tuple[str, bytes]]) -> None:
+    def handing(self, items: list[tuple[str, bytes]]) -> bool:
         """Publisher thread, before it first hands these answers to the broker: stamp their
         markers ``"handed": true`` (only those that still exist), so a peer that publishes
         them later knows whether this is their first publication (no ``redelivery``) or may
-        repeat one. If etcd cannot be reached the answers are sent anyway: a peer could
-        then publish a second unmarked copy, but only if this agent also dies meanwhile."""
+        repeat one. True once every marker is stamped: only then may the rows go out. While
+        etcd refuses, retried after 0.25 s doubling to 5 s (each refusal counted
+        ``hand_held``); False after HOLD_CALL_S or at stop, and the publisher holds the rows
+        and asks again (a marker never stamped is an answer never sent)."""
         from etcd3 import transactions as tx
 
         ops = []
@@ -254,13 +194,28 @@ class Answers:
             doc.pop("redelivery", None)
             doc["handed"] = True
             ops.append(tx.Txn(compare=[Version(key) > 0], success=[Put(key, marker_value(doc))], failure=[]))
-        for i in range(0, len(ops), CLEAR_BATCH):
+        deadline = time.monotonic() + HOLD_CALL_S
+        while ops:
+            if self._hold_s and self._stop.wait(self._hold_s) or self._stop.is_set():
+                return False
+            batch = ops[:CLEAR_BATCH]
             try:
-                self.client.txn([], ops[i:i + CLEAR_BATCH], [], timeout=1.0)
-                MARKERS.labels("handed").inc(len(ops[i:i + CLEAR_BATCH]))
+                self.client.txn([], batch, [], timeout=1.0)
             except (EtcdUnavailable, EtcdError) as exc:
-                MARKERS.labels("hand_failed").inc(len(ops[i:i + CLEAR_BATCH]))
-                log.debug("stamping answers handed failed", extra={"fields": {"error": str(exc)[:200]}})
+                MARKERS.labels("hand_held").inc(len(batch))
+                if not self._hold_s:
+                    log.warning("answers held: their markers cannot be stamped handed in etcd; retrying",
+                                extra={"fields": {"count": len(ops), "error": str(exc)[:200]}})
+                self._hold_s = min(HOLD_MAX_S, max(HOLD_MIN_S, 2 * self._hold_s))
+                if time.monotonic() >= deadline:
+                    return False
+                continue
+            MARKERS.labels("handed").inc(len(batch))
+            ops = ops[CLEAR_BATCH:]
+            if self._hold_s:
+                log.info("answers stamped handed again: publishing")
+            self._hold_s = 0.0
+        return True
 
     def delivered(self, markers: list[str]) -> None:
         """The broker acknowledged these answers (publisher thread): delete their markers."""
@@ -377,13 +332,8 @@ class Answers:
             writer = marker_writer(doc)
             last = self._republished.get(kv.key)
             mine = self.in_outbox(kv.key) or (last is not None and now - last < self.republish_after_s)
-            seen = self._seen_or_known_missing(marker_writers(doc), job_id, name, doc, now)
-            what = decide(doc, writer in members, mine, _age_s(doc, now), self.republish_after_s, self.keep_s,
-                          seen=bool(seen))
-            if what == "delivered":
-                self.client.delete(kv.key)
-                MARKERS.labels("seen_delivered").inc()
-            elif what == "expire":
+            what = decide(doc, writer in members, mine, _age_s(doc, now), self.republish_after_s, self.keep_s)
+            if what == "expire":
                 self.client.delete(kv.key)
                 MARKERS.labels("expired").inc()
                 self.record("gap", source="answers", count=1, reason="answer_expired", key=kv.key)
@@ -393,8 +343,9 @@ class Answers:
                 except Unfounded as exc:
                     self._unfounded(kv.key, job_id, exc.reason, writer)
                     continue
-                if doc.get("handed") and seen is not False:
+                if redelivery(doc):
                     out["redelivery"] = True  # its writer may have delivered it: a re-publication
+                out["answer"] = name
                 out["published_by"] = self.agent_id
                 self._republished[kv.key] = now
                 self.enqueue(job_id, out, kv.key)

@@ -8,11 +8,10 @@ cloud-side user of the cluster, each naming its topics in full:
 
 - an agent writes only ``millwright/<c>/agents/<agent_id>/#`` (its statuses, rejections,
   presence and last will, audit checkpoints and jobs/get answers) and reads the cluster's
-  ``jobs/push``, ``jobs/cancel``, ``jobs/get`` and the agents' statuses (answers.py);
+  ``jobs/push``, ``jobs/cancel`` and ``jobs/get`` (and the gate topics): never another
+  agent's statuses (one connection per agent; what an agent knows of another's answers
+  comes from etcd: answers.py), so a member's status flood never reaches the others;
 - a cloud user writes ``jobs/push``, ``jobs/cancel``, ``jobs/get`` and reads ``agents/#``.
-- an agent's peers user (its ``mqtt.peers_username``, optional) only reads the agents'
-  statuses: the agent reads them on a connection of its own, so a member's flood never
-  waits in the push session and is cut by ending that connection (agent/cloud/component.py).
 
 The settings: ``use_username_as_clientid true``, so a client's id is its username: nobody
 takes over an agent's persistent session, or disconnects it, by connecting with its client
@@ -24,7 +23,7 @@ an agent publishes stays below it: statuses, and jobs/get pages of ``mqtt.get_pa
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 from agent.config import BROKER_USERNAME_RE, NAME_RE
 
@@ -38,10 +37,9 @@ def _user(name: str) -> str:
 
 
 def acl_text(cluster: str, agents: dict[str, str], cloud_users: list[str],
-             gate_topics: Sequence[str] = (), peers_users: Optional[dict[str, str]] = None) -> str:
+             gate_topics: Sequence[str] = ()) -> str:
     """The ACL of one cluster: ``agents`` maps each agent id to its broker username (the
-    agent's ``mqtt.username``), ``peers_users`` an agent id to its peers user (its
-    ``mqtt.peers_username``), ``cloud_users`` are the cloud-side clients (one user each),
+    agent's ``mqtt.username``), ``cloud_users`` are the cloud-side clients (one user each),
     ``gate_topics`` the production-gate topics agents read (their one writer, the line's
     controller, gets its own block by hand: this ACL lets nobody write them)."""
     if not NAME_RE.match(cluster or ""):
@@ -58,15 +56,8 @@ def acl_text(cluster: str, agents: dict[str, str], cloud_users: list[str],
         if not ID_RE.fullmatch(agent_id):
             raise ValueError(f"{agent_id!r} is not an agent id")
         lines += [f"user {_user(user)}", f"topic write {t.agent_prefix(agent_id)}#", f"topic read {t.push}",
-                  f"topic read {t.cancel}", f"topic read {t.jobs_get}", f"topic read {t.status_filter()}",
+                  f"topic read {t.cancel}", f"topic read {t.jobs_get}",
                   *(f"topic read {topic}" for topic in gate_topics), ""]
-    for agent_id, user in (peers_users or {}).items():
-        if agent_id not in agents:
-            raise ValueError(f"{agent_id!r}: a peers user belongs to an agent of the cluster (name it with --agent)")
-        if user in agents.values() or user in cloud_users or list((peers_users or {}).values()).count(user) > 1:
-            raise ValueError(f"{user!r}: a peers user is a user of its own (the broker makes a client's id its "
-                             "username: one user, one connection)")
-        lines += [f"user {_user(user)}", f"topic read {t.status_filter()}", ""]
     return "\n".join(lines)
 
 
@@ -84,16 +75,10 @@ def cli_broker_acl(args) -> int:
     for spec in args.agent or []:
         agent_id, _, user = spec.partition("=")
         agents[agent_id] = user or agent_id
-    peers_users: dict[str, str] = {}
-    for spec in getattr(args, "peers_user", None) or []:
-        agent_id, _, user = spec.partition("=")
-        if not user:
-            raise UserError(f"--peers-user {spec!r}: name the agent and its peers user, ID=USERNAME")
-        peers_users[agent_id] = user
     if not agents and not args.cloud_user:
         raise UserError("name the cluster's agents (--agent ID[=USERNAME]) and cloud users (--cloud-user NAME)")
     try:
-        print(acl_text(args.cluster, agents, args.cloud_user or [], args.gate_topic or [], peers_users), end="")
+        print(acl_text(args.cluster, agents, args.cloud_user or [], args.gate_topic or []), end="")
     except ValueError as exc:
         raise UserError(str(exc)) from None
     return 0

@@ -9,18 +9,19 @@ registers its public methods on the daemon's hooks:
   state disk refuses it: outboxwriter.py)
 - ``checkpoint_sink(doc)``: audit checkpoints -> outbox, topic agents/<id>/audit/checkpoint
 - ``drain(done)``: publishes presence ``draining``, then calls done()
-- ``members_changed()``: the members/ view changed (one status subscription per member)
 - ``status()``: connection, outbox depth, pending pushes, paho version
 - ``gate_topics``: the production gates' retained MQTT topics, read by the gates
 - ``job_listeners`` (:class:`JobListener`, the scheduler): ``job_stored(StoredJob)`` and
   ``job_cancelled(job_id)`` are posted to the loop after a push is stored / a cancel applied
 - start(): opens the outbox, starts the publisher, the ingest workers, the jobs/ watch and
   the MQTT link; stop(): presence ``offline``, flushes the outbox briefly, disconnects.
+
+One broker connection per agent, which reads no other agent's statuses: whether an answer
+was delivered is known from etcd alone (answers.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sqlite3
@@ -43,7 +44,7 @@ from agent.jobs.signing import KeyRing
 from agent.runtime.loop import EventLoop
 from agent.runtime.recent import RecentMemory
 
-from .answers import Answers
+from .answers import Answers, answer_name
 from .dispatch import Dispatcher
 from .gatetopics import RetainedTopics
 from .ingest import Ingest
@@ -52,17 +53,15 @@ from .mqtt import PAHO_VERSION, MqttLink
 from .outbox import Outbox, OutboxPublisher, window_for
 from .outboxwriter import OutboxWriter
 from .pacing import paced
-from .peers import PeerStatuses
-from .peersubs import MAX_PEERS, PeerSubscriptions
 from .presence import presence_doc, will_doc
 from .queries import JobQueries
 from .topics import ID_RE, Topics
 
 log = logging.getLogger(__name__)
 
-# after a cut the peers link is back this soon: the honest statuses published meanwhile are
-# lost with the clean session (their answers count as possibly delivered)
-PEERS_RECONNECT_S = 0.1
+# agents whose status subscriptions (an older agent's, left in the persistent session) are
+# unsubscribed once per run: a bound on that memory
+STRAY_AGENTS_MAX = 1024
 
 OUTBOX_FILE = "mqtt-outbox.sqlite"
 # test knob: "1" keeps every status in the outbox (nothing is published), so a test can
@@ -90,7 +89,7 @@ class CloudComponent:
                  members: Callable[[], Iterable[Member]], audit: AuditSink, keyring: KeyRing,
                  job_listeners: list[JobListener], workers: int = 2):
         from agent.cloud.profile import require_fit
-        from agent.configcheck import require_secure_mqtt, shared_status_link
+        from agent.configcheck import ignored_peers_keys, require_secure_mqtt
 
         require_secure_mqtt(cfg)  # plain or anonymous MQTT only with mqtt.insecure: true
         require_fit(cfg)   # what the broker profile cannot carry, as config check refuses it
@@ -161,31 +160,13 @@ class CloudComponent:
                                   page_bytes=m.get_page_bytes,
                                   report_unauthenticated=self.ingest.report_unauthenticated,
                                   record=self._record_later)
-        # peers' statuses: one subscription per member (peersubs.py), none for the wildcard
-        # an older agent's persistent session may still hold; on a link of their own when
-        # the agent has a peers user (a clean session: a flood is cut with the connection)
+        # no agent reads another's statuses: the wildcard an older agent's persistent session
+        # may still hold is unsubscribed (its per-member ones: _stray_status)
         self.link.unsubscribe(self.topics.status_filter())
-        self.peers_link: Optional[MqttLink] = None
-        if m.peers_username:
-            self.peers_link = MqttLink(
-                dataclasses.replace(m, username=m.peers_username, password=m.peers_password or m.password),
-                m.peers_username, clean_session=True, on_connect=self._peers_connected,
-                on_message=self._peers_message, topic_kind=self.topics.kind,
-                reconnect_min_s=min(PEERS_RECONNECT_S, m.reconnect_min_s), reconnect_max_s=m.reconnect_max_s,
-                report_connected=False)
-        for line in shared_status_link(cfg):
+        for line in ignored_peers_keys(cfg):
             log.warning(line)
-        status_link: Link = self.peers_link or self.link
-        self._push_link_strays: RecentMemory[str, bool] = RecentMemory(MAX_PEERS)   # the push link's thread
-        self.peer_subs = PeerSubscriptions(self.topics, status_link, self.agent_id, reading=self.answers.reading,
-                                           not_reading=self.answers.not_reading, call_later=loop.call_later,
-                                           record=audit.record)
-        self.peers = PeerStatuses(self.topics, status_link, saw=self.answers.saw, missed=self.answers.missed,
-                                  record=self._record_later,
-                                  flooding=lambda peer: loop.post(self.peer_subs.flooding, peer),
-                                  stray=lambda peer: loop.post(self.peer_subs.stray, peer),
-                                  wanted=lambda: self.peer_subs.snapshot,
-                                  cut=self._cut if self.peers_link is not None else None)
+        self._stray_agents: RecentMemory[str, bool] = RecentMemory(STRAY_AGENTS_MAX)   # the link's thread
+        self.statuses_received = 0   # any agent's statuses delivered to this agent (none expected)
         self.dispatcher = Dispatcher(self.ingest, self.link, self.topics, owned, m.ingest_grace_s, workers=workers)
         self.watch: Optional[PrefixWatch] = None
         self.answers_watch: Optional[PrefixWatch] = None
@@ -206,10 +187,6 @@ class CloudComponent:
                 continue
         return None
 
-    def members_changed(self) -> None:
-        """Loop thread: the members/ view changed; subscribe to newcomers' statuses."""
-        self.peer_subs.members_changed([m.agent for m in self.live_members()])
-
     # --- sinks ------------------------------------------------------------------------
     def status_sink(self, doc: dict) -> None:
         """Loop thread: queued, and written to the outbox by :meth:`_write_statuses`, posted
@@ -220,6 +197,9 @@ class CloudComponent:
         marker = doc.get("_answer")
         if marker is not None:
             doc = {k: v for k, v in doc.items() if k != "_answer"}
+        name = answer_name(doc)
+        if name is not None and doc.get("answer") != name:
+            doc = {**doc, "answer": name}   # what the cloud dedupes answers on (with job_id)
         self._statuses.append((self.topics.status(doc.get("job_id")), doc, marker))
         if len(self._statuses) == 1:
             self.loop.post(self._write_statuses)
@@ -247,8 +227,6 @@ class CloudComponent:
 
     # --- link callbacks (the link's thread) ---------------------------------------------
     def _connected(self, generation: int, session_present: bool) -> None:
-        if self.peers_link is None:   # the statuses come on this link
-            self.answers.watching(True)
         self.link.publish(self.topics.presence(self.agent_id), presence_doc(self.agent_id, self._state), 1, True)
         self.outbox.wake.set()
 
@@ -259,45 +237,20 @@ class CloudComponent:
         elif msg.topic == self.topics.jobs_get:
             self.queries.on_message(msg)
         elif self.topics.kind(msg.topic) == "status":
-            # every agent sees its members' answers on the broker: a dead peer's answer that
-            # was delivered is not published again (answers.py); bounded per peer (peers.py)
-            if self.peers_link is None:
-                self.peers.on_message(msg)
-            else:
-                self._status_on_push_link(msg)
+            self._stray_status(msg)
         else:
             self.dispatcher.on_message(msg)
 
-    def _status_on_push_link(self, msg: Message) -> None:
-        """A status on the push link while the peers link reads them: a subscription an
-        earlier run without ``mqtt.peers_username`` left in the persistent session. Not
-        read (the peers link reads that agent, or not, as peersubs.py decides); unsubscribed
-        here once per agent and run."""
+    def _stray_status(self, msg: Message) -> None:
+        """A status of some agent: a subscription an older agent left in the persistent
+        session (agents no longer read each other's statuses; the broker's ACL refuses them
+        too). Not read; its subscription is dropped once per agent and run."""
         self.link.ack(msg)
+        self.statuses_received += 1
         agent = self.topics.agent_of(msg.topic)
-        if agent is not None and ID_RE.fullmatch(agent) and self._push_link_strays.get(agent) is None:
-            self._push_link_strays.remember(agent, True)
-            self.link.unsubscribe(self.peer_subs.topic(agent))
-
-    # --- peers link callbacks (its own thread) -------------------------------------------
-    def _peers_connected(self, generation: int, session_present: bool) -> None:
-        self.answers.watching(True)   # a clean session: what was published meanwhile is gone
-
-    def _peers_message(self, msg: Message) -> None:
-        if self.topics.kind(msg.topic) == "status":
-            self.peers.on_message(msg)
-        elif self.peers_link is not None:   # nothing else is subscribed there (its user reads only statuses)
-            self.peers_link.ack(msg)
-
-    def _cut(self, agent: str) -> None:
-        """The peers link's thread: ``agent`` floods. Unsubscribed now (the reconnect does
-        not take it back; peersubs.py decides when it is read again) and the connection
-        ended: the broker discards what it had queued of the flood with the clean session."""
-        assert self.peers_link is not None
-        self.peers_link.unsubscribe(self.peer_subs.topic(agent))
-        if self.peers_link.drop_connection():
-            log.warning("a peer floods its statuses: the peers connection is cut, with what the broker queued",
-                        extra={"fields": {"agent": agent}})
+        if agent is not None and ID_RE.fullmatch(agent) and self._stray_agents.get(agent) is None:
+            self._stray_agents.remember(agent, True)
+            self.link.unsubscribe(self.topics.agent_prefix(agent) + "status/+")
 
     def _published(self, mid: int) -> None:
         self.publisher.on_publish(mid)
@@ -307,13 +260,9 @@ class CloudComponent:
         self.publisher.start()
         self.dispatcher.start()
         self.answers.start()
-        self.peers.start()
-        self.peer_subs.start()   # this agent's own statuses until the members/ view arrives
         self.queries.start()
         threading.Thread(target=self._start_watch, name="mqtt-jobs-watch-start", daemon=True).start()
         self.link.start()
-        if self.peers_link is not None:
-            self.peers_link.start()
 
     def _start_watch(self) -> None:
         """Watch jobs/ from now on (no snapshot): lets non-owners release pushes at once."""
@@ -354,13 +303,10 @@ class CloudComponent:
                                    presence_doc(self.agent_id, "offline", "stopped"), 1, True, timeout=2.0)
         self.dispatcher.stop()
         self.queries.stop()
-        self.peers.stop()
         self.answers.stop()
         for w in (self.watch, self.answers_watch):
             if w is not None:
                 w.stop(timeout=1.0)
-        if self.peers_link is not None:
-            self.peers_link.stop()
         self.link.stop()
         self.publisher.stop()
         self._write_statuses()
@@ -374,11 +320,5 @@ class CloudComponent:
                 "outbox_held": self.writer.held, "outbox_writable": not self.writer.failing,
                 "pending_pushes": self.dispatcher.pending, "paho": PAHO_VERSION,
                 "held_get_requests": self.queries.held, "queued_get_requests": self.queries.queued,
-                "queued_peer_statuses": self.peers.depth,
-                "peer_statuses_received": self.peers.received, "peer_statuses_read": self.peers.read,
-                "peers_link": None if self.peers_link is None else {
-                    "connected": self.peers_link.connected, "client_id": self.peers_link.client_id,
-                    "cut": self.peers_link.dropped},
-                "peer_subscriptions": len(self.peer_subs.subscribed),
-                "peers_cooling_off": sorted(self.peer_subs.cooling),
+                "statuses_received": self.statuses_received,
                 "keys": self.keyring.kids}

@@ -62,14 +62,6 @@ def marker_writer(doc: dict) -> Optional[str]:
     return who if isinstance(who, str) and ID_RE.fullmatch(who) else None
 
 
-def marker_writers(doc: dict) -> tuple[str, ...]:
-    """Every agent that may have published this marker's answer: the one that decided it
-    (``agent``) and the one that republished it (``published_by``). Only a status under one
-    of their prefixes says the answer was delivered."""
-    return tuple(dict.fromkeys(w for w in (doc.get("agent"), doc.get("published_by"))
-                               if isinstance(w, str) and ID_RE.fullmatch(w)))
-
-
 def _json(kv: Any) -> dict:
     try:
         doc = json.loads(kv.value)

@@ -60,6 +60,7 @@ from agent.jobs.states import JobState, RecordState
 from agent.runtime.metrics import counter
 from agent.runtime.timefmt import now_rfc3339
 
+from .answers import answer_name
 from .ratelimit import TokenBucket
 from .topics import ID_RE, Topics
 
@@ -171,6 +172,9 @@ class Ingest:
                "shard": shard_of(job_id, self.shards) if job_id else None, "ts": now_rfc3339(),
                "exit_code": None, "reason": None, "usage": None, "push_sha256": push_digest(payload)}
         doc.update({k: v for k, v in extra.items() if v is not None})
+        name = answer_name(doc)
+        if name is not None:
+            doc["answer"] = name   # what the cloud dedupes answers on, with job_id (docs/contract.md)
         return doc
 
     def _emit(self, doc: dict, place: Optional[StatusPlace] = None, ledger: Optional[str] = None,

@@ -26,10 +26,7 @@ What the rest of the cloud package relies on:
   capped exponential backoff (paho's own loop thread);
 - subscriptions that change while it runs (:meth:`subscribe`, :meth:`unsubscribe`): the
   current set is subscribed on every connect; an unsubscribe that was not sent (no
-  connection) is sent on the next one, since the persistent session still holds it;
-- :meth:`drop_connection`: the connection ends at once, unread data and all, and paho
-  reconnects; with a clean session the broker discards what it had queued for the client
-  (the peers' statuses link cuts a member's flood that way: agent/cloud/component.py).
+  connection) is sent on the next one, since the persistent session still holds it.
 
 Callbacks run on paho's network thread; they must not block.
 """
@@ -38,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import ssl
 import threading
 import time
@@ -109,7 +105,7 @@ class MqttLink:
                  subscriptions: tuple[tuple[str, int], ...] = (),
                  topic_kind: Callable[[str], str] = lambda t: "other",
                  reconnect_min_s: float = 0.5, reconnect_max_s: float = 30.0,
-                 max_inflight: int = 256, report_connected: bool = True):
+                 max_inflight: int = 256):
         self.cfg = cfg
         self.client_id = client_id
         self.clean_session = clean_session
@@ -145,9 +141,6 @@ class MqttLink:
         self.tls = url.scheme == "mqtts" or cfg.tls is not None
         self.port = url.port or (8883 if url.scheme == "mqtts" else 1883)
         self.deferred_ack = True
-        self.report_connected = report_connected   # millwright_mqtt_connected is the push link's
-        self.dropped = 0                           # connections ended by drop_connection
-        self._cut_sink: Optional[socket.socket] = None   # under _lock: drop_connection's writes
 
         v5 = self.protocol == "5"
         # MQTT 5 has no clean_session (paho refuses one): clean_start at connect instead
@@ -216,11 +209,7 @@ class MqttLink:
         with self._lock:
             self.connected = False
             self._connected_ev.clear()
-            if self._cut_sink is not None:
-                self._cut_sink.close()
-                self._cut_sink = None
-        if self.report_connected:
-            CONNECTED.set(0)
+        CONNECTED.set(0)
 
     # --- paho callbacks (network thread) --------------------------------------------
     def _cb_connect(self, client, userdata, flags, rc, properties=None) -> None:
@@ -245,9 +234,6 @@ class MqttLink:
             log.warning("the broker kept no session for this client id: messages queued for it meanwhile are lost",
                         extra={"fields": {"client_id": self.client_id, "protocol": self.protocol}})
         with self._lock:
-            if self._cut_sink is not None:   # paho has left the cut connection's descriptor
-                self._cut_sink.close()
-                self._cut_sink = None
             for topic in sorted(self._unsubscribe_pending):
                 if _rc(client.unsubscribe(topic)[0]) == 0:
                     self._unsubscribe_pending.discard(topic)
@@ -257,8 +243,7 @@ class MqttLink:
             self.connected = True
             gen = self.generation
             self._connected_ev.set()
-        if self.report_connected:
-            CONNECTED.set(1)
+        CONNECTED.set(1)
         log.info("connected to the broker", extra={"fields": {"host": self.host, "port": self.port,
                                                               "client_id": self.client_id,
                                                               "session_present": session_present,
@@ -278,8 +263,7 @@ class MqttLink:
             self.connected = False
             self.generation += 1  # acks of messages from the old connection are never sent
             self._connected_ev.clear()
-        if self.report_connected:
-            CONNECTED.set(0)
+        CONNECTED.set(0)
         if was and not self._closing:
             log.warning("disconnected from the broker; reconnecting", extra={"fields": {"rc": rc}})
         if self._on_disconnect:
@@ -352,42 +336,6 @@ class MqttLink:
             self.subscriptions.pop(topic, None)
             if not self.connected or _rc(self.client.unsubscribe(topic)[0]) != 0:
                 self._unsubscribe_pending.add(topic)
-
-    def drop_connection(self) -> bool:
-        """End the current connection now and let paho reconnect (after ``reconnect_min_s``).
-
-        The socket's descriptor is replaced (dup2) by one end of a socketpair, shut for
-        reading: paho's next read sees end-of-file (under TLS too: a ragged EOF reads as
-        b""), so it reads nothing more of what the broker sent and reconnects; its writes
-        meanwhile go to the pair's other end, kept open until the next connect, so that
-        end-of-file, not a failed write, is how paho learns of the cut. The broker's
-        TCP socket is closed with unread data, which resets the connection: the broker ends
-        the session at once, and a clean session's queue with it. Call it from the link's
-        own thread (a callback): another thread would wait for paho's select to return.
-        False when there is no connection."""
-        with self._lock:
-            sock = self.client.socket() if self.connected else None
-            try:
-                fd = sock.fileno() if sock is not None else -1
-            except OSError:
-                fd = -1
-            if fd < 0:
-                return False
-            ours, sink = socket.socketpair()
-            try:
-                ours.setblocking(False)
-                ours.shutdown(socket.SHUT_RD)
-                os.dup2(ours.fileno(), fd)
-            except OSError:
-                sink.close()
-                raise
-            finally:
-                ours.close()
-            if self._cut_sink is not None:
-                self._cut_sink.close()
-            self._cut_sink = sink
-            self.dropped += 1
-        return True
 
     def _properties(self, props: Optional[MessageProps]):
         """paho PUBLISH properties: MQTT 5 only (a 3.1.1 PUBLISH has none to carry)."""

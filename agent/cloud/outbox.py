@@ -487,7 +487,7 @@ class OutboxPublisher:
     def __init__(self, outbox: Outbox, link: Link, window: int = 256, resend_after_s: float = 60.0,
                  on_tick: Optional[Callable[[], None]] = None,
                  on_delivered: Optional[Callable[[list[str]], None]] = None,
-                 on_handing: Optional[Callable[[list[tuple[str, bytes]]], None]] = None, hold: bool = False,
+                 on_handing: Optional[Callable[[list[tuple[str, bytes]]], bool]] = None, hold: bool = False,
                  pacer: Optional[Pacer] = None):
         self.outbox = outbox
         self.pacer = pacer
@@ -500,7 +500,8 @@ class OutboxPublisher:
         self.resend_after_s = resend_after_s
         self.on_tick = on_tick
         self.on_delivered = on_delivered
-        self.on_handing = on_handing  # called (and returns) before rows with answer markers are first sent
+        # called before rows with answer markers are first sent; False: hold them (not stamped)
+        self.on_handing = on_handing
         # test knob (MILLWRIGHT_TEST_HOLD_OUTBOX=1): publish nothing, so a test can kill the
         # agent "before its outbox drained"
         self.hold = hold
@@ -616,8 +617,8 @@ class OutboxPublisher:
         first = [r[0] for r in rows if not r[3]]
         if self.on_handing:
             handing = self.outbox.markers_of(first)
-            if handing:
-                self.on_handing(handing)  # from now on this answer may have reached the broker
+            if handing and not self.on_handing(handing):
+                return   # not stamped handed: held (no stamp means never sent), asked again next pass
         self.outbox.mark_sent(first)
         for seq, topic, payload, sent in rows:
             if sent:

@@ -47,12 +47,11 @@ def _worst_topics(cfg: Config) -> list[tuple[str, str, str]]:
 
 
 def subscriptions(cfg: Config) -> int:
-    """Filters the agent's connection holds at least: push, cancel, jobs/get, each distinct
-    gate topic, and (unless ``mqtt.peers_username`` reads them on a connection of its own)
-    its own statuses, with one more per further cluster member (agent/cloud/peersubs.py)."""
+    """Filters the agent's connection holds: push, cancel, jobs/get and each distinct gate
+    topic (no agent reads another's statuses)."""
     gates = {g.mqtt for tpl in cfg.templates.values() if tpl is not None
              for g in tpl.gates.values() if g is not None and g.mqtt}
-    return 3 + len(gates) + (0 if cfg.mqtt.peers_username else 1)
+    return 3 + len(gates)
 
 
 def check_profile(cfg: Config, protocol: Optional[str] = None,
@@ -129,10 +128,9 @@ def check_profile(cfg: Config, protocol: Optional[str] = None,
                                                       " (millwright-<cluster>-<agent_id>: set mqtt.client_id)"))
     subs = subscriptions(cfg)
     if p.subs_per_connection is not None and subs > p.subs_per_connection:
-        peers = "" if m.peers_username else ", its own statuses (one more per further member)"
-        gated = subs > 3 + (0 if m.peers_username else 1)
+        gated = subs > 3
         bad("templates" if gated else "mqtt.limits.subs_per_connection", f"the connection subscribes to {subs} filters (push, cancel, jobs/get, the templates' "
-                         f"distinct gate topics{peers}), over the {p.subs_per_connection} of "
+                         f"distinct gate topics), over the {p.subs_per_connection} of "
                          f"{limit('subs_per_connection')}")
     if session_expiry_s is not None and p.session_expiry_max_s is not None and session_expiry_s > p.session_expiry_max_s:
         bad("mqtt.session_expiry_s", f"{session_expiry_s} is over the {p.session_expiry_max_s} s of "

@@ -1,5 +1,5 @@
 """A token bucket: how the cloud channel bounds what others can make an agent do per second
-(reports of unauthenticated input, peers' statuses, jobs/get requests)."""
+(reports of unauthenticated input, jobs/get requests)."""
 
 from __future__ import annotations
 

@@ -225,14 +225,10 @@ class Daemon:
     def _members_snapshot(self, kvs: list, rev: int) -> None:
         self.shards.members_snapshot(kvs, rev)
         self.placement.members_changed()
-        for listener in self.hooks.members_listeners:
-            listener()
 
     def _members_events(self, events: list, rev: int) -> None:
         self.shards.members_events(events, rev)
         self.placement.members_changed()
-        for listener in self.hooks.members_listeners:
-            listener()
 
     # --- shards ------------------------------------------------------------------------
     def _shard_acquired(self, fence: Fence) -> None:

@@ -18,7 +18,6 @@ if TYPE_CHECKING:
 class Hooks:
     """All called on the loop thread, except checkpoint_sinks (the audit writer's thread)."""
     shard_listeners: list[ShardListener] = field(default_factory=list)
-    members_listeners: list[Callable[[], None]] = field(default_factory=list)  # after the members/ view changed
     busy_checks: list[Callable[[int], bool]] = field(default_factory=list)     # a unit has live runs
     status_providers: dict[str, Callable[[], Any]] = field(default_factory=dict)   # sections of `status`
     status_sinks: list[Callable[[dict], None]] = field(default_factory=list)   # job status documents (cloud)

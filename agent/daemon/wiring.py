@@ -52,7 +52,6 @@ def cloud(g: Ground, hooks: Hooks) -> CloudComponent:
     c = CloudComponent(g.cfg, g.loop, g.client, g.keys, ownership=g.ownership,
                        members=lambda: g.shards.members.values(), audit=g.audit, keyring=g.keyring,
                        job_listeners=hooks.job_listeners)
-    hooks.members_listeners.append(c.members_changed)
     hooks.status_sinks.append(c.status_sink)
     hooks.checkpoint_sinks.append(c.checkpoint_sink)
     hooks.drain_hooks.append(c.drain)

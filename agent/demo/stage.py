@@ -170,8 +170,7 @@ class Stage:
             cfg = json.loads(json.dumps(base_cfg))
             cfg["labels"] = {"line": self.lines[aid]}
             cfg["etcd"] = {**cfg.get("etcd", {}), "endpoints": [self.etcd.endpoint]}   # insecure: true (agent.yaml)
-            # peers' statuses on a connection of their own, as docs/cloud.md recommends
-            cfg["mqtt"] = {**cfg.get("mqtt", {}), "url": self.mqtt.url, "peers_username": f"{aid}-peers"}
+            cfg["mqtt"] = {**cfg.get("mqtt", {}), "url": self.mqtt.url}
             cfg["signing"] = {"keys_file": keys_file}
             cfg["metrics"] = {"listen": f"127.0.0.1:{port}"}
             a = AgentProcess(aid, os.path.join(self.base, "agents"), cfg).start()

@@ -1,5 +1,6 @@
-"""The MQTT link's subscriptions change while it runs (agent/cloud/mqtt.py), as the peers'
-status subscriptions need (agent/cloud/peersubs.py): what is subscribed is received, what
+"""The MQTT link's subscriptions change while it runs (agent/cloud/mqtt.py), as dropping a
+status subscription an older agent left in its session needs (agent/cloud/component.py):
+what is subscribed is received, what
 is unsubscribed no longer is, and both hold across reconnects of a persistent session,
 including an unsubscribe made while the broker was down. Real mosquitto (paho 1.6 here,
 2.x under `make test-cloud-paho2`)."""

@@ -87,12 +87,12 @@ def test_a_client_id_over_the_limit_is_refused():
 
 
 def test_more_subscriptions_than_the_profile_allows_are_refused():
-    # push, cancel, jobs/get, its own statuses, and the gate topics: 50 at most
-    assert subscriptions(cfg(gates(46))) == 50 and refused(gates(46)) == []
-    (line,) = refused(gates(47))
+    # push, cancel, jobs/get and the gate topics (no agent's statuses): 50 at most
+    assert subscriptions(cfg(gates(47))) == 50 and refused(gates(47)) == []
+    (line,) = refused(gates(48))
     assert line.startswith("agent.yaml: templates: the connection subscribes to 51 filters"), line
     assert "over the 50 of broker profile aws-iot-core (mqtt.limits.subs_per_connection)" in line
-    # a peers user reads the statuses on a connection of its own
+    # the ignored peers user changes nothing
     assert refused(gates(47), mqtt="peers_username: peers") == []
 
 

@@ -383,8 +383,7 @@ def test_the_shipped_broker_examples_are_the_generators_output():
 
     with open(os.path.join(EXAMPLES, "mosquitto-acl.conf")) as fh:
         shipped = _settings_lines(fh.read())
-    assert shipped == _settings_lines(acl_text("plant-a", {"gw-01": "gw-01", "gw-02": "gw-02"}, ["cloud", "cloud-ops"],
-                                               peers_users={"gw-01": "gw-01-peers", "gw-02": "gw-02-peers"}))
+    assert shipped == _settings_lines(acl_text("plant-a", {"gw-01": "gw-01", "gw-02": "gw-02"}, ["cloud", "cloud-ops"]))
     with open(os.path.join(EXAMPLES, "mosquitto-millwright.conf")) as fh:
         conf = _settings_lines(fh.read())
     # the shipped agent.yaml does not pass the check until etcd is set up: read its value only
@@ -413,25 +412,28 @@ def test_the_broker_acl_has_a_user_block_per_client_and_no_patterns():
             bad()
 
 
-def test_an_agents_peers_user_only_reads_the_statuses():
+def test_an_agent_reads_no_agents_statuses():
+    """One connection per agent, which reads no other agent's statuses (its own neither):
+    an agent's block reads only the cluster's push, cancel and get topics and the gates."""
     from agent.cloud.broker import acl_text
-    from agent.config import ConfigError, parse_config
-    from agent.configcheck import mqtt_insecurities
+    from agent.config import parse_config
+    from agent.configcheck import ignored_peers_keys, mqtt_insecurities
 
-    text = acl_text("t", {"a1": "a1", "a2": "a2"}, ["cloud"], peers_users={"a1": "a1-peers"})
+    text = acl_text("t", {"a1": "a1", "a2": "a2"}, ["cloud"], ["plant/line2/state"])
     blocks = {b.splitlines()[0]: b.splitlines()[1:] for b in text.split("\n\n") if b.startswith("user ")}
-    assert blocks["user a1-peers"] == ["topic read millwright/t/agents/+/status/+"]
-    for bad in ({"a3": "a3-peers"}, {"a1": "a2"}, {"a1": "cloud"}, {"a1": "a 1"}, {"a1": "p", "a2": "p"}):
-        with pytest.raises(ValueError):
-            acl_text("t", {"a1": "a1", "a2": "a2"}, ["cloud"], peers_users=bad)
+    for agent in ("a1", "a2"):
+        reads = [line for line in blocks[f"user {agent}"] if line.startswith("topic read")]
+        assert reads == ["topic read millwright/t/jobs/push", "topic read millwright/t/jobs/cancel",
+                         "topic read millwright/t/jobs/get", "topic read plant/line2/state"], reads
+    assert "status" not in text.replace("topic read millwright/t/agents/#", "")   # only the cloud reads them
+    # a config that still names a peers user loads, and is told it is ignored
     base = "etcd: {insecure: true}\nmqtt: {url: 'mqtts://b:8883', tls: {ca: /ca, cert: /c.pem, key: /c.key}, "
-    # a certificate identity and a peers user without any password
-    assert [p.split(":")[1].strip() for p in mqtt_insecurities(parse_config(base + "peers_username: p}"))] == [
-        "mqtt.peers_password"]
-    assert mqtt_insecurities(parse_config(base + "peers_username: p, peers_password: x}")) == []
-    with pytest.raises(ConfigError) as err:
-        parse_config("etcd: {insecure: true}\nmqtt: {insecure: true, username: gw-1, peers_username: gw-1}")
-    assert "mqtt.peers_username" in str(err.value)
+    cfg = parse_config(base + "peers_username: p}")
+    assert mqtt_insecurities(cfg) == []
+    (line,) = ignored_peers_keys(cfg)
+    assert "mqtt.peers_username: ignored" in line
+    assert ignored_peers_keys(parse_config("etcd: {insecure: true}\nmqtt: {insecure: true, username: gw-1, "
+                                           "peers_username: gw-1}"))
 
 
 def test_gate_topics_are_read_by_every_agent_and_written_by_no_user_of_the_acl():

@@ -33,9 +33,82 @@ def test_answer_marker_decision(alive, in_outbox, age, want):
     assert decide({"job_id": "j"}, alive, in_outbox, age, republish_after_s=30.0) == want
 
 
-def test_a_seen_answer_is_only_cleared():
-    assert decide({}, False, False, 1.0, 30.0, seen=True) == "delivered"
-    assert decide({}, False, True, 1.0, 30.0, seen=True) == "skip"
+def test_a_republished_copy_is_a_redelivery_unless_never_handed():
+    """No ``handed`` stamp means the first answer was never sent: the republished copy is
+    the first (unmarked); a stamped marker's copy may repeat one (``redelivery``)."""
+    from agent.cloud.answers import redelivery
+
+    assert redelivery({"job_id": "j", "agent": "a1"}) is False
+    assert redelivery({"job_id": "j", "agent": "a1", "handed": True}) is True
+    assert redelivery({"job_id": "j", "agent": "a1", "published_by": "a2", "handed": True}) is True
+
+
+class _RefusingClient:
+    """etcd refusing the first ``refusals`` stamps, then taking them."""
+
+    def __init__(self, refusals: int):
+        self.refusals = refusals
+        self.txns: list = []
+
+    def txn(self, compare, success, failure, timeout=None):
+        from agent.coordination.etcd import EtcdUnavailable
+
+        if self.refusals:
+            self.refusals -= 1
+            raise EtcdUnavailable("down")
+        self.txns.append(success)
+
+
+def _answers(client):
+    from agent.cloud.answers import Answers
+
+    return Answers(client, None, "a1", enqueue=lambda *a: None, in_outbox=lambda k: False, owned=frozenset,
+                   fence_for=lambda s: None)
+
+
+def test_an_answer_whose_stamp_etcd_refuses_is_held_and_retried(monkeypatch):
+    """No stamp must mean never sent: handing() returns True only once every marker is
+    stamped; while etcd refuses, it retries 0.25 s doubling (each refusal counted
+    ``hand_held``) and gives the publisher False after HOLD_CALL_S."""
+    from agent.cloud import answers
+    from agent.runtime.metrics import sample
+
+    waits: list[float] = []
+    items = [("/m/answers/0001/j/accepted", b'{"state":"accepted","seq":3}')]
+    held = sample("millwright_answers_total", {"event": "hand_held"}) or 0.0
+    client = _RefusingClient(3)
+    a = _answers(client)
+    monkeypatch.setattr(a._stop, "wait", lambda s: waits.append(s) or False)
+    assert a.handing(items) is True
+    assert waits == [0.25, 0.5, 1.0] and len(client.txns) == 1
+    assert (sample("millwright_answers_total", {"event": "hand_held"}) or 0.0) - held == 3
+    assert a._hold_s == 0.0   # the next refusal starts again at 0.25 s
+    # etcd down for longer: False (the publisher holds the rows), the wait capped at 5 s
+    client = _RefusingClient(10 ** 6)
+    a = _answers(client)
+    clock = [0.0]
+    monkeypatch.setattr(answers.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(a._stop, "wait", lambda s: clock.__setitem__(0, clock[0] + s) or False)
+    assert a.handing(items) is False and a._hold_s == answers.HOLD_MAX_S
+    a._stop.set()
+    assert a.handing(items) is False and not client.txns   # stopping: never sent unstamped
+
+
+def test_the_publisher_sends_nothing_of_a_held_answer(tmp_path):
+    """The outbox publisher holds the rows while handing() says False, and sends them, in
+    order, once it says True."""
+    ob = Outbox(str(tmp_path / "ob.sqlite"), 100)
+    ob.enqueue("t", {"state": "accepted"}, marker="/m/answers/0001/j/accepted")
+    ob.enqueue("t", {"state": "scheduled"})
+    link = FakeLink()
+    stamped = [False]
+    pub = OutboxPublisher(ob, link, on_handing=lambda items: stamped[0])
+    pub.step()
+    assert link.sent == [] and ob.depth == 2
+    stamped[0] = True
+    pub.step()
+    assert [doc["state"] for _, _, doc in link.sent] == ["accepted", "scheduled"]
+    ob.close()
 
 
 def test_answer_names_match_marker_names():

@@ -87,8 +87,6 @@ def test_members_come_through_the_callable(tmp_path):
     try:
         assert part._members() == {"gw-1": {"labels": {"line": "2"}, "templates": ["a", "b"], "available": True},
                                    "gw-2": {"labels": {}, "templates": [], "available": False}}
-        part.members_changed()
-        assert part.peer_subs.members == {"gw-1", "gw-2"}
     finally:
         part.outbox.close()
 
@@ -127,3 +125,38 @@ def test_an_outbox_it_cannot_open_is_a_user_error(tmp_path):
     (tmp_path / "mqtt-outbox.sqlite").mkdir()
     with pytest.raises(UserError, match="cannot open the status outbox"):
         build(tmp_path)
+
+
+def test_the_agent_subscribes_to_no_status_and_drops_a_stray_one(tmp_path):
+    """One connection per agent, which reads no agent's statuses: none is subscribed (the
+    wildcard an older agent's session holds is unsubscribed), and a status that still
+    arrives (an older agent's per-member subscription) is acknowledged unread, counted and
+    its subscription dropped, once per agent."""
+    from agent.cloud.link import Message
+    from tests.support.link import FakeLink
+
+    part, _, _ = build(tmp_path)
+    try:
+        assert not [t for t in part.link.subscriptions if "/status/" in t]
+        part.link = FakeLink()
+        for mid in (1, 2):
+            part._message(Message("millwright/t/agents/gw-2/status/j1", b'{"state":"succeeded"}', 1, mid,
+                                  dup=False, generation=1, received=0.0))
+        assert [m.mid for m in part.link.acked] == [1, 2] and part.status()["statuses_received"] == 2
+        assert part.link.unsubscribed == ["millwright/t/agents/gw-2/status/+"]
+    finally:
+        part.outbox.close()
+
+
+def test_every_answer_carries_its_name(tmp_path):
+    """The cloud dedupes answers on (job_id, answer): the status sink adds ``answer`` to an
+    answer (a run's final status here), and to nothing else."""
+    part, loop, _ = build(tmp_path)
+    try:
+        part.status_sink({"job_id": "j1", "fire_id": "f1", "state": "succeeded", "_answer": "/k"})
+        part.status_sink({"job_id": "j1", "fire_id": "f1", "state": "running"})
+        (_, final, marker), (_, running, _) = part._statuses
+        assert final["answer"] == "run.f1" and "_answer" not in final and marker == "/k"
+        assert "answer" not in running
+    finally:
+        part.outbox.close()

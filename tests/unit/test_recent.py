@@ -24,17 +24,6 @@ def test_recent_memory_refuses_a_bound_below_one():
         RecentMemory(0)
 
 
-def test_the_answers_broker_memory_is_bounded(monkeypatch):
-    from agent.cloud import answers
-
-    monkeypatch.setattr(answers, "SEEN_MAX", 50)
-    a = answers.Answers(None, None, "a1", enqueue=lambda *a: None, in_outbox=lambda k: False,
-                        owned=frozenset, fence_for=lambda s: None)
-    for i in range(500):
-        a.saw("a2", {"job_id": f"j{i}", "state": "accepted", "push_sha256": "ab"})
-    assert len(a._seen) == 50 and "a2|j499/accepted" in a._seen and "a2|j0/accepted" not in a._seen
-
-
 def test_the_ingest_watch_memories_are_bounded(tmp_path):
     from agent.cloud.dispatch import Dispatcher
     from agent.cloud.topics import Topics
