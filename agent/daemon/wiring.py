@@ -4,8 +4,8 @@
 registers the part's public methods in the Hooks the Daemon calls; where two parts talk to
 each other (the scheduler and supervision, the executor and sensing) this module passes
 one to the other: it is the only place that knows all parts. Start order, and so the order
-of every hook list, is the order below: cloud, admin, jobs with supervision, compaction
-(the audit log is the Daemon's own: opened first, closed last).
+of every hook list, is the order below: cloud, admin, jobs with supervision, compaction,
+the state disk (the audit log is the Daemon's own: opened first, closed last).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from agent.coordination.compaction import Compactor
     from agent.daemon.admin import AdminServer
     from agent.daemon.ground import Ground
+    from agent.execute.statedisk import StateDisk
     from agent.jobs.firing import RunListener
     from agent.jobs.gatesources import TopicValues
     from agent.jobs.seams import AuditSink
@@ -33,7 +34,8 @@ RECORD_WORKERS = 6   # threads writing run records (claims, final states) to etc
 
 
 def build(g: Ground) -> Wired:
-    """The daemon's parts (``millwright run``): cloud, admin, jobs with supervision, compaction."""
+    """The daemon's parts (``millwright run``): cloud, admin, jobs with supervision, compaction,
+    the state disk."""
     hooks = Hooks()
     cloud_part = cloud(g, hooks)
     parts: list[Component] = [cloud_part, admin(g)]
@@ -42,6 +44,7 @@ def build(g: Ground) -> Wired:
     # in etcd) in the run record's transaction, so a peer can publish them
     parts.append(SupervisedJobs(g, hooks, gate_topics=cloud_part.gate_topics, answer_markers=True))
     parts.append(compaction(g, hooks))
+    parts.append(state_disk(g, hooks))
     return Wired(hooks, parts)
 
 
@@ -63,6 +66,15 @@ def admin(g: Ground) -> AdminServer:
     from agent.daemon.admin import AdminServer
 
     return AdminServer(g.cfg.admin.socket, g.loop, g.status)
+
+
+def state_disk(g: Ground, hooks: Hooks) -> StateDisk:
+    """The state disk's free space: gauges, an audit record per crossing of the low line."""
+    from agent.execute.statedisk import StateDisk
+
+    d = StateDisk(g.cfg.state_dir, g.loop, g.audit)
+    hooks.status_providers["state_disk"] = d.status
+    return d
 
 
 def compaction(g: Ground, hooks: Hooks) -> Compactor:

@@ -57,6 +57,9 @@ def test_weighted_capacity(cluster):
     c = cluster.counts()
     assert abs(c["big"] - 64 * 2 / 3) <= 0.2 * 64 * 2 / 3
     assert abs(c["small"] - 64 / 3) <= 0.2 * 64 / 3
+    # a part wired into the daemon (issue 49's second sample change) answers in its status
+    disk = _status(cluster.agents["big"])["state_disk"]
+    assert disk["free_bytes"] > 0 and 0 < disk["free_ratio"] <= 1 and disk["error"] is None, disk
 
 
 def test_kill9_failover_within_ttl_plus_one(cluster):
