@@ -38,9 +38,7 @@
    than the importer's, except the pairs of UPWARD_ALLOWED, each with its reason.
 
 Every run prints a count per rule; ``--counts`` prints the figures of the structure
-(cycles, upward imports, duck and seam-any findings, pending ones included).
-PENDING holds findings known in files whose fixes are under way on other branches of
-issue 49: they are counted, not failed. The list is deleted when those branches merge.
+(cycles, upward imports, duck and seam-any findings).
 
 Rules 4 and 5 are in scripts/typerules.py; the source tree and its imports, as every rule
 reads them, in scripts/sourcetree.py.
@@ -67,7 +65,7 @@ BASE = {"agent", "errors", "config", "configcheck", "brokerlimits", "runtime.loo
 # part -> what it may import besides itself and BASE: parts ("jobs") or modules
 # ("runtime.gcpolicy", covering its submodules); "*" is anything.
 MAY_IMPORT: dict[str, set[str]] = {
-    "runtime": {"*"},                     # runtime/__init__: every other package
+    "runtime": {"coordination.fencing"},  # the ground floor: seams names coordination's Fence; nothing else
     "daemon": {"*"},                      # daemon/__init__: the composition root (demo is closed to it below)
     "demo": {"*"},                        # demo/__init__: may import anything
     "cli": {"*"},                         # cli.py: maps every subcommand to the module that owns it
@@ -114,13 +112,12 @@ DUCK_ADAPTERS = {
 # to the same floor or down. The composition root sits above everything it wires.
 RANK = {
     "agent": 0, "errors": 0, "config": 0, "configcheck": 0, "brokerlimits": 0,
-    "runtime": 0,                        # the ground floor: loop, metrics, logs, gcpolicy
+    "runtime": 0,                        # the ground floor: loop, metrics, logs, gcpolicy, timefmt, text, recent, kernel
     "runtime.seams": 1,                  # the daemon's seams name coordination's Fence
     "coordination": 1, "execute": 1, "signals": 1, "audit": 1,
     "jobs": 2, "supervision": 2,
     "cloud": 3,
     "daemon": 4,                         # the composition root: only cli and demo import it
-    "runtime.daemon": 4, "runtime.components": 4, "runtime.admin": 4,   # its place before agent/daemon/
     "cli": 5,
     "__main__": 6, "demo": 6,
 }
@@ -130,41 +127,6 @@ UPWARD_ALLOWED = {
     ("configcheck", "coordination.placement"): "labels and targets have one syntax check, placement's",
     ("configcheck", "jobs.paramregex"): "template param regexes have one backtracking check, paramregex's",
 }
-
-# Findings in files that other branches of issue 49 are changing (rule -> "path:key"; for
-# cycles, the modules): counted, not failed. jobs/ (WP5), cloud/ (WP3), supervision/ and
-# coordination/shards (WP4), jobs/retention (WP2), runtime/ (WP1). TEMPORARY: the lead
-# deletes it once those branches have merged; `--pending` lists what it still hides.
-PENDING: dict[str, set[str]] = {
-    "duck": {
-        "agent/coordination/shards.py:lag", "agent/jobs/approvals.py:approvals", "agent/jobs/catalog.py:pid",
-        "agent/jobs/catchup.py:lag", "agent/jobs/claims.py:lag", "agent/jobs/outcomes.py:error",
-        "agent/jobs/outcomes.py:exit_code", "agent/jobs/outcomes.py:progress,result,result_error",
-        "agent/jobs/outcomes.py:started_at", "agent/jobs/outcomes.py:stderr_tail", "agent/jobs/outcomes.py:to_dict",
-        "agent/jobs/outcomes.py:usage", "agent/jobs/progress.py:pid", "agent/jobs/retention.py:base_dir",
-        "agent/jobs/retention.py:cleaner", "agent/jobs/retention.py:run_dir", "agent/jobs/rollouts.py:rollback",
-        "agent/jobs/schedule.py:issued_at", "agent/jobs/schedule.py:misfire_limit",
-        "agent/jobs/schedule.py:not_after", "agent/jobs/scheduler.py:lag", "agent/jobs/scheduler.py:pid",
-        "agent/jobs/scheduler.py:reason", "agent/jobs/scheduler.py:started_at", "agent/jobs/startpolicy.py:done",
-        "agent/jobs/startpolicy.py:final_ops", "agent/jobs/startpolicy.py:installed",
-        "agent/runtime/components.py:gate_topics", "agent/supervision/health.py:argv_source",
-        "agent/supervision/health.py:available", "agent/supervision/health.py:ts",
-    },
-    "seam-any": {
-        "agent/jobs/seams.py:OnExit", "agent/jobs/seams.py:OnProgress", "agent/jobs/seams.py:OnRelease",
-        "agent/jobs/seams.py:RunStarter", "agent/supervision/sensing.py:ExecListener",
-    },
-    "upward": {
-        "agent/cloud/broker.py:cli", "agent/cloud/component.py:cli", "agent/cloud/component.py:runtime.daemon",
-        "agent/runtime/admin.py:cli", "agent/runtime/daemon.py:cli", "agent/supervision/component.py:runtime.daemon",
-        "agent/supervision/sensing.py:runtime.daemon",
-    },
-    "cycles": {
-        "agent.cloud", "agent.cloud.component", "agent.runtime.components", "agent.runtime.daemon",
-        "agent.supervision.component", "agent.supervision.sensing",
-    },
-}
-
 
 def may_import(importer: str, target: str) -> bool:
     """Whether module ``importer`` may import module ``target`` (both of agent/) by the layers."""
@@ -363,25 +325,9 @@ def upward(tree: Tree, edges: dict[str, dict[str, int]], run_time: set[tuple[str
     return out, allowed, layered
 
 
-def pending(f: Finding) -> bool:
-    """Whether PENDING names this finding (a cycle: when it names every module of it)."""
-    known = PENDING.get(f.rule, set())
-    if f.rule == "cycles":
-        return bool(f.key) and set(f.key.split()) <= known
-    return f"{f.path}:{f.key}" in known
-
-
-def stale(r: Result) -> list[tuple[str, str]]:
-    """(rule, entry) of PENDING that no pending finding matches: fixed, or moved."""
-    seen = {(f.rule, f"{f.path}:{f.key}") for f in r.pending if f.rule != "cycles"}
-    seen |= {("cycles", m) for f in r.pending if f.rule == "cycles" for m in f.key.split()}
-    return sorted((rule, e) for rule, entries in PENDING.items() for e in entries if (rule, e) not in seen)
-
-
 @dataclass
 class Result:
     findings: list[Finding]
-    pending: list[Finding]
     notes: list[Finding]
     allowed_upward: int
     layered_upward: int          # upward pairs the layers rule reports
@@ -408,26 +354,21 @@ def analyse(root: str) -> Result:
     up, allowed, layered = upward(tree, edges, run_time)
     out += found_cycles + up
     order = lambda f: (f.path, f.line, f.message)  # noqa: E731
-    return Result(sorted((f for f in out if not pending(f)), key=order), sorted((f for f in out if pending(f)), key=order),
-                  sorted(notes, key=order), allowed, layered, sum(len(f.key.split()) for f in found_cycles))
+    return Result(sorted(out, key=order), sorted(notes, key=order), allowed, layered,
+                  sum(len(f.key.split()) for f in found_cycles))
 
 
 RULES = ("layers", "private", "private-call", "seam-any", "duck", "cycles", "upward")
 
 
 def counts(r: Result) -> str:
-    """One line: the findings of each rule, and the pending ones beside them."""
-    def one(rule: str) -> str:
-        n = sum(f.rule == rule for f in r.findings)
-        p = sum(f.rule == rule for f in r.pending)
-        return f"{rule} {n}" + (f" (+{p} pending)" if p else "")
-    return "check-imports: " + ", ".join(one(rule) for rule in RULES)
+    """One line: the findings of each rule."""
+    return "check-imports: " + ", ".join(f"{rule} {sum(f.rule == rule for f in r.findings)}" for rule in RULES)
 
 
 def figures(r: Result) -> str:
-    """The structure's figures (pending findings included): what the closing note quotes."""
-    every = r.findings + r.pending
-    n = lambda rule: sum(f.rule == rule for f in every)  # noqa: E731
+    """The structure's figures: what the closing note quotes."""
+    n = lambda rule: sum(f.rule == rule for f in r.findings)  # noqa: E731
     pairs = n("upward") + r.allowed_upward + r.layered_upward
     return "\n".join([
         f"cross-package import cycles: {n('cycles')} ({r.cycle_modules} modules)",
@@ -435,14 +376,12 @@ def figures(r: Result) -> str:
         f"{r.layered_upward} reported by the layers rule)",
         f"duck (getattr/hasattr on our attribute names): {n('duck')}",
         f"seam-any (Any in seam Protocols and their aliases): {n('seam-any')}",
-        f"pending (PENDING, other branches of issue 49): {len(r.pending)}",
     ])
 
 
 def check(root: str) -> tuple[list[Finding], list[Finding]]:
-    """(findings, notes) for the agent/ package below ``root``, PENDING ones left out. A
-    part of agent/ without a row in MAY_IMPORT is a finding too: a new part says what it
-    may import."""
+    """(findings, notes) for the agent/ package below ``root``. A part of agent/ without a
+    row in MAY_IMPORT is a finding too: a new part says what it may import."""
     r = analyse(root)
     return r.findings, r.notes
 
@@ -453,19 +392,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="the source tree holding agent/ (default: this checkout)")
     ap.add_argument("--notes", action="store_true", help="also list private calls into other libraries (never fail)")
     ap.add_argument("--counts", action="store_true",
-                    help="print the figures of the structure (cycles, upward imports, duck, seam-any; pending included)")
-    ap.add_argument("--pending", action="store_true", help="also list the findings PENDING names (never fail)")
+                    help="print the figures of the structure (cycles, upward imports, duck, seam-any)")
     args = ap.parse_args(argv)
     if not os.path.isdir(os.path.join(args.root, PACKAGE)):
         print(f"check-imports: no {PACKAGE}/ in {args.root}", file=sys.stderr)
         return 2
     r = analyse(args.root)
     findings = r.findings
-    for f in findings + (r.notes if args.notes else []) + (r.pending if args.pending else []):
+    for f in findings + (r.notes if args.notes else []):
         print(f)
-    if args.pending:
-        for rule, entry in stale(r):
-            print(f"PENDING[{rule!r}] names {entry}, which no finding matches any more: delete it")
     print(counts(r))
     if args.counts:
         print(figures(r))

@@ -21,7 +21,7 @@ class Finding:
     line: int
     rule: str
     message: str
-    key: str = field(default="", compare=False)    # what PENDING names: the attribute, Protocol, target
+    key: str = field(default="", compare=False)    # what it is about: the attribute, Protocol, target, a cycle's modules
 
     def __str__(self) -> str:
         return f"{self.path}:{self.line}: {self.rule}: {self.message}"

@@ -45,6 +45,7 @@ import paho.mqtt as paho_pkg
 import paho.mqtt.client as paho
 
 from agent.brokerlimits import PROTOCOLS
+from agent.config import MqttConfig
 from agent.runtime.metrics import counter, gauge
 
 from . import mqtt5
@@ -94,7 +95,7 @@ def _tls_errors_are_connection_errors(client) -> None:
 class MqttLink:
     """A :class:`~agent.cloud.link.Link` over paho (1.6 or 2.x)."""
 
-    def __init__(self, cfg, client_id: str, *, clean_session: bool = False,
+    def __init__(self, cfg: MqttConfig, client_id: str, *, clean_session: bool = False,
                  will: Optional[tuple[str, bytes, int, bool]] = None,
                  on_connect: Optional[Callable[[int, bool], None]] = None,
                  on_disconnect: Optional[Callable[[int], None]] = None,
@@ -117,10 +118,10 @@ class MqttLink:
         self._on_message = on_message
         self._on_publish = on_publish
         self._on_refused = on_refused
-        self.protocol = str(getattr(cfg, "protocol", "3.1.1"))
+        self.protocol = cfg.protocol
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"mqtt.protocol: {self.protocol!r} is not 3.1.1 or 5")
-        self.session_expiry_s = int(getattr(cfg, "session_expiry_s", mqtt5.DEFAULT_SESSION_EXPIRY_S))
+        self.session_expiry_s = cfg.session_expiry_s
         self.granted_session_expiry_s: Optional[int] = None   # a CONNACK's lower value, if any
         self.session_present: Optional[bool] = None            # at the last connect
         self.session_lost = False                              # ... and no session where one was expected

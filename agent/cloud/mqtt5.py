@@ -22,7 +22,6 @@ from .link import MessageProps
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SESSION_EXPIRY_S = 3600
 
 REFUSED = counter("millwright_mqtt_publish_refused_total",
                   "Publishes the broker refused with an MQTT 5 PUBACK reason code of 0x80 or more",
