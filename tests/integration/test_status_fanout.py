@@ -25,7 +25,7 @@ from agent.cloud.mqtt import MqttLink
 from agent.cloud.topics import Topics
 from agent.config import MqttConfig
 from agent.demo.services import MosquittoServer
-from agent.runtime.admin import query
+from agent.daemon.admin import query
 from tests.support.cloudkit import TEMPLATES, StatusCollector, job_doc, signed
 from tests.support.cluster import Cluster
 from tests.support.waiting import wait_for

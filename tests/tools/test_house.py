@@ -30,7 +30,7 @@ def test_the_scheduler_class_is_under_500_lines():
 
 def test_every_logger_is_named_after_its_module():
     """One scheme for logger names (docs/development.md): the module's own, so a log line
-    says where it came from (`execute.launch`, `runtime.daemon`) and a prefix filters a
+    says where it came from (`execute.launch`, `daemon.core`) and a prefix filters a
     package. Fails on a name picked by hand (`millwright.execute` beside `agent.jobs.…`)."""
     bad = []
     for path in modules():
