@@ -211,6 +211,9 @@ def sc(tmp_path_factory):
         step("A", a_jobs)
 
         def b_outbox():
+            # step A's last statuses (and an audit checkpoint) may still be on their way
+            scenario_wait(lambda: msum(m(), "millwright_mqtt_outbox_depth") == 0, 10,
+                          "the outbox to drain before the broker goes")
             s.snap["b0"] = m()
             mq.stop()
             # every status of the offline jobs is born while the agent knows the broker is gone

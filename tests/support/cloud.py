@@ -3,6 +3,7 @@ a pusher, what the agents answered, what reached etcd."""
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
@@ -24,7 +25,10 @@ class CloudWorld:
 
     def __init__(self, etcd: Any, mq: Any, tmp_path: Any, templates: dict, shards: int):
         self.etcd, self.mq = etcd, mq
-        self.keys_file = str(tmp_path / "keys.yaml")
+        # in a directory of its own: the templates may name files under tmp_path, which
+        # hiding cannot then cover whole, and a root template makes that a start-up error
+        os.makedirs(os.path.join(str(tmp_path), "signing"), exist_ok=True)
+        self.keys_file = os.path.join(str(tmp_path), "signing", "keys.yaml")
         self.ring = write_keys(self.keys_file)
         self.cluster = Cluster(etcd, str(tmp_path / "agents"), shards=shards, ttl=4, renew_deadline=2.5,
                                retry_period=0.5,

@@ -56,8 +56,9 @@ class Cluster:
                     "retention": {"compact_interval_s": 0}}
         merge_sections(self.cfg, extra)
         # every agent verifies stored jobs against this ring; tests write through self.signing(store)
-        os.makedirs(base_dir, exist_ok=True)
-        self.keys_file = os.path.join(base_dir, "keys.yaml")
+        # (in a directory of its own, never one a template names: hiding.py)
+        os.makedirs(os.path.join(base_dir, "signing"), exist_ok=True)
+        self.keys_file = os.path.join(base_dir, "signing", "keys.yaml")
         self.ring = write_keys(self.keys_file)
         self.cfg.setdefault("signing", {"keys_file": self.keys_file})
         self.env = env or {}
