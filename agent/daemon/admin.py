@@ -156,22 +156,50 @@ def _request(conn: socket.socket) -> str:
 
 
 def query(path: str, timeout: float = 5.0, op: str = "status") -> dict:
+    """Ask the agent at ``path``. An agent older than the request line answers status without
+    reading it, and its close may then reset the connection: what it sent is used, and a
+    status asked again without a request line."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
+    chunks: list[bytes] = []
     try:
         s.connect(path)
         s.sendall(json.dumps({"op": op}).encode() + b"\n")
         s.shutdown(socket.SHUT_WR)
-        chunks = []
         while True:
             b = s.recv(65536)
             if not b:
                 break
             chunks.append(b)
+    except ConnectionResetError:
+        if not chunks:
+            return {} if op != "status" else _query_plain(path, timeout)
     except FileNotFoundError:
         raise UserError(f"no agent admin socket at {path} (is the agent running?)", 1) from None
     except PermissionError:
         raise UserError(f"{path}: permission denied (the admin socket is root-only)", 1) from None
+    except OSError as exc:
+        raise UserError(f"{path}: {exc.strerror or exc}", 1) from None
+    finally:
+        s.close()
+    try:
+        return json.loads(b"".join(chunks))
+    except ValueError:   # cut short by the reset
+        return {} if op != "status" else _query_plain(path, timeout)
+
+
+def _query_plain(path: str, timeout: float) -> dict:
+    """The status of an agent that predates the request line: connect and read."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    chunks = []
+    try:
+        s.connect(path)
+        while True:
+            b = s.recv(65536)
+            if not b:
+                break
+            chunks.append(b)
     except OSError as exc:
         raise UserError(f"{path}: {exc.strerror or exc}", 1) from None
     finally:

@@ -28,6 +28,7 @@ NEW_KID = "cloud-2"
 
 RELOAD_TEMPLATES = {
     **TEMPLATES,
+    "legacy": {**TEMPLATES["flush"]},   # removed by the reload: its held job ends unknown_template
     "soak": {"argv": ["/bin/sleep", "{s}"], "params": {"s": "^[0-9]{1,4}$"}, "user": "root", "allow_root": True,
              "allow_exec": ["/bin/sleep", "/usr/bin/sleep"]},
 }
@@ -81,15 +82,22 @@ def _agent_with_a_long_run(world, run_s: float, job_id: str = "long"):
 def test_sighup_during_a_run_swaps_keys_and_templates(world):
     a, ring, entries, pusher = _agent_with_a_long_run(world, RUN_S)
     try:
+        # jobs this agent holds (due in 30 days): one signed by the key the reload retires,
+        # one of the template the reload removes
+        pusher.push(signed(job_doc("held-old-kid"), ring, KID))
+        pusher.push(signed(job_doc("held-legacy", template="legacy"), ring, PLANT_KID))
+        assert world.col.wait(lambda m: {"held-old-kid", "held-legacy"} <= set(accepted(world.col)), 20)
         before = status(a)["config"]["digest"]
-        # the reload: cloud-2 added, cloud-1 retired a minute ago, a new template
+        # the reload: cloud-2 added, cloud-1 retired a minute ago, a new template, one removed,
+        # new labels
         now = datetime.now(timezone.utc)
         new_entries = dict(entries)
         new_entries[KID] = {**entries[KID], "retired_after": rfc(now - timedelta(minutes=1))}
         new_entries[NEW_KID] = {"alg": "hmac-sha256", "secret": generate_hmac_secret()}
         new_ring = write_keys(world.keys_file, new_entries)
         cfg = dict(a.config)
-        cfg["templates"] = {**cfg["templates"], "flush2": NEW_TEMPLATE}
+        cfg["templates"] = {**{k: v for k, v in cfg["templates"].items() if k != "legacy"}, "flush2": NEW_TEMPLATE}
+        cfg["labels"] = {"line": "7"}
         write_config(a, cfg)
         t_hup = time.monotonic()
         a.signal(signal.SIGHUP)
@@ -107,6 +115,16 @@ def test_sighup_during_a_run_swaps_keys_and_templates(world):
         assert rej[0]["reason"] == "key_retired", rej
         print(f"\nSIGHUP -> applied {t_applied - t_hup:.3f} s; applied -> push with the new kid accepted "
               f"{t_accepted - t_applied:.3f} s (SIGHUP -> accepted {t_accepted - t_hup:.3f} s)")
+        # the held jobs: rejected as at load, from the store
+        def stored_rejection(job_id):
+            return [d for d in world.col.docs("rejected") if d.get("job_id") == job_id and d.get("source") == "store"]
+        wait_for(lambda: stored_rejection("held-old-kid") and stored_rejection("held-legacy"), 10,
+                 what="the held jobs rejected")
+        assert stored_rejection("held-old-kid")[0]["reason"] == "key_retired"
+        assert stored_rejection("held-legacy")[0]["reason"] == "unknown_template"
+        # the member record carries the new labels and templates, under the same lease
+        member = json.loads(world.cluster.client.get(world.cluster.keys.member("a1")).value)
+        assert member["labels"] == {"line": "7"} and "flush2" in member["templates"] and "legacy" not in member["templates"]
         # a job of the new template runs
         pusher.push(signed(job_doc("tpl-new", template="flush2", at_offset_s=1), new_ring, NEW_KID))
         wait_for(lambda: any(r.get("state") == "succeeded" for r in runs_of(world, "tpl-new")), 30,
@@ -118,7 +136,7 @@ def test_sighup_during_a_run_swaps_keys_and_templates(world):
         assert [r["state"] for r in runs] == ["succeeded"], runs
         reloads = [r for r in world.cluster.audit("a1") if r.get("type") == "config_reload"]
         assert [r["result"] for r in reloads] == ["applied"], reloads
-        assert {"signing.keys", "templates"} <= set(reloads[0]["changed"])
+        assert {"signing.keys", "templates", "labels"} <= set(reloads[0]["changed"])
         assert a.alive()
     finally:
         pusher.stop()
@@ -151,6 +169,8 @@ def test_refused_reloads_keep_the_running_config(world):
             now = status(a)["config"]
             assert now["digest"] == st["digest"], (name, now)
             assert now["last_refusal"] and want in now["last_refusal"]["problems"][0]
+        shown = millwright("status", "--socket", a.config["admin"]["socket"]).stdout
+        assert f"config    {st['digest']}" in shown and "last reload refused" in shown, shown
         write_config(a, good)
         r = millwright("reload", "-c", a.config_path, timeout=90)
         assert r.returncode == 0 and "unchanged" in r.stdout, (r.stdout, r.stderr)
