@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import time
 from typing import TYPE_CHECKING, Callable, Optional, Protocol
@@ -91,6 +92,12 @@ def read(path: str) -> tuple[Optional[Loaded], list[str]]:
         cfg = load_config(path, broker=True, broker_checks=(check_profile,))
     except ConfigError as exc:
         return None, list(exc.problems)
+    if os.geteuid() == 0:   # what a root agent refuses to start with, it refuses to reload to
+        from agent.execute.hiding import plan
+
+        refused = plan(cfg).refused
+        if refused:
+            return None, list(refused)
     try:
         ring = KeyRing.load(cfg.signing.keys_file)
     except KeyFileError as exc:
