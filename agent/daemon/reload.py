@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 
 from agent.audit.events import config_digest
 from agent.config import Config, ConfigError, MqttConfig, TLSConfig, apply_live, diff, load_config
@@ -37,6 +37,11 @@ Answer = Callable[[dict], None]
 class StoredJobs(Protocol):
     """The job catalog: held jobs checked again against the new keys and templates."""
     def keys_changed(self) -> None: ...
+    def templates_changed(self, templates: dict) -> None: ...
+
+
+class TemplateHolder(Protocol):
+    """A part that derives state from the templates at start (supervision's exec policies)."""
     def templates_changed(self, templates: dict) -> None: ...
 
 
@@ -84,6 +89,19 @@ class Loaded:
         self.digest = hashlib.sha256(body.encode()).hexdigest()
 
 
+def gates_changed(old: Config, new: Config) -> list[str]:
+    """Templates whose production gates differ: the gates' MQTT topics and etcd watches are
+    set up at start (agent/jobs/gates.py), so a gate added, changed or removed waits for a
+    restart rather than being half applied."""
+    names = sorted(set(old.templates) | set(new.templates))
+
+    def gates(cfg: Config, name: str) -> dict:
+        t = cfg.templates.get(name)
+        return dict(t.gates) if t is not None else {}
+
+    return [f"templates.{n}.gates" for n in names if gates(old, n) != gates(new, n)]
+
+
 def read(path: str) -> tuple[Optional[Loaded], list[str]]:
     """Load the config as `config check` does (every problem) and its keys file."""
     from agent.cloud.profile import check_profile
@@ -110,7 +128,8 @@ class Reloader:
     are answered by the next one."""
 
     def __init__(self, cfg: Config, loop: EventLoop, audit: AuditSink, keyring: KeyRing, catalog: StoredJobs,
-                 member: MemberRecord, broker: Optional[BrokerLink], channel: EtcdChannel):
+                 member: MemberRecord, broker: Optional[BrokerLink], channel: EtcdChannel,
+                 template_holders: Sequence[TemplateHolder] = ()):
         self.cfg = cfg   # the running config, changed in place by apply_live
         self.loop = loop
         self.audit = audit
@@ -119,6 +138,7 @@ class Reloader:
         self.member = member
         self.broker = broker
         self.channel = channel
+        self.template_holders = list(template_holders)
         self.running = Loaded(cfg, keyring)
         self.loaded_at = time.time()
         self.last_refusal: Optional[dict] = None
@@ -159,6 +179,7 @@ class Reloader:
         changed: list[str] = []
         if loaded is not None:
             live, restart = diff(self.cfg, loaded.cfg)
+            restart += gates_changed(self.cfg, loaded.cfg)
             problems = [f"reload refused: {key} is restart-only" for key in restart]
             changed = live + self._files_changed(loaded)
         if problems:
@@ -210,6 +231,8 @@ class Reloader:
             self.keyring.replace(loaded.ring)
             self.catalog.keys_changed()
         if "templates" in changed:
+            for holder in self.template_holders:
+                holder.templates_changed(self.cfg.templates)
             self.catalog.templates_changed(self.cfg.templates)
         if {"templates", "labels", "capacity"} & set(changed):
             from agent.coordination import placement

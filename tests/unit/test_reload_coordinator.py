@@ -81,7 +81,8 @@ def make(tmp_path):
     cfg = load_config(cfg_path)
     ring = KeyRing.load(keys)
     loop, parts, audit = Loop(), Parts(), Audit()
-    r = Reloader(cfg, loop, audit, ring, catalog=parts, member=parts, broker=parts, channel=parts)
+    r = Reloader(cfg, loop, audit, ring, catalog=parts, member=parts, broker=parts, channel=parts,
+                 template_holders=[parts])
     return r, base, cfg_path, keys, ring, loop, parts, audit
 
 
@@ -102,7 +103,8 @@ def test_live_changes_are_applied_through_the_parts(tmp_path):
     assert answer["result"] == "applied", answer
     assert set(answer["changed"]) == {"signing.keys", "labels", "templates"}
     assert ring.kids == ["k2"]   # the ring every part holds, replaced in place
-    assert parts.calls == ["keys", ("templates", ["t2"]), ("member", 1.0, {"line": "2"})]
+    # the template holders (supervision's exec policies) first, then the catalog
+    assert parts.calls == ["keys", ("templates", ["t2"]), ("templates", ["t2"]), ("member", 1.0, {"line": "2"})]
     assert r.cfg.labels == {"line": "2"} and r.status()["digest"] != before
     assert audit.records[-1][0] == "config_reload" and audit.records[-1][1]["result"] == "applied"
 
@@ -116,6 +118,15 @@ def test_a_restart_only_change_is_refused_whole(tmp_path):
     assert answer["problems"] == ["reload refused: cluster is restart-only", "reload refused: shards is restart-only"]
     assert parts.calls == [] and r.cfg.labels == {} and r.cfg.cluster == "t"
     assert r.status()["digest"] == before and r.status()["last_refusal"]["problems"] == answer["problems"]
+
+
+def test_a_gate_change_waits_for_a_restart(tmp_path):
+    r, base, cfg_path, keys, ring, loop, parts, audit = make(tmp_path)
+    gated = {"argv": ["/bin/true"], "gates": {"door": {"etcd": "gates/door", "equals": "shut"}}}
+    write(cfg_path, {**base, "templates": {"t1": {"argv": ["/bin/true"]}, "t2": gated}})
+    answer = reload(r, loop)
+    assert answer["problems"] == ["reload refused: templates.t2.gates is restart-only"], answer
+    assert parts.calls == [] and set(r.cfg.templates) == {"t1"}
 
 
 def test_a_renewed_certificate_at_the_same_path_reconnects(tmp_path):
