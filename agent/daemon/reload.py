@@ -80,8 +80,12 @@ class Loaded:
     content and the TLS files' fingerprints."""
 
     def __init__(self, cfg: Config, ring: KeyRing):
+        from agent.execute.hiding import plan
+
         self.cfg = cfg
         self.ring = ring
+        hide = plan(cfg)   # what job isolation covers: set up once, at start
+        self.hidden = (hide.dirs, hide.files)
         self.etcd_tls = _tls_fingerprint(cfg.etcd.tls)
         self.mqtt_tls = _tls_fingerprint(cfg.mqtt.tls)
         self.keys = ring.digest()
@@ -181,6 +185,10 @@ class Reloader:
             live, restart = diff(self.cfg, loaded.cfg)
             restart += gates_changed(self.cfg, loaded.cfg)
             problems = [f"reload refused: {key} is restart-only" for key in restart]
+            if loaded.hidden != self.running.hidden:
+                problems.append("reload refused: the directories and files hidden from runs would change (a TLS "
+                                "key, a secret's directory, a root template's paths); they are set up at start: "
+                                "restart the agent")
             changed = live + self._files_changed(loaded)
         if problems:
             result = "refused"

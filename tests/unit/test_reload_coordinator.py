@@ -70,13 +70,13 @@ def write(path, data, mode=0o600):
         yaml.safe_dump(data, fh)
 
 
-def make(tmp_path):
+def make(tmp_path, **extra):
     keys = str(tmp_path / "keys.yaml")
     write(keys, {"k1": {"alg": "hmac-sha256", "secret": generate_hmac_secret()}})
     cfg_path = str(tmp_path / "agent.yaml")
     base = {"cluster": "t", "agent_id": "a1", "etcd": {"insecure": True}, "mqtt": {"insecure": True},
             "signing": {"keys_file": keys}, "state_dir": str(tmp_path / "state"),
-            "templates": {"t1": {"argv": ["/bin/true"]}}}
+            "templates": {"t1": {"argv": ["/bin/true"]}}, **extra}
     write(cfg_path, base)
     cfg = load_config(cfg_path)
     ring = KeyRing.load(keys)
@@ -130,17 +130,25 @@ def test_a_gate_change_waits_for_a_restart(tmp_path):
 
 
 def test_a_renewed_certificate_at_the_same_path_reconnects(tmp_path):
-    r, base, cfg_path, keys, ring, loop, parts, audit = make(tmp_path)
-    ca, cert, key = (str(tmp_path / n) for n in ("ca.pem", "c.pem", "c.key"))
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    ca, cert, key = (str(pki / n) for n in ("ca.pem", "c.pem", "c.key"))
     for p in (ca, cert, key):
         with open(p, "w") as fh:
             fh.write("one")
-    tls = {"ca": ca, "cert": cert, "key": key}
-    write(cfg_path, {**base, "mqtt": {"insecure": True, "tls": tls}})
-    assert reload(r, loop)["changed"] == ["mqtt.tls"] and parts.calls == ["mqtt"]
+    r, base, cfg_path, keys, ring, loop, parts, audit = make(tmp_path, mqtt={"insecure": True, "tls": {
+        "ca": ca, "cert": cert, "key": key}})
     with open(cert, "w") as fh:
         fh.write("renewed")
-    assert reload(r, loop)["changed"] == ["mqtt.tls"] and parts.calls == ["mqtt", "mqtt"]
+    assert reload(r, loop)["changed"] == ["mqtt.tls"] and parts.calls == ["mqtt"]
+    # a key at another path is hidden from runs only from the next start: refused
+    other = str(tmp_path / "elsewhere" / "c.key")
+    os.makedirs(os.path.dirname(other))
+    with open(other, "w") as fh:
+        fh.write("two")
+    write(cfg_path, {**base, "mqtt": {"insecure": True, "tls": {"ca": ca, "cert": cert, "key": other}}})
+    answer = reload(r, loop)
+    assert answer["result"] == "refused" and "hidden from runs" in answer["problems"][0], answer
 
 
 def test_the_cli_says_when_the_agent_predates_reload(tmp_path, capsys):
