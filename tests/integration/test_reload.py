@@ -231,12 +231,16 @@ def _client_pki(directory: str):
 def test_sighup_renews_the_mqtt_client_certificate(etcd_server, tmp_path):
     """The agent's client certificate renewed at the same path (same CA): a reload makes a
     new client with it, and the broker's log shows the reconnect under the new identity."""
+    from agent.config import MqttConfig, TLSConfig
     from agent.demo.services import MosquittoServer
+    from tests.support.cloudkit import StatusCollector
     from tests.support.cluster import Cluster
 
     pki, issue = _client_pki(str(tmp_path / "pki"))
     cert, key = str(tmp_path / "pki" / "a1.pem"), str(tmp_path / "pki" / "a1.key")
     issue("a1-gen1", cert, key)
+    cloud_cert, cloud_key = str(tmp_path / "pki" / "cloud.pem"), str(tmp_path / "pki" / "cloud.key")
+    issue("cloud", cloud_cert, cloud_key)
     log_path = str(tmp_path / "broker.log")   # a file log: mosquitto's stdout is block-buffered
     conf = ("require_certificate true\nuse_identity_as_username true\nlog_type notice\nlog_timestamp true\n"
             f"log_dest file {log_path}\n")
@@ -244,6 +248,9 @@ def test_sighup_renews_the_mqtt_client_certificate(etcd_server, tmp_path):
         c = Cluster(etcd_server, str(tmp_path / "agents"), shards=8,
                     extra={"mqtt": {"url": mq.url, "tls": {"ca": pki.ca, "cert": cert, "key": key},
                                     "reconnect_min_s": 0.2, "reconnect_max_s": 1.0}, "templates": TEMPLATES})
+        col = StatusCollector(mq.url, "t", extra_filters=("millwright/t/agents/#",),
+                              mqtt_cfg=MqttConfig(url=mq.url, tls=TLSConfig(ca=pki.ca, cert=cloud_cert, key=cloud_key)))
+        col.start()
         try:
             a = c.start("a1")
 
@@ -253,11 +260,36 @@ def test_sighup_renews_the_mqtt_client_certificate(etcd_server, tmp_path):
             wait_for(lambda: "u'a1-gen1'" in broker_log(), 30, what="the agent connected with gen1")
             wait_for(lambda: status(a).get("cloud", {}).get("connected"), 30, what="the agent reports connected")
             issue("a1-gen2", cert, key)   # renewed at the same path
+            # pushes keep coming across the swap: none is lost
+            from agent.cloud.mqtt import MqttLink
+            from tests.support.cloud import T
+
+            push_link = MqttLink(MqttConfig(url=mq.url, tls=TLSConfig(ca=pki.ca, cert=cloud_cert, key=cloud_key)),
+                                 "reload-pusher", clean_session=False, reconnect_min_s=0.2, reconnect_max_s=1.0)
+            push_link.start()
+            assert push_link.wait_connected(10)
+            ids = [f"swap-{i:03d}" for i in range(200)]
+
+            def feed():
+                for i, j in enumerate(ids):
+                    push_link.publish(T.push, signed(job_doc(j), c.ring), qos=1)
+                    time.sleep(0.005)
+            import threading
+
+            feeder = threading.Thread(target=feed, daemon=True)
+            feeder.start()
+            time.sleep(0.3)
             t_hup = time.monotonic()
             a.signal(signal.SIGHUP)
             wait_for(lambda: "u'a1-gen2'" in broker_log(), 30, what="the reconnect with the renewed certificate")
             print(f"\nSIGHUP -> the broker logs the new certificate's connection: {time.monotonic() - t_hup:.3f} s")
             wait_for(lambda: status(a).get("cloud", {}).get("connected"), 30, what="connected again")
+            # presence: online again on the new connection, and never the will's offline
+            assert col.wait(lambda m: len([d for d in col.docs() if d.get("state") == "online"]) >= 2, 10), col.docs()
+            assert not [d for d in col.docs() if d.get("state") == "offline"], col.docs()
+            feeder.join(30)
+            assert col.wait(lambda m: set(ids) <= set(accepted(col)), 60), set(ids) - set(accepted(col))
+            push_link.stop()
             lines = broker_log().splitlines()
             gone = [ln for ln in lines if "disconnected" in ln.lower() and "millwright-t-a1" in ln]
             new = [ln for ln in lines if "u'a1-gen2'" in ln]
@@ -272,6 +304,7 @@ def test_sighup_renews_the_mqtt_client_certificate(etcd_server, tmp_path):
             assert [r["result"] for r in reloads] == ["applied"] and reloads[0]["changed"] == ["mqtt.tls"], reloads
             assert a.alive()
         finally:
+            col.stop()
             c.close()
 
 
