@@ -290,7 +290,8 @@ class CloudComponent:
         """A reload changed mqtt.tls (or a renewed file at the same path) or the password:
         the link gets a new client with them, the same client id and session (on a thread
         of its own: the old client's DISCONNECT and network thread are waited for)."""
-        threading.Thread(target=self.mqtt.replace_client, args=(mqtt,), name="mqtt-replace", daemon=True).start()
+        threading.Thread(target=self.mqtt.replace_client, args=(mqtt, self.publisher.link_replaced),
+                         name="mqtt-replace", daemon=True).start()
 
     def drain(self, done: Callable[[], None]) -> None:
         self._state = "draining"
