@@ -146,7 +146,8 @@ class Reloader:
         self.running = Loaded(cfg, keyring)
         self.loaded_at = time.time()
         self.last_refusal: Optional[dict] = None
-        self._waiting: list[Answer] = []
+        self._waiting: list[Answer] = []   # answered by the reload under way
+        self._next: list[Answer] = []      # came during it: answered by the next one
         self._busy = False
         self._again = False
         LOADED_AT.set(self.loaded_at)
@@ -163,11 +164,13 @@ class Reloader:
 
     def request(self, answer: Optional[Answer] = None) -> None:
         """Reload now (loop thread); ``answer`` gets the outcome (the admin socket's op)."""
-        if answer is not None:
-            self._waiting.append(answer)
-        if self._busy:
+        if self._busy:   # it may have read the files already: the next reload answers
+            if answer is not None:
+                self._next.append(answer)
             self._again = True
             return
+        if answer is not None:
+            self._waiting.append(answer)
         self._busy = True
         log.info("reloading the configuration", extra={"fields": {"config": self.cfg.source}})
         threading.Thread(target=self._read, name="reload", daemon=True).start()
@@ -216,6 +219,7 @@ class Reloader:
             answer(doc)
         if self._again:
             self._again = False
+            self._waiting, self._next = self._next, []
             self.request()
 
     def _files_changed(self, loaded: Loaded) -> list[str]:

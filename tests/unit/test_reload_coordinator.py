@@ -170,3 +170,16 @@ def test_the_cli_says_when_the_agent_predates_reload(tmp_path, capsys):
     finally:
         srv.close()
     assert "predates reload" in capsys.readouterr().err
+
+
+def test_a_request_during_a_reload_is_answered_by_the_next_one(tmp_path):
+    r, base, cfg_path, keys, ring, loop, parts, audit = make(tmp_path)
+    first: list = []
+    second: list = []
+    r.request(first.append)
+    write(cfg_path, {**base, "labels": {"line": "4"}})   # written after the first read may have begun
+    r.request(second.append)
+    loop.run_one()
+    assert len(first) == 1 and second == []
+    loop.run_one()
+    assert second[0]["result"] in ("applied", "unchanged") and r.cfg.labels == {"line": "4"}
