@@ -59,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.add_argument("--socket", help="admin socket (default: admin.socket from the config)")
 
+    sp = cmd("reload", "agent.daemon.admin:cli_reload",
+             "re-read the config and the keys file in the running agent; exit 2 when refused (one line per "
+             "problem), 3 when the agent predates reload")
+    with_config(sp)
+    sp.add_argument("--socket", help="admin socket (default: admin.socket from the config)")
+    sp.add_argument("--wait", action="store_true", help="wait up to a minute for the agent's answer (systemd)")
+
     sp = cmd("push", "agent.cloud.cli:cli_push", "sign and publish a job document, print its status")
     with_config(sp)
     sp.add_argument("file", help="job document (JSON); - for stdin")

@@ -25,9 +25,11 @@ NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 BROKER_USERNAME_RE = re.compile(r"^[A-Za-z0-9._@-]+$")   # a broker user in an ACL line and a config
 
 
-def doc(text: str, **kw: Any) -> Any:
-    """A dataclass field with documentation for the generated reference."""
-    return field(metadata={"doc": text}, **kw)
+def doc(text: str, live: bool = False, **kw: Any) -> Any:
+    """A dataclass field with documentation for the generated reference; ``live``: a reload
+    applies it to the running agent (the whitelist of :func:`diff`; anything else is
+    restart-only, so a field added without thought is refused, never half-applied)."""
+    return field(metadata={"doc": text, "live": live}, **kw)
 
 
 # The state directory packaging creates (0711); the agent creates any other one 0700.
@@ -73,10 +75,10 @@ class EtcdConfig:
     request_timeout_s: float = doc("Timeout of a single etcd request.", default=2.0)
     tls: Optional[TLSConfig] = doc("TLS settings; use https:// endpoints with it (tls.ca is required for "
                                    "https://; tls.cert and tls.key authenticate the agent by certificate).",
-                                   default=None)
+                                   default=None, live=True)
     username: Optional[str] = doc("etcd user (with password): this agent's own user, see "
                                   "packaging/debian/examples/etcd-rbac.sh.", default=None)
-    password: Optional[str] = doc("etcd password (with username); agent.yaml must then be 0600.", default=None)
+    password: Optional[str] = doc("etcd password (with username); agent.yaml must then be 0600.", default=None, live=True)
     insecure: bool = doc("Allow plaintext http:// endpoints and an etcd without credentials (tests and labs "
                          "only; otherwise each is a config error).", default=False)
 
@@ -92,8 +94,8 @@ class MqttConfig:
                                 "it) after a disconnect; a broker may grant less (AWS IoT Core: 1 hour by default).",
                                 default=3600)
     username: Optional[str] = doc("Broker user.", default=None)
-    password: Optional[str] = doc("Broker password.", default=None)
-    tls: Optional[TLSConfig] = doc("TLS settings for mqtts://.", default=None)
+    password: Optional[str] = doc("Broker password.", default=None, live=True)
+    tls: Optional[TLSConfig] = doc("TLS settings for mqtts://.", default=None, live=True)
     peers_username: Optional[str] = doc(
         "Ignored (a warning): agents no longer read each other's statuses, so there is no second connection. "
         "Kept so that a config that sets it still loads.", default=None)
@@ -305,10 +307,10 @@ class QuarantineConfig:
 class Config:
     cluster: str = doc("Cluster name: etcd prefix and MQTT topic segment.", default="plant-a")
     agent_id: str = doc("Agent id (default: the host name).", default_factory=socket.gethostname)
-    capacity: float = doc("Weight in shard assignment.", default=1.0)
+    capacity: float = doc("Weight in shard assignment.", default=1.0, live=True)
     labels: dict[str, str] = doc("Labels jobs can target (e.g. line: \"2\", cell: press); string values, "
                                  "keys [A-Za-z0-9][A-Za-z0-9._/-]{0,62}, values [A-Za-z0-9._-]{1,63}, at most 32.",
-                                 default_factory=dict)
+                                 default_factory=dict, live=True)
     shards: int = doc("Shard count, fixed per cluster.", default=64)
     state_dir: str = doc("Local state (outbox, run output); created 0700 when missing (the packaged "
                          f"{PACKAGED_STATE_DIR} gets 0711 from packaging).", default=PACKAGED_STATE_DIR)
@@ -322,12 +324,12 @@ class Config:
     bpf: BpfConfig = doc("Kernel sensor.", default_factory=BpfConfig)
     execute: ExecuteConfig = doc("Run execution and node budget.", default_factory=ExecuteConfig)
     retention: RetentionConfig = doc("What is deleted, and when (etcd records, run output).",
-                                     default_factory=RetentionConfig)
+                                     default_factory=RetentionConfig, live=True)
     quotas: QuotaConfig = doc("What the signers of one cluster may store in etcd.", default_factory=QuotaConfig)
     quarantine: QuarantineConfig = doc("A job that misbehaves (exec policy, network stalls, quota kills) is held "
                                        "on this agent; the agent keeps its shards (docs/health.md).",
-                                       default_factory=QuarantineConfig)
-    templates: dict[str, Template] = doc("Job templates the cloud may name.", default_factory=dict)
+                                       default_factory=QuarantineConfig, live=True)
+    templates: dict[str, Template] = doc("Job templates the cloud may name.", default_factory=dict, live=True)
     source: str = field(default="<defaults>", metadata={"internal": True})
 
 
@@ -547,11 +549,74 @@ def reference_markdown() -> str:
                 default = "host name" if f.name == "agent_id" else repr(f.default_factory())
             else:
                 default = "required" if f.default_factory is dataclasses.MISSING else ""
-            lines.append(f"| `{key}` | {_type_name(tp).replace('a ', '').replace('an ', '')} | {default} | {f.metadata.get('doc', '')} |")
+            meaning = f.metadata.get('doc', '') + (" Reload: live." if f.metadata.get("live") else "")
+            lines.append(f"| `{key}` | {_type_name(tp).replace('a ', '').replace('an ', '')} | {default} | {meaning} |")
             if dataclasses.is_dataclass(inner):
                 walk(inner, key + ".")
             elif typing.get_origin(inner) is dict and dataclasses.is_dataclass(typing.get_args(inner)[1]):
                 walk(typing.get_args(inner)[1], key + ".<name>.")
 
     walk(Config, "")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n\nReload: live keys are applied by `millwright reload` (SIGHUP); a change to any other " \
+        "key is refused, naming it (docs/operations.md).\n"
+
+
+# --------------------------------------------------------------------------- reload
+
+
+def classify(cls: Any = None, prefix: str = "") -> dict[str, bool]:
+    """Every key path -> live or not: a live field covers its whole subtree (a TLS section,
+    a template); a section that is not live is classified field by field."""
+    out: dict[str, bool] = {}
+    for f in dataclasses.fields(cls or Config):
+        if f.metadata.get("internal"):
+            continue
+        key = f"{prefix}{f.name}"
+        live = bool(f.metadata.get("live"))
+        out[key] = live
+        inner = typing.get_type_hints(cls or Config)[f.name]
+        if not live and dataclasses.is_dataclass(inner):
+            out.update(classify(inner, key + "."))
+    return out
+
+
+def diff(old: Config, new: Config) -> tuple[list[str], list[str]]:
+    """(live keys changed, restart-only keys changed) between two loaded configs."""
+    live: list[str] = []
+    restart: list[str] = []
+
+    def walk(a: Any, b: Any, cls: Any, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("internal"):
+                continue
+            va, vb = getattr(a, f.name), getattr(b, f.name)
+            if va == vb:
+                continue
+            key = f"{prefix}{f.name}"
+            if f.metadata.get("live"):
+                live.append(key)
+            elif dataclasses.is_dataclass(hints[f.name]):
+                walk(va, vb, hints[f.name], key + ".")
+            else:
+                restart.append(key)
+
+    walk(old, new, Config, "")
+    return live, restart
+
+
+def apply_live(running: Config, new: Config) -> None:
+    """Copy the live keys of ``new`` into the running config, in place: the parts hold the
+    running Config and its sections (and the one templates dict), so they see the new
+    values at their next use; a run already started keeps the spec it was staged with."""
+    running.capacity = new.capacity
+    running.labels.clear()
+    running.labels.update(new.labels)
+    running.templates.clear()
+    running.templates.update(new.templates)
+    running.etcd.tls, running.etcd.password = new.etcd.tls, new.etcd.password
+    running.mqtt.tls, running.mqtt.password = new.mqtt.tls, new.mqtt.password
+    sections: list[tuple[Any, Any]] = [(running.retention, new.retention), (running.quarantine, new.quarantine)]
+    for old_s, new_s in sections:
+        for f in dataclasses.fields(old_s):
+            setattr(old_s, f.name, getattr(new_s, f.name))

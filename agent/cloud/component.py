@@ -29,7 +29,7 @@ import threading
 from typing import Any, Callable, Iterable, Optional, Protocol
 
 from agent.brokerlimits import effective_profile
-from agent.config import Config
+from agent.config import Config, MqttConfig
 from agent.coordination.etcd import EtcdClient
 from agent.coordination.fencing import Fence
 from agent.coordination.jobstore import JobStore, StoredJob
@@ -127,7 +127,7 @@ class CloudComponent:
         # production gates on the plant broker (agent/jobs/gates.py): their topics' last values
         self.gate_topics: RetainedTopics = RetainedTopics(g.mqtt for t in cfg.templates.values() if t is not None
                                                           for g in t.gates.values() if g is not None and g.mqtt)
-        self.link: Link = MqttLink(m, client_id_for(cfg), clean_session=False,
+        self.mqtt = MqttLink(m, client_id_for(cfg), clean_session=False,
                              will=(self.topics.presence(self.agent_id), will_doc(self.agent_id), 1, True),
                              on_connect=self._connected, on_message=self._message,
                              on_publish=self._published, on_disconnect=lambda rc: self.gate_topics.link_down(),
@@ -137,6 +137,7 @@ class CloudComponent:
                              topic_kind=self.topics.kind,
                              reconnect_min_s=m.reconnect_min_s,
                              reconnect_max_s=m.reconnect_max_s)
+        self.link: Link = self.mqtt
         # every PUBLISH of the connection paced to the profile's publish_rate (pacing.py)
         self.link, self.pacer = paced(self.link, rate, self.topics.kind)
         owned = lambda: ownership.owned  # noqa: E731 - a snapshot readable from any thread
@@ -284,6 +285,13 @@ class CloudComponent:
         self.answers_watch = PrefixWatch(self.client, self.keys.answers_prefix(), "cloud-answers",
                                          on_snapshot=lambda kvs, rev: None, on_events=self.dispatcher.on_answer_events,
                                          start_revision=rev + 1, puts_only=True).start()
+
+    def reconnect(self, mqtt: MqttConfig) -> None:
+        """A reload changed mqtt.tls (or a renewed file at the same path) or the password:
+        the link gets a new client with them, the same client id and session (on a thread
+        of its own: the old client's DISCONNECT and network thread are waited for)."""
+        threading.Thread(target=self.mqtt.replace_client, args=(mqtt, self.publisher.link_replaced),
+                         name="mqtt-replace", daemon=True).start()
 
     def drain(self, done: Callable[[], None]) -> None:
         self._state = "draining"

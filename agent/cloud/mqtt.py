@@ -92,6 +92,10 @@ def _tls_errors_are_connection_errors(client) -> None:
         setattr(client, name, guarded)
 
 
+DISCONNECT_WAIT_S = 2.0   # a replaced client's clean DISCONNECT, waited for at most this long
+TAKEOVER_PAUSE_S = 0.2    # between a replaced client's DISCONNECT and the new client's CONNECT
+
+
 class MqttLink:
     """A :class:`~agent.cloud.link.Link` over paho (1.6 or 2.x)."""
 
@@ -132,6 +136,8 @@ class MqttLink:
         self._puback_reasons: dict[int, int] = {}   # paho 1.x, v5: the PUBACK being handled
         self._refused: dict[int, int] = {}          # mid -> reason, until that mid succeeds
         self._lock = threading.Lock()
+        # held around a publish and the swap of replace_client only (never in a paho callback)
+        self._client_lock = threading.Lock()
         self.generation = 0
         self.connected = False
         self._connected_ev = threading.Event()
@@ -143,42 +149,98 @@ class MqttLink:
         self.port = url.port or (8883 if url.scheme == "mqtts" else 1883)
         self.deferred_ack = True
 
+        self._will = will
+        self._max_inflight = max_inflight
+        self._reconnect = (reconnect_min_s, reconnect_max_s)
+        self.client = self._new_client()
+
+    def _new_client(self) -> Any:
+        """A paho client for this link's id and session (paho's tls_set is once per client:
+        a renewed certificate needs a new one, see replace_client)."""
         v5 = self.protocol == "5"
         # MQTT 5 has no clean_session (paho refuses one): clean_start at connect instead
         session_kw: dict[str, Any] = ({"protocol": paho.MQTTv5} if v5
-                                      else {"protocol": paho.MQTTv311, "clean_session": clean_session})
+                                      else {"protocol": paho.MQTTv311, "clean_session": self.clean_session})
         if PAHO_MAJOR >= 2:
-            self.client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=client_id,
+            client = paho.Client(paho.CallbackAPIVersion.VERSION2, client_id=self.client_id,
                                       manual_ack=True, **session_kw)
         else:
-            self.client = paho.Client(client_id=client_id, **session_kw)
+            client = paho.Client(client_id=self.client_id, **session_kw)
             if v5:
-                mqtt5.capture_puback_reasons(self.client, self._puback_reasons)
-            real = getattr(type(self.client), "_send_puback", None)
+                mqtt5.capture_puback_reasons(client, self._puback_reasons)
+            real = getattr(type(client), "_send_puback", None)
             if real is None or os.environ.get(SYNC_ACK_ENV) == "1":
                 # an unknown paho (or the tests, through SYNC_ACK_ENV): the ack cannot be
                 # withheld, so the caller finishes the durable write inside on_message
                 self.deferred_ack = False
             else:
                 self._real_puback = real
-                self.client._send_puback = lambda mid: paho.MQTT_ERR_SUCCESS  # deferred: see ack()
-            _tls_errors_are_connection_errors(self.client)
-        self.client.max_inflight_messages_set(max_inflight)
-        self.client.max_queued_messages_set(0)
-        self.client.reconnect_delay_set(min_delay=max(0.1, reconnect_min_s), max_delay=max(reconnect_min_s, reconnect_max_s))
-        if cfg.username is not None:
-            self.client.username_pw_set(cfg.username, cfg.password)
+                client._send_puback = lambda mid: paho.MQTT_ERR_SUCCESS  # deferred: see ack()
+            _tls_errors_are_connection_errors(client)
+        client.max_inflight_messages_set(self._max_inflight)
+        client.max_queued_messages_set(0)
+        client.reconnect_delay_set(min_delay=max(0.1, self._reconnect[0]), max_delay=max(self._reconnect[0], self._reconnect[1]))
+        if self.cfg.username is not None:
+            client.username_pw_set(self.cfg.username, self.cfg.password)
         if self.tls:
-            t = cfg.tls   # None for mqtts:// without a tls section: the system's CAs, no client certificate
-            self.client.tls_set(ca_certs=t.ca if t else None, certfile=t.cert if t else None,
+            t = self.cfg.tls   # None for mqtts:// without a tls section: the system's CAs, no client certificate
+            client.tls_set(ca_certs=t.ca if t else None, certfile=t.cert if t else None,
                                 keyfile=t.key if t else None, cert_reqs=ssl.CERT_REQUIRED,
                                 tls_version=ssl.PROTOCOL_TLS_CLIENT)
-        if will is not None:
-            self.client.will_set(will[0], will[1], qos=will[2], retain=will[3])
-        self.client.on_connect = self._cb_connect
-        self.client.on_disconnect = self._cb_disconnect
-        self.client.on_message = self._cb_message
-        self.client.on_publish = self._cb_publish
+        if self._will is not None:
+            will = self._will
+            client.will_set(will[0], will[1], qos=will[2], retain=will[3])
+        client.on_connect = self._cb_connect
+        client.on_disconnect = self._cb_disconnect
+        client.on_message = self._cb_message
+        client.on_publish = self._cb_publish
+        return client
+
+    def replace_client(self, cfg: MqttConfig, before_start: Optional[Callable[[], None]] = None) -> None:
+        """Reconnect with ``cfg``'s TLS files and password (a reload): a new paho client with
+        the same client id and persistent session; the old one sends a clean DISCONNECT first
+        (so the broker publishes no will and sees no session takeover). Pushes the broker
+        queued meanwhile are delivered to the new client; acks of the old connection's
+        messages are never sent (the generation moves), so the broker redelivers them; what
+        the old client had in flight is not resent by the new one (``before_start``: the
+        owner forgets those message ids and sends again)."""
+        self.cfg = cfg
+        url = urlparse(cfg.url)
+        self.tls = url.scheme == "mqtts" or cfg.tls is not None
+        new = self._new_client()
+        gone = threading.Event()
+        with self._client_lock, self._lock:
+            # from here on nothing reaches the old connection: acks of its messages are never
+            # sent (the generation moved) and publishes queue on the new client, so the old
+            # one's last packet is its DISCONNECT (anything after it is a protocol error,
+            # and the broker then publishes the will)
+            old, self.client = self.client, new
+            self.connected = False
+            self.generation += 1
+            self._connected_ev.clear()
+            old.on_connect = old.on_message = old.on_publish = None
+            old.on_disconnect = lambda *args: gone.set()
+        CONNECTED.set(0)
+        # the network thread stopped first: the DISCONNECT (and whatever was queued before it)
+        # is then written by this thread alone; two threads writing one TLS connection can
+        # interleave records, which the broker reads as a protocol error (and publishes the will)
+        old.loop_stop()
+        try:
+            if _rc(old.disconnect()) == 0:
+                gone.wait(DISCONNECT_WAIT_S)
+        except Exception:  # pragma: no cover - already gone
+            pass
+        # the broker reads the old socket's DISCONNECT and the new socket's CONNECT in either
+        # order; a CONNECT first is a session takeover, and the old connection's will is
+        # published: give the broker a moment to read the DISCONNECT
+        time.sleep(TAKEOVER_PAUSE_S)
+        if before_start is not None:   # the old client is gone, the new one not connected yet
+            before_start()
+        log.info("broker client replaced (reload): reconnecting with the new settings",
+                 extra={"fields": {"client_id": self.client_id}})
+        if self._started:
+            self._started = False
+            self.start()
 
     # --- lifecycle ----------------------------------------------------------------
     def start(self) -> "MqttLink":
@@ -345,14 +407,16 @@ class MqttLink:
     def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
                 props: Optional[MessageProps] = None) -> tuple[int, int]:
         """(rc, mid). rc != 0 when not connected; QoS 1 messages are still queued by paho."""
-        info = self.client.publish(topic, payload, qos=qos, retain=retain, properties=self._properties(props))
+        with self._client_lock:   # never on a client replace_client took away
+            info = self.client.publish(topic, payload, qos=qos, retain=retain, properties=self._properties(props))
         MESSAGES.labels("out", self.topic_kind(topic)).inc()
         return _rc(info.rc), info.mid
 
     def publish_wait(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
                      timeout: float = 2.0, props: Optional[MessageProps] = None) -> bool:
         """True once the broker acknowledged the publish, and did not refuse it (MQTT 5)."""
-        info = self.client.publish(topic, payload, qos=qos, retain=retain, properties=self._properties(props))
+        with self._client_lock:   # never on a client replace_client took away
+            info = self.client.publish(topic, payload, qos=qos, retain=retain, properties=self._properties(props))
         MESSAGES.labels("out", self.topic_kind(topic)).inc()
         try:
             info.wait_for_publish(timeout)

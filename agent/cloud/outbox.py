@@ -509,6 +509,7 @@ class OutboxPublisher:
         self._inflight: dict[int, tuple[int, float]] = {}  # mid -> (seq, sent_at)
         self._acked_mids: "collections.deque[int]" = collections.deque()
         self._cursor = 0
+        self._replaced = threading.Event()   # the link's client was replaced: its mids start again
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._refused: Optional[str] = None   # the error while the state disk refuses writes
@@ -533,6 +534,13 @@ class OutboxPublisher:
             self.outbox.wake.set()
             time.sleep(0.02)
         return self.outbox.depth == 0
+
+    def link_replaced(self) -> None:
+        """The link got a new client (a reload), before it connects: what the old one had in
+        flight is never resent by it, and its message ids start again. The next step forgets
+        them and sends every unacknowledged row again (marked redelivery)."""
+        self._replaced.set()
+        self.outbox.wake.set()
 
     def on_publish(self, mid: int) -> None:
         """paho's thread, which holds paho's message lock here: never take a lock that is
@@ -579,6 +587,11 @@ class OutboxPublisher:
     def step(self) -> None:
         """One pass (the publisher thread's loop body): delete what the broker acknowledged,
         then send what the window allows, in order."""
+        if self._replaced.is_set():   # first: an ack of the new client must not match an old mid
+            self._replaced.clear()
+            self._inflight.clear()
+            self._acked_mids.clear()
+            self._cursor = 0
         acked = []
         while self._acked_mids:
             entry = self._inflight.pop(self._acked_mids.popleft(), None)

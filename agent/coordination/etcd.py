@@ -171,6 +171,21 @@ class EtcdClient:
             except Exception:
                 pass
 
+    def reconfigure(self, tls: Any, password: Optional[str]) -> None:
+        """A reload changed etcd.tls (or renewed its files) or the password: the channel is
+        dropped and the next call connects with them (same endpoint). The session lease is
+        not tied to a connection, and each watch resumes from its revision on the new one."""
+        with self._lock:
+            self.cfg.tls, self.cfg.password = tls, password
+            old, self._client = self._client, None
+            self._generation += 1
+        log.info("etcd channel reconfigured (reload)", extra={"fields": {"endpoint": self.endpoint}})
+        if old is not None:
+            try:
+                old.close()
+            except Exception:
+                pass
+
     def close(self) -> None:
         with self._lock:
             c, self._client = self._client, None

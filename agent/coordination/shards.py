@@ -250,6 +250,15 @@ class ShardManager:
         if lease == self.lease and not self.registered:
             self._register(*self._member_value)
 
+    def member_changed(self, capacity: float, fields: dict) -> None:
+        """A reload changed capacity, labels or templates: our member record is put again
+        under the same lease; the plan (and each placement pool) follows from the watch."""
+        if self.lease is None:
+            return   # no session yet: its first registration reads the running config
+        cap, info = self._member_value
+        self._member_value = (capacity, {**info, **fields})
+        self.update_member()
+
     def update_member(self) -> None:
         """Re-publish our member record (availability changed)."""
         if self.lease is not None and self.registered:

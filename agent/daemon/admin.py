@@ -1,7 +1,9 @@
-"""Local admin endpoint: a root-only Unix socket that answers `millwright status`.
+"""Local admin endpoint: a root-only Unix socket that answers `millwright status` and
+`millwright reload`.
 
-The server thread accepts a connection, asks the loop for a status snapshot (the loop
-owns the state) and writes it back as one JSON document.
+A client sends one request line (``{"op": "status"}`` or ``{"op": "reload"}``) and shuts
+its side; a client that sends nothing (an older CLI) gets the status. The server thread
+asks the loop (which owns the state) and writes the answer back as one JSON document.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
+import time
 from typing import TYPE_CHECKING, Callable, Optional
 
 from agent.config import config_path, load_config
@@ -20,6 +24,10 @@ if TYPE_CHECKING:
     from agent.runtime.loop import EventLoop
 
 log = logging.getLogger(__name__)
+
+REQUEST_WAIT_S = 0.5    # how long the server waits for a request line before it answers status
+RELOAD_WAIT_S = 60.0    # a reload reads the files on a thread and applies on the loop: seconds at most
+Reload = Callable[[Optional[Callable[[dict], None]]], None]
 
 
 def bind_private(path: str) -> socket.socket:
@@ -48,10 +56,11 @@ def bind_private(path: str) -> socket.socket:
 class AdminServer:
     """Answers each connection with ``status()``, taken on the loop thread (which owns the state)."""
 
-    def __init__(self, path: str, loop: EventLoop, status: Callable[[], dict]):
+    def __init__(self, path: str, loop: EventLoop, status: Callable[[], dict], reload: Optional[Reload] = None):
         self.path = path
         self.loop = loop
         self.status = status
+        self.reload = reload
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
 
@@ -78,24 +87,44 @@ class AdminServer:
             except OSError:
                 return
             with conn:
-                conn.settimeout(3)
-                done = threading.Event()
-                box: dict = {}
-
-                def snap(box: dict = box, done: threading.Event = done) -> None:
-                    # bound now: a snapshot arriving after its request timed out must not answer the next one
-                    box["doc"] = self.status()
-                    done.set()
-
-                self.loop.post(snap)
-                if done.wait(3):
-                    payload = json.dumps(box["doc"], default=str).encode()
+                op = _request(conn)
+                if op == "reload":
+                    payload = self._reload()
                 else:
-                    payload = json.dumps({"error": "agent loop did not answer within 3 s"}).encode()
+                    payload = self._status()
                 try:
                     conn.sendall(payload)
                 except OSError:
                     pass
+
+    def _status(self) -> bytes:
+        done = threading.Event()
+        box: dict = {}
+
+        def snap() -> None:
+            # bound now: a snapshot arriving after its request timed out must not answer the next one
+            box["doc"] = self.status()
+            done.set()
+
+        self.loop.post(snap)
+        if done.wait(3):
+            return json.dumps(box["doc"], default=str).encode()
+        return json.dumps({"error": "agent loop did not answer within 3 s"}).encode()
+
+    def _reload(self) -> bytes:
+        if self.reload is None:
+            return json.dumps({"error": "this agent has no reload"}).encode()
+        done = threading.Event()
+        box: dict = {}
+
+        def answer(doc: dict) -> None:
+            box["doc"] = doc
+            done.set()
+
+        self.loop.post(self.reload, answer)
+        if done.wait(RELOAD_WAIT_S):
+            return json.dumps({"reload": box["doc"]}).encode()
+        return json.dumps({"error": f"the reload did not finish within {RELOAD_WAIT_S:g} s"}).encode()
 
     def stop(self) -> None:
         if self._sock is not None:
@@ -106,21 +135,71 @@ class AdminServer:
                 pass
 
 
-def query(path: str, timeout: float = 5.0) -> dict:
+def _request(conn: socket.socket) -> str:
+    """The op a client asked for: its first line, or "status" when it sent none."""
+    conn.settimeout(REQUEST_WAIT_S)
+    data = b""
+    try:
+        while b"\n" not in data and len(data) < 4096:
+            b = conn.recv(4096)
+            if not b:
+                break
+            data += b
+    except OSError:
+        pass
+    conn.settimeout(3)
+    try:
+        op = json.loads(data.split(b"\n")[0] or b"{}").get("op")
+    except (ValueError, AttributeError):
+        op = None
+    return op if isinstance(op, str) else "status"
+
+
+def query(path: str, timeout: float = 5.0, op: str = "status") -> dict:
+    """Ask the agent at ``path``. An agent older than the request line answers status without
+    reading it, and its close may then reset the connection: what it sent is used, and a
+    status asked again without a request line."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
+    chunks: list[bytes] = []
     try:
         s.connect(path)
-        chunks = []
+        s.sendall(json.dumps({"op": op}).encode() + b"\n")
+        s.shutdown(socket.SHUT_WR)
         while True:
             b = s.recv(65536)
             if not b:
                 break
             chunks.append(b)
+    except ConnectionResetError:
+        if not chunks:
+            return {} if op != "status" else _query_plain(path, timeout)
     except FileNotFoundError:
         raise UserError(f"no agent admin socket at {path} (is the agent running?)", 1) from None
     except PermissionError:
         raise UserError(f"{path}: permission denied (the admin socket is root-only)", 1) from None
+    except OSError as exc:
+        raise UserError(f"{path}: {exc.strerror or exc}", 1) from None
+    finally:
+        s.close()
+    try:
+        return json.loads(b"".join(chunks))
+    except ValueError:   # cut short by the reset
+        return {} if op != "status" else _query_plain(path, timeout)
+
+
+def _query_plain(path: str, timeout: float) -> dict:
+    """The status of an agent that predates the request line: connect and read."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    chunks = []
+    try:
+        s.connect(path)
+        while True:
+            b = s.recv(65536)
+            if not b:
+                break
+            chunks.append(b)
     except OSError as exc:
         raise UserError(f"{path}: {exc.strerror or exc}", 1) from None
     finally:
@@ -150,6 +229,14 @@ def render(doc: dict) -> str:
         why = f" ({p.get('reason')}{': ' + p['detail'] if p.get('detail') else ''})" if state == "waiting" else ""
         lines.append(f"pool      {pool} {json.dumps(p.get('target', {}), sort_keys=True)}  {state}{why}  "
                      f"eligible {', '.join(p.get('eligible', [])) or '-'}  owned {_ranges(p.get('owned', []))}")
+    conf = doc.get("config")
+    if isinstance(conf, dict):
+        loaded = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(conf.get("loaded_at") or 0))
+        lines.append(f"config    {conf.get('digest')}  loaded {loaded}  from {conf.get('source')}")
+        refusal = conf.get("last_refusal")
+        if refusal:
+            when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(refusal.get("at") or 0))
+            lines.append(f"          last reload refused at {when}: {'; '.join(refusal.get('problems', []))}")
     for section in ("quota", "sensor", "cloud", "health"):
         if section in doc:
             v = doc[section]
@@ -194,4 +281,46 @@ def cli_status(args) -> int:
         path = load_config(config_path(args.config)).admin.socket
     doc = query(path)
     print(json.dumps(doc, indent=2, sort_keys=True) if args.json else render(doc))
+    return 0
+
+
+def _socket_of(path: str) -> str:
+    """admin.socket of a config that may be broken: the agent, not this command, says what
+    is wrong with it (and records the refusal)."""
+    from agent.config import AdminConfig, ConfigError
+
+    try:
+        return load_config(path).admin.socket
+    except ConfigError:
+        pass
+    try:
+        import yaml
+
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+        sock = data.get("admin", {}).get("socket") if isinstance(data, dict) else None
+        if isinstance(sock, str):
+            return sock
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        pass
+    return AdminConfig().socket
+
+
+def cli_reload(args) -> int:
+    """`millwright reload`: 0 applied (or nothing changed), 2 refused (one line per problem
+    on stderr), 3 the running agent predates reload (restart it instead)."""
+    path = args.socket or _socket_of(config_path(args.config))
+    doc = query(path, timeout=RELOAD_WAIT_S + 5 if args.wait else 15.0, op="reload")
+    answer = doc.get("reload")
+    if not isinstance(answer, dict):
+        if "error" in doc and "no reload" not in str(doc["error"]) and "agent" not in doc:
+            raise UserError(str(doc["error"]), 1)
+        print("millwright: the running agent predates reload: restart it to apply the config", file=sys.stderr)
+        return 3
+    if answer.get("result") == "refused":
+        for line in answer.get("problems", []):
+            print(f"millwright: {line}", file=sys.stderr)
+        return 2
+    changed = ", ".join(answer.get("changed", [])) or "nothing changed"
+    print(f"reload {answer.get('result')}: {changed} (config {answer.get('digest')})")
     return 0

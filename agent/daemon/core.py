@@ -332,9 +332,15 @@ class Daemon:
             hook(lambda: None)
         wait_runs()
 
+    def request_reload(self) -> None:
+        """SIGHUP: every reload hook, on the loop (agent/daemon/reload.py)."""
+        for hook in self.hooks.reload_requests:
+            self.loop.post(hook)
+
     def _install_signals(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: self.request_stop(signum))
+        signal.signal(signal.SIGHUP, lambda signum, frame: self.request_reload())
 
     def _watchdog(self) -> None:
         self.notify.send("WATCHDOG=1")

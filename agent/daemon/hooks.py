@@ -28,6 +28,7 @@ class Hooks:
     drain_hooks: list[Callable[[Callable[[], None]], None]] = field(default_factory=list)
     # end every live run with a reason, return how many (graceful stop, after drain_timeout_s)
     run_stoppers: list[Callable[[str], int]] = field(default_factory=list)
+    reload_requests: list[Callable[[], None]] = field(default_factory=list)   # SIGHUP: read the config again
 
     def publish_status(self, doc: dict) -> None:
         """Hand a job status document to every sink (the MQTT outbox): jobs.seams.StatusSink."""

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from agent.coordination.compaction import Compactor
     from agent.daemon.admin import AdminServer
     from agent.daemon.ground import Ground
+    from agent.daemon.reload import BrokerLink, Reloader, StoredJobs, TemplateHolder
     from agent.execute.statedisk import StateDisk
     from agent.jobs.firing import RunListener
     from agent.jobs.gatesources import TopicValues
@@ -38,11 +39,12 @@ def build(g: Ground) -> Wired:
     the state disk."""
     hooks = Hooks()
     cloud_part = cloud(g, hooks)
-    parts: list[Component] = [cloud_part, admin(g)]
     # the production gates read their MQTT topics through the cloud component's link; with
     # the cloud component, final run statuses are also written as durable answers (answers/
     # in etcd) in the run record's transaction, so a peer can publish them
-    parts.append(SupervisedJobs(g, hooks, gate_topics=cloud_part.gate_topics, answer_markers=True))
+    jobs = SupervisedJobs(g, hooks, gate_topics=cloud_part.gate_topics, answer_markers=True)
+    reloader = reload(g, hooks, jobs.jobs.catalog, cloud_part, [jobs.supervision])
+    parts: list[Component] = [cloud_part, admin(g, reloader), jobs, reloader]
     parts.append(compaction(g, hooks))
     parts.append(state_disk(g, hooks))
     return Wired(hooks, parts)
@@ -62,10 +64,24 @@ def cloud(g: Ground, hooks: Hooks) -> CloudComponent:
     return c
 
 
-def admin(g: Ground) -> AdminServer:
+def admin(g: Ground, reloader: Optional[Reloader] = None) -> AdminServer:
     from agent.daemon.admin import AdminServer
 
-    return AdminServer(g.cfg.admin.socket, g.loop, g.status)
+    return AdminServer(g.cfg.admin.socket, g.loop, g.status,
+                       reload=reloader.request if reloader is not None else None)
+
+
+def reload(g: Ground, hooks: Hooks, catalog: StoredJobs, cloud_part: Optional[BrokerLink],
+           template_holders: list[TemplateHolder]) -> Reloader:
+    """The reload coordinator (SIGHUP, the admin socket's reload op): it changes the keys,
+    the catalog's trust, the member record and the connections through their own methods."""
+    from agent.daemon.reload import Reloader
+
+    r = Reloader(g.cfg, g.loop, g.audit, g.keyring, catalog=catalog, member=g.shards, broker=cloud_part,
+                 channel=g.client, template_holders=template_holders)
+    hooks.reload_requests.append(r.request)
+    hooks.status_providers["config"] = r.status
+    return r
 
 
 def state_disk(g: Ground, hooks: Hooks) -> StateDisk:

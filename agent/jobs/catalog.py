@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 REJECTED_STORED_MEMORY = 10000  # (job, revision) pairs already reported, so reloads do not repeat them
 RETIRE_CHECK_MAX_S = 3600.0     # a retirement far ahead is re-armed at most this far out
+TEMPLATE_RECHECK_S = 5.0        # a job of a removed template with a live run is checked again this often
 LOAD_RETRY_S = 0.5
 USAGE_PUBLISH_S = 1.0
 
@@ -500,6 +501,34 @@ class JobCatalog:
             "v": 1, "job_id": job_id, "run_id": None, "fire_id": None, "state": JobState.REJECTED, "attempt": None,
             "agent": self.agent_id, "shard": stored.shard, "ts": rfc(utcnow()), "exit_code": None,
             "reason": reason, "detail": f"stored job refused: {detail}", "usage": None, "source": "store"})
+
+    # --- reload (agent/daemon/reload.py; the loop thread) ------------------------------------
+    def keys_changed(self) -> None:
+        """The key ring was replaced in place: each held job's signing key is looked up
+        again, so a retirement (or a removed kid) is enforced now, as at load."""
+        for e in list(self.entries.values()):
+            key = self.keyring.get(e.job.kid or "")
+            if key is None:
+                self._drop(e.job.id, EndReason.KEY_RETIRED)
+                self._reject_stored(e.stored, "unknown_kid", f"sig: key {e.job.kid} is no longer in the keys file")
+                continue
+            if key.retired_after != e.job.key_retired_after:
+                e.job = replace(e.job, key_retired_after=key.retired_after)
+                self._arm_retirement(e)
+
+    def templates_changed(self, templates: dict) -> None:
+        """Templates were swapped: a held job whose template is gone is rejected
+        ``unknown_template`` (source store); a run of it that is live keeps its staged spec
+        and ends first, the job is checked again then."""
+        for e in list(self.entries.values()):
+            if e.job.template in templates or not self.current(e):
+                continue
+            if any(f.state == FiringState.RUNNING for f in e.firings.values()):
+                self.loop.call_later(TEMPLATE_RECHECK_S, self.templates_changed, templates)
+                return
+            self._drop(e.job.id, "unknown_template")
+            self._reject_stored(e.stored, "unknown_template",
+                                f"template: {e.job.template!r} is no longer configured on this agent")
 
     def _arm_retirement(self, e: JobEntry) -> None:
         if e.job.key_retired_after is None:

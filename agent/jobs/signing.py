@@ -181,6 +181,24 @@ class KeyRing:
     def get(self, kid: str) -> Optional[Key]:
         return self._keys.get(kid)
 
+    def replace(self, other: "KeyRing") -> None:
+        """Take ``other``'s keys in place (a reload): every holder of this ring (ingest, the
+        catalog, the scheduler) verifies with the new keys from the next document on."""
+        self._keys = dict(other._keys)
+        self.source = other.source
+
+    def digest(self) -> str:
+        """SHA-256 of the ring's public content (kids, algorithms, public keys, retirements,
+        roles), never of a secret itself: what a reload compares and records."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for kid in sorted(self._keys):
+            k = self._keys[kid]
+            secret = hashlib.sha256(k.secret).hexdigest() if k.secret else ""
+            h.update(repr((kid, k.alg, k.public_key, secret, k.retired_after, k.role)).encode())
+        return h.hexdigest()
+
     # ---- loading
 
     @classmethod

@@ -144,6 +144,11 @@ class Supervision:
     def session_failed(self, error: str) -> None:
         self.apply(self.policy.on_keepalive(False, None, self.clock(), error=error))
 
+    def templates_changed(self, templates: dict) -> None:
+        """A reload swapped the templates: later runs get the new exec allowlists; a live
+        run keeps the policy it started with."""
+        self.exec_policies = {name: ExecPolicy(t.allow_exec, self.cfg.bpf.mode) for name, t in templates.items()}
+
     # --- runs ------------------------------------------------------------------------------
     def run_started(self, f: Firing) -> None:
         if f.handle is None:

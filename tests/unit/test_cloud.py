@@ -193,6 +193,28 @@ def test_publisher_window_ack_and_redelivery_mark(tmp_path):
     assert got == [(2, True), (3, True), (4, True), (5, True), (6, False), (7, False), (8, False), (9, False)]
 
 
+def test_publisher_after_the_link_replaced_its_client(tmp_path):
+    """A reload's new broker client starts its message ids again and never resends what the
+    old one had in flight: every unacknowledged row is sent again (an ack still queued from
+    the old client counts for nothing: a duplicate, never a loss), and a PUBACK of the new
+    client deletes only the row it sent under that mid."""
+    ob = Outbox(str(tmp_path / "ob.sqlite"), 100)
+    for i in range(4):
+        ob.enqueue("t", {"i": i})
+    link = FakeLink()
+    pub = OutboxPublisher(ob, link, window=2)
+    pub.step()          # rows 0 and 1 as mids 1 and 2 on the old client
+    pub.on_publish(2)   # the old client's ack of row 1, not yet taken by a step
+    link.mid = 0        # the new client: ids from 1 again
+    pub.link_replaced()
+    pub.step()
+    sent = [(mid, d["i"], d.get("redelivery", False)) for mid, _, d in link.sent]
+    assert sent[2:] == [(1, 0, True), (2, 1, True)], sent
+    pub.on_publish(2)   # the new client's mid 2: row 1
+    pub.step()
+    assert ob.depth == 3 and [(mid, d["i"]) for mid, _, d in link.sent[4:]] == [(3, 2)]
+
+
 def test_publisher_waits_while_disconnected(tmp_path):
     ob = Outbox(str(tmp_path / "ob.sqlite"), 10)
     ob.enqueue("t", {"i": 0})
