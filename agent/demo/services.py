@@ -36,42 +36,69 @@ class TlsFiles:
     key: str
 
 
+class ThrowawayCA:
+    """A throwaway CA in ``directory`` (python3-cryptography) that issues certificates:
+    servers' (with their names) and clients' (a client certificate's CN is its identity)."""
+
+    def __init__(self, directory: str, name: str = "millwright test CA"):
+        import datetime
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+
+        os.makedirs(directory, exist_ok=True)
+        self.now = datetime.datetime.now(datetime.timezone.utc)
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        self.name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        cert = (x509.CertificateBuilder().subject_name(self.name).issuer_name(self.name)
+                .public_key(self.key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(self.now - datetime.timedelta(minutes=5))
+                .not_valid_after(self.now + datetime.timedelta(days=2))
+                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+                .sign(self.key, hashes.SHA256()))
+        self.path = os.path.join(directory, "ca.pem")
+        with open(self.path, "wb") as fh:
+            fh.write(cert.public_bytes(serialization.Encoding.PEM))
+
+    def issue(self, cn: str, cert_path: str, key_path: str, hosts: tuple[str, ...] = ()) -> None:
+        """A certificate for ``cn`` (valid for the IP addresses and DNS names ``hosts``),
+        its key owner-only."""
+        import datetime
+        import ipaddress
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+
+        key = ec.generate_private_key(ec.SECP256R1())
+        b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
+             .issuer_name(self.name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(self.now - datetime.timedelta(minutes=5))
+             .not_valid_after(self.now + datetime.timedelta(days=2)))
+        if hosts:
+            names: list[x509.GeneralName] = []
+            for h in hosts:
+                try:
+                    names.append(x509.IPAddress(ipaddress.ip_address(h)))
+                except ValueError:
+                    names.append(x509.DNSName(h))
+            b = b.add_extension(x509.SubjectAlternativeName(names), critical=False)
+        with open(cert_path, "wb") as fh:
+            fh.write(b.sign(self.key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
+        fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
+                                       serialization.NoEncryption()))
+
+
 def make_pki(directory: str) -> TlsFiles:
-    """A throwaway CA and server certificate in ``directory`` (python3-cryptography)."""
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    os.makedirs(directory, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "millwright test CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-          .not_valid_after(now + datetime.timedelta(days=2))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .sign(ca_key, hashes.SHA256()))
-    key = ec.generate_private_key(ec.SECP256R1())
-    san = x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                                       x509.IPAddress(ipaddress.ip_address("127.0.0.2"))])
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
-            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=2))
-            .add_extension(san, critical=False).sign(ca_key, hashes.SHA256()))
-    files = TlsFiles(os.path.join(directory, "ca.pem"), os.path.join(directory, "server.pem"),
-                     os.path.join(directory, "server.key"))
-    with open(files.ca, "wb") as fh:
-        fh.write(ca.public_bytes(serialization.Encoding.PEM))
-    with open(files.cert, "wb") as fh:
-        fh.write(cert.public_bytes(serialization.Encoding.PEM))
-    fd = os.open(files.key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
-                                   serialization.NoEncryption()))
+    """A throwaway CA and server certificate in ``directory``."""
+    ca = ThrowawayCA(directory)
+    files = TlsFiles(ca.path, os.path.join(directory, "server.pem"), os.path.join(directory, "server.key"))
+    ca.issue("localhost", files.cert, files.key, hosts=("localhost", "127.0.0.1", "127.0.0.2"))
     return files
 
 

@@ -185,47 +185,13 @@ def test_refused_reloads_keep_the_running_config(world):
 
 
 def _client_pki(directory: str):
-    """A CA, mosquitto's server certificate and a client certificate issuer (same CA)."""
-    import datetime
-    import ipaddress
+    """A CA, mosquitto's server certificate and the CA's issuer of client certificates."""
+    from agent.demo.services import ThrowawayCA, TlsFiles
 
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    from agent.demo.services import TlsFiles
-
-    os.makedirs(directory, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "reload test CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-          .not_valid_after(now + datetime.timedelta(days=2))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(ca_key, hashes.SHA256()))
-
-    def issue(cn: str, cert_path: str, key_path: str, san=None) -> None:
-        key = ec.generate_private_key(ec.SECP256R1())
-        b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
-             .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=2)))
-        if san is not None:
-            b = b.add_extension(san, critical=False)
-        with open(cert_path, "wb") as fh:
-            fh.write(b.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
-        fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
-                                       serialization.NoEncryption()))
-
-    files = TlsFiles(os.path.join(directory, "ca.pem"), os.path.join(directory, "server.pem"),
-                     os.path.join(directory, "server.key"))
-    with open(files.ca, "wb") as fh:
-        fh.write(ca.public_bytes(serialization.Encoding.PEM))
-    issue("localhost", files.cert, files.key,
-          x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]))
-    return files, issue
+    ca = ThrowawayCA(directory, "reload test CA")
+    files = TlsFiles(ca.path, os.path.join(directory, "server.pem"), os.path.join(directory, "server.key"))
+    ca.issue("localhost", files.cert, files.key, hosts=("localhost", "127.0.0.1"))
+    return files, ca.issue
 
 
 def test_sighup_renews_the_mqtt_client_certificate(etcd_server, tmp_path):
