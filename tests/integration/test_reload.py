@@ -186,7 +186,7 @@ def test_refused_reloads_keep_the_running_config(world):
 
 def _client_pki(directory: str):
     """A CA, mosquitto's server certificate and the CA's issuer of client certificates."""
-    from agent.demo.services import ThrowawayCA, TlsFiles
+    from agent.demo.pki import ThrowawayCA, TlsFiles
 
     ca = ThrowawayCA(directory, "reload test CA")
     files = TlsFiles(ca.path, os.path.join(directory, "server.pem"), os.path.join(directory, "server.key"))
