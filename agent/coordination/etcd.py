@@ -165,11 +165,7 @@ class EtcdClient:
                 self._index = (self._index + 1) % len(self.cfg.endpoints)
                 FAILOVERS.inc()
                 log.warning("switching etcd endpoint", extra={"fields": {"endpoint": self.endpoint}})
-        if old is not None:
-            try:
-                old.close()
-            except Exception:
-                pass
+        _close_quietly(old)
 
     def reconfigure(self, tls: Any, password: Optional[str]) -> None:
         """A reload changed etcd.tls (or renewed its files) or the password: the channel is
@@ -180,11 +176,7 @@ class EtcdClient:
             old, self._client = self._client, None
             self._generation += 1
         log.info("etcd channel reconfigured (reload)", extra={"fields": {"endpoint": self.endpoint}})
-        if old is not None:
-            try:
-                old.close()
-            except Exception:
-                pass
+        _close_quietly(old)
 
     def close(self) -> None:
         with self._lock:
@@ -402,3 +394,12 @@ class EtcdClient:
 
     def report_stream_failure(self, generation: int) -> None:
         self._failover(generation)
+
+
+def _close_quietly(client: Any) -> None:
+    """A channel given up (a failover or a reload): its close may fail, nothing waits on it."""
+    if client is not None:
+        try:
+            client.close()
+        except Exception:
+            pass
