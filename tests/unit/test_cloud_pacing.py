@@ -151,13 +151,19 @@ def status(job: str, fire: str, state: str, **extra) -> dict:
     return {"v": 1, "job_id": job, "fire_id": fire, "state": state, **extra}
 
 
-def test_publisher_takes_no_more_rows_than_the_pacer_has_room_for(tmp_path):
+def paced_publisher(tmp_path):
+    """An outbox published over a fake link paced at 100/s on a fake clock."""
     topics = Topics("c", "a")
     ob = Outbox(str(tmp_path / "o.sqlite"), 10000)
     inner = FakeLink()
     clock = Clock()
     p = Pacer(100, clock=clock, sleep=clock.sleep)
     pub = OutboxPublisher(ob, PacedLink(inner, p, topics.kind), window=window_for(100), pacer=p)
+    return topics, ob, inner, clock, p, pub
+
+
+def test_publisher_takes_no_more_rows_than_the_pacer_has_room_for(tmp_path):
+    topics, ob, inner, clock, p, pub = paced_publisher(tmp_path)
     for i in range(300):
         ob.enqueue(topics.status(f"j{i}"), status(f"j{i}", "f", "succeeded"))
     sent_at: list[float] = []
@@ -280,12 +286,7 @@ def test_the_writer_reports_coalescing_as_one_gap_record(tmp_path):
 
 
 def test_what_paho_resends_at_a_reconnect_is_charged_and_fits_in_a_second(tmp_path):
-    topics = Topics("c", "a")
-    ob = Outbox(str(tmp_path / "o.sqlite"), 10000)
-    inner = FakeLink()
-    clock = Clock()
-    p = Pacer(100, clock=clock, sleep=clock.sleep)
-    pub = OutboxPublisher(ob, PacedLink(inner, p, topics.kind), window=window_for(100), pacer=p)
+    topics, ob, inner, clock, p, pub = paced_publisher(tmp_path)
     assert pub.window == p.cap - p.reserve == 93
     for i in range(50):
         ob.enqueue(topics.status(f"j{i}"), status(f"j{i}", "f", "succeeded"))
